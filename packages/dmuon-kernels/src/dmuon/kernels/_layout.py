@@ -1,0 +1,84 @@
+"""Shared preparation for every Newton–Schulz entry point: checks, wide
+orientation, scale-safe Frobenius normalisation, and the way back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dmuon.kernels.compute_dtype import default_compute_dtype
+
+
+def check_matrix_input(G: torch.Tensor, name: str = "G") -> None:
+    """Raise a ValueError naming shape/dtype if ``G`` is not a real float batch of matrices."""
+    if not isinstance(G, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(G).__name__}")
+    if G.ndim < 2:
+        raise ValueError(
+            f"{name} must have at least 2 dimensions (a matrix or a batch (..., m, n)), "
+            f"got shape {tuple(G.shape)}"
+        )
+    if not G.dtype.is_floating_point or G.dtype.is_complex:
+        raise ValueError(
+            f"{name} must be a real floating-point tensor (float16/bfloat16/float32/float64), "
+            f"got dtype {G.dtype} with shape {tuple(G.shape)}"
+        )
+
+
+def empty_result(G: torch.Tensor) -> torch.Tensor:
+    """The result for an input with a zero-sized dimension: an empty tensor like ``G``."""
+    check_matrix_input(G)
+    return torch.zeros_like(G)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a batch was reshaped so it can be put back."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    transposed: bool
+
+
+def to_wide_normalized(
+    G: torch.Tensor, eps: float, compute_dtype: torch.dtype | None, method: str
+) -> tuple[torch.Tensor, Layout]:
+    """Return ``X`` of shape ``(B, m, n)`` with ``m ≤ n`` and ``‖X_b‖_F ≤ 1`` in the compute dtype.
+
+    Normalisation happens in fp32 (or fp64 for fp64 input) *before* the cast down:
+    fp16 overflows otherwise. Each matrix is first divided by its largest entry so
+    the Frobenius norm neither overflows (entries ~1e30 square to inf in fp32) nor
+    underflows (entries ~1e-30 square to 0); ``eps`` therefore acts relative to
+    the largest entry,
+
+        X = G / (‖G‖_F + eps · max|G|),
+
+    which makes the result independent of the scale of ``G``. An absolute floor
+    (``‖G‖_F + eps``) silently leaves small gradients un-orthogonalised. A zero
+    matrix stays zero.
+    """
+    check_matrix_input(G)
+    m, n = G.shape[-2], G.shape[-1]
+    transposed = m > n
+    X = G.reshape(-1, m, n)
+    if transposed:
+        X = X.mT
+    work = torch.float64 if G.dtype == torch.float64 else torch.float32
+    X = X.to(work)
+    scale = X.abs().amax(dim=(-2, -1), keepdim=True)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    X = X / scale
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    X = X / (norm + eps)
+    if compute_dtype is None:
+        compute_dtype = default_compute_dtype(G.device, method)
+    X = X.to(compute_dtype).contiguous()
+    return X, Layout(G.shape, G.dtype, transposed)
+
+
+def restore(X: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Undo :func:`to_wide_normalized`'s transpose and reshape; cast to the input dtype."""
+    if layout.transposed:
+        X = X.mT
+    return X.to(layout.dtype).reshape(layout.shape)

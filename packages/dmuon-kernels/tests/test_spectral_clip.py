@@ -1,0 +1,67 @@
+import pytest
+import torch
+from nsref import matrix_with_singular_values, rel_err
+
+from dmuon.kernels import spectral_clip
+
+
+def svd_reference(M, fn):
+    U, S, Vh = torch.linalg.svd(M.double(), full_matrices=False)
+    return U @ torch.diag_embed(fn(S)) @ Vh
+
+
+@pytest.mark.parametrize("shape", [(24, 24), (16, 40), (40, 16)], ids=str)
+@pytest.mark.parametrize("tau", [0.5, 1.0, 3.0])
+def test_hard_clip_matches_svd(shape, tau):
+    m, n = shape
+    k = min(m, n)
+    # Singular values spread over [0.05, 8] but not within 2% of tau, where the
+    # sign of σ² − τ² is ill-conditioned (documented).
+    sv = torch.logspace(torch.log10(torch.tensor(8.0)), torch.log10(torch.tensor(0.05)), k)
+    sv = torch.where((sv - tau).abs() < 0.02 * tau, sv * 1.05, sv)
+    M = matrix_with_singular_values(m, n, sv, seed=k)
+    out = spectral_clip(M, tau, compute_dtype=torch.float64)
+    ref = svd_reference(M, lambda s: s.clamp(max=tau))
+    assert rel_err(out, ref) < 1e-6
+    assert torch.linalg.svdvals(out).max() <= tau * (1 + 1e-6)
+
+
+def test_hard_clip_float32_and_batch():
+    M = torch.randn(3, 20, 50, generator=torch.Generator().manual_seed(0)) * 0.5
+    out = spectral_clip(M, 1.0)
+    ref = svd_reference(M, lambda s: s.clamp(max=1.0))
+    # fp32 inner iterations: 12 Newton–Schulz steps of products, ~1e-4 relative.
+    assert out.dtype == torch.float32 and rel_err(out, ref) < 1e-3
+
+
+def test_matrices_inside_the_ball_are_unchanged():
+    M = matrix_with_singular_values(12, 30, torch.linspace(0.9, 0.01, 12))
+    torch.testing.assert_close(
+        spectral_clip(M, 1.0, compute_dtype=torch.float64), M, rtol=1e-7, atol=1e-9
+    )
+
+
+@pytest.mark.parametrize("tau", [0.5, 2.0])
+def test_soft_clip_matches_svd(tau):
+    M = matrix_with_singular_values(20, 36, torch.logspace(1, -2, 20), seed=4)
+    out = spectral_clip(M, tau, mode="soft", compute_dtype=torch.float64)
+    ref = svd_reference(M, lambda s: s / torch.sqrt(1 + (s / tau) ** 2))
+    assert rel_err(out, ref) < 1e-8
+
+
+def test_zero_and_empty():
+    assert not spectral_clip(torch.zeros(4, 6)).any()
+    assert spectral_clip(torch.zeros(0, 6)).shape == (0, 6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tau": 0.0}, "tau must be > 0, got 0.0"),
+        ({"tau": -1}, "tau must be > 0"),
+        ({"mode": "medium"}, "mode must be 'hard' or 'soft', got 'medium'"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        spectral_clip(torch.randn(3, 4), **kwargs)

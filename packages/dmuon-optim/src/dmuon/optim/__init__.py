@@ -1,0 +1,5 @@
+"""dmuon.optim: a skeleton; the package README says what is coming."""
+
+from dmuon.optim._version import __version__
+
+__all__ = ["__version__"]
