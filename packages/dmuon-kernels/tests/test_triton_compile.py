@@ -62,7 +62,15 @@ SCRIPT = textwrap.dedent(
                     "arith.muli" in line and "xi64>" in line for line in ttir.splitlines()
                 ),
             })
-    print(json.dumps(result))
+    import torch
+    from dmuon.kernels.triton import syrk
+    try:
+        syrk(torch.ones(3, 4))
+    except ValueError as exc:
+        cpu_error = str(exc)
+    else:
+        cpu_error = ""
+    print(json.dumps({"configs": result, "cpu_error": cpu_error}))
     """
 )
 
@@ -77,16 +85,22 @@ def compiled():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def test_compiled_kernels_refuse_cpu_tensors_with_a_hint(compiled):
+    assert compiled["cpu_error"].startswith(
+        "syrk: X is on cpu; the Triton kernels need a CUDA tensor (set TRITON_INTERPRET=1"
+    )
+
+
 def test_every_config_compiles_for_its_gpu_and_fits_its_shared_memory(compiled):
-    assert len(compiled) == 8
-    for entry in compiled:
+    assert len(compiled["configs"]) == 8
+    for entry in compiled["configs"]:
         assert entry["shared"] <= entry["limit"], entry
         # the pruning estimate is an upper bound of what Triton allocates
         assert entry["shared"] <= entry["estimate"], entry
 
 
 def test_batch_and_row_offsets_are_64_bit(compiled):
-    for entry in compiled:
+    for entry in compiled["configs"]:
         # batch · stride for A, B and C, each an i64 multiply
         assert entry["batch_mul_i64"] >= 3, entry
         # row/column index · stride on i64 tensors

@@ -51,6 +51,14 @@ def symmetric(batch, m, dtype, seed=0):
     return R.to(dtype).to(DEVICE)  # elementwise rounding keeps it exactly symmetric
 
 
+def ones(*shape, **kw):
+    return torch.ones(*shape, device=DEVICE, **kw)
+
+
+def empty(*shape, **kw):
+    return torch.empty(*shape, device=DEVICE, **kw)
+
+
 def mirrored_lower(C):
     """The symmetric matrix with C's lower triangle: what the kernels are defined to return."""
     lower = torch.tril(C)
@@ -176,39 +184,39 @@ def test_lower_tile_count():
     ("call", "match"),
     [
         (
-            lambda: syrk(torch.ones(5)),
+            lambda: syrk(ones(5)),
             r"syrk: X must be a \(m, k\) matrix or \(B, m, k\) batch, got shape \(5,\)",
         ),
-        (lambda: syrk(torch.ones(2, 2, 3, 4)), r"got shape \(2, 2, 3, 4\)"),
+        (lambda: syrk(ones(2, 2, 3, 4)), r"got shape \(2, 2, 3, 4\)"),
         (
-            lambda: syrk(torch.ones(3, 4, dtype=torch.float64)),
+            lambda: syrk(ones(3, 4, dtype=torch.float64)),
             r"X must be float16, bfloat16 or float32, got torch.float64",
         ),
-        (lambda: syrk(torch.ones(3, 4, dtype=torch.int32)), r"got torch.int32"),
+        (lambda: syrk(ones(3, 4, dtype=torch.int32)), r"got torch.int32"),
         (
-            lambda: syrk(torch.ones(4, 3).mT),
+            lambda: syrk(ones(4, 3).mT),
             r"X must be contiguous, got strides \(1, 3\).*\.contiguous\(\)",
         ),
         (lambda: syrk("X"), r"X must be a torch.Tensor, got str"),
         (
-            lambda: sym_poly(torch.ones(3, 4), 1.0, 1.0),
+            lambda: sym_poly(ones(3, 4), 1.0, 1.0),
             r"sym_poly: A must be square \(\.\.\., m, m\), got shape \(3, 4\)",
         ),
         (
-            lambda: sym_mul(torch.ones(3, 3), torch.ones(4, 4), 1.0),
+            lambda: sym_mul(ones(3, 3), ones(4, 4), 1.0),
             r"sym_mul: A and B must have the same shape, dtype and device",
         ),
         (
-            lambda: sym_mul(torch.ones(3, 3), torch.ones(3, 3, dtype=torch.float16)),
+            lambda: sym_mul(ones(3, 3), ones(3, 3, dtype=torch.float16)),
             r"same shape, dtype and device",
         ),
         (
-            lambda: syrk(torch.ones(3, 4), out=torch.empty(4, 4)),
-            r"syrk: out must be a contiguous tensor of shape \(3, 3\), torch.float32 on cpu; "
+            lambda: syrk(ones(3, 4), out=empty(4, 4)),
+            r"syrk: out must be a contiguous tensor of shape \(3, 3\), torch.float32 on \S+; "
             r"got shape \(4, 4\)",
         ),
         (
-            lambda: syrk(torch.ones(3, 4), out=torch.empty(3, 3, dtype=torch.float16)),
+            lambda: syrk(ones(3, 4), out=empty(3, 3, dtype=torch.float16)),
             r"out must be a contiguous tensor",
         ),
     ],

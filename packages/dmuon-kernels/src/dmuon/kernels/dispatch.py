@@ -102,6 +102,11 @@ def _ops_for(
         return candidates["triton"]
     tuner = default_autotuner()
     key = tuner.key(device, method, batch, m, n, compute_dtype, len(schedule), restarts)
+    if torch.cuda.is_current_stream_capturing():
+        # Timing synchronises the device, which a capture forbids: use what is known.
+        decision = tuner.lookup(key)
+        known = {TORCH_OPS.name: TORCH_OPS, **candidates}
+        return known.get(decision.winner, TORCH_OPS) if decision else TORCH_OPS
     return tuner.choose(
         key,
         iterate,
