@@ -102,7 +102,7 @@ def _ops_for(
         return candidates["triton"]
     tuner = default_autotuner()
     key = tuner.key(device, method, batch, m, n, compute_dtype, len(schedule), restarts)
-    if torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         # Timing synchronises the device, which a capture forbids: use what is known.
         decision = tuner.lookup(key)
         known = {TORCH_OPS.name: TORCH_OPS, **candidates}
