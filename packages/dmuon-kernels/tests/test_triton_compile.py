@@ -30,8 +30,11 @@ SCRIPT = textwrap.dedent(
     result = []
     for capability, configs in (((9, 0), HOPPER), ((8, 0), AMPERE)):
         for cfg in configs:
+            # As a real sym_poly launch on contiguous fp16 (B, m, m) specialises it: unit
+            # strides become constants, pointers and the other ints divisible by 16.
             constexprs = dict(HAS_BETA=True, HAS_DIAG=True, UPCAST=False, PRECISION="ieee",
-                              BLOCK=cfg.block, BLOCK_K=cfg.block_k)
+                              BLOCK=cfg.block, BLOCK_K=cfg.block_k,
+                              stride_ak=1, stride_bn=1, stride_cn=1)
             signature = {}
             for name in jit.arg_names:
                 if name in ("A", "B", "C"):
@@ -42,12 +45,17 @@ SCRIPT = textwrap.dedent(
                     signature[name] = "fp32"
                 else:
                     signature[name] = "i32"
+            attrs = {
+                (i,): [["tt.divisibility", 16]]
+                for i, name in enumerate(jit.arg_names)
+                if signature[name] in ("*fp16", "i32")
+            }
             kernel = triton.compile(
-                ASTSource(fn=jit, signature=signature, constexprs=constexprs),
+                ASTSource(fn=jit, signature=signature, constexprs=constexprs, attrs=attrs),
                 target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32),
                 options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
             )
-            ttir = kernel.asm["ttir"]
+            ttir, ttgir = kernel.asm["ttir"], kernel.asm["ttgir"]
             result.append({
                 "capability": capability,
                 "config": [cfg.block, cfg.block_k, cfg.num_warps, cfg.num_stages],
@@ -61,6 +69,8 @@ SCRIPT = textwrap.dedent(
                 "row_mul_i64": sum(
                     "arith.muli" in line and "xi64>" in line for line in ttir.splitlines()
                 ),
+                "async_copies": ttgir.count("ttg.async_copy_global_to_local"),
+                "wgmma": ttgir.count("ttng.warp_group_dot "),
             })
     import torch
     from dmuon.kernels.triton import syrk
@@ -97,6 +107,13 @@ def test_every_config_compiles_for_its_gpu_and_fits_its_shared_memory(compiled):
         assert entry["shared"] <= entry["limit"], entry
         # the pruning estimate is an upper bound of what Triton allocates
         assert entry["shared"] <= entry["estimate"], entry
+
+
+def test_loads_are_software_pipelined_and_hopper_uses_wgmma(compiled):
+    for entry in compiled["configs"]:
+        # cp.async prefetch of the A and B tiles num_stages − 1 iterations ahead
+        assert entry["async_copies"] >= 2, entry
+        assert (entry["wgmma"] > 0) == (entry["capability"] == [9, 0]), entry
 
 
 def test_batch_and_row_offsets_are_64_bit(compiled):

@@ -80,7 +80,8 @@ def capture_cuda_graph(fn: Call, example: torch.Tensor) -> CudaGraphCall:
         fn(static_in)
     torch.cuda.current_stream(example.device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: another thread (NCCL watchdog, data loader) may touch CUDA meanwhile.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         static_out = fn(static_in)
     return CudaGraphCall(graph, static_in, static_out)
 
