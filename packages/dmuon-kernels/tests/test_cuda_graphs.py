@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from nsref import rel_err
 
 import dmuon.kernels.cuda_graphs as cuda_graphs
 from dmuon.kernels import (
@@ -210,6 +211,9 @@ def test_real_cuda_graph_replay_equals_eager(monkeypatch, method, backend):
     graphed = [orthogonalize(G, **kw) for G in inputs]  # eager, capture+replay, replay, replay
     assert len(graph_cache()) == 1
     for a, b in zip(graphed, eager, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)  # same kernels, same order
+        # Same kernels on the same data; cuBLAS may pick another algorithm under capture
+        # (its workspace differs), so allow half-precision rounding. A replay that missed
+        # the new input would be off by O(1): the four inputs are independent.
+        assert rel_err(a, b) < 1e-2
     assert graphed[2].data_ptr() != graphed[3].data_ptr()  # results are not the static buffer
     assert release_cuda_graphs() == 1
