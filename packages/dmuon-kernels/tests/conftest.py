@@ -1,5 +1,12 @@
 import os
 
+# The Triton kernels run in Triton's interpreter on the CPU. @triton.jit decides between
+# compiling and interpreting when a kernel is *defined*, so this must happen before
+# anything imports dmuon.kernels.triton. The GPU check (benchmarks/gpu_check.py) sets
+# DMUON_TRITON_COMPILED=1 to run the same tests with compiled kernels on CUDA tensors.
+if os.environ.get("DMUON_TRITON_COMPILED", "0") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
+
 import torch
 from hypothesis import HealthCheck, settings
 

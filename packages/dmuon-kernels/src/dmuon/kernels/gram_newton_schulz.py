@@ -26,9 +26,10 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon.kernels._layout import empty_result, restore, to_wide_normalized
 from dmuon.kernels.coefficients import Schedule, resolve_coefficients
+from dmuon.kernels.dispatch import execute
 from dmuon.kernels.newton_schulz import newton_schulz_iterations
+from dmuon.kernels.symmetric_ops import TORCH_OPS, SymmetricOps
 
 __all__ = ["check_restarts", "gram_newton_schulz", "gram_newton_schulz_iterations"]
 
@@ -52,29 +53,39 @@ def _add_identity(M: torch.Tensor, a: float) -> torch.Tensor:
 
 
 def gram_newton_schulz_iterations(
-    X: torch.Tensor, schedule: Schedule, restarts: tuple[int, ...] = (2,)
+    X: torch.Tensor,
+    schedule: Schedule,
+    restarts: tuple[int, ...] = (2,),
+    ops: SymmetricOps = TORCH_OPS,
 ) -> torch.Tensor:
     """Run Gram Newton–Schulz on a prepared ``(B, m, n)`` batch with ``m ≤ n``.
 
     ``X`` must be normalised and in the compute dtype; it is not modified.
-    Square batches run :func:`newton_schulz_iterations`.
+    Square batches run :func:`newton_schulz_iterations`. Every ``m × m`` product is
+    symmetric and goes through ``ops`` (``R = X Xᵀ``, ``Z = bR + cR²``,
+    ``Q·Z + aQ``, ``R·Z + aR``, ``RZ·Z + a·RZ``); only ``Q·X`` uses the vendor GEMM.
     """
     m, n = X.shape[-2], X.shape[-1]
     if m == n:
-        return newton_schulz_iterations(X, schedule)
+        return newton_schulz_iterations(X, schedule, ops)
     last = len(schedule) - 1
-    R = torch.bmm(X, X.mT)
+    R = ops.syrk(X)
     Q: torch.Tensor | None = None
     for i, (a, b, c) in enumerate(schedule):
         if i in restarts and Q is not None:
             X = torch.bmm(Q, X)
-            R = torch.bmm(X, X.mT)
+            R = ops.syrk(X)
             Q = None
-        Z = torch.baddbmm(R, R, R, beta=b, alpha=c)  # Z = bR + cR²
-        Q = _add_identity(Z.clone(), a) if Q is None else torch.baddbmm(Q, Q, Z, beta=a)
-        if i < last and (i + 1) not in restarts:
-            RZ = torch.baddbmm(R, R, Z, beta=a)  # R(aI + Z)
-            R = torch.baddbmm(RZ, Z, RZ, beta=a)  # (aI + Z) R (aI + Z)
+        evolve = i < last and (i + 1) not in restarts
+        if Q is None and not evolve:
+            Q = ops.sym_poly(R, b, c, a)  # Q = aI + bR + cR², Z itself is not needed
+            continue
+        Z = ops.sym_poly(R, b, c, 0.0)  # Z = bR + cR²
+        Q = _add_identity(Z.clone(), a) if Q is None else ops.sym_mul(Q, Z, a)
+        if evolve:
+            # R' = (aI + Z) R (aI + Z); Z, R and RZ commute, so both products are symmetric.
+            RZ = ops.sym_mul(R, Z, a)  # R(aI + Z)
+            R = ops.sym_mul(RZ, Z, a)  # RZ(aI + Z)
     assert Q is not None
     return torch.bmm(Q, X)
 
@@ -87,6 +98,8 @@ def gram_newton_schulz(
     restarts: Sequence[int] = (2,),
     eps: float = 1e-7,
     compute_dtype: torch.dtype | None = None,
+    backend: str = "auto",
+    cuda_graph: bool | None = None,
 ) -> torch.Tensor:
     """Approximate the polar factor of ``G`` with Gram Newton–Schulz.
 
@@ -101,6 +114,10 @@ def gram_newton_schulz(
             (``()`` for none).
         eps: relative guard of the normalisation.
         compute_dtype: dtype of the matmuls; default fp16 on CUDA, bf16 on CPU.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see
+            :func:`~dmuon.kernels.orthogonalize`).
+        cuda_graph: capture and replay the call as a CUDA graph (see
+            :func:`~dmuon.kernels.orthogonalize`).
 
     Example:
         >>> import torch
@@ -110,7 +127,18 @@ def gram_newton_schulz(
     """
     schedule = resolve_coefficients(coefficients, steps)
     restarts_t = check_restarts(restarts, steps)
-    if G.numel() == 0:
-        return empty_result(G)
-    X, layout = to_wide_normalized(G, eps, compute_dtype, "gram")
-    return restore(gram_newton_schulz_iterations(X, schedule, restarts_t), layout)
+
+    def iterate(X: torch.Tensor, ops: SymmetricOps) -> torch.Tensor:
+        return gram_newton_schulz_iterations(X, schedule, restarts_t, ops)
+
+    return execute(
+        G,
+        method="gram",
+        iterate=iterate,
+        schedule=schedule,
+        restarts=restarts_t,
+        eps=eps,
+        compute_dtype=compute_dtype,
+        backend=backend,
+        cuda_graph=cuda_graph,
+    )

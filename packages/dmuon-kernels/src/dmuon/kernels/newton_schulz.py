@@ -18,22 +18,26 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon.kernels._layout import empty_result, restore, to_wide_normalized
 from dmuon.kernels.coefficients import Schedule, resolve_coefficients
+from dmuon.kernels.dispatch import execute
+from dmuon.kernels.symmetric_ops import TORCH_OPS, SymmetricOps
 
 __all__ = ["newton_schulz", "newton_schulz_iterations"]
 
 
-def newton_schulz_iterations(X: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+def newton_schulz_iterations(
+    X: torch.Tensor, schedule: Schedule, ops: SymmetricOps = TORCH_OPS
+) -> torch.Tensor:
     """Run the quintic steps on a prepared batch ``X`` of shape ``(B, m, n)``, ``m ≤ n``.
 
     ``X`` must already be normalised (``‖X_b‖_2 ≤ 1``) and in the compute dtype;
     it is not modified. Each step is three batched products, two of them fused
-    with the scaling (``baddbmm``).
+    with the scaling: ``A = X Xᵀ`` (``ops.syrk``), ``B = bA + cA²`` (``ops.sym_poly``)
+    and ``X ← aX + B X`` (always the vendor ``baddbmm``: not symmetric).
     """
     for a, b, c in schedule:
-        A = torch.bmm(X, X.mT)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        A = ops.syrk(X)
+        B = ops.sym_poly(A, b, c, 0.0)
         X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
     return X
 
@@ -45,6 +49,8 @@ def newton_schulz(
     steps: int = 5,
     eps: float = 1e-7,
     compute_dtype: torch.dtype | None = None,
+    backend: str = "auto",
+    cuda_graph: bool | None = None,
 ) -> torch.Tensor:
     """Approximate the polar factor ``U Vᵀ`` of ``G`` (or of each matrix of a batch).
 
@@ -59,6 +65,10 @@ def newton_schulz(
         eps: relative guard of the normalisation (see :func:`~dmuon.kernels.orthogonalize`).
         compute_dtype: dtype of the matmuls; default from
             :func:`~dmuon.kernels.default_compute_dtype` for ``method="standard"``.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see
+            :func:`~dmuon.kernels.orthogonalize`).
+        cuda_graph: capture and replay the call as a CUDA graph (see
+            :func:`~dmuon.kernels.orthogonalize`).
 
     Returns:
         A tensor of ``G``'s shape and dtype.
@@ -70,7 +80,18 @@ def newton_schulz(
         torch.Size([64, 256])
     """
     schedule = resolve_coefficients(coefficients, steps)
-    if G.numel() == 0:
-        return empty_result(G)
-    X, layout = to_wide_normalized(G, eps, compute_dtype, "standard")
-    return restore(newton_schulz_iterations(X, schedule), layout)
+
+    def iterate(X: torch.Tensor, ops: SymmetricOps) -> torch.Tensor:
+        return newton_schulz_iterations(X, schedule, ops)
+
+    return execute(
+        G,
+        method="standard",
+        iterate=iterate,
+        schedule=schedule,
+        restarts=(),
+        eps=eps,
+        compute_dtype=compute_dtype,
+        backend=backend,
+        cuda_graph=cuda_graph,
+    )

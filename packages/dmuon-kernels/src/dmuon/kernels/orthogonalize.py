@@ -6,10 +6,11 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon.kernels._layout import empty_result, restore, to_wide_normalized
 from dmuon.kernels.coefficients import resolve_coefficients
+from dmuon.kernels.dispatch import execute
 from dmuon.kernels.gram_newton_schulz import check_restarts, gram_newton_schulz_iterations
 from dmuon.kernels.newton_schulz import newton_schulz_iterations
+from dmuon.kernels.symmetric_ops import SymmetricOps
 
 __all__ = ["METHODS", "orthogonalize"]
 
@@ -25,6 +26,8 @@ def orthogonalize(
     restarts: Sequence[int] = (2,),
     eps: float = 1e-7,
     compute_dtype: torch.dtype | None = None,
+    backend: str = "auto",
+    cuda_graph: bool | None = None,
 ) -> torch.Tensor:
     """Approximate the polar factor ``U Vᵀ`` of a matrix or of every matrix in a batch.
 
@@ -36,6 +39,23 @@ def orthogonalize(
        either directly (``method="standard"``) or on the Gram matrix
        (``method="gram"``, :func:`~dmuon.kernels.gram_newton_schulz`).
     4. Transpose back and cast to ``G.dtype``.
+
+    **Backends.** The symmetric products of the iteration (``X Xᵀ``, ``bA + cA²``,
+    ``R·Z + aR``, ``Q·Z + aQ``) run either with torch (``bmm``/``baddbmm``, cuBLAS on
+    CUDA) or with the Triton kernels of :mod:`dmuon.kernels.triton`, which compute
+    one triangle and mirror it. ``backend="auto"`` (default) is torch off CUDA, without
+    Triton, for compute dtypes other than fp16/bf16/fp32 and for Gram sizes below one
+    tile (``min(m, n) < 64``); otherwise, the first time a shape is seen, it times the
+    candidates against torch, rejects any that fails a numerical cross-check and
+    remembers the winner in memory and on disk (:class:`~dmuon.kernels.Autotuner`).
+    ``"torch"`` and ``"triton"`` force a path.
+
+    **CUDA graphs.** On CUDA the whole call (normalisation, iteration, way back) is
+    captured as a CUDA graph on its second call per (shape, dtype, device, options)
+    and replayed afterwards, which removes the launch overhead of its ~25–40
+    kernels. ``cuda_graph=False`` (or ``DMUON_NS_CUDA_GRAPH=0``) turns this off;
+    :func:`~dmuon.kernels.release_cuda_graphs` frees the graphs. Nothing else is
+    inside the graph: learning rate and weight decay are applied by the caller.
 
     The result is ``U φ(Σ) Vᵀ`` where ``φ`` is the composed scalar polynomial
     (:func:`~dmuon.kernels.ns_scalar_map`); its band for each coefficient set is
@@ -52,10 +72,16 @@ def orthogonalize(
         eps: relative guard of the normalisation.
         compute_dtype: dtype of the matmuls; default per device and method, see
             :func:`~dmuon.kernels.default_compute_dtype`.
+        backend: ``"auto"`` (default), ``"torch"`` or ``"triton"``.
+        cuda_graph: ``None`` (default: on for CUDA unless disabled with
+            :func:`~dmuon.kernels.set_cuda_graphs_enabled` or ``DMUON_NS_CUDA_GRAPH=0``),
+            ``True`` or ``False``. Ignored off CUDA.
 
     Raises:
         ValueError: ``G`` has fewer than 2 dimensions, is not real floating point,
-            or ``method``/``coefficients``/``steps``/``restarts`` are invalid.
+            or ``method``/``coefficients``/``steps``/``restarts``/``backend`` are
+            invalid, or ``backend="triton"`` cannot run here (Triton missing, a CPU
+            tensor outside the Triton interpreter, or a float64 compute dtype).
 
     Example:
         >>> import torch
@@ -69,11 +95,20 @@ def orthogonalize(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     schedule = resolve_coefficients(coefficients, steps)
     restarts_t = check_restarts(restarts, steps) if method == "gram" else ()
-    if G.numel() == 0:
-        return empty_result(G)
-    X, layout = to_wide_normalized(G, eps, compute_dtype, method)
-    if method == "gram":
-        X = gram_newton_schulz_iterations(X, schedule, restarts_t)
-    else:
-        X = newton_schulz_iterations(X, schedule)
-    return restore(X, layout)
+
+    def iterate(X: torch.Tensor, ops: SymmetricOps) -> torch.Tensor:
+        if method == "gram":
+            return gram_newton_schulz_iterations(X, schedule, restarts_t, ops)
+        return newton_schulz_iterations(X, schedule, ops)
+
+    return execute(
+        G,
+        method=method,
+        iterate=iterate,
+        schedule=schedule,
+        restarts=restarts_t,
+        eps=eps,
+        compute_dtype=compute_dtype,
+        backend=backend,
+        cuda_graph=cuda_graph,
+    )

@@ -1,0 +1,82 @@
+"""benchmarks/gpu_check.py --dry-run: the GPU check's plan, every measurement path and its
+JSON writer, on a CPU (tiny shapes, Triton interpreter). The real run needs a GPU."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+pytestmark = pytest.mark.skipif(
+    not SCRIPT.exists(), reason="benchmarks/gpu_check.py is not in this tree (sdist)"
+)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    pytest.importorskip("triton")
+    out = tmp_path_factory.mktemp("gpu-check")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads((out / "gpu-check-dry-run-quick.json").read_text()), out
+
+
+def test_json_holds_versions_plan_and_every_figure(dry_run):
+    _, result, out = dry_run
+    meta = result["meta"]
+    assert meta["dry_run"] is True and meta["device"] == "cpu"
+    assert {"torch", "triton", "dmuon_kernels", "date"} <= set(meta)
+    # the full GPU plan: Llama-3-8B shapes and batches, every method × backend × graphs
+    shapes = {(c["batch"], c["rows"], c["cols"]) for c in result["plan"]["ns"]}
+    assert {(1, 4096, 4096), (1, 1024, 4096), (1, 14336, 4096)} <= shapes
+    assert any(b > 1 for b, _, _ in shapes)
+    combos = {(c["method"], c["backend"], c["graphs"]) for c in result["plan"]["ns"]}
+    assert len(combos) == 2 * 3 * 2
+    assert {(c["op"], c["m"], c["k"]) for c in result["plan"]["kernels"]} >= {
+        ("syrk", 4096, 14336),
+        ("sym_poly", 4096, 4096),
+        ("sym_mul", 4096, 4096),
+    }
+    assert result["plan_check"]["peak_memory_gib_estimate"] < 64
+    # every executed case produced its figures
+    assert len(result["kernels"]) == len(result["executed_plan"]["kernels"])
+    for row in result["kernels"]:
+        assert row["status"] == "ok" and row["triton_ms"] > 0 and row["torch_ms"] > 0
+        assert row["max_rel_diff"] < 0.05  # interpreter vs torch: rounding only
+    ns = result["ns"]
+    assert len(ns) == len(result["executed_plan"]["ns"])
+    for row in ns:
+        if row["graphs"]:
+            assert row["status"] == "skipped: CUDA graphs need CUDA"
+        else:
+            assert row["status"] == "ok" and row["ms"] > 0 and row["flops"] > 0
+    assert {r["auto_decision"]["winner"] for r in ns if r["backend"] == "auto" and "ms" in r} == {
+        "torch"  # auto off CUDA
+    }
+    assert set(result["summary"]["targets"]) == {
+        "syrk_speedup_4096x14336",
+        "gram_triton_vs_standard_torch_14336x4096",
+        "ns_fraction_of_gemm_rate",
+    }
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "gpu-check-dry-run-quick.png").exists()
+
+
+def test_prints_the_tables_and_says_it_is_a_dry_run(dry_run):
+    stdout, _, _ = dry_run
+    assert "DRY RUN" in stdout
+    assert "Symmetric kernels vs torch" in stdout and "orthogonalize" in stdout
+    assert "Targets:" in stdout
