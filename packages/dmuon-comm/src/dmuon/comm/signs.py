@@ -1,0 +1,88 @@
+"""Sign packing: 8 signs per byte.
+
+Convention, shared with :func:`~dmuon.comm.majority_vote`: an entry ``x`` is
+*positive* when ``x ≥ 0`` — zero (``+0.0`` and ``−0.0``) counts as ``+1`` — and
+negative otherwise (NaN counts as ``−1``, since ``NaN ≥ 0`` is false). Entry
+``k`` of the flattened tensor is bit ``k mod 8`` (least significant first) of
+byte ``k // 8``; a set bit means ``+1``. Bits past the last entry are set (``+``)
+and ignored by :func:`unpack_signs`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["pack_signs", "unpack_signs"]
+
+_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    return torch.tensor(_WEIGHTS, dtype=torch.uint8, device=device)
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """Signs of ``x`` as a 1-D uint8 tensor of ``ceil(numel/8)`` bytes, 8 signs per byte.
+
+    ``bit = 1`` for ``x ≥ 0`` (zero counts as ``+``), ``0`` for ``x < 0``; entry ``k``
+    of ``x.flatten()`` is bit ``k % 8`` (LSB first) of byte ``k // 8``.
+
+    Args:
+        x: a real tensor of any shape and memory layout.
+
+    Raises:
+        ValueError: ``x`` is complex or boolean.
+
+    Example:
+        >>> import torch
+        >>> pack_signs(torch.tensor([1.0, -2.0, 0.0, -0.0, -1.0, 3.0, -5.0, 7.0, -1.0]))
+        tensor([173, 254], dtype=torch.uint8)
+    """
+    if x.is_complex() or x.dtype == torch.bool:
+        raise ValueError(f"pack_signs needs a real numeric tensor, got dtype {x.dtype}")
+    flat = x.reshape(-1)
+    n = flat.numel()
+    nbytes = -(-n // 8)
+    bits = torch.ones(nbytes * 8, dtype=torch.uint8, device=x.device)
+    bits[:n] = flat >= 0
+    return (bits.view(nbytes, 8) * _bit_weights(x.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_signs(
+    bits: torch.Tensor, shape: Sequence[int], *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The ``±1`` tensor of ``shape`` whose signs :func:`pack_signs` packed into ``bits``.
+
+    Args:
+        bits: 1-D uint8 tensor with at least ``ceil(prod(shape)/8)`` bytes.
+        shape: shape of the result.
+        dtype: dtype of the result (``+1``/``−1`` values).
+
+    Raises:
+        ValueError: ``bits`` is not 1-D uint8 or is too short for ``shape``.
+
+    Example:
+        >>> import torch
+        >>> x = torch.tensor([[0.5, -1.0, 0.0], [-3.0, 2.0, -0.1]])
+        >>> unpack_signs(pack_signs(x), x.shape)
+        tensor([[ 1., -1.,  1.],
+                [-1.,  1., -1.]])
+    """
+    shape = tuple(int(d) for d in shape)
+    n = math.prod(shape)
+    if bits.dtype != torch.uint8 or bits.dim() != 1:
+        raise ValueError(
+            f"bits must be a 1-D uint8 tensor, got {bits.dtype} of shape {tuple(bits.shape)}"
+        )
+    if bits.numel() * 8 < n:
+        raise ValueError(
+            f"bits holds {bits.numel() * 8} signs but shape {shape} needs {n} "
+            f"(≥ {-(-n // 8)} bytes)"
+        )
+    expanded = (bits.unsqueeze(1) & _bit_weights(bits.device)) != 0
+    plus = expanded.reshape(-1)[:n]
+    one = torch.ones((), dtype=dtype, device=bits.device)
+    return torch.where(plus, one, -one).reshape(shape)
