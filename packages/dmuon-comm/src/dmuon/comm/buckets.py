@@ -277,8 +277,10 @@ def make_buckets(
         >>> from dmuon.comm import MatrixItem, plan_owners, make_buckets
         >>> items = [MatrixItem(f"h.{i}.w", (64, 64), layer=f"h.{i}") for i in range(4)]
         >>> plan = plan_owners(items, 2)
-        >>> [(b.owner, b.names) for b in make_buckets(plan)]
-        [(0, ('h.0.w', 'h.2.w')), (1, ('h.1.w', 'h.3.w'))]
+        >>> for bucket in make_buckets(plan):
+        ...     print(bucket.owner, bucket.names)
+        0 ('h.0.w', 'h.2.w')
+        1 ('h.1.w', 'h.3.w')
     """
     if bucket_bytes is not None and (
         isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1

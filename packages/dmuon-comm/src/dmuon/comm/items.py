@@ -165,8 +165,10 @@ def matrix_items(
     Example:
         >>> import torch
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-        >>> [(i.name, i.shape, i.layer) for i in matrix_items(model.named_parameters())]
-        [('0.weight', (16, 8), '0'), ('1.weight', (4, 16), '1')]
+        >>> for item in matrix_items(model.named_parameters()):  # biases are not matrices
+        ...     print(item.name, item.shape, item.layer)
+        0.weight (16, 8) 0
+        1.weight (4, 16) 1
     """
     out = []
     for name, t in named_tensors:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm.groups import group_size
-from dmuon.comm.signs import _bit_weights, pack_signs, unpack_signs
+from dmuon.comm.signs import pack_bits, pack_signs, plus_minus, unpack_bits, unpack_signs
 from dmuon.comm.stats import CommStats, default_stats
 
 __all__ = ["VOTE_METHODS", "majority_vote"]
@@ -80,19 +80,14 @@ def majority_vote(
     n = group_size(group)
     name = f"majority_vote[{method}]"
     stats.count_call(name)
-    one = torch.ones((), dtype=out_dtype, device=x.device)
     if n == 1 or x.numel() == 0:
-        return torch.where(x >= 0, one, -one)
+        return plus_minus(x >= 0, out_dtype)
     if method == "int8":
         vote_dtype = torch.int8 if n <= 127 else torch.int32
-        votes = torch.where(
-            x.reshape(-1) >= 0,
-            torch.ones((), dtype=vote_dtype, device=x.device),
-            -torch.ones((), dtype=vote_dtype, device=x.device),
-        )
+        votes = plus_minus(x.reshape(-1) >= 0, vote_dtype)
         dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=group)
         stats.record_collective(name, "all_reduce", nbytes=votes.nbytes, world_size=n)
-        return torch.where(votes >= 0, one, -one).reshape(x.shape)
+        return plus_minus(votes >= 0, out_dtype).reshape(x.shape)
 
     # packed: pad to a multiple of 8·N entries so the packed bytes split evenly.
     numel = x.numel()
@@ -111,12 +106,10 @@ def majority_vote(
         bytes_received=(n - 1) * chunk,
         calls=0,
     )
-    # received[r] is rank r's chunk for the positions this rank votes on.
-    weights = _bit_weights(x.device)
-    per_rank = (received.view(n, chunk, 1) & weights) != 0  # (N, chunk, 8) bools
-    plus_votes = per_rank.sum(dim=0, dtype=torch.int32)
-    majority = (2 * plus_votes >= n).to(torch.uint8)  # tie → +
-    mine = (majority * weights).sum(dim=1, dtype=torch.uint8)
+    # received[r] is rank r's chunk for the positions this rank votes on: count
+    # the + votes per position (a popcount over the ranks) and pack the majority.
+    plus_votes = unpack_bits(received.view(n, chunk)).sum(dim=0, dtype=torch.int32)
+    mine = pack_bits((2 * plus_votes >= n).to(torch.uint8))  # tie → +
     result = torch.empty_like(bits)
     dist.all_gather_single(result, mine, group=group)
     stats.record_collective(name, "all_gather", nbytes=mine.nbytes, world_size=n)
