@@ -34,6 +34,18 @@ def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_SIGN_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _sign_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``(256, 8)``: row ``b`` holds the eight ``±1`` signs packed in byte ``b``."""
+    key = (dtype, device)
+    if key not in _SIGN_TABLES:
+        codes = torch.arange(256, dtype=torch.uint8, device=device)
+        _SIGN_TABLES[key] = plus_minus(unpack_bits(codes), dtype)
+    return _SIGN_TABLES[key]
+
+
 def plus_minus(plus: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``+1`` where ``plus`` is true (or 1), ``−1`` elsewhere, in ``dtype``.
 
@@ -101,5 +113,6 @@ def unpack_signs(
             f"bits holds {bits.numel() * 8} signs but shape {shape} needs {n} "
             f"(≥ {-(-n // 8)} bytes)"
         )
-    plus = unpack_bits(bits).reshape(-1)[:n]
-    return plus_minus(plus, dtype).reshape(shape)
+    # One row of a 256-entry table per byte: a gather instead of eight shifts.
+    signs = torch.index_select(_sign_table(dtype, bits.device), 0, bits.to(torch.int32))
+    return signs.reshape(-1)[:n].reshape(shape)
