@@ -128,6 +128,7 @@ def test_buckets_from_another_plan_on_one_rank_are_caught_with_verify():
 
     for name, message in run_on_ranks(body, 3, timeout=60):
         assert name == "CollectiveInputError"
+        assert "ranks [0] call it with a different plan, layout or arguments" in message
         assert "rank 0: ValueError: reduce_to_owners:" in message
         assert "but the plan's owner is rank" in message
 

@@ -11,6 +11,7 @@ import zlib
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dmuon.comm import (
     CommStats,
@@ -83,7 +84,7 @@ def test_reduce_to_owners_sum_is_exact_and_hands_back_views(world):
         for b in buckets:
             for name in b.names:
                 b.view(name).copy_(torch.full(plan.item(name).shape, float(rank + 1)))
-        owned = reduce_to_owners(buckets, plan, op="sum").wait()
+        owned = reduce_to_owners(buckets, plan, op=dist.ReduceOp.SUM).wait()
         for name, got in owned.items():
             assert torch.equal(got, torch.full_like(got, n * (n + 1) / 2))
             bucket = next(b for b in buckets if name in b)

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import (
+    CollectiveInputError,
     CommStats,
     MatrixItem,
     broadcast_from_owners,
@@ -101,3 +102,26 @@ def test_an_hsdp_plan_needs_both_groups_of_the_right_sizes():
         assert "pass the shard group as group= and the replicate group" in errors[0]
         assert "pass the shard group as group=" in errors[1]
         assert "group has 4 ranks and replicate_group has 2" in errors[2]
+
+
+def test_verify_reaches_every_rank_of_the_mesh():
+    # Rank 3's buckets do not match the plan; the agreement runs over the shard
+    # group and then the replicate group, so ranks 0 and 1 (other shard group) learn
+    # it too and nobody enters the two-stage reduction.
+    def body(rank, n):
+        shard_group, replicate_group = mesh_groups(2, 2)
+        plan = plan_owners(ITEMS, n, replicate_size=2)
+        buckets = make_buckets(plan)
+        if rank == 3:
+            buckets = buckets[1:]
+        with pytest.raises(CollectiveInputError) as info:
+            reduce_to_owners(
+                buckets, plan, group=shard_group, replicate_group=replicate_group, verify=True
+            )
+        ok = reduce_to_owners(
+            make_buckets(plan), plan, group=shard_group, replicate_group=replicate_group
+        ).wait()
+        return str(info.value), sorted(ok)
+
+    for message, _ in run_on_ranks(body, 4, timeout=60):
+        assert "ranks [3] call it with a different plan, layout or arguments" in message

@@ -207,6 +207,10 @@ def test_lookups_and_summary():
     text = plan.summary()
     assert text.startswith("OwnerPlan: 12 items on 3 ranks, strategy lpt (lpt)")
     assert plan.digest()[:12] in text and str(plan) == text
+    assert repr(plan) == (
+        f"OwnerPlan(12 items, world_size=3, replicate_size=1, strategy='lpt', solver='lpt', "
+        f"imbalance={plan.imbalance():.4f}, digest={plan.digest()[:12]!r})"
+    )
     with pytest.raises(KeyError, match="'nope' is not an item of this plan"):
         plan.owner("nope")
     with pytest.raises(ValueError, match=r"rank must be in \[0, 3\)"):

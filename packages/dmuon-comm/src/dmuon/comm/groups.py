@@ -30,7 +30,7 @@ class CollectiveInputError(ValueError):
         op: the wrapper that was called.
         messages: global rank → the error that rank found in its own input.
         mismatched: global ranks whose plan or layout fingerprint differs from the
-            first rank's.
+            one most ranks share.
 
     Example:
         >>> err = CollectiveInputError("reduce_to_owners", {1: "ValueError: bad shape"}, [])
@@ -118,7 +118,9 @@ def agree(
         dist.all_gather_single(everyone, mine, group=g)
         flags, prints = everyone[0::2].tolist(), everyone[1::2].tolist()
         ranks = dist.get_process_group_ranks(g) if g is not None else list(range(n))
-        mismatched |= {ranks[r] for r in range(n) if prints[r] != prints[0]}
+        # The odd ones out differ from the most common fingerprint (ties: the lowest rank's).
+        common = max(set(prints), key=lambda p: (prints.count(p), -prints.index(p)))
+        mismatched |= {ranks[r] for r in range(n) if prints[r] != common}
         bad = bad or any(flags) or bool(mismatched)
     if not bad:
         return value  # type: ignore[return-value]

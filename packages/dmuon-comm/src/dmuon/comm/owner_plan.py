@@ -50,7 +50,7 @@ class OwnerUnit:
     owner: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class OwnerPlan:
     """Which rank owns each matrix; a pure function of the planner's inputs.
 
@@ -272,3 +272,11 @@ class OwnerPlan:
 
     def __str__(self) -> str:
         return self.summary()
+
+    def __repr__(self) -> str:
+        return (
+            f"OwnerPlan({len(self.items)} items, world_size={self.world_size}, "
+            f"replicate_size={self.replicate_size}, strategy={self.strategy!r}, "
+            f"solver={self.solver!r}, imbalance={self.imbalance():.4f}, "
+            f"digest={self.digest()[:12]!r})"
+        )

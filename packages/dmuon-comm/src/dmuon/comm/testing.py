@@ -140,7 +140,8 @@ def run_on_ranks(
     :class:`torch.distributed.FileStore` in a fresh temporary directory (no port to
     pick, no server thread in this process, no name lookups), gloo uses the
     loopback interface unless ``GLOO_SOCKET_IFNAME`` is set, and every rank has
-    joined before any rank starts ``fn``. The environment variables ``RANK``,
+    joined before any rank starts ``fn``; a rank that has returned waits for the
+    others before its process exits. The environment variables ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are set in each rank,
     and ``torch.set_num_threads(threads_per_rank)``.
 
@@ -452,9 +453,12 @@ def _rank_main(
         conn.send(report)
         conn.close()
     if report.status == "ok" and dist.is_initialized():
-        # Only on success: after a failure other ranks may be stuck in a collective,
-        # and destroying the group could block on them.
+        # Keep this rank's connections open until every rank is done: exiting while a
+        # peer still completes a handshake with it (new_group) or reads from it fails
+        # that peer. The report is already sent, so if another rank failed the parent
+        # simply kills this process once every rank has reported.
         with contextlib.suppress(Exception):
+            dist.barrier()
             dist.destroy_process_group()
     # Skip the parent's atexit handlers and buffered state inherited through fork.
     sys.stdout.flush()
