@@ -174,6 +174,7 @@ def bench(session: nox.Session) -> None:
     install_local(session, PACKAGES)
     session.install(*CONSTRAINTS, "matplotlib>=3.8", "rich>=13")
     session.run("python", "benchmarks/kernels.py", *session.posargs)
+    session.run("python", "benchmarks/comm.py")
     _copy_figures_to_docs()
 
 

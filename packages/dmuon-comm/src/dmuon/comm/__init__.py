@@ -1,5 +1,63 @@
-"""dmuon.comm: a skeleton; the package README says what is coming."""
+"""dmuon.comm — who owns which matrix, and how gradients and updates travel.
+
+Owner planning by Newton–Schulz cost (LPT, ILP), flat buckets, owner-rooted
+reduce and broadcast, the shard all-to-all, all-gather of updates, sign packing
+and majority vote, byte accounting and an α–β cost model. Depends on torch only;
+it never imports ``dmuon.kernels``. :mod:`dmuon.comm.testing` runs functions on
+real multi-process groups for tests.
+"""
 
 from dmuon.comm._version import __version__
+from dmuon.comm.all_gather_updates import all_gather_updates
+from dmuon.comm.buckets import BucketSlot, FlatBucket, make_buckets
+from dmuon.comm.consistency import PlanMismatchError, check_plan_consistency
+from dmuon.comm.cost import NSCost
+from dmuon.comm.cost_model import COLLECTIVES, CollectiveCost, cost_model
+from dmuon.comm.flops import ns_flops
+from dmuon.comm.groups import CollectiveInputError
+from dmuon.comm.handles import CommHandle
+from dmuon.comm.items import MatrixItem, layer_key, matrix_items
+from dmuon.comm.majority_vote import VOTE_METHODS, majority_vote
+from dmuon.comm.owner_collectives import broadcast_from_owners, reduce_to_owners
+from dmuon.comm.owner_plan import OwnerPlan, OwnerUnit
+from dmuon.comm.planning import DEFAULT_PACK_BELOW, STRATEGIES, plan_owners
+from dmuon.comm.shard_all_to_all import shard_all_to_all, shard_all_to_all_reverse, shard_range
+from dmuon.comm.signs import pack_signs, unpack_signs
+from dmuon.comm.stats import CommStats, OpStats, default_stats
 
-__all__ = ["__version__"]
+__all__ = [
+    "COLLECTIVES",
+    "DEFAULT_PACK_BELOW",
+    "STRATEGIES",
+    "VOTE_METHODS",
+    "BucketSlot",
+    "CollectiveCost",
+    "CollectiveInputError",
+    "CommHandle",
+    "CommStats",
+    "FlatBucket",
+    "MatrixItem",
+    "NSCost",
+    "OpStats",
+    "OwnerPlan",
+    "OwnerUnit",
+    "PlanMismatchError",
+    "__version__",
+    "all_gather_updates",
+    "broadcast_from_owners",
+    "check_plan_consistency",
+    "cost_model",
+    "default_stats",
+    "layer_key",
+    "majority_vote",
+    "make_buckets",
+    "matrix_items",
+    "ns_flops",
+    "pack_signs",
+    "plan_owners",
+    "reduce_to_owners",
+    "shard_all_to_all",
+    "shard_all_to_all_reverse",
+    "shard_range",
+    "unpack_signs",
+]

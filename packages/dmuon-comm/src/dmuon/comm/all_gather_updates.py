@@ -1,0 +1,128 @@
+"""Replicated path: every owner's updates to every rank, in one all-gather per dtype."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from dmuon.comm.groups import agree, fingerprint, group_rank, group_size
+from dmuon.comm.handles import CommHandle
+from dmuon.comm.owner_plan import OwnerPlan
+from dmuon.comm.stats import CommStats, default_stats
+
+__all__ = ["all_gather_updates"]
+
+
+def all_gather_updates(
+    updates: Mapping[str, torch.Tensor],
+    plan: OwnerPlan,
+    *,
+    group: dist.ProcessGroup | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
+    stats: CommStats | None = None,
+    verify: bool = False,
+) -> CommHandle[dict[str, torch.Tensor]]:
+    """Give every rank the update of every item, each computed by its owner.
+
+    The replicated mode (stock DDP): gradients were all-reduced, each owner
+    computed the updates of its own items, and one ``dist.all_gather_single`` per
+    dtype spreads them. Ranks own different volumes, so each rank's chunk is
+    padded to the largest per-rank volume ``V = max_r Σ_{j owned by r} numel_j``,
+    known to all ranks from the plan (gloo has no uneven all-gather): the output
+    is ``N·V`` elements, of which ``Σ_j numel_j`` are updates.
+
+    Args:
+        updates: the update of every item this rank owns (``plan.names_of(rank)``),
+            any memory layout.
+        plan: the owner plan, over ``group``.
+        group: the process group; default the world.
+        out: optional destinations the gathered updates are copied into on
+            ``wait()`` (names not in ``out`` stay in the receive buffer).
+        stats: where to record bytes; default :func:`~dmuon.comm.default_stats`.
+        verify: agree across ranks on valid, matching inputs first (see
+            :func:`~dmuon.comm.reduce_to_owners`).
+
+    Returns:
+        A handle whose ``wait()`` gives ``{name: update}`` for every item (views
+        into the receive buffer).
+
+    Raises:
+        ValueError: a group that does not match the plan, a missing update, or an
+            update or ``out`` tensor whose shape or dtype differs from its item.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.comm import MatrixItem, plan_owners, all_gather_updates
+        >>> plan = plan_owners([MatrixItem("a", (2, 2)), MatrixItem("b", (1, 3))], 1)
+        >>> got = all_gather_updates({"a": torch.ones(2, 2), "b": torch.zeros(1, 3)}, plan).wait()
+        >>> sorted(got), got["a"].sum().item()
+        (['a', 'b'], 4.0)
+    """
+    name = "all_gather_updates"
+    stats = stats if stats is not None else default_stats()
+
+    def check() -> tuple[int, int]:
+        n = group_size(group)
+        if n != plan.world_size:
+            raise ValueError(
+                f"{name}: the process group has {n} ranks but the plan was made for "
+                f"world_size={plan.world_size}"
+            )
+        me = group_rank(group)
+        for item in plan.items_of(me):
+            if item.name not in updates:
+                raise ValueError(f"{name}: rank {me} owns {item.name!r} but gave no update for it")
+            t = updates[item.name]
+            if tuple(t.shape) != item.shape or t.dtype != item.dtype:
+                raise ValueError(
+                    f"{name}: update of {item.name!r} must be {item.dtype} of shape "
+                    f"{item.shape}, got {t.dtype} of shape {tuple(t.shape)}"
+                )
+        for key, t in (out or {}).items():
+            if key not in plan or tuple(t.shape) != plan.item(key).shape:
+                raise ValueError(
+                    f"{name}: out[{key!r}] must be an item of the plan with its shape, got "
+                    f"shape {tuple(t.shape)}"
+                )
+        return n, me
+
+    if verify:
+        n, me = agree(name, [group], check, fingerprint(name, plan.digest()))
+    else:
+        n, me = check()
+    stats.count_call(name)
+    works, received = [], []
+    for dtype in dict.fromkeys(i.dtype for i in plan.items):
+        per_rank = [[i for i in plan.items_of(r) if i.dtype == dtype] for r in range(n)]
+        volume = max(sum(i.numel for i in its) for its in per_rank)
+        if volume == 0:
+            continue
+        device = next(iter(updates.values())).device if updates else None
+        send = torch.zeros(volume, dtype=dtype, device=device)
+        offset = 0
+        for item in per_rank[me]:
+            send[offset : offset + item.numel].view(item.shape).copy_(updates[item.name])
+            offset += item.numel
+        recv = torch.empty(n * volume, dtype=dtype, device=device)
+        if n > 1:
+            works.append(dist.all_gather_single(recv, send, group=group, async_op=True))
+            stats.record_collective(name, "all_gather", nbytes=send.nbytes, world_size=n)
+        else:
+            recv.copy_(send)
+        received.append((recv, per_rank, volume))
+
+    def finish() -> dict[str, torch.Tensor]:
+        result: dict[str, torch.Tensor] = {}
+        for recv, per_rank, volume in received:
+            for r, its in enumerate(per_rank):
+                offset = r * volume
+                for item in its:
+                    result[item.name] = recv[offset : offset + item.numel].view(item.shape)
+                    offset += item.numel
+        for key, t in (out or {}).items():
+            t.copy_(result[key])
+        return result
+
+    return CommHandle(works, finish)

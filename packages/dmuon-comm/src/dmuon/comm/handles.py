@@ -1,0 +1,55 @@
+"""Handles of started communication: wait for the result when you need it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+__all__ = ["CommHandle"]
+
+T = TypeVar("T")
+
+
+class CommHandle(Generic[T]):
+    """A communication that has been started; :meth:`wait` finishes it and gives its result.
+
+    Wraps the ``torch.distributed`` work objects of one wrapper call and a
+    ``finish`` step that runs after they complete (divide by the world size, run
+    the second stage of an HSDP reduction, copy results out). ``wait`` is
+    idempotent: later calls return the same result. Holding the handle keeps the
+    communication buffers alive, so drop it only after waiting.
+
+    Example:
+        >>> h = CommHandle([], lambda: 42)
+        >>> h.is_completed(), h.wait(), h.wait()
+        (True, 42, 42)
+    """
+
+    def __init__(self, works: Sequence[Any], finish: Callable[[], T]):
+        self._works = [w for w in works if w is not None]
+        self._finish: Callable[[], T] | None = finish
+        self._result: T | None = None
+
+    def is_completed(self) -> bool:
+        """True when every started collective has completed (``wait`` will not block on them)."""
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self) -> T:
+        """Block until the communication is done and return its result."""
+        if self._finish is not None:
+            for w in self._works:
+                w.wait()
+            finish, self._finish = self._finish, None
+            self._result = finish()
+            self._works = []
+        return self._result  # type: ignore[return-value]
+
+    @classmethod
+    def done(cls, result: T) -> CommHandle[T]:
+        """A handle that is already complete (e.g. nothing to communicate).
+
+        Example:
+            >>> CommHandle.done({"w": 1}).wait()
+            {'w': 1}
+        """
+        return cls([], lambda: result)
