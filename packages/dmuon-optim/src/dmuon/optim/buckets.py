@@ -1,0 +1,251 @@
+"""Bucketing: same-shape matrices of a group stacked into one batch per step.
+
+Every matrix of a group (after :mod:`dmuon.optim.layout`) goes into the bucket of
+its ``(shape, dtype, device)``. A step runs the rule once per bucket on the stacked
+batch — one ``torch.cat`` of the gradients, one batched Newton–Schulz call, two
+``torch._foreach_*`` calls to apply — never a per-parameter loop of kernels.
+
+State lives where a batch can use it without copies. A bucket whose parameters
+are each one contiguous block (plain 2-D weights, conv weights, expert stacks,
+equal QKV splits, per-head views) owns one stacked buffer per state key,
+``(B, m, n)`` or ``(B, m)``, and ``optimizer.state[p][key]`` is a *view* of the
+parameter's slice of it, in the parameter's shape: the rule updates the stacked
+buffer in place and the per-parameter state is current. Parameters cut into
+blocks of different shapes (an unequal QKV split) keep their own state tensors;
+their buckets gather the blocks before the rule and scatter them back after.
+Both paths give the same numbers. When some parameters of a bucket have no
+gradient, only the others are gathered — state of the rest is not touched.
+
+The distributed engine reuses this with an owner filter: an owner builds buckets
+of the matrices it owns only and runs the same rule on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dmuon.optim.apply import apply_update
+from dmuon.optim.layout import Block, MatrixLayout, matrix_layout
+from dmuon.optim.rules import Rule
+from dmuon.optim.transforms import StateSpec
+from dmuon.optim.vote import SignVote, local_vote
+
+__all__ = ["Bucket", "Entry", "build_buckets", "state_shapes", "step_bucket"]
+
+
+@dataclass
+class Entry:
+    """One block of one parameter inside a bucket.
+
+    Attributes:
+        index: position of the parameter in its group.
+        param: the parameter.
+        layout: its matrix layout.
+        block: which of its blocks.
+        start: first matrix of this entry in the bucket's batch.
+    """
+
+    index: int
+    param: torch.Tensor
+    layout: MatrixLayout
+    block: Block
+    start: int
+
+    @property
+    def count(self) -> int:
+        return self.layout.count(self.block)
+
+    def tensor_block(self, t: torch.Tensor) -> torch.Tensor:
+        """This block of a parameter-shaped tensor: ``t`` itself or a 4-D view."""
+        return t if self.layout.whole else self.layout.block_view(t, self.block)
+
+    def batch(self, t: torch.Tensor) -> torch.Tensor:
+        """This block of a parameter-shaped tensor as ``(count, m, n)`` (a copy if needed)."""
+        m, n = self.layout.matrix_shape(self.block)
+        return self.layout.block_view(t, self.block).reshape(self.count, m, n)
+
+
+@dataclass
+class Bucket:
+    """Same-shape matrices of one group: the unit one rule call works on.
+
+    Attributes:
+        shape: ``(m, n)`` of every matrix.
+        dtype: their dtype.
+        device: their device.
+        entries: the parameter blocks, in group order.
+        size: number of matrices ``B``.
+        buffers: the stacked state (``None`` when the bucket gathers per step).
+    """
+
+    shape: tuple[int, int]
+    dtype: torch.dtype
+    device: torch.device
+    entries: list[Entry] = field(default_factory=list)
+    size: int = 0
+    buffers: dict[str, torch.Tensor] | None = None
+
+
+def state_shapes(rule: Rule, layout: MatrixLayout) -> dict[str, tuple[int, ...]]:
+    """Per-parameter state keys of a matrix parameter and their shapes."""
+    shapes: dict[str, tuple[int, ...]] = {"step": ()}
+    for spec in rule.state_specs():
+        shapes[spec.name] = layout.param_shape if spec.kind == "matrix" else layout.row_state_shape
+    return shapes
+
+
+def _copy_old(new: torch.Tensor, old: Mapping[str, Any], key: str) -> None:
+    value = old.get(key)
+    if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(new.shape):
+        new.copy_(value)
+
+
+def build_buckets(
+    group: Mapping[str, Any],
+    rule: Rule,
+    old_state: Callable[[torch.Tensor], Mapping[str, Any]],
+    name_of: Callable[[int], str],
+    include: Callable[[int, torch.Tensor], bool] | None = None,
+) -> tuple[list[Bucket], dict[torch.Tensor, dict[str, torch.Tensor]]]:
+    """Bucket a matrix group and create its state, eagerly, keeping old values.
+
+    Args:
+        group: a normalised matrix group.
+        rule: its rule.
+        old_state: the current state of a parameter (``{}`` if none); values of
+            matching shape are copied into the new state.
+        name_of: how to name parameter ``i`` of the group in errors.
+        include: which parameters to bucket (default all; the distributed engine
+            passes "owned by this rank").
+
+    Returns:
+        The buckets, in order of first appearance, and the new state per parameter.
+    """
+    specs: tuple[StateSpec, ...] = rule.state_specs()
+    buckets: dict[tuple[Any, ...], Bucket] = {}
+    layouts: dict[int, MatrixLayout] = {}
+    for i, p in enumerate(group["params"]):
+        if include is not None and not include(i, p):
+            continue
+        layout = matrix_layout(p, dict(group), name_of(i))
+        layouts[i] = layout
+        for block in layout.blocks:
+            key = (layout.matrix_shape(block), p.dtype, p.device)
+            if key not in buckets:
+                buckets[key] = Bucket(key[0], p.dtype, p.device)
+            b = buckets[key]
+            b.entries.append(Entry(i, p, layout, block, b.size))
+            b.size += layout.count(block)
+
+    new_state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+    for i in layouts:
+        p = group["params"][i]
+        old = old_state(p)
+        step = torch.zeros((), dtype=torch.float32)
+        _copy_old(step, old, "step")
+        new_state[p] = {"step": step}
+
+    for b in buckets.values():
+        if not all(e.layout.whole for e in b.entries):
+            continue
+        m, n = b.shape
+        b.buffers = {
+            s.name: torch.zeros(s.batch_shape(b.size, m, n), dtype=b.dtype, device=b.device)
+            for s in specs
+        }
+        for e in b.entries:
+            shapes = state_shapes(rule, e.layout)
+            for s in specs:
+                view = b.buffers[s.name][e.start : e.start + e.count].view(shapes[s.name])
+                _copy_old(view, old_state(e.param), s.name)
+                new_state[e.param][s.name] = view
+
+    for i, layout in layouts.items():
+        p = group["params"][i]
+        shapes = state_shapes(rule, layout)
+        for s in specs:
+            if s.name not in new_state[p]:
+                t = torch.zeros(shapes[s.name], dtype=p.dtype, device=p.device)
+                _copy_old(t, old_state(p), s.name)
+                new_state[p][s.name] = t
+    return list(buckets.values()), new_state
+
+
+def _state_block(b: Bucket, e: Entry, spec: StateSpec, st: Mapping[str, torch.Tensor]):
+    """A writable view of entry ``e``'s slice of state ``spec``."""
+    if b.buffers is not None:
+        return b.buffers[spec.name][e.start : e.start + e.count]
+    t = st[spec.name]
+    if e.layout.whole:
+        return t
+    if spec.kind == "matrix":
+        return e.layout.block_view(t, e.block)
+    return e.layout.row_block_view(t, e.block)
+
+
+def step_bucket(
+    b: Bucket,
+    group: Mapping[str, Any],
+    rule: Rule,
+    state: Mapping[torch.Tensor, Mapping[str, torch.Tensor]],
+    vote: SignVote = local_vote,
+) -> None:
+    """Run ``rule`` on the entries of ``b`` that have a gradient and apply the update.
+
+    Entries whose parameter has no gradient are skipped: neither their weights nor
+    their state change. With a rule that reads the step count, entries at different
+    counts run as separate batches.
+    """
+    active = [e for e in b.entries if e.param.grad is not None]
+    if not active:
+        return
+    for e in active:
+        g = e.param.grad
+        assert g is not None
+        if g.is_sparse:
+            raise RuntimeError("DMuon does not support sparse gradients")
+    if rule.uses_step:
+        parts: dict[int, list[Entry]] = {}
+        for e in active:
+            parts.setdefault(int(state[e.param]["step"].item()), []).append(e)
+        batches = list(parts.items())
+    else:
+        batches = [(int(state[active[0].param]["step"].item()), active)]
+    specs = rule.state_specs()
+    m, n = b.shape
+    lr, wd = float(group["lr"]), float(group["weight_decay"])
+    for step, part in batches:
+        grads = [e.batch(e.param.grad) for e in part]  # type: ignore[arg-type]
+        G = grads[0] if len(grads) == 1 else torch.cat(grads)
+        zero_copy = b.buffers is not None and len(part) == len(b.entries)
+        if zero_copy:
+            assert b.buffers is not None
+            st: dict[str, torch.Tensor] = b.buffers
+            views: dict[str, list[torch.Tensor]] = {}
+        else:
+            views = {s.name: [_state_block(b, e, s, state[e.param]) for e in part] for s in specs}
+            st = {
+                s.name: torch.cat(
+                    [
+                        v.reshape((e.count, m, n) if s.kind == "matrix" else (e.count, m))
+                        for v, e in zip(views[s.name], part, strict=True)
+                    ]
+                )
+                for s in specs
+            }
+        U, scale = rule.update(G, st, group, step=step, vote=vote)
+        counts = [e.count for e in part]
+        if not zero_copy:
+            for s in specs:
+                chunks = st[s.name].split(counts)
+                torch._foreach_copy_(
+                    views[s.name],
+                    [c.reshape(v.shape) for c, v in zip(chunks, views[s.name], strict=True)],
+                )
+        targets = [e.tensor_block(e.param) for e in part]
+        updates = [c.reshape(t.shape) for c, t in zip(U.split(counts), targets, strict=True)]
+        apply_update(targets, updates, lr=lr, weight_decay=wd, scale=scale)
