@@ -55,7 +55,10 @@ def real(
     """A finite real number in the interval; returned as ``float``."""
     left = "(" if lo_open else "["
     right = ")" if hi_open else "]"
-    what = f"a real number in {left}{lo}, {hi}{right}"
+    if hi == math.inf:
+        what = f"a finite real number {'>' if lo_open else '>='} {lo}"
+    else:
+        what = f"a real number in {left}{lo}, {hi}{right}"
 
     def check(value: Any) -> float:
         if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -63,7 +66,7 @@ def real(
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"must be {what}, got {value!r}")
         v = float(value)
-        ok = math.isfinite(v) or (v == hi == math.inf and not hi_open)
+        ok = math.isfinite(v)
         ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
         if not ok:
             raise ValueError(f"must be {what}, got {value!r}")
