@@ -34,7 +34,7 @@ def apply_update(
         >>> import torch
         >>> W = [torch.ones(2, 2)]
         >>> apply_update(W, [torch.ones(2, 2)], lr=0.1, weight_decay=0.5, scale=2.0)
-        >>> W[0][0, 0].item()  # 1·(1 − 0.05) − 0.1·2·1
+        >>> W[0].flatten()[0].item()  # 1·(1 − 0.05) − 0.1·2·1
         0.75
     """
     if not params:

@@ -138,8 +138,8 @@ def matrix_layout(param: torch.Tensor, group: dict[str, Any], where: str) -> Mat
         >>> import torch
         >>> qkv = torch.zeros(3 * 64, 64)
         >>> lay = matrix_layout(qkv, {"split_sizes": (64, 64, 64), "num_heads": 4}, "qkv")
-        >>> [(lay.count(b), lay.matrix_shape(b)) for b in lay.blocks]
-        [(12, (16, 64))]
+        >>> tuple((lay.count(b), lay.matrix_shape(b)) for b in lay.blocks)
+        ((12, (16, 64)),)
     """
     shape = tuple(param.shape)
     flatten = group.get("flatten")

@@ -88,8 +88,8 @@ def lion_step(
         >>> import torch
         >>> p, g, m, t = torch.zeros(2), torch.tensor([1.0, -2.0]), torch.zeros(2), torch.zeros(())
         >>> lion_step([p], [g], [m], [t], lr=0.1, betas=(0.9, 0.99), weight_decay=0.0)
-        >>> [round(x, 6) for x in p.tolist()]
-        [-0.1, 0.1]
+        >>> tuple(round(x, 6) for x in p.tolist())
+        (-0.1, 0.1)
     """
     params, grads, exp_avgs = list(params), list(grads), list(exp_avgs)
     if not params:

@@ -46,7 +46,7 @@ class Momentum:
     ) -> torch.Tensor:
         mu = float(ctx.hp["momentum"])
         M = state["momentum_buffer"]
-        M.mul_(mu).add_(X)
+        torch.add(X, M, alpha=mu, out=M)  # one pass: M ← G + μM
         if ctx.hp["nesterov"]:
             return X.add(M, alpha=mu)
         return M
