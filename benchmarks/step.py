@@ -20,6 +20,10 @@ prints a table. Nothing here asserts on time.
 
     python benchmarks/step.py --single            # full run on the default device
     python benchmarks/step.py --single --quick    # a smaller, faster subset
+    python benchmarks/step.py --single --threads 1   # steadier on a shared machine
+
+The load average before and after is stored with the results: on a shared
+machine, compare ratios, not milliseconds.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -294,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="smaller models, shorter runs")
     p.add_argument("--rounds", type=int, default=5, help="timed steps per optimizer (median)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--rules", nargs="*", default=sorted(RULES), help="DMuon rules to time")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -307,8 +313,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.quick:
         args.rounds = min(args.rounds, 3)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     result = run(args)
+    result["meta"]["load_average_1min"] = {
+        "before": load_before,
+        "after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"step-single-{args.device}" + ("-quick" if args.quick else "")
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))

@@ -223,3 +223,29 @@ def test_reference_ns_is_the_polar_factor():
     G = randn(8, 20, seed=0)
     sv = torch.linalg.svdvals(ns(G))
     assert sv.min() > 0.7 and sv.max() < 1.14
+
+
+@pytest.mark.parametrize("rule", ["muon", "dion3", "muonbp", "numuon", "sign_muon"])
+def test_how_a_bucket_is_cut_into_calls_changes_nothing(rule):
+    shapes = [(6, 10)] * 5 + [(10, 6)] * 2
+    w0 = [randn(*s, seed=i) for i, s in enumerate(shapes)]
+
+    def grads(t):
+        # parameter 2 has no gradient at step 1: the chunks are not consecutive then
+        return [
+            None if (t == 1 and i == 2) else randn(*s, seed=10 * t + i)
+            for i, s in enumerate(shapes)
+        ]
+
+    results = []
+    for limit in (None, 1, 2 * 60, 1 << 62):
+        params = [torch.nn.Parameter(w.clone()) for w in w0]
+        opt = DMuon([{"params": params}], rule=rule, **F64)
+        opt.max_batch_elements = limit
+        for t in range(3):
+            for p, g in zip(params, grads(t), strict=True):
+                p.grad = g
+            opt.step()
+        results.append(torch.cat([p.detach().flatten() for p in params]))
+    for r in results[1:]:
+        assert (r - results[0]).abs().max() < 1e-12

@@ -162,6 +162,23 @@ def test_lr_schedulers_drive_the_learning_rate(make):
     assert len({tuple(x) for x in lrs}) > 1  # the schedule did change the lr
 
 
+def test_cyclic_momentum_schedulers_cycle_the_matrix_momentum():
+    m = model()
+    opt = DMuon(param_groups(m), lr=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=10)  # cycles momentum
+    seen = []
+    for t in range(4):
+        opt.zero_grad()
+        loss_of(m, t).backward()
+        opt.step()
+        sched.step()
+        seen.append(opt.param_groups[0]["momentum"])
+    assert len(set(seen)) > 1
+    opt2 = DMuon(param_groups(model()), lr=0.01)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))  # the bookkeeping keys load back
+    assert opt2.param_groups[0]["momentum"] == seen[-1]
+
+
 def test_scheduler_state_survives_an_optimizer_round_trip():
     m = model()
     opt = DMuon(param_groups(m), lr=0.01)

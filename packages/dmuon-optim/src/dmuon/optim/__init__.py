@@ -8,7 +8,14 @@ same-shape matrices, written so that the distributed engine runs them unchanged.
 
 from dmuon.optim._version import __version__
 from dmuon.optim.apply import apply_update
-from dmuon.optim.buckets import Bucket, Entry, build_buckets, state_shapes, step_bucket
+from dmuon.optim.buckets import (
+    Bucket,
+    Entry,
+    build_buckets,
+    default_batch_elements,
+    state_shapes,
+    step_bucket,
+)
 from dmuon.optim.groups import Assignment, ParamGroups, param_groups
 from dmuon.optim.layout import Block, MatrixLayout, matrix_layout
 from dmuon.optim.optimizer import DMuon
@@ -35,6 +42,7 @@ __all__ = [
     "adjust_lr_factor",
     "apply_update",
     "build_buckets",
+    "default_batch_elements",
     "get_rule",
     "lion_step",
     "local_vote",

@@ -234,5 +234,7 @@ BOOKKEEPING_KEYS = frozenset(
         "min_lr",
         "base_lr",
         "swa_lr",
+        "max_momentum",
+        "base_momentum",
     }
 )

@@ -54,6 +54,9 @@ class DMuon(torch.optim.Optimizer):
     ``torch.optim.lr_scheduler`` work; hyperparameters are plain values in
     ``param_groups``; state is created for every parameter at construction.
     Parameters whose ``grad`` is ``None`` are skipped without touching their state.
+    The state tensors of matrix parameters are views into one stacked buffer per
+    shape: change them in place (or through :meth:`load_state_dict`), do not
+    rebind them.
 
     Args:
         params: parameters, named parameters, or parameter groups (dicts).
@@ -83,6 +86,9 @@ class DMuon(torch.optim.Optimizer):
     Attributes:
         sign_vote: the :class:`~dmuon.optim.SignVote` Sign-Muon uses (identity by
             default; the distributed engine sets a majority vote).
+        max_batch_elements: the most matrix entries one batched rule call holds
+            (``None``: per device, see :func:`~dmuon.optim.default_batch_elements`;
+            the results do not depend on it).
 
     Example:
         >>> import torch
@@ -125,6 +131,7 @@ class DMuon(torch.optim.Optimizer):
         self._scalar_optimizer = scalar_optimizer
         self._initialized = False
         self.sign_vote: SignVote = local_vote
+        self.max_batch_elements: int | None = None
         self._buckets: dict[int, list[Bucket]] = {}
         self._structure: dict[int, tuple[Any, ...]] = {}
         matrix = {
@@ -232,6 +239,10 @@ class DMuon(torch.optim.Optimizer):
             for key, opt in rule.options.items():
                 defaults[key] = self._rule_options.get(key, opt.default)
         unknown = sorted(k for k in group if k not in keys and k not in BOOKKEEPING_KEYS)
+        if algorithm in SCALAR_ALGORITHMS and "max_momentum" in group and "momentum" in unknown:
+            # OneCycleLR/CyclicLR(cycle_momentum=True) write "momentum" into every
+            # group; it cycles the matrix groups' μ and is ignored by AdamW/Lion.
+            unknown.remove("momentum")
         if unknown:
             raise ValueError(
                 f"{where}: unknown key(s) {unknown} for algorithm {algorithm!r}; accepted keys: "
@@ -329,7 +340,7 @@ class DMuon(torch.optim.Optimizer):
         torch._foreach_add_([self.state[p]["step"] for p in with_grad], 1.0)
         rule = get_rule(group["algorithm"])
         for bucket in self._buckets[index]:
-            step_bucket(bucket, group, rule, self.state, self.sign_vote)
+            step_bucket(bucket, group, rule, self.state, self.sign_vote, self.max_batch_elements)
 
     def _scalar_step(self, group: Mapping[str, Any]) -> None:
         params = [p for p in group["params"] if p.grad is not None]
@@ -404,6 +415,7 @@ class DMuon(torch.optim.Optimizer):
             self._scalar_defaults = config["scalar_defaults"]
             self._rule_options = config["rule_options"]
             self.sign_vote = local_vote
+            self.max_batch_elements = None
             self._buckets, self._structure = {}, {}
         if getattr(self, "_initialized", False):  # load_state_dict into a live optimizer
             groups = [self._normalize_group(g, i) for i, g in enumerate(state["param_groups"])]

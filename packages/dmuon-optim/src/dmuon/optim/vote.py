@@ -32,8 +32,9 @@ class SignVote(Protocol):
     * ``signs`` is a stacked batch ``(B, m, n)`` with entries in ``{−1, 0, +1}``, in
       the dtype of the matrices (the rule casts nothing).
     * The result has the same shape, dtype and device, entries in ``{−1, 0, +1}``.
-    * Every rank calls the vote for the same batches in the same order (the rule
-      guarantees it: the chain is deterministic given the bucket layout).
+    * Every rank must call the vote for the same batches in the same order. The
+      chain itself is deterministic given the batch; the caller (the distributed
+      engine) makes the batches agree, e.g. by stepping every matrix on every rank.
     """
 
     def __call__(self, signs: torch.Tensor) -> torch.Tensor: ...
