@@ -249,3 +249,34 @@ def test_how_a_bucket_is_cut_into_calls_changes_nothing(rule):
         results.append(torch.cat([p.detach().flatten() for p in params]))
     for r in results[1:]:
         assert (r - results[0]).abs().max() < 1e-12
+
+
+def test_an_owner_filter_buckets_only_the_owned_matrices():
+    # What the distributed engine does on one owner: bucket the matrices it owns,
+    # run the same rule with the same functions, get the single-process result.
+    from dmuon.optim import build_buckets, get_rule, step_bucket
+
+    shapes = [(6, 10)] * 4 + [(10, 6)] * 2
+    w0 = [randn(*s, seed=i) for i, s in enumerate(shapes)]
+    grads = [randn(*s, seed=50 + i) for i, s in enumerate(shapes)]
+    reference = [torch.nn.Parameter(w.clone()) for w in w0]
+    opt = DMuon([{"params": reference}], rule="normuon", **F64)
+    for p, g in zip(reference, grads, strict=True):
+        p.grad = g.clone()
+    opt.step()
+
+    owned = {0, 3, 5}
+    params = [torch.nn.Parameter(w.clone()) for w in w0]
+    group = {**opt.param_groups[0], "params": params}
+    buckets, state = build_buckets(
+        group, get_rule("normuon"), lambda p: {}, str, include=lambda i, p: i in owned
+    )
+    assert set(map(id, state)) == {id(params[i]) for i in owned}
+    assert sorted(e.index for b in buckets for e in b.entries) == sorted(owned)
+    for i in owned:
+        params[i].grad = grads[i].clone()
+        state[params[i]]["step"] += 1
+    for b in buckets:
+        step_bucket(b, group, get_rule("normuon"), state)
+    for i in owned:
+        assert (params[i].detach() - reference[i].detach()).abs().max() < 1e-12

@@ -9,6 +9,7 @@ import torch
 __all__ = ["apply_update"]
 
 
+@torch.no_grad()
 def apply_update(
     params: Sequence[torch.Tensor],
     updates: Sequence[torch.Tensor],

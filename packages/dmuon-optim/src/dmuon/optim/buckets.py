@@ -237,6 +237,7 @@ def _chunks(part: list[Entry], per_entry: int, limit: int) -> list[list[Entry]]:
     return out
 
 
+@torch.no_grad()
 def step_bucket(
     b: Bucket,
     group: Mapping[str, Any],

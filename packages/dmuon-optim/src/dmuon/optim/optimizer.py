@@ -37,7 +37,9 @@ class DMuon(torch.optim.Optimizer):
     with ``NS`` the Newton–Schulz polar factor and ``s`` the ``adjust_lr``
     convention; every rule is a chain of small transforms documented on its page.
     Same-shape matrices of a group are stacked and orthogonalised in one batched
-    call per shape. Build the groups of a model with
+    call per shape (on a CPU, in calls of at most ``max_batch_elements`` entries:
+    large matrices one by one, small ones by the dozen). Build the groups of a
+    model with
     :func:`dmuon.optim.param_groups`.
 
     The default ``lr = 1e-3`` goes with the default ``adjust_lr="match_rms_adamw"``:
