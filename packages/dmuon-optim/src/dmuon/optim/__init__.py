@@ -1,5 +1,53 @@
-"""dmuon.optim: a skeleton; the package README says what is coming."""
+"""dmuon.optim — the DMuon optimizer and the Muon family of update rules.
+
+``DMuon`` is a drop-in ``torch.optim.Optimizer``; ``param_groups(model)`` decides
+which parameters take the matrix rule and which AdamW/Lion. The rules are chains
+of small transforms (:mod:`dmuon.optim.transforms`) over stacked batches of
+same-shape matrices, written so that the distributed engine runs them unchanged.
+"""
 
 from dmuon.optim._version import __version__
+from dmuon.optim.apply import apply_update
+from dmuon.optim.buckets import (
+    Bucket,
+    Entry,
+    build_buckets,
+    default_batch_elements,
+    state_shapes,
+    step_bucket,
+)
+from dmuon.optim.groups import Assignment, ParamGroups, param_groups
+from dmuon.optim.layout import Block, MatrixLayout, matrix_layout
+from dmuon.optim.optimizer import DMuon
+from dmuon.optim.rules import RULES, Rule, get_rule
+from dmuon.optim.scalar import SCALAR_ALGORITHMS, adamw_step, lion_step
+from dmuon.optim.scaling import ADJUST_LR, adjust_lr_factor
+from dmuon.optim.vote import SignVote, local_vote
 
-__all__ = ["__version__"]
+__all__ = [
+    "ADJUST_LR",
+    "RULES",
+    "SCALAR_ALGORITHMS",
+    "Assignment",
+    "Block",
+    "Bucket",
+    "DMuon",
+    "Entry",
+    "MatrixLayout",
+    "ParamGroups",
+    "Rule",
+    "SignVote",
+    "__version__",
+    "adamw_step",
+    "adjust_lr_factor",
+    "apply_update",
+    "build_buckets",
+    "default_batch_elements",
+    "get_rule",
+    "lion_step",
+    "local_vote",
+    "matrix_layout",
+    "param_groups",
+    "state_shapes",
+    "step_bucket",
+]

@@ -1,0 +1,351 @@
+"""Optimizer step time: DMuon (every rule) vs torch.optim.Muon vs AdamW (foreach).
+
+``--single``: one process. For the weight-matrix shapes of GPT-2 small and of a
+Llama-style 1B model (scaled down on CPU so a 2-core machine finishes in
+minutes), gradients are filled with random numbers once and ``optimizer.step()``
+alone is timed (median of interleaved rounds). Reported:
+
+* ms per step and the ratio to ``torch.optim.Muon`` and to AdamW (foreach);
+* the target of issue 5: DMuon ``muon`` at *equal coefficients* (Keller's,
+  5 steps — what torch.optim.Muon runs) ≤ 0.6× torch.optim.Muon's step on CPU.
+  The gain comes from stacking same-shape matrices into one batched call and
+  from Gram Newton–Schulz on rectangular matrices.
+
+``--world N`` (the distributed step of the engine: forward, backward,
+communication wait and optimizer per mode) comes with the distributed engine;
+today it stops with an error instead of printing numbers it did not measure.
+
+Writes ``benchmarks/results/step-single-<device>[-quick].json`` and ``.png`` and
+prints a table. Nothing here asserts on time.
+
+    python benchmarks/step.py --single            # full run on the default device
+    python benchmarks/step.py --single --quick    # a smaller, faster subset
+    python benchmarks/step.py --single --threads 1   # steadier on a shared machine
+
+The load average before and after is stored with the results: on a shared
+machine, compare ratios, not milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dmuon.kernels import __version__ as kernels_version
+from dmuon.kernels import ns_flops
+from dmuon.optim import RULES, DMuon
+from dmuon.optim import __version__ as optim_version
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The hidden weight matrices of a model: (label, (out, in), count per layer) × layers."""
+
+    name: str
+    layers: int
+    matrices: tuple[tuple[str, tuple[int, int], int], ...]
+
+    def shapes(self) -> list[tuple[int, int]]:
+        return [s for _ in range(self.layers) for _, s, c in self.matrices for _ in range(c)]
+
+    def describe(self) -> str:
+        per = ", ".join(f"{c}×{s[0]}x{s[1]} {n}" for n, s, c in self.matrices)
+        return f"{self.name}: {self.layers} layers of [{per}]"
+
+
+# GPT-2 small (d=768): fused qkv, attention out, MLP in/out — nn.Linear (out, in) shapes.
+GPT2 = (
+    ("qkv", (2304, 768), 1),
+    ("attn out", (768, 768), 1),
+    ("fc", (3072, 768), 1),
+    ("proj", (768, 3072), 1),
+)
+# Llama-3.2-1B (d=2048, ffn 8192, 32 q heads / 8 kv heads of 64): q, k, v, o, gate, up, down.
+LLAMA1B = (
+    ("q", (2048, 2048), 1),
+    ("k,v", (512, 2048), 2),
+    ("o", (2048, 2048), 1),
+    ("gate,up", (8192, 2048), 2),
+    ("down", (2048, 8192), 1),
+)
+
+
+def scaled(matrices, div: int):
+    return tuple((n, (a // div, b // div), c) for n, (a, b), c in matrices)
+
+
+def configs(device: str, quick: bool) -> list[Config]:
+    if device == "cuda":
+        return [Config("gpt2-small", 12, GPT2), Config("llama-1b", 16, LLAMA1B)]
+    if quick:
+        return [
+            Config("gpt2-small (2 layers)", 2, GPT2),
+            Config("llama-1b /8 width", 4, scaled(LLAMA1B, 8)),
+        ]
+    # CPU: GPT-2 small at full width, 4 of its 12 layers; Llama-1B at a quarter of its
+    # width and all 16 layers (1024-wide hidden states would take minutes per step).
+    return [
+        Config("gpt2-small (4 of 12 layers)", 4, GPT2),
+        Config("llama-1b /4 width", 16, scaled(LLAMA1B, 4)),
+    ]
+
+
+KELLER = dict(ns_coefficients="keller", ns_method="gram", ns_steps=5)
+
+
+def optimizers(
+    rules: list[str],
+) -> list[tuple[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]]:
+    out: list[tuple[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]] = [
+        ("AdamW (foreach)", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True)),
+        ("torch.optim.Muon", lambda ps: torch.optim.Muon(ps, lr=0.02, adjust_lr_fn="original")),
+        ("DMuon muon, Keller coefficients", lambda ps: DMuon(ps, rule="muon", **KELLER)),
+        (
+            "DMuon muon, Keller, standard NS",
+            lambda ps: DMuon(ps, rule="muon", ns_coefficients="keller", ns_method="standard"),
+        ),
+    ]
+    for rule in rules:
+        out.append((f"DMuon {rule}", lambda ps, rule=rule: DMuon(ps, rule=rule)))
+    return out
+
+
+@dataclasses.dataclass
+class Row:
+    config: str
+    optimizer: str
+    matrices: int
+    parameters: int
+    seconds: float  # median over rounds
+    all_seconds: list[float]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every optimizer steps the same parameters; steps are timed in interleaved rounds.
+
+    Round r times one step of every optimizer in turn, so background load that
+    drifts during the run (other jobs on a shared machine) hits every optimizer
+    alike; the median over rounds is reported.
+    """
+    rows: list[Row] = []
+    cfgs = configs(args.device, args.quick)
+    opts = optimizers(args.rules)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    with progress() as bar:
+        task = bar.add_task("step", total=len(cfgs) * len(opts) * (args.rounds + 1))
+        for cfg in cfgs:
+            gen = torch.Generator().manual_seed(0)
+            params = [
+                torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(args.device))
+                for s in cfg.shapes()
+            ]
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(args.device)
+            built = []
+            for label, make in opts:
+                bar.update(task, description=f"{cfg.name[:20]}: warm-up {label[:26]}")
+                opt = make(params)
+                opt.step()  # first-call allocations
+                sync()
+                built.append((label, opt))
+                bar.advance(task)
+            times: dict[str, list[float]] = {label: [] for label, _ in built}
+            for r in range(args.rounds):
+                for label, opt in built:
+                    bar.update(task, description=f"{cfg.name[:20]}: round {r + 1} {label[:22]}")
+                    sync()
+                    t0 = time.perf_counter()
+                    opt.step()
+                    sync()
+                    times[label].append(time.perf_counter() - t0)
+                    bar.advance(task)
+            n = sum(p.numel() for p in params)
+            for label, ts in times.items():
+                rows.append(Row(cfg.name, label, len(params), n, statistics.median(ts), ts))
+            del built, params
+    return {
+        "meta": machine_info(args.device),
+        "configs": [c.describe() for c in cfgs],
+        "rounds": args.rounds,
+        "rows": [dataclasses.asdict(r) for r in rows],
+        "summary": summarise(rows, cfgs),
+    }
+
+
+def flop_ratio(cfg: Config) -> float:
+    """Gram / standard Newton–Schulz FLOPs over the config's matrices (``ns_flops``).
+
+    With the same coefficients, this bounds what Gram NS alone can save; the rest
+    has to come from batching, which pays only where matrices are too small to
+    keep the cores busy on their own.
+    """
+    gram = sum(ns_flops(m, n, method="gram") for m, n in cfg.shapes())
+    return gram / sum(ns_flops(m, n, method="standard") for m, n in cfg.shapes())
+
+
+def summarise(rows: list[Row], cfgs: list[Config]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    flops = {c.name: flop_ratio(c) for c in cfgs}
+    for cfg in dict.fromkeys(r.config for r in rows):
+        by = {r.optimizer: r.seconds for r in rows if r.config == cfg}
+        muon, adamw = by["torch.optim.Muon"], by["AdamW (foreach)"]
+        out[cfg] = {
+            "dmuon_keller_over_torch_muon": by["DMuon muon, Keller coefficients"] / muon,
+            "dmuon_keller_standard_over_torch_muon": by["DMuon muon, Keller, standard NS"] / muon,
+            "gram_over_standard_flops": flops[cfg],
+            "target_dmuon_over_torch_muon": 0.6,
+            "over_torch_muon": {k: v / muon for k, v in by.items()},
+            "over_adamw": {k: v / adamw for k, v in by.items()},
+        }
+    return out
+
+
+def progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+    )
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    info = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": device,
+        "torch": torch.__version__,
+        "dmuon_kernels": kernels_version,
+        "dmuon_optim": optim_version,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=120)
+    for cfg, summ in result["summary"].items():
+        table = Table(title=f"{cfg} — optimizer step on {result['meta']['device']}")
+        for h in ("optimizer", "ms / step", "× torch Muon", "× AdamW"):
+            table.add_column(h, justify="left" if h == "optimizer" else "right")
+        for r in result["rows"]:
+            if r["config"] != cfg:
+                continue
+            name = r["optimizer"]
+            table.add_row(
+                name,
+                f"{r['seconds'] * 1e3:.1f}",
+                f"{summ['over_torch_muon'][name]:.2f}",
+                f"{summ['over_adamw'][name]:.1f}",
+            )
+        console.print(table)
+        ratio = summ["dmuon_keller_over_torch_muon"]
+        verdict = "met" if ratio <= 0.6 else "NOT met"
+        console.print(
+            f"DMuon muon / torch.optim.Muon at equal (Keller) coefficients: {ratio:.2f}× "
+            f"(target ≤ 0.60×: {verdict}); with standard NS: "
+            f"{summ['dmuon_keller_standard_over_torch_muon']:.2f}×; "
+            f"Gram/standard NS FLOPs of these shapes: {summ['gram_over_standard_flops']:.2f}\n"
+        )
+
+
+def plot(result: dict[str, Any], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfgs = list(result["summary"])
+    fig, axes = plt.subplots(1, len(cfgs), figsize=(7 * len(cfgs), 5.5), squeeze=False)
+    for ax, cfg in zip(axes[0], cfgs, strict=True):
+        rows = [r for r in result["rows"] if r["config"] == cfg]
+        names = [r["optimizer"] for r in rows]
+        ms = [r["seconds"] * 1e3 for r in rows]
+        colors = [
+            "tab:gray"
+            if n.startswith("AdamW")
+            else "tab:red"
+            if n.startswith("torch")
+            else "tab:blue"
+            for n in names
+        ]
+        ax.barh(range(len(rows)), ms, color=colors)
+        ax.set_yticks(range(len(rows)), names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("ms per optimizer step (log)")
+        ax.set_title(
+            f"{cfg}\n{result['meta']['device']}, torch threads = {result['meta']['threads']}",
+            fontsize=9,
+        )
+        muon = next(r["seconds"] * 1e3 for r in rows if r["optimizer"] == "torch.optim.Muon")
+        ax.axvline(muon, color="tab:red", lw=0.8, ls="--")
+        ax.axvline(0.6 * muon, color="tab:green", lw=0.8, ls=":", label="0.6 × torch Muon")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--single", action="store_true", help="one process: optimizer step only")
+    mode.add_argument(
+        "--world", type=int, metavar="N", help="N ranks (comes with the distributed engine)"
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true", help="smaller models, shorter runs")
+    p.add_argument("--rounds", type=int, default=5, help="timed steps per optimizer (median)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--rules", nargs="*", default=sorted(RULES), help="DMuon rules to time")
+    p.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = p.parse_args(argv)
+    if args.world is not None:
+        print(
+            "benchmarks/step.py --world N: the distributed step (owner, replicated, sharded and "
+            "sign modes) is not implemented yet — it arrives with the distributed engine. "
+            "Use --single.",
+            file=sys.stderr,
+        )
+        return 2
+    if args.quick:
+        args.rounds = min(args.rounds, 3)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    result = run(args)
+    result["meta"]["load_average_1min"] = {
+        "before": load_before,
+        "after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"step-single-{args.device}" + ("-quick" if args.quick else "")
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    plot(result, args.out / f"{stem}.png")
+    print_table(result)
+    print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,240 @@
+"""Hyperparameter specifications: defaults, checks and the normalised plain values.
+
+Every key a parameter group may carry is declared here (the keys common to all
+matrix rules, the scalar optimizers' keys) or in the rule's own options
+(:mod:`dmuon.optim.rules`). A key that is declared nowhere is an error that names
+it and lists the accepted ones: a silently ignored ``betas`` is a known trap.
+Values are normalised to plain Python values (floats, ints, bools, strings,
+tuples) so that ``param_groups`` and state dicts hold nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dmuon.kernels import COEFFICIENT_SETS, METHODS
+from dmuon.kernels.coefficients import resolve_coefficients
+from dmuon.optim.scaling import ADJUST_LR
+from dmuon.optim.transforms.base import COMPUTE_DTYPES
+
+__all__ = [
+    "BOOKKEEPING_KEYS",
+    "MATRIX_KEYS",
+    "SCALAR_KEYS",
+    "Option",
+    "boolean",
+    "choice",
+    "integer",
+    "real",
+]
+
+Check = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Option:
+    """A hyperparameter: its default, how it is checked and normalised, what it means."""
+
+    default: Any
+    check: Check
+    doc: str
+
+
+def real(
+    lo: float = -math.inf,
+    hi: float = math.inf,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> Check:
+    """A finite real number in the interval; returned as ``float``."""
+    left = "(" if lo_open else "["
+    right = ")" if hi_open else "]"
+    if hi == math.inf:
+        what = f"a finite real number {'>' if lo_open else '>='} {lo}"
+    else:
+        what = f"a real number in {left}{lo}, {hi}{right}"
+
+    def check(value: Any) -> float:
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"must be {what}, got {value!r}")
+        v = float(value)
+        ok = math.isfinite(v)
+        ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+        if not ok:
+            raise ValueError(f"must be {what}, got {value!r}")
+        return v
+
+    return check
+
+
+def integer(lo: int) -> Check:
+    """An integer ``≥ lo``; returned as ``int``."""
+
+    def check(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ValueError(f"must be an integer >= {lo}, got {value!r}")
+        return int(value)
+
+    return check
+
+
+def choice(values: Sequence[Any]) -> Check:
+    """One of ``values`` (compared with ``==``)."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, bool) and not any(isinstance(v, bool) for v in values):
+            raise ValueError(f"must be one of {list(values)}, got {value!r}")
+        if value not in values:
+            raise ValueError(f"must be one of {list(values)}, got {value!r}")
+        return value
+
+    return check
+
+
+def boolean(value: Any) -> bool:
+    """``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"must be True or False, got {value!r}")
+    return value
+
+
+def optional(inner: Check) -> Check:
+    """``None`` or whatever ``inner`` accepts."""
+
+    def check(value: Any) -> Any:
+        return None if value is None else inner(value)
+
+    return check
+
+
+def _betas(value: Any) -> tuple[float, float]:
+    try:
+        b1, b2 = value
+    except (TypeError, ValueError):
+        raise ValueError(f"must be a pair (beta1, beta2) in [0, 1), got {value!r}") from None
+    unit = real(0.0, 1.0, hi_open=True)
+    try:
+        return unit(b1), unit(b2)
+    except ValueError:
+        raise ValueError(f"must be a pair (beta1, beta2) in [0, 1), got {value!r}") from None
+
+
+def _coefficients(value: Any) -> str | tuple[tuple[float, float, float], ...]:
+    if isinstance(value, str):
+        if value not in COEFFICIENT_SETS:
+            raise ValueError(f"must be one of {sorted(COEFFICIENT_SETS)} or (a, b, c) triples")
+        return value
+    try:
+        triples = tuple(value)
+        resolve_coefficients(triples, len(triples) or 1)
+        return tuple((float(a), float(b), float(c)) for a, b, c in triples)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"must be one of {sorted(COEFFICIENT_SETS)} or a sequence of (a, b, c) triples, "
+            f"got {value!r} ({e})"
+        ) from None
+
+
+def _compute_dtype(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        names = {v: k for k, v in COMPUTE_DTYPES.items()}
+        if value in names:
+            return names[value]
+    elif value in COMPUTE_DTYPES:
+        return str(value)
+    raise ValueError(f"must be None or one of {sorted(COMPUTE_DTYPES)}, got {value!r}")
+
+
+def _sizes(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        sizes = tuple(value)
+    except TypeError:
+        raise ValueError(
+            f"must be None or a sequence of positive integers, got {value!r}"
+        ) from None
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"must be None or a sequence of positive integers, got {value!r}")
+    return tuple(int(s) for s in sizes)
+
+
+def _heads(value: Any) -> int | tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"must be a positive integer, a tuple of them, or None, got {value}")
+        return int(value)
+    return _sizes(value)
+
+
+# Keys every matrix group has, whatever its rule. Defaults of the first four come
+# from the DMuon constructor.
+MATRIX_KEYS: dict[str, Option] = {
+    "lr": Option(None, real(0.0), "learning rate (≥ 0)"),
+    "momentum": Option(None, real(0.0, 1.0, hi_open=True), "momentum μ in [0, 1)"),
+    "nesterov": Option(None, boolean, "Nesterov look-ahead G + μM instead of M"),
+    "weight_decay": Option(None, real(0.0), "decoupled weight decay: W ← W(1 − lr·wd)"),
+    "adjust_lr": Option(None, choice(ADJUST_LR), "learning-rate convention of the shape"),
+    "ns_method": Option(None, choice(METHODS), "Newton–Schulz iteration: gram or standard"),
+    "ns_coefficients": Option(None, _coefficients, "coefficient set name or (a, b, c) triples"),
+    "ns_steps": Option(None, integer(1), "Newton–Schulz steps"),
+    "ns_compute_dtype": Option(
+        None,
+        _compute_dtype,
+        "dtype of the Newton–Schulz matmuls; None = per device (bf16 on CPU, fp16 Gram on CUDA)",
+    ),
+    "flatten": Option(
+        None,
+        optional(boolean),
+        "parameters with more than 2 dims: True = one (dim0, rest) matrix (conv), "
+        "False = a batch of matrices over the leading dims (expert stacks)",
+    ),
+    "split_sizes": Option(
+        None, _sizes, "row blocks orthogonalised separately (fused QKV), summing to the rows"
+    ),
+    "num_heads": Option(None, _heads, "split each (block's) rows into this many per-head matrices"),
+}
+
+SCALAR_KEYS: dict[str, dict[str, Option]] = {
+    "adamw": {
+        "lr": Option(None, real(0.0), "learning rate (≥ 0)"),
+        "betas": Option(None, _betas, "(beta1, beta2) in [0, 1)"),
+        "eps": Option(None, real(0.0), "denominator guard"),
+        "weight_decay": Option(None, real(0.0), "decoupled weight decay"),
+    },
+    "lion": {
+        "lr": Option(None, real(0.0), "learning rate (≥ 0)"),
+        "betas": Option(None, _betas, "(beta1, beta2) in [0, 1)"),
+        "weight_decay": Option(None, real(0.0), "decoupled weight decay"),
+    },
+}
+
+# Keys that carry no hyperparameter: what the group holds and bookkeeping written
+# by torch's LR schedulers and SWA, which must survive a state-dict round trip.
+BOOKKEEPING_KEYS = frozenset(
+    {
+        "params",
+        "param_names",
+        "algorithm",
+        "name",
+        "initial_lr",
+        "max_lr",
+        "min_lr",
+        "base_lr",
+        "swa_lr",
+        "max_momentum",
+        "base_momentum",
+    }
+)

@@ -1,0 +1,177 @@
+"""How one parameter is seen as a batch of matrices.
+
+Every parameter of a matrix group is first viewed as ``(L, M, N)``:
+
+* 2-D ``(M, N)`` → ``L = 1``;
+* ``flatten=True`` (conv weights ``(out, in, *kernel)``) → ``(1, out, in·∏kernel)``,
+  one matrix per parameter (never across parameters);
+* ``flatten=False`` (expert stacks ``(E, m, n)``, any ``(..., m, n)``) →
+  ``(∏leading, m, n)``, a batch of matrices.
+
+Then its ``M`` rows are cut into *blocks*: ``split_sizes`` (fused QKV) gives
+consecutive row blocks, and ``num_heads`` splits each block's rows into per-head
+matrices. A block of ``rows`` rows with ``heads`` heads contributes
+``L·heads`` matrices of shape ``(rows/heads, N)``. Consecutive blocks with the same
+matrix shape are merged, so an equal three-way QKV split of ``(3d, d)`` is a single
+block of three ``d × d`` matrices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Block", "MatrixLayout", "matrix_layout"]
+
+
+@dataclass(frozen=True)
+class Block:
+    """A run of same-shape matrices inside a parameter's ``(L, M, N)`` view.
+
+    Attributes:
+        row_start: first row of the block.
+        rows: rows of the block (``heads × matrix_rows``).
+        heads: matrices per leading index.
+        matrix_rows: rows of each matrix.
+    """
+
+    row_start: int
+    rows: int
+    heads: int
+    matrix_rows: int
+
+
+@dataclass(frozen=True)
+class MatrixLayout:
+    """A parameter seen as blocks of matrices (see the module docstring).
+
+    Attributes:
+        param_shape: the parameter's shape.
+        flat: the ``(L, M, N)`` view.
+        blocks: the row blocks, in row order.
+        flatten: the ``flatten`` setting the layout was made with.
+    """
+
+    param_shape: tuple[int, ...]
+    flat: tuple[int, int, int]
+    blocks: tuple[Block, ...]
+    flatten: bool | None
+
+    @property
+    def whole(self) -> bool:
+        """One block covering every row: the parameter is one contiguous batch."""
+        return len(self.blocks) == 1
+
+    def count(self, block: Block) -> int:
+        """Number of matrices in ``block``."""
+        return self.flat[0] * block.heads
+
+    def matrix_shape(self, block: Block) -> tuple[int, int]:
+        """``(m, n)`` of the matrices in ``block``."""
+        return (block.matrix_rows, self.flat[2])
+
+    @property
+    def row_state_shape(self) -> tuple[int, ...]:
+        """Shape of per-row state for the whole parameter (one value per row of every matrix)."""
+        if self.flatten or len(self.param_shape) == 2:
+            return (self.flat[1],)
+        return tuple(self.param_shape[:-1])
+
+    def block_view(self, t: torch.Tensor, block: Block) -> torch.Tensor:
+        """A view of ``block`` in the parameter-shaped ``t``: ``(L, heads, rows, N)``.
+
+        For a whole-parameter block on a contiguous tensor this is contiguous and
+        ``.view(count, rows, N)`` is free.
+        """
+        L, M, N = self.flat
+        v = t.view(L, M, N)
+        if block.rows != M:
+            v = v.narrow(1, block.row_start, block.rows)
+        return v.unflatten(1, (block.heads, block.matrix_rows))
+
+    def row_block_view(self, t: torch.Tensor, block: Block) -> torch.Tensor:
+        """A view of ``block`` in per-row state ``t``: ``(L, heads, rows)``."""
+        L, M, _ = self.flat
+        v = t.view(L, M)
+        if block.rows != M:
+            v = v.narrow(1, block.row_start, block.rows)
+        return v.unflatten(1, (block.heads, block.matrix_rows))
+
+
+def _flat_shape(shape: tuple[int, ...], flatten: bool | None, where: str) -> tuple[int, int, int]:
+    if len(shape) < 2:
+        raise ValueError(
+            f"{where} has shape {shape} ({len(shape)}-D); matrix rules take parameters with "
+            "at least 2 dimensions. Put 0-D and 1-D parameters (biases, norms, scalars) in a "
+            "group with algorithm 'adamw' or 'lion' — dmuon.optim.param_groups(model) does this"
+        )
+    if len(shape) == 2:
+        return (1, shape[0], shape[1])
+    if flatten is None:
+        raise ValueError(
+            f"{where} has shape {shape} ({len(shape)}-D); say how to see it as matrices with "
+            "the group key 'flatten': True for a conv weight (one (out, in·kernel) matrix), "
+            "False for a stack of matrices over the leading dimensions (MoE experts)"
+        )
+    if flatten:
+        return (1, shape[0], math.prod(shape[1:]))
+    return (math.prod(shape[:-2]), shape[-2], shape[-1])
+
+
+def matrix_layout(param: torch.Tensor, group: dict[str, Any], where: str) -> MatrixLayout:
+    """The :class:`MatrixLayout` of ``param`` under the group keys ``flatten``, ``split_sizes``
+    and ``num_heads``.
+
+    Args:
+        param: the parameter.
+        group: its (normalised) group.
+        where: how to name the parameter in errors.
+
+    Raises:
+        ValueError: a 0-/1-D parameter, a >2-D one without ``flatten``, split sizes
+            that do not sum to the rows, or heads that do not divide a block.
+
+    Example:
+        >>> import torch
+        >>> qkv = torch.zeros(3 * 64, 64)
+        >>> lay = matrix_layout(qkv, {"split_sizes": (64, 64, 64), "num_heads": 4}, "qkv")
+        >>> tuple((lay.count(b), lay.matrix_shape(b)) for b in lay.blocks)
+        ((12, (16, 64)),)
+    """
+    shape = tuple(param.shape)
+    flatten = group.get("flatten")
+    L, M, N = _flat_shape(shape, flatten, where)
+    split = group.get("split_sizes") or (M,)
+    if sum(split) != M:
+        raise ValueError(
+            f"{where}: split_sizes {tuple(split)} sum to {sum(split)} but the matrix has {M} "
+            f"rows (shape {shape}); they must sum to {M}"
+        )
+    heads = group.get("num_heads") or 1
+    heads_per_block = (heads,) * len(split) if isinstance(heads, int) else tuple(heads)
+    if len(heads_per_block) != len(split):
+        raise ValueError(
+            f"{where}: num_heads {heads} gives {len(heads_per_block)} head counts for "
+            f"{len(split)} split blocks; give one int or one per block"
+        )
+    blocks: list[Block] = []
+    start = 0
+    for rows, h in zip(split, heads_per_block, strict=True):
+        if rows % h:
+            raise ValueError(
+                f"{where}: a block of {rows} rows cannot be cut into {h} heads (shape {shape}, "
+                f"split_sizes {tuple(split)}); num_heads must divide every block's rows"
+            )
+        d = rows // h
+        prev = blocks[-1] if blocks else None
+        if prev is not None and prev.matrix_rows == d and prev.row_start + prev.rows == start:
+            blocks[-1] = Block(prev.row_start, prev.rows + rows, prev.heads + h, d)
+        else:
+            blocks.append(Block(start, rows, h, d))
+        start += rows
+    if L == 0 or N == 0 or M == 0:
+        blocks = []
+    return MatrixLayout(shape, (L, M, N), tuple(blocks), flatten)

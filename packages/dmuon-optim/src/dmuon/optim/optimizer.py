@@ -1,0 +1,484 @@
+"""``DMuon``: the Muon family of update rules as one ``torch.optim.Optimizer``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from dmuon.optim.buckets import Bucket, build_buckets, state_shapes, step_bucket
+from dmuon.optim.hyperparameters import BOOKKEEPING_KEYS, MATRIX_KEYS, SCALAR_KEYS
+from dmuon.optim.layout import matrix_layout
+from dmuon.optim.rules import RULES, get_rule
+from dmuon.optim.scalar import SCALAR_ALGORITHMS, adamw_step, lion_step, scalar_state_shapes
+from dmuon.optim.vote import SignVote, local_vote
+
+__all__ = ["DMuon"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The structural keys a group's buckets depend on; changing them after construction
+# would silently mismatch the state, so step() refuses.
+_STRUCTURE = ("algorithm", "flatten", "split_sizes", "num_heads")
+
+
+class DMuon(torch.optim.Optimizer):
+    """Muon and its family of update rules, with AdamW or Lion for the scalar parameters.
+
+    Each parameter group carries an ``algorithm``: a matrix rule
+    (``"muon"``, ``"normuon"``, ``"adamuon"``, ``"muon2"``, ``"mona"``, ``"musec"``,
+    ``"sign_muon"``, ``"dion2"``, ``"dion3"``, ``"muonbp"``, ``"numuon"``; the
+    default is ``rule``) or a scalar optimizer (``"adamw"``, ``"lion"``; the
+    placeholder ``"scalar"`` means ``scalar_optimizer``). For Muon, a matrix ``W``
+    with gradient ``G`` takes the step
+
+        M ← μM + G,    O = NS(G + μM),    W ← W·(1 − lr·wd) − lr·s(m, n)·O
+
+    with ``NS`` the Newton–Schulz polar factor and ``s`` the ``adjust_lr``
+    convention; every rule is a chain of small transforms documented on its page.
+    Same-shape matrices of a group are stacked and orthogonalised in one batched
+    call per shape (on a CPU, in calls of at most ``max_batch_elements`` entries:
+    large matrices one by one, small ones by the dozen). Build the groups of a
+    model with
+    :func:`dmuon.optim.param_groups`.
+
+    The default ``lr = 1e-3`` goes with the default ``adjust_lr="match_rms_adamw"``:
+    that convention gives every matrix's update the RMS of a typical AdamW update
+    (0.2·lr), so the learning rates that work for AdamW work here — 1e-3 is
+    ``torch.optim.Muon``'s and Moonlight's default and a common AdamW one — and the
+    scalar parameters take the same lr unless ``adamw_lr`` says otherwise. With
+    ``adjust_lr="original"`` (Keller Jordan's convention) use Muon's usual lr of
+    about 0.02.
+
+    It is a true ``torch.optim.Optimizer``: ``step(closure=None)``,
+    ``zero_grad``, ``state_dict()`` / ``load_state_dict(state_dict)``,
+    ``add_param_group``, step and state-dict hooks, and the LR schedulers of
+    ``torch.optim.lr_scheduler`` work; hyperparameters are plain values in
+    ``param_groups``; state is created for every parameter at construction.
+    Parameters whose ``grad`` is ``None`` are skipped without touching their state.
+    The state tensors of matrix parameters are views into one stacked buffer per
+    shape: change them in place (or through :meth:`load_state_dict`), do not
+    rebind them.
+
+    Args:
+        params: parameters, named parameters, or parameter groups (dicts).
+        lr: learning rate of the matrix groups.
+        rule: the matrix rule of groups that name no ``algorithm``.
+        momentum: μ ∈ [0, 1) (sum form, see :class:`~dmuon.optim.transforms.Momentum`).
+        nesterov: use ``G + μM`` instead of ``M``.
+        weight_decay: decoupled weight decay of the matrix groups (with the base lr).
+        adjust_lr: ``"original"``, ``"match_rms_adamw"``, ``"spectral"`` or ``None``.
+        ns_method: ``"gram"`` or ``"standard"`` Newton–Schulz.
+        ns_coefficients: a coefficient-set name of :mod:`dmuon.kernels` or triples.
+        ns_steps: Newton–Schulz steps.
+        scalar_optimizer: ``"adamw"`` or ``"lion"``, for groups with ``algorithm="scalar"``.
+        adamw_lr: learning rate of the scalar groups (``None``: ``lr``).
+        adamw_betas: their ``(β₁, β₂)``.
+        adamw_eps: their ε (AdamW).
+        adamw_weight_decay: their decoupled weight decay.
+        **rule_options: defaults of rule hyperparameters (e.g. ``beta2=0.9`` for
+            NorMuon, ``fraction=0.5`` for Dion2, ``ns_compute_dtype="float32"``);
+            each must be accepted by ``rule`` or by a group's algorithm.
+
+    Raises:
+        ValueError: a bad hyperparameter, an unknown group key or rule, or a
+            parameter the group's algorithm cannot take (each error names it and
+            says what would be right).
+
+    Attributes:
+        sign_vote: the :class:`~dmuon.optim.SignVote` Sign-Muon uses (identity by
+            default; the distributed engine sets a majority vote).
+        max_batch_elements: the most matrix entries one batched rule call holds
+            (``None``: per device, see :func:`~dmuon.optim.default_batch_elements`;
+            the results do not depend on it).
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import DMuon, param_groups
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
+        ...                             torch.nn.Linear(32, 4))
+        >>> opt = DMuon(param_groups(model), lr=1e-3, rule="muon")
+        >>> model(torch.randn(16, 8)).square().mean().backward()
+        >>> opt.step()
+        >>> opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        *,
+        rule: str = "muon",
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        adjust_lr: str | None = "match_rms_adamw",
+        ns_method: str = "gram",
+        ns_coefficients: Any = "polar_express",
+        ns_steps: int = 5,
+        scalar_optimizer: str = "adamw",
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        **rule_options: Any,
+    ) -> None:
+        get_rule(rule)
+        if scalar_optimizer not in SCALAR_ALGORITHMS:
+            raise ValueError(
+                f"scalar_optimizer must be one of {list(SCALAR_ALGORITHMS)}, "
+                f"got {scalar_optimizer!r}"
+            )
+        self._rule = rule
+        self._scalar_optimizer = scalar_optimizer
+        self._initialized = False
+        self.sign_vote: SignVote = local_vote
+        self.max_batch_elements: int | None = None
+        self._buckets: dict[int, list[Bucket]] = {}
+        self._structure: dict[int, tuple[Any, ...]] = {}
+        matrix = {
+            "lr": lr,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "weight_decay": weight_decay,
+            "adjust_lr": adjust_lr,
+            "ns_method": ns_method,
+            "ns_coefficients": ns_coefficients,
+            "ns_steps": ns_steps,
+            "ns_compute_dtype": None,
+            "flatten": None,
+            "split_sizes": None,
+            "num_heads": None,
+        }
+        self._matrix_defaults = {
+            k: _check(k, v, MATRIX_KEYS[k], "DMuon") for k, v in matrix.items()
+        }
+        scalar = {
+            "lr": lr if adamw_lr is None else adamw_lr,
+            "betas": adamw_betas,
+            "eps": adamw_eps,
+            "weight_decay": adamw_weight_decay,
+        }
+        names = {"lr": "adamw_lr", "betas": "adamw_betas", "eps": "adamw_eps"}
+        names["weight_decay"] = "adamw_weight_decay"
+        self._scalar_defaults = {
+            k: _check(names[k], v, SCALAR_KEYS["adamw"][k], "DMuon") for k, v in scalar.items()
+        }
+        self._rule_options = dict(rule_options)
+        for key, value in self._rule_options.items():
+            if key in MATRIX_KEYS:
+                self._matrix_defaults[key] = _check(key, value, MATRIX_KEYS[key], "DMuon")
+        defaults = {"algorithm": rule, **self._matrix_defaults}
+        for key, opt in get_rule(rule).options.items():
+            defaults[key] = self._rule_options.get(key, opt.default)
+        super().__init__(params, defaults)
+        used = set(MATRIX_KEYS) | set(get_rule(rule).options)
+        for group in self.param_groups:
+            if group["algorithm"] in RULES:
+                used |= set(get_rule(group["algorithm"]).options)
+        unused = sorted(set(self._rule_options) - used)
+        if unused:
+            rules_used = sorted({g["algorithm"] for g in self.param_groups} & set(RULES) | {rule})
+            raise ValueError(
+                f"unknown option(s) {unused} for rule(s) {rules_used}; accepted options: "
+                f"{sorted(used)}"
+            )
+        self._initialized = True
+        for index in range(len(self.param_groups)):
+            self._rebuild(index)
+
+    # ------------------------------------------------------------------ groups
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; its keys are checked and completed, its state created at once.
+
+        Raises:
+            ValueError: unknown key (named, with the accepted ones), bad value, or a
+                parameter the group's algorithm cannot take.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        group = self._normalize_group(param_group, len(self.param_groups))
+        defaults, self.defaults = self.defaults, {}
+        try:
+            super().add_param_group(group)
+        finally:
+            self.defaults = defaults
+        if self._initialized:
+            self._rebuild(len(self.param_groups) - 1)
+
+    def _normalize_group(self, param_group: Mapping[str, Any], index: int) -> dict[str, Any]:
+        group = dict(param_group)
+        params = group.get("params")
+        if params is None:
+            raise ValueError(f"param group {index} has no 'params'")
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError("parameters must be an ordered collection (a list), not a set")
+        params = list(params)
+        if params and all(isinstance(p, tuple) for p in params):
+            group["param_names"] = [n for n, _ in params]
+            params = [p for _, p in params]
+        group["params"] = params
+        where = f"param group {index}"
+        algorithm = group.get("algorithm", self._rule)
+        if algorithm == "scalar":
+            algorithm = self._scalar_optimizer
+        accepted_algorithms = sorted(RULES) + list(SCALAR_ALGORITHMS) + ["scalar"]
+        if algorithm not in RULES and algorithm not in SCALAR_ALGORITHMS:
+            raise ValueError(
+                f"{where}: unknown algorithm {algorithm!r}; expected one of {accepted_algorithms}"
+            )
+        group["algorithm"] = algorithm
+        if algorithm in SCALAR_ALGORITHMS:
+            keys = SCALAR_KEYS[algorithm]
+            defaults = dict(self._scalar_defaults)
+        else:
+            rule = get_rule(algorithm)
+            keys = {**MATRIX_KEYS, **rule.options}
+            defaults = dict(self._matrix_defaults)
+            for key, opt in rule.options.items():
+                defaults[key] = self._rule_options.get(key, opt.default)
+        unknown = sorted(k for k in group if k not in keys and k not in BOOKKEEPING_KEYS)
+        if algorithm in SCALAR_ALGORITHMS and "max_momentum" in group and "momentum" in unknown:
+            # OneCycleLR/CyclicLR(cycle_momentum=True) write "momentum" into every
+            # group; it cycles the matrix groups' μ and is ignored by AdamW/Lion.
+            unknown.remove("momentum")
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown key(s) {unknown} for algorithm {algorithm!r}; accepted keys: "
+                f"{sorted(keys)} (and {sorted(BOOKKEEPING_KEYS)})"
+            )
+        for key, opt in keys.items():
+            value = group[key] if key in group else defaults[key]
+            group[key] = _check(key, value, opt, where)
+        names = group.get("param_names")
+        for i, p in enumerate(params):
+            self._check_param(p, algorithm, group, _name(names, i, index, p))
+        return group
+
+    def _check_param(self, p: Any, algorithm: str, group: Mapping[str, Any], name: str) -> None:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{name} is a {type(p).__name__}; DMuon optimizes torch.Tensors")
+        if p.dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"{name} has dtype {p.dtype}; DMuon optimizes real floating-point parameters "
+                f"({', '.join(str(d) for d in _FLOAT_DTYPES)})"
+            )
+        if algorithm in RULES:
+            matrix_layout(p, dict(group), name)
+            if not p.is_contiguous():
+                raise ValueError(
+                    f"{name} (shape {tuple(p.shape)}) is not contiguous; matrix rules update "
+                    "parameters through views — make it contiguous (e.g. not channels_last)"
+                )
+
+    def _rebuild(self, index: int) -> None:
+        """(Re)create buckets and state of group ``index``, keeping values of matching shape."""
+        group = self.param_groups[index]
+        names = group.get("param_names")
+        algorithm = group["algorithm"]
+        if algorithm in SCALAR_ALGORITHMS:
+            self._buckets[index] = []
+            for p in group["params"]:
+                old = self.state.get(p, {})
+                new: dict[str, torch.Tensor] = {}
+                for key, shape in scalar_state_shapes(algorithm, p).items():
+                    if key == "step":
+                        t = torch.zeros((), dtype=torch.float32)
+                    else:
+                        t = torch.zeros(shape, dtype=p.dtype, device=p.device)
+                    value = old.get(key)
+                    if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
+                        t.copy_(value)
+                    new[key] = t
+                self.state[p] = new
+        else:
+            buckets, new_state = build_buckets(
+                group,
+                get_rule(algorithm),
+                lambda p: self.state.get(p, {}),
+                lambda i: _name(names, i, index, group["params"][i]),
+            )
+            self._buckets[index] = buckets
+            for p, st in new_state.items():
+                self.state[p] = st
+        self._structure[index] = _structure_of(group)
+
+    # -------------------------------------------------------------------- step
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One optimization step over every group.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            if self._structure.get(index) != _structure_of(group):
+                raise RuntimeError(
+                    f"param group {index} changed its structure ({', '.join(_STRUCTURE)} or its "
+                    "parameters) after construction; create a new optimizer or use "
+                    "add_param_group"
+                )
+            if group["algorithm"] in SCALAR_ALGORITHMS:
+                self._scalar_step(group)
+            else:
+                self._matrix_step(index, group)
+        return loss
+
+    def _matrix_step(self, index: int, group: Mapping[str, Any]) -> None:
+        with_grad = [p for p in group["params"] if p.grad is not None]
+        if not with_grad:
+            return
+        torch._foreach_add_([self.state[p]["step"] for p in with_grad], 1.0)
+        rule = get_rule(group["algorithm"])
+        for bucket in self._buckets[index]:
+            step_bucket(bucket, group, rule, self.state, self.sign_vote, self.max_batch_elements)
+
+    def _scalar_step(self, group: Mapping[str, Any]) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        if any(g.is_sparse for g in grads):
+            raise RuntimeError("DMuon does not support sparse gradients")
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states]
+        if group["algorithm"] == "adamw":
+            adamw_step(
+                params,
+                grads,
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                steps,
+                lr=float(group["lr"]),
+                betas=group["betas"],
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+            )
+        else:
+            lion_step(
+                params,
+                grads,
+                [s["exp_avg"] for s in states],
+                steps,
+                lr=float(group["lr"]),
+                betas=group["betas"],
+                weight_decay=float(group["weight_decay"]),
+            )
+
+    # ------------------------------------------------------------- state dicts
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict`; checked before anything changes.
+
+        Raises:
+            ValueError: a missing or extra group, parameter or state key, a tensor of
+                the wrong shape, or a group whose hyperparameters do not validate. The
+                optimizer is unchanged when it raises.
+        """
+        if not self._optimizer_load_state_dict_pre_hooks:
+            if not isinstance(state_dict, Mapping):
+                raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+            missing = [k for k in ("state", "param_groups") if k not in state_dict]
+            if missing:
+                raise ValueError(
+                    f"state dict is missing key(s) {missing}; an optimizer state dict has "
+                    "'state' and 'param_groups'"
+                )
+        super().load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["dmuon_config"] = {
+            "rule": self._rule,
+            "scalar_optimizer": self._scalar_optimizer,
+            "matrix_defaults": self._matrix_defaults,
+            "scalar_defaults": self._scalar_defaults,
+            "rule_options": self._rule_options,
+        }
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        config = state.pop("dmuon_config", None)
+        if config is not None:  # unpickling a fresh object
+            self._rule = config["rule"]
+            self._scalar_optimizer = config["scalar_optimizer"]
+            self._matrix_defaults = config["matrix_defaults"]
+            self._scalar_defaults = config["scalar_defaults"]
+            self._rule_options = config["rule_options"]
+            self.sign_vote = local_vote
+            self.max_batch_elements = None
+            self._buckets, self._structure = {}, {}
+        if getattr(self, "_initialized", False):  # load_state_dict into a live optimizer
+            groups = [self._normalize_group(g, i) for i, g in enumerate(state["param_groups"])]
+            self._check_loaded_state(state["state"], groups)
+            state["param_groups"] = groups
+        super().__setstate__(state)
+        self._initialized = True
+        for index in range(len(self.param_groups)):
+            self._rebuild(index)
+
+    def _check_loaded_state(self, state: Mapping[Any, Any], groups: list[dict[str, Any]]) -> None:
+        params = {p for g in groups for p in g["params"]}
+        extra = [k for k in state if not (isinstance(k, torch.Tensor) and k in params)]
+        if extra:
+            raise ValueError(
+                f"state dict has state for parameter id(s) {extra} that belong to no group of "
+                "this optimizer"
+            )
+        for gi, g in enumerate(groups):
+            names = g.get("param_names")
+            for i, p in enumerate(g["params"]):
+                name = _name(names, i, gi, p)
+                if g["algorithm"] in SCALAR_ALGORITHMS:
+                    expected = scalar_state_shapes(g["algorithm"], p)
+                else:
+                    layout = matrix_layout(p, g, name)
+                    expected = state_shapes(get_rule(g["algorithm"]), layout)
+                st = state.get(p)
+                if st is None:
+                    raise ValueError(
+                        f"state dict has no state for {name}; expected keys {sorted(expected)}"
+                    )
+                missing = sorted(set(expected) - set(st))
+                surplus = sorted(set(st) - set(expected))
+                if missing or surplus:
+                    raise ValueError(
+                        f"state of {name} (algorithm {g['algorithm']!r}): missing key(s) "
+                        f"{missing}, unexpected key(s) {surplus}; expected {sorted(expected)}"
+                    )
+                for key, shape in expected.items():
+                    value = st[key]
+                    if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                        got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+                        raise ValueError(
+                            f"state {key!r} of {name} has shape {got}; expected {shape}"
+                        )
+
+
+def _check(key: str, value: Any, opt: Any, where: str) -> Any:
+    try:
+        return opt.check(value)
+    except ValueError as e:
+        raise ValueError(f"{where}: {key} {e}") from None
+
+
+def _name(names: list[str] | None, i: int, group_index: int, p: Any) -> str:
+    shape = tuple(p.shape) if isinstance(p, torch.Tensor) else "?"
+    if names is not None and i < len(names):
+        return f"parameter {names[i]!r} (param group {group_index}, shape {shape})"
+    return f"parameter {i} of param group {group_index} (shape {shape})"
+
+
+def _structure_of(group: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (*(group.get(k) for k in _STRUCTURE), tuple(id(p) for p in group["params"]))

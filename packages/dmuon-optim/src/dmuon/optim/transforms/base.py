@@ -1,0 +1,131 @@
+"""The pieces every update rule is made of: state specs, the step context, the chain runner.
+
+An update rule is a short chain of transforms (DESIGN.md, "the update rule as a
+chain of transforms", in the spirit of Optax). A transform maps the tensor that
+flows down the chain — a stacked batch ``X`` of ``B`` same-shape matrices
+``(B, m, n)`` — to the next one:
+
+    X_{k+1} = T_k(X_k; state_k, hyperparameters, context)
+
+Rules of the game, which let the distributed engine run the same chains unchanged:
+
+* A transform owns the state buffers it declares (:class:`StateSpec`) and updates
+  them in place; it reads nothing else but its input, the context and the
+  hyperparameters of the group.
+* It never modifies its input tensor in place (it may return it, or a view of its
+  own state, unchanged).
+* It never knows which rank it runs on; the only collective (Sign-Muon's vote)
+  comes in through :attr:`StepContext.vote`.
+* Shape factors (``adjust_lr``, MuonBP's block/full scales) are not multiplied
+  into the tensor but into :attr:`StepContext.scale`; the apply step folds them
+  into the learning rate, ``W ← W·(1 − lr·wd) − lr·scale·X_final``, which saves a
+  pass over the update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+
+from dmuon.kernels import orthogonalize
+from dmuon.optim.vote import SignVote, local_vote
+
+__all__ = [
+    "COMPUTE_DTYPES",
+    "StateSpec",
+    "StepContext",
+    "Transform",
+    "resolve_compute_dtype",
+    "run_chain",
+]
+
+COMPUTE_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+
+
+def resolve_compute_dtype(name: str | None) -> torch.dtype | None:
+    """``"bfloat16"`` → ``torch.bfloat16``; ``None`` stays ``None`` (per-device default)."""
+    return None if name is None else COMPUTE_DTYPES[name]
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A state buffer a transform owns, per matrix.
+
+    Attributes:
+        name: key in the optimizer state (unique within a rule).
+        kind: ``"matrix"`` — one value per entry, shape ``(m, n)`` like the matrix;
+            ``"row"`` — one value per row (output neuron), shape ``(m,)``.
+    """
+
+    name: str
+    kind: Literal["matrix", "row"]
+
+    def batch_shape(self, batch: int, m: int, n: int) -> tuple[int, ...]:
+        """Shape of the stacked buffer for ``batch`` matrices of shape ``m × n``."""
+        return (batch, m, n) if self.kind == "matrix" else (batch, m)
+
+
+@dataclass
+class StepContext:
+    """What a transform may read besides its input and its state.
+
+    Attributes:
+        grad: the stacked gradient ``G`` of this step, ``(B, m, n)`` (read-only).
+        hp: the hyperparameters of the group (plain values).
+        step: 1-based count of updates of these matrices, this one included.
+        vote: the sign vote (identity on one process).
+        scale: multiplier the apply step puts on the final tensor; transforms
+            multiply into it.
+    """
+
+    grad: torch.Tensor
+    hp: Mapping[str, Any]
+    step: int = 1
+    vote: SignVote = local_vote
+    scale: float = 1.0
+
+    def orthogonalize(self, X: torch.Tensor, steps: int | None = None) -> torch.Tensor:
+        """Polar factor of each matrix of ``X`` with the group's Newton–Schulz settings."""
+        hp = self.hp
+        return orthogonalize(
+            X,
+            method=hp["ns_method"],
+            coefficients=hp["ns_coefficients"],
+            steps=hp["ns_steps"] if steps is None else steps,
+            compute_dtype=resolve_compute_dtype(hp["ns_compute_dtype"]),
+        )
+
+
+class Transform(Protocol):
+    """One link of an update rule's chain."""
+
+    def state_specs(self) -> tuple[StateSpec, ...]:
+        """The buffers this transform owns (empty for stateless transforms)."""
+        ...
+
+    def __call__(
+        self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
+    ) -> torch.Tensor:
+        """Map ``X`` ``(B, m, n)`` to the next tensor of the chain."""
+        ...
+
+
+def run_chain(
+    chain: Sequence[Transform],
+    G: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    ctx: StepContext,
+) -> torch.Tensor:
+    """Run the transforms of ``chain`` in order, starting from the gradient ``G``."""
+    X = G
+    for transform in chain:
+        X = transform(X, state, ctx)
+    return X

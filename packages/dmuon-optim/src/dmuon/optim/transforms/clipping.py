@@ -1,0 +1,60 @@
+"""Musec: clip the singular values of the momentum instead of setting them all to one."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from dmuon.kernels import spectral_clip
+from dmuon.optim.transforms.base import StateSpec, StepContext
+
+__all__ = ["MomentumSpectralClip"]
+
+
+@dataclass(frozen=True)
+class MomentumSpectralClip:
+    """``X ← clip_τ((1−μ)·X)``: hard ``U min(Σ, τ) Vᵀ`` or soft ``U Σ(I + Σ²/τ²)^{-1/2} Vᵀ``.
+
+    **A reconstruction.** No text of "Musec" (momentum spectral clipping) could be
+    found; this follows its closest published relatives: MuCon's hard clip of the
+    momentum's singular values at τ (A. Yi, arXiv 2605.26459) and SPECTRA's soft
+    clip (Jiang, Semenov, Stich, arXiv 2603.14315), both computed without an SVD by
+    :func:`dmuon.kernels.spectral_clip`. Unlike orthogonalisation, clipping is not
+    scale-invariant, so the convention matters: the sum-form momentum is first
+    brought to EMA units, ``(1 − μ)·X`` (≈ the gradient's scale), then clipped. A
+    singular value far above τ becomes τ (a Muon step of size τ); one below τ
+    passes through unchanged (an SGD-with-momentum step).
+
+    The iterations run in fp32 (fp64 for fp64 input) whatever ``ns_compute_dtype``
+    says: the sign of ``MMᵀ − τ²I`` needs more precision than bf16 has.
+
+    Hyperparameters: ``clip_mode`` (``"hard"``/``"soft"``), ``clip_tau`` (τ > 0),
+    ``clip_steps`` (inner iterations, ``None`` = the kernel's default), ``momentum``.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim.transforms import MomentumSpectralClip, StepContext
+        >>> X = 10 * torch.randn(1, 6, 10, dtype=torch.float64)
+        >>> hp = dict(clip_mode="hard", clip_tau=1.0, clip_steps=None, momentum=0.0)
+        >>> Y = MomentumSpectralClip()(X, {}, StepContext(grad=X, hp=hp))
+        >>> bool(torch.linalg.svdvals(Y).max() < 1.001)
+        True
+    """
+
+    def state_specs(self) -> tuple[StateSpec, ...]:
+        return ()
+
+    def __call__(
+        self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
+    ) -> torch.Tensor:
+        mu = float(ctx.hp["momentum"])
+        work = torch.float64 if X.dtype == torch.float64 else torch.float32
+        return spectral_clip(
+            X * (1.0 - mu),
+            float(ctx.hp["clip_tau"]),
+            mode=ctx.hp["clip_mode"],
+            steps=ctx.hp["clip_steps"],
+            compute_dtype=work,
+        )

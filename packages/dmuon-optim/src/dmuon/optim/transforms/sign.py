@@ -1,0 +1,70 @@
+"""Elementwise signs and the majority vote over ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from dmuon.optim.transforms.base import StateSpec, StepContext
+
+__all__ = ["MajorityVote", "Sign"]
+
+
+@dataclass(frozen=True)
+class Sign:
+    """``X ← sign(X)`` entrywise, with ``sign(0) = 0`` (a zero gradient never moves a weight).
+
+    With ``when_option`` set, applies only when that boolean hyperparameter is
+    true (AdaMuon's ``sign``).
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim.transforms import Sign, StepContext
+        >>> X = torch.tensor([[[-2.0, 0.0, 3.0]]])
+        >>> Sign()(X, {}, StepContext(grad=X, hp={})).tolist()
+        [[[-1.0, 0.0, 1.0]]]
+    """
+
+    when_option: str | None = None
+
+    def state_specs(self) -> tuple[StateSpec, ...]:
+        return ()
+
+    def __call__(
+        self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
+    ) -> torch.Tensor:
+        if self.when_option is not None and not ctx.hp[self.when_option]:
+            return X
+        return torch.sign(X)
+
+
+@dataclass(frozen=True)
+class MajorityVote:
+    """``S ← vote(S)``: the elementwise majority sign over ranks (identity on one process).
+
+    The vote is whatever :class:`~dmuon.optim.SignVote` the step was given
+    (:attr:`StepContext.vote`); the transform only checks that it kept the shape.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim.transforms import MajorityVote, StepContext
+        >>> S = torch.tensor([[[1.0, -1.0]]])
+        >>> MajorityVote()(S, {}, StepContext(grad=S, hp={})).tolist()
+        [[[1.0, -1.0]]]
+    """
+
+    def state_specs(self) -> tuple[StateSpec, ...]:
+        return ()
+
+    def __call__(
+        self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
+    ) -> torch.Tensor:
+        voted = ctx.vote(X)
+        if voted.shape != X.shape:
+            raise ValueError(
+                f"the sign vote returned shape {tuple(voted.shape)} for signs of shape "
+                f"{tuple(X.shape)}; a SignVote must keep the shape"
+            )
+        return voted

@@ -1,0 +1,132 @@
+"""Transforms on their own, each against a reference computed another way (SVD)."""
+
+import math
+
+import pytest
+import torch
+
+from dmuon.optim import adjust_lr_factor, get_rule
+from dmuon.optim.transforms import (
+    MajorityVote,
+    MomentumSpectralClip,
+    SpectralNormalize,
+    StepContext,
+    TopKPolar,
+    block_bounds,
+    rank_fraction_at,
+    selected_count,
+)
+
+
+def with_singular_values(m, n, sv, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = min(m, n)
+    U, _ = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))
+    return U @ torch.diag(torch.as_tensor(sv, dtype=torch.float64)) @ V.T
+
+
+def test_adjust_lr_conventions():
+    assert adjust_lr_factor("original", 3072, 768) == 2.0
+    assert adjust_lr_factor("original", 768, 3072) == 1.0
+    assert math.isclose(adjust_lr_factor("match_rms_adamw", 768, 3072), 0.2 * math.sqrt(3072))
+    assert adjust_lr_factor("spectral", 768, 3072) == 0.5
+    assert adjust_lr_factor(None, 5, 7) == 1.0
+    with pytest.raises(ValueError, match="adjust_lr must be one of"):
+        adjust_lr_factor("rms", 2, 2)
+
+
+def test_match_rms_adamw_gives_update_rms_0_2_for_every_shape():
+    for m, n in [(64, 256), (256, 64), (128, 128)]:
+        O = with_singular_values(m, n, [1.0] * min(m, n))  # exactly semi-orthogonal
+        rms = (adjust_lr_factor("match_rms_adamw", m, n) * O).square().mean().sqrt()
+        assert abs(rms - 0.2) < 1e-12
+
+
+def test_spectral_normalize_matches_the_svd_norm():
+    X = torch.sign(torch.randn(3, 7, 12, dtype=torch.float64))
+    X[1] = 0  # a zero matrix stays zero
+    Y = SpectralNormalize()(X, {}, StepContext(grad=X, hp={}))
+    norms = torch.linalg.matrix_norm(Y, ord=2)
+    assert torch.allclose(norms[[0, 2]], torch.ones(2, dtype=torch.float64), atol=1e-12)
+    assert torch.equal(Y[1], torch.zeros(7, 12, dtype=torch.float64))
+
+
+def test_top_k_polar_with_a_gapped_spectrum_and_little_oversampling():
+    # σ = 10, 9, 8 then ≤ 1: subspace iteration with q power steps converges like
+    # (σ_{k+1}/σ_k)^{2q+1} = (1/8)^5 ≈ 3e-5.
+    X = with_singular_values(20, 30, [10, 9, 8] + [1.0 / (i + 1) for i in range(17)])
+    hp = dict(rank_fraction=3 / 20, rank_schedule="constant", power_iters=2, oversample=0, seed=3)
+    O = TopKPolar()(X[None], {}, StepContext(grad=X[None], hp=hp))[0]
+    U, _, Vh = torch.linalg.svd(X)
+    assert (O - U[:, :3] @ Vh[:3]).abs().max() < 1e-3
+
+
+def test_top_k_polar_of_a_zero_matrix_is_zero():
+    X = torch.zeros(1, 6, 9)
+    hp = dict(rank_fraction=0.5, rank_schedule="constant", power_iters=1, oversample=2, seed=0)
+    assert torch.equal(TopKPolar()(X, {}, StepContext(grad=X, hp=hp)), X)
+
+
+def test_rank_schedules():
+    hp = dict(rank_fraction=0.25, rank_start=1.0, rank_steps=4)
+    assert rank_fraction_at({**hp, "rank_schedule": "constant"}, 1) == 0.25
+    lin = [rank_fraction_at({**hp, "rank_schedule": "linear"}, t) for t in range(1, 7)]
+    assert lin == [1.0, 0.8125, 0.625, 0.4375, 0.25, 0.25]
+    cos = [rank_fraction_at({**hp, "rank_schedule": "cosine"}, t) for t in (1, 3, 5, 9)]
+    assert cos[0] == 1.0 and abs(cos[1] - 0.625) < 1e-12 and cos[2] == cos[3] == 0.25
+
+
+@pytest.mark.parametrize(("size", "blocks"), [(10, 3), (8, 2), (3, 5), (7, 1)])
+def test_block_bounds_follow_tensor_split(size, blocks):
+    expected = [
+        (int(c[0]), int(c[-1]) + 1) for c in torch.arange(size).tensor_split(blocks) if len(c)
+    ]
+    assert block_bounds(size, blocks) == expected
+
+
+def test_selected_count():
+    assert [selected_count(0.25, s) for s in (1, 4, 5, 100)] == [1, 1, 2, 25]
+
+
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+def test_momentum_spectral_clip_against_the_svd(mode):
+    sv = [6.0, 3.0, 0.5, 0.2]
+    X = with_singular_values(8, 4, sv)[None] / (1 - 0.5)  # sum-form scale for μ = 0.5
+    hp = dict(clip_mode=mode, clip_tau=1.0, clip_steps=None, momentum=0.5)
+    Y = MomentumSpectralClip()(X, {}, StepContext(grad=X, hp=hp))[0]
+    s = torch.tensor(sv, dtype=torch.float64)
+    want = s.clamp(max=1.0) if mode == "hard" else s / torch.sqrt(1 + s**2)
+    assert torch.allclose(torch.linalg.svdvals(Y), want, atol=1e-8)
+
+
+def test_a_vote_must_keep_the_shape():
+    X = torch.ones(1, 2, 3)
+    with pytest.raises(ValueError, match="must keep the shape"):
+        MajorityVote()(X, {}, StepContext(grad=X, hp={}, vote=lambda s: s[0]))
+
+
+def test_rule_update_is_usable_without_an_optimizer():
+    # what the distributed engine calls on an owner's stacked batch
+    rule = get_rule("dion3")
+    G = torch.randn(3, 8, 12, dtype=torch.float64)
+    state = {
+        "momentum_buffer": torch.zeros_like(G),
+        "row_second_moment": torch.zeros(3, 8, dtype=torch.float64),
+    }
+    hp = dict(
+        momentum=0.95,
+        nesterov=True,
+        adjust_lr="spectral",
+        ns_method="gram",
+        ns_coefficients="polar_express",
+        ns_steps=5,
+        ns_compute_dtype="float64",
+        fraction=0.25,
+        beta2=0.95,
+        eps=1e-8,
+    )
+    U, scale = rule.update(G, state, hp)
+    assert U.shape == G.shape and scale == math.sqrt(8 / 12)
+    assert int((U.abs().sum(-1) > 0).sum()) == 3 * 2  # ⌈0.25·8⌉ = 2 rows per matrix
+    assert int((state["row_second_moment"] > 0).sum()) == 3 * 2
