@@ -77,7 +77,8 @@ for _package in PACKAGES:
 def integration(session: nox.Session) -> None:
     """Tests that combine packages (and real training clients) from tests-integration/."""
     install_local(session, PACKAGES)
-    session.install(*CONSTRAINTS, *TEST_TOOLS)
+    # matplotlib and rich: test_train_harness runs benchmarks/train.py end to end.
+    session.install(*CONSTRAINTS, *TEST_TOOLS, "matplotlib>=3.8", "rich>=13")
     session.run(
         "python",
         "-m",

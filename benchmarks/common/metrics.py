@@ -1,0 +1,99 @@
+"""What a convergence comparison reports: when a curve reaches a target loss, and
+on which machine the figures were taken.
+
+Example:
+    >>> from benchmarks.common.metrics import steps_to_reach
+    >>> steps_to_reach([0, 100, 200], [5.0, 3.0, 2.0], target=2.5)   # halfway 100→200
+    150.0
+    >>> steps_to_reach([0, 100], [5.0, 3.0], target=2.5) is None      # never reached
+    True
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import pathlib
+import platform
+import subprocess
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["machine_info", "steps_to_reach"]
+
+
+def steps_to_reach(xs: Sequence[float], losses: Sequence[float], target: float) -> float | None:
+    """The first ``x`` (step or seconds) at which a piecewise-linear loss curve
+    reaches ``target``, or ``None`` if it never does.
+
+    Between two evaluations ``(x₀, l₀)``, ``(x₁, l₁)`` with ``l₀ > target ≥ l₁``::
+
+        x = x₀ + (l₀ − target)/(l₀ − l₁) · (x₁ − x₀)
+
+    Linear interpolation reads the crossing between evaluation points instead of
+    rounding it up to the next evaluation.
+
+    Raises:
+        ValueError: ``xs`` and ``losses`` of different lengths.
+    """
+    if len(xs) != len(losses):
+        raise ValueError(f"xs and losses differ in length: {len(xs)} and {len(losses)}")
+    for i, (x, loss) in enumerate(zip(xs, losses, strict=True)):
+        if loss <= target:
+            if i == 0:
+                return float(x)
+            x0, l0 = xs[i - 1], losses[i - 1]
+            return float(x0 + (l0 - target) / (l0 - loss) * (x - x0))
+    return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=pathlib.Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def machine_info(device: str = "cpu") -> dict[str, Any]:
+    """Date, versions and hardware for a result file."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": device,
+        "cpu": _cpu_name(),
+        "cores": cores,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "git_commit": _git_commit(),
+    }
+    for package in ("kernels", "comm", "optim", "integrations"):
+        try:
+            info[f"dmuon_{package}"] = importlib.import_module(f"dmuon.{package}").__version__
+        except (ImportError, AttributeError):
+            info[f"dmuon_{package}"] = None
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
