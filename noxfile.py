@@ -301,6 +301,7 @@ def _install_and_import(
             raise nox.command.CommandFailed(f"{name} was installed from {url}, not from dist/")
     (venv / "check-args.json").write_text(json.dumps(args))
     session.run(py, str(checker), str(venv / "check-args.json"), external=True)
+    shutil.rmtree(venv)  # passed: keep the disk small (a failed venv stays for a look)
 
 
 def _release_args(session: nox.Session) -> list[str]:
