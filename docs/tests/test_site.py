@@ -1,0 +1,246 @@
+"""The built documentation site, served on localhost and opened in headless Chromium.
+
+`nox -s docs` builds the site (`mkdocs build --strict`) and runs this file against it;
+alone: `DMUON_SITE_DIR=site python -m pytest docs/tests`. The browser is Debian's
+`chromium` driven through Debian's `chromium-driver` (the two come from one source
+package, so their versions always match); nothing is downloaded. Without them the tests
+skip and say how to install them, unless DMUON_SITE_TEST_REQUIRE_BROWSER is set (CI),
+where they fail.
+
+To extend: a package's API page gets a row in API_PAGES for each class or function it
+must render; the site search gets a row in SEARCH_HITS for each term it must find.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+import threading
+import urllib.parse
+from collections.abc import Iterator
+
+import pytest
+from selenium import webdriver
+from selenium.common.exceptions import TimeoutException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support.ui import WebDriverWait
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SITE = pathlib.Path(os.environ.get("DMUON_SITE_DIR", ROOT / "site"))
+CHROMIUM = pathlib.Path(os.environ.get("DMUON_CHROMIUM", "/usr/bin/chromium"))
+CHROMEDRIVER = pathlib.Path(os.environ.get("DMUON_CHROMEDRIVER", "/usr/bin/chromedriver"))
+REQUIRE_BROWSER = bool(os.environ.get("DMUON_SITE_TEST_REQUIRE_BROWSER"))
+SCREENSHOTS = os.environ.get("DMUON_SITE_SCREENSHOTS")  # a folder: keep PNGs of what was seen
+WAIT = 20.0  # seconds for a page or the search worker; a healthy site needs well under one
+
+# page -> (object kind as mkdocstrings renders it, name in its heading) that must be on it.
+API_PAGES: dict[str, list[tuple[str, str]]] = {
+    "api/kernels/": [
+        ("function", "orthogonalize"),
+        ("function", "gram_newton_schulz"),
+        ("function", "newton_schulz"),
+        ("class", "CoefficientSet"),
+        ("function", "polar_factor"),
+        ("function", "syrk"),
+        ("class", "Autotuner"),
+    ],
+    "api/comm/": [
+        ("class", "OwnerPlan"),
+        ("function", "plan_owners"),
+        ("class", "MatrixItem"),
+        ("function", "reduce_to_owners"),
+        ("function", "majority_vote"),
+        ("function", "run_on_ranks"),
+    ],
+    # Skeletons today: their module docstring. Add ("class", "DMuon") when the optimizer lands.
+    "api/optim/": [("module", "dmuon.optim")],
+    "api/integrations/": [("module", "dmuon.integrations")],
+}
+
+# What a reader types into the search box -> a link the results must hold, relative to the
+# site root (a trailing * : a link starting with it). "DMuon" finds the home page today;
+# when the optimizer is documented, add ("DMuon", "api/optim/#dmuon.optim.DMuon").
+SEARCH_HITS: list[tuple[str, str]] = [
+    ("DMuon", ""),
+    # The kernels page renders the module dmuon.kernels.orthogonalize, the function inside
+    # it: its anchor is #dmuon.kernels.orthogonalize.orthogonalize.
+    ("orthogonalize", "api/kernels/#dmuon.kernels.orthogonalize*"),
+    ("plan_owners", "api/comm/#dmuon.comm.plan_owners"),
+    ("OwnerPlan", "api/comm/#dmuon.comm.OwnerPlan"),
+]
+
+# Nothing here may hang: each test (browser start included) gets a hard limit.
+pytestmark = pytest.mark.timeout(180)
+
+CHROMIUM_FLAGS = (
+    "--headless=new",
+    "--no-sandbox",  # Chromium refuses to run as root with its sandbox
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",  # the machine's network is closed: no phoning home
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",  # containers have a tiny /dev/shm
+    "--window-size=1280,1000",  # desktop layout: the search box sits in the header
+)
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def site_url() -> Iterator[str]:
+    if not (SITE / "index.html").is_file():
+        pytest.fail(f"no built site in {SITE}: run `mkdocs build` first (nox -s docs does)")
+    handler = functools.partial(_QuietHandler, directory=str(SITE))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[webdriver.Chrome]:
+    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.is_file()]
+    if missing:
+        message = (
+            f"headless Chromium is not installed ({', '.join(missing)} missing): "
+            "apt-get install chromium chromium-driver (nox -s docs does this when run as root)"
+        )
+        if REQUIRE_BROWSER:
+            pytest.fail(message)
+        pytest.skip(message)
+    profile = tempfile.mkdtemp(prefix="dmuon-site-test-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(WAIT)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def _open(browser: webdriver.Chrome, url: str) -> None:
+    browser.get(url)
+    WebDriverWait(browser, WAIT).until(
+        lambda d: d.execute_script("return document.readyState") == "complete"
+    )
+
+
+def _screenshot(browser: webdriver.Chrome, name: str) -> None:
+    if SCREENSHOTS:
+        pathlib.Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(pathlib.Path(SCREENSHOTS) / f"{name}.png"))
+
+
+def _console_errors(browser: webdriver.Chrome) -> list[str]:
+    return [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def _heading_name(obj: WebElement) -> str:
+    """The object's name in its heading, without the module path (shown at the top level)."""
+    text = obj.find_element(By.CSS_SELECTOR, ".doc-heading .doc-object-name").text
+    return text.rsplit(".", 1)[-1] if text.startswith("dmuon.") and " " not in text else text
+
+
+def _without_query(link: str) -> str:
+    """Material adds ?h=<query> (to highlight it) between the path and the #anchor."""
+    parts = urllib.parse.urlsplit(link)
+    return urllib.parse.urlunsplit(parts._replace(query=""))
+
+
+def _pages() -> list[str]:
+    """Every page of the site, from the search index mkdocs wrote."""
+    index = json.loads((SITE / "search" / "search_index.json").read_text())
+    return sorted({doc["location"].split("#")[0] for doc in index["docs"]})
+
+
+def test_every_page_loads_with_its_images_and_no_console_errors(browser, site_url):
+    pages = _pages()
+    assert len(pages) >= 10, pages  # the nav has at least this many pages
+    broken: dict[str, object] = {}
+    for page in pages:
+        _open(browser, site_url + page)
+        title = browser.find_element(By.CSS_SELECTOR, "article h1").text
+        images = browser.execute_script(
+            "return Array.from(document.images)"
+            ".filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)"
+        )
+        errors = _console_errors(browser)
+        if not title or images or errors:
+            broken[page or "/"] = {"h1": title, "broken images": images, "console": errors}
+    assert not broken, broken
+
+
+@pytest.mark.parametrize("page", sorted(API_PAGES))
+def test_api_page_renders_its_classes_and_functions(browser, site_url, page):
+    _open(browser, site_url + page)
+    _screenshot(browser, page.strip("/").replace("/", "-"))
+    missing = []
+    for kind, name in API_PAGES[page]:
+        # mkdocstrings: <div class="doc doc-object doc-KIND"><hN class="doc-heading">
+        # <span class="doc-object-name">NAME</span> ... then <div class="doc-contents">.
+        objects = browser.find_elements(By.CSS_SELECTOR, f"div.doc-object.doc-{kind}")
+        rendered = [o for o in objects if _heading_name(o) in (name, name.rsplit(".", 1)[-1])]
+        if not rendered:
+            missing.append((kind, name, "no heading"))
+            continue
+        heading = rendered[0].find_element(By.CSS_SELECTOR, ".doc-heading")
+        contents = rendered[0].find_element(By.CSS_SELECTOR, ".doc-contents")
+        if not heading.is_displayed() or not contents.text.strip():
+            missing.append((kind, name, "heading hidden or no docstring rendered"))
+    assert not missing, f"{page}: {missing}"
+    assert not _console_errors(browser)
+
+
+@pytest.mark.parametrize(("query", "expected"), SEARCH_HITS)
+def test_site_search_finds(browser, site_url, query, expected):
+    _open(browser, site_url)
+    box = browser.find_element(By.CSS_SELECTOR, "input.md-search__input")
+    box.click()
+    box.send_keys(query)
+    want = site_url + expected.rstrip("*")
+
+    def hit(link: str) -> bool:
+        link = _without_query(link)
+        return link.startswith(want) if expected.endswith("*") else link == want
+
+    def result_links(driver: webdriver.Chrome) -> list[str] | None:
+        links = driver.execute_script(
+            "return Array.from(document.querySelectorAll('.md-search-result__list a'))"
+            ".map(a => a.href)"
+        )
+        return links if any(hit(link) for link in links) else None
+
+    with contextlib.suppress(TimeoutException):
+        WebDriverWait(browser, WAIT).until(result_links)
+    _screenshot(browser, f"search-{query}")
+    links = browser.execute_script(
+        "return Array.from(document.querySelectorAll('.md-search-result__list a')).map(a => a.href)"
+    )
+    meta = browser.find_element(By.CSS_SELECTOR, ".md-search-result__meta").text
+    found = [_without_query(link) for link in links]
+    assert any(hit(link) for link in links), (
+        f"search {query!r} ({meta!r}) did not link {want}; it linked {found}"
+    )
