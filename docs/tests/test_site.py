@@ -60,19 +60,17 @@ API_PAGES: dict[str, list[tuple[str, str]]] = {
         ("function", "majority_vote"),
         ("function", "run_on_ranks"),
     ],
-    # Skeletons today: their module docstring. Add ("class", "DMuon") when the optimizer lands.
-    "api/optim/": [("module", "dmuon.optim")],
+    "api/optim/": [("class", "DMuon"), ("function", "param_groups")],
+    # A skeleton today: its module docstring.
     "api/integrations/": [("module", "dmuon.integrations")],
 }
 
 # What a reader types into the search box -> a link the results must hold, relative to the
-# site root (a trailing * : a link starting with it). "DMuon" finds the home page today;
-# when the optimizer is documented, add ("DMuon", "api/optim/#dmuon.optim.DMuon").
+# site root (a trailing * : a link starting with it).
 SEARCH_HITS: list[tuple[str, str]] = [
     ("DMuon", ""),
-    # The kernels page renders the module dmuon.kernels.orthogonalize, the function inside
-    # it: its anchor is #dmuon.kernels.orthogonalize.orthogonalize.
-    ("orthogonalize", "api/kernels/#dmuon.kernels.orthogonalize*"),
+    ("DMuon", "api/optim/#dmuon.optim.DMuon"),
+    ("orthogonalize", "api/kernels/#dmuon.kernels.orthogonalize.orthogonalize"),
     ("plan_owners", "api/comm/#dmuon.comm.plan_owners"),
     ("OwnerPlan", "api/comm/#dmuon.comm.OwnerPlan"),
 ]

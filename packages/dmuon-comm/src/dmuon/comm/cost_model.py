@@ -32,6 +32,7 @@ from dataclasses import dataclass
 __all__ = ["COLLECTIVES", "CollectiveCost", "cost_model"]
 
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
+"""Collectives :func:`cost_model` can predict (α–β time and per-rank bytes)."""
 
 # Defaults: α of a GPU collective launch, bandwidth of one intra-node NVLink-class
 # link. Benchmarks fit both to the machine they run on.

@@ -21,6 +21,8 @@ from dmuon.comm.stats import CommStats, default_stats
 __all__ = ["VOTE_METHODS", "majority_vote"]
 
 VOTE_METHODS = ("packed", "int8")
+"""Values of ``majority_vote(method=...)``: bit-packed all-to-all + all-gather, or an int8
+SUM all-reduce; both break ties the same way (towards +)."""
 
 
 def majority_vote(

@@ -14,11 +14,13 @@ from dmuon.comm.owner_plan import OwnerPlan, OwnerUnit, natural_key
 __all__ = ["DEFAULT_PACK_BELOW", "STRATEGIES", "plan_owners"]
 
 STRATEGIES = ("lpt", "round_robin", "single", "ilp")
+"""Values of ``plan_owners(strategy=...)``."""
 
 # Matrices of one layer with fewer elements than this are packed into one unit:
 # one owner, one bucket, one collective (e.g. the k and v projections of a GQA
 # layer). 2**20 elements is 4 MiB in fp32; DMuon uses 5M for 7B-scale models.
 DEFAULT_PACK_BELOW = 1 << 20
+"""Default ``pack_below``: matrices of one layer with fewer elements share one owner unit."""
 
 
 @dataclass

@@ -54,7 +54,7 @@ __all__ = [
 Timer = Callable[[Callable[[], object]], float]
 Iterate = Callable[[torch.Tensor, SymmetricOps], torch.Tensor]
 
-CROSS_CHECK_TOLERANCE: dict[torch.dtype, float] = {
+CROSS_CHECK_TOLERANCE: dict[torch.dtype, float] = {  # see the docstring below
     # Largest entry of |candidate − torch| over the largest entry of |torch|, after a whole
     # Newton–Schulz call. Two correct implementations differ only by rounding compounded
     # over ~5 steps: a few units of the dtype's unit roundoff times the growth of the
@@ -64,6 +64,9 @@ CROSS_CHECK_TOLERANCE: dict[torch.dtype, float] = {
     torch.bfloat16: 2e-1,
     torch.float32: 1e-3,
 }
+"""Largest :func:`cross_check_error` a candidate may show against the torch path, per
+compute dtype, before the autotuner rejects it (a few unit roundoffs times the growth of
+five Newton–Schulz steps; a wrong kernel is off by O(1))."""
 _FORMAT = 1
 _log = logging.getLogger("dmuon.kernels")
 
@@ -92,7 +95,19 @@ def cuda_event_timer(fn: Callable[[], object], *, warmup: int = 1, repeat: int =
 
 
 def cross_check_error(candidate: torch.Tensor, reference: torch.Tensor) -> float:
-    """``max|candidate − reference| / max|reference|`` in float64; ``inf`` if not finite."""
+    """``max|candidate − reference| / max|reference|`` in float64; ``inf`` if not finite.
+
+    The autotuner rejects a candidate whose error exceeds
+    :data:`CROSS_CHECK_TOLERANCE` for the compute dtype.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.kernels import cross_check_error
+        >>> round(cross_check_error(torch.tensor([1.0, 2.1]), torch.tensor([1.0, 2.0])), 4)
+        0.05
+        >>> cross_check_error(torch.tensor([float("nan")]), torch.tensor([1.0]))
+        inf
+    """
     c, r = candidate.to(torch.float64), reference.to(torch.float64)
     if c.shape != r.shape or not bool(torch.isfinite(c).all()):
         return float("inf")
@@ -131,7 +146,18 @@ def autotune_cache_dir() -> pathlib.Path:
 
 @dataclass(frozen=True)
 class TuneKey:
-    """What a decision depends on. Its string form is the key of the on-disk cache."""
+    """What a decision depends on. Its string form is the key of the on-disk cache.
+
+    A decision is only reused for the same GPU, problem and library versions: a new
+    driver, torch or Triton release re-tunes.
+
+    Example:
+        >>> from dmuon.kernels import TuneKey
+        >>> key = TuneKey("NVIDIA H100 sm90", "gram", 1, 1024, 4096, "float16", 5, (2,),
+        ...               (("torch", "2.13.0"),))
+        >>> str(key)
+        'NVIDIA H100 sm90|gram|B=1|1024x4096|float16|steps=5|restarts=2|torch=2.13.0'
+    """
 
     device: str
     method: str
@@ -154,7 +180,14 @@ class TuneKey:
 
 @dataclass
 class Decision:
-    """The outcome of tuning one key: the winner, every timing, every rejection and why."""
+    """The outcome of tuning one key: the winner, every timing, every rejection and why.
+
+    Example:
+        >>> from dmuon.kernels import Decision
+        >>> d = Decision("triton", {"torch": 2e-3, "triton": 1e-3}, {"triton_syrk": "error 0.4"})
+        >>> Decision.from_json(d.to_json()) == d
+        True
+    """
 
     winner: str
     seconds: dict[str, float] = field(default_factory=dict)
@@ -378,7 +411,13 @@ _default: Autotuner | None = None
 
 
 def default_autotuner() -> Autotuner:
-    """The process-wide :class:`Autotuner` ``backend="auto"`` uses (created on first use)."""
+    """The process-wide :class:`Autotuner` ``backend="auto"`` uses (created on first use).
+
+    Example:
+        >>> from dmuon.kernels import default_autotuner
+        >>> default_autotuner() is default_autotuner()
+        True
+    """
     global _default
     if _default is None:
         _default = Autotuner()

@@ -33,6 +33,8 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "torch", "triton")
+"""Values of the ``backend=`` argument: ``"auto"`` tunes per shape on CUDA and is the
+torch path elsewhere; ``"torch"`` and ``"triton"`` force one."""
 MIN_TRITON_SIZE = 64
 """Smallest Gram size ``min(m, n)`` for which ``"auto"`` considers Triton: the
 smallest tile side of the GPU configs."""
@@ -89,6 +91,13 @@ def resolve_backend(
     Raises:
         ValueError: ``backend`` is not one of :data:`BACKENDS`, or ``"triton"`` was
             asked for where it cannot run.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.kernels import resolve_backend
+        >>> resolve_backend("auto", device=torch.device("cpu"), compute_dtype=torch.bfloat16,
+        ...                 gram_size=1024)
+        'torch'
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -47,6 +47,12 @@ class CoefficientSet:
             at the default of five steps.
         band: ``(lo, hi)`` interval the composed map sends ``[lower, 1]`` into
             with five steps in exact arithmetic.
+
+    Example:
+        >>> from dmuon.kernels import COEFFICIENT_SETS
+        >>> cset = COEFFICIENT_SETS["keller"]
+        >>> cset.band, len(cset.triples(5))
+        ((0.68, 1.14), 5)
     """
 
     name: str
@@ -156,6 +162,7 @@ COEFFICIENT_SETS: dict[str, CoefficientSet] = {
         ),
     )
 }
+"""Every named schedule, by name: what ``coefficients="..."`` accepts."""
 
 
 def get_coefficients(name: str, steps: int = 5) -> Schedule:

@@ -217,5 +217,13 @@ def set_cuda_graphs_enabled(enabled: bool) -> None:
 
 
 def cuda_graphs_enabled() -> bool:
-    """Whether Newton–Schulz calls on CUDA are captured and replayed by default."""
+    """Whether Newton–Schulz calls on CUDA are captured and replayed by default.
+
+    On by default; ``DMUON_NS_CUDA_GRAPH=0`` or :func:`set_cuda_graphs_enabled` turn it off.
+
+    Example:
+        >>> from dmuon.kernels import cuda_graphs_enabled
+        >>> isinstance(cuda_graphs_enabled(), bool)
+        True
+    """
     return _CACHE.enabled

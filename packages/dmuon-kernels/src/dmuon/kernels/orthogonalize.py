@@ -15,6 +15,7 @@ from dmuon.kernels.symmetric_ops import SymmetricOps
 __all__ = ["METHODS", "orthogonalize"]
 
 METHODS = ("gram", "standard")
+"""Values of ``method=``: Gram Newton–Schulz (default) or the standard iteration."""
 
 
 def orthogonalize(

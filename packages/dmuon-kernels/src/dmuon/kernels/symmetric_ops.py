@@ -53,12 +53,29 @@ class SymmetricOps:
 
 
 def syrk_torch(X: torch.Tensor) -> torch.Tensor:
-    """``X Xᵀ`` for a ``(B, m, k)`` batch with the vendor GEMM."""
+    """``X Xᵀ`` for a ``(B, m, k)`` batch with the vendor GEMM.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.kernels import syrk_torch
+        >>> syrk_torch(torch.ones(1, 2, 3))
+        tensor([[[3., 3.],
+                 [3., 3.]]])
+    """
     return torch.bmm(X, X.mT)
 
 
 def sym_poly_torch(A: torch.Tensor, b: float, c: float, a: float = 0.0) -> torch.Tensor:
-    """``b·A + c·A² + a·I`` for a ``(B, m, m)`` batch with the vendor GEMM (one ``baddbmm``)."""
+    """``b·A + c·A² + a·I`` for a ``(B, m, m)`` batch with the vendor GEMM (one ``baddbmm``).
+
+    Example:
+        >>> import torch
+        >>> from dmuon.kernels import sym_poly_torch
+        >>> A = 2 * torch.eye(2).unsqueeze(0)
+        >>> sym_poly_torch(A, b=1.0, c=0.5, a=1.0)[0]  # 1·2 + 0.5·4 + 1 on the diagonal
+        tensor([[5., 0.],
+                [0., 5.]])
+    """
     Z = torch.baddbmm(A, A, A, beta=b, alpha=c)
     if a != 0.0:
         Z.diagonal(dim1=-2, dim2=-1).add_(a)
@@ -66,7 +83,16 @@ def sym_poly_torch(A: torch.Tensor, b: float, c: float, a: float = 0.0) -> torch
 
 
 def sym_mul_torch(A: torch.Tensor, B: torch.Tensor, a: float) -> torch.Tensor:
-    """``A·B + a·A`` for ``(B, m, m)`` batches with the vendor GEMM (one ``baddbmm``)."""
+    """``A·B + a·A`` for ``(B, m, m)`` batches with the vendor GEMM (one ``baddbmm``).
+
+    Example:
+        >>> import torch
+        >>> from dmuon.kernels import sym_mul_torch
+        >>> A, B = torch.eye(2).unsqueeze(0), 3 * torch.eye(2).unsqueeze(0)
+        >>> sym_mul_torch(A, B, a=0.5)[0]
+        tensor([[3.5000, 0.0000],
+                [0.0000, 3.5000]])
+    """
     return torch.baddbmm(A, A, B, beta=a)
 
 

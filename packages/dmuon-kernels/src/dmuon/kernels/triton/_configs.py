@@ -35,7 +35,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One autotune candidate: tile side, depth of the k-loop step, warps, pipeline stages."""
+    """One autotune candidate: tile side, depth of the k-loop step, warps, pipeline stages.
+
+    Example:
+        >>> from dmuon.kernels.triton import TileConfig
+        >>> TileConfig(block=128, block_k=64, num_warps=8, num_stages=3).shared_memory(2)
+        98304
+    """
 
     block: int
     block_k: int
