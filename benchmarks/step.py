@@ -20,7 +20,7 @@ prints a table. Nothing here asserts on time.
 
     python benchmarks/step.py --single            # full run on the default device
     python benchmarks/step.py --single --quick    # a smaller, faster subset
-    python benchmarks/step.py --single --threads 1   # steadier on a shared machine
+    python benchmarks/step.py --single --threads 1   # steadier on a shared machine (-1thread files)
 
 The load average before and after is stored with the results: on a shared
 machine, compare ratios, not milliseconds.
@@ -340,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"step-single-{args.device}" + ("-quick" if args.quick else "")
+    if args.threads is not None:
+        stem += f"-{args.threads}thread"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     plot(result, args.out / f"{stem}.png")
     print_table(result)
