@@ -62,12 +62,22 @@ from dmuon.optim.engine.consistency import check_model_consistency
 
 __all__ = ["OwnerExchange", "exchange_of"]
 
-_REGISTRY: weakref.WeakKeyDictionary[torch.Tensor, OwnerExchange] = weakref.WeakKeyDictionary()
+# id(parameter) → (weak reference to it, its exchange). Keyed by id: tensors compare
+# elementwise, so they cannot be dictionary keys by value.
+_REGISTRY: dict[int, tuple[weakref.ref[torch.Tensor], OwnerExchange]] = {}
 
 
 def exchange_of(p: torch.Tensor) -> OwnerExchange | None:
     """The :class:`OwnerExchange` a parameter was dedicated to (``None``: not dedicated)."""
-    return _REGISTRY.get(p)
+    entry = _REGISTRY.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]
+
+
+def _register(p: torch.Tensor, exchange: OwnerExchange) -> None:
+    key = id(p)
+    _REGISTRY[key] = (weakref.ref(p, lambda _: _REGISTRY.pop(key, None)), exchange)
 
 
 @dataclass(eq=False)
@@ -155,7 +165,7 @@ class OwnerExchange:
         self._layer_of: dict[str, str] = {}
         layers: dict[str, _Layer] = {}
         for item, p in dedicated:
-            if item.name in self._params or p in _REGISTRY:
+            if item.name in self._params or exchange_of(p) is not None:
                 raise ValueError(f"parameter {item.name!r} is dedicated twice")
             if item.name not in plan:
                 raise ValueError(f"the plan has no item {item.name!r}; plan every dedicated item")
@@ -191,8 +201,8 @@ class OwnerExchange:
                 )
                 for dt, names in by_dtype.items()
             ]
-        for item, p in dedicated:
-            _REGISTRY[p] = self
+        for _, p in dedicated:
+            _register(p, self)
         self._alias_all()
         self._sync = True
         self._present: set[str] = set()
@@ -213,6 +223,15 @@ class OwnerExchange:
     def params(self) -> list[torch.Tensor]:
         """The dedicated parameters (pass them to ``fully_shard(..., ignored_params=...)``)."""
         return [self._params[n] for n in self.plan.names]
+
+    @property
+    def replicated_names(self) -> tuple[str, ...]:
+        """Names of the all-reduced parameters, layer by layer."""
+        return tuple(n for layer in self.layers for n in layer.replicated)
+
+    def param(self, name: str) -> torch.Tensor:
+        """The dedicated or replicated parameter called ``name``."""
+        return self._params[name]
 
     @property
     def owned_names(self) -> tuple[str, ...]:
