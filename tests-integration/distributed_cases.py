@@ -10,7 +10,6 @@ of rows). The functions named ``run_*`` execute inside the ranks of
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -183,11 +182,9 @@ def run_modes(
             loss_of(name, forward, *batch(name, t, rank, world)).backward()
             opt.step()
             opt.zero_grad()
-        if "distributed" in opt.defaults or opt.mode == "owner":
+        if opt.mode == "owner":
             opt.engine.exchange.wait_all_published()  # type: ignore[attr-defined]
         results[mode] = full_params(model)
         dist.barrier()
     return results
 
-
-Fn = Callable[..., Any]
