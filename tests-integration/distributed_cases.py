@@ -136,7 +136,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[fl
 
 
 def setup(mode: str, name: str, world: int, opt_kw: dict[str, Any] | None = None):
-    """Model, optimizer and the module to call forward on, for one mode."""
+    """Model, module to call forward on, optimizer and dedication (or None), for one mode."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -168,7 +168,7 @@ def setup(mode: str, name: str, world: int, opt_kw: dict[str, Any] | None = None
     else:
         raise ValueError(mode)
     opt = DMuon(param_groups(model), **kw)
-    return model, forward, opt
+    return model, forward, opt, kw.get("distributed")
 
 
 def run_modes(
@@ -177,13 +177,13 @@ def run_modes(
     """Train ``name`` in each mode from the same start; the final parameters per mode."""
     results = {}
     for mode in modes:
-        model, forward, opt = setup(mode, name, world)
+        model, forward, opt, ded = setup(mode, name, world)
         for t in range(steps):
             loss_of(name, forward, *batch(name, t, rank, world)).backward()
             opt.step()
             opt.zero_grad()
-        if opt.mode == "owner":
-            opt.engine.exchange.wait_all_published()  # type: ignore[attr-defined]
+        if ded is not None:
+            ded.wait()  # the last publications, before reading the weights
         results[mode] = full_params(model)
         dist.barrier()
     return results
