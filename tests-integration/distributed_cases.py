@@ -146,18 +146,18 @@ def setup(mode: str, name: str, world: int, opt_kw: dict[str, Any] | None = None
     kw = dict(opt_kw or OPT)
     model = build(name)
     forward: nn.Module = model
-    if mode in ("owner_fsdp", "sharded"):
+    if mode in ("owner_fsdp", "owner_fsdp_z3", "sharded"):
         mesh = init_device_mesh("cpu", (world,))
         ignored = None
-        if mode == "owner_fsdp":
-            ded = fsdp.dedicate(model, mesh)
+        if mode.startswith("owner_fsdp"):
+            ded = fsdp.dedicate(model, mesh, reshard_after_forward=mode.endswith("z3"))
             ignored = ded.params
             kw["distributed"] = ded
         for block in model.blocks:  # type: ignore[union-attr]
             fully_shard(block, mesh=mesh, ignored_params=ignored)
         fully_shard(model, mesh=mesh, ignored_params=ignored)
-    elif mode == "owner_ddp":
-        kw["distributed"] = ddp.dedicate(model)
+    elif mode in ("owner_ddp", "owner_ddp_z3"):
+        kw["distributed"] = ddp.dedicate(model, reshard_after_forward=mode.endswith("z3"))
     elif mode == "owner_ddp_sharded_adamw":
         kw["distributed"] = ddp.dedicate(model, scalars="owner")
     elif mode == "replicated":

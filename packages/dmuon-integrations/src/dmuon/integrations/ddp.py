@@ -40,6 +40,7 @@ def dedicate(
     *,
     predicate: Predicate | None = None,
     scalars: str = "all_reduce",
+    reshard_after_forward: bool = False,
     strategy: str = "lpt",
     layer_of: Callable[[str], str] = layer_key,
     broadcast_buffers: bool = True,
@@ -60,6 +61,8 @@ def dedicate(
             (default: the matrices of :func:`dmuon.optim.param_groups`).
         scalars: ``"all_reduce"`` (bucketed all-reduce from the hooks; every rank
             steps them) or ``"owner"`` (dedicated too: sharded AdamW state).
+        reshard_after_forward: ZeRO-3-like: keep only the owned dedicated weights
+            between layers (see :func:`dmuon.integrations.fsdp.dedicate`).
         strategy: owner planning strategy (see :func:`dmuon.comm.plan_owners`).
         layer_of: name → layer key (the unit of reduction and publication).
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every
@@ -101,6 +104,7 @@ def dedicate(
         kind="ddp",
         plan_options=plan_options,
         dedicate_rest=scalars == "owner",
+        reshard_after_forward=reshard_after_forward,
     )
     if broadcast_buffers and group_size(pg) > 1:
         with torch.no_grad():

@@ -38,6 +38,7 @@ def dedicate(
     mesh: Any = None,
     *,
     predicate: Predicate | None = None,
+    reshard_after_forward: bool = False,
     strategy: str = "lpt",
     layer_of: Callable[[str], str] = layer_key,
     stats: CommStats | None = None,
@@ -62,6 +63,10 @@ def dedicate(
         predicate: ``(name, param) → bool`` choosing the dedicated parameters;
             default the matrices of :func:`dmuon.optim.param_groups` (hidden weights,
             conv weights, expert stacks).
+        reshard_after_forward: ZeRO-3-like: a rank keeps only the matrices it owns
+            and the others are broadcast around each layer's forward and backward
+            (3(N−1)/N·P bytes per step instead of 2(N−1)/N·P); default ZeRO-2-like,
+            every matrix resident. 1-D meshes only.
         strategy: owner planning strategy (``"lpt"`` or ``"ilp"``; see
             :func:`dmuon.comm.plan_owners`).
         layer_of: name → layer key; a layer is the unit of reduction, publication and
@@ -92,6 +97,7 @@ def dedicate(
         strategy=strategy,
         layer_of=layer_of,
         stats=stats,
+        reshard_after_forward=reshard_after_forward,
         all_reduce_rest=False,
         kind="fsdp",
         plan_options=plan_options,
@@ -110,6 +116,7 @@ def _dedicate(
     kind: str,
     plan_options: dict[str, Any],
     dedicate_rest: bool = False,
+    reshard_after_forward: bool = False,
 ) -> Dedication:
     group, replicate_group = mesh_groups(mesh)
     dedicated, rest = split_parameters(model, predicate, layer_of=layer_of)
@@ -138,6 +145,7 @@ def _dedicate(
         group=group,
         replicate_group=replicate_group,
         stats=stats,
+        reshard_after_forward=reshard_after_forward,
     )
     ded = Dedication(model, exchange, kind=kind)
     ded.handles = install_hooks(model, exchange)

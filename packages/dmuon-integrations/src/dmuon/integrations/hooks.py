@@ -7,9 +7,12 @@ Only public module and tensor hooks are used (no framework internals):
   which starts the layer's reduction once the layer is complete and every earlier
   layer was started;
 * ``module.register_forward_pre_hook`` on each layer's module: before the layer
-  runs → :meth:`~dmuon.optim.OwnerExchange.wait_published`, so the forward waits
-  only for the weights it is about to use (the later layers' broadcasts keep
-  travelling meanwhile).
+  runs → ``exchange.forward_enter``, which waits for that layer's published
+  weights only (the later layers' broadcasts keep travelling meanwhile);
+* with ``reshard_after_forward`` (ZeRO-3-like) also ``register_forward_hook`` →
+  ``exchange.forward_exit`` (free the layer on non-owners) and
+  ``register_full_backward_pre_hook`` → ``exchange.backward_enter`` (bring it back
+  for backward, prefetch the layer before it).
 """
 
 from __future__ import annotations
@@ -62,13 +65,18 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
         p = exchange.param(name)
         handles.append(p.register_post_accumulate_grad_hook(grad_hook))
 
-    def pre_hook(key: str) -> Callable[..., Any]:
-        def hook(module: nn.Module, args: Any) -> None:
-            exchange.wait_published(key)
+    def call(method: Callable[[str], None], key: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            method(key)
 
         return hook
 
     for key in exchange.layer_keys():
         module = module_of_layer(model, key)
-        handles.append(module.register_forward_pre_hook(pre_hook(key)))
+        handles.append(module.register_forward_pre_hook(call(exchange.forward_enter, key)))
+        if exchange.reshard_after_forward:
+            handles.append(module.register_forward_hook(call(exchange.forward_exit, key)))
+            handles.append(
+                module.register_full_backward_pre_hook(call(exchange.backward_enter, key))
+            )
     return handles

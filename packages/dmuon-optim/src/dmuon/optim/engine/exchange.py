@@ -59,6 +59,7 @@ from dmuon.comm import (
 from dmuon.comm.groups import group_rank, group_size
 from dmuon.comm.owner_plan import natural_key
 from dmuon.optim.engine.consistency import check_model_consistency
+from dmuon.optim.engine.publication import Publication
 
 __all__ = ["OwnerExchange", "exchange_of"]
 
@@ -94,13 +95,14 @@ class _Layer:
     allreduce_works: list[object] = field(default_factory=list)
     reduced: bool = False
     publish_handle: CommHandle | None = None
+    resident: bool = True
 
     @property
     def expected(self) -> int:
         return len(self.dedicated) + len(self.replicated)
 
 
-class OwnerExchange:
+class OwnerExchange(Publication):
     """Reduce-to-owner and broadcast-from-owner traffic for a set of dedicated parameters.
 
     Integrations build one (``dmuon.integrations.fsdp.dedicate``,
@@ -118,6 +120,9 @@ class OwnerExchange:
             ``None``: the world.
         replicate_group: HSDP only, this rank's replicate group.
         stats: where the bytes are recorded; default :func:`dmuon.comm.default_stats`.
+        reshard_after_forward: ZeRO-3-like: ranks keep only the weights they own and
+            materialise the others around each layer's forward and backward (see
+            :mod:`dmuon.optim.engine.publication`); 1-D groups only.
 
     Raises:
         ValueError: a parameter dedicated twice, a plan that does not cover the items,
@@ -144,6 +149,7 @@ class OwnerExchange:
         group: dist.ProcessGroup | None = None,
         replicate_group: dist.ProcessGroup | None = None,
         stats: CommStats | None = None,
+        reshard_after_forward: bool = False,
     ) -> None:
         self.plan = plan
         self.group = group
@@ -155,6 +161,13 @@ class OwnerExchange:
         self.rank = (group_rank(replicate_group) * S if replicate_group is not None else 0) + (
             group_rank(group)
         )
+        if reshard_after_forward and replicate_group is not None:
+            raise ValueError(
+                "reshard_after_forward (ZeRO-3-like) is supported on a 1-D group; under HSDP "
+                "keep the dedicated weights resident"
+            )
+        self.reshard_after_forward = reshard_after_forward
+        self._backward_resident: list[str] = []
         if replicated and replicate_group is not None:
             raise ValueError(
                 "replicated (all-reduced) parameters are for the DDP replacement on a 1-D "
@@ -210,7 +223,14 @@ class OwnerExchange:
         self._next_launch = 0
         self._flushed = False
         self._reduce_order = list(reversed(self.layers))
+        # ZeRO-3-like broadcasts follow forward and backward, the reductions a fixed
+        # order: separate process groups keep the two sequences from interleaving.
+        self._publish_group = group
+        if reshard_after_forward and S > 1:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(S))
+            self._publish_group = dist.new_group(ranks)
         self.synchronize_parameters()
+        self.release_all()
 
     # ------------------------------------------------------------------ lookups
 
@@ -283,7 +303,7 @@ class OwnerExchange:
                 "reduced; call backward once per optimizer step, or run the earlier "
                 "micro-batches inside no_sync()"
             )
-        if not self._present:
+        if not self._present and not self.reshard_after_forward:
             self.wait_all_published()  # publications finish before this step's reductions
         self._present.add(name)
         layer.ready.add(name)
@@ -297,7 +317,8 @@ class OwnerExchange:
         """Launch every reduction not launched yet (zeros for missing gradients)."""
         if self._flushed:
             return
-        self.wait_all_published()
+        if not self.reshard_after_forward:
+            self.wait_all_published()
         while self._next_launch < len(self._reduce_order):
             self._launch(self._reduce_order[self._next_launch])
         flags = torch.tensor([int(n in self._present) for n in self._params], dtype=torch.int32)
@@ -381,79 +402,7 @@ class OwnerExchange:
         self._present.clear()
         self._next_launch = 0
         self._flushed = False
-
-    # -------------------------------------------------------------- publication
-
-    def _alias_all(self) -> None:
-        for layer in self.layers:
-            for b in layer.publish_buckets:
-                for name in b.names:
-                    self._alias(b, name)
-
-    def _alias(self, b: FlatBucket, name: str) -> None:
-        p = self._params[name]
-        view = b.view(name)
-        if p.data_ptr() == view.data_ptr() and p.dtype == view.dtype:
-            return
-        if view.device != p.device:
-            raise RuntimeError(
-                f"dedicated parameter {name!r} is on {p.device} but was dedicated on "
-                f"{view.device}; move the model to its device before dedicating it"
-            )
-        with torch.no_grad():
-            view.copy_(p.detach().reshape(view.shape))
-        p.data = view.view(p.shape)
-
-    def publish(self, key: str) -> None:
-        """Start broadcasting layer ``key``'s new weights from their owners."""
-        layer = self._by_key[key]
-        for b in layer.publish_buckets:
-            for name in b.names:
-                self._alias(b, name)  # the model was moved or its data replaced: re-alias
-        if layer.publish_buckets and self.world_size > 1:
-            layer.publish_handle = broadcast_from_owners(
-                layer.publish_buckets,
-                self.plan,
-                group=self.group,
-                replicate_group=self.replicate_group,
-                stats=self.stats,
-            )
-
-    def wait_published(self, key: str) -> None:
-        """Wait until layer ``key`` (and every layer before it) holds the owners' weights."""
-        for layer in self.layers:
-            if layer.publish_handle is not None:
-                layer.publish_handle.wait()
-                layer.publish_handle = None
-            if layer.key == key:
-                return
-
-    def wait_all_published(self) -> None:
-        """Wait for every publication in flight."""
-        if self.layers:
-            self.wait_published(self.layers[-1].key)
-
-    def pending_publications(self) -> list[str]:
-        """Layers whose publication is still in flight."""
-        return [layer.key for layer in self.layers if layer.publish_handle is not None]
-
-    def synchronize_parameters(self) -> None:
-        """Give every rank the owners' dedicated weights and rank 0's replicated ones."""
-        if self.world_size == 1:
-            return
-        for layer in self.layers:
-            self.publish(layer.key)
-        self.wait_all_published()
-        replicated = [n for layer in self.layers for n in layer.replicated]
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for n in replicated:
-            by_dtype.setdefault(self._params[n].dtype, []).append(n)
-        for dt, names in by_dtype.items():
-            tensors = {n: self._params[n].detach() for n in names}
-            b = FlatBucket.from_tensors(tensors)
-            dist.broadcast(b.buffer, group_src=0, group=self.group)
-            with torch.no_grad():
-                b.unpack_into(tensors)
+        self._backward_resident = []
 
     def describe(self) -> str:
         """One line per layer: its parameters and owners."""
