@@ -23,9 +23,7 @@ from dmuon.optim import DMuon, param_groups
 
 # fp32 Newton–Schulz: the distributed runs differ from the reference only by the
 # order of floating-point sums (the gradient average), ~1e-7 relative.
-OPT = dict(
-    lr=0.02, weight_decay=0.1, ns_compute_dtype="float32", adamw_lr=3e-3, adamw_eps=1e-3
-)
+OPT = dict(lr=0.02, weight_decay=0.1, ns_compute_dtype="float32", adamw_lr=3e-3, adamw_eps=1e-3)
 STEPS = 5
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
 TOLERANCE = 1e-5
@@ -187,4 +185,3 @@ def run_modes(
         results[mode] = full_params(model)
         dist.barrier()
     return results
-

@@ -26,7 +26,9 @@ def reference(world, clip, micro):
     norms = []
     for t in range(STEPS):
         for k in range(micro):
-            losses = [loss_of(NAME, model, *batch(NAME, micro * t + k, r, world)) for r in range(world)]
+            losses = [
+                loss_of(NAME, model, *batch(NAME, micro * t + k, r, world)) for r in range(world)
+            ]
             (sum(losses) / world / micro).backward()
         if clip:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))

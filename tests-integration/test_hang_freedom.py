@@ -31,9 +31,7 @@ class Irregular(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(5)
             widths = {"shape": (d, d + 1)} if variant == "shape" else {}
-            self.blocks = nn.ModuleList(
-                nn.Linear(d, d, bias=False) for _ in range(3)
-            )
+            self.blocks = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(3))
             if variant == "shape":
                 self.blocks[1] = nn.Linear(*widths["shape"], bias=False)
             self.frozen = nn.Linear(d, d, bias=False)

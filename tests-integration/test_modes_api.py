@@ -1,8 +1,6 @@
 """How DMuon learns its mode, what its state dict holds, and what a step reports — on
 two real ranks."""
 
-import pytest
-import torch
 from distributed_cases import OPT, batch, build, loss_of
 
 from dmuon.comm.testing import run_on_ranks
@@ -76,7 +74,9 @@ def run_state(rank, world):
     opt.zero_grad()
     ded.wait()
     sd = opt.state_dict()
-    names = {i: n for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+    names = {
+        i: n for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"], strict=True)
+    }
     state = {
         names[i]: {k: (tuple(v.shape), v.numel()) for k, v in s.items()}
         for i, s in sd["state"].items()

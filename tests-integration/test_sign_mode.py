@@ -36,8 +36,12 @@ def simulate(name, world):
     rule = get_rule("sign_muon")
     assert type(rule.chain[3]).__name__ == "MajorityVote"
     before, after = rule.chain[:3], rule.chain[4:]
-    matrices = [(p, g) for g in opt.param_groups if g["algorithm"] == "sign_muon" for p in g["params"]]
-    momenta = [{p: torch.zeros(matrix_layout(p, g, "").flat) for p, g in matrices} for _ in range(world)]
+    matrices = [
+        (p, g) for g in opt.param_groups if g["algorithm"] == "sign_muon" for p in g["params"]
+    ]
+    momenta = [
+        {p: torch.zeros(matrix_layout(p, g, "").flat) for p, g in matrices} for _ in range(world)
+    ]
     for t in range(STEPS):
         grads = []
         for r in range(world):
@@ -57,7 +61,11 @@ def simulate(name, world):
                 ctx = StepContext(grad=grads[0][p].reshape(shape), hp=g)
                 U = run_chain(after, voted, {}, ctx)
                 apply_update(
-                    [p.view(shape)], [U], lr=g["lr"], weight_decay=g["weight_decay"], scale=ctx.scale
+                    [p.view(shape)],
+                    [U],
+                    lr=g["lr"],
+                    weight_decay=g["weight_decay"],
+                    scale=ctx.scale,
                 )
                 p.grad = None
         for p in model.parameters():  # scalars: the average of the ranks' gradients

@@ -3,7 +3,16 @@ only owned matrices between layers, and moves 3(N−1)/N·P bytes per step (broa
 forward, re-broadcast for backward, reduce)."""
 
 import pytest
-from distributed_cases import STEPS, TOLERANCE, batch, build, loss_of, max_diff, reference, run_modes
+from distributed_cases import (
+    STEPS,
+    TOLERANCE,
+    batch,
+    build,
+    loss_of,
+    max_diff,
+    reference,
+    run_modes,
+)
 
 from dmuon.comm.testing import run_on_ranks
 

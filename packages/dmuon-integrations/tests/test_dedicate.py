@@ -37,8 +37,14 @@ def test_the_default_choice_is_param_groups_matrices_with_conv_flattened():
         ("conv.weight", (8, 24), "conv"),
     ]
     assert [n for n, _, _ in rest] == [
-        "emb.weight", "blocks.0.bias", "blocks.1.bias", "conv.bias", "norm.weight", "norm.bias",
-        "head.weight", "head.bias",
+        "emb.weight",
+        "blocks.0.bias",
+        "blocks.1.bias",
+        "conv.bias",
+        "norm.weight",
+        "norm.bias",
+        "head.weight",
+        "head.bias",
     ]
 
 

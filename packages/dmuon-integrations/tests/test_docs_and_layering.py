@@ -36,12 +36,15 @@ def _imports(root: pathlib.Path) -> set[str]:
 
 
 def test_optim_never_imports_integrations():
-    assert not [m for m in _imports(pathlib.Path(dmuon.optim.__file__).parent) if "integrations" in m]
+    assert not [
+        m for m in _imports(pathlib.Path(dmuon.optim.__file__).parent) if "integrations" in m
+    ]
 
 
 def test_integrations_touch_no_private_torch_module():
     private = [
-        m for m in _imports(pathlib.Path(dmuon.integrations.__file__).parent)
+        m
+        for m in _imports(pathlib.Path(dmuon.integrations.__file__).parent)
         if m.startswith("torch") and any(part.startswith("_") for part in m.split("."))
     ]
     assert private == []

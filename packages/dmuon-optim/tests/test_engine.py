@@ -15,7 +15,10 @@ from dmuon.optim.engine import MODES, collect_params, item_shape, subplan
 def model_and_data(seed=0):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
-        torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12), torch.nn.Tanh(),
+        torch.nn.Linear(6, 12),
+        torch.nn.Tanh(),
+        torch.nn.Linear(12, 12),
+        torch.nn.Tanh(),
         torch.nn.Linear(12, 3),
     )
     x, y = torch.randn(10, 6), torch.randn(10, 3)
@@ -36,7 +39,8 @@ def dedicate_by_hand(model):
     """What dmuon.integrations does, without hooks: plan, exchange, register."""
     named = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
     items = [MatrixItem(n, tuple(p.shape), p.dtype, n.split(".")[0]) for n, p in named]
-    return OwnerExchange(list(zip(items, [p for _, p in named])), plan=plan_owners(items, 1))
+    pairs = list(zip(items, [p for _, p in named], strict=True))
+    return OwnerExchange(pairs, plan=plan_owners(items, 1))
 
 
 def test_without_a_process_group_the_mode_is_single():
@@ -95,14 +99,16 @@ def test_owner_mode_on_one_rank_equals_single_and_is_found_from_the_parameters()
     opt = DMuon(param_groups(b), **kw)
     assert opt.mode == "owner" and opt.engine.exchange is exchange
     # without hooks, the caller reports the gradients (what the integrations' hooks do)
-    owned = train(b, opt, x, y, before_step=lambda: [exchange.grad_ready(p) for p in exchange.params])
+    owned = train(
+        b, opt, x, y, before_step=lambda: [exchange.grad_ready(p) for p in exchange.params]
+    )
     for p, q in zip(single, owned, strict=True):
         assert torch.equal(p, q)
     assert opt.last_step.groups == 3  # one pipeline group per layer (0, 2, 4)
 
 
 def test_owner_mode_skips_a_matrix_no_rank_has_a_gradient_for():
-    model, x, y = model_and_data()
+    model, _, _ = model_and_data()
     exchange = dedicate_by_hand(model)
     opt = DMuon(param_groups(model), weight_decay=0.5)
     before = model[2].weight.detach().clone()
@@ -149,7 +155,12 @@ def test_state_dict_records_the_mode_and_loads_placeholders():
     assert sd["distributed"]["mode"] == "replicated"
     assert set(sd["distributed"]["owners"]) == {"0.weight", "2.weight", "4.weight"}
     # a rank that does not own a matrix holds an empty placeholder under the same keys
-    index = next(i for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"]) if n == "2.weight")
+    index = next(
+        i
+        for g in sd["param_groups"]
+        for i, n in zip(g["params"], g["param_names"], strict=True)
+        if n == "2.weight"
+    )
     sd["state"][index]["momentum_buffer"] = torch.zeros(0)
     opt.load_state_dict(sd)
 
@@ -179,7 +190,7 @@ def test_clip_grad_norm_checks_its_arguments():
         clip_grad_norm_(opt, 1.0, 0.0)
     for p in model.parameters():
         p.grad = torch.full_like(p, float("nan"))
-    with pytest.raises(RuntimeError, match="non-finite|nan"):
+    with pytest.raises(RuntimeError, match=r"non-finite|nan"):
         clip_grad_norm_(opt, 1.0, error_if_nonfinite=True)
 
 

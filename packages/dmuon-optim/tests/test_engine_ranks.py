@@ -11,8 +11,13 @@ from dmuon.optim import DMuon, ModelMismatchError, param_groups
 def build(width=12):
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(6, width), torch.nn.Tanh(), torch.nn.Linear(width, 12), torch.nn.Tanh(),
-        torch.nn.Linear(12, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3),
+        torch.nn.Linear(6, width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(width, 12),
+        torch.nn.Tanh(),
+        torch.nn.Linear(12, 12),
+        torch.nn.Tanh(),
+        torch.nn.Linear(12, 3),
     )
 
 
@@ -43,12 +48,16 @@ def test_replicated_mode_orthogonalises_each_matrix_once_and_equals_one_process(
     model = build()
     opt = DMuon(param_groups(model), **KW)
     for _ in range(3):
-        losses = [torch.nn.functional.mse_loss(model(data(r, 2)[0]), data(r, 2)[1]) for r in range(2)]
+        losses = [
+            torch.nn.functional.mse_loss(model(data(r, 2)[0]), data(r, 2)[1]) for r in range(2)
+        ]
         (sum(losses) / 2).backward()
         opt.step()
         opt.zero_grad()
     (p0, s0), (p1, s1) = run_on_ranks(run_replicated, 2, timeout=60)
-    assert sorted(s0 + s1) == ["0.weight", "2.weight", "4.weight", "6.weight"] and not set(s0) & set(s1)
+    assert sorted(s0 + s1) == ["0.weight", "2.weight", "4.weight", "6.weight"] and not set(
+        s0
+    ) & set(s1)
     for mine, theirs, ref in zip(p0, p1, model.parameters(), strict=True):
         assert torch.equal(mine, theirs)
         assert (mine - ref.detach()).abs().max() <= 1e-5

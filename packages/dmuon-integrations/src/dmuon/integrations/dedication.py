@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -142,5 +141,3 @@ def _fsdp_modules(model: nn.Module) -> list[Any]:
     except ImportError:  # pragma: no cover
         return []
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-

@@ -90,9 +90,9 @@ def clip_grad_norm_(
     else:
         partial = torch.zeros((), device=device)
     partial = partial.to(torch.float32)
-    for g in groups:
-        if group_size(g) > 1:
-            dist.all_reduce(partial, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=g)
+    for pg in groups:
+        if group_size(pg) > 1:
+            dist.all_reduce(partial, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pg)
     total = partial if inf else partial.pow(1.0 / norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(

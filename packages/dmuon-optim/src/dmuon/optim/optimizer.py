@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-
-import time
 
 from dmuon.optim.buckets import Bucket, Sink, build_buckets, state_shapes, step_bucket
 from dmuon.optim.engine.base import Engine, SingleEngine
@@ -328,7 +327,7 @@ class DMuon(torch.optim.Optimizer):
                 old = self.state.get(p, {})
                 new: dict[str, torch.Tensor] = {}
                 full = engine.steps(p)
-                for key, shape in scalar_state_shapes(algorithm, p).items():
+                for key in scalar_state_shapes(algorithm, p):
                     if key == "step":
                         t = torch.zeros((), dtype=torch.float32)
                     elif full:
@@ -344,9 +343,9 @@ class DMuon(torch.optim.Optimizer):
             rule = get_rule(algorithm)
             self._buckets[index] = {}
             built: set[int] = set()
-            for key in engine.step_groups():
+            for pipeline_group in engine.step_groups():
 
-                def include(i: int, p: torch.Tensor, key: str | None = key) -> bool:
+                def include(i: int, p: torch.Tensor, key: str | None = pipeline_group) -> bool:
                     return engine.steps(p) and engine.group_of(p) == key
 
                 buckets, new_state = build_buckets(
@@ -356,7 +355,7 @@ class DMuon(torch.optim.Optimizer):
                     lambda i: _name(names, i, index, group["params"][i]),
                     include=include,
                 )
-                self._buckets[index][key] = buckets
+                self._buckets[index][pipeline_group] = buckets
                 for p, st in new_state.items():
                     self.state[p] = st
                     built.add(id(p))

@@ -43,7 +43,9 @@ def _describe(plan: OwnerPlan) -> list[tuple[str, tuple[int, ...], str]]:
     return [(i.name, tuple(i.shape), str(i.dtype).removeprefix("torch.")) for i in plan.items]
 
 
-def _differences(lists: list[list[tuple[str, tuple[int, ...], str]]], ranks: list[int]) -> list[str]:
+def _differences(
+    lists: list[list[tuple[str, tuple[int, ...], str]]], ranks: list[int]
+) -> list[str]:
     """Lines naming each parameter that is not the same on every rank."""
     # The reference is the most common list (ties: the lowest rank's).
     keys = [repr(x) for x in lists]

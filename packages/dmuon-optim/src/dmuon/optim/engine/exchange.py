@@ -51,7 +51,6 @@ from dmuon.comm import (
     FlatBucket,
     MatrixItem,
     OwnerPlan,
-    broadcast_from_owners,
     default_stats,
     make_buckets,
     reduce_to_owners,
@@ -322,14 +321,18 @@ class OwnerExchange(Publication):
         while self._next_launch < len(self._reduce_order):
             self._launch(self._reduce_order[self._next_launch])
         flags = torch.tensor([int(n in self._present) for n in self._params], dtype=torch.int32)
-        groups = [self.group] if self.replicate_group is None else [self.group, self.replicate_group]
+        groups = (
+            [self.group] if self.replicate_group is None else [self.group, self.replicate_group]
+        )
         for g in groups:
             if group_size(g) > 1:
                 dist.all_reduce(flags, group=g)
                 self.stats.record_collective(
                     "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=group_size(g)
                 )
-        self._global_present = {n: bool(f) for n, f in zip(self._params, flags.tolist())}
+        self._global_present = {
+            n: bool(f) for n, f in zip(self._params, flags.tolist(), strict=True)
+        }
         self._flushed = True
 
     def _launch(self, layer: _Layer) -> None:
@@ -352,8 +355,12 @@ class OwnerExchange(Publication):
         n = group_size(self.group)
         for b in layer.allreduce_buckets:
             if n > 1:
-                layer.allreduce_works.append(dist.all_reduce(b.buffer, group=self.group, async_op=True))
-                self.stats.record_collective("all_reduce_replicated", "all_reduce", nbytes=b.nbytes, world_size=n)
+                layer.allreduce_works.append(
+                    dist.all_reduce(b.buffer, group=self.group, async_op=True)
+                )
+                self.stats.record_collective(
+                    "all_reduce_replicated", "all_reduce", nbytes=b.nbytes, world_size=n
+                )
         layer.launched = True
         self._next_launch += 1
 
@@ -414,7 +421,9 @@ class OwnerExchange(Publication):
         return "\n".join(lines)
 
 
-def _with_replicated(plan: OwnerPlan, replicated: Sequence[tuple[str, str, torch.Tensor]]) -> OwnerPlan:
+def _with_replicated(
+    plan: OwnerPlan, replicated: Sequence[tuple[str, str, torch.Tensor]]
+) -> OwnerPlan:
     """The plan plus the replicated parameters (owner 0), for the model check only."""
     if not replicated:
         return plan
@@ -425,4 +434,3 @@ def _with_replicated(plan: OwnerPlan, replicated: Sequence[tuple[str, str, torch
     items = plan.items + extra
     owners = plan.owners + (0,) * len(extra)
     return OwnerPlan(items, owners, (), plan.loads, plan.world_size, plan.replicate_size)
-

@@ -67,7 +67,11 @@ def make_engine(
     """
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} or None (detect), got {mode!r}")
-    if isinstance(pipeline_depth, bool) or not isinstance(pipeline_depth, int) or pipeline_depth < 1:
+    if (
+        isinstance(pipeline_depth, bool)
+        or not isinstance(pipeline_depth, int)
+        or pipeline_depth < 1
+    ):
         raise ValueError(f"pipeline_depth must be an int ≥ 1, got {pipeline_depth!r}")
     params = collect_params(opt.param_groups)
     exchange = _exchange(distributed) if distributed is not None else None

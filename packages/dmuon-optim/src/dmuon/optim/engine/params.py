@@ -23,7 +23,14 @@ from dmuon.comm import MatrixItem, OwnerPlan, OwnerUnit, layer_key
 from dmuon.comm.owner_plan import natural_key
 from dmuon.optim.rules import RULES
 
-__all__ = ["EngineParam", "collect_params", "is_dtensor", "item_shape", "layers_in_order", "subplan"]
+__all__ = [
+    "EngineParam",
+    "collect_params",
+    "is_dtensor",
+    "item_shape",
+    "layers_in_order",
+    "subplan",
+]
 
 
 def is_dtensor(t: object) -> bool:
@@ -122,7 +129,8 @@ def subplan(plan: OwnerPlan, names: Iterable[str]) -> OwnerPlan:
 
     Example:
         >>> from dmuon.comm import MatrixItem, plan_owners
-        >>> plan = plan_owners([MatrixItem(f"h.{i}.w", (8, 8), layer=f"h.{i}") for i in range(4)], 2)
+        >>> items = [MatrixItem(f"h.{i}.w", (8, 8), layer=f"h.{i}") for i in range(4)]
+        >>> plan = plan_owners(items, 2)
         >>> part = subplan(plan, ["h.1.w", "h.3.w"])
         >>> part.names, [part.owner(n) for n in part.names] == [plan.owner(n) for n in part.names]
         (('h.1.w', 'h.3.w'), True)

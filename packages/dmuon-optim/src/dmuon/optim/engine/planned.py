@@ -19,7 +19,7 @@ from dmuon.optim.engine.report import StepReport
 if TYPE_CHECKING:
     from dmuon.optim.optimizer import DMuon
 
-__all__ = ["PlannedEngine", "Pipeline"]
+__all__ = ["Pipeline", "PlannedEngine"]
 
 
 class Pipeline:

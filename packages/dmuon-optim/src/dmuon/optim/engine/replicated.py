@@ -37,7 +37,8 @@ class ReplicatedEngine(PlannedEngine):
             for index in matrix_groups:
                 opt._matrix_step(index, key, report)
             with report.phase("publish"):
-                mine, others = {}, {}
+                mine: dict[str, torch.Tensor] = {}
+                others: dict[str, torch.Tensor] = {}
                 for e in self.matrices(key):
                     view = e.param.detach().view(e.item.shape)
                     (mine if self.owner_of(e.param) == self.rank else others)[e.name] = view

@@ -17,6 +17,8 @@ does this within its shard group.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -68,6 +70,19 @@ def shard_group_of(p: torch.Tensor, name: str) -> tuple[Any, Any]:
     return p.device_mesh, shard_dims[0]  # type: ignore[attr-defined]
 
 
+def _collector(
+    by_param: dict[int, EngineParam], results: dict[str, torch.Tensor]
+) -> Callable[[Entry, torch.Tensor, float], None]:
+    """A sink that writes ``scale · update`` into each owned matrix's full result."""
+
+    def sink(entry: Entry, update: torch.Tensor, scale: float) -> None:
+        e = by_param[id(entry.param)]
+        target = entry.tensor_block(results[e.name].view(e.param.shape))
+        target.copy_(update.reshape(target.shape)).mul_(scale)
+
+    return sink
+
+
 class ShardedEngine(PlannedEngine):
     """All-to-all to owners, batched rule there, all-to-all back, apply on shards."""
 
@@ -77,7 +92,9 @@ class ShardedEngine(PlannedEngine):
         from dmuon.optim.engine.params import collect_params
 
         matrices = [e for e in collect_params(opt.param_groups) if e.matrix]
-        meshes = {(id(m), d): (m, d) for m, d in (shard_group_of(e.param, e.name) for e in matrices)}
+        meshes = {
+            (id(m), d): (m, d) for m, d in (shard_group_of(e.param, e.name) for e in matrices)
+        }
         if len(meshes) > 1:
             raise ValueError(
                 "sharded mode needs every matrix sharded over the same mesh dimension; "
@@ -112,7 +129,7 @@ class ShardedEngine(PlannedEngine):
                     shards[e.name] = self._shard(e, g)
             return shard_all_to_all(shards, self.subplan(key), group=self.group, stats=self.stats)
 
-        def apply(key: str, updates: dict[str, torch.Tensor]) -> None:
+        def apply(key: str, updates: dict[str, torch.Tensor]) -> None:  # on the local shards
             with report.phase("apply"):
                 for e in self.matrices(key):
                     if not present[e.name]:
@@ -126,7 +143,7 @@ class ShardedEngine(PlannedEngine):
 
         pipe = Pipeline(self.pipeline_depth, report)
         incoming = {}
-        for key in self.layers[: 1]:
+        for key in self.layers[:1]:
             incoming[key] = start(key)
         for i, key in enumerate(self.layers):
             with report.phase("comm_wait"):
@@ -139,20 +156,14 @@ class ShardedEngine(PlannedEngine):
                 e.name: torch.zeros(e.item.shape, dtype=e.item.dtype, device=e.param.device)
                 for e in mine
             }
-            by_param = {id(e.param): e for e in mine}
-
-            def sink(entry: Entry, update: torch.Tensor, scale: float) -> None:
-                e = by_param[id(entry.param)]
-                target = entry.tensor_block(results[e.name].view(e.param.shape))
-                target.copy_(update.reshape(target.shape)).mul_(scale)
-
+            sink = _collector({id(e.param): e for e in mine}, results)
             for index in matrix_groups:
                 opt._matrix_step(index, key, report, grads=grads, sink=sink)
             with report.phase("publish"):
                 back = shard_all_to_all_reverse(
                     results, self.subplan(key), group=self.group, stats=self.stats
                 )
-            pipe.push(back, lambda updates, key=key: apply(key, updates))
+            pipe.push(back, functools.partial(apply, key))
             report.groups += 1
         with report.phase("scalar"):
             for g in opt.param_groups:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from dmuon.comm import FlatBucket, majority_vote
 from dmuon.comm.groups import group_size
+from dmuon.optim.engine.params import EngineParam
 from dmuon.optim.engine.planned import PlannedEngine
 from dmuon.optim.engine.report import StepReport
 
@@ -69,18 +70,18 @@ class SignEngine(PlannedEngine):
                 opt._matrix_step(index, key, report, grads=grads)
             report.groups += 1
         with report.phase("scalar"):
-            for g in opt.param_groups:
-                if opt._is_scalar(g):
-                    opt._scalar_step(g)
+            for group in opt.param_groups:
+                if opt._is_scalar(group):
+                    opt._scalar_step(group)
 
     def _average_scalars(self, present: dict[str, bool]) -> None:
         n = group_size(self.group)
         scalars = [e for e in self.params if not e.matrix]
-        by_dtype: dict[tuple[torch.dtype, torch.device], list] = {}
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[EngineParam]] = {}
         for e in scalars:
             if present[e.name]:
                 by_dtype.setdefault((e.param.dtype, e.param.device), []).append(e)
-        for (dtype, device), es in by_dtype.items():
+        for es in by_dtype.values():
             tensors = {
                 e.name: e.param.grad if e.param.grad is not None else torch.zeros_like(e.param)
                 for e in es
@@ -94,7 +95,6 @@ class SignEngine(PlannedEngine):
                 bucket.buffer.div_(n)
             for e in es:
                 e.param.grad = bucket.view(e.name).view(e.param.shape)
-            del dtype, device
 
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
         raise NotImplementedError(
