@@ -291,7 +291,7 @@ def _collect(
                 rank = open_conns.pop(obj)
                 # EOF: died before reporting; its sentinel tells us how.
                 with contextlib.suppress(EOFError, OSError):
-                    results[rank] = obj.recv()
+                    results[rank] = pickle.loads(obj.recv_bytes())
             else:
                 rank = sentinels[obj]
                 if rank in results:
@@ -300,7 +300,7 @@ def _collect(
                 if conn in open_conns and conn.poll():
                     # The report and the exit raced: read the report first.
                     with contextlib.suppress(EOFError, OSError):
-                        results[rank] = conn.recv()
+                        results[rank] = pickle.loads(conn.recv_bytes())
                         open_conns.pop(conn)
                         continue
                 procs[rank].join(timeout=1)
@@ -450,7 +450,10 @@ def _rank_main(
             when=time.time(),
         )
     with contextlib.suppress(Exception):
-        conn.send(report)
+        # Plain pickle, not the connection's ForkingPickler: once torch.multiprocessing
+        # is imported (FSDP2 and DTensor import it) that one sends tensors as handles to
+        # shared memory, which die with this process right after.
+        conn.send_bytes(pickle.dumps(report))
         conn.close()
     if report.status == "ok" and dist.is_initialized():
         # Keep this rank's connections open until every rank is done: exiting while a

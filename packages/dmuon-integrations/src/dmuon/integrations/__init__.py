@@ -1,5 +1,29 @@
-"""dmuon.integrations: a skeleton; the package README says what is coming."""
+"""dmuon.integrations — how gradients reach DMuon's owners in real training stacks.
 
+* :func:`dmuon.integrations.fsdp.dedicate` — FSDP2 and HSDP: the matrices go to
+  owner ranks, ``fully_shard(..., ignored_params=ded.params)`` takes the rest.
+* :func:`dmuon.integrations.ddp.dedicate` — a DDP replacement: matrices to owners,
+  scalar parameters all-reduced (or owned).
+* :class:`Dedication` — what both return: the owners, the plan, the hooks,
+  ``no_sync()`` for gradient accumulation.
+
+Stock DDP and stock FSDP2 need nothing from here: ``DMuon(..., mode="replicated")``
+and DTensor parameters (``sharded`` mode) are handled by :mod:`dmuon.optim`.
+"""
+
+from dmuon.integrations import ddp, fsdp
 from dmuon.integrations._version import __version__
+from dmuon.integrations.dedication import Dedication
+from dmuon.integrations.hooks import install_hooks, module_of_layer
+from dmuon.integrations.selection import mesh_groups, split_parameters
 
-__all__ = ["__version__"]
+__all__ = [
+    "Dedication",
+    "__version__",
+    "ddp",
+    "fsdp",
+    "install_hooks",
+    "mesh_groups",
+    "module_of_layer",
+    "split_parameters",
+]

@@ -16,6 +16,8 @@ from dmuon.optim.buckets import (
     state_shapes,
     step_bucket,
 )
+from dmuon.optim.clip import clip_grad_norm_
+from dmuon.optim.engine import MODES, ModelMismatchError, OwnerExchange, StepReport
 from dmuon.optim.groups import Assignment, ParamGroups, param_groups
 from dmuon.optim.layout import Block, MatrixLayout, matrix_layout
 from dmuon.optim.optimizer import DMuon
@@ -26,6 +28,7 @@ from dmuon.optim.vote import SignVote, local_vote
 
 __all__ = [
     "ADJUST_LR",
+    "MODES",
     "RULES",
     "SCALAR_ALGORITHMS",
     "Assignment",
@@ -34,14 +37,18 @@ __all__ = [
     "DMuon",
     "Entry",
     "MatrixLayout",
+    "ModelMismatchError",
+    "OwnerExchange",
     "ParamGroups",
     "Rule",
     "SignVote",
+    "StepReport",
     "__version__",
     "adamw_step",
     "adjust_lr_factor",
     "apply_update",
     "build_buckets",
+    "clip_grad_norm_",
     "default_batch_elements",
     "get_rule",
     "lion_step",

@@ -23,6 +23,7 @@ of the matrices it owns only and runs the same rule on them.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,10 @@ __all__ = [
     "state_shapes",
     "step_bucket",
 ]
+
+# sink(entry, update, scale): where an engine takes an entry's update instead of
+# applying it (see step_bucket).
+Sink = Callable[["Entry", torch.Tensor, float], None]
 
 
 @dataclass
@@ -245,7 +250,11 @@ def step_bucket(
     state: Mapping[torch.Tensor, Mapping[str, torch.Tensor]],
     vote: SignVote = local_vote,
     max_batch_elements: int | None = None,
-) -> None:
+    *,
+    grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    sink: Sink | None = None,
+    timings: dict[str, float] | None = None,
+) -> int:
     """Run ``rule`` on the entries of ``b`` that have a gradient and apply the update.
 
     Entries whose parameter has no gradient are skipped: neither their weights nor
@@ -253,12 +262,27 @@ def step_bucket(
     counts run as separate batches. A batch holds at most ``max_batch_elements``
     matrix entries (default :func:`default_batch_elements`); every transform acts
     on each matrix independently, so how a bucket is cut changes no number.
+
+    The distributed engine uses three hooks: ``grads`` maps a parameter to the
+    gradient to use instead of ``param.grad`` (a parameter missing from it is
+    skipped), e.g. the whole matrix an owner gathered from the shards of a
+    sharded parameter; ``sink(entry, update, scale)`` receives each entry's
+    update, ``(count, m, n)``, instead of having it applied (the caller applies
+    ``W ← W·(1 − lr·wd) − lr·scale·update`` where the weight lives); ``timings``
+    accumulates the seconds spent in the rule (``"rule"``) and in applying
+    (``"apply"``).
+
+    Returns:
+        The number of matrices the rule ran on.
     """
-    active = [e for e in b.entries if e.param.grad is not None]
+    if grads is None:
+        active = [e for e in b.entries if e.param.grad is not None]
+    else:
+        active = [e for e in b.entries if e.param in grads]
     if not active:
-        return
+        return 0
     for e in active:
-        g = e.param.grad
+        g = e.param.grad if grads is None else grads[e.param]
         assert g is not None
         if g.is_sparse:
             raise RuntimeError("DMuon does not support sparse gradients")
@@ -271,9 +295,12 @@ def step_bucket(
         batches = [(int(state[active[0].param]["step"].item()), active)]
     limit = default_batch_elements(b.device) if max_batch_elements is None else max_batch_elements
     m, n = b.shape
+    ran = 0
     for step, part in batches:
         for chunk in _chunks(part, m * n, limit):
-            _run_batch(b, chunk, group, rule, state, step, vote)
+            _run_batch(b, chunk, group, rule, state, step, vote, grads, sink, timings)
+            ran += sum(e.count for e in chunk)
+    return ran
 
 
 def _run_batch(
@@ -284,11 +311,16 @@ def _run_batch(
     state: Mapping[torch.Tensor, Mapping[str, torch.Tensor]],
     step: int,
     vote: SignVote,
+    grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    sink: Sink | None = None,
+    timings: dict[str, float] | None = None,
 ) -> None:
+    t0 = time.perf_counter()
     specs = rule.state_specs()
     m, n = b.shape
-    grads = [e.batch(e.param.grad) for e in part]  # type: ignore[arg-type]
-    G = grads[0] if len(grads) == 1 else torch.cat(grads)
+    source = [e.param.grad if grads is None else grads[e.param] for e in part]
+    batch = [e.batch(g) for e, g in zip(part, source, strict=True)]  # type: ignore[arg-type]
+    G = batch[0] if len(batch) == 1 else torch.cat(batch)
     consecutive = all(nxt.start == cur.start + cur.count for cur, nxt in itertools.pairwise(part))
     views: dict[str, list[torch.Tensor]] = {}
     if b.buffers is not None and consecutive:
@@ -314,12 +346,21 @@ def _run_batch(
             views[s.name],
             [c.reshape(v.shape) for c, v in zip(chunks, views[s.name], strict=True)],
         )
-    targets = [e.tensor_block(e.param) for e in part]
-    updates = [c.reshape(t.shape) for c, t in zip(U.split(counts), targets, strict=True)]
-    apply_update(
-        targets,
-        updates,
-        lr=float(group["lr"]),
-        weight_decay=float(group["weight_decay"]),
-        scale=scale,
-    )
+    t1 = time.perf_counter()
+    if sink is not None:
+        for e, u in zip(part, U.split(counts), strict=True):
+            sink(e, u, scale)
+    else:
+        targets = [e.tensor_block(e.param) for e in part]
+        updates = [c.reshape(t.shape) for c, t in zip(U.split(counts), targets, strict=True)]
+        apply_update(
+            targets,
+            updates,
+            lr=float(group["lr"]),
+            weight_decay=float(group["weight_decay"]),
+            scale=scale,
+        )
+    if timings is not None:
+        t2 = time.perf_counter()
+        timings["rule"] = timings.get("rule", 0.0) + (t1 - t0)
+        timings["apply"] = timings.get("apply", 0.0) + (t2 - t1)

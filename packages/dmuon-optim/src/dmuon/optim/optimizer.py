@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from dmuon.optim.buckets import Bucket, build_buckets, state_shapes, step_bucket
+from dmuon.optim.buckets import Bucket, Sink, build_buckets, state_shapes, step_bucket
+from dmuon.optim.engine.base import Engine, SingleEngine
+from dmuon.optim.engine.modes import make_engine
+from dmuon.optim.engine.report import StepReport
 from dmuon.optim.hyperparameters import BOOKKEEPING_KEYS, MATRIX_KEYS, SCALAR_KEYS
 from dmuon.optim.layout import matrix_layout
 from dmuon.optim.rules import RULES, get_rule
@@ -121,6 +125,10 @@ class DMuon(torch.optim.Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
+        mode: str | None = None,
+        distributed: Any = None,
+        process_group: Any = None,
+        pipeline_depth: int = 2,
         **rule_options: Any,
     ) -> None:
         get_rule(rule)
@@ -134,8 +142,10 @@ class DMuon(torch.optim.Optimizer):
         self._initialized = False
         self.sign_vote: SignVote = local_vote
         self.max_batch_elements: int | None = None
-        self._buckets: dict[int, list[Bucket]] = {}
+        self._buckets: dict[int, dict[str | None, list[Bucket]]] = {}
         self._structure: dict[int, tuple[Any, ...]] = {}
+        self._engine: Engine = SingleEngine()
+        self.last_step: StepReport | None = None
         matrix = {
             "lr": lr,
             "momentum": momentum,
@@ -183,9 +193,29 @@ class DMuon(torch.optim.Optimizer):
                 f"unknown option(s) {unused} for rule(s) {rules_used}; accepted options: "
                 f"{sorted(used)}"
             )
+        self._engine = make_engine(
+            self,
+            mode=mode,
+            distributed=distributed,
+            process_group=process_group,
+            pipeline_depth=pipeline_depth,
+        )
         self._initialized = True
         for index in range(len(self.param_groups)):
             self._rebuild(index)
+
+    # ------------------------------------------------------------------ engine
+
+    @property
+    def mode(self) -> str:
+        """The execution mode: ``"single"``, ``"owner"``, ``"replicated"``, ``"sharded"``
+        or ``"sign"`` (see the Concepts page on execution modes)."""
+        return self._engine.mode
+
+    @property
+    def engine(self) -> Engine:
+        """The engine that runs the steps (its plan, groups and rank)."""
+        return self._engine
 
     # ------------------------------------------------------------------ groups
 
@@ -198,6 +228,12 @@ class DMuon(torch.optim.Optimizer):
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        if self._initialized and self._engine.mode != "single":
+            raise RuntimeError(
+                f"add_param_group after construction is not supported in mode "
+                f"{self._engine.mode!r}: the owner plan covers the parameters the optimizer "
+                "was built with; build a new DMuon with every group"
+            )
         group = self._normalize_group(param_group, len(self.param_groups))
         defaults, self.defaults = self.defaults, {}
         try:
@@ -275,35 +311,62 @@ class DMuon(torch.optim.Optimizer):
                 )
 
     def _rebuild(self, index: int) -> None:
-        """(Re)create buckets and state of group ``index``, keeping values of matching shape."""
+        """(Re)create buckets and state of group ``index``, keeping values of matching shape.
+
+        The engine says which parameters this rank steps and in which pipeline group;
+        the others get placeholder state (same keys, empty tensors), so every rank's
+        state dict has the same keys.
+        """
         group = self.param_groups[index]
         names = group.get("param_names")
         algorithm = group["algorithm"]
+        engine = self._engine
         if algorithm in SCALAR_ALGORITHMS:
-            self._buckets[index] = []
+            self._buckets[index] = {}
             for p in group["params"]:
                 old = self.state.get(p, {})
                 new: dict[str, torch.Tensor] = {}
-                for key, shape in scalar_state_shapes(algorithm, p).items():
+                full = engine.steps(p)
+                for key in scalar_state_shapes(algorithm, p):
                     if key == "step":
                         t = torch.zeros((), dtype=torch.float32)
+                    elif full:
+                        t = torch.zeros_like(p, memory_format=torch.preserve_format)
                     else:
-                        t = torch.zeros(shape, dtype=p.dtype, device=p.device)
+                        t = _placeholder(p)
                     value = old.get(key)
-                    if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
+                    if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(t.shape):
                         t.copy_(value)
                     new[key] = t
                 self.state[p] = new
         else:
-            buckets, new_state = build_buckets(
-                group,
-                get_rule(algorithm),
-                lambda p: self.state.get(p, {}),
-                lambda i: _name(names, i, index, group["params"][i]),
-            )
-            self._buckets[index] = buckets
-            for p, st in new_state.items():
-                self.state[p] = st
+            rule = get_rule(algorithm)
+            self._buckets[index] = {}
+            built: set[int] = set()
+            for pipeline_group in engine.step_groups():
+
+                def include(i: int, p: torch.Tensor, key: str | None = pipeline_group) -> bool:
+                    return engine.steps(p) and engine.group_of(p) == key
+
+                buckets, new_state = build_buckets(
+                    group,
+                    rule,
+                    lambda p: self.state.get(p, {}),
+                    lambda i: _name(names, i, index, group["params"][i]),
+                    include=include,
+                )
+                self._buckets[index][pipeline_group] = buckets
+                for p, st in new_state.items():
+                    self.state[p] = st
+                    built.add(id(p))
+            for p in group["params"]:
+                if id(p) not in built:  # stepped by another rank (or frozen): placeholders
+                    step = torch.zeros((), dtype=torch.float32)
+                    _copy_step(step, self.state.get(p, {}))
+                    holder = {"step": step}
+                    for spec in rule.state_specs():
+                        holder[spec.name] = _placeholder(p)
+                    self.state[p] = holder
         self._structure[index] = _structure_of(group)
 
     # -------------------------------------------------------------------- step
@@ -311,6 +374,9 @@ class DMuon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One optimization step over every group.
+
+        In a distributed mode this is also where gradients are awaited and results
+        published (see :attr:`mode`); :attr:`last_step` reports its phases.
 
         Args:
             closure: re-evaluates the model and returns the loss (optional).
@@ -329,34 +395,80 @@ class DMuon(torch.optim.Optimizer):
                     "parameters) after construction; create a new optimizer or use "
                     "add_param_group"
                 )
-            if group["algorithm"] in SCALAR_ALGORITHMS:
-                self._scalar_step(group)
-            else:
-                self._matrix_step(index, group)
+        report = StepReport(self._engine.mode, self._engine.rank, self._engine.world_size)
+        t0 = time.perf_counter()
+        self._engine.step(self, report)
+        report.seconds["total"] = time.perf_counter() - t0
+        self.last_step = report
         return loss
 
-    def _matrix_step(self, index: int, group: Mapping[str, Any]) -> None:
-        with_grad = [p for p in group["params"] if p.grad is not None]
-        if not with_grad:
-            return
-        torch._foreach_add_([self.state[p]["step"] for p in with_grad], 1.0)
-        rule = get_rule(group["algorithm"])
-        for bucket in self._buckets[index]:
-            step_bucket(bucket, group, rule, self.state, self.sign_vote, self.max_batch_elements)
+    def _is_scalar(self, group: Mapping[str, Any]) -> bool:
+        return group["algorithm"] in SCALAR_ALGORITHMS
 
-    def _scalar_step(self, group: Mapping[str, Any]) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
+    def _matrix_step(
+        self,
+        index: int,
+        key: str | None,
+        report: StepReport,
+        grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        sink: Sink | None = None,
+    ) -> None:
+        """Run group ``index``'s rule on its buckets of pipeline group ``key``."""
+        group = self.param_groups[index]
+        buckets = self._buckets[index].get(key, [])
+        if not buckets:
+            return
+        active: dict[int, torch.Tensor] = {}
+        for b in buckets:
+            for e in b.entries:
+                has = e.param.grad is not None if grads is None else e.param in grads
+                if has:
+                    active[id(e.param)] = e.param
+        if not active:
+            return
+        torch._foreach_add_([self.state[p]["step"] for p in active.values()], 1.0)
+        rule = get_rule(group["algorithm"])
+        names = group.get("param_names")
+        timings: dict[str, float] = {}
+        for b in buckets:
+            ran = step_bucket(
+                b,
+                group,
+                rule,
+                self.state,
+                self.sign_vote,
+                self.max_batch_elements,
+                grads=grads,
+                sink=sink,
+                timings=timings,
+            )
+            report.matrices += ran
+            report.rule_calls += int(ran > 0)
+        for phase, seconds in timings.items():
+            report.add(phase, seconds)
+        index_of = {id(p): i for i, p in enumerate(group["params"])}
+        report.stepped.extend(
+            names[index_of[id(p)]] if names else f"group{index}.param{index_of[id(p)]}"
+            for p in active.values()
+        )
+
+    def _scalar_step(
+        self, group: Mapping[str, Any], params: list[torch.Tensor] | None = None
+    ) -> None:
+        """AdamW/Lion on ``params`` (default: the group's) that have a gradient."""
+        candidates = group["params"] if params is None else params
+        params = [p for p in candidates if p.grad is not None]
         if not params:
             return
         grads = [p.grad for p in params]
-        if any(g.is_sparse for g in grads):
+        if any(g.is_sparse for g in grads):  # type: ignore[union-attr]
             raise RuntimeError("DMuon does not support sparse gradients")
         states = [self.state[p] for p in params]
         steps = [s["step"] for s in states]
         if group["algorithm"] == "adamw":
             adamw_step(
                 params,
-                grads,
+                grads,  # type: ignore[arg-type]
                 [s["exp_avg"] for s in states],
                 [s["exp_avg_sq"] for s in states],
                 steps,
@@ -368,7 +480,7 @@ class DMuon(torch.optim.Optimizer):
         else:
             lion_step(
                 params,
-                grads,
+                grads,  # type: ignore[arg-type]
                 [s["exp_avg"] for s in states],
                 steps,
                 lr=float(group["lr"]),
@@ -397,7 +509,21 @@ class DMuon(torch.optim.Optimizer):
                 )
         super().load_state_dict(state_dict)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The state dict of ``torch.optim.Optimizer``, plus ``"distributed"``: the mode,
+        rank, world size and (in owner-like modes) the plan digest and each parameter's
+        owner. Parameters another rank steps hold placeholders (empty tensors) under the
+        same keys on this rank; the owners hold the values."""
+        sd = super().state_dict()
+        sd["distributed"] = self._engine.describe()
+        return sd
+
     def __getstate__(self) -> dict[str, Any]:
+        if getattr(self, "_engine", None) is not None and self._engine.mode != "single":
+            raise TypeError(
+                f"a DMuon in mode {self._engine.mode!r} cannot be pickled or deep-copied (its "
+                "engine holds process groups and hooks); save and load state_dict() instead"
+            )
         state = super().__getstate__()
         state["dmuon_config"] = {
             "rule": self._rule,
@@ -419,11 +545,15 @@ class DMuon(torch.optim.Optimizer):
             self.sign_vote = local_vote
             self.max_batch_elements = None
             self._buckets, self._structure = {}, {}
+            self._engine = SingleEngine()
+            self.last_step = None
         if getattr(self, "_initialized", False):  # load_state_dict into a live optimizer
             groups = [self._normalize_group(g, i) for i, g in enumerate(state["param_groups"])]
             self._check_loaded_state(state["state"], groups)
             state["param_groups"] = groups
         super().__setstate__(state)
+        if config is not None:
+            self._engine.bind(self)
         self._initialized = True
         for index in range(len(self.param_groups)):
             self._rebuild(index)
@@ -459,6 +589,8 @@ class DMuon(torch.optim.Optimizer):
                     )
                 for key, shape in expected.items():
                     value = st[key]
+                    if key != "step" and isinstance(value, torch.Tensor) and value.numel() == 0:
+                        continue  # a placeholder: another rank steps this parameter
                     if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
                         got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
                         raise ValueError(
@@ -482,3 +614,14 @@ def _name(names: list[str] | None, i: int, group_index: int, p: Any) -> str:
 
 def _structure_of(group: Mapping[str, Any]) -> tuple[Any, ...]:
     return (*(group.get(k) for k in _STRUCTURE), tuple(id(p) for p in group["params"]))
+
+
+def _placeholder(p: torch.Tensor) -> torch.Tensor:
+    """Empty state for a parameter another rank steps (same key, no memory)."""
+    return torch.zeros(0, dtype=p.dtype, device=p.device)
+
+
+def _copy_step(step: torch.Tensor, old: Mapping[str, Any]) -> None:
+    value = old.get("step")
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        step.copy_(value.reshape(()))

@@ -1,0 +1,113 @@
+"""DMuon without DDP: the same owner hooks replace DDP for the matrices.
+
+The change to a DDP script is to *not* wrap the model and dedicate it instead::
+
+    ded = dedicate(model)                                        # replaces DDP(model)
+    opt = DMuon(param_groups(model), lr=1e-3, distributed=ded)
+
+Each matrix's gradient is reduced to its owner (not all-reduced), only the owner
+orthogonalises it, and the new weight is broadcast back — the traffic of DDP's
+all-reduce, ``2(N−1)/N·P``, with the Newton–Schulz work divided by ``N``. The
+scalar parameters (embeddings, head, norms, biases) are either all-reduced in
+buckets from the same hooks and stepped on every rank (``scalars="all_reduce"``,
+like DDP), or dedicated to owners too (``scalars="owner"``: the owner alone runs
+AdamW on them and broadcasts the result, ZeRO-style).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmuon.comm import CommStats, layer_key
+from dmuon.comm.groups import group_size
+from dmuon.integrations.dedication import Dedication
+from dmuon.integrations.fsdp import _dedicate
+from dmuon.integrations.selection import Predicate, mesh_groups
+
+__all__ = ["SCALAR_MODES", "dedicate"]
+
+SCALAR_MODES = ("all_reduce", "owner")
+
+
+def dedicate(
+    model: nn.Module,
+    group: Any = None,
+    *,
+    predicate: Predicate | None = None,
+    scalars: str = "all_reduce",
+    reshard_after_forward: bool = False,
+    strategy: str = "lpt",
+    layer_of: Callable[[str], str] = layer_key,
+    broadcast_buffers: bool = True,
+    stats: CommStats | None = None,
+    **plan_options: Any,
+) -> Dedication:
+    """Replace DDP for ``model``: matrices to owners, scalars all-reduced or owned.
+
+    Call it on every rank, after the model is on its device, instead of
+    ``DistributedDataParallel(model)``. Like DDP it starts every rank from the same
+    weights: each dedicated matrix from its owner, the all-reduced parameters and
+    (with ``broadcast_buffers``) the buffers from rank 0.
+
+    Args:
+        model: the model (the same on every rank).
+        group: a ``ProcessGroup`` or 1-D ``DeviceMesh``; default the world.
+        predicate: ``(name, param) → bool`` choosing the dedicated matrices
+            (default: the matrices of :func:`dmuon.optim.param_groups`).
+        scalars: ``"all_reduce"`` (bucketed all-reduce from the hooks; every rank
+            steps them) or ``"owner"`` (dedicated too: sharded AdamW state).
+        reshard_after_forward: ZeRO-3-like: keep only the owned dedicated weights
+            between layers (see :func:`dmuon.integrations.fsdp.dedicate`).
+        strategy: owner planning strategy (see :func:`dmuon.comm.plan_owners`).
+        layer_of: name → layer key (the unit of reduction and publication).
+        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every
+            rank once, here.
+        stats: where bytes are recorded.
+        **plan_options: more arguments of :func:`dmuon.comm.plan_owners`.
+
+    Returns:
+        The :class:`~dmuon.integrations.Dedication`.
+
+    Raises:
+        ValueError: a bad ``scalars`` or group.
+        dmuon.optim.ModelMismatchError: the ranks' models differ.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.integrations.ddp import dedicate
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+        >>> ded = dedicate(model)
+        >>> ded.names, ded.all_reduced
+        (('0.weight', '1.weight'), ('0.bias', '1.bias'))
+    """
+    if scalars not in SCALAR_MODES:
+        raise ValueError(f"scalars must be one of {SCALAR_MODES}, got {scalars!r}")
+    pg, replicate = mesh_groups(group)
+    if replicate is not None:
+        raise ValueError(
+            "ddp.dedicate takes a 1-D group; for HSDP use dmuon.integrations.fsdp.dedicate "
+            "with the 2-D mesh and FSDP2 for the scalar parameters"
+        )
+    ded = _dedicate(
+        model,
+        pg,
+        predicate=predicate,
+        strategy=strategy,
+        layer_of=layer_of,
+        stats=stats,
+        all_reduce_rest=scalars == "all_reduce",
+        kind="ddp",
+        plan_options=plan_options,
+        dedicate_rest=scalars == "owner",
+        reshard_after_forward=reshard_after_forward,
+    )
+    if broadcast_buffers and group_size(pg) > 1:
+        with torch.no_grad():
+            for buf in model.buffers():
+                dist.broadcast(buf, group_src=0, group=pg)
+    return ded

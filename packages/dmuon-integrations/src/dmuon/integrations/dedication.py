@@ -1,0 +1,143 @@
+"""What ``dedicate()`` returns: the dedicated parameters, their owners, and the hooks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from dmuon.comm import OwnerPlan
+from dmuon.optim import OwnerExchange
+
+__all__ = ["Dedication"]
+
+
+@dataclass(eq=False)
+class Dedication:
+    """The parameters dedicated to owner ranks, and how to train with them.
+
+    Pass :attr:`params` to ``fully_shard(..., ignored_params=...)`` (FSDP2 then
+    manages everything else) and the dedication itself to
+    ``DMuon(..., distributed=ded)`` (optional: DMuon also finds it from the
+    parameters).
+
+    Attributes:
+        model: the model.
+        exchange: the reductions and broadcasts (:class:`dmuon.optim.OwnerExchange`).
+        handles: the hooks installed on the model.
+        kind: ``"fsdp"`` or ``"ddp"`` (which ``dedicate`` made it).
+
+    Example:
+        >>> import torch
+        >>> from dmuon.integrations.ddp import dedicate
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        >>> ded = dedicate(model)  # one process: it owns everything
+        >>> ded.names, ded.owned
+        (('0.weight', '1.weight'), ('0.weight', '1.weight'))
+    """
+
+    model: nn.Module
+    exchange: OwnerExchange
+    handles: list[RemovableHandle] = field(default_factory=list)
+    kind: str = "fsdp"
+
+    @property
+    def params(self) -> set[nn.Parameter]:
+        """The dedicated parameters, as the set ``fully_shard(ignored_params=...)`` takes."""
+        return set(self.exchange.params)  # type: ignore[arg-type]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Names of the dedicated parameters (canonical order)."""
+        return self.exchange.names
+
+    @property
+    def owned(self) -> tuple[str, ...]:
+        """Names of the parameters this rank owns (steps and broadcasts)."""
+        return self.exchange.owned_names
+
+    @property
+    def all_reduced(self) -> tuple[str, ...]:
+        """Names of the parameters whose gradients are all-reduced (DDP's scalars)."""
+        return self.exchange.replicated_names
+
+    @property
+    def plan(self) -> OwnerPlan:
+        """The owner plan."""
+        return self.exchange.plan
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group of the owners (HSDP: the shard group)."""
+        return self.exchange.group
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """HSDP: this rank's replicate group (``None`` otherwise)."""
+        return self.exchange.replicate_group
+
+    @property
+    def rank(self) -> int:
+        """This rank's owner index (HSDP: ``i·S + j``)."""
+        return self.exchange.rank
+
+    def owner_of(self, name: str) -> int:
+        """The owner rank of dedicated parameter ``name``."""
+        return self.exchange.owner(name)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally inside the block (no reductions).
+
+        Covers the dedicated parameters, the all-reduced ones, and — when the model
+        was also passed to FSDP2's ``fully_shard`` — FSDP2's own parameters (through
+        its public ``set_requires_gradient_sync``). Run every micro-batch of a
+        gradient-accumulation step but the last inside it.
+        """
+        fsdp = _fsdp_modules(self.model)
+        for m in fsdp:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            with self.exchange.no_sync():
+                yield
+        finally:
+            for m in fsdp:
+                m.set_requires_gradient_sync(True, recurse=False)
+
+    def wait(self) -> None:
+        """Wait until every rank holds the owners' latest weights.
+
+        The forward waits layer by layer on its own; call this before reading the
+        weights outside a forward (evaluation code, saving a checkpoint).
+        """
+        self.exchange.wait_all_published()
+
+    def remove(self) -> None:
+        """Remove the hooks (the parameters stay dedicated to this exchange)."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def summary(self) -> str:
+        """The plan and, per layer, each parameter's owner."""
+        return self.exchange.describe()
+
+    def __repr__(self) -> str:
+        return (
+            f"Dedication(kind={self.kind!r}, {len(self.names)} dedicated, "
+            f"{len(self.all_reduced)} all-reduced, rank {self.rank} owns {len(self.owned)}, "
+            f"plan={self.plan!r})"
+        )
+
+
+def _fsdp_modules(model: nn.Module) -> list[Any]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]

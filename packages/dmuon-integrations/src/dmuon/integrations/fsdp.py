@@ -1,0 +1,152 @@
+"""DMuon with FSDP2: dedicate the matrices to owners, let ``fully_shard`` take the rest.
+
+The three-line change to an FSDP2 script::
+
+    ded = dedicate(model, mesh)                                   # 1
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, ignored_params=ded.params)  # 2
+    fully_shard(model, mesh=mesh, ignored_params=ded.params)
+    opt = DMuon(param_groups(model), lr=1e-3, distributed=ded)    # 3
+
+FSDP2 shards and synchronises the embeddings, head, norms and biases as usual
+(they take AdamW inside DMuon); each dedicated matrix is whole on its owner, its
+gradient is reduced to the owner from a hook per layer during backward, the owner
+steps it, and the new weight is broadcast back and waited in that layer's next
+forward. No FSDP2 internals are touched: ``ignored_params`` is its public way to
+leave parameters alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from dmuon.comm import CommStats, layer_key, plan_owners
+from dmuon.comm.groups import group_size
+from dmuon.integrations.dedication import Dedication
+from dmuon.integrations.hooks import install_hooks
+from dmuon.integrations.selection import Predicate, mesh_groups, split_parameters
+from dmuon.optim import OwnerExchange
+
+__all__ = ["dedicate"]
+
+
+def dedicate(
+    model: nn.Module,
+    mesh: Any = None,
+    *,
+    predicate: Predicate | None = None,
+    reshard_after_forward: bool = False,
+    strategy: str = "lpt",
+    layer_of: Callable[[str], str] = layer_key,
+    stats: CommStats | None = None,
+    **plan_options: Any,
+) -> Dedication:
+    """Give every matrix of ``model`` an owner rank and install DMuon's hooks (FSDP2).
+
+    Call it on every rank, after the model is on its device and before
+    ``fully_shard``; pass ``ded.params`` to ``fully_shard(..., ignored_params=...)``.
+
+    It plans owners with :func:`dmuon.comm.plan_owners` (by Newton–Schulz cost;
+    same-layer matrices on different ranks), checks that every rank built the same
+    model (a mismatch raises on every rank, naming the parameter, before any other
+    collective), gives every rank the owners' initial weights, and hooks the model:
+    gradient reduction to owners per layer from post-accumulate-grad hooks, and a
+    forward pre-hook per layer that waits for the layer's published weights.
+
+    Args:
+        model: the model (the same on every rank).
+        mesh: a 1-D ``DeviceMesh`` (FSDP), a 2-D one (HSDP: replicate × shard), a
+            ``ProcessGroup``, or ``None`` (the world).
+        predicate: ``(name, param) → bool`` choosing the dedicated parameters;
+            default the matrices of :func:`dmuon.optim.param_groups` (hidden weights,
+            conv weights, expert stacks).
+        reshard_after_forward: ZeRO-3-like: a rank keeps only the matrices it owns
+            and the others are broadcast around each layer's forward and backward
+            (3(N−1)/N·P bytes per step instead of 2(N−1)/N·P); default ZeRO-2-like,
+            every matrix resident. 1-D meshes only.
+        strategy: owner planning strategy (``"lpt"`` or ``"ilp"``; see
+            :func:`dmuon.comm.plan_owners`).
+        layer_of: name → layer key; a layer is the unit of reduction, publication and
+            pipelining (default :func:`dmuon.comm.layer_key`: ``blocks.3``).
+        stats: where bytes are recorded (default :func:`dmuon.comm.default_stats`).
+        **plan_options: more arguments of :func:`dmuon.comm.plan_owners`.
+
+    Returns:
+        The :class:`~dmuon.integrations.Dedication`.
+
+    Raises:
+        ValueError: a bad mesh, or no parameter to dedicate.
+        dmuon.optim.ModelMismatchError: the ranks' models differ.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.integrations.fsdp import dedicate
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+        >>> ded = dedicate(model)  # one process: the world of one rank owns everything
+        >>> sorted(ded.params, key=lambda p: p.shape) == sorted(
+        ...     [model[1].weight, model[0].weight], key=lambda p: p.shape)
+        True
+    """
+    return _dedicate(
+        model,
+        mesh,
+        predicate=predicate,
+        strategy=strategy,
+        layer_of=layer_of,
+        stats=stats,
+        reshard_after_forward=reshard_after_forward,
+        all_reduce_rest=False,
+        kind="fsdp",
+        plan_options=plan_options,
+    )
+
+
+def _dedicate(
+    model: nn.Module,
+    mesh: Any,
+    *,
+    predicate: Predicate | None,
+    strategy: str,
+    layer_of: Callable[[str], str],
+    stats: CommStats | None,
+    all_reduce_rest: bool,
+    kind: str,
+    plan_options: dict[str, Any],
+    dedicate_rest: bool = False,
+    reshard_after_forward: bool = False,
+) -> Dedication:
+    group, replicate_group = mesh_groups(mesh)
+    dedicated, rest = split_parameters(model, predicate, layer_of=layer_of)
+    if dedicate_rest:
+        from dmuon.comm import MatrixItem
+
+        dedicated += [
+            (MatrixItem(n, (1, p.numel()) if p.dim() < 2 else tuple(p.shape), p.dtype, k), p)
+            for n, k, p in rest
+        ]
+        rest = []
+    if not dedicated:
+        raise ValueError(
+            "no parameter to dedicate: the model has no matrix parameters (or the predicate "
+            "chose none); use plain FSDP2/DDP, or pass a predicate"
+        )
+    S = group_size(group)
+    R = group_size(replicate_group) if replicate_group is not None else 1
+    plan = plan_owners(
+        [item for item, _ in dedicated], R * S, strategy=strategy, replicate_size=R, **plan_options
+    )
+    exchange = OwnerExchange(
+        dedicated,
+        plan=plan,
+        replicated=rest if all_reduce_rest else (),
+        group=group,
+        replicate_group=replicate_group,
+        stats=stats,
+        reshard_after_forward=reshard_after_forward,
+    )
+    ded = Dedication(model, exchange, kind=kind)
+    ded.handles = install_hooks(model, exchange)
+    return ded

@@ -1,0 +1,82 @@
+"""The hooks that connect a model's forward and backward to an owner exchange.
+
+Only public module and tensor hooks are used (no framework internals):
+
+* ``param.register_post_accumulate_grad_hook``: a parameter's gradient is complete
+  (accumulated into ``.grad``) → :meth:`~dmuon.optim.OwnerExchange.grad_ready`,
+  which starts the layer's reduction once the layer is complete and every earlier
+  layer was started;
+* ``module.register_forward_pre_hook`` on each layer's module: before the layer
+  runs → ``exchange.forward_enter``, which waits for that layer's published
+  weights only (the later layers' broadcasts keep travelling meanwhile);
+* with ``reshard_after_forward`` (ZeRO-3-like) also ``register_forward_hook`` →
+  ``exchange.forward_exit`` (free the layer on non-owners) and
+  ``register_full_backward_pre_hook`` → ``exchange.backward_enter`` (bring it back
+  for backward, prefetch the layer before it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from dmuon.optim import OwnerExchange
+
+__all__ = ["install_hooks", "module_of_layer"]
+
+
+def module_of_layer(model: nn.Module, key: str) -> nn.Module:
+    """The module a layer key names: the longest prefix of ``key`` that is a submodule.
+
+    ``"blocks.3"`` → ``model.blocks[3]``; a key that names no module (a parameter
+    held by the root) falls back to ``model`` itself.
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+        >>> module_of_layer(model, "1.0") is model[1][0], module_of_layer(model, "w") is model
+        (True, True)
+    """
+    parts = key.split(".")
+    while parts:
+        try:
+            return model.get_submodule(".".join(parts))
+        except AttributeError:
+            parts.pop()
+    return model
+
+
+def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHandle]:
+    """Install the gradient and forward hooks of ``exchange`` on ``model``.
+
+    Returns:
+        The hook handles (``handle.remove()`` undoes them).
+    """
+    handles: list[RemovableHandle] = []
+
+    def grad_hook(p: torch.Tensor) -> None:
+        exchange.grad_ready(p)
+
+    for name in [*exchange.names, *exchange.replicated_names]:
+        p = exchange.param(name)
+        handles.append(p.register_post_accumulate_grad_hook(grad_hook))
+
+    def call(method: Callable[[str], None], key: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            method(key)
+
+        return hook
+
+    for key in exchange.layer_keys():
+        module = module_of_layer(model, key)
+        handles.append(module.register_forward_pre_hook(call(exchange.forward_enter, key)))
+        if exchange.reshard_after_forward:
+            handles.append(module.register_forward_hook(call(exchange.forward_exit, key)))
+            handles.append(
+                module.register_full_backward_pre_hook(call(exchange.backward_enter, key))
+            )
+    return handles

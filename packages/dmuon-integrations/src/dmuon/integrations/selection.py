@@ -1,0 +1,91 @@
+"""Which parameters are dedicated, how they are planned, and which groups carry them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmuon.comm import MatrixItem, layer_key
+from dmuon.optim import param_groups
+from dmuon.optim.engine import item_shape
+
+__all__ = ["Predicate", "mesh_groups", "split_parameters"]
+
+Predicate = Callable[[str, torch.Tensor], bool]
+
+
+def split_parameters(
+    model: nn.Module,
+    predicate: Predicate | None = None,
+    *,
+    layer_of: Callable[[str], str] = layer_key,
+) -> tuple[list[tuple[MatrixItem, torch.Tensor]], list[tuple[str, str, torch.Tensor]]]:
+    """``(dedicated, rest)``: the planned items of the chosen parameters, and the others.
+
+    The default choice is what :func:`dmuon.optim.param_groups` puts in a matrix
+    group (the hidden weight matrices, conv weights, expert stacks); ``predicate(name,
+    param)`` overrides it. Frozen parameters are in neither list, on every rank alike;
+    a tied weight appears once.
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.LayerNorm(4))
+        >>> dedicated, rest = split_parameters(model)
+        >>> [i.name for i, _ in dedicated], [n for n, _, _ in rest]
+        (['1.weight'], ['0.weight', '1.bias', '2.weight', '2.bias'])
+    """
+    dedicated: list[tuple[MatrixItem, torch.Tensor]] = []
+    rest: list[tuple[str, str, torch.Tensor]] = []
+    order = {id(p): k for k, (_, p) in enumerate(model.named_parameters())}
+    entries = []
+    for group in param_groups(model):
+        matrix = group.get("algorithm") != "scalar"
+        for name, p in zip(group["param_names"], group["params"], strict=True):
+            entries.append((order[id(p)], name, p, group if matrix else {}, matrix))
+    for _, name, p, group, matrix in sorted(entries, key=lambda e: e[0]):
+        chosen = predicate(name, p) if predicate is not None else matrix
+        if chosen:
+            item = MatrixItem(name, item_shape(p, group), p.dtype, layer_of(name))
+            dedicated.append((item, p))
+        else:
+            rest.append((name, layer_of(name), p))
+    return dedicated, rest
+
+
+def mesh_groups(mesh: Any) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """``(group, replicate_group)`` of a mesh argument.
+
+    ``None`` → the world; a ``ProcessGroup`` → itself; a 1-D ``DeviceMesh`` → its
+    group; a 2-D ``DeviceMesh`` (HSDP, FSDP2's convention: dim 0 replicates, dim 1
+    shards; or dims named ``"replicate"`` and ``"shard"``) → (shard group,
+    replicate group).
+
+    Raises:
+        ValueError: a mesh of more than two dimensions, or something else.
+    """
+    if mesh is None:
+        return None, None
+    if isinstance(mesh, dist.ProcessGroup):
+        return mesh, None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(
+            f"mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}"
+        )
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    if mesh.ndim == 2:
+        names = mesh.mesh_dim_names or ()
+        rep, shard = 0, 1
+        if "replicate" in names and "shard" in names:
+            rep, shard = names.index("replicate"), names.index("shard")
+        return mesh.get_group(shard), mesh.get_group(rep)
+    raise ValueError(
+        f"mesh has {mesh.ndim} dimensions; pass the 1-D data-parallel mesh, or the 2-D "
+        "(replicate, shard) mesh of HSDP"
+    )

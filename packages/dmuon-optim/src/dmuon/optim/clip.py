@@ -1,0 +1,112 @@
+"""Gradient clipping by the global norm, when gradients live on different ranks.
+
+In owner mode each matrix's averaged gradient lives on its owner only; under FSDP2
+each rank holds row shards; the scalar gradients of a DDP replacement are the
+same on every rank. The global norm counts every element exactly once:
+
+    ‖g‖_p = ( Σ_ranks Σ_{g_i counted on this rank} ‖g_i‖_p^p )^{1/p}
+
+— each rank sums the gradients it is the one to count (the owner's matrices, its
+DTensor shards on the first replica, replicated gradients on rank 0 only), and
+one all-reduce of that partial sum (per mesh dimension) gives every rank the
+total. Every rank then scales every gradient it holds by
+``min(1, max_norm / (‖g‖ + 1e-6))``, exactly as ``torch.nn.utils.clip_grad_norm_``
+does on one process.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from dmuon.comm.groups import group_size
+from dmuon.optim.engine.params import is_dtensor
+
+if TYPE_CHECKING:
+    from dmuon.optim.optimizer import DMuon
+
+__all__ = ["clip_grad_norm_"]
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    optimizer: DMuon,
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip the gradients of ``optimizer``'s parameters by their global norm; return it.
+
+    The distributed counterpart of :func:`torch.nn.utils.clip_grad_norm_`: the
+    optimizer knows where each gradient lives (see the module docstring), so the
+    norm is the norm of the averaged global gradient in every mode, computed with
+    one all-reduce of per-rank partial sums (``max`` for ``norm_type=inf``). In owner
+    mode it first finishes the gradient reductions (the step would wait for them
+    anyway). Call it between ``backward()`` and ``step()`` on every rank.
+
+    Args:
+        optimizer: a :class:`~dmuon.optim.DMuon`.
+        max_norm: the largest allowed norm.
+        norm_type: ``p`` of the p-norm (``float("inf")`` for the max norm).
+        error_if_nonfinite: raise if the norm is NaN or infinite.
+
+    Returns:
+        The total norm before clipping (a 0-D float32 tensor, the same on every rank).
+
+    Raises:
+        ValueError: ``max_norm`` < 0 or ``norm_type`` ≤ 0.
+        RuntimeError: a non-finite norm with ``error_if_nonfinite``.
+        NotImplementedError: in sign mode (the voted step ignores the gradient scale).
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import DMuon, clip_grad_norm_
+        >>> w = torch.nn.Parameter(torch.zeros(4, 4))
+        >>> opt = DMuon([w])
+        >>> w.grad = torch.full((4, 4), 1.0)  # norm 4
+        >>> clip_grad_norm_(opt, 2.0).item(), round(w.grad.norm().item(), 4)
+        (4.0, 2.0)
+    """
+    max_norm, norm_type = float(max_norm), float(norm_type)
+    if not max_norm >= 0:
+        raise ValueError(f"max_norm must be ≥ 0, got {max_norm}")
+    if not norm_type > 0:
+        raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
+    engine = optimizer.engine
+    engine.prepare_grads()
+    counted, groups = engine.norm_tensors()
+    device = counted[0].device if counted else torch.device("cpu")
+    inf = math.isinf(norm_type)
+    if counted:
+        if inf:
+            partial = torch.stack([g.detach().abs().max().float() for g in counted]).max()
+        else:
+            norms = torch._foreach_norm([g.detach() for g in counted], norm_type)
+            partial = torch.stack([n.float() for n in norms]).pow(norm_type).sum()
+    else:
+        partial = torch.zeros((), device=device)
+    partial = partial.to(torch.float32)
+    for pg in groups:
+        if group_size(pg) > 1:
+            dist.all_reduce(partial, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pg)
+    total = partial if inf else partial.pow(1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is {total.item()}; "
+            "set error_if_nonfinite=False to clip anyway"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    grads = engine.local_grads()
+    plain = [g for g in grads if not is_dtensor(g)]
+    if plain:
+        torch._foreach_mul_(plain, coef.to(plain[0].device))
+    sharded = [g for g in grads if is_dtensor(g)]
+    if sharded:
+        factor = float(coef)  # DTensor gradients take a Python scalar
+        for g in sharded:
+            g.mul_(factor)
+    return total

@@ -1,0 +1,39 @@
+"""The distributed step engine: how a step runs in each execution mode.
+
+See the Concepts page "Execution modes" for the modes and their traffic.
+"""
+
+from dmuon.optim.engine.base import Engine, SingleEngine
+from dmuon.optim.engine.consistency import ModelMismatchError, check_model_consistency
+from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
+from dmuon.optim.engine.modes import MODES, make_engine
+from dmuon.optim.engine.owner import OwnerEngine
+from dmuon.optim.engine.params import EngineParam, collect_params, item_shape, subplan
+from dmuon.optim.engine.planned import Pipeline, PlannedEngine
+from dmuon.optim.engine.replicated import ReplicatedEngine
+from dmuon.optim.engine.report import PHASES, StepReport
+from dmuon.optim.engine.sharded import ShardedEngine
+from dmuon.optim.engine.sign import SignEngine
+
+__all__ = [
+    "MODES",
+    "PHASES",
+    "Engine",
+    "EngineParam",
+    "ModelMismatchError",
+    "OwnerEngine",
+    "OwnerExchange",
+    "Pipeline",
+    "PlannedEngine",
+    "ReplicatedEngine",
+    "ShardedEngine",
+    "SignEngine",
+    "SingleEngine",
+    "StepReport",
+    "check_model_consistency",
+    "collect_params",
+    "exchange_of",
+    "item_shape",
+    "make_engine",
+    "subplan",
+]

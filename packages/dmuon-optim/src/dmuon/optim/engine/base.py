@@ -1,0 +1,140 @@
+"""What every execution mode provides to :class:`~dmuon.optim.DMuon`, and the ``single`` mode.
+
+An engine decides, for the optimizer it is bound to,
+
+* which parameters this rank steps (:meth:`Engine.steps`) — the others keep
+  placeholder state, so state dicts have the same keys on every rank;
+* how the step is cut into pipeline groups (:meth:`Engine.step_groups`,
+  :meth:`Engine.group_of`): one group for ``single``, one per layer otherwise;
+* how a step runs (:meth:`Engine.step`): which collectives bring gradients in
+  and results out, around the rule calls the optimizer makes on its buckets.
+
+The rule never knows which mode runs it (DESIGN.md: same rules, same results).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from dmuon.comm.groups import group_size
+from dmuon.optim.engine.params import EngineParam, collect_params, is_dtensor
+from dmuon.optim.engine.report import StepReport
+
+if TYPE_CHECKING:
+    from dmuon.optim.optimizer import DMuon
+
+__all__ = ["Engine", "SingleEngine", "local_norm_tensors"]
+
+
+class Engine:
+    """Base class of the execution modes (see the module docstring).
+
+    Attributes:
+        mode: the mode's name.
+        rank: this rank in the engine's ranks (HSDP: ``i·S + j``).
+        world_size: the number of those ranks.
+        params: the optimizer's trainable parameters, named and layered.
+    """
+
+    mode = "single"
+
+    def __init__(self) -> None:
+        self.rank = 0
+        self.world_size = 1
+        self.params: list[EngineParam] = []
+        self._by_param: dict[int, EngineParam] = {}
+
+    def bind(self, opt: DMuon) -> None:
+        """Learn the optimizer's parameters (called once, after its groups exist)."""
+        self.params = collect_params(opt.param_groups)
+        self._by_param = {id(e.param): e for e in self.params}
+
+    def info(self, p: torch.Tensor) -> EngineParam | None:
+        """The engine's view of ``p`` (``None`` for a frozen parameter)."""
+        return self._by_param.get(id(p))
+
+    def steps(self, p: torch.Tensor) -> bool:
+        """Whether this rank runs the update of ``p`` (and holds its full state)."""
+        return True
+
+    def step_groups(self) -> list[str | None]:
+        """Pipeline groups, in the order the step processes them."""
+        return [None]
+
+    def group_of(self, p: torch.Tensor) -> str | None:
+        """The pipeline group of ``p``."""
+        return None
+
+    def step(self, opt: DMuon, report: StepReport) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def prepare_grads(self) -> None:
+        """Make every gradient this rank holds final (owner mode: finish the reductions)."""
+
+    def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
+        """Gradients for the global norm, each element counted on exactly one rank, and the
+        groups to sum the per-rank partial norms over."""
+        return [e.param.grad for e in self.params if e.param.grad is not None], []
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """Every gradient this rank holds (what clipping scales)."""
+        return [e.param.grad for e in self.params if e.param.grad is not None]
+
+    def describe(self) -> dict[str, Any]:
+        """Plain facts for the optimizer's state dict."""
+        return {"mode": self.mode, "world_size": self.world_size, "rank": self.rank}
+
+
+class SingleEngine(Engine):
+    """Everything on this process: the optimizer as it is without a process group.
+
+    Also the right engine when every rank deliberately does all the work on the
+    same averaged gradients (DDP's ``vanilla distributed Muon`` baseline).
+    """
+
+    mode = "single"
+
+    def step(self, opt: DMuon, report: StepReport) -> None:
+        for index, group in enumerate(opt.param_groups):
+            if opt._is_scalar(group):
+                with report.phase("scalar"):
+                    opt._scalar_step(group)
+            else:
+                opt._matrix_step(index, None, report)
+        report.groups = 1
+
+
+def world_of(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(rank, size)`` of this process in ``group`` (``(0, 1)`` without distributed)."""
+    n = group_size(group)
+    if n == 1:
+        return 0, 1
+    return dist.get_rank(group), n
+
+
+def local_norm_tensors(params: Iterable[EngineParam]) -> list[torch.Tensor]:
+    """Local parts of DTensor gradients counted once: the shard on the first replica."""
+    out: list[torch.Tensor] = []
+    for e in params:
+        g = e.param.grad
+        if g is None:
+            continue
+        if is_dtensor(g):
+            from torch.distributed.tensor import Replicate
+
+            mesh = g.device_mesh  # type: ignore[attr-defined]
+            coords = mesh.get_coordinate() or []
+            first = all(
+                coords[d] == 0
+                for d, pl in enumerate(g.placements)  # type: ignore[attr-defined]
+                if isinstance(pl, Replicate)
+            )
+            if first:
+                out.append(g.to_local())  # type: ignore[attr-defined]
+        else:
+            out.append(g)
+    return out

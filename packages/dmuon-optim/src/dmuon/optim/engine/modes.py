@@ -1,0 +1,135 @@
+"""Choosing the execution mode: explicit where it must be, detected where it is unambiguous.
+
+=============  ==============================================================
+``single``     no process group (or every rank deliberately does everything)
+``owner``      parameters dedicated by ``dmuon.integrations`` (``distributed=``)
+``replicated`` stock DDP: gradients already all-reduced
+``sharded``    stock FSDP2: matrices are ``Shard(0)`` DTensors
+``sign``       ``rule="sign_muon"``: local gradients, majority vote
+=============  ==============================================================
+
+Detection (``mode=None``): a dedication (``distributed=`` or dedicated
+parameters) means ``owner``; DTensor matrices mean ``sharded``; no process group,
+or a group of one, means ``single``. Otherwise the optimizer cannot know whether
+the gradients were averaged (DDP) or are local, and guessing wrong is silently
+wrong — so it raises and asks for ``mode="replicated"`` or ``mode="sign"``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from dmuon.comm.groups import group_size
+from dmuon.optim.engine.base import Engine, SingleEngine
+from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
+from dmuon.optim.engine.owner import OwnerEngine
+from dmuon.optim.engine.params import collect_params, is_dtensor
+from dmuon.optim.engine.replicated import ReplicatedEngine
+from dmuon.optim.engine.sharded import ShardedEngine
+from dmuon.optim.engine.sign import SignEngine
+
+if TYPE_CHECKING:
+    from dmuon.optim.optimizer import DMuon
+
+__all__ = ["MODES", "make_engine"]
+
+MODES = ("single", "owner", "replicated", "sharded", "sign")
+
+
+def _exchange(distributed: Any) -> OwnerExchange:
+    if isinstance(distributed, OwnerExchange):
+        return distributed
+    ex = getattr(distributed, "exchange", None)
+    if isinstance(ex, OwnerExchange):
+        return ex
+    raise TypeError(
+        f"distributed= takes what dmuon.integrations.fsdp.dedicate / ddp.dedicate return "
+        f"(or an OwnerExchange), got {type(distributed).__name__}"
+    )
+
+
+def make_engine(
+    opt: DMuon,
+    *,
+    mode: str | None = None,
+    distributed: Any = None,
+    process_group: Any = None,
+    pipeline_depth: int = 2,
+) -> Engine:
+    """The engine for ``opt``: resolve the mode, plan, check every rank agrees, bind.
+
+    Raises:
+        ValueError: an unknown mode, a mode that contradicts the parameters (e.g.
+            ``sharded`` without DTensors), or a process group without a mode.
+        dmuon.optim.engine.ModelMismatchError: the ranks' models differ.
+    """
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES} or None (detect), got {mode!r}")
+    if (
+        isinstance(pipeline_depth, bool)
+        or not isinstance(pipeline_depth, int)
+        or pipeline_depth < 1
+    ):
+        raise ValueError(f"pipeline_depth must be an int ≥ 1, got {pipeline_depth!r}")
+    params = collect_params(opt.param_groups)
+    exchange = _exchange(distributed) if distributed is not None else None
+    dedicated = {exchange_of(e.param) for e in params} - {None}
+    if exchange is None and len(dedicated) == 1:
+        exchange = next(iter(dedicated))
+    elif len(dedicated) > 1:
+        raise ValueError("the parameters are dedicated by more than one dedicate() call")
+    dtensors = [e.name for e in params if e.matrix and is_dtensor(e.param)]
+    if mode is None:
+        if exchange is not None:
+            mode = "owner"
+        elif dtensors:
+            mode = "sharded"
+        elif _world(process_group) > 1:
+            raise ValueError(
+                f"a process group of {_world(process_group)} ranks is initialised, and DMuon "
+                "cannot tell how the gradients arrive. Say mode='replicated' if DDP already "
+                "averages them (DMuon then orthogonalises each matrix on one owner and "
+                "all-gathers the results), mode='sign' for Sign-Muon on local gradients, "
+                "mode='single' to have every rank do all the work, or use "
+                "dmuon.integrations.fsdp.dedicate / ddp.dedicate for owner mode"
+            )
+        else:
+            mode = "single"
+    if mode == "owner" and exchange is None:
+        raise ValueError(
+            "mode='owner' needs dedicated parameters: call dmuon.integrations.fsdp.dedicate "
+            "(or ddp.dedicate) and pass its result as distributed="
+        )
+    if mode != "owner" and exchange is not None:
+        raise ValueError(
+            f"the parameters are dedicated to owners, which is owner mode, but mode={mode!r} "
+            "was asked for; drop mode= (or the dedicate() call)"
+        )
+    if mode != "sharded" and dtensors:
+        raise ValueError(
+            f"matrix parameter {dtensors[0]!r} is an FSDP2 DTensor, which only mode='sharded' "
+            f"steps (got mode={mode!r}); leave mode unset, or dedicate the matrices and pass "
+            "them to fully_shard(..., ignored_params=...)"
+        )
+    engine: Engine
+    if mode == "single":
+        engine = SingleEngine()
+    elif mode == "owner":
+        assert exchange is not None
+        engine = OwnerEngine(exchange)
+    elif mode == "replicated":
+        engine = ReplicatedEngine(process_group, pipeline_depth=pipeline_depth)
+    elif mode == "sharded":
+        engine = ShardedEngine(process_group, pipeline_depth=pipeline_depth)
+    else:
+        engine = SignEngine(process_group, pipeline_depth=pipeline_depth)
+    engine.bind(opt)
+    return engine
+
+
+def _world(group: Any) -> int:
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return group_size(group)

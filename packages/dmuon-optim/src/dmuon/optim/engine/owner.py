@@ -1,0 +1,154 @@
+"""``owner`` mode (DMuon): gradients reduced to owners, the owner steps, weights broadcast.
+
+The communication is an :class:`~dmuon.optim.engine.OwnerExchange` that an
+integration built and hooked into the model (``dmuon.integrations.fsdp.dedicate``
+or ``dmuon.integrations.ddp.dedicate``). The step is a pipeline over layers in
+forward order: wait for layer *i*'s reductions, run the rule on the matrices this
+rank owns in it, start broadcasting them, go on to layer *i + 1* — so the first
+layers' weights travel while the last layers are still being orthogonalised, and
+the next forward only waits, layer by layer, for what it needs. Every publication
+lands in the parameters' own storage, so the number of layers in flight costs no
+memory.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from dmuon.optim.engine.base import Engine, local_norm_tensors
+from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
+from dmuon.optim.engine.params import is_dtensor
+from dmuon.optim.engine.report import StepReport
+
+if TYPE_CHECKING:
+    from dmuon.optim.optimizer import DMuon
+
+__all__ = ["OwnerEngine"]
+
+
+class OwnerEngine(Engine):
+    """Run the owner step with ``exchange`` (see the module docstring)."""
+
+    mode = "owner"
+
+    def __init__(self, exchange: OwnerExchange) -> None:
+        super().__init__()
+        self.exchange = exchange
+        self.rank = exchange.rank
+        self.world_size = exchange.world_size
+
+    def bind(self, opt: DMuon) -> None:
+        super().bind(opt)
+        ex = self.exchange
+        for e in self.params:
+            owner = exchange_of(e.param)
+            if owner is not None and owner is not ex:
+                raise ValueError(
+                    f"parameter {e.name!r} is dedicated to another dedication than the one "
+                    "this optimizer was given; use one dedicate() per model"
+                )
+            dedicated = owner is ex
+            if e.matrix and not dedicated:
+                raise ValueError(
+                    f"matrix parameter {e.name!r} is not dedicated: in owner mode every matrix "
+                    "parameter is stepped by its owner. Dedicate it (the default predicate "
+                    "of dedicate() takes the matrices of param_groups(model)) or put it in a "
+                    "scalar group"
+                )
+            synced = dedicated or ex.name_of(e.param) is not None or is_dtensor(e.param)
+            if not synced and self.world_size > 1:
+                raise ValueError(
+                    f"parameter {e.name!r} is neither dedicated, nor all-reduced by the "
+                    "dedication, nor sharded by FSDP2: nothing would average its gradient "
+                    "across ranks. Pass it to fully_shard, or use dmuon.integrations.ddp."
+                    "dedicate, which all-reduces the scalar parameters"
+                )
+        names = {ex.name_of(e.param) for e in self.params if exchange_of(e.param) is ex}
+        missing = [n for n in ex.names if n not in names]
+        if missing:
+            raise ValueError(
+                f"dedicated parameter(s) {missing[:3]} are in no param group of this "
+                "optimizer (or frozen); give the optimizer every dedicated parameter"
+            )
+
+    def _dedicated(self, p: torch.Tensor) -> bool:
+        return exchange_of(p) is self.exchange
+
+    def steps(self, p: torch.Tensor) -> bool:
+        if not self._dedicated(p):
+            return True
+        name = self.exchange.name_of(p)
+        return name is not None and self.exchange.owner(name) == self.rank
+
+    def step_groups(self) -> list[str | None]:
+        return [*self.exchange.layer_keys(), None]
+
+    def group_of(self, p: torch.Tensor) -> str | None:
+        if not self._dedicated(p):
+            return None
+        name = self.exchange.name_of(p)
+        assert name is not None
+        return self.exchange._layer_of[name]
+
+    def prepare_grads(self) -> None:
+        self.exchange.wait_all_reduced()
+
+    def step(self, opt: DMuon, report: StepReport) -> None:
+        ex = self.exchange
+        with report.phase("comm_wait"):
+            ex.flush()
+        scalar_groups = [(i, g) for i, g in enumerate(opt.param_groups) if opt._is_scalar(g)]
+        matrix_groups = [i for i, g in enumerate(opt.param_groups) if not opt._is_scalar(g)]
+        for key in ex.layer_keys():
+            with report.phase("comm_wait"):
+                ex.wait_reduced(key)
+            for index in matrix_groups:
+                opt._matrix_step(index, key, report)
+            owned_scalars = [
+                (g, [p for p in g["params"] if self.steps(p) and self.group_of(p) == key])
+                for _, g in scalar_groups
+            ]
+            with report.phase("scalar"):
+                for g, ps in owned_scalars:
+                    if ps:
+                        opt._scalar_step(g, ps)
+            with report.phase("publish"):
+                ex.publish(key)
+            report.groups += 1
+        with report.phase("scalar"):
+            for _, g in scalar_groups:
+                rest = [p for p in g["params"] if not self._dedicated(p)]
+                if rest:
+                    opt._scalar_step(g, rest)
+        ex.end_step()
+
+    def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
+        ex = self.exchange
+        out: list[torch.Tensor] = []
+        for e in self.params:
+            g = e.param.grad
+            if g is None:
+                continue
+            if self._dedicated(e.param):
+                out.append(g)  # only the owner still holds it
+            elif ex.name_of(e.param) is not None:
+                if self.rank == 0:  # all-reduced: the same on every rank, count it once
+                    out.append(g)
+            else:
+                out.extend(local_norm_tensors([e]))
+        groups = [ex.group] if ex.replicate_group is None else [ex.group, ex.replicate_group]
+        return out, groups
+
+    def describe(self) -> dict[str, Any]:
+        ex = self.exchange
+        return {
+            "mode": self.mode,
+            "world_size": self.world_size,
+            "replicate_size": ex.plan.replicate_size,
+            "rank": self.rank,
+            "plan_digest": ex.plan.digest(),
+            "owners": dict(zip(ex.plan.names, ex.plan.owners, strict=True)),
+        }

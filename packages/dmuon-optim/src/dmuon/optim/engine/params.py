@@ -1,0 +1,154 @@
+"""The optimizer's parameters as the engine sees them: named, layered, planned.
+
+Every rank must describe its parameters the same way, or the collectives of two
+ranks will not match. A parameter is named by the group's ``param_names``
+(:func:`~dmuon.optim.param_groups` provides them) or, without names, by its
+position (``"group0.param3"``); it belongs to the *layer* of its name
+(:func:`dmuon.comm.layer_key`: ``blocks.3.mlp.fc.weight`` → ``blocks.3``), the unit
+in which gradients are reduced, results published and the step pipelined. A
+frozen parameter (``requires_grad=False``) never has a gradient and is left out
+on every rank alike; a tied weight appears once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dmuon.comm import MatrixItem, OwnerPlan, OwnerUnit, layer_key
+from dmuon.comm.owner_plan import natural_key
+from dmuon.optim.rules import RULES
+
+__all__ = [
+    "EngineParam",
+    "collect_params",
+    "is_dtensor",
+    "item_shape",
+    "layers_in_order",
+    "subplan",
+]
+
+
+def is_dtensor(t: object) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (FSDP2's sharded parameters)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+@dataclass(frozen=True, eq=False)
+class EngineParam:
+    """One parameter of the optimizer, as the engine plans it.
+
+    Attributes:
+        name: stable name, the same on every rank.
+        param: the parameter.
+        group_index: its param group.
+        index: its position in the group.
+        matrix: True when the group runs a matrix rule (False: AdamW/Lion).
+        layer: its layer key.
+        item: what is planned and communicated for it: the name, the shape the
+            owner orthogonalises (a conv weight ``(out, in, k, k)`` as
+            ``(out, in·k·k)``; 0-/1-D parameters as ``(1, numel)``), its dtype and
+            layer.
+    """
+
+    name: str
+    param: torch.Tensor
+    group_index: int
+    index: int
+    matrix: bool
+    layer: str
+    item: MatrixItem
+
+
+def item_shape(p: torch.Tensor, group: Mapping[str, Any]) -> tuple[int, ...]:
+    """The planned shape of ``p``: rows stay dim 0 (sharding and chunking keep working).
+
+    Example:
+        >>> import torch
+        >>> item_shape(torch.zeros(8, 3, 3, 3), {"flatten": True})
+        (8, 27)
+        >>> item_shape(torch.zeros(4, 8, 16), {"flatten": False}), item_shape(torch.zeros(5), {})
+        ((4, 8, 16), (1, 5))
+    """
+    shape = tuple(int(d) for d in p.shape)
+    if len(shape) < 2:
+        return (1, math.prod(shape))
+    if len(shape) > 2 and group.get("flatten"):
+        return (shape[0], math.prod(shape[1:]))
+    return shape
+
+
+def collect_params(
+    param_groups: Sequence[Mapping[str, Any]],
+    layer_of: Callable[[str], str] = layer_key,
+) -> list[EngineParam]:
+    """Every trainable parameter of ``param_groups``, named and layered, in group order.
+
+    Raises:
+        ValueError: two parameters with the same name.
+    """
+    out: list[EngineParam] = []
+    seen: dict[str, int] = {}
+    for gi, group in enumerate(param_groups):
+        names = group.get("param_names")
+        matrix = group["algorithm"] in RULES
+        for i, p in enumerate(group["params"]):
+            if not p.requires_grad:
+                continue
+            name = names[i] if names is not None and i < len(names) else f"group{gi}.param{i}"
+            if name in seen:
+                raise ValueError(
+                    f"two parameters are both named {name!r} (param groups {seen[name]} and "
+                    f"{gi}); the distributed engine needs unique names (param_names)"
+                )
+            seen[name] = gi
+            layer = layer_of(name)
+            item = MatrixItem(name, item_shape(p, group), p.dtype, layer)
+            out.append(EngineParam(name, p, gi, i, matrix, layer, item))
+    return out
+
+
+def layers_in_order(params: Iterable[EngineParam]) -> list[str]:
+    """Distinct layer keys in natural order (``blocks.2`` before ``blocks.10``): the
+    forward order of the usual ``nn.ModuleList`` stacks, and the same on every rank."""
+    return sorted({p.layer for p in params}, key=natural_key)
+
+
+def subplan(plan: OwnerPlan, names: Iterable[str]) -> OwnerPlan:
+    """The part of ``plan`` that covers ``names``: same owners, world and replicate sizes.
+
+    Used to run a collective on one pipeline group at a time.
+
+    Example:
+        >>> from dmuon.comm import MatrixItem, plan_owners
+        >>> items = [MatrixItem(f"h.{i}.w", (8, 8), layer=f"h.{i}") for i in range(4)]
+        >>> plan = plan_owners(items, 2)
+        >>> part = subplan(plan, ["h.1.w", "h.3.w"])
+        >>> part.names, [part.owner(n) for n in part.names] == [plan.owner(n) for n in part.names]
+        (('h.1.w', 'h.3.w'), True)
+    """
+    wanted = set(names)
+    keep = [k for k, item in enumerate(plan.items) if item.name in wanted]
+    items = tuple(plan.items[k] for k in keep)
+    owners = tuple(plan.owners[k] for k in keep)
+    units = tuple(
+        OwnerUnit(i.name, (i.name,), i.layer, 0.0, o) for i, o in zip(items, owners, strict=True)
+    )
+    return OwnerPlan(
+        items,
+        owners,
+        units,
+        (0.0,) * plan.world_size,
+        plan.world_size,
+        plan.replicate_size,
+        plan.strategy,
+        plan.solver,
+    )

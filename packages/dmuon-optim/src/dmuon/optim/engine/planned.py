@@ -1,0 +1,148 @@
+"""Shared by the modes that plan owners themselves (``replicated``, ``sharded``, ``sign``)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from dmuon.comm import CommHandle, CommStats, OwnerPlan, default_stats, plan_owners
+from dmuon.comm.groups import group_size
+from dmuon.optim.engine.base import Engine, world_of
+from dmuon.optim.engine.consistency import check_model_consistency
+from dmuon.optim.engine.params import EngineParam, layers_in_order, subplan
+from dmuon.optim.engine.report import StepReport
+
+if TYPE_CHECKING:
+    from dmuon.optim.optimizer import DMuon
+
+__all__ = ["Pipeline", "PlannedEngine"]
+
+
+class Pipeline:
+    """Handles in flight, at most ``depth`` of them: the oldest is finished first.
+
+    Example:
+        >>> done = []
+        >>> pipe = Pipeline(1)
+        >>> pipe.push(CommHandle.done(1), done.append)
+        >>> pipe.push(CommHandle.done(2), done.append)  # finishes the first
+        >>> done
+        [1]
+        >>> pipe.drain()
+        >>> done
+        [1, 2]
+    """
+
+    def __init__(self, depth: int, report: StepReport | None = None) -> None:
+        self.depth = depth
+        self.report = report
+        self._queue: deque[tuple[CommHandle[Any], Callable[[Any], None]]] = deque()
+
+    def push(self, handle: CommHandle[Any], then: Callable[[Any], None]) -> None:
+        """Add a handle; ``then(result)`` runs when it is finished."""
+        self._queue.append((handle, then))
+        while len(self._queue) > self.depth:
+            self._pop()
+
+    def _pop(self) -> None:
+        handle, then = self._queue.popleft()
+        if self.report is None:
+            result = handle.wait()
+        else:
+            with self.report.phase("comm_wait"):
+                result = handle.wait()
+        then(result)
+
+    def drain(self) -> None:
+        """Finish every handle, oldest first."""
+        while self._queue:
+            self._pop()
+
+
+class PlannedEngine(Engine):
+    """An engine that plans owners for the matrix parameters over one process group.
+
+    Args:
+        group: the process group (``None``: the world).
+        pipeline_depth: pipeline groups whose communication may be in flight at once.
+        stats: where bytes are recorded.
+        plan_options: passed to :func:`dmuon.comm.plan_owners`.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        pipeline_depth: int = 2,
+        stats: CommStats | None = None,
+        **plan_options: Any,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.pipeline_depth = pipeline_depth
+        self.stats = stats if stats is not None else default_stats()
+        self.plan_options = plan_options
+        self.plan: OwnerPlan | None = None
+        self.layers: list[str] = []
+        self._subplans: dict[str, OwnerPlan] = {}
+        self._owner: dict[int, int] = {}
+
+    def bind(self, opt: DMuon) -> None:
+        super().bind(opt)
+        self.rank, self.world_size = world_of(self.group)
+        matrices = [e for e in self.params if e.matrix]
+        self.plan = plan_owners([e.item for e in matrices], self.world_size, **self.plan_options)
+        check_model_consistency(self.plan, self.group if self.world_size > 1 else None)
+        self.layers = layers_in_order(matrices)
+        for key in self.layers:
+            self._subplans[key] = subplan(self.plan, [e.name for e in matrices if e.layer == key])
+        self._owner = {id(e.param): self.plan.owner(e.name) for e in matrices}
+
+    def matrices(self, key: str | None = None) -> list[EngineParam]:
+        """The matrix parameters (of layer ``key``)."""
+        return [e for e in self.params if e.matrix and (key is None or e.layer == key)]
+
+    def owner_of(self, p: torch.Tensor) -> int | None:
+        """The owner of matrix parameter ``p`` (``None``: not a planned matrix)."""
+        return self._owner.get(id(p))
+
+    def steps(self, p: torch.Tensor) -> bool:
+        owner = self.owner_of(p)
+        return owner is None or owner == self.rank
+
+    def step_groups(self) -> list[str | None]:
+        return [*self.layers, None]
+
+    def group_of(self, p: torch.Tensor) -> str | None:
+        e = self.info(p)
+        return e.layer if e is not None and e.matrix else None
+
+    def agree_presence(self, extra: list[EngineParam] | None = None) -> dict[str, bool]:
+        """Which parameters have a gradient on at least one rank (one small all-reduce)."""
+        params = self.params if extra is None else extra
+        flags = torch.tensor([int(e.param.grad is not None) for e in params], dtype=torch.int32)
+        n = group_size(self.group)
+        if n > 1:
+            dist.all_reduce(flags, group=self.group)
+            self.stats.record_collective(
+                "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=n
+            )
+        return {e.name: bool(f) for e, f in zip(params, flags.tolist(), strict=True)}
+
+    def subplan(self, key: str) -> OwnerPlan:
+        """The plan of layer ``key``'s matrices."""
+        return self._subplans[key]
+
+    def describe(self) -> dict[str, Any]:
+        assert self.plan is not None
+        return {
+            "mode": self.mode,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "plan_digest": self.plan.digest(),
+            "owners": dict(zip(self.plan.names, self.plan.owners, strict=True)),
+        }

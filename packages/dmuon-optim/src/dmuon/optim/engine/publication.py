@@ -1,0 +1,212 @@
+"""The broadcast half of owner mode: owners' weights back to every rank.
+
+ZeRO-2-like (default): every rank keeps every dedicated weight. After its step,
+each layer's weights are broadcast from their owners at once — one collective per
+owner per layer, started as soon as that layer's step is done — and the next
+forward waits for a layer only in that layer's pre-hook.
+
+ZeRO-3-like (``reshard_after_forward``): a rank keeps only the weights it owns.
+The others are materialised for a layer's forward (broadcast in its forward
+pre-hook, the next layer prefetched), freed after it, materialised again for its
+backward (in its backward pre-hook, the layer before prefetched) and freed once
+backward has moved on to the next layer. Freeing is
+``untyped_storage().resize_(0)`` of the layer's broadcast buffer — the public way
+FSDP1 freed its flat parameters; the parameters are views of that buffer. Traffic
+per step: ``3(N−1)/N·P`` (broadcast, re-broadcast, reduce) instead of ``2(N−1)/N·P``.
+These broadcasts run on a process group of their own, so their order (set by
+forward and backward) never interleaves with the reductions' fixed order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from dmuon.comm import FlatBucket, broadcast_from_owners
+
+if TYPE_CHECKING:
+    from dmuon.optim.engine.exchange import _Layer
+
+__all__ = ["Publication"]
+
+
+class Publication:
+    """Mixin of :class:`~dmuon.optim.engine.OwnerExchange`: publishing owners' weights."""
+
+    # provided by OwnerExchange
+    layers: list[_Layer]
+    _by_key: dict[str, _Layer]
+    _params: dict[str, torch.Tensor]
+    world_size: int
+    rank: int
+    reshard_after_forward: bool
+    _publish_group: dist.ProcessGroup | None
+    _backward_resident: list[str]
+
+    def _alias_all(self) -> None:
+        for layer in self.layers:
+            for b in layer.publish_buckets:
+                for name in b.names:
+                    self._alias(b, name)
+
+    def _alias(self, b: FlatBucket, name: str) -> None:
+        """Make parameter ``name`` a view of its slot in broadcast bucket ``b``."""
+        p = self._params[name]
+        view = b.view(name)
+        if p.data_ptr() == view.data_ptr() and p.dtype == view.dtype:
+            return
+        if view.device != p.device:
+            raise RuntimeError(
+                f"dedicated parameter {name!r} is on {p.device} but was dedicated on "
+                f"{view.device}; move the model to its device before dedicating it"
+            )
+        with torch.no_grad():
+            view.copy_(p.detach().reshape(view.shape))
+        p.data = view.view(p.shape)
+
+    def _broadcast(self, layer: _Layer) -> None:
+        layer.publish_handle = broadcast_from_owners(
+            layer.publish_buckets,
+            self.plan,  # type: ignore[attr-defined]
+            group=self._publish_group,
+            replicate_group=self.replicate_group,  # type: ignore[attr-defined]
+            stats=self.stats,  # type: ignore[attr-defined]
+        )
+
+    def publish(self, key: str) -> None:
+        """Layer ``key`` was stepped: start broadcasting its weights from their owners.
+
+        ZeRO-3-like: nothing travels now; the layer's next forward materialises it.
+        """
+        layer = self._by_key[key]
+        if self.reshard_after_forward:
+            self.release(key)
+            return
+        for b in layer.publish_buckets:
+            for name in b.names:
+                self._alias(b, name)  # the model was moved or its data replaced: re-alias
+        if layer.publish_buckets and self.world_size > 1:
+            self._broadcast(layer)
+
+    def wait_published(self, key: str) -> None:
+        """Make layer ``key`` hold the owners' weights (the forward pre-hook calls this).
+
+        ZeRO-2-like: wait for its publication (and every earlier layer's, so that the
+        second stage of HSDP broadcasts is issued in one order on every rank).
+        ZeRO-3-like: materialise it.
+        """
+        if self.reshard_after_forward:
+            self.materialize(key)
+            return
+        for layer in self.layers:
+            if layer.publish_handle is not None:
+                layer.publish_handle.wait()
+                layer.publish_handle = None
+            if layer.key == key:
+                return
+
+    def wait_all_published(self) -> None:
+        """Every layer holds the owners' weights (ZeRO-3-like: materialises them all)."""
+        for layer in self.layers:
+            self.wait_published(layer.key)
+
+    def pending_publications(self) -> list[str]:
+        """Layers whose broadcast is in flight."""
+        return [layer.key for layer in self.layers if layer.publish_handle is not None]
+
+    # -------------------------------------------------------------- ZeRO-3-like
+
+    def materialize(self, key: str, wait: bool = True) -> None:
+        """Bring back layer ``key``'s weights on the ranks that do not own them.
+
+        A no-op unless ZeRO-3-like or when the layer is resident. Every rank must call
+        it at the same points (the hooks do): the decision depends only on calls
+        every rank makes.
+        """
+        layer = self._by_key[key]
+        if not layer.resident:
+            for b in layer.publish_buckets:
+                if b.owner != self.rank:
+                    b.buffer.untyped_storage().resize_(b.numel * b.buffer.element_size())
+            if self.world_size > 1 and layer.publish_buckets:
+                self._broadcast(layer)
+            layer.resident = True
+        if wait and layer.publish_handle is not None:
+            layer.publish_handle.wait()
+            layer.publish_handle = None
+
+    def release(self, key: str) -> None:
+        """Free layer ``key``'s weights on the ranks that do not own them (ZeRO-3-like)."""
+        layer = self._by_key[key]
+        if not self.reshard_after_forward or not layer.resident:
+            return
+        if layer.publish_handle is not None:  # a prefetch nobody used
+            layer.publish_handle.wait()
+            layer.publish_handle = None
+        for b in layer.publish_buckets:
+            if b.owner != self.rank:
+                b.buffer.untyped_storage().resize_(0)
+        layer.resident = False
+
+    def forward_enter(self, key: str) -> None:
+        """Forward pre-hook: layer ``key`` holds the owners' weights; under ZeRO-3-like,
+        the next layer is prefetched."""
+        self.wait_published(key)
+        if self.reshard_after_forward:
+            nxt = self._neighbour(key, +1)
+            if nxt is not None:
+                self.materialize(nxt, wait=False)
+
+    def forward_exit(self, key: str) -> None:
+        """Forward post-hook: free layer ``key`` (ZeRO-3-like)."""
+        self.release(key)
+
+    def backward_enter(self, key: str) -> None:
+        """Backward pre-hook: free the layers backward has finished, materialise ``key``,
+        prefetch the layer before it."""
+        if not self.reshard_after_forward:
+            return
+        for done in self._backward_resident:
+            if done != key:
+                self.release(done)
+        self._backward_resident = [key]
+        self.materialize(key)
+        prev = self._neighbour(key, -1)
+        if prev is not None:
+            self.materialize(prev, wait=False)
+            self._backward_resident.append(prev)
+
+    def _neighbour(self, key: str, offset: int) -> str | None:
+        keys = [layer.key for layer in self.layers]
+        i = keys.index(key) + offset
+        return keys[i] if 0 <= i < len(keys) else None
+
+    def release_all(self) -> None:
+        """Free every layer a rank does not own (ZeRO-3-like; after the step's flush)."""
+        for layer in self.layers:
+            self.release(layer.key)
+        self._backward_resident = []
+
+    def synchronize_parameters(self) -> None:
+        """Give every rank the owners' dedicated weights and rank 0's replicated ones."""
+        if self.world_size == 1:
+            return
+        for layer in self.layers:
+            if layer.publish_buckets:
+                self._broadcast(layer)
+        for layer in self.layers:
+            if layer.publish_handle is not None:
+                layer.publish_handle.wait()
+                layer.publish_handle = None
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for layer in self.layers:
+            for n in layer.replicated:
+                by_dtype.setdefault(self._params[n].dtype, []).append(n)
+        for names in by_dtype.values():
+            tensors = {n: self._params[n].detach() for n in names}
+            b = FlatBucket.from_tensors(tensors)
+            dist.broadcast(b.buffer, group_src=0, group=self.group)  # type: ignore[attr-defined]
+            with torch.no_grad():
+                b.unpack_into(tensors)

@@ -1,0 +1,187 @@
+"""Models, data and training loops shared by the distributed integration tests.
+
+Every test compares a distributed run with a reference computed another way: the
+same model trained in one process on the same *global* batch (the mean of the
+per-rank losses, which is the global mean because every rank gets the same number
+of rows). The functions named ``run_*`` execute inside the ranks of
+:func:`dmuon.comm.testing.run_on_ranks`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.common.data import BatchSampler
+from benchmarks.common.model import GPT, GPTConfig
+from dmuon.optim import DMuon, param_groups
+
+# fp32 Newton–Schulz: the distributed runs differ from the reference only by the
+# order of floating-point sums (the gradient average), ~1e-7 relative.
+OPT = dict(lr=0.02, weight_decay=0.1, ns_compute_dtype="float32", adamw_lr=3e-3, adamw_eps=1e-3)
+STEPS = 5
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
+TOLERANCE = 1e-5
+
+
+# ---------------------------------------------------------------------- models
+
+
+class ExpertBlock(nn.Module):
+    """A residual block with a 3-D expert stack (E, d, d) mixed by a fixed gate."""
+
+    def __init__(self, d: int, experts: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.experts = nn.Parameter(torch.randn(experts, d, d) / math.sqrt(d))
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        gate = torch.softmax(h[..., : self.experts.shape[0]], dim=-1)  # (B, T, E)
+        mixed = torch.einsum("bte,edf,btd->btf", gate, self.experts, h)
+        return x + mixed + self.down(F.gelu(self.up(h)))
+
+
+class Mixed(nn.Module):
+    """Conv stem, two expert blocks, a linear head: conv, 3-D stacks and 2-D matrices."""
+
+    def __init__(self, seed: int = 0, channels: int = 3, d: int = 8, experts: int = 3) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.stem = nn.Conv1d(channels, d, kernel_size=3, padding=1)
+            self.blocks = nn.ModuleList(ExpertBlock(d, experts) for _ in range(2))
+            self.head = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x).transpose(1, 2)  # (B, T, d)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.mean(dim=1))
+
+
+def build(name: str) -> nn.Module:
+    """A fresh model, the same on every rank."""
+    if name == "gpt":
+        return GPT(GPTConfig.tiny(seq_len=16, seed=1))
+    if name == "mixed":
+        return Mixed(seed=1)
+    raise ValueError(name)
+
+
+def batch(name: str, step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``[rank·B/N, (rank+1)·B/N)`` of the global batch of ``step``."""
+    if name == "gpt":
+        data = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(7))
+        sampler = BatchSampler(data.to(torch.uint8), GLOBAL_BATCH, 16, seed=3)
+        return sampler.batch(step, rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, 3, 6, generator=g)
+    y = torch.randn(GLOBAL_BATCH, 4, generator=g)
+    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    return x[rows], y[rows]
+
+
+def loss_of(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if name == "gpt":
+        logits = model(x)
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    return F.mse_loss(model(x), y)
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, whole (DTensors gathered), by name."""
+    out = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = full.detach().clone()
+    return out
+
+
+# ------------------------------------------------------------------- reference
+
+
+def reference(
+    name: str, world: int, steps: int = STEPS, opt_kw: dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
+    """One process, the mean over the ranks' shards of the global batch each step."""
+    torch.manual_seed(0)
+    model = build(name)
+    opt = DMuon(param_groups(model), **(opt_kw or OPT))
+    for t in range(steps):
+        losses = [loss_of(name, model, *batch(name, t, r, world)) for r in range(world)]
+        (sum(losses) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    return full_params(model)
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """Largest absolute difference over all parameters, and where."""
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    worst = max(a, key=lambda k: float((a[k] - b[k]).abs().max()))
+    return float((a[worst] - b[worst]).abs().max()), worst
+
+
+# ------------------------------------------------------------ inside the ranks
+
+
+def setup(mode: str, name: str, world: int, opt_kw: dict[str, Any] | None = None):
+    """Model, module to call forward on, optimizer and dedication (or None), for one mode."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dmuon.integrations import ddp, fsdp
+
+    kw = dict(opt_kw or OPT)
+    model = build(name)
+    forward: nn.Module = model
+    if mode in ("owner_fsdp", "owner_fsdp_z3", "sharded"):
+        mesh = init_device_mesh("cpu", (world,))
+        ignored = None
+        if mode.startswith("owner_fsdp"):
+            ded = fsdp.dedicate(model, mesh, reshard_after_forward=mode.endswith("z3"))
+            ignored = ded.params
+            kw["distributed"] = ded
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block, mesh=mesh, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, ignored_params=ignored)
+    elif mode in ("owner_ddp", "owner_ddp_z3"):
+        kw["distributed"] = ddp.dedicate(model, reshard_after_forward=mode.endswith("z3"))
+    elif mode == "owner_ddp_sharded_adamw":
+        kw["distributed"] = ddp.dedicate(model, scalars="owner")
+    elif mode == "replicated":
+        forward = DDP(model)
+        kw["mode"] = "replicated"
+    elif mode == "single":
+        pass
+    else:
+        raise ValueError(mode)
+    opt = DMuon(param_groups(model), **kw)
+    return model, forward, opt, kw.get("distributed")
+
+
+def run_modes(
+    rank: int, world: int, name: str, modes: list[str], steps: int = STEPS
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Train ``name`` in each mode from the same start; the final parameters per mode."""
+    results = {}
+    for mode in modes:
+        model, forward, opt, ded = setup(mode, name, world)
+        for t in range(steps):
+            loss_of(name, forward, *batch(name, t, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        if ded is not None:
+            ded.wait()  # the last publications, before reading the weights
+        results[mode] = full_params(model)
+        dist.barrier()
+    return results

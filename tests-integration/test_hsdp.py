@@ -1,0 +1,73 @@
+"""HSDP on 4 ranks as 2 × 2 (replicate × shard) equals one process.
+
+Owner mode: the reduction has two stages (within the shard group to the owner's
+shard index, then across the replicate group to the owner) and the owner's new
+weights go back across replicas, then within shard groups, waited in the next
+forward. Sharded mode under FSDP2's HSDP (``Replicate``, ``Shard(0)`` DTensors):
+each replica runs the all-to-all within its shard group.
+"""
+
+from distributed_cases import (
+    OPT,
+    STEPS,
+    TOLERANCE,
+    batch,
+    build,
+    full_params,
+    loss_of,
+    max_diff,
+    reference,
+)
+
+from dmuon.comm.testing import run_on_ranks
+from dmuon.optim import DMuon, param_groups
+
+NAME = "gpt"
+
+
+def run_hsdp(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon.comm import CommStats
+    from dmuon.integrations import fsdp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out, stages = {}, None
+    for mode in ("owner", "sharded"):
+        model = build(NAME)
+        kw = dict(OPT)
+        ignored = None
+        if mode == "owner":
+            stats = CommStats()
+            ded = fsdp.dedicate(model, mesh, stats=stats)
+            assert ded.plan.replicate_size == 2 and ded.replicate_group is not None
+            kw["distributed"] = ded
+            ignored = ded.params
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, ignored_params=ignored)
+        opt = DMuon(param_groups(model), **kw)
+        assert opt.mode == mode
+        for t in range(STEPS):
+            loss_of(NAME, model, *batch(NAME, t, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        if mode == "owner":
+            ded.wait()
+            stages = stats.as_dict()
+        out[mode] = full_params(model)
+    return out, stages
+
+
+def test_hsdp_2x2_equals_one_process():
+    expected = reference(NAME, 4)
+    results = run_on_ranks(run_hsdp, 4, timeout=180)
+    for rank, (params, stages) in enumerate(results):
+        for mode, got in params.items():
+            diff, where = max_diff(got, expected)
+            assert diff <= TOLERANCE, f"HSDP {mode}, rank {rank}: {where} differs by {diff:.2e}"
+        # two stages: per bucket one reduce within the shard group, and on the ranks
+        # of the owner's shard index one more across the replicate group
+        assert stages["reduce_to_owners"]["collectives"] > 0
+        assert stages["broadcast_from_owners"]["collectives"] > 0

@@ -1,0 +1,86 @@
+"""Sign mode (Sign-Muon) on 2 and 4 ranks equals a single-process simulation of the vote.
+
+The simulation keeps one momentum per simulated rank, runs the chain up to the
+signs on each rank's own gradient, takes the majority written out here —
+``S = +1`` where at least half of the ranks have a sign ≥ 0 (the tie rule of
+``dmuon.comm.majority_vote``), else ``−1`` — finishes the chain on ``S`` and applies
+it; the scalar parameters take AdamW on the averaged gradient, as sign mode does.
+"""
+
+import pytest
+import torch
+from distributed_cases import OPT, TOLERANCE, batch, build, full_params, loss_of, max_diff
+
+from dmuon.comm.testing import run_on_ranks
+from dmuon.optim import DMuon, apply_update, get_rule, matrix_layout, param_groups
+from dmuon.optim.transforms import StepContext, run_chain
+
+STEPS = 3
+NAME = "mixed"
+
+
+def run_sign(rank, world, name):
+    model = build(name)
+    opt = DMuon(param_groups(model), rule="sign_muon", mode="sign", **OPT)
+    assert opt.mode == "sign"
+    for t in range(STEPS):
+        loss_of(name, model, *batch(name, t, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    return full_params(model)
+
+
+def simulate(name, world):
+    model = build(name)
+    opt = DMuon(param_groups(model), rule="sign_muon", **OPT)  # its scalar groups and hp
+    rule = get_rule("sign_muon")
+    assert type(rule.chain[3]).__name__ == "MajorityVote"
+    before, after = rule.chain[:3], rule.chain[4:]
+    matrices = [
+        (p, g) for g in opt.param_groups if g["algorithm"] == "sign_muon" for p in g["params"]
+    ]
+    momenta = [
+        {p: torch.zeros(matrix_layout(p, g, "").flat) for p, g in matrices} for _ in range(world)
+    ]
+    for t in range(STEPS):
+        grads = []
+        for r in range(world):
+            opt.zero_grad()
+            loss_of(name, model, *batch(name, t, r, world)).backward()
+            grads.append({p: p.grad.clone() for p in model.parameters()})
+        with torch.no_grad():
+            for p, g in matrices:
+                shape = matrix_layout(p, g, "").flat
+                signs = []
+                for r in range(world):
+                    G = grads[r][p].reshape(shape)
+                    ctx = StepContext(grad=G, hp=g)
+                    signs.append(run_chain(before, G, {"momentum_buffer": momenta[r][p]}, ctx))
+                plus = sum((s >= 0).to(torch.int64) for s in signs)
+                voted = torch.where(2 * plus >= world, 1.0, -1.0)
+                ctx = StepContext(grad=grads[0][p].reshape(shape), hp=g)
+                U = run_chain(after, voted, {}, ctx)
+                apply_update(
+                    [p.view(shape)],
+                    [U],
+                    lr=g["lr"],
+                    weight_decay=g["weight_decay"],
+                    scale=ctx.scale,
+                )
+                p.grad = None
+        for p in model.parameters():  # scalars: the average of the ranks' gradients
+            if p.grad is not None:
+                p.grad = sum(gr[p] for gr in grads) / world
+        opt.step()
+    return full_params(model)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sign_mode_equals_a_single_process_simulation_of_the_vote(world):
+    expected = simulate(NAME, world)
+    moved, _ = max_diff(expected, full_params(build(NAME)))
+    assert moved > 1e-2
+    results = run_on_ranks(run_sign, world, args=(NAME,), timeout=120)
+    for rank in range(world):
+        diff, where = max_diff(results[rank], expected)
+        assert diff <= TOLERANCE, f"rank {rank}: {where} differs by {diff:.2e}"
