@@ -66,15 +66,15 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 # RMS-matched scale of torch_muon's choice — until a sweep with dmuon-optim
 # replaces them; a rule without an entry falls back to dmuon:muon's.
 DEFAULT_LRS = {
-    "adamw": 3e-3,
-    "torch_muon": 3e-3,
-    "dmuon:muon": 3e-3,
-    "dmuon:normuon": 3e-3,
-    "dmuon:dion3": 3e-3,
-    "dmuon:sign_muon": 3e-3,
+    "adamw": 7.5e-4,
+    "torch_muon": 2.4e-2,
+    "dmuon:muon": 2.4e-2,
+    "dmuon:normuon": 2.4e-2,
+    "dmuon:dion3": 2.4e-2,
+    "dmuon:sign_muon": 2.4e-2,
 }
 SWEEP_FACTORS = (0.5, 1.0, 2.0)
-SWEEP_MAX_EXTENSIONS = 2
+SWEEP_MAX_EXTENSIONS = 3
 # The target: DMuon muon reaches AdamW's final validation loss in ≤ 70% of its steps.
 TARGET_OPTIMIZER, BASELINE, TARGET_MAX_FRACTION = "dmuon:muon", "adamw", 0.70
 
@@ -271,6 +271,11 @@ def sweep_lr(
         else:
             break
     best = min(points, key=lambda lr: points[lr])
+    if best in (min(points), max(points)):
+        bench.bar.console.print(
+            f"warning: {name}: the best sweep lr {best:.2e} is at the edge of the grid "
+            f"after {SWEEP_MAX_EXTENSIONS} extensions; the optimum may lie beyond it"
+        )
     return best, [{"lr": lr, "val_loss": v} for lr, v in sorted(points.items())]
 
 
