@@ -40,6 +40,7 @@ import fnmatch
 import hashlib
 import os
 import pathlib
+import platform
 import sysconfig
 
 import torch
@@ -72,7 +73,8 @@ class Corpus:
         train_files: relative paths of the training files (sorted).
         val_files: relative paths of the held-out files (sorted); empty when a
             single file was split by position.
-        source: the folder or file read.
+        source: what was read, without machine paths: ``"python-stdlib 3.11.7"`` for
+            the default corpus, else the file or folder's name.
         split: ``"by_file"`` or ``"by_position"``.
         digest: sha256 of the train bytes followed by the validation bytes, to tell
             whether two runs saw the same data.
@@ -196,7 +198,9 @@ def load_corpus(
         val=_to_tensor(val),
         train_files=tuple(train_files),
         val_files=tuple(val_files),
-        source=str(root),
+        source=(
+            f"python-stdlib {platform.python_version()}" if path is None else root.name
+        ),
         split=split,
         digest=digest,
     )
