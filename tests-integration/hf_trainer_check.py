@@ -28,11 +28,12 @@ def run(out: str) -> dict[str, object]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     result: dict[str, object] = {"rank": rank, "world_size": world}
     # 1. DMuonTrainer, six steps (two micro-batches each), checkpoints at 3 and 6.
-    result["full"] = main(["--output-dir", f"{out}/full"])
+    full = main(["--output-dir", f"{out}/full"])
+    result["full"], result["mode"] = full["losses"], full["mode"]
     # 2. A fresh model and trainer resumed from checkpoint-3 of run 1.
     result["resumed"] = main(
         ["--output-dir", f"{out}/resumed", "--resume", f"{out}/full/checkpoint-3"]
-    )
+    )["losses"]
     a, b = _weights(f"{out}/full/checkpoint-6"), _weights(f"{out}/resumed/checkpoint-6")
     result["weights_max_diff"] = max((a[k] - b[k]).abs().max().item() for k in a)
     sd = torch.load(f"{out}/full/checkpoint-3/optimizer.pt", weights_only=True)
@@ -46,7 +47,8 @@ def run(out: str) -> dict[str, object]:
     result["owners"] = owners
     result["momentum_norms"] = norms
     # 3. A stock Trainer with DMuon's optimizer factory, three steps.
-    result["stock"] = main(["--output-dir", f"{out}/stock", "--stock-trainer", "--max-steps", "3"])
+    stock = main(["--output-dir", f"{out}/stock", "--stock-trainer", "--max-steps", "3"])
+    result["stock"] = stock["losses"]
     stock_sd = torch.load(f"{out}/stock/checkpoint-3/optimizer.pt", weights_only=True)
     result["stock_missing"] = missing_state(stock_sd)
     if world > 1:

@@ -92,8 +92,8 @@ def build_trainer(opts: argparse.Namespace) -> Trainer:
     return DMuonTrainer(model=model, args=args, train_dataset=data, dmuon_options=DMUON_OPTIONS)
 
 
-def main(argv: list[str] | None = None) -> list[float]:
-    """Train (or resume); returns the loss of every optimizer step."""
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    """Train (or resume); returns the loss of every optimizer step and DMuon's mode."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--max-steps", type=int, default=6)
@@ -107,11 +107,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     trainer = build_trainer(opts)
     trainer.train(resume_from_checkpoint=opts.resume)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    result = {"losses": losses, "mode": unwrap_optimizer(trainer.optimizer).mode}
     if trainer.is_world_process_zero():
-        mode = unwrap_optimizer(trainer.optimizer).mode
         with open(os.path.join(opts.output_dir, "losses.json"), "w") as f:
-            json.dump({"losses": losses, "mode": mode}, f)
-    return losses
+            json.dump(result, f)
+    return result
 
 
 if __name__ == "__main__":
