@@ -53,8 +53,26 @@ def module_of_layer(model: nn.Module, key: str) -> nn.Module:
 def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHandle]:
     """Install the gradient and forward hooks of ``exchange`` on ``model``.
 
+    :func:`dmuon.integrations.fsdp.dedicate` and :func:`dmuon.integrations.ddp.dedicate`
+    call it; call it yourself only to re-hook a model whose hooks you removed (e.g.
+    after swapping modules). Per dedicated or all-reduced parameter: a
+    post-accumulate-grad hook that hands the gradient to the exchange. Per layer: a
+    forward pre-hook that waits for the layer's published weights (and, with
+    ``reshard_after_forward``, hooks that release and re-gather them).
+
     Returns:
         The hook handles (``handle.remove()`` undoes them).
+
+    Example:
+        >>> import torch
+        >>> from dmuon.integrations import install_hooks
+        >>> from dmuon.integrations.fsdp import dedicate
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+        >>> ded = dedicate(model)
+        >>> ded.remove()  # take dedicate's hooks off ...
+        >>> handles = install_hooks(model, ded.exchange)  # ... and put them back
+        >>> len(handles)  # 2 gradient hooks + 2 forward pre-hooks
+        4
     """
     handles: list[RemovableHandle] = []
 

@@ -66,6 +66,16 @@ def mesh_groups(mesh: Any) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup 
 
     Raises:
         ValueError: a mesh of more than two dimensions, or something else.
+
+    Example:
+        >>> from dmuon.integrations import mesh_groups
+        >>> mesh_groups(None)  # the default process group, no replicas
+        (None, None)
+
+        With 4 ranks as HSDP 2 × 2, FSDP2's convention (dim 0 replicates)::
+
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+            shard_group, replicate_group = mesh_groups(mesh)
     """
     if mesh is None:
         return None, None

@@ -60,6 +60,17 @@ class Entry:
         layout: its matrix layout.
         block: which of its blocks.
         start: first matrix of this entry in the bucket's batch.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import DMuon, build_buckets, get_rule, param_groups
+        >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32),
+        ...                             torch.nn.Linear(32, 16))
+        >>> group = DMuon(param_groups(model)).param_groups[0]  # the matrix group
+        >>> buckets, state = build_buckets(group, get_rule("muon"), lambda p: {}, str)
+        >>> e = buckets[0].entries[1]  # the second 32 × 32 weight
+        >>> e.index, e.start, e.count
+        (1, 1, 1)
     """
 
     index: int
@@ -98,6 +109,18 @@ class Bucket:
         entries: the parameter blocks, in group order.
         size: number of matrices ``B``.
         buffers: the stacked state (``None`` when the bucket gathers per step).
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import DMuon, build_buckets, get_rule, param_groups
+        >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32),
+        ...                             torch.nn.Linear(32, 16))
+        >>> group = DMuon(param_groups(model)).param_groups[0]  # the matrix group
+        >>> buckets, state = build_buckets(group, get_rule("muon"), lambda p: {}, str)
+        >>> [(b.shape, b.size) for b in buckets]
+        [((32, 32), 2), ((16, 32), 1)]
+        >>> buckets[0].buffers["momentum_buffer"].shape  # one stacked buffer per state key
+        torch.Size([2, 32, 32])
     """
 
     shape: tuple[int, int]
@@ -109,7 +132,17 @@ class Bucket:
 
 
 def state_shapes(rule: Rule, layout: MatrixLayout) -> dict[str, tuple[int, ...]]:
-    """Per-parameter state keys of a matrix parameter and their shapes."""
+    """Per-parameter state keys of a matrix parameter and their shapes.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import get_rule, matrix_layout
+        >>> layout = matrix_layout(torch.zeros(64, 32), {}, "w")
+        >>> state_shapes(get_rule("muon"), layout)
+        {'step': (), 'momentum_buffer': (64, 32)}
+        >>> state_shapes(get_rule("normuon"), layout)["row_second_moment"]  # one per row
+        (64,)
+    """
     shapes: dict[str, tuple[int, ...]] = {"step": ()}
     for spec in rule.state_specs():
         shapes[spec.name] = layout.param_shape if spec.kind == "matrix" else layout.row_state_shape
@@ -142,6 +175,18 @@ def build_buckets(
 
     Returns:
         The buckets, in order of first appearance, and the new state per parameter.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import DMuon, build_buckets, get_rule, param_groups
+        >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32),
+        ...                             torch.nn.Linear(32, 16))
+        >>> group = DMuon(param_groups(model)).param_groups[0]  # the matrix group
+        >>> buckets, state = build_buckets(group, get_rule("muon"), lambda p: {}, str)
+        >>> [(b.shape, b.size) for b in buckets]
+        [((32, 32), 2), ((16, 32), 1)]
+        >>> sorted(state[model[0].weight])
+        ['momentum_buffer', 'step']
     """
     specs: tuple[StateSpec, ...] = rule.state_specs()
     buckets: dict[tuple[Any, ...], Bucket] = {}
@@ -274,6 +319,19 @@ def step_bucket(
 
     Returns:
         The number of matrices the rule ran on.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import DMuon, build_buckets, get_rule, param_groups
+        >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32),
+        ...                             torch.nn.Linear(32, 16))
+        >>> group = DMuon(param_groups(model)).param_groups[0]  # the matrix group
+        >>> buckets, state = build_buckets(group, get_rule("muon"), lambda p: {}, str)
+        >>> model[0](torch.randn(4, 32)).sum().backward()  # a gradient for layer 0 only
+        >>> step_bucket(buckets[0], group, get_rule("muon"), state)  # layer 1 is skipped
+        1
+        >>> [bool(state[m.weight]["momentum_buffer"].any()) for m in model[:2]]
+        [True, False]
     """
     if grads is None:
         active = [e for e in b.entries if e.param.grad is not None]

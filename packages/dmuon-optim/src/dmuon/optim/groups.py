@@ -49,6 +49,14 @@ class Assignment:
         shape: its shape.
         group: the name of its group (``None`` if it was left out).
         reason: the rule that decided it.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import param_groups
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        >>> a = param_groups(model).assignments[0]
+        >>> a.name, a.shape, a.group
+        ('0.weight', (16, 8), 'matrix')
     """
 
     name: str
@@ -62,6 +70,14 @@ class ParamGroups(list):
 
     Pass it to :class:`~dmuon.optim.DMuon` as is. ``assignments`` lists every
     parameter with its group and the reason; :meth:`summary` formats them.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import param_groups
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        >>> groups = param_groups(model)
+        >>> [(g["name"], len(g["params"])) for g in groups]
+        [('matrix', 2), ('scalar: norms, biases and scalars', 2)]
     """
 
     def __init__(self, groups: Sequence[dict[str, Any]], assignments: Sequence[Assignment]):

@@ -36,6 +36,14 @@ class Block:
         rows: rows of the block (``heads × matrix_rows``).
         heads: matrices per leading index.
         matrix_rows: rows of each matrix.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import matrix_layout
+        >>> qkv = torch.nn.Parameter(torch.zeros(96, 32))  # fused Q, K, V with 4 heads each
+        >>> layout = matrix_layout(qkv, {"num_heads": 4, "split_sizes": (32, 32, 32)}, "qkv")
+        >>> layout.blocks[0]  # same-shape blocks merge: 3 × 4 heads of 8 × 32
+        Block(row_start=0, rows=96, heads=12, matrix_rows=8)
     """
 
     row_start: int
@@ -53,6 +61,14 @@ class MatrixLayout:
         flat: the ``(L, M, N)`` view.
         blocks: the row blocks, in row order.
         flatten: the ``flatten`` setting the layout was made with.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import matrix_layout
+        >>> experts = torch.nn.Parameter(torch.zeros(4, 64, 32))  # a 3-D expert stack
+        >>> layout = matrix_layout(experts, {"flatten": False}, "experts")
+        >>> layout.flat, layout.whole, layout.count(layout.blocks[0])
+        ((4, 64, 32), True, 4)
     """
 
     param_shape: tuple[int, ...]

@@ -62,6 +62,14 @@ class Rule:
         source: paper or code it follows.
         reconstruction: ``True`` where the source gives only an abstract and the
             equations are our documented reconstruction.
+
+    Example:
+        >>> from dmuon.optim import get_rule
+        >>> rule = get_rule("normuon")
+        >>> [type(t).__name__ for t in rule.chain]
+        ['Momentum', 'Orthogonalize', 'RowNormalize', 'AdjustLR']
+        >>> sorted(rule.options), rule.options["beta2"].default
+        (['beta2', 'eps'], 0.95)
     """
 
     name: str
@@ -256,6 +264,9 @@ RULES: dict[str, Rule] = {
         ),
     )
 }
+"""Every update rule by name (the ``rule=`` / ``algorithm`` values): ``muon``, ``normuon``,
+``adamuon``, ``muon2``, ``mona``, ``musec``, ``sign_muon``, ``dion2``, ``dion3``, ``muonbp``,
+``numuon``. Each is a :class:`Rule`; the Algorithms pages give their equations."""
 
 
 def get_rule(name: str) -> Rule:

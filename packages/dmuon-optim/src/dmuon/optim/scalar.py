@@ -14,6 +14,8 @@ from torch.optim.adamw import adamw as _torch_adamw
 __all__ = ["SCALAR_ALGORITHMS", "adamw_step", "lion_step", "scalar_state_shapes"]
 
 SCALAR_ALGORITHMS = ("adamw", "lion")
+"""The ``algorithm`` values a scalar group (embeddings, head, norms, biases) may take:
+AdamW (decoupled weight decay, Loshchilov & Hutter 2019) or Lion (Chen et al. 2023)."""
 
 
 def scalar_state_shapes(algorithm: str, param: torch.Tensor) -> dict[str, tuple[int, ...]]:

@@ -24,6 +24,9 @@ import math
 __all__ = ["ADJUST_LR", "adjust_lr_factor"]
 
 ADJUST_LR: tuple[str | None, ...] = ("original", "match_rms_adamw", "spectral", None)
+"""The learning-rate conventions of ``adjust_lr=`` for an ``m × n`` update: ``"original"``
+√max(1, m/n) (Keller Jordan's Muon), ``"match_rms_adamw"`` 0.2·√max(m, n) (Moonlight,
+the default: AdamW-like learning rates), ``"spectral"`` √(m/n), ``None`` (factor 1)."""
 
 
 def adjust_lr_factor(adjust_lr: str | None, m: int, n: int) -> float:

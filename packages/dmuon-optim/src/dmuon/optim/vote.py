@@ -35,6 +35,16 @@ class SignVote(Protocol):
     * Every rank must call the vote for the same batches in the same order. The
       chain itself is deterministic given the batch; the caller (the distributed
       engine) makes the batches agree, e.g. by stepping every matrix on every rank.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import SignVote, local_vote
+        >>> isinstance(local_vote, SignVote)  # any callable signs → signs qualifies
+        True
+        >>> def flip(signs: torch.Tensor) -> torch.Tensor:  # a (silly) vote of one's own
+        ...     return -signs
+        >>> flip(torch.tensor([[1.0, -1.0]]))
+        tensor([[-1.,  1.]])
     """
 
     def __call__(self, signs: torch.Tensor) -> torch.Tensor: ...

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 __all__ = ["MODES", "make_engine"]
 
 MODES = ("single", "owner", "replicated", "sharded", "sign")
+"""The execution modes of ``DMuon(mode=...)``, see the table above and the Concepts page
+"Execution modes"."""
 
 
 def _exchange(distributed: Any) -> OwnerExchange:
