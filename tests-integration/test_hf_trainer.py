@@ -141,3 +141,119 @@ def test_guide_shows_the_script_the_tests_run():
     guide = (ROOT / "docs" / "guides" / "hf-trainer.md").read_text()
     script = (HERE / "hf_trainer_example.py").read_text()
     assert f"```python\n{script}```" in guide, "docs/guides/hf-trainer.md must show the script"
+
+
+# ---------------------------------------------------------------------------------------
+# gather_full_state_dict on its own (no Trainer): 3 ranks (an odd world), replicated mode.
+
+GATHER_STEPS, MORE_STEPS = 3, 2
+
+
+def _blocks_model():
+    import torch
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(
+        torch.nn.ModuleDict({"a": torch.nn.Linear(8, 16), "b": torch.nn.Linear(16, 8)})
+        for _ in range(3)
+    )
+    return torch.nn.ModuleDict({"blocks": blocks, "norm": torch.nn.LayerNorm(8)})
+
+
+def _grads(model, step):
+    """The same 'all-reduced' gradients on every rank (replicated mode's input)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def _optimizer(model, mode):
+    from dmuon.optim import DMuon, param_groups
+
+    return DMuon(param_groups(model), lr=0.02, mode=mode, ns_compute_dtype="float32")
+
+
+def _train(model, opt, steps, first=0):
+    for s in range(first, first + steps):
+        _grads(model, s)
+        opt.step()
+        opt.zero_grad()
+
+
+def _gather_at_3(rank, world):
+    from dmuon.integrations.hf import gather_full_state_dict, missing_state
+
+    model = _blocks_model()
+    opt = _optimizer(model, "replicated")
+    _train(model, opt, GATHER_STEPS)
+    local = opt.state_dict()
+    local_missing = missing_state(local)
+    local = {
+        **local,
+        "state": {i: {k: v.clone() for k, v in st.items()} for i, st in local["state"].items()},
+    }
+    full = gather_full_state_dict(opt)
+    assert opt.state_dict()["state"].keys() == full["state"].keys()
+    return {
+        "full": full,
+        "local": local,
+        "local_missing": local_missing,
+        "still_missing": missing_state(opt.state_dict()),  # the live state is unchanged
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
+
+
+def _resume(rank, world, full, params):
+    model = _blocks_model()
+    model.load_state_dict(params)
+    opt = _optimizer(model, "replicated" if world > 1 else "single")
+    opt.load_state_dict(full)
+    _train(model, opt, MORE_STEPS, first=GATHER_STEPS)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_gather_full_state_dict_collects_every_owner_and_reloads_on_any_world():
+    import torch
+
+    from dmuon.comm.testing import run_on_ranks
+    from dmuon.integrations.hf import missing_state
+
+    # Reference: one process, the same gradients, all five steps.
+    ref_model = _blocks_model()
+    ref_opt = _optimizer(ref_model, "single")
+    _train(ref_model, ref_opt, GATHER_STEPS)
+    # state_dict() hands out the live tensors: copy them before training on.
+    ref_state = {
+        i: {k: v.clone() for k, v in st.items()} for i, st in ref_opt.state_dict()["state"].items()
+    }
+    _train(ref_model, ref_opt, MORE_STEPS, first=GATHER_STEPS)
+    expected = ref_model.state_dict()
+
+    out = run_on_ranks(_gather_at_3, 3, timeout=120)
+    owners = out[0]["full"]["distributed"]["owners"]
+    assert set(owners.values()) == {0, 1, 2}  # every rank owns matrices
+    for r in out:
+        assert r["local_missing"] and r["still_missing"] == r["local_missing"]
+        assert missing_state(r["full"]) == []
+        # The gathered state is every owner's, and the single process's: replicated runs
+        # the same rule on the same gradients (fp32 Newton–Schulz; the batches differ
+        # only in how same-shape matrices are stacked).
+        for idx, st in r["full"]["state"].items():
+            for key, value in st.items():
+                torch.testing.assert_close(value, ref_state[idx][key], rtol=0, atol=1e-6)
+    # The full state loads on 2 ranks (another owner plan) and on 1, and training
+    # continues as if it had never stopped.
+    full, params = out[0]["full"], out[0]["params"]
+    moved = max((expected[k] - params[k]).abs().max().item() for k in expected)
+    assert moved > 1e-2, "the last steps barely moved the weights: the check would prove nothing"
+    for world in (2, 1):
+        resumed = run_on_ranks(_resume, world, args=(full, params), timeout=120)
+        for rank_params in resumed:
+            for k, v in expected.items():
+                torch.testing.assert_close(rank_params[k], v, rtol=0, atol=1e-5, msg=k)
+    # The control: rank 0's own state dict (other owners' momentum as placeholders, which
+    # DMuon loads as zeros) does not continue the run.
+    (lost,) = run_on_ranks(_resume, 1, args=(out[0]["local"], params), timeout=120)
+    assert max((lost[k] - expected[k]).abs().max().item() for k in expected) > 1e-3

@@ -8,8 +8,9 @@ lose every other owner's momentum, and a resumed run would silently restart it
 from zero. :func:`gather_full_state_dict` is a collective: every rank calls it,
 each owner broadcasts its state, and every rank gets the full state dict (the
 format of :meth:`dmuon.optim.DMuon.state_dict`, with no placeholders left).
-Loading it on any number of ranks with the same owner plan keeps what each rank
-steps and drops the rest (:meth:`~dmuon.optim.DMuon.load_state_dict`).
+It holds no placeholder, so it loads on any number of ranks (any owner plan) and on
+one process: :meth:`~dmuon.optim.DMuon.load_state_dict` keeps what each rank steps
+and drops the rest.
 """
 
 from __future__ import annotations
