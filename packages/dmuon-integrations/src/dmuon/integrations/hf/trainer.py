@@ -41,7 +41,10 @@ class DMuonTrainer(Trainer):
             see :func:`~dmuon.integrations.hf.dmuon_kwargs`).
         dmuon_groups: parameter groups to use instead of
             :func:`dmuon.optim.param_groups` of the model.
-        **kwargs: ``Trainer``'s keyword arguments.
+        **kwargs: ``Trainer``'s keyword arguments (not ``optimizer_cls_and_kwargs``).
+
+    Raises:
+        ValueError: ``optimizer_cls_and_kwargs`` is given (DMuonTrainer builds DMuon).
 
     Example:
         >>> import tempfile, torch
@@ -70,6 +73,11 @@ class DMuonTrainer(Trainer):
         dmuon_groups: Any = None,
         **kwargs: Any,
     ) -> None:
+        if kwargs.get("optimizer_cls_and_kwargs") is not None:
+            raise ValueError(
+                "DMuonTrainer builds DMuon itself: pass DMuon's arguments as dmuon_options=, "
+                "or use a stock Trainer with optimizer_cls_and_kwargs"
+            )
         self.dmuon_options = dict(dmuon_options or {})
         self.dmuon_groups = dmuon_groups
         super().__init__(*args, **kwargs)
@@ -92,6 +100,8 @@ class DMuonTrainer(Trainer):
                     "serves)"
                 )
             opt_model = self.model if model is None else model
+            if opt_model is None:
+                raise ValueError("DMuonTrainer needs a model to build the optimizer for")
             self.optimizer = build_dmuon(
                 opt_model, self.args, groups=self.dmuon_groups, **self.dmuon_options
             )
