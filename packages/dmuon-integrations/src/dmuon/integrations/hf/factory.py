@@ -152,6 +152,11 @@ class DMuonFactory:
         >>> opt = cls()(model, **kwargs)  # what Trainer.create_optimizer does
         >>> type(opt).__name__, opt.param_groups[0]["momentum"]
         ('DMuon', 0.9)
+        >>> # A Trainer without factories pops kwargs["model"] and calls the class with it:
+        >>> _, kwargs = optimizer_cls_and_kwargs(args, model=model, momentum=0.9)
+        >>> model_arg = kwargs.pop("model")
+        >>> type(DMuonFactory(model_arg, **kwargs)).__name__
+        'DMuon'
     """
 
     def __new__(cls, model: nn.Module | None = None, /, **kwargs: Any) -> Any:
