@@ -7,6 +7,9 @@
 * :class:`Dedication` — what both return: the owners, the plan, the hooks,
   ``no_sync()`` for gradient accumulation.
 
+* :mod:`dmuon.integrations.hf` — the Hugging Face Trainer (``DMuonTrainer``); import
+  it explicitly, it needs ``transformers`` (``pip install "dmuon-optim[hf]"``).
+
 Stock DDP and stock FSDP2 need nothing from here: ``DMuon(..., mode="replicated")``
 and DTensor parameters (``sharded`` mode) are handled by :mod:`dmuon.optim`.
 """

@@ -1,0 +1,206 @@
+"""DMuon from ``TrainingArguments``: the hyperparameter mapping and Trainer's optimizer factory.
+
+``TrainingArguments`` → :class:`~dmuon.optim.DMuon`:
+
+==============================  =====================================================
+``learning_rate``               ``lr`` (matrix groups) and the scalar groups' lr
+``weight_decay``                ``weight_decay`` (matrices) and ``adamw_weight_decay``
+                                (embeddings and head; norms and biases take none, as
+                                in Trainer's own grouping)
+``adam_beta1``, ``adam_beta2``  ``adamw_betas`` of the scalar groups
+``adam_epsilon``                ``adamw_eps``
+==============================  =====================================================
+
+Every other DMuon argument (``rule``, ``momentum``, ``ns_steps``, ...) is passed as
+a keyword and wins over the mapping. The default ``adjust_lr="match_rms_adamw"``
+gives every matrix update the RMS of an AdamW update, so a ``learning_rate`` that
+works with Trainer's AdamW is a good start.
+
+The execution mode follows the launch: one process is ``single``; under torchrun
+Trainer wraps the model in DDP, which all-reduces every gradient, so the mode is
+``replicated`` (each matrix orthogonalised once, on its owner, then all-gathered).
+Owner mode is not offered here: it replaces DDP (``dmuon.integrations.ddp.dedicate``)
+and Trainer always wraps the model in DDP itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from dmuon.optim import DMuon, param_groups
+from dmuon.optim.engine.params import is_dtensor
+
+__all__ = ["DMuonFactory", "build_dmuon", "dmuon_kwargs", "optimizer_cls_and_kwargs"]
+
+# Modes a Trainer launch can run: Trainer owns the DDP wrapping.
+TRAINER_MODES = ("single", "replicated")
+
+
+def _world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def dmuon_kwargs(args: Any, **overrides: Any) -> dict[str, Any]:
+    """DMuon's keyword arguments from ``TrainingArguments`` (see the module table).
+
+    Args:
+        args: a ``transformers.TrainingArguments`` (anything with its attributes).
+        **overrides: DMuon arguments that replace the mapped ones.
+
+    Returns:
+        The keyword arguments, with ``mode`` set for the launch (``"replicated"``
+        when a process group of more than one rank is initialised, else
+        ``"single"``) unless ``overrides`` names one.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> args = SimpleNamespace(learning_rate=3e-4, weight_decay=0.1, adam_beta1=0.9,
+        ...                        adam_beta2=0.98, adam_epsilon=1e-8)
+        >>> kw = dmuon_kwargs(args, momentum=0.9)
+        >>> kw["lr"], kw["adamw_betas"], kw["weight_decay"], kw["momentum"], kw["mode"]
+        (0.0003, (0.9, 0.98), 0.1, 0.9, 'single')
+    """
+    kwargs: dict[str, Any] = {
+        "lr": float(args.learning_rate),
+        "weight_decay": float(args.weight_decay),
+        "adamw_betas": (float(args.adam_beta1), float(args.adam_beta2)),
+        "adamw_eps": float(args.adam_epsilon),
+        "adamw_weight_decay": float(args.weight_decay),
+        "mode": "replicated" if _world_size() > 1 else "single",
+    }
+    kwargs.update(overrides)
+    return kwargs
+
+
+def build_dmuon(
+    model: nn.Module,
+    args: Any = None,
+    *,
+    groups: Any = None,
+    **overrides: Any,
+) -> DMuon:
+    """A :class:`~dmuon.optim.DMuon` for ``model`` configured from ``args``.
+
+    Call it on every rank (in ``replicated`` mode the constructor checks that the
+    ranks' models agree, a collective).
+
+    Args:
+        model: the model Trainer trains (``trainer.model``).
+        args: the ``TrainingArguments`` (``None``: DMuon's own defaults).
+        groups: parameter groups (default :func:`dmuon.optim.param_groups` of ``model``).
+        **overrides: DMuon arguments (``rule``, ``momentum``, ``mode``, ...).
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        ValueError: a mode a Trainer launch cannot run (``owner``, ``sharded``,
+            ``sign``), or FSDP2-sharded (DTensor) parameters; each message says what
+            to do instead.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> import torch
+        >>> args = SimpleNamespace(learning_rate=1e-3, weight_decay=0.0, adam_beta1=0.9,
+        ...                        adam_beta2=0.95, adam_epsilon=1e-8)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        >>> opt = build_dmuon(model, args)
+        >>> opt.mode, [g["name"] for g in opt.param_groups]
+        ('single', ['matrix', 'scalar: norms, biases and scalars'])
+    """
+    kwargs = dmuon_kwargs(args, **overrides) if args is not None else dict(overrides)
+    kwargs.setdefault("mode", "replicated" if _world_size() > 1 else "single")
+    mode = kwargs["mode"]
+    if mode not in TRAINER_MODES:
+        raise ValueError(
+            f"mode={mode!r} cannot run under the Hugging Face Trainer, which wraps the model "
+            f"in DDP itself (every gradient arrives all-reduced); use one of {TRAINER_MODES} "
+            "(the default picks it), or train owner mode with dmuon.integrations.ddp.dedicate "
+            "in your own loop"
+        )
+    if any(is_dtensor(p) for p in model.parameters()):
+        raise ValueError(
+            "the model's parameters are FSDP2 DTensors (Trainer's FSDP path); "
+            "dmuon.integrations.hf supports Trainer's single-process and DDP launches — use "
+            "dmuon.integrations.fsdp.dedicate in your own loop for FSDP2"
+        )
+    if groups is None:
+        groups = param_groups(model)
+    return DMuon(groups, **kwargs)
+
+
+class DMuonFactory:
+    """DMuon as Trainer's ``optimizer_cls_and_kwargs`` (see :func:`optimizer_cls_and_kwargs`).
+
+    Trainer calls a factory that is not an ``Optimizer`` class as
+    ``DMuonFactory()(model, **kwargs)`` (transformers with optimizer factories); older
+    Trainers call ``DMuonFactory(model, **kwargs)`` when the kwargs hold ``model``.
+    Both build :func:`build_dmuon` ``(model, **kwargs)``.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> import torch
+        >>> args = SimpleNamespace(learning_rate=1e-3, weight_decay=0.0, adam_beta1=0.9,
+        ...                        adam_beta2=0.95, adam_epsilon=1e-8)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        >>> cls, kwargs = optimizer_cls_and_kwargs(args, momentum=0.9)
+        >>> opt = cls()(model, **kwargs)  # what Trainer.create_optimizer does
+        >>> type(opt).__name__, opt.param_groups[0]["momentum"]
+        ('DMuon', 0.9)
+        >>> # A Trainer without factories pops kwargs["model"] and calls the class with it:
+        >>> _, kwargs = optimizer_cls_and_kwargs(args, model=model, momentum=0.9)
+        >>> model_arg = kwargs.pop("model")
+        >>> type(DMuonFactory(model_arg, **kwargs)).__name__
+        'DMuon'
+    """
+
+    def __new__(cls, model: nn.Module | None = None, /, **kwargs: Any) -> Any:
+        if model is None:
+            return super().__new__(cls)
+        # An older Trainer passes kwargs["model"] positionally: build the optimizer now.
+        return build_dmuon(model, **kwargs)
+
+    def __call__(self, model: nn.Module, /, **kwargs: Any) -> DMuon:
+        """Build the optimizer for ``model`` (Trainer's ``opt_model``)."""
+        kwargs.pop("model", None)  # Trainer's own opt_model wins
+        return build_dmuon(model, **kwargs)
+
+
+def optimizer_cls_and_kwargs(
+    args: Any, model: nn.Module | None = None, **overrides: Any
+) -> tuple[type[DMuonFactory], dict[str, Any]]:
+    """``(factory, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)``.
+
+    The factory builds DMuon from :func:`dmuon.optim.param_groups` of the model
+    Trainer trains and from ``args`` (see :func:`dmuon_kwargs`). Under torchrun the
+    optimizer state of each matrix lives on its owner rank only, and a plain
+    ``Trainer`` writes ``optimizer.pt`` from the main process: use
+    :class:`~dmuon.integrations.hf.DMuonTrainer`, which gathers the full state
+    first, whenever you save checkpoints with more than one rank.
+
+    Args:
+        args: the ``TrainingArguments``.
+        model: the model; only needed by Trainers without optimizer factories,
+            which pass ``kwargs["model"]`` in place of the parameter groups.
+        **overrides: DMuon arguments (``rule``, ``momentum``, ...).
+
+    Returns:
+        ``(DMuonFactory, kwargs)``.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> args = SimpleNamespace(learning_rate=1e-3, weight_decay=0.0, adam_beta1=0.9,
+        ...                        adam_beta2=0.95, adam_epsilon=1e-8)
+        >>> cls, kwargs = optimizer_cls_and_kwargs(args, rule="normuon")
+        >>> cls.__name__, kwargs["rule"]
+        ('DMuonFactory', 'normuon')
+    """
+    kwargs: dict[str, Any] = {"args": args, **overrides}
+    if model is not None:
+        kwargs["model"] = model
+    return DMuonFactory, kwargs
