@@ -4,6 +4,8 @@
   owner ranks, ``fully_shard(..., ignored_params=ded.params)`` takes the rest.
 * :func:`dmuon.integrations.ddp.dedicate` — a DDP replacement: matrices to owners,
   scalar parameters all-reduced (or owned).
+* :mod:`dmuon.integrations.checkpoint` — DCP checkpoints and full state dicts that
+  load at any world size (owners' momentum resharded to the new plan).
 * :class:`Dedication` — what both return: the owners, the plan, the hooks,
   ``no_sync()`` for gradient accumulation.
 
@@ -11,7 +13,7 @@ Stock DDP and stock FSDP2 need nothing from here: ``DMuon(..., mode="replicated"
 and DTensor parameters (``sharded`` mode) are handled by :mod:`dmuon.optim`.
 """
 
-from dmuon.integrations import ddp, fsdp
+from dmuon.integrations import checkpoint, ddp, fsdp
 from dmuon.integrations._version import __version__
 from dmuon.integrations.dedication import Dedication
 from dmuon.integrations.hooks import install_hooks, module_of_layer
@@ -20,6 +22,7 @@ from dmuon.integrations.selection import mesh_groups, split_parameters
 __all__ = [
     "Dedication",
     "__version__",
+    "checkpoint",
     "ddp",
     "fsdp",
     "install_hooks",

@@ -126,7 +126,9 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
     if not _rank0():
         return {}
     return {
-        "model": dict(model_sd),
+        # On a CPU, DSD hands back plain parameters themselves: copy them, so the
+        # dict does not follow the training that goes on.
+        "model": {k: v.detach().clone() for k, v in model_sd.items()},
         "optim": {"state": state, "param_groups": group_records(optimizer, held)},
         "dmuon": _describe(optimizer),
     }
