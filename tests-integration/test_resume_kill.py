@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -45,6 +46,7 @@ def torchrun(script: pathlib.Path, out: pathlib.Path, *args: str, restarts: int 
     return proc.stderr
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_killed_rank_resumes_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     script = tmp_path / "train_checkpointed.py"
     script.write_text(guide_script())

@@ -13,7 +13,7 @@ Stock DDP and stock FSDP2 need nothing from here: ``DMuon(..., mode="replicated"
 and DTensor parameters (``sharded`` mode) are handled by :mod:`dmuon.optim`.
 """
 
-from dmuon.integrations import checkpoint, ddp, fsdp
+from dmuon.integrations import ddp, fsdp
 from dmuon.integrations._version import __version__
 from dmuon.integrations.dedication import Dedication
 from dmuon.integrations.hooks import install_hooks, module_of_layer
@@ -22,7 +22,6 @@ from dmuon.integrations.selection import mesh_groups, split_parameters
 __all__ = [
     "Dedication",
     "__version__",
-    "checkpoint",
     "ddp",
     "fsdp",
     "install_hooks",

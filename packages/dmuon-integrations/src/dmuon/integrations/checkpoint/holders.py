@@ -26,7 +26,7 @@ from torch import nn
 from dmuon.optim import DMuon
 from dmuon.optim.engine import exchange_of
 
-__all__ = ["Holding", "holdings", "model_fqns", "settle"]
+__all__ = ["Holding", "holdings", "model_fqns", "release", "settle"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,6 +85,13 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
         ValueError: a parameter of the optimizer that is not in ``model``, a mode
             whose state cannot be checkpointed once (``sign``: every rank's momentum
             is its own), or HSDP owner mode.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import DMuon, param_groups
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> [h.fqn for h in holdings(model, DMuon(param_groups(model)))]
+        ['0.weight', '1.weight', '0.bias', '1.bias']
     """
     if not isinstance(optimizer, DMuon):
         raise TypeError(
