@@ -91,8 +91,11 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
         >>> from dmuon.integrations.checkpoint import full_state_dict
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
         >>> sd = full_state_dict(model, DMuon(param_groups(model)))
-        >>> sorted(sd), tuple(sd["optim"]["state"]["0.weight"]["momentum_buffer"].shape)
-        (['dmuon', 'model', 'optim'], (8, 4))
+        >>> sorted(sd)
+        ['dmuon', 'model', 'optim']
+        >>> momentum = sd["optim"].get("state").get("0.weight").get("momentum_buffer")
+        >>> tuple(momentum.shape)
+        (8, 4)
     """
     held = holdings(model, optimizer)
     settle(optimizer)

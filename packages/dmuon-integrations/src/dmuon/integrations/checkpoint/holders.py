@@ -47,8 +47,9 @@ class Holding:
         >>> from dmuon.optim import DMuon, param_groups
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
         >>> opt = DMuon(param_groups(model))
-        >>> [(h.fqn, h.owner) for h in holdings(model, opt)][:2]
-        [('0.weight', None), ('1.weight', None)]
+        >>> first = holdings(model, opt)[0]
+        >>> first.fqn, first.owner
+        ('0.weight', None)
     """
 
     fqn: str
@@ -90,8 +91,8 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
         >>> import torch
         >>> from dmuon.optim import DMuon, param_groups
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-        >>> [h.fqn for h in holdings(model, DMuon(param_groups(model)))]
-        ['0.weight', '1.weight', '0.bias', '1.bias']
+        >>> tuple(h.fqn for h in holdings(model, DMuon(param_groups(model))))
+        ('0.weight', '1.weight', '0.bias', '1.bias')
     """
     if not isinstance(optimizer, DMuon):
         raise TypeError(
