@@ -222,7 +222,7 @@ def main() -> None:
         "per_kill": rows, "resumes": len([r for r in rows if r["resumed_at"] is not None]),
         "steps_lost": lost, "diverged_parameters": diverged, "max_abs_diff": max_diff,
         "seconds_with_kills": t_killed, "seconds_without": t_straight,
-        "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
+        "command": _command(),
     }  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"soak-cpu-gloo-w{args.nproc}"
@@ -231,6 +231,20 @@ def main() -> None:
     print(f"wrote {stem}.json and .png")
     if lost or diverged or len(rows) != len(kills) or any(r["resumed_at"] is None for r in rows):
         raise SystemExit(1)
+
+
+def _command() -> str:
+    """The command line, without the work directory (a path of this machine)."""
+    argv, out = sys.argv[1:], []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif not a.startswith("--out="):
+            out.append(a)
+    return " ".join(["python benchmarks/soak.py", *out])
 
 
 def _plot(events: list[dict], straight: pathlib.Path, rows: list[dict], path: pathlib.Path) -> None:
