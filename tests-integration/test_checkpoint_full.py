@@ -100,3 +100,15 @@ def test_an_incomplete_checkpoint_is_refused(tmp_path):
     model = _mlp()
     with pytest.raises(FileNotFoundError, match="no complete DCP checkpoint"):
         checkpoint.load(tmp_path, model, DMuon(param_groups(model)))
+
+
+def test_sign_mode_and_other_optimizers_are_refused_clearly(tmp_path):
+    model = _mlp()
+    sign = DMuon(param_groups(model), rule="sign_muon", mode="sign")
+    with pytest.raises(ValueError, match="mode='sign' keeps a different momentum on every rank"):
+        checkpoint.save(tmp_path / "sign", model, sign)
+    with pytest.raises(TypeError, match=r"optimizer must be a dmuon\.optim\.DMuon, got AdamW"):
+        checkpoint.full_state_dict(model, torch.optim.AdamW(model.parameters()))
+    other = _mlp()
+    with pytest.raises(ValueError, match="is not a parameter of the model given"):
+        checkpoint.save(tmp_path / "other", other, DMuon(param_groups(model)))
