@@ -235,7 +235,7 @@ def load(
         dcp.load(small, checkpoint_id=path)
     settle(optimizer)
     try:
-        model_sd = get_model_state_dict(model)
+        model_sd: dict[str, Any] = get_model_state_dict(model)
         model_shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
         check_compatible(held, optimizer, model_shapes, saved_shapes, groups)
         # Phase 2: the tensors. The model loads in place; the optimizer into fresh

@@ -53,7 +53,8 @@ def _gather_owned(h: Holding, value: torch.Tensor, shape: tuple[int, ...]) -> to
     """The owner's whole tensor on global rank 0 (``None`` elsewhere)."""
     group = h.group
     me = dist.get_rank(group)
-    first = dist.get_group_rank(group or dist.group.WORLD, 0)  # global rank 0 in the group
+    world: Any = dist.group.WORLD
+    first = dist.get_group_rank(group if group is not None else world, 0)  # global rank 0 here
     if h.owner == first:
         return value.detach().cpu().clone() if me == first else None
     if me == h.owner:
@@ -100,7 +101,7 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
     held = holdings(model, optimizer)
     settle(optimizer)
     try:
-        model_sd = get_model_state_dict(
+        model_sd: dict[str, Any] = get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         steps = owner_steps(optimizer, [h for h in held if h.owner is not None])
@@ -118,7 +119,7 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
                 elif h.owner is not None:
                     full = _gather_owned(h, value, shapes[key])
                 elif is_dtensor(value):
-                    full = value.full_tensor().cpu()  # type: ignore[attr-defined]
+                    full = value.full_tensor().cpu()
                 else:
                     full = value.detach().cpu().clone()
                 if full is not None:
@@ -189,7 +190,7 @@ def load_full_state_dict(model: nn.Module, optimizer: DMuon, state_dict: Mapping
     groups = saved_groups(state_dict["optim"])
     settle(optimizer)
     try:
-        local = get_model_state_dict(model)
+        local: dict[str, Any] = get_model_state_dict(model)
         check_compatible(
             held,
             optimizer,
@@ -217,8 +218,8 @@ def load_full_state_dict(model: nn.Module, optimizer: DMuon, state_dict: Mapping
 
                     entry[key] = distribute_tensor(
                         full.to(value.device),
-                        value.device_mesh,  # type: ignore[attr-defined]
-                        value.placements,  # type: ignore[attr-defined]
+                        value.device_mesh,
+                        value.placements,
                         src_data_rank=None,  # every rank has the whole: slice, no traffic
                     )
                 else:

@@ -106,7 +106,7 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
             "local momenta), so there is no single optimizer state to save or reshard; "
             "checkpoint the model only, or train in mode='owner'/'replicated'/'sharded'"
         )
-    exchange = getattr(engine, "exchange", None)
+    exchange: Any = getattr(engine, "exchange", None)
     if exchange is not None and exchange.replicate_group is not None:
         raise ValueError(
             "checkpointing HSDP owner mode (a 2-D mesh) is not supported yet: each "
@@ -125,9 +125,10 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
                 )
             owner: int | None = None
             if exchange is not None:
-                if exchange_of(p) is exchange:
-                    name = exchange.name_of(p)
-                    owner = exchange.owner(name) if name is not None else None
+                dedicated = exchange_of(p)
+                if dedicated is not None and dedicated is exchange:
+                    name = dedicated.name_of(p)
+                    owner = dedicated.owner(name) if name is not None else None
                 out.append(Holding(fqn, p, gi, owner, exchange.group))
                 continue
             owner_of = getattr(engine, "owner_of", None)

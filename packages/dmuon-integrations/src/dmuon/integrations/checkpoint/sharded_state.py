@@ -40,7 +40,8 @@ __all__ = ["group_records", "optimizer_state_dict", "state_targets", "state_to_s
 def _mesh(group: Any, device: torch.device) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+    world: Any = dist.group.WORLD
+    return DeviceMesh.from_group(group if group is not None else world, device.type)
 
 
 def group_records(optimizer: DMuon, held: Sequence[Holding]) -> list[dict[str, Any]]:
