@@ -4,6 +4,8 @@
   owner ranks, ``fully_shard(..., ignored_params=ded.params)`` takes the rest.
 * :func:`dmuon.integrations.ddp.dedicate` — a DDP replacement: matrices to owners,
   scalar parameters all-reduced (or owned).
+* :mod:`dmuon.integrations.checkpoint` — DCP checkpoints and full state dicts that
+  load at any world size (owners' momentum resharded to the new plan).
 * :class:`Dedication` — what both return: the owners, the plan, the hooks,
   ``no_sync()`` for gradient accumulation.
 

@@ -1,0 +1,250 @@
+"""``save`` / ``load``: model and DMuon state through ``torch.distributed.checkpoint``.
+
+One DCP checkpoint (a directory) holds::
+
+    {"model": {fqn: tensor},                   # get_model_state_dict: FSDP2 DTensors, plain tensors
+     "optim": {"state": {fqn: {key: tensor}},  # see sharded_state: owners' state once, as Shard(0)
+               "param_groups": [...]},
+     "dmuon": "<json: mode, world size, plan digest at save time>",
+     "extra": {...}}                            # what the caller passed (step, RNG, scheduler, ...)
+
+Saving is collective over every rank of the job; loading is collective over the
+ranks of the new job, whatever their number: DCP reads each rank's tensors from
+the saved pieces (resharding), the new plan's owners read their matrices' state
+whole, and FSDP2 shards read their rows. A checkpoint is complete when its
+``.metadata`` file exists (DCP writes it last), which :func:`load` checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from dmuon.integrations.checkpoint.compat import (
+    CheckpointMismatchError,
+    check_compatible,
+    load_into_optimizer,
+)
+from dmuon.integrations.checkpoint.holders import holdings, release, settle
+from dmuon.integrations.checkpoint.sharded_state import state_targets, state_to_save
+from dmuon.optim import DMuon
+
+__all__ = ["load", "save"]
+
+FORMAT = 1
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # Without a process group DCP warns that it assumes one process: that is the intent.
+    with warnings.catch_warnings():
+        if not (dist.is_available() and dist.is_initialized()):
+            warnings.filterwarnings("ignore", message=".*single process.*")
+        yield
+
+
+def _describe(optimizer: DMuon) -> str:
+    info = optimizer.engine.describe()
+    return json.dumps(
+        {
+            "format": FORMAT,
+            "mode": info["mode"],
+            "world_size": info["world_size"],
+            "plan_digest": info.get("plan_digest"),
+        }
+    )
+
+
+@torch.no_grad()
+def save(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: DMuon,
+    *,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Save ``model`` and ``optimizer`` as a DCP checkpoint in directory ``path``.
+
+    Call it on every rank at the same point (between steps). Each owner-held state
+    tensor is written once, in row pieces from every rank; FSDP2's shards as they
+    are; the rest once. It does not change the model or the optimizer.
+
+    Args:
+        path: the checkpoint directory (created; use a fresh one per checkpoint).
+        model: the model the optimizer was built on (FSDP2-sharded or plain).
+        optimizer: the :class:`~dmuon.optim.DMuon`.
+        extra: picklable values to keep with the checkpoint (the step, a
+            scheduler's ``state_dict()``, RNG states); :func:`load` returns them.
+
+    Raises:
+        TypeError: ``optimizer`` is not a DMuon.
+        ValueError: a parameter of the optimizer is not in ``model``, or a mode
+            without one optimizer state (``sign``).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from dmuon.optim import DMuon, param_groups
+        >>> from dmuon.integrations import checkpoint
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> opt = DMuon(param_groups(model))
+        >>> model(torch.randn(3, 4)).sum().backward(); opt.step()
+        >>> path = tempfile.mkdtemp()
+        >>> checkpoint.save(path, model, opt, extra={"step": 1})
+        >>> checkpoint.load(path, model, opt)
+        {'step': 1}
+    """
+    held = holdings(model, optimizer)
+    settle(optimizer)
+    try:
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": state_to_save(optimizer, held),
+            "dmuon": _describe(optimizer),
+        }
+        if extra:
+            state["extra"] = dict(extra)
+        with _quiet_single_process():
+            dcp.save(state, checkpoint_id=os.fspath(path))
+    finally:
+        release(optimizer)
+
+
+def _read_metadata(path: str) -> Any:
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(
+            f"{path!r} holds no complete DCP checkpoint (no .metadata file: the save did not "
+            "finish, or this is not a checkpoint directory)"
+        )
+    return dcp.FileSystemReader(path).read_metadata()
+
+
+def _tree_from(keys: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """Targets for non-tensor leaves under ``prefix`` (``a.0.b`` → nested dicts/lists)."""
+    root: dict[str, Any] = {}
+    for key in keys:
+        if not key.startswith(prefix + "."):
+            continue
+        parts = key[len(prefix) + 1 :].split(".")
+        node = root
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = None
+    return root
+
+
+def _listify(node: Any) -> Any:
+    """Nested dicts whose keys are 0..n-1 become lists (DCP flattens lists by index)."""
+    if not isinstance(node, dict):
+        return node
+    items = {k: _listify(v) for k, v in node.items()}
+    if (
+        items
+        and all(k.isdigit() for k in items)
+        and sorted(map(int, items)) == list(range(len(items)))
+    ):
+        return [items[str(i)] for i in range(len(items))]
+    return items
+
+
+@torch.no_grad()
+def load(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: DMuon,
+) -> dict[str, Any]:
+    """Load a :func:`save` checkpoint into ``model`` and ``optimizer``, at any world size.
+
+    Call it on every rank of the new job after building the model (and
+    ``dedicate`` / ``fully_shard``) and the optimizer as for a fresh start. The
+    world size, the mode and hence the owner plan may differ from the saved run's:
+    each owner of the new plan receives its matrices' state, FSDP2 shards their
+    rows, and training continues as the saved run would have (to floating-point
+    tolerance across world sizes; bitwise at the same world size on CPU).
+    Everything is checked before anything changes.
+
+    Args:
+        path: a checkpoint directory written by :func:`save`.
+        model: the model, built as for the saved run.
+        optimizer: a :class:`~dmuon.optim.DMuon` with the same groups and rules.
+
+    Returns:
+        The ``extra`` values given to :func:`save` (``{}`` if none).
+
+    Raises:
+        FileNotFoundError: ``path`` holds no complete checkpoint.
+        CheckpointMismatchError: a missing key, a shape that differs, a group with
+            another rule or other parameters (nothing is changed).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from dmuon.optim import DMuon, param_groups
+        >>> from dmuon.integrations import checkpoint
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> opt = DMuon(param_groups(model))
+        >>> path = tempfile.mkdtemp()
+        >>> checkpoint.save(path, model, opt)
+        >>> wide = torch.nn.Sequential(torch.nn.Linear(4, 9), torch.nn.Linear(9, 2))
+        >>> checkpoint.load(path, wide, DMuon(param_groups(wide)))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        dmuon...CheckpointMismatchError: the checkpoint does not fit ...
+    """
+    path = os.fspath(path)
+    held = holdings(model, optimizer)
+    metadata = _read_metadata(path).state_dict_metadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved_shapes = {
+        k: (tuple(v.size) if isinstance(v, TensorStorageMetadata) else None)
+        for k, v in metadata.items()
+    }
+    # Phase 1: the small non-tensor entries (groups, extra), then every check.
+    small = {
+        "optim": {"param_groups": _listify(_tree_from(metadata, "optim.param_groups"))},
+    }
+    extra_tree = _listify(_tree_from(metadata, "extra"))
+    if extra_tree:
+        small["extra"] = extra_tree
+    groups = small["optim"]["param_groups"]
+    if not isinstance(groups, list):
+        raise CheckpointMismatchError(
+            [f"{path!r} has no optimizer param groups ('optim.param_groups')"]
+        )
+    extra_tensors = {
+        k: v
+        for k, v in metadata.items()
+        if k.startswith("extra.") and isinstance(v, TensorStorageMetadata)
+    }
+    for key, md in extra_tensors.items():
+        node = small["extra"]
+        parts = key.split(".")[1:]
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    with _quiet_single_process():
+        dcp.load(small, checkpoint_id=path)
+    settle(optimizer)
+    try:
+        model_sd: dict[str, Any] = get_model_state_dict(model)
+        model_shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
+        check_compatible(held, optimizer, model_shapes, saved_shapes, groups)
+        # Phase 2: the tensors. The model loads in place; the optimizer into fresh
+        # tensors that load_state_dict then copies into its stacked buffers.
+        targets = state_targets(optimizer, held)
+        with _quiet_single_process():
+            dcp.load({"model": model_sd, "optim": {"state": targets}}, checkpoint_id=path)
+        set_model_state_dict(model, model_sd)
+        load_into_optimizer(optimizer, held, targets, groups)
+    finally:
+        release(optimizer)
+    return dict(small.get("extra", {}))

@@ -1,0 +1,230 @@
+"""One file for people who do not use DCP: the whole state gathered to rank 0.
+
+:func:`full_state_dict` returns on rank 0 (``{}`` elsewhere) a plain dict of CPU
+tensors that ``torch.save`` writes to one file::
+
+    {"model": {fqn: tensor}, "optim": {"state": {fqn: {key: tensor}},
+     "param_groups": [...]}, "dmuon": "<json>"}
+
+every tensor whole: FSDP2 shards gathered, each owner's state sent to rank 0.
+:func:`load_full_state_dict` takes that dict on every rank of a job of any size
+(one process included) and gives each rank its part: the new owners their
+matrices' state, FSDP2 shards their rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from dmuon.integrations.checkpoint.compat import (
+    CheckpointMismatchError,
+    check_compatible,
+    load_into_optimizer,
+    saved_groups,
+)
+from dmuon.integrations.checkpoint.dcp import _describe
+from dmuon.integrations.checkpoint.holders import Holding, holdings, release, settle
+from dmuon.integrations.checkpoint.sharded_state import group_records, owner_steps
+from dmuon.optim import DMuon
+from dmuon.optim.engine.params import is_dtensor
+
+__all__ = ["full_state_dict", "load_full_state_dict"]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank0() -> bool:
+    return not _distributed() or dist.get_rank() == 0
+
+
+def _gather_owned(h: Holding, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The owner's whole tensor on global rank 0 (``None`` elsewhere)."""
+    group = h.group
+    me = dist.get_rank(group)
+    world: Any = dist.group.WORLD
+    first = dist.get_group_rank(group if group is not None else world, 0)  # global rank 0 here
+    if h.owner == first:
+        return value.detach().cpu().clone() if me == first else None
+    if me == h.owner:
+        dist.send(value.detach().contiguous(), group_dst=first, group=group)
+        return None
+    if me == first:
+        out = torch.empty(shape, dtype=value.dtype, device=value.device)
+        dist.recv(out, group_src=h.owner, group=group)
+        return out.cpu()
+    return None
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
+    """The whole model and optimizer state as one plain dict on rank 0 (collective).
+
+    Call it on every rank; rank 0 gets the dict (CPU tensors, ``torch.save``-able),
+    the others ``{}``. Optimizer state is keyed by fully-qualified parameter name.
+
+    Args:
+        model: the model the optimizer was built on (FSDP2-sharded or plain).
+        optimizer: the :class:`~dmuon.optim.DMuon`.
+
+    Returns:
+        ``{"model": ..., "optim": {"state": ..., "param_groups": ...}, "dmuon": ...}``
+        on rank 0, ``{}`` on the other ranks.
+
+    Raises:
+        TypeError: ``optimizer`` is not a DMuon.
+        ValueError: a parameter of the optimizer is not in ``model``, or mode ``sign``.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import DMuon, param_groups
+        >>> from dmuon.integrations.checkpoint import full_state_dict
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> sd = full_state_dict(model, DMuon(param_groups(model)))
+        >>> sorted(sd)
+        ['dmuon', 'model', 'optim']
+        >>> momentum = sd["optim"].get("state").get("0.weight").get("momentum_buffer")
+        >>> tuple(momentum.shape)
+        (8, 4)
+    """
+    held = holdings(model, optimizer)
+    settle(optimizer)
+    try:
+        model_sd: dict[str, Any] = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        steps = owner_steps(optimizer, [h for h in held if h.owner is not None])
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        from dmuon.integrations.checkpoint.compat import expected_state_shapes
+
+        for h in held:
+            current = optimizer.state[h.param]
+            shapes = expected_state_shapes(h, optimizer.param_groups[h.group_index])
+            entry: dict[str, torch.Tensor] = {}
+            for key, value in current.items():
+                full: torch.Tensor | None
+                if key == "step" and h.owner is not None:
+                    full = steps[h.fqn].cpu().clone()
+                elif h.owner is not None:
+                    full = _gather_owned(h, value, shapes[key])
+                elif is_dtensor(value):
+                    full = value.full_tensor().cpu()
+                else:
+                    full = value.detach().cpu().clone()
+                if full is not None:
+                    entry[key] = full
+            state[h.fqn] = entry
+    finally:
+        release(optimizer)
+    if not _rank0():
+        return {}
+    return {
+        # On a CPU, DSD hands back plain parameters themselves: copy them, so the
+        # dict does not follow the training that goes on.
+        "model": {k: v.detach().clone() for k, v in model_sd.items()},
+        "optim": {"state": state, "param_groups": group_records(optimizer, held)},
+        "dmuon": _describe(optimizer),
+    }
+
+
+def _flat_shapes(sd: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]:
+    out: dict[str, tuple[int, ...] | None] = {}
+    for fqn, t in (sd.get("model") or {}).items():
+        out[f"model.{fqn}"] = tuple(t.shape) if isinstance(t, torch.Tensor) else None
+    for fqn, entry in ((sd.get("optim") or {}).get("state") or {}).items():
+        for key, t in entry.items():
+            out[f"optim.state.{fqn}.{key}"] = (
+                tuple(t.shape) if isinstance(t, torch.Tensor) else None
+            )
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, optimizer: DMuon, state_dict: Mapping[str, Any]) -> None:
+    """Load a :func:`full_state_dict` into ``model`` and ``optimizer``, at any world size.
+
+    Call it on every rank with the same dict (e.g. ``torch.load(path, mmap=True)``
+    on each); each rank keeps its part. Everything is checked before anything
+    changes.
+
+    Args:
+        model: the model, built as for the saved run (``dedicate`` / ``fully_shard``
+            applied as for a fresh start).
+        optimizer: a :class:`~dmuon.optim.DMuon` with the same groups and rules.
+        state_dict: what :func:`full_state_dict` returned on rank 0.
+
+    Raises:
+        CheckpointMismatchError: a missing key, a shape that differs, a group with
+            another rule or other parameters (nothing is changed).
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import DMuon, param_groups
+        >>> from dmuon.integrations.checkpoint import full_state_dict, load_full_state_dict
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> opt = DMuon(param_groups(model))
+        >>> sd = full_state_dict(model, opt)
+        >>> load_full_state_dict(model, opt, sd)
+    """
+    if (
+        not isinstance(state_dict, Mapping)
+        or "model" not in state_dict
+        or "optim" not in state_dict
+    ):
+        keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+        raise CheckpointMismatchError(
+            [f"state_dict must have 'model' and 'optim' (what full_state_dict returns), got {keys}"]
+        )
+    held = holdings(model, optimizer)
+    groups = saved_groups(state_dict["optim"])
+    settle(optimizer)
+    try:
+        local: dict[str, Any] = get_model_state_dict(model)
+        check_compatible(
+            held,
+            optimizer,
+            {k: tuple(v.shape) for k, v in local.items()},
+            _flat_shapes(state_dict),
+            groups,
+        )
+        set_model_state_dict(
+            model, dict(state_dict["model"]), options=StateDictOptions(full_state_dict=True)
+        )
+        saved = state_dict["optim"]["state"]
+        values: dict[str, dict[str, torch.Tensor]] = {}
+        for h in held:
+            current = optimizer.state[h.param]
+            entry: dict[str, torch.Tensor] = {}
+            for key, value in current.items():
+                full = saved[h.fqn][key]
+                if key == "step":
+                    entry[key] = full.clone()
+                elif h.owner is not None:
+                    if h.held_here():
+                        entry[key] = full.to(value.device).clone()
+                elif is_dtensor(value):
+                    from torch.distributed.tensor import distribute_tensor
+
+                    entry[key] = distribute_tensor(
+                        full.to(value.device),
+                        value.device_mesh,
+                        value.placements,
+                        src_data_rank=None,  # every rank has the whole: slice, no traffic
+                    )
+                else:
+                    entry[key] = full.to(value.device).clone()
+            values[h.fqn] = entry
+        load_into_optimizer(optimizer, held, values, groups)
+    finally:
+        release(optimizer)

@@ -1,0 +1,164 @@
+"""Who holds which optimizer state: the facts both checkpoint formats are built on.
+
+In the owner-like modes (``owner``, ``replicated``, ``sharded``) a matrix's
+optimizer state lives whole on its owner rank; the other ranks hold placeholders
+(empty tensors under the same keys) and a ``step`` counter they never advance.
+Every other parameter's state is held by every rank: the same values (all-reduced
+scalars, one process) or FSDP2's ``Shard(0)`` DTensors. A checkpoint has to save
+each owner-held tensor once, from its owner, and give it to the *new* owner when
+it is loaded, possibly at another world size with another plan.
+
+Parameters are named by their fully-qualified name in the model (what
+``model.named_parameters()`` says; a ``DistributedDataParallel`` wrapper's
+``module.`` prefix is dropped), the names ``torch.distributed.checkpoint.state_dict``
+uses, so the names survive any change of world size, mode or wrapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmuon.optim import DMuon
+from dmuon.optim.engine import exchange_of
+
+__all__ = ["Holding", "holdings", "model_fqns", "release", "settle"]
+
+
+@dataclass(frozen=True, eq=False)
+class Holding:
+    """One parameter of the optimizer, as a checkpoint sees it.
+
+    Attributes:
+        fqn: the parameter's fully-qualified name in the model.
+        param: the parameter.
+        group_index: its param group.
+        owner: the rank (in :attr:`group`) that holds its state whole, or ``None``
+            when every rank holds its own copy (plain or a DTensor shard).
+        group: the process group :attr:`owner` counts in (``None``: the world or no
+            process group).
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import DMuon, param_groups
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        >>> opt = DMuon(param_groups(model))
+        >>> first = holdings(model, opt)[0]
+        >>> first.fqn, first.owner
+        ('0.weight', None)
+    """
+
+    fqn: str
+    param: torch.Tensor
+    group_index: int
+    owner: int | None
+    group: Any = None
+
+    def held_here(self) -> bool:
+        """Whether this rank holds the whole state (always, when nobody owns it)."""
+        return self.owner is None or self.owner == _rank(self.group)
+
+
+def _rank(group: Any) -> int:
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def model_fqns(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) → fully-qualified name`` (a tied weight: its first name)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
+    """Every parameter of ``optimizer``, in group order, with who holds its state.
+
+    Raises:
+        TypeError: ``optimizer`` is not a :class:`~dmuon.optim.DMuon`.
+        ValueError: a parameter of the optimizer that is not in ``model``, a mode
+            whose state cannot be checkpointed once (``sign``: every rank's momentum
+            is its own), or HSDP owner mode.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import DMuon, param_groups
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> tuple(h.fqn for h in holdings(model, DMuon(param_groups(model))))
+        ('0.weight', '1.weight', '0.bias', '1.bias')
+    """
+    if not isinstance(optimizer, DMuon):
+        raise TypeError(
+            f"optimizer must be a dmuon.optim.DMuon, got {type(optimizer).__name__}; for "
+            "other optimizers use torch.distributed.checkpoint.state_dict directly"
+        )
+    engine = optimizer.engine
+    if engine.mode == "sign":
+        raise ValueError(
+            "mode='sign' keeps a different momentum on every rank (Sign-Muon votes on "
+            "local momenta), so there is no single optimizer state to save or reshard; "
+            "checkpoint the model only, or train in mode='owner'/'replicated'/'sharded'"
+        )
+    exchange: Any = getattr(engine, "exchange", None)
+    if exchange is not None and exchange.replicate_group is not None:
+        raise ValueError(
+            "checkpointing HSDP owner mode (a 2-D mesh) is not supported yet: each "
+            "owner slot spans a replicate group; checkpoint a 1-D FSDP2 or DDP run"
+        )
+    names = model_fqns(model)
+    out: list[Holding] = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            fqn = names.get(id(p))
+            if fqn is None:
+                raise ValueError(
+                    f"parameter {i} of param group {gi} (shape {tuple(p.shape)}) is not a "
+                    "parameter of the model given; pass the model the optimizer was built on "
+                    "(after fully_shard, if FSDP2 is used)"
+                )
+            owner: int | None = None
+            if exchange is not None:
+                dedicated = exchange_of(p)
+                if dedicated is not None and dedicated is exchange:
+                    name = dedicated.name_of(p)
+                    owner = dedicated.owner(name) if name is not None else None
+                out.append(Holding(fqn, p, gi, owner, exchange.group))
+                continue
+            owner_of = getattr(engine, "owner_of", None)
+            if owner_of is not None and engine.world_size > 1:
+                owner = owner_of(p)
+            out.append(Holding(fqn, p, gi, owner, getattr(engine, "group", None)))
+    seen: dict[str, int] = {}
+    for h in out:
+        if h.fqn in seen:
+            raise ValueError(
+                f"parameter {h.fqn!r} is in param groups {seen[h.fqn]} and {h.group_index}"
+            )
+        seen[h.fqn] = h.group_index
+    return out
+
+
+def settle(optimizer: DMuon) -> None:
+    """Wait for the owners' last published weights (owner mode), so every rank's
+    parameters are current before they are read or overwritten.
+
+    Under ``reshard_after_forward`` this materialises every layer; call
+    :func:`release` after.
+    """
+    exchange = getattr(optimizer.engine, "exchange", None)
+    if exchange is not None:
+        exchange.wait_all_published()
+
+
+def release(optimizer: DMuon) -> None:
+    """Undo :func:`settle`'s materialisation under ``reshard_after_forward``."""
+    exchange = getattr(optimizer.engine, "exchange", None)
+    if exchange is not None and exchange.reshard_after_forward:
+        exchange.release_all()

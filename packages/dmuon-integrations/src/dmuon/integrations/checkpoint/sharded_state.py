@@ -1,0 +1,171 @@
+"""DMuon's optimizer state in the form ``torch.distributed.checkpoint`` saves and reshards.
+
+:func:`optimizer_state_dict` returns, on every rank, the structure of
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``::
+
+    {"state": {fqn: {"step": tensor, "momentum_buffer": tensor, ...}},
+     "param_groups": [{"lr": ..., "algorithm": "muon", ..., "params": [fqn, ...]}]}
+
+with the same keys on every rank (DCP plans the save collectively). A tensor an
+owner holds whole is scattered from the owner into a ``Shard(0)`` DTensor over the
+owners' group (``distribute_tensor(..., src_data_rank=owner)``): each rank
+contributes its rows, so the tensor is written once, in pieces, with no rank
+holding a second full copy, and DCP records it as one global tensor that any world
+size can read back. Its ``step`` counter, advanced only by the owner, is made
+the owner's on every rank by one small all-reduce. FSDP2's sharded state is
+already a DTensor; state every rank holds alike (all-reduced scalar parameters)
+stays a plain tensor, which DCP writes once.
+
+:func:`state_targets` gives the tensors a rank loads into: a parameter's owner
+under the *new* plan reads the whole tensor directly (DCP reads the rows it needs
+from every saved piece), the other ranks read nothing for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmuon.integrations.checkpoint.compat import expected_state_shapes
+from dmuon.integrations.checkpoint.holders import Holding, holdings
+from dmuon.optim import DMuon
+
+__all__ = ["group_records", "optimizer_state_dict", "state_targets", "state_to_save"]
+
+
+def _mesh(group: Any, device: torch.device) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world: Any = dist.group.WORLD
+    return DeviceMesh.from_group(group if group is not None else world, device.type)
+
+
+def group_records(optimizer: DMuon, held: Sequence[Holding]) -> list[dict[str, Any]]:
+    """The param groups with their hyperparameters and ``params`` as FQN lists."""
+    names: dict[int, list[str]] = {}
+    for h in held:
+        names.setdefault(h.group_index, []).append(h.fqn)
+    out = []
+    for gi, g in enumerate(optimizer.param_groups):
+        record = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+        record["params"] = names.get(gi, [])
+        out.append(record)
+    return out
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
+    """DMuon's state in the FQN-keyed, rank-symmetric form DCP saves (see the module).
+
+    Collective: call it on every rank. :func:`dmuon.integrations.checkpoint.save`
+    uses it; call it yourself to save the optimizer with your own DCP state dict.
+
+    Args:
+        model: the model the optimizer was built on.
+        optimizer: the :class:`~dmuon.optim.DMuon`.
+
+    Returns:
+        ``{"state": {fqn: {key: tensor}}, "param_groups": [...]}``, the same keys on
+        every rank.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import DMuon, param_groups
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> sd = optimizer_state_dict(model, DMuon(param_groups(model)))
+        >>> entry = sd["state"].get("0.weight")
+        >>> sorted(entry)
+        ['momentum_buffer', 'step']
+        >>> sd["param_groups"].pop(0).get("params")
+        ['0.weight', '1.weight']
+    """
+    return state_to_save(optimizer, holdings(model, optimizer))
+
+
+@torch.no_grad()
+def state_to_save(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, Any]:
+    """:func:`optimizer_state_dict` for known holdings (collective)."""
+    owned = [h for h in held if h.owner is not None]
+    steps = owner_steps(optimizer, owned)
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    meshes: dict[tuple[int, str], Any] = {}
+    for h in held:
+        current = optimizer.state[h.param]
+        if h.owner is None:
+            state[h.fqn] = dict(current)
+            continue
+        group = optimizer.param_groups[h.group_index]
+        shapes = expected_state_shapes(h, group)
+        entry: dict[str, torch.Tensor] = {"step": steps[h.fqn]}
+        for key, shape in shapes.items():
+            if key == "step":
+                continue
+            value = current[key]
+            full = (
+                value
+                if h.held_here()
+                else torch.empty(shape, dtype=value.dtype, device=value.device)
+            )
+            if len(shape) == 0:
+                dist.broadcast(full, group_src=h.owner, group=h.group)
+                entry[key] = full
+                continue
+            mk = (id(h.group), full.device.type)
+            if mk not in meshes:
+                meshes[mk] = _mesh(h.group, full.device)
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            entry[key] = distribute_tensor(full, meshes[mk], [Shard(0)], src_data_rank=h.owner)
+        state[h.fqn] = entry
+    return {"state": state, "param_groups": group_records(optimizer, held)}
+
+
+def owner_steps(optimizer: DMuon, owned: Sequence[Holding]) -> dict[str, torch.Tensor]:
+    """Each owned parameter's ``step`` as its owner counts it, on every rank."""
+    if not owned:
+        return {}
+    values = torch.stack(
+        [
+            optimizer.state[h.param]["step"].detach().to(torch.float64).reshape(())
+            if h.held_here()
+            else torch.zeros((), dtype=torch.float64)
+            for h in owned
+        ]
+    )
+    by_group: dict[int, list[int]] = {}
+    for i, h in enumerate(owned):
+        by_group.setdefault(id(h.group), []).append(i)
+    for indices in by_group.values():
+        part = values[indices].clone()
+        dist.all_reduce(part, group=owned[indices[0]].group)
+        values[indices] = part
+    return {
+        h.fqn: values[i].to(optimizer.state[h.param]["step"].dtype) for i, h in enumerate(owned)
+    }
+
+
+def state_targets(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, dict[str, torch.Tensor]]:
+    """Fresh tensors this rank loads optimizer state into (``fqn → key → tensor``).
+
+    An owned parameter's state is read whole by its owner and not at all by the
+    others (its ``step`` by every rank); any other state has the form it has here
+    (a DTensor reads its shard).
+    """
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for h in held:
+        current = optimizer.state[h.param]
+        if h.owner is None:
+            out[h.fqn] = {k: torch.empty_like(v) for k, v in current.items()}
+            continue
+        entry = {"step": torch.empty_like(current["step"])}
+        if h.held_here():
+            shapes = expected_state_shapes(h, optimizer.param_groups[h.group_index])
+            for key, shape in shapes.items():
+                if key != "step":
+                    v = current[key]
+                    entry[key] = torch.empty(shape, dtype=v.dtype, device=v.device)
+        out[h.fqn] = entry
+    return out

@@ -1,0 +1,125 @@
+"""A DCP checkpoint written at 4 ranks resumes at 2 ranks and in one process.
+
+The same small GPT (tests-integration/distributed_cases.py) trains 5 steps at 4
+ranks, in owner mode under FSDP2 (matrices dedicated, ``fully_shard`` for the
+rest), as a DDP replacement (owner mode, scalars all-reduced) and in sharded mode
+(stock FSDP2, DTensor state); each run saves a DCP checkpoint after step 2 and goes
+on, so its final parameters are the uninterrupted run. The checkpoint is then
+loaded at 2 ranks (same mode, a new owner plan) and into a plain one-process
+DMuon (mode ``single``), and 3 more steps are trained on the same global batches.
+
+Tolerance 1e-5 (fp32 Newton–Schulz), as in test_modes_equal_single.py: across
+world sizes the runs differ only in the order of the gradient sums (each rank
+averages a different share of the global batch), ~1e-7 relative per step. A run
+that restores the weights but not the optimizer state misses by far more (checked).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from distributed_cases import OPT, TOLERANCE, batch, full_params, loss_of, max_diff, setup
+
+from dmuon.comm.testing import run_on_ranks
+from dmuon.integrations import checkpoint
+from dmuon.optim import DMuon, param_groups
+
+NAME = "gpt"
+SAVE_AT = 2
+TOTAL = 5
+MODES = ["owner_fsdp", "owner_ddp", "sharded"]
+
+
+def train(forward, opt, rank, world, start, stop):
+    for t in range(start, stop):
+        loss_of(NAME, forward, *batch(NAME, t, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def run_save(rank, world, root):
+    """Train TOTAL steps, saving after SAVE_AT; the final weights and what the ranks saved."""
+    out = {}
+    for mode in MODES:
+        model, forward, opt, ded = setup(mode, NAME, world)
+        train(forward, opt, rank, world, 0, SAVE_AT)
+        keys = sorted(
+            f"{fqn}.{k}"
+            for fqn, st in checkpoint.optimizer_state_dict(model, opt)["state"].items()
+            for k in st
+        )
+        checkpoint.save(os.path.join(root, mode), model, opt, extra={"step": SAVE_AT})
+        train(forward, opt, rank, world, SAVE_AT, TOTAL)
+        if ded is not None:
+            ded.wait()
+        out[mode] = {"params": full_params(model), "keys": keys}
+        dist.barrier()
+    return out
+
+
+def run_resume(rank, world, root):
+    """Load each mode's checkpoint at this world size and train to TOTAL."""
+    out = {}
+    for mode in MODES:
+        model, forward, opt, ded = setup(mode, NAME, world)
+        extra = checkpoint.load(os.path.join(root, mode), model, opt)
+        train(forward, opt, rank, world, extra["step"], TOTAL)
+        if ded is not None:
+            ded.wait()
+        out[mode] = full_params(model)
+        dist.barrier()
+    return out
+
+
+def single_resume(path, load_optimizer=True):
+    torch.manual_seed(0)
+    model, forward, opt, _ = setup("single", NAME, 1)
+    if load_optimizer:
+        extra = checkpoint.load(path, model, opt)
+    else:  # only the weights: a fresh optimizer (the non-vacuity check)
+        extra = checkpoint.load(path, model, DMuon(param_groups(model), **OPT))
+        opt = DMuon(param_groups(model), **OPT)
+    train(forward, opt, 0, 1, extra["step"], TOTAL)
+    return full_params(model)
+
+
+def test_dcp_checkpoint_at_4_ranks_resumes_at_2_and_at_1(tmp_path):
+    root = str(tmp_path)
+    saved = run_on_ranks(run_save, 4, args=(root,), timeout=300)
+    for mode in MODES:
+        for rank in range(4):  # rank-symmetric keys: every rank names every entry
+            assert saved[rank][mode]["keys"] == saved[0][mode]["keys"], mode
+    _assert_owner_state_saved_once(os.path.join(root, "owner_fsdp"))
+    resumed = run_on_ranks(run_resume, 2, args=(root,), timeout=300)
+    for mode in MODES:
+        expected = saved[0][mode]["params"]
+        for rank in range(2):
+            diff, where = max_diff(resumed[rank][mode], expected)
+            assert diff <= TOLERANCE, f"{mode} at 2 ranks, rank {rank}: {where} off by {diff:.2e}"
+        single = single_resume(os.path.join(root, mode))
+        diff, where = max_diff(single, expected)
+        assert diff <= TOLERANCE, f"{mode} in one process: {where} off by {diff:.2e}"
+    weights_only = single_resume(os.path.join(root, "owner_fsdp"), load_optimizer=False)
+    miss, _ = max_diff(weights_only, saved[0]["owner_fsdp"]["params"])
+    assert miss > 100 * TOLERANCE, "the optimizer state made no difference: the test proves nothing"
+
+
+def _assert_owner_state_saved_once(path):
+    """Each owner-held momentum is stored once: its pieces cover it exactly."""
+    import math
+
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    momenta = [
+        k for k in md if k.startswith("optim.state.blocks.") and k.endswith("momentum_buffer")
+    ]
+    assert momenta, sorted(md)[:20]
+    for key in momenta:
+        chunks = md[key].chunks
+        stored = sum(math.prod(c.sizes) for c in chunks)
+        assert stored == math.prod(md[key].size), (
+            f"{key}: {stored} elements stored for {md[key].size}"
+        )
