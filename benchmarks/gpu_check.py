@@ -717,9 +717,11 @@ def run_check(args, device, timer, full_plan, plan, deadline, result) -> None:
     )
     print(f"    {result['tests']['status']}", flush=True)
 
-    result["gemm_flops"] = {
-        d: gemm_rate(d, device, timer, args.dry_run) for d in ("float16", "bfloat16")
-    }
+    from dmuon.kernels import default_compute_dtype
+
+    # the ceiling in each dtype the NS calls run in (fp16/bf16 on CUDA; the CPU's default)
+    ns_dtypes = {str(default_compute_dtype(device, m)).split(".")[-1] for m in ("gram", "standard")}
+    result["gemm_flops"] = {d: gemm_rate(d, device, timer, args.dry_run) for d in sorted(ns_dtypes)}
     print(f"2/3 symmetric kernels: {len(plan['kernels'])} cases ...", flush=True)
     result["kernels"], result["skipped"] = [], []
     for i, case in enumerate(plan["kernels"], 1):

@@ -31,7 +31,7 @@ from dmuon.kernels.coefficients import (
     get_coefficients,
     ns_scalar_map,
 )
-from dmuon.kernels.compute_dtype import default_compute_dtype
+from dmuon.kernels.compute_dtype import cpu_has_native_bf16, default_compute_dtype
 from dmuon.kernels.cuda_graphs import (
     NSGraphCache,
     cuda_graphs_enabled,
@@ -68,6 +68,7 @@ __all__ = [
     "__version__",
     "autotune_cache_dir",
     "clear_autotune_cache",
+    "cpu_has_native_bf16",
     "cross_check_error",
     "cuda_event_timer",
     "cuda_graphs_enabled",
