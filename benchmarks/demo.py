@@ -69,7 +69,7 @@ class Size:
 
 SIZES = {
     "tiny": Size(n_layer=2, d_model=32, n_head=2, seq_len=32, global_batch=8, steps=6),
-    "small": Size(n_layer=2, d_model=128, n_head=4, seq_len=64, global_batch=16, steps=150),
+    "small": Size(n_layer=2, d_model=128, n_head=4, seq_len=64, global_batch=16, steps=80),
 }
 # Learning rates (the peak of a warm-up + cosine schedule). DMuon's matrices use the
 # RMS-matched convention (update RMS 0.2·lr, AdamW's scale); its embeddings, head

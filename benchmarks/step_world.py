@@ -55,6 +55,9 @@ SETUPS = (
     "sharded",
     "sign",
 )
+# torch.optim.Muon runs Newton–Schulz in bf16, which on a CPU without AVX-512-BF16/AMX
+# takes ~40× the fp32 time (minutes per step here): opt in with --setups.
+DEFAULT_SETUPS = tuple(s for s in SETUPS if s != "torch_muon_ddp")
 LABELS = {
     "adamw_ddp": "AdamW, DDP",
     "adamw_fsdp": "AdamW, FSDP2",
