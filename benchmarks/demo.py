@@ -266,9 +266,10 @@ def print_table(result: dict[str, Any]) -> None:
     )
     console.print(table)
     d, a = runs["dmuon"], runs["adamw"]
+    gap = a["final_val_loss"] - d["final_val_loss"]
     console.print(
-        f"DMuon's final validation loss is {a['final_val_loss'] - d['final_val_loss']:+.3f} "
-        f"nats/byte below AdamW's; its step takes "
+        f"DMuon's final validation loss is {abs(gap):.3f} nats/byte "
+        f"{'below' if gap >= 0 else 'above'} AdamW's; its step takes "
         f"{d['median_step_seconds'] / a['median_step_seconds']:.2f}× AdamW's "
         "(median over steps, slowest rank)."
     )

@@ -326,6 +326,8 @@ def main_world(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"--setups: unknown {unknown}; choose from {list(step_world.SETUPS)}")
     cfg = step_world.QUICK if args.quick else step_world.WorldConfig()
+    if args.batch_per_rank is not None:
+        cfg = dataclasses.replace(cfg, batch_per_rank=args.batch_per_rank)
     steps = args.steps or (3 if args.quick else 6)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     result = step_world.run_world(
@@ -344,6 +346,8 @@ def main_world(args: argparse.Namespace) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"step-world{args.world}-{args.device}" + ("-quick" if args.quick else "")
+    if args.batch_per_rank is not None:
+        stem += f"-b{args.batch_per_rank}"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     step_world.plot(result, args.out / f"{stem}.png")
     step_world.print_table(result)
@@ -371,7 +375,13 @@ def main(argv: list[str] | None = None) -> int:
         help="--world: the setups to run (default: all but torch_muon_ddp, whose bf16 "
         "Newton–Schulz takes minutes per step on a CPU without bf16 matmul units)",
     )
-    p.add_argument("--steps", type=int, default=None, help="--world: timed steps (default 8)")
+    p.add_argument("--steps", type=int, default=None, help="--world: timed steps (default 6)")
+    p.add_argument(
+        "--batch-per-rank",
+        type=int,
+        default=None,
+        help="--world: sequences per rank (default 4; more tokens shrink the optimizer's share)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="--world: seconds for the run")
     args = p.parse_args(argv)
     if args.world is not None:

@@ -436,7 +436,7 @@ def plot(result: dict[str, Any], path: Any) -> None:
         f"{cfg['batch_per_rank']}×{cfg['seq_len']} tokens/rank",
         fontsize=9,
     )
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
