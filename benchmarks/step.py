@@ -11,16 +11,23 @@ alone is timed (median of interleaved rounds). Reported:
   The gain comes from stacking same-shape matrices into one batched call and
   from Gram Newton–Schulz on rectangular matrices.
 
-``--world N`` (the distributed step of the engine: forward, backward,
-communication wait and optimizer per mode) comes with the distributed engine;
-today it stops with an error instead of printing numbers it did not measure.
+``--world N``: the whole training step of the byte-level GPT on N ranks (gloo
+on CPU, one thread per rank; NCCL on N GPUs), split into forward, backward,
+communication wait and optimizer, for AdamW (DDP, FSDP2), vanilla distributed
+Muon and DMuon in each execution mode (``benchmarks/step_world.py``), with
+ratios to AdamW and to vanilla Muon and the targets of issue 6 (DMuon
+optimizer step ≤ 0.55× vanilla's; DMuon step ≤ 1.15× AdamW's where vanilla's
+is ≥ 1.5×; plan imbalance ≤ 5%).
 
-Writes ``benchmarks/results/step-single-<device>[-quick].json`` and ``.png`` and
-prints a table. Nothing here asserts on time.
+Writes ``benchmarks/results/step-single-<device>[-quick].json`` (or
+``step-world<N>-<device>[-quick].json``) and ``.png`` and prints a table.
+Nothing here asserts on time.
 
     python benchmarks/step.py --single            # full run on the default device
     python benchmarks/step.py --single --quick    # a smaller, faster subset
     python benchmarks/step.py --single --threads 1   # steadier on a shared machine (-1thread files)
+    python benchmarks/step.py --world 2           # 2 ranks: every setup, phases per step
+    python benchmarks/step.py --world 4 --quick   # a small model, a few steps
 
 The load average before and after is stored with the results: on a shared
 machine, compare ratios, not milliseconds.
@@ -305,12 +312,55 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def main_world(args: argparse.Namespace) -> int:
+    """``--world N``: the distributed training step (see ``benchmarks/step_world.py``)."""
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # run as a script: make `benchmarks.*` importable
+        sys.path.insert(0, root)
+    from benchmarks import step_world
+
+    if args.world < 1:
+        raise SystemExit(f"--world must be ≥ 1, got {args.world}")
+    setups = args.setups or list(step_world.DEFAULT_SETUPS)
+    unknown = sorted(set(setups) - set(step_world.SETUPS))
+    if unknown:
+        raise SystemExit(f"--setups: unknown {unknown}; choose from {list(step_world.SETUPS)}")
+    cfg = step_world.QUICK if args.quick else step_world.WorldConfig()
+    if args.batch_per_rank is not None:
+        cfg = dataclasses.replace(cfg, batch_per_rank=args.batch_per_rank)
+    steps = args.steps or (3 if args.quick else 6)
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    result = step_world.run_world(
+        args.world,
+        setups=setups,
+        cfg=cfg,
+        steps=steps,
+        warmup=1,
+        device=args.device,
+        timeout=args.timeout,
+    )
+    result["meta"] = machine_info(args.device)
+    result["meta"]["load_average_1min"] = {
+        "before": load_before,
+        "after": result.pop("load_average_1min"),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"step-world{args.world}-{args.device}" + ("-quick" if args.quick else "")
+    if args.batch_per_rank is not None:
+        stem += f"-b{args.batch_per_rank}"
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    step_world.plot(result, args.out / f"{stem}.png")
+    step_world.print_table(result)
+    print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--single", action="store_true", help="one process: optimizer step only")
     mode.add_argument(
-        "--world", type=int, metavar="N", help="N ranks (comes with the distributed engine)"
+        "--world", type=int, metavar="N", help="N ranks: the whole training step per mode"
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="smaller models, shorter runs")
@@ -318,15 +368,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--rules", nargs="*", default=sorted(RULES), help="DMuon rules to time")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    p.add_argument(
+        "--setups",
+        nargs="*",
+        default=None,
+        help="--world: the setups to run (default: all but torch_muon_ddp, whose bf16 "
+        "Newton–Schulz takes minutes per step on a CPU without bf16 matmul units)",
+    )
+    p.add_argument("--steps", type=int, default=None, help="--world: timed steps (default 6)")
+    p.add_argument(
+        "--batch-per-rank",
+        type=int,
+        default=None,
+        help="--world: sequences per rank (default 4; more tokens shrink the optimizer's share)",
+    )
+    p.add_argument("--timeout", type=float, default=1800.0, help="--world: seconds for the run")
     args = p.parse_args(argv)
     if args.world is not None:
-        print(
-            "benchmarks/step.py --world N: the distributed step (owner, replicated, sharded and "
-            "sign modes) is not implemented yet — it arrives with the distributed engine. "
-            "Use --single.",
-            file=sys.stderr,
-        )
-        return 2
+        return main_world(args)
     if args.quick:
         args.rounds = min(args.rounds, 3)
     if args.threads is not None:

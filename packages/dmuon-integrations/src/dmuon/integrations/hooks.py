@@ -35,7 +35,7 @@ def module_of_layer(model: nn.Module, key: str) -> nn.Module:
     ``"blocks.3"`` → ``model.blocks[3]``; a key that names no module (a parameter
     held by the root) falls back to ``model`` itself.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
         >>> module_of_layer(model, "1.0") is model[1][0], module_of_layer(model, "w") is model

@@ -1,0 +1,442 @@
+"""The distributed training step on N ranks, split into phases, for every mode.
+
+``python benchmarks/step.py --world N`` runs this. The byte-level GPT of
+``benchmarks/common`` takes training steps (forward, backward, optimizer) on N
+gloo ranks on a CPU (one thread each), or on N GPUs with NCCL when CUDA offers
+that many, under each of these setups (all in the same processes, interleaved
+step by step so that background load hits every setup alike):
+
+=================== ==========================================================
+``adamw_ddp``       ``torch.optim.AdamW`` (foreach) under stock DDP
+``adamw_fsdp``      ``torch.optim.AdamW`` under FSDP2 (``fully_shard`` per block)
+``muon_vanilla``    the paper's baseline: DDP all-reduces every gradient, then
+                    every rank orthogonalises every matrix (DMuon ``mode="single"``
+                    — the same kernels, so only the distribution differs)
+``torch_muon_ddp``  the same baseline with ``torch.optim.Muon`` (standard NS,
+                    Keller's coefficients) and AdamW for the other parameters
+``owner_fsdp``      DMuon owner mode: ``fsdp.dedicate`` + ``fully_shard(ignored_params)``
+``owner_ddp``       DMuon owner mode replacing DDP: ``ddp.dedicate``
+``replicated``      DMuon ``mode="replicated"`` under stock DDP
+``sharded``         DMuon sharded mode under stock FSDP2 (DTensor matrices)
+``sign``            Sign-Muon, ``mode="sign"``: local gradients, packed vote
+=================== ==========================================================
+
+Phases per step (host wall-clock; on a GPU each phase ends with a synchronize):
+``forward`` (loss computed; includes FSDP2's all-gathers and, in owner mode, the
+wait for the owners' broadcasts of the last step), ``backward`` (includes DDP's
+and FSDP2's gradient reductions, which they overlap and wait for inside
+backward), ``optimizer`` (``opt.step()``) and, inside it, ``comm_wait`` — the
+engine's :class:`~dmuon.optim.StepReport` phase: waiting for the reductions to
+owners, all-to-alls or votes. The step time of a setup is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common.data import BatchSampler
+from benchmarks.common.model import GPT, GPTConfig
+
+SETUPS = (
+    "adamw_ddp",
+    "adamw_fsdp",
+    "muon_vanilla",
+    "torch_muon_ddp",
+    "owner_fsdp",
+    "owner_ddp",
+    "replicated",
+    "sharded",
+    "sign",
+)
+# torch.optim.Muon runs Newton–Schulz in bf16, which on a CPU without AVX-512-BF16/AMX
+# takes ~40× the fp32 time (minutes per step here): opt in with --setups.
+DEFAULT_SETUPS = tuple(s for s in SETUPS if s != "torch_muon_ddp")
+LABELS = {
+    "adamw_ddp": "AdamW, DDP",
+    "adamw_fsdp": "AdamW, FSDP2",
+    "muon_vanilla": "vanilla Muon (DDP, every rank NS)",
+    "torch_muon_ddp": "torch.optim.Muon, DDP",
+    "owner_fsdp": "DMuon owner + FSDP2",
+    "owner_ddp": "DMuon owner, DDP replacement",
+    "replicated": "DMuon replicated + DDP",
+    "sharded": "DMuon sharded + FSDP2",
+    "sign": "DMuon Sign-Muon (sign)",
+}
+PHASES = ("forward", "backward", "optimizer", "comm_wait")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldConfig:
+    """Model and batch of the distributed step benchmark.
+
+    The default is a configuration where Newton–Schulz dominates a vanilla Muon
+    step (wide matrices, few tokens per rank) — the regime DMuon is for.
+    """
+
+    n_layer: int = 4
+    d_model: int = 384
+    n_head: int = 6
+    seq_len: int = 64
+    batch_per_rank: int = 4
+    # fp32 Newton–Schulz on CPU: bf16 matmul is only fast with AVX-512-BF16/AMX; on a
+    # CPU without them (e.g. the 2-core machine of the committed figures) a bf16
+    # matmul is ~40× slower than fp32. None: the library's per-device default.
+    ns_compute_dtype: str | None = "float32"
+
+    def gpt(self) -> GPTConfig:
+        return GPTConfig(
+            n_layer=self.n_layer,
+            d_model=self.d_model,
+            n_head=self.n_head,
+            seq_len=self.seq_len,
+            seed=0,
+        )
+
+
+QUICK = WorldConfig(n_layer=2, d_model=128, n_head=4, seq_len=32, batch_per_rank=2)
+
+
+def build(setup: str, cfg: WorldConfig, device: torch.device) -> tuple[Any, Any, Any]:
+    """``(module to call, optimizer, dedication or None)`` for one setup on this rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dmuon.integrations import ddp, fsdp
+    from dmuon.optim import DMuon, param_groups
+
+    model = GPT(cfg.gpt()).to(device)
+    world = dist.get_world_size()
+    kw: dict[str, Any] = dict(lr=1e-3, weight_decay=0.1)
+    if cfg.ns_compute_dtype is not None and device.type == "cpu":
+        kw["ns_compute_dtype"] = cfg.ns_compute_dtype
+    ded = None
+    forward: Any = model
+    if setup in ("adamw_fsdp", "owner_fsdp", "sharded"):
+        mesh = init_device_mesh(device.type, (world,))
+        ignored = None
+        if setup == "owner_fsdp":
+            ded = fsdp.dedicate(model, mesh)
+            ignored = ded.params
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, ignored_params=ignored)
+    elif setup in ("adamw_ddp", "muon_vanilla", "torch_muon_ddp", "replicated"):
+        forward = DDP(model)
+    elif setup == "owner_ddp":
+        ded = ddp.dedicate(model)
+    elif setup != "sign":
+        raise ValueError(f"unknown setup {setup!r}; expected one of {SETUPS}")
+    if setup.startswith("adamw"):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+    elif setup == "torch_muon_ddp":
+        from benchmarks.common.optimizers import build_optimizer
+
+        opt = build_optimizer("torch_muon", model, lr=1e-3, scalar_lr=1e-3)
+    elif setup == "muon_vanilla":
+        opt = DMuon(param_groups(model), mode="single", **kw)
+    elif setup == "replicated":
+        opt = DMuon(param_groups(model), mode="replicated", **kw)
+    elif setup == "sign":
+        opt = DMuon(param_groups(model), rule="sign_muon", mode="sign", **kw)
+    else:
+        opt = DMuon(param_groups(model), distributed=ded, **kw)
+    return forward, opt, ded
+
+
+def rank_main(
+    rank: int,
+    world: int,
+    setups: list[str],
+    cfg: WorldConfig,
+    steps: int,
+    warmup: int,
+    device_type: str,
+) -> dict[str, Any]:
+    """Inside each rank: build every setup, then time interleaved steps."""
+    device = torch.device(device_type, rank if device_type == "cuda" else None)
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+
+    def sync() -> None:
+        if device_type == "cuda":
+            torch.cuda.synchronize(device)
+
+    data = torch.randint(0, 256, (1 << 16,), generator=torch.Generator().manual_seed(0))
+    sampler = BatchSampler(data.to(torch.uint8), cfg.batch_per_rank * world, cfg.seq_len)
+    built = {s: build(s, cfg, device) for s in setups}
+    times: dict[str, dict[str, list[float]]] = {s: {p: [] for p in PHASES} for s in setups}
+    for t in range(warmup + steps):
+        x, y = sampler.batch(t, rank=rank, world_size=world, device=device)
+        for setup in setups:
+            forward, opt, _ = built[setup]
+            dist.barrier()
+            t0 = time.perf_counter()
+            logits = forward(x)
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            sync()
+            t1 = time.perf_counter()
+            loss.backward()
+            sync()
+            t2 = time.perf_counter()
+            opt.step()
+            sync()
+            t3 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            report = getattr(opt, "last_step", None)
+            if t >= warmup:
+                rec = times[setup]
+                rec["forward"].append(t1 - t0)
+                rec["backward"].append(t2 - t1)
+                rec["optimizer"].append(t3 - t2)
+                rec["comm_wait"].append(report.seconds.get("comm_wait", 0.0) if report else 0.0)
+    info: dict[str, Any] = {"times": times, "imbalance": {}, "matrices": {}}
+    for setup, (_, opt, ded) in built.items():
+        if ded is not None:
+            info["imbalance"][setup] = ded.plan.imbalance()
+            ded.wait()
+        report = getattr(opt, "last_step", None)
+        if report is not None:
+            info["matrices"][setup] = report.matrices
+    dist.barrier()
+    return info
+
+
+def aggregate(per_rank: list[dict[str, Any]], setups: list[str]) -> dict[str, Any]:
+    """Per setup and phase: the median over steps of the slowest rank's time."""
+    out: dict[str, Any] = {}
+    for setup in setups:
+        phases = {}
+        steps = len(per_rank[0]["times"][setup]["forward"])
+        totals = [
+            max(sum(r["times"][setup][p][i] for p in PHASES[:3]) for r in per_rank)
+            for i in range(steps)
+        ]
+        for p in PHASES:
+            phases[p] = statistics.median(
+                max(r["times"][setup][p][i] for r in per_rank) for i in range(steps)
+            )
+        out[setup] = {
+            "label": LABELS[setup],
+            "seconds": phases,
+            "total": statistics.median(totals),
+            "all_totals": totals,
+            "imbalance": per_rank[0]["imbalance"].get(setup),
+            "matrices_per_rank": [r["matrices"].get(setup) for r in per_rank],
+        }
+    return out
+
+
+def summarise(rows: dict[str, Any]) -> dict[str, Any]:
+    """Ratios to AdamW and to vanilla Muon, and the issue's targets (reported, never asserted)."""
+
+    def ratio(a: str, b: str, key: str = "total") -> float | None:
+        if a not in rows or b not in rows:
+            return None
+        num = rows[a]["total"] if key == "total" else rows[a]["seconds"][key]
+        den = rows[b]["total"] if key == "total" else rows[b]["seconds"][key]
+        return num / den if den > 0 else None
+
+    adamw = "adamw_fsdp" if "adamw_fsdp" in rows else "adamw_ddp"
+    for setup, row in rows.items():
+        row["over_adamw"] = ratio(setup, adamw)
+        row["over_adamw_same_stack"] = ratio(
+            setup, "adamw_fsdp" if "fsdp" in setup or setup == "sharded" else "adamw_ddp"
+        )
+        row["over_vanilla"] = ratio(setup, "muon_vanilla")
+        row["optimizer_over_vanilla"] = ratio(setup, "muon_vanilla", "optimizer")
+    targets = {
+        "optimizer_step_over_vanilla": {
+            "target": 0.55,
+            "owner_fsdp": ratio("owner_fsdp", "muon_vanilla", "optimizer"),
+            "owner_ddp": ratio("owner_ddp", "muon_vanilla", "optimizer"),
+            "owner_fsdp_over_torch_muon": ratio("owner_fsdp", "torch_muon_ddp", "optimizer"),
+        },
+        "vanilla_over_adamw_ddp": {
+            "needs_at_least": 1.5,
+            "value": ratio("muon_vanilla", "adamw_ddp"),
+        },
+        "end_to_end_over_adamw": {
+            "target": 1.15,
+            "owner_fsdp_over_adamw_fsdp": ratio("owner_fsdp", "adamw_fsdp"),
+            "owner_ddp_over_adamw_ddp": ratio("owner_ddp", "adamw_ddp"),
+        },
+        "plan_imbalance": {
+            "target": 0.05,
+            "value": next(
+                (r["imbalance"] for r in rows.values() if r["imbalance"] is not None), None
+            ),
+        },
+    }
+    return targets
+
+
+def run_world(
+    world: int,
+    *,
+    setups: list[str],
+    cfg: WorldConfig,
+    steps: int,
+    warmup: int,
+    device: str,
+    timeout: float,
+) -> dict[str, Any]:
+    """Launch the ranks (gloo on CPU, NCCL on GPUs) and aggregate their timings."""
+    from dmuon.comm.testing import run_on_ranks
+
+    if device == "cuda":
+        if torch.cuda.device_count() < world:
+            raise SystemExit(
+                f"--world {world} on cuda needs {world} GPUs, found {torch.cuda.device_count()}; "
+                "use --device cpu for gloo ranks"
+            )
+        per_rank = run_on_ranks(
+            rank_main,
+            world,
+            args=(setups, cfg, steps, warmup, device),
+            timeout=timeout,
+            backend="nccl",
+            start_method="spawn",
+        )
+    else:
+        per_rank = run_on_ranks(
+            rank_main,
+            world,
+            args=(setups, cfg, steps, warmup, device),
+            timeout=timeout,
+            threads_per_rank=1,
+        )
+    rows = aggregate(per_rank, setups)
+    return {
+        "world_size": world,
+        "backend": "nccl" if device == "cuda" else "gloo",
+        "config": dataclasses.asdict(cfg),
+        "parameters": GPT(cfg.gpt()).num_parameters(),
+        "steps": steps,
+        "warmup": warmup,
+        "rows": rows,
+        "targets": summarise(rows),
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=140)
+    cfg = result["config"]
+    table = Table(
+        title=(
+            f"training step on {result['world_size']} {result['backend']} ranks — GPT "
+            f"{cfg['n_layer']}×{cfg['d_model']}, {cfg['batch_per_rank']}×{cfg['seq_len']} "
+            f"tokens per rank, ms (slowest rank, median of {result['steps']} steps)"
+        )
+    )
+    heads = ("setup", "forward", "backward", "optimizer", "of it comm wait", "step")
+    heads += ("× AdamW", "× vanilla", "opt × vanilla")
+    for h in heads:
+        table.add_column(h, justify="left" if h == "setup" else "right")
+    for row in result["rows"].values():
+        s = row["seconds"]
+        table.add_row(
+            row["label"],
+            *(f"{s[p] * 1e3:.1f}" for p in PHASES),
+            f"{row['total'] * 1e3:.1f}",
+            _fmt(row["over_adamw_same_stack"], ".2f"),
+            _fmt(row["over_vanilla"], ".2f"),
+            _fmt(row["optimizer_over_vanilla"], ".2f"),
+        )
+    console.print(table)
+    console.print("× AdamW: against AdamW on the same stack (FSDP2 rows: FSDP2, others: DDP)")
+    for line in target_lines(result["targets"]):
+        console.print(line)
+
+
+def target_lines(t: dict[str, Any]) -> list[str]:
+    """The issue's targets as sentences, met or not."""
+
+    def verdict(value: float | None, limit: float, below: bool = True) -> str:
+        if value is None:
+            return "not measured"
+        ok = value <= limit if below else value >= limit
+        return f"{value:.2f} ({'met' if ok else 'NOT met'})"
+
+    o = t["optimizer_step_over_vanilla"]
+    e = t["end_to_end_over_adamw"]
+    v = t["vanilla_over_adamw_ddp"]["value"]
+    imb = t["plan_imbalance"]["value"]
+    return [
+        f"DMuon optimizer step / vanilla Muon's (target ≤ 0.55): owner+FSDP2 "
+        f"{verdict(o['owner_fsdp'], 0.55)}, owner DDP-replacement {verdict(o['owner_ddp'], 0.55)}; "
+        f"owner+FSDP2 / torch.optim.Muon's {verdict(o['owner_fsdp_over_torch_muon'], 0.55)}",
+        f"vanilla Muon step / AdamW's (the target below needs ≥ 1.5): {verdict(v, 1.5, False)}",
+        f"DMuon step / AdamW's (target ≤ 1.15): owner+FSDP2 / AdamW FSDP2 "
+        f"{verdict(e['owner_fsdp_over_adamw_fsdp'], 1.15)}, owner DDP-replacement / AdamW DDP "
+        f"{verdict(e['owner_ddp_over_adamw_ddp'], 1.15)}",
+        "plan imbalance (target ≤ 5%): "
+        + (
+            "not measured"
+            if imb is None
+            else f"{100 * imb:.1f}% ({'met' if imb <= 0.05 else 'NOT met'})"
+        ),
+    ]
+
+
+def plot(result: dict[str, Any], path: Any) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(result["rows"].values())
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.8))
+    left = [0.0] * len(rows)
+    colors = {"forward": "tab:blue", "backward": "tab:orange", "compute": "tab:green"}
+    parts = {
+        "forward": [r["seconds"]["forward"] * 1e3 for r in rows],
+        "backward": [r["seconds"]["backward"] * 1e3 for r in rows],
+        "compute": [
+            max(0.0, r["seconds"]["optimizer"] - r["seconds"]["comm_wait"]) * 1e3 for r in rows
+        ],
+        "comm_wait": [r["seconds"]["comm_wait"] * 1e3 for r in rows],
+    }
+    labels = {
+        "forward": "forward",
+        "backward": "backward (incl. DDP/FSDP2 reductions)",
+        "compute": "optimizer",
+        "comm_wait": "optimizer: comm wait",
+    }
+    for key, values in parts.items():
+        ax.barh(
+            range(len(rows)),
+            values,
+            left=left,
+            color=colors.get(key, "tab:red"),
+            label=labels[key],
+        )
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per training step (slowest rank, median)")
+    cfg = result["config"]
+    ax.set_title(
+        f"{result['world_size']} {result['backend']} ranks, GPT {cfg['n_layer']}×{cfg['d_model']}, "
+        f"{cfg['batch_per_rank']}×{cfg['seq_len']} tokens/rank",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

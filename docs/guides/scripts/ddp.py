@@ -1,0 +1,85 @@
+"""Train a small language model with DMuon in place of DDP (owner mode).
+
+Run on 2 processes (CPU: gloo; GPUs: NCCL, one per process)::
+
+    torchrun --nproc-per-node 2 docs/guides/scripts/ddp.py
+
+The DMuon lines are marked ``# DMuon``; the DDP + AdamW version of this script
+wraps the model in ``DistributedDataParallel`` and builds ``torch.optim.AdamW``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dmuon.integrations.ddp import dedicate
+from dmuon.optim import DMuon, param_groups
+
+VOCAB, WIDTH, LAYERS, SEQ, GLOBAL_BATCH = 64, 64, 2, 16, 8
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(F.gelu(self.fc(self.norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # every rank builds the same model
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block(WIDTH) for _ in range(LAYERS))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def batch(step: int, rank: int, world: int, device: torch.device):
+    """This rank's rows of the global batch of ``step``: learn y = (3x + 1) mod VOCAB."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    return x[rows].to(device), ((3 * x + 1) % VOCAB)[rows].to(device)
+
+
+def train(steps: int = 50) -> dict[str, torch.Tensor]:
+    if not dist.is_initialized():
+        dist.init_process_group()  # torchrun's environment
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+
+    model = Model().to(device)
+    ded = dedicate(model)  # DMuon: replaces DistributedDataParallel(model)
+    # fp32 Newton–Schulz on a CPU (bf16 matmul is slow without AVX-512-BF16/AMX)
+    extra = {} if cuda else {"ns_compute_dtype": "float32"}
+    opt = DMuon(param_groups(model), lr=2e-2, adamw_lr=3e-3, distributed=ded, **extra)  # DMuon
+
+    for step in range(steps):
+        x, y = batch(step, rank, world, device)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if rank == 0 and step % 10 == 0:
+            print(f"step {step}: loss {loss.item():.3f}")
+    ded.wait()  # the owners' last broadcasts, before reading the weights
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+if __name__ == "__main__":
+    train()
+    dist.destroy_process_group()

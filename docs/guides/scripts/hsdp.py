@@ -1,0 +1,100 @@
+"""Train a small language model with HSDP (FSDP2 on a 2-D mesh) and DMuon.
+
+Run on 4 processes as 2 replicas × 2 shards (CPU: gloo; GPUs: NCCL)::
+
+    torchrun --nproc-per-node 4 docs/guides/scripts/hsdp.py
+
+The DMuon lines are marked ``# DMuon``; the AdamW version of this script calls
+``fully_shard`` without ``ignored_params`` and builds ``torch.optim.AdamW``.
+Owners are planned over all 4 ranks; a gradient is reduced within the shard
+group, then across replicas, to its owner, and the owner's new weight travels
+back the same way, waited on only in the next forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from dmuon.integrations.fsdp import dedicate
+from dmuon.optim import DMuon, param_groups
+
+VOCAB, WIDTH, LAYERS, SEQ, GLOBAL_BATCH = 64, 64, 2, 16, 8
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(F.gelu(self.fc(self.norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # every rank builds the same model
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block(WIDTH) for _ in range(LAYERS))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def batch(step: int, rank: int, world: int, device: torch.device):
+    """This rank's rows of the global batch of ``step``: learn y = (3x + 1) mod VOCAB."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    return x[rows].to(device), ((3 * x + 1) % VOCAB)[rows].to(device)
+
+
+def train(steps: int = 50) -> dict[str, torch.Tensor]:
+    if not dist.is_initialized():
+        dist.init_process_group()  # torchrun's environment
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    replicas = 2 if world % 2 == 0 else 1
+    mesh = init_device_mesh(
+        device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
+    )
+
+    model = Model().to(device)
+    ded = dedicate(model, mesh)  # DMuon: every matrix gets one owner rank
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, ignored_params=ded.params)  # DMuon: ignored_params
+    fully_shard(model, mesh=mesh, ignored_params=ded.params)
+    # fp32 Newton–Schulz on a CPU (bf16 matmul is slow without AVX-512-BF16/AMX)
+    extra = {} if cuda else {"ns_compute_dtype": "float32"}
+    opt = DMuon(param_groups(model), lr=2e-2, adamw_lr=3e-3, distributed=ded, **extra)  # DMuon
+
+    for step in range(steps):
+        x, y = batch(step, rank, world, device)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if rank == 0 and step % 10 == 0:
+            print(f"step {step}: loss {loss.item():.3f}")
+    ded.wait()  # the owners' last broadcasts, before reading the weights
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+if __name__ == "__main__":
+    train()
+    dist.destroy_process_group()
