@@ -83,7 +83,8 @@ for _package in PACKAGES:
 @nox.session(tags=["ci"])
 def integration(session: nox.Session) -> None:
     """Tests that combine packages (and real training clients) from tests-integration/."""
-    install_local(session, PACKAGES)
+    # DeepSpeed and Lightning: test_deepspeed.py and test_lightning.py (real clients).
+    install_local(session, PACKAGES, {"integrations": "deepspeed,lightning"})
     # matplotlib and rich: test_train_harness runs benchmarks/train.py end to end.
     session.install(*CONSTRAINTS, *TEST_TOOLS, "matplotlib>=3.8", "rich>=13")
     session.run(

@@ -4,6 +4,8 @@
   owner ranks, ``fully_shard(..., ignored_params=ded.params)`` takes the rest.
 * :func:`dmuon.integrations.ddp.dedicate` — a DDP replacement: matrices to owners,
   scalar parameters all-reduced (or owned).
+* :func:`dmuon.integrations.deepspeed.initialize` — DeepSpeed: DMuon as the client
+  optimizer for the ZeRO stages it serves whole (stage 0 replicated, 1/2 owner mode).
 * :class:`Dedication` — what both return: the owners, the plan, the hooks,
   ``no_sync()`` for gradient accumulation.
 
@@ -11,7 +13,7 @@ Stock DDP and stock FSDP2 need nothing from here: ``DMuon(..., mode="replicated"
 and DTensor parameters (``sharded`` mode) are handled by :mod:`dmuon.optim`.
 """
 
-from dmuon.integrations import ddp, fsdp
+from dmuon.integrations import ddp, deepspeed, fsdp
 from dmuon.integrations._version import __version__
 from dmuon.integrations.dedication import Dedication
 from dmuon.integrations.hooks import install_hooks, module_of_layer
@@ -21,6 +23,7 @@ __all__ = [
     "Dedication",
     "__version__",
     "ddp",
+    "deepspeed",
     "fsdp",
     "install_hooks",
     "mesh_groups",

@@ -1,0 +1,144 @@
+"""DeepSpeed with DMuon as client optimizer reaches the single-process parameters.
+
+For each ZeRO stage of ``dmuon.integrations.deepspeed.SUPPORTED`` (stage 0 in
+replicated mode, stages 1 and 2 in owner mode), a small GPT (benchmarks/common) is
+trained 5 steps by a DeepSpeed engine on 2 gloo ranks, each rank on its half of the
+global batch; the reference trains the same model in this process with
+``DMuon(param_groups(model))`` on the mean of the two halves' losses. The same rank
+processes then ask for every refused combination (stage 3, replicated at stage 1/2,
+owner at stage 0, bf16) and must raise ``UnsupportedConfigError`` on every rank,
+without a collective that could hang. One launch runs all of it: DeepSpeed's import
+and its first ``initialize`` (it builds its shared-memory comm op on the CPU
+accelerator, cached afterwards) are paid once.
+
+Tolerance 1e-5 (fp32 Newton–Schulz, AdamW ε = 1e-3 as in distributed_cases): the
+runs differ only in the order of the gradient sums.
+
+The guide's script (docs/guides/deepspeed.md) is run as written, under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+deepspeed = pytest.importorskip("deepspeed", reason="pip install 'dmuon-integrations[deepspeed]'")
+
+from distributed_cases import (  # noqa: E402
+    GLOBAL_BATCH,
+    OPT,
+    STEPS,
+    TOLERANCE,
+    batch,
+    build,
+    full_params,
+    loss_of,
+    max_diff,
+    reference,
+)
+
+from dmuon.comm.testing import run_on_ranks  # noqa: E402
+from dmuon.integrations import deepspeed as dmuon_ds  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORLD = 2
+REFUSED = [  # (stage, mode, extra config)
+    (3, None, {}),
+    (1, "replicated", {}),
+    (2, "replicated", {}),
+    (0, "owner", {}),
+    (2, None, {"bf16": {"enabled": True}}),
+]
+
+
+def _config(stage: int, world: int, **extra):
+    return {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "zero_optimization": {"stage": stage},
+        **extra,
+    }
+
+
+def _train_and_refuse(rank: int, world: int):
+    import torch.distributed as dist
+
+    params, modes = {}, {}
+    for stage in sorted(dmuon_ds.SUPPORTED):
+        model = build("gpt")
+        engine, _, _, _ = dmuon_ds.initialize(model, _config(stage, world), **OPT)
+        for t in range(STEPS):
+            engine.backward(loss_of("gpt", engine, *batch("gpt", t, rank, world)))
+            engine.step()
+        opt = dmuon_ds.dmuon_of(engine)
+        if opt.mode == "owner":
+            opt.engine.exchange.wait_all_published()  # the last broadcasts, before reading
+        params[stage], modes[stage] = full_params(model), opt.mode
+        dist.barrier()
+    refusals = []
+    for stage, mode, extra in REFUSED:
+        try:
+            dmuon_ds.initialize(build("gpt"), _config(stage, world, **extra), mode=mode, **OPT)
+        except dmuon_ds.UnsupportedConfigError as e:
+            refusals.append(str(e))
+        else:
+            refusals.append(None)
+    dist.barrier()  # every rank got here: no refusal left a rank inside a collective
+    return params, modes, refusals
+
+
+def test_supported_stages_equal_single_process_and_refused_ones_raise_on_every_rank():
+    expected = reference("gpt", WORLD)
+    moved, _ = max_diff(expected, full_params(build("gpt")))
+    assert moved > 1e-2, "the reference barely trained: the comparison would prove nothing"
+    results = run_on_ranks(_train_and_refuse, WORLD, timeout=900)
+    for rank, (params, modes, refusals) in enumerate(results):
+        assert modes == {s: m[0] for s, m in dmuon_ds.SUPPORTED.items()}
+        for stage in dmuon_ds.SUPPORTED:
+            diff, where = max_diff(params[stage], expected)
+            assert diff <= TOLERANCE, f"stage {stage}, rank {rank}: {where} differs by {diff:.2e}"
+            same, where = max_diff(params[stage], results[0][0][stage])
+            assert same == 0.0, f"stage {stage}: rank {rank} and rank 0 differ at {where}"
+        for (stage, mode, extra), message in zip(REFUSED, refusals, strict=True):
+            assert message is not None, f"rank {rank}: stage {stage}, mode {mode}, {extra} ran"
+            assert "stage 0 (mode='replicated'), stage 1 (mode='owner')" in message, message
+
+
+def test_check_config_names_the_stage_and_the_supported_ones():
+    assert dmuon_ds.check_config({"zero_optimization": {"stage": 1}}) == (1, "owner")
+    assert dmuon_ds.check_config({}) == (0, "replicated")
+    with pytest.raises(dmuon_ds.UnsupportedConfigError, match="ZeRO stage 3 is not supported"):
+        dmuon_ds.check_config({"zero_optimization": {"stage": 3}})
+    with pytest.raises(dmuon_ds.UnsupportedConfigError, match="gradient_clipping"):
+        dmuon_ds.check_config({"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0})
+    with pytest.raises(dmuon_ds.UnsupportedConfigError, match="'optimizer' section"):
+        dmuon_ds.check_config({"optimizer": {"type": "AdamW"}})
+
+
+def _guide_script() -> str:
+    text = (ROOT / "docs" / "guides" / "deepspeed.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, "docs/guides/deepspeed.md has no python block"
+    return blocks[0]
+
+
+def test_the_guide_script_trains_under_torchrun(tmp_path):
+    script = tmp_path / "train_deepspeed.py"
+    script.write_text(_guide_script())
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *map(str, sorted((ROOT / "packages").glob("*/src"))), env.get("PYTHONPATH", "")]
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD)]
+    cmd += ["--standalone", str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    losses = [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)$", proc.stdout, flags=re.M)]
+    assert len(losses) >= 2, proc.stdout[-2000:]
+    assert losses[-1] < losses[0], losses
+    assert "DMuon mode: owner" in proc.stdout  # the guide's config is ZeRO-2
