@@ -6,10 +6,10 @@ trained 5 steps by a DeepSpeed engine on 2 gloo ranks, each rank on its half of 
 global batch; the reference trains the same model in this process with
 ``DMuon(param_groups(model))`` on the mean of the two halves' losses. The same rank
 processes then ask for every refused combination (stage 3, replicated at stage 1/2,
-owner at stage 0, bf16) and must raise ``UnsupportedConfigError`` on every rank,
-without a collective that could hang. One launch runs all of it: DeepSpeed's import
-and its first ``initialize`` (it builds its shared-memory comm op on the CPU
-accelerator, cached afterwards) are paid once.
+owner at stage 0, bf16, gradient accumulation in owner mode) and must raise
+``UnsupportedConfigError`` on every rank, without a collective that could hang. One
+launch runs all of it: DeepSpeed's import and its first ``initialize`` (it builds its
+shared-memory comm op on the CPU accelerator, cached afterwards) are paid once.
 
 Tolerance 1e-5 (fp32 Newton–Schulz, AdamW ε = 1e-3 as in distributed_cases): the
 runs differ only in the order of the gradient sums.
@@ -47,12 +47,20 @@ from dmuon.integrations import deepspeed as dmuon_ds  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORLD = 2
-REFUSED = [  # (stage, mode, extra config)
-    (3, None, {}),
-    (1, "replicated", {}),
-    (2, "replicated", {}),
-    (0, "owner", {}),
-    (2, None, {"bf16": {"enabled": True}}),
+SUPPORTED_TEXT = "stage 0 (mode='replicated'), stage 1 (mode='owner'), stage 2 (mode='owner')"
+REFUSED = [  # (stage, mode, extra config, what the message must say)
+    (3, None, {}, SUPPORTED_TEXT),
+    (1, "replicated", {}, SUPPORTED_TEXT),
+    (2, "replicated", {}, SUPPORTED_TEXT),
+    (0, "owner", {}, SUPPORTED_TEXT),
+    (2, None, {"bf16": {"enabled": True}}, SUPPORTED_TEXT),
+    # found after DeepSpeed derived it: raised once the engine exists, on every rank
+    (
+        2,
+        None,
+        {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // 4, "gradient_accumulation_steps": 2},
+        "gradient accumulation (2 steps) is not supported in owner mode",
+    ),
 ]
 
 
@@ -81,7 +89,7 @@ def _train_and_refuse(rank: int, world: int):
         params[stage], modes[stage] = full_params(model), opt.mode
         dist.barrier()
     refusals = []
-    for stage, mode, extra in REFUSED:
+    for stage, mode, extra, _ in REFUSED:
         try:
             dmuon_ds.initialize(build("gpt"), _config(stage, world, **extra), mode=mode, **OPT)
         except dmuon_ds.UnsupportedConfigError as e:
@@ -104,9 +112,9 @@ def test_supported_stages_equal_single_process_and_refused_ones_raise_on_every_r
             assert diff <= TOLERANCE, f"stage {stage}, rank {rank}: {where} differs by {diff:.2e}"
             same, where = max_diff(params[stage], results[0][0][stage])
             assert same == 0.0, f"stage {stage}: rank {rank} and rank 0 differ at {where}"
-        for (stage, mode, extra), message in zip(REFUSED, refusals, strict=True):
+        for (stage, mode, extra, says), message in zip(REFUSED, refusals, strict=True):
             assert message is not None, f"rank {rank}: stage {stage}, mode {mode}, {extra} ran"
-            assert "stage 0 (mode='replicated'), stage 1 (mode='owner')" in message, message
+            assert says in message, message
 
 
 def test_check_config_names_the_stage_and_the_supported_ones():

@@ -239,13 +239,16 @@ def initialize(
     if not dist.is_initialized():
         deepspeed.init_distributed()
     cfg = _load(config)
-    groups = [dict(g) for g in (param_groups(model) if groups is None else groups)]
-    groups = [g for g in groups if len(list(g["params"])) > 0]  # DeepSpeed drops empty groups
+    chosen: list[dict[str, Any]] = [
+        {**g, "params": list(g["params"])}
+        for g in (param_groups(model) if groups is None else groups)
+    ]
+    chosen = [g for g in chosen if g["params"]]  # DeepSpeed drops empty groups in place
     if mode == "replicated":
-        client: Any = DMuon(groups, mode="replicated", **dmuon_options)
+        client: Any = DMuon(chosen, mode="replicated", **dmuon_options)
     else:
         cfg["zero_allow_untested_optimizer"] = True
-        client = _owner_client(model, groups, dmuon_options, dict(dedicate_options or {}))
+        client = _owner_client(model, chosen, dmuon_options, dict(dedicate_options or {}))
     out = deepspeed.initialize(
         model=model, optimizer=client, config=cfg, **dict(initialize_options or {})
     )

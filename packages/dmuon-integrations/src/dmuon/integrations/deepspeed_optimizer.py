@@ -110,7 +110,7 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
         if group["algorithm"] == "adamw":
             adamw_step(
                 params,
-                grads,  # type: ignore[arg-type]
+                grads,
                 [s["exp_avg"] for s in states],
                 [s["exp_avg_sq"] for s in states],
                 [s["step"] for s in states],
@@ -120,7 +120,7 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
         else:
             lion_step(
                 params,
-                grads,  # type: ignore[arg-type]
+                grads,
                 [s["exp_avg"] for s in states],
                 [s["step"] for s in states],
                 **common,
