@@ -1,12 +1,12 @@
 """DeepSpeed with DMuon as client optimizer reaches the single-process parameters.
 
-For each ZeRO stage of ``dmuon.integrations.deepspeed.SUPPORTED`` (stage 0 in
-replicated mode, stages 1 and 2 in owner mode), a small GPT (benchmarks/common) is
+For each (ZeRO stage, mode) of ``dmuon.integrations.deepspeed.SUPPORTED`` (stage 0 in
+replicated and in owner mode, stages 1 and 2 in owner mode), a small GPT (benchmarks/common) is
 trained 5 steps by a DeepSpeed engine on 2 gloo ranks, each rank on its half of the
 global batch; the reference trains the same model in this process with
 ``DMuon(param_groups(model))`` on the mean of the two halves' losses. The same rank
 processes then ask for every refused combination (stage 3, replicated at stage 1/2,
-owner at stage 0, bf16, gradient accumulation in owner mode) and must raise
+an unknown mode, bf16, gradient accumulation in owner mode) and must raise
 ``UnsupportedConfigError`` on every rank, without a collective that could hang. One
 launch runs all of it: DeepSpeed's import and its first ``initialize`` (it builds its
 shared-memory comm op on the CPU accelerator, cached afterwards) are paid once.
@@ -47,12 +47,15 @@ from dmuon.integrations import deepspeed as dmuon_ds  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORLD = 2
-SUPPORTED_TEXT = "stage 0 (mode='replicated'), stage 1 (mode='owner'), stage 2 (mode='owner')"
+SUPPORTED_TEXT = (
+    "stage 0 (mode='replicated' or 'owner'), stage 1 (mode='owner'), stage 2 (mode='owner')"
+)
+CASES = [(stage, mode) for stage, modes in dmuon_ds.SUPPORTED.items() for mode in modes]
 REFUSED = [  # (stage, mode, extra config, what the message must say)
     (3, None, {}, SUPPORTED_TEXT),
     (1, "replicated", {}, SUPPORTED_TEXT),
     (2, "replicated", {}, SUPPORTED_TEXT),
-    (0, "owner", {}, SUPPORTED_TEXT),
+    (1, "sharded", {}, SUPPORTED_TEXT),
     (2, None, {"bf16": {"enabled": True}}, SUPPORTED_TEXT),
     # found after DeepSpeed derived it: raised once the engine exists, on every rank
     (
@@ -77,16 +80,18 @@ def _train_and_refuse(rank: int, world: int):
     import torch.distributed as dist
 
     params, modes = {}, {}
-    for stage in sorted(dmuon_ds.SUPPORTED):
+    for stage, mode in CASES:
         model = build("gpt")
-        engine, _, _, _ = dmuon_ds.initialize(model, _config(stage, world), **OPT)
+        engine, _, _, _ = dmuon_ds.initialize(model, _config(stage, world), mode=mode, **OPT)
         for t in range(STEPS):
             engine.backward(loss_of("gpt", engine, *batch("gpt", t, rank, world)))
             engine.step()
         opt = dmuon_ds.dmuon_of(engine)
         if opt.mode == "owner":
             opt.engine.exchange.wait_all_published()  # the last broadcasts, before reading
-        params[stage], modes[stage] = full_params(model), opt.mode
+        # owner mode at stage 0 replaces DeepSpeed's all-reduce (it would repeat the traffic)
+        modes[stage, mode] = (opt.mode, engine.enable_backward_allreduce)
+        params[stage, mode] = full_params(model)
         dist.barrier()
     refusals = []
     for stage, mode, extra, _ in REFUSED:
@@ -106,12 +111,12 @@ def test_supported_stages_equal_single_process_and_refused_ones_raise_on_every_r
     assert moved > 1e-2, "the reference barely trained: the comparison would prove nothing"
     results = run_on_ranks(_train_and_refuse, WORLD, timeout=900)
     for rank, (params, modes, refusals) in enumerate(results):
-        assert modes == {s: m[0] for s, m in dmuon_ds.SUPPORTED.items()}
-        for stage in dmuon_ds.SUPPORTED:
-            diff, where = max_diff(params[stage], expected)
-            assert diff <= TOLERANCE, f"stage {stage}, rank {rank}: {where} differs by {diff:.2e}"
-            same, where = max_diff(params[stage], results[0][0][stage])
-            assert same == 0.0, f"stage {stage}: rank {rank} and rank 0 differ at {where}"
+        assert modes == {(s, m): (m, not (s == 0 and m == "owner")) for s, m in CASES}
+        for case in CASES:
+            diff, where = max_diff(params[case], expected)
+            assert diff <= TOLERANCE, f"{case}, rank {rank}: {where} differs by {diff:.2e}"
+            same, where = max_diff(params[case], results[0][0][case])
+            assert same == 0.0, f"{case}: rank {rank} and rank 0 differ at {where}"
         for (stage, mode, extra, says), message in zip(REFUSED, refusals, strict=True):
             assert message is not None, f"rank {rank}: stage {stage}, mode {mode}, {extra} ran"
             assert says in message, message

@@ -18,7 +18,9 @@ parameters decides what can be served (the matrix is backed by
 =========  ==================================================  ==============================
 stage      what DeepSpeed does                                 DMuon
 =========  ==================================================  ==============================
-0          all-reduces every gradient, calls ``step()``        ``mode="replicated"``
+0          all-reduces every gradient, calls ``step()``        ``mode="replicated"``; or
+                                                               ``mode="owner"``: DMuon's hooks
+                                                               replace that all-reduce
 1, 2       flattens each param group, one slice per rank       ``mode="owner"``: the matrices
                                                                are dedicated to owners, ZeRO
                                                                partitions only the scalars
@@ -28,8 +30,7 @@ stage      what DeepSpeed does                                 DMuon
 Refused combinations raise :class:`UnsupportedConfigError` (a ``ValueError``) on every
 rank before any collective, naming the supported ones: stage 3 (every parameter is
 partitioned, including the matrices); ``replicated`` at stage 1/2 (the matrices would
-be sliced); ``owner`` at stage 0 (DeepSpeed would all-reduce the owners' matrices as
-well, doubling the traffic for nothing); fp16/bf16 (DeepSpeed's mixed-precision
+be sliced); fp16/bf16 (DeepSpeed's mixed-precision
 wrappers flatten the master weights); an ``"optimizer"`` section; CPU offload; and in
 owner mode gradient clipping (ZeRO would clip the scalars by their norm alone) and
 gradient accumulation (the owners reduce each backward).
@@ -51,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon.comm import layer_key
+from dmuon.integrations import ddp
 from dmuon.integrations.deepspeed_optimizer import ZeroClientOptimizer
 from dmuon.integrations.fsdp import _dedicate
 from dmuon.optim import RULES, SCALAR_ALGORITHMS, DMuon, param_groups
@@ -64,7 +66,11 @@ __all__ = [
     "initialize",
 ]
 
-SUPPORTED: dict[int, tuple[str, ...]] = {0: ("replicated",), 1: ("owner",), 2: ("owner",)}
+SUPPORTED: dict[int, tuple[str, ...]] = {
+    0: ("replicated", "owner"),
+    1: ("owner",),
+    2: ("owner",),
+}
 """ZeRO stage → the DMuon modes served at that stage (the first is the default)."""
 
 
@@ -81,7 +87,7 @@ class UnsupportedConfigError(ValueError):
 
 
 def _supported_text() -> str:
-    return ", ".join(f"stage {s} (mode={m[0]!r})" for s, m in SUPPORTED.items())
+    return ", ".join(f"stage {s} (mode={' or '.join(map(repr, m))})" for s, m in SUPPORTED.items())
 
 
 def _load(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
@@ -133,11 +139,9 @@ def check_config(
         )
     mode = SUPPORTED[stage][0] if mode is None else mode
     if mode not in SUPPORTED[stage]:
-        why = {
-            0: "at stage 0 DeepSpeed all-reduces every gradient, the owners' matrices too",
-            1: "ZeRO-1/2 would hand DMuon flat slices of the matrices",
-            2: "ZeRO-1/2 would hand DMuon flat slices of the matrices",
-        }[stage]
+        why = "ZeRO-1/2 would hand DMuon flat slices of the matrices"
+        if mode not in ("replicated", "owner"):
+            why = "DMuon's modes under DeepSpeed are 'replicated' and 'owner'"
         raise UnsupportedConfigError(
             f"mode={mode!r} is not supported at ZeRO stage {stage} ({why}): supported are "
             f"{_supported_text()}"
@@ -162,9 +166,10 @@ def check_config(
             )
     if mode == "owner" and float(cfg.get("gradient_clipping", 0.0) or 0.0) > 0.0:
         raise UnsupportedConfigError(
-            "gradient_clipping is not supported in owner mode: ZeRO would clip the scalar "
-            "parameters by their own norm and never see the matrices'; drop it (or use "
-            "stage 0, mode='replicated', where DeepSpeed clips every gradient)"
+            "gradient_clipping is not supported in owner mode: DeepSpeed would clip before "
+            "the owners hold the reduced matrix gradients (ZeRO: the scalars by their own "
+            "norm); drop it, or use stage 0 with mode='replicated', where DeepSpeed clips the "
+            "averaged gradients"
         )
     return stage, mode
 
@@ -185,9 +190,14 @@ def initialize(
     config=...)``. It checks the config (:func:`check_config`), initialises
     torch.distributed through ``deepspeed.init_distributed`` if needed, and builds:
 
-    * stage 0: ``DMuon(groups, mode="replicated")``, handed to DeepSpeed as is
-      (DeepSpeed averages the gradients; each matrix's owner orthogonalises it and the
-      new weights are all-gathered);
+    * stage 0, ``mode="replicated"`` (the default): ``DMuon(groups, mode="replicated")``,
+      handed to DeepSpeed as is (DeepSpeed averages the gradients; each matrix's owner
+      orthogonalises it and the new weights are all-gathered);
+    * stage 0, ``mode="owner"``: the model is dedicated as by
+      :func:`dmuon.integrations.ddp.dedicate` (matrices reduced to their owners, the
+      other parameters all-reduced, from hooks during backward), DMuon in owner mode
+      is handed to DeepSpeed, and the engine's own gradient all-reduce is switched off
+      (``engine.enable_backward_allreduce = False``);
     * stage 1/2: the matrix groups' parameters are dedicated to owner ranks (their
       gradients reduced to the owner from hooks, the new weights broadcast back),
       a ``DMuon`` in owner mode steps them, and DeepSpeed gets a
@@ -198,8 +208,8 @@ def initialize(
     Args:
         model: the model, on its device, the same on every rank.
         config: the DeepSpeed config (dict or JSON path). fp32 only.
-        mode: ``"replicated"`` (stage 0) or ``"owner"`` (stages 1, 2); ``None``: the
-            stage's default.
+        mode: ``"replicated"`` (stage 0) or ``"owner"`` (stages 0, 1, 2); ``None``: the
+            stage's default (:data:`SUPPORTED`: the first listed).
         groups: parameter groups (default :func:`dmuon.optim.param_groups`); groups
             whose algorithm is a matrix rule go to DMuon, ``"scalar"``/``"adamw"``/
             ``"lion"`` groups to the scalar optimizer.
@@ -227,7 +237,7 @@ def initialize(
         >>> config = {"train_batch_size": 4, "zero_optimization": {"stage": 2}}
         >>> engine, optimizer, _, _ = initialize(model, config, lr=0.02)  # doctest: +SKIP
     """
-    _, mode = check_config(config, mode)
+    stage, mode = check_config(config, mode)
     for key in ("mode", "distributed", "process_group"):
         if key in dmuon_options:
             raise ValueError(
@@ -246,6 +256,8 @@ def initialize(
     chosen = [g for g in chosen if g["params"]]  # DeepSpeed drops empty groups in place
     if mode == "replicated":
         client: Any = DMuon(chosen, mode="replicated", **dmuon_options)
+    elif stage == 0:
+        client = _owner_dmuon(model, chosen, dmuon_options, dict(dedicate_options or {}))
     else:
         cfg["zero_allow_untested_optimizer"] = True
         client = _owner_client(model, chosen, dmuon_options, dict(dedicate_options or {}))
@@ -253,6 +265,11 @@ def initialize(
         model=model, optimizer=client, config=cfg, **dict(initialize_options or {})
     )
     engine = out[0]
+    if mode == "owner" and stage == 0:
+        # The dedication's hooks reduce the matrices to their owners and all-reduce the
+        # rest, like DDP; DeepSpeed's own all-reduce of every gradient (the switch its
+        # pipeline engine turns off too) would only repeat that traffic.
+        engine.enable_backward_allreduce = False
     if mode == "owner" and engine.gradient_accumulation_steps() > 1:
         raise UnsupportedConfigError(
             f"gradient accumulation ({engine.gradient_accumulation_steps()} steps) is not "
@@ -280,6 +297,33 @@ def dmuon_of(engine: Any) -> DMuon:
     )
 
 
+def _matrix_ids(groups: list[dict[str, Any]], defaults: Mapping[str, Any]) -> set[int]:
+    """ids of the parameters of the groups whose algorithm is a matrix rule."""
+    ids = set()
+    for g in groups:
+        algorithm = g.get("algorithm", defaults["rule"])
+        if algorithm in RULES:
+            ids |= {id(p) for p in g["params"]}
+        elif algorithm not in (*SCALAR_ALGORITHMS, "scalar"):
+            raise ValueError(
+                f"param group {g.get('name', '?')!r}: unknown algorithm {algorithm!r}; expected "
+                f"one of {sorted(RULES) + list(SCALAR_ALGORITHMS) + ['scalar']}"
+            )
+    return ids
+
+
+def _owner_dmuon(
+    model: nn.Module,
+    groups: list[dict[str, Any]],
+    dmuon_options: dict[str, Any],
+    dedicate_options: dict[str, Any],
+) -> DMuon:
+    """Stage 0, owner mode: DMuon as a DDP replacement (matrices owned, rest all-reduced)."""
+    matrices = _matrix_ids(groups, _dmuon_defaults(dmuon_options))
+    ded = ddp.dedicate(model, predicate=lambda _name, p: id(p) in matrices, **dedicate_options)
+    return DMuon(groups, distributed=ded, **dmuon_options)
+
+
 def _owner_client(
     model: nn.Module,
     groups: list[dict[str, Any]],
@@ -287,22 +331,16 @@ def _owner_client(
     dedicate_options: dict[str, Any],
 ) -> ZeroClientOptimizer:
     defaults = _dmuon_defaults(dmuon_options)
-    scalar_algorithm = defaults["scalar_optimizer"]
+    matrices = _matrix_ids(groups, defaults)
     matrix_groups, scalar_groups = [], []
-    for g in groups:
-        algorithm = g.get("algorithm", defaults["rule"])
-        if algorithm == "scalar":
-            algorithm = scalar_algorithm
-        if algorithm in RULES:
+    for g in groups:  # (no empty groups here)
+        if id(g["params"][0]) in matrices:
             matrix_groups.append(g)
-        elif algorithm in SCALAR_ALGORITHMS:
-            scalar_groups.append(_scalar_group(g, algorithm, defaults))
         else:
-            raise ValueError(
-                f"param group {g.get('name', '?')!r}: unknown algorithm {algorithm!r}; expected "
-                f"one of {sorted(RULES) + list(SCALAR_ALGORITHMS) + ['scalar']}"
-            )
-    matrices = {id(p) for g in matrix_groups for p in g["params"]}
+            algorithm = g.get("algorithm", defaults["rule"])
+            if algorithm == "scalar":
+                algorithm = defaults["scalar_optimizer"]
+            scalar_groups.append(_scalar_group(g, algorithm, defaults))
     ded = _dedicate(
         model,
         dedicate_options.pop("group", None),
