@@ -19,6 +19,7 @@ The guide's script (docs/guides/deepspeed.md) is run as written, under torchrun.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -26,10 +27,7 @@ import subprocess
 import sys
 
 import pytest
-
-deepspeed = pytest.importorskip("deepspeed", reason="pip install 'dmuon-integrations[deepspeed]'")
-
-from distributed_cases import (  # noqa: E402
+from distributed_cases import (
     GLOBAL_BATCH,
     OPT,
     STEPS,
@@ -42,8 +40,13 @@ from distributed_cases import (  # noqa: E402
     reference,
 )
 
-from dmuon.comm.testing import run_on_ranks  # noqa: E402
-from dmuon.integrations import deepspeed as dmuon_ds  # noqa: E402
+from dmuon.comm.testing import run_on_ranks
+from dmuon.integrations import deepspeed as dmuon_ds
+
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="DeepSpeed is not installed: pip install 'dmuon-integrations[deepspeed]'",
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -105,7 +108,10 @@ def _train_and_refuse(rank: int, world: int):
     return params, modes, refusals
 
 
+@needs_deepspeed
 def test_supported_stages_equal_single_process_and_refused_ones_raise_on_every_rank():
+    import deepspeed  # noqa: F401  (imported once here, before the ranks fork)
+
     expected = reference("gpt", WORLD)
     moved, _ = max_diff(expected, full_params(build("gpt")))
     assert moved > 1e-2, "the reference barely trained: the comparison would prove nothing"
@@ -140,6 +146,7 @@ def _guide_script() -> str:
     return blocks[0]
 
 
+@needs_deepspeed
 def test_the_guide_script_trains_under_torchrun(tmp_path):
     script = tmp_path / "train_deepspeed.py"
     script.write_text(_guide_script())
@@ -155,3 +162,25 @@ def test_the_guide_script_trains_under_torchrun(tmp_path):
     assert len(losses) >= 2, proc.stdout[-2000:]
     assert losses[-1] < losses[0], losses
     assert "DMuon mode: owner" in proc.stdout  # the guide's config is ZeRO-2
+
+
+def test_dmuon_integrations_imports_without_deepspeed():
+    # deepspeed made unimportable: dmuon.integrations and its config check still work, and
+    # initialize() says what to install.
+    code = """
+import sys
+sys.modules["deepspeed"] = None
+from dmuon.integrations import deepspeed as dmuon_ds
+assert dmuon_ds.check_config({"zero_optimization": {"stage": 1}}) == (1, "owner")
+try:
+    dmuon_ds.initialize(None, {})
+except ImportError as e:
+    print("ImportError:", e)
+"""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(map(str, sorted((ROOT / "packages").glob("*/src"))))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ImportError: dmuon.integrations.deepspeed needs DeepSpeed" in proc.stdout

@@ -244,7 +244,13 @@ def initialize(
                 f"{key}= is chosen by dmuon.integrations.deepspeed.initialize; use its mode= "
                 f"({', '.join(sorted({m for ms in SUPPORTED.values() for m in ms}))})"
             )
-    import deepspeed
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError(
+            "dmuon.integrations.deepspeed needs DeepSpeed: pip install "
+            "'dmuon-integrations[deepspeed]' (or 'dmuon-optim[deepspeed]')"
+        ) from e
 
     if not dist.is_initialized():
         deepspeed.init_distributed()
