@@ -83,8 +83,9 @@ for _package in PACKAGES:
 @nox.session(tags=["ci"])
 def integration(session: nox.Session) -> None:
     """Tests that combine packages (and real training clients) from tests-integration/."""
-    # [hf]: transformers and accelerate for test_hf_trainer (installed through the extra).
-    install_local(session, PACKAGES, {"integrations": "hf"})
+    # [hf]: transformers and accelerate for test_hf_trainer; [deepspeed,lightning]:
+    # test_deepspeed.py and test_lightning.py (real clients, installed through the extras).
+    install_local(session, PACKAGES, {"integrations": "hf,deepspeed,lightning"})
     # matplotlib and rich: test_train_harness runs benchmarks/train.py end to end.
     session.install(*CONSTRAINTS, *TEST_TOOLS, "matplotlib>=3.8", "rich>=13")
     session.run(

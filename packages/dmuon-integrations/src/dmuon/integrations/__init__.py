@@ -6,6 +6,8 @@
   scalar parameters all-reduced (or owned).
 * :mod:`dmuon.integrations.checkpoint` — DCP checkpoints and full state dicts that
   load at any world size (owners' momentum resharded to the new plan).
+* :func:`dmuon.integrations.deepspeed.initialize` — DeepSpeed: DMuon as the client
+  optimizer for the ZeRO stages it serves whole (stage 0 replicated, 1/2 owner mode).
 * :class:`Dedication` — what both return: the owners, the plan, the hooks,
   ``no_sync()`` for gradient accumulation.
 
@@ -16,7 +18,7 @@ Stock DDP and stock FSDP2 need nothing from here: ``DMuon(..., mode="replicated"
 and DTensor parameters (``sharded`` mode) are handled by :mod:`dmuon.optim`.
 """
 
-from dmuon.integrations import ddp, fsdp
+from dmuon.integrations import ddp, deepspeed, fsdp
 from dmuon.integrations._version import __version__
 from dmuon.integrations.dedication import Dedication
 from dmuon.integrations.hooks import install_hooks, module_of_layer
@@ -26,6 +28,7 @@ __all__ = [
     "Dedication",
     "__version__",
     "ddp",
+    "deepspeed",
     "fsdp",
     "install_hooks",
     "mesh_groups",

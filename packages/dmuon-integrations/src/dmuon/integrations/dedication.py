@@ -30,7 +30,7 @@ class Dedication:
         model: the model.
         exchange: the reductions and broadcasts (:class:`dmuon.optim.OwnerExchange`).
         handles: the hooks installed on the model.
-        kind: ``"fsdp"`` or ``"ddp"`` (which ``dedicate`` made it).
+        kind: ``"fsdp"``, ``"ddp"`` or ``"deepspeed"`` (what made it).
 
     Example:
         >>> import torch

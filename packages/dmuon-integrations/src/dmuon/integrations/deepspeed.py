@@ -1,0 +1,387 @@
+"""DMuon as the client optimizer of ``deepspeed.initialize``, for the ZeRO stages it serves whole.
+
+One call replaces ``deepspeed.initialize``::
+
+    from dmuon.integrations import deepspeed as dmuon_ds
+
+    engine, optimizer, _, _ = dmuon_ds.initialize(model, config, lr=0.02)
+    for x, y in data:
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+
+Muon orthogonalises whole matrices; a matrix that reaches the optimizer in pieces
+is silently mis-orthogonalised. What each ZeRO stage does to the client optimizer's
+parameters decides what can be served (the matrix is backed by
+``tests-integration/test_deepspeed.py``):
+
+=========  ==================================================  ==============================
+stage      what DeepSpeed does                                 DMuon
+=========  ==================================================  ==============================
+0          all-reduces every gradient, calls ``step()``        ``mode="replicated"``; or
+                                                               ``mode="owner"``: DMuon's hooks
+                                                               replace that all-reduce
+1, 2       flattens each param group, one slice per rank       ``mode="owner"``: the matrices
+                                                               are dedicated to owners, ZeRO
+                                                               partitions only the scalars
+3          partitions the parameters themselves                refused
+=========  ==================================================  ==============================
+
+Refused combinations raise :class:`UnsupportedConfigError` (a ``ValueError``) on every
+rank before any collective, naming the supported ones: stage 3 (every parameter is
+partitioned, including the matrices); ``replicated`` at stage 1/2 (the matrices would
+be sliced); fp16/bf16 (DeepSpeed's mixed-precision
+wrappers flatten the master weights); an ``"optimizer"`` section; CPU offload; and in
+owner mode gradient clipping (ZeRO would clip the scalars by their norm alone) and
+gradient accumulation (the owners reduce each backward).
+
+DeepSpeed is imported when :func:`initialize` runs, so ``dmuon.integrations``
+imports without it.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from dmuon.comm import layer_key
+from dmuon.integrations import ddp
+from dmuon.integrations.deepspeed_optimizer import ZeroClientOptimizer
+from dmuon.integrations.fsdp import _dedicate
+from dmuon.optim import RULES, SCALAR_ALGORITHMS, DMuon, param_groups
+
+__all__ = [
+    "SUPPORTED",
+    "UnsupportedConfigError",
+    "ZeroClientOptimizer",
+    "check_config",
+    "dmuon_of",
+    "initialize",
+]
+
+SUPPORTED: dict[int, tuple[str, ...]] = {
+    0: ("replicated", "owner"),
+    1: ("owner",),
+    2: ("owner",),
+}
+"""ZeRO stage → the DMuon modes served at that stage (the first is the default)."""
+
+
+class UnsupportedConfigError(ValueError):
+    """A DeepSpeed config (stage × mode, precision, ...) DMuon cannot serve correctly.
+
+    Example:
+        >>> try:
+        ...     check_config({"zero_optimization": {"stage": 3}})
+        ... except UnsupportedConfigError as e:
+        ...     print(str(e).split(":")[0])
+        ZeRO stage 3 is not supported by DMuon
+    """
+
+
+def _supported_text() -> str:
+    return ", ".join(f"stage {s} (mode={' or '.join(map(repr, m))})" for s, m in SUPPORTED.items())
+
+
+def _load(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            return json.load(f)
+    if not isinstance(config, Mapping):
+        raise TypeError(
+            "config must be a dict or the path of a DeepSpeed JSON config, "
+            f"got {type(config).__name__}"
+        )
+    return copy.deepcopy(dict(config))
+
+
+def check_config(
+    config: Mapping[str, Any] | str | os.PathLike[str], mode: str | None = None
+) -> tuple[int, str]:
+    """The ZeRO stage of ``config`` and the DMuon mode that serves it, or an error.
+
+    Pure: no collective, so a refused config raises on every rank alike.
+
+    Args:
+        config: a DeepSpeed config (dict or JSON path).
+        mode: ``"replicated"`` or ``"owner"``; ``None`` takes the stage's default
+            (:data:`SUPPORTED`).
+
+    Returns:
+        ``(stage, mode)``.
+
+    Raises:
+        UnsupportedConfigError: the stage, the mode at that stage, or another setting
+            cannot be served (the message names what is supported).
+
+    Example:
+        >>> check_config({"zero_optimization": {"stage": 2}})
+        (2, 'owner')
+        >>> check_config({"train_batch_size": 8})
+        (0, 'replicated')
+    """
+    cfg = _load(config)
+    zero = cfg.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    if stage not in SUPPORTED:
+        raise UnsupportedConfigError(
+            f"ZeRO stage {stage} is not supported by DMuon: supported are {_supported_text()}.\n"
+            "ZeRO-3 partitions the parameters themselves, so no rank holds a whole matrix "
+            "to orthogonalise; use stage 1 or 2 (DMuon owns the matrices, ZeRO partitions "
+            "the rest), or FSDP2 with dmuon.integrations.fsdp.dedicate"
+        )
+    mode = SUPPORTED[stage][0] if mode is None else mode
+    if mode not in SUPPORTED[stage]:
+        why = "ZeRO-1/2 would hand DMuon flat slices of the matrices"
+        if mode not in ("replicated", "owner"):
+            why = "DMuon's modes under DeepSpeed are 'replicated' and 'owner'"
+        raise UnsupportedConfigError(
+            f"mode={mode!r} is not supported at ZeRO stage {stage} ({why}): supported are "
+            f"{_supported_text()}"
+        )
+    for key in ("fp16", "bf16"):
+        if (cfg.get(key) or {}).get("enabled", False):
+            raise UnsupportedConfigError(
+                f"{key}.enabled is not supported with DMuon: DeepSpeed's mixed-precision "
+                "optimizer wrappers flatten the fp32 master weights, which would hand DMuon "
+                "pieces of matrices; train in fp32 (or autocast in the model) with "
+                f"{_supported_text()}"
+            )
+    if "optimizer" in cfg:
+        raise UnsupportedConfigError(
+            "the config has an 'optimizer' section; DMuon is the client optimizer, drop the section"
+        )
+    for key in ("offload_optimizer", "offload_param"):
+        if zero.get(key) and (zero[key].get("device", "none") not in ("none", None)):
+            raise UnsupportedConfigError(
+                f"zero_optimization.{key} is not supported with DMuon (ZeRO-Offload runs "
+                "DeepSpeed's own CPU optimizer)"
+            )
+    if mode == "owner" and float(cfg.get("gradient_clipping", 0.0) or 0.0) > 0.0:
+        raise UnsupportedConfigError(
+            "gradient_clipping is not supported in owner mode: DeepSpeed would clip before "
+            "the owners hold the reduced matrix gradients (ZeRO: the scalars by their own "
+            "norm); drop it, or use stage 0 with mode='replicated', where DeepSpeed clips the "
+            "averaged gradients"
+        )
+    return stage, mode
+
+
+def initialize(
+    model: nn.Module,
+    config: Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    mode: str | None = None,
+    groups: Sequence[Mapping[str, Any]] | None = None,
+    dedicate_options: Mapping[str, Any] | None = None,
+    initialize_options: Mapping[str, Any] | None = None,
+    **dmuon_options: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """``deepspeed.initialize`` with DMuon as the client optimizer.
+
+    Call it on every rank instead of ``deepspeed.initialize(model=..., optimizer=...,
+    config=...)``. It checks the config (:func:`check_config`), initialises
+    torch.distributed through ``deepspeed.init_distributed`` if needed, and builds:
+
+    * stage 0, ``mode="replicated"`` (the default): ``DMuon(groups, mode="replicated")``,
+      handed to DeepSpeed as is (DeepSpeed averages the gradients; each matrix's owner
+      orthogonalises it and the new weights are all-gathered);
+    * stage 0, ``mode="owner"``: the model is dedicated as by
+      :func:`dmuon.integrations.ddp.dedicate` (matrices reduced to their owners, the
+      other parameters all-reduced, from hooks during backward), DMuon in owner mode
+      is handed to DeepSpeed, and the engine's own gradient all-reduce is switched off
+      (``engine.enable_backward_allreduce = False``);
+    * stage 1/2: the matrix groups' parameters are dedicated to owner ranks (their
+      gradients reduced to the owner from hooks, the new weights broadcast back),
+      a ``DMuon`` in owner mode steps them, and DeepSpeed gets a
+      :class:`ZeroClientOptimizer` holding only the scalar groups, which ZeRO
+      partitions as usual. ``zero_allow_untested_optimizer`` is set in the config
+      DeepSpeed receives (a copy; yours is not changed).
+
+    Args:
+        model: the model, on its device, the same on every rank.
+        config: the DeepSpeed config (dict or JSON path). fp32 only.
+        mode: ``"replicated"`` (stage 0) or ``"owner"`` (stages 0, 1, 2); ``None``: the
+            stage's default (:data:`SUPPORTED`: the first listed).
+        groups: parameter groups (default :func:`dmuon.optim.param_groups`); groups
+            whose algorithm is a matrix rule go to DMuon, ``"scalar"``/``"adamw"``/
+            ``"lion"`` groups to the scalar optimizer.
+        dedicate_options: more arguments for the owner plan (``strategy``,
+            ``layer_of``, ``stats``, ...; see :func:`dmuon.integrations.fsdp.dedicate`).
+        initialize_options: more arguments of ``deepspeed.initialize``
+            (``training_data``, ``lr_scheduler``, ...).
+        **dmuon_options: arguments of :class:`~dmuon.optim.DMuon` (``lr``,
+            ``weight_decay``, ``rule``, ``adamw_lr``, ...).
+
+    Returns:
+        What ``deepspeed.initialize`` returns: ``(engine, optimizer, dataloader,
+        lr_scheduler)``. :func:`dmuon_of` finds the ``DMuon`` behind the engine.
+
+    Raises:
+        UnsupportedConfigError: a config DMuon cannot serve (on every rank, before any
+            collective); also after DeepSpeed's initialisation when it derives more
+            than one gradient-accumulation step in owner mode.
+        ValueError: bad DMuon options, ``mode=``/``distributed=`` among them.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.integrations.deepspeed import initialize
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+        >>> config = {"train_batch_size": 4, "zero_optimization": {"stage": 2}}
+        >>> engine, optimizer, _, _ = initialize(model, config, lr=0.02)  # doctest: +SKIP
+    """
+    stage, mode = check_config(config, mode)
+    for key in ("mode", "distributed", "process_group"):
+        if key in dmuon_options:
+            raise ValueError(
+                f"{key}= is chosen by dmuon.integrations.deepspeed.initialize; use its mode= "
+                f"({', '.join(sorted({m for ms in SUPPORTED.values() for m in ms}))})"
+            )
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError(
+            "dmuon.integrations.deepspeed needs DeepSpeed: pip install "
+            "'dmuon-integrations[deepspeed]' (or 'dmuon-optim[deepspeed]')"
+        ) from e
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed()
+    cfg = _load(config)
+    chosen: list[dict[str, Any]] = [
+        {**g, "params": list(g["params"])}
+        for g in (param_groups(model) if groups is None else groups)
+    ]
+    chosen = [g for g in chosen if g["params"]]  # DeepSpeed drops empty groups in place
+    if mode == "replicated":
+        client: Any = DMuon(chosen, mode="replicated", **dmuon_options)
+    elif stage == 0:
+        client = _owner_dmuon(model, chosen, dmuon_options, dict(dedicate_options or {}))
+    else:
+        cfg["zero_allow_untested_optimizer"] = True
+        client = _owner_client(model, chosen, dmuon_options, dict(dedicate_options or {}))
+    out = deepspeed.initialize(
+        model=model, optimizer=client, config=cfg, **dict(initialize_options or {})
+    )
+    engine = out[0]
+    if mode == "owner" and stage == 0:
+        # The dedication's hooks reduce the matrices to their owners and all-reduce the
+        # rest, like DDP; DeepSpeed's own all-reduce of every gradient (the switch its
+        # pipeline engine turns off too) would only repeat that traffic.
+        engine.enable_backward_allreduce = False
+    if mode == "owner" and engine.gradient_accumulation_steps() > 1:
+        raise UnsupportedConfigError(
+            f"gradient accumulation ({engine.gradient_accumulation_steps()} steps) is not "
+            "supported in owner mode: the owners reduce every backward's gradients; use one "
+            "micro-batch per step (train_batch_size = micro batch × ranks) or stage 0"
+        )
+    return out
+
+
+def dmuon_of(engine: Any) -> DMuon:
+    """The :class:`~dmuon.optim.DMuon` behind a DeepSpeed engine made by :func:`initialize`.
+
+    Example:
+        >>> dmuon_of(engine).mode  # doctest: +SKIP
+        'owner'
+    """
+    opt = getattr(engine, "basic_optimizer", None) or getattr(engine, "optimizer", None)
+    if isinstance(opt, DMuon):
+        return opt
+    if isinstance(opt, ZeroClientOptimizer):
+        return opt.dmuon
+    raise TypeError(
+        f"the engine's optimizer is a {type(opt).__name__}, not one made by "
+        "dmuon.integrations.deepspeed.initialize"
+    )
+
+
+def _matrix_ids(groups: list[dict[str, Any]], defaults: Mapping[str, Any]) -> set[int]:
+    """ids of the parameters of the groups whose algorithm is a matrix rule."""
+    ids = set()
+    for g in groups:
+        algorithm = g.get("algorithm", defaults["rule"])
+        if algorithm in RULES:
+            ids |= {id(p) for p in g["params"]}
+        elif algorithm not in (*SCALAR_ALGORITHMS, "scalar"):
+            raise ValueError(
+                f"param group {g.get('name', '?')!r}: unknown algorithm {algorithm!r}; expected "
+                f"one of {sorted(RULES) + list(SCALAR_ALGORITHMS) + ['scalar']}"
+            )
+    return ids
+
+
+def _owner_dmuon(
+    model: nn.Module,
+    groups: list[dict[str, Any]],
+    dmuon_options: dict[str, Any],
+    dedicate_options: dict[str, Any],
+) -> DMuon:
+    """Stage 0, owner mode: DMuon as a DDP replacement (matrices owned, rest all-reduced)."""
+    matrices = _matrix_ids(groups, _dmuon_defaults(dmuon_options))
+    ded = ddp.dedicate(model, predicate=lambda _name, p: id(p) in matrices, **dedicate_options)
+    return DMuon(groups, distributed=ded, **dmuon_options)
+
+
+def _owner_client(
+    model: nn.Module,
+    groups: list[dict[str, Any]],
+    dmuon_options: dict[str, Any],
+    dedicate_options: dict[str, Any],
+) -> ZeroClientOptimizer:
+    defaults = _dmuon_defaults(dmuon_options)
+    matrices = _matrix_ids(groups, defaults)
+    matrix_groups, scalar_groups = [], []
+    for g in groups:  # (no empty groups here)
+        if id(g["params"][0]) in matrices:
+            matrix_groups.append(g)
+        else:
+            algorithm = g.get("algorithm", defaults["rule"])
+            if algorithm == "scalar":
+                algorithm = defaults["scalar_optimizer"]
+            scalar_groups.append(_scalar_group(g, algorithm, defaults))
+    ded = _dedicate(
+        model,
+        dedicate_options.pop("group", None),
+        predicate=lambda _name, p: id(p) in matrices,
+        strategy=dedicate_options.pop("strategy", "lpt"),
+        layer_of=dedicate_options.pop("layer_of", layer_key),
+        stats=dedicate_options.pop("stats", None),
+        all_reduce_rest=False,
+        kind="deepspeed",
+        plan_options=dedicate_options,
+    )
+    dmuon = DMuon(matrix_groups, distributed=ded, **dmuon_options)
+    return ZeroClientOptimizer(scalar_groups, dmuon)
+
+
+def _dmuon_defaults(options: Mapping[str, Any]) -> dict[str, Any]:
+    """DMuon's constructor arguments: ``options`` over the signature's defaults."""
+    sig = inspect.signature(DMuon.__init__).parameters
+    out = {k: p.default for k, p in sig.items() if p.default is not inspect.Parameter.empty}
+    out.update(options)
+    return out
+
+
+def _scalar_group(
+    group: Mapping[str, Any], algorithm: str, defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    # The same resolution as DMuon's: a group's own value, else adamw_* (lr: adamw_lr or lr).
+    lr = defaults["lr"] if defaults["adamw_lr"] is None else defaults["adamw_lr"]
+    out = dict(group)
+    out["algorithm"] = algorithm
+    out.setdefault("lr", lr)
+    out.setdefault("betas", defaults["adamw_betas"])
+    out.setdefault("weight_decay", defaults["adamw_weight_decay"])
+    if algorithm == "adamw":
+        out.setdefault("eps", defaults["adamw_eps"])
+    else:
+        out.pop("eps", None)
+    return out

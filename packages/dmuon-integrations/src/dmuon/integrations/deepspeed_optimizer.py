@@ -1,0 +1,164 @@
+"""What DeepSpeed's ZeRO-1/2 is handed in owner mode: the scalar parameters, DMuon behind.
+
+ZeRO-1 and ZeRO-2 flatten every parameter group of their client optimizer into one
+vector and give each rank a slice of it: a matrix would reach the optimizer as a
+piece of a flat vector, and orthogonalising pieces is not Muon. So in owner mode
+DeepSpeed is handed only the *scalar* parameters (embeddings, head, norms, biases),
+for which an elementwise optimizer on a slice is exact; the matrices are dedicated to
+owner ranks (:mod:`dmuon.integrations.fsdp`'s hooks, outside ZeRO's flat buffers) and
+stepped by a :class:`~dmuon.optim.DMuon` in owner mode.
+
+ZeRO calls ``step()`` once per parameter group, with ``param_groups`` narrowed to that
+group. :class:`ZeroClientOptimizer` runs AdamW/Lion on whatever groups it is shown
+and runs the matrices' owner step once, together with the last group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from dmuon.optim import SCALAR_ALGORITHMS, DMuon, adamw_step, lion_step
+from dmuon.optim.hyperparameters import SCALAR_KEYS
+
+__all__ = ["ZeroClientOptimizer"]
+
+
+class ZeroClientOptimizer(torch.optim.Optimizer):
+    """DeepSpeed's client optimizer under ZeRO-1/2: AdamW/Lion on the scalars, then DMuon.
+
+    Build it through :func:`dmuon.integrations.deepspeed.initialize`, which dedicates
+    the matrices, builds ``dmuon`` in owner mode and hands this object to
+    ``deepspeed.initialize``. Its ``param_groups`` are the scalar groups only (ZeRO
+    replaces each group's parameters by this rank's slice of their flat fp32 copy);
+    the matrices are reached through :attr:`dmuon`.
+
+    The scalar step is exactly :func:`dmuon.optim.adamw_step` (or
+    :func:`~dmuon.optim.lion_step`) with the group's hyperparameters, so on a slice
+    it gives the slice of what :class:`~dmuon.optim.DMuon` gives on whole tensors.
+    After the owner step the matrices' gradients are set to ``None`` (ZeRO's
+    ``zero_grad`` only reaches its own parameters).
+
+    Args:
+        groups: the scalar parameter groups: dicts with ``params``, ``algorithm``
+            (``"adamw"`` or ``"lion"``), ``lr``, ``betas``, ``weight_decay`` and, for
+            AdamW, ``eps``.
+        dmuon: the :class:`~dmuon.optim.DMuon` (owner mode) stepping the matrices.
+
+    Raises:
+        ValueError: a group with no parameters, an unknown algorithm, a missing or
+            bad hyperparameter (named).
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import DMuon
+        >>> w, b = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.zeros(4))
+        >>> opt = ZeroClientOptimizer(
+        ...     [{"params": [b], "algorithm": "adamw", "lr": 0.1, "betas": (0.9, 0.95),
+        ...       "eps": 1e-8, "weight_decay": 0.0}],
+        ...     DMuon([w], lr=0.02),
+        ... )
+        >>> w.grad, b.grad = torch.ones(4, 4), torch.ones(4)
+        >>> opt.step()
+        >>> round(b[0].item(), 3), w.grad is None
+        (-0.1, True)
+    """
+
+    def __init__(self, groups: Iterable[Mapping[str, Any]], dmuon: DMuon) -> None:
+        checked = [_check_group(g, i) for i, g in enumerate(groups)]
+        if not checked:
+            raise ValueError(
+                "ZeroClientOptimizer needs at least one scalar parameter group for ZeRO to "
+                "partition; a model of matrices only does not need ZeRO (use stage 0)"
+            )
+        super().__init__(checked, {})
+        self.dmuon = dmuon
+        # ZeRO narrows param_groups to one group per call; the group dicts stay the same
+        # objects (ZeRO only swaps their "params"), so the last one marks the end of a step.
+        self._last_group = self.param_groups[-1]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Step the scalar groups shown in ``param_groups``; with the last one, the matrices.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._scalar_step(group)
+        if self.param_groups and self.param_groups[-1] is self._last_group:
+            self.dmuon.step()
+            self.dmuon.zero_grad(set_to_none=True)
+        return loss
+
+    def _scalar_step(self, group: Mapping[str, Any]) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        states = [self._state_of(p, group["algorithm"]) for p in params]
+        grads = [p.grad for p in params]
+        common = dict(lr=group["lr"], betas=group["betas"], weight_decay=group["weight_decay"])
+        if group["algorithm"] == "adamw":
+            adamw_step(
+                params,
+                grads,
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                [s["step"] for s in states],
+                eps=group["eps"],
+                **common,
+            )
+        else:
+            lion_step(
+                params,
+                grads,
+                [s["exp_avg"] for s in states],
+                [s["step"] for s in states],
+                **common,
+            )
+
+    def _state_of(self, p: torch.Tensor, algorithm: str) -> dict[str, torch.Tensor]:
+        # Lazily, like torch.optim.AdamW: ZeRO replaces the parameters after construction.
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if algorithm == "adamw":
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the scalar parameters' and the matrices' gradients."""
+        super().zero_grad(set_to_none=set_to_none)
+        self.dmuon.zero_grad(set_to_none=set_to_none)
+
+
+def _check_group(group: Mapping[str, Any], index: int) -> dict[str, Any]:
+    where = f"scalar group {index}"
+    algorithm = group.get("algorithm")
+    if algorithm not in SCALAR_ALGORITHMS:
+        raise ValueError(
+            f"{where}: algorithm must be one of {SCALAR_ALGORITHMS}, got {algorithm!r}"
+        )
+    params = list(group.get("params", ()))
+    if not params:
+        raise ValueError(f"{where} has no parameters (drop empty groups)")
+    out: dict[str, Any] = {"params": params, "algorithm": algorithm}
+    for key, option in SCALAR_KEYS[algorithm].items():
+        if key not in group:
+            accepted = sorted(SCALAR_KEYS[algorithm])
+            raise ValueError(f"{where}: missing {key!r} (accepted keys: {accepted})")
+        out[key] = option.check(group[key])
+    for key in ("name", "param_names"):
+        if key in group:
+            out[key] = group[key]
+    return out

@@ -1,0 +1,186 @@
+"""DeepSpeed with DMuon as client optimizer reaches the single-process parameters.
+
+For each (ZeRO stage, mode) of ``dmuon.integrations.deepspeed.SUPPORTED`` (stage 0 in
+replicated and in owner mode, stages 1 and 2 in owner mode), a small GPT (benchmarks/common) is
+trained 5 steps by a DeepSpeed engine on 2 gloo ranks, each rank on its half of the
+global batch; the reference trains the same model in this process with
+``DMuon(param_groups(model))`` on the mean of the two halves' losses. The same rank
+processes then ask for every refused combination (stage 3, replicated at stage 1/2,
+an unknown mode, bf16, gradient accumulation in owner mode) and must raise
+``UnsupportedConfigError`` on every rank, without a collective that could hang. One
+launch runs all of it: DeepSpeed's import and its first ``initialize`` (it builds its
+shared-memory comm op on the CPU accelerator, cached afterwards) are paid once.
+
+Tolerance 1e-5 (fp32 Newton–Schulz, AdamW ε = 1e-3 as in distributed_cases): the
+runs differ only in the order of the gradient sums.
+
+The guide's script (docs/guides/deepspeed.md) is run as written, under torchrun.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+from distributed_cases import (
+    GLOBAL_BATCH,
+    OPT,
+    STEPS,
+    TOLERANCE,
+    batch,
+    build,
+    full_params,
+    loss_of,
+    max_diff,
+    reference,
+)
+
+from dmuon.comm.testing import run_on_ranks
+from dmuon.integrations import deepspeed as dmuon_ds
+
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="DeepSpeed is not installed: pip install 'dmuon-integrations[deepspeed]'",
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORLD = 2
+SUPPORTED_TEXT = (
+    "stage 0 (mode='replicated' or 'owner'), stage 1 (mode='owner'), stage 2 (mode='owner')"
+)
+CASES = [(stage, mode) for stage, modes in dmuon_ds.SUPPORTED.items() for mode in modes]
+REFUSED = [  # (stage, mode, extra config, what the message must say)
+    (3, None, {}, SUPPORTED_TEXT),
+    (1, "replicated", {}, SUPPORTED_TEXT),
+    (2, "replicated", {}, SUPPORTED_TEXT),
+    (1, "sharded", {}, SUPPORTED_TEXT),
+    (2, None, {"bf16": {"enabled": True}}, SUPPORTED_TEXT),
+    # found after DeepSpeed derived it: raised once the engine exists, on every rank
+    (
+        2,
+        None,
+        {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // 4, "gradient_accumulation_steps": 2},
+        "gradient accumulation (2 steps) is not supported in owner mode",
+    ),
+]
+
+
+def _config(stage: int, world: int, **extra):
+    return {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "zero_optimization": {"stage": stage},
+        **extra,
+    }
+
+
+def _train_and_refuse(rank: int, world: int):
+    import torch.distributed as dist
+
+    params, modes = {}, {}
+    for stage, mode in CASES:
+        model = build("gpt")
+        engine, _, _, _ = dmuon_ds.initialize(model, _config(stage, world), mode=mode, **OPT)
+        for t in range(STEPS):
+            engine.backward(loss_of("gpt", engine, *batch("gpt", t, rank, world)))
+            engine.step()
+        opt = dmuon_ds.dmuon_of(engine)
+        if opt.mode == "owner":
+            opt.engine.exchange.wait_all_published()  # the last broadcasts, before reading
+        # owner mode at stage 0 replaces DeepSpeed's all-reduce (it would repeat the traffic)
+        modes[stage, mode] = (opt.mode, engine.enable_backward_allreduce)
+        params[stage, mode] = full_params(model)
+        dist.barrier()
+    refusals = []
+    for stage, mode, extra, _ in REFUSED:
+        try:
+            dmuon_ds.initialize(build("gpt"), _config(stage, world, **extra), mode=mode, **OPT)
+        except dmuon_ds.UnsupportedConfigError as e:
+            refusals.append(str(e))
+        else:
+            refusals.append(None)
+    dist.barrier()  # every rank got here: no refusal left a rank inside a collective
+    return params, modes, refusals
+
+
+@needs_deepspeed
+def test_supported_stages_equal_single_process_and_refused_ones_raise_on_every_rank():
+    import deepspeed  # noqa: F401  (imported once here, before the ranks fork)
+
+    expected = reference("gpt", WORLD)
+    moved, _ = max_diff(expected, full_params(build("gpt")))
+    assert moved > 1e-2, "the reference barely trained: the comparison would prove nothing"
+    results = run_on_ranks(_train_and_refuse, WORLD, timeout=900)
+    for rank, (params, modes, refusals) in enumerate(results):
+        assert modes == {(s, m): (m, not (s == 0 and m == "owner")) for s, m in CASES}
+        for case in CASES:
+            diff, where = max_diff(params[case], expected)
+            assert diff <= TOLERANCE, f"{case}, rank {rank}: {where} differs by {diff:.2e}"
+            same, where = max_diff(params[case], results[0][0][case])
+            assert same == 0.0, f"{case}: rank {rank} and rank 0 differ at {where}"
+        for (stage, mode, extra, says), message in zip(REFUSED, refusals, strict=True):
+            assert message is not None, f"rank {rank}: stage {stage}, mode {mode}, {extra} ran"
+            assert says in message, message
+
+
+def test_check_config_names_the_stage_and_the_supported_ones():
+    assert dmuon_ds.check_config({"zero_optimization": {"stage": 1}}) == (1, "owner")
+    assert dmuon_ds.check_config({}) == (0, "replicated")
+    with pytest.raises(dmuon_ds.UnsupportedConfigError, match="ZeRO stage 3 is not supported"):
+        dmuon_ds.check_config({"zero_optimization": {"stage": 3}})
+    with pytest.raises(dmuon_ds.UnsupportedConfigError, match="gradient_clipping"):
+        dmuon_ds.check_config({"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0})
+    with pytest.raises(dmuon_ds.UnsupportedConfigError, match="'optimizer' section"):
+        dmuon_ds.check_config({"optimizer": {"type": "AdamW"}})
+
+
+def _guide_script() -> str:
+    text = (ROOT / "docs" / "guides" / "deepspeed.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, "docs/guides/deepspeed.md has no python block"
+    return blocks[0]
+
+
+@needs_deepspeed
+def test_the_guide_script_trains_under_torchrun(tmp_path):
+    script = tmp_path / "train_deepspeed.py"
+    script.write_text(_guide_script())
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *map(str, sorted((ROOT / "packages").glob("*/src"))), env.get("PYTHONPATH", "")]
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD)]
+    cmd += ["--standalone", str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    losses = [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)$", proc.stdout, flags=re.M)]
+    assert len(losses) >= 2, proc.stdout[-2000:]
+    assert losses[-1] < losses[0], losses
+    assert "DMuon mode: owner" in proc.stdout  # the guide's config is ZeRO-2
+
+
+def test_dmuon_integrations_imports_without_deepspeed():
+    # deepspeed made unimportable: dmuon.integrations and its config check still work, and
+    # initialize() says what to install.
+    code = """
+import sys
+sys.modules["deepspeed"] = None
+from dmuon.integrations import deepspeed as dmuon_ds
+assert dmuon_ds.check_config({"zero_optimization": {"stage": 1}}) == (1, "owner")
+try:
+    dmuon_ds.initialize(None, {})
+except ImportError as e:
+    print("ImportError:", e)
+"""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(map(str, sorted((ROOT / "packages").glob("*/src"))))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ImportError: dmuon.integrations.deepspeed needs DeepSpeed" in proc.stdout
