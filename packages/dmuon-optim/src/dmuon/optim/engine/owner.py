@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from dmuon.optim.engine.base import Engine, local_norm_tensors
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
-from dmuon.optim.engine.params import is_dtensor
+from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.report import StepReport
 
 if TYPE_CHECKING:
@@ -92,6 +92,34 @@ class OwnerEngine(Engine):
         name = self.exchange.name_of(p)
         assert name is not None
         return self.exchange._layer_of[name]
+
+    def begin_step(self) -> None:
+        self.exchange.flush()
+
+    def skip_step(self) -> None:
+        ex = self.exchange
+        ex.wait_all_reduced()  # drain the reductions every rank launched
+        if ex.reshard_after_forward:
+            ex.release_all()
+        ex.end_step()
+
+    def settle(self) -> None:
+        self.exchange.wait_all_published()
+
+    def agreement_groups(self) -> list[dist.ProcessGroup | None]:
+        ex = self.exchange
+        if self.world_size == 1:
+            return []
+        return [ex.group] if ex.replicate_group is None else [ex.group, ex.replicate_group]
+
+    def replicated_params(self) -> list[EngineParam]:
+        # Under ZeRO-3-like resharding a dedicated matrix lives on its owner only.
+        skip = self.exchange.reshard_after_forward
+        return [
+            e
+            for e in self.params
+            if not is_dtensor(e.param) and not (skip and self._dedicated(e.param))
+        ]
 
     def prepare_grads(self) -> None:
         self.exchange.wait_all_reduced()

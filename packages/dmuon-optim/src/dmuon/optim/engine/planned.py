@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import CommHandle, CommStats, OwnerPlan, default_stats, plan_owners
+from dmuon.comm import CommHandle, CommStats, OwnerPlan, default_stats, plan_owners, wait_work
 from dmuon.comm.groups import group_size
 from dmuon.optim.engine.base import Engine, world_of
 from dmuon.optim.engine.consistency import check_model_consistency
@@ -127,11 +127,18 @@ class PlannedEngine(Engine):
         flags = torch.tensor([int(e.param.grad is not None) for e in params], dtype=torch.int32)
         n = group_size(self.group)
         if n > 1:
-            dist.all_reduce(flags, group=self.group)
+            wait_work(
+                dist.all_reduce(flags, group=self.group, async_op=True),
+                "all-reduce of gradient-presence flags",
+                self.group,
+            )
             self.stats.record_collective(
                 "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=n
             )
         return {e.name: bool(f) for e, f in zip(params, flags.tolist(), strict=True)}
+
+    def agreement_groups(self) -> list[dist.ProcessGroup | None]:
+        return [self.group] if self.world_size > 1 else []
 
     def subplan(self, key: str) -> OwnerPlan:
         """The plan of layer ``key``'s matrices."""

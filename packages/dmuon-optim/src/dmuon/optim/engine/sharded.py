@@ -171,6 +171,17 @@ class ShardedEngine(PlannedEngine):
                     opt._scalar_step(g)
         pipe.drain()
 
+    def agreement_groups(self) -> list[dist.ProcessGroup | None]:
+        return self.norm_tensors_groups() if self.world_size > 1 else []
+
+    def norm_tensors_groups(self) -> list[dist.ProcessGroup | None]:
+        """Every mesh dimension of the sharded parameters (HSDP: shard and replicate)."""
+        for e in self.params:
+            if is_dtensor(e.param):
+                mesh = e.param.device_mesh  # type: ignore[attr-defined]
+                return [mesh.get_group(d) for d in range(mesh.ndim)]
+        return [self.group]
+
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
         out = local_norm_tensors(self.params)
         groups: list[dist.ProcessGroup | None] = []
