@@ -164,12 +164,13 @@ def check_agreement(engine: Engine) -> int:
     who: list[list[int]] = []
     for g in groups:
         n = dist.get_world_size(g)
-        gathered = torch.empty(n, sums.numel(), dtype=torch.int64)
+        flat = torch.empty(n * sums.numel(), dtype=torch.int64)
         wait_work(
-            dist.all_gather_into_tensor(gathered, sums, group=g, async_op=True),
+            dist.all_gather_into_tensor(flat, sums, group=g, async_op=True),
             "all-gather of parameter checksums",
             g,
         )
+        gathered = flat.view(n, sums.numel())
         ranks = dist.get_process_group_ranks(g) if g is not None else list(range(n))
         differs = (gathered != gathered[0]).any(dim=0)
         for k in torch.nonzero(differs).flatten().tolist():
