@@ -11,6 +11,7 @@ import torch
 from dmuon.comm import CollectiveError, collective_timeout
 from dmuon.optim.buckets import Bucket, Sink, build_buckets, state_shapes, step_bucket
 from dmuon.optim.engine.base import Engine, SingleEngine
+from dmuon.optim.engine.exchange import exchange_of
 from dmuon.optim.engine.guards import (
     NONFINITE_POLICIES,
     NonFiniteGradientError,
@@ -288,6 +289,14 @@ class DMuon(torch.optim.Optimizer):
                 "was built with; build a new DMuon with every group"
             )
         group = self._normalize_group(param_group, len(self.param_groups))
+        seen = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        for k, p in enumerate(group["params"]):
+            if id(p) in seen:
+                name = _name(group.get("param_names"), k, len(self.param_groups), p)
+                raise ValueError(
+                    f"{name} is already in param group {seen[id(p)]}; a parameter may be in "
+                    "one group only (param_groups(model) assigns each once)"
+                )
         defaults, self.defaults = self.defaults, {}
         try:
             super().add_param_group(group)
@@ -359,7 +368,7 @@ class DMuon(torch.optim.Optimizer):
             matrix_layout(p, dict(group), name)
             if not p.is_contiguous():
                 raise ValueError(
-                    f"{name} (shape {tuple(p.shape)}) is not contiguous; matrix rules update "
+                    f"{name} is not contiguous; matrix rules update "
                     "parameters through views — make it contiguous (e.g. not channels_last)"
                 )
 
@@ -449,6 +458,15 @@ class DMuon(torch.optim.Optimizer):
                     "add_param_group"
                 )
         engine = self._engine
+        if engine.mode != "owner":
+            dedicated = next((e.name for e in engine.params if exchange_of(e.param)), None)
+            if dedicated is not None:
+                raise RuntimeError(
+                    f"parameter {dedicated!r} was dedicated to an owner after this optimizer "
+                    f"was built (mode {engine.mode!r}): the dedication now reduces its gradient "
+                    "to one rank and publishes its weight, which this optimizer does not know. "
+                    "Call dedicate() first, then build DMuon(..., distributed=ded)"
+                )
         report = StepReport(engine.mode, engine.rank, engine.world_size)
         number = self.steps_taken + self.skipped_steps + 1
         t0 = time.perf_counter()

@@ -43,6 +43,14 @@ class OwnerEngine(Engine):
     def bind(self, opt: DMuon) -> None:
         super().bind(opt)
         ex = self.exchange
+        for index, group in enumerate(opt.param_groups):
+            if group["algorithm"] == "sign_muon":
+                raise ValueError(
+                    f"param group {index} uses rule 'sign_muon', which votes across ranks on "
+                    "each rank's local gradient; a dedication reduces the gradients to their "
+                    "owners, so there would be nothing to vote on. Drop the dedication and use "
+                    "mode='sign' (train without DDP), or pick another rule for owner mode"
+                )
         for e in self.params:
             owner = exchange_of(e.param)
             if owner is not None and owner is not ex:
