@@ -324,7 +324,8 @@ class OwnerExchange(Publication):
             self.wait_all_published()
         while self._next_launch < len(self._reduce_order):
             self._launch(self._reduce_order[self._next_launch])
-        flags = torch.tensor([int(n in self._present) for n in self._params], dtype=torch.int32)
+        names = sorted(self._params)  # by name: one order on every rank
+        flags = torch.tensor([int(n in self._present) for n in names], dtype=torch.int32)
         groups = (
             [self.group] if self.replicate_group is None else [self.group, self.replicate_group]
         )
@@ -338,9 +339,7 @@ class OwnerExchange(Publication):
                 self.stats.record_collective(
                     "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=group_size(g)
                 )
-        self._global_present = {
-            n: bool(f) for n, f in zip(self._params, flags.tolist(), strict=True)
-        }
+        self._global_present = {n: bool(f) for n, f in zip(names, flags.tolist(), strict=True)}
         self._flushed = True
 
     def _launch(self, layer: _Layer) -> None:

@@ -155,7 +155,8 @@ def check_agreement(engine: Engine) -> int:
         1
     """
     engine.settle()
-    params: list[EngineParam] = engine.replicated_params()
+    # by name: the ranks may list the same parameters in different orders
+    params: list[EngineParam] = sorted(engine.replicated_params(), key=lambda e: e.name)
     groups = engine.agreement_groups()
     if not groups or not params:
         return len(params)

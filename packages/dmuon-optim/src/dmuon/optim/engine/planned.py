@@ -123,7 +123,8 @@ class PlannedEngine(Engine):
 
     def agree_presence(self, extra: list[EngineParam] | None = None) -> dict[str, bool]:
         """Which parameters have a gradient on at least one rank (one small all-reduce)."""
-        params = self.params if extra is None else extra
+        # by name: the ranks may list the same parameters in different orders
+        params = sorted(self.params if extra is None else extra, key=lambda e: e.name)
         flags = torch.tensor([int(e.param.grad is not None) for e in params], dtype=torch.int32)
         n = group_size(self.group)
         if n > 1:
