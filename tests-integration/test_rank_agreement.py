@@ -10,7 +10,7 @@ training loop, a bad checkpoint load or a rank-dependent update would).
 from __future__ import annotations
 
 import torch
-from distributed_cases import OPT, batch, loss_of, setup
+from distributed_cases import OPT, batch, full_params, loss_of, max_diff, setup
 
 from dmuon.comm.testing import run_on_ranks
 from dmuon.optim import RankDivergenceError
@@ -43,6 +43,23 @@ def run_agreement(rank: int, world: int):
                 raised.append((t, str(err), err.names, err.ranks))
             opt.zero_grad()
         out["diverged", mode] = raised
+    # rank 1 lists the same parameters in another order (groups and parameters
+    # reversed): the same model, so no divergence may be reported, and the ranks end equal
+    model, forward, _, ded = setup("owner_ddp", NAME, world, dict(OPT, check_every=1))
+    from dmuon.optim import DMuon, param_groups
+
+    groups = param_groups(model)
+    if rank == 1:
+        groups = [
+            dict(g, params=g["params"][::-1], param_names=g["param_names"][::-1]) for g in groups
+        ][::-1]
+    opt = DMuon(groups, **dict(OPT, check_every=1, distributed=ded))
+    for t in range(2):
+        loss_of(NAME, forward, *batch(NAME, t, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    ded.wait()
+    out["reordered"] = full_params(model)
     return out
 
 
@@ -59,3 +76,5 @@ def test_parameter_checksums_agree_on_healthy_runs_and_name_a_diverged_parameter
             _, text, names, ranks = raised[0]
             assert names == ["head.bias"] and ranks == [[1]], f"{mode}, rank {rank}: {text}"
             assert "'head.bias'" in text and "rank(s) [1]" in text, text
+        same, where = max_diff(res["reordered"], results[0]["reordered"])
+        assert same == 0.0, f"reordered groups: rank {rank} differs from rank 0 at {where}"
