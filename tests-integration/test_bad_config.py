@@ -170,7 +170,7 @@ CASES = [
          lambda: DMuon([{"params": [nn.Parameter(torch.zeros(6))], "algorithm": "muon"}]),
          ValueError, "matrix rules take parameters with at least 2 dimensions"),
     Case("param-in-two-groups", "one parameter in two groups", _two_groups, ValueError,
-         "is already in param group 0; a parameter may be in one group only"),
+         "appears in more than one parameter group (it is already in param group 0)"),
     Case("integer-param", "an integer tensor as a parameter",
          lambda: DMuon([torch.zeros(4, 4, dtype=torch.int64)]), ValueError,
          "DMuon optimizes real floating-point parameters"),

@@ -294,8 +294,8 @@ class DMuon(torch.optim.Optimizer):
             if id(p) in seen:
                 name = _name(group.get("param_names"), k, len(self.param_groups), p)
                 raise ValueError(
-                    f"{name} is already in param group {seen[id(p)]}; a parameter may be in "
-                    "one group only (param_groups(model) assigns each once)"
+                    f"{name} appears in more than one parameter group (it is already in "
+                    f"param group {seen[id(p)]}); param_groups(model) assigns each parameter once"
                 )
         defaults, self.defaults = self.defaults, {}
         try:
