@@ -112,7 +112,8 @@ class OwnerEngine(Engine):
         ex.end_step()
 
     def settle(self) -> None:
-        self.exchange.wait_all_published()
+        if not self.exchange.reshard_after_forward:  # ZeRO-3-like: nothing compared to wait for
+            self.exchange.wait_all_published()
 
     def agreement_groups(self) -> list[dist.ProcessGroup | None]:
         ex = self.exchange
