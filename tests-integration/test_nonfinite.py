@@ -24,7 +24,7 @@ from dmuon.comm.testing import run_on_ranks
 from dmuon.optim import RULES, DMuon, NonFiniteGradientError, param_groups
 
 NAME = "mixed"
-MODES = ["owner_fsdp", "owner_ddp", "replicated", "sharded"]
+MODES = ["owner_fsdp", "owner_fsdp_z3", "owner_ddp", "replicated", "sharded"]
 BATCHES = [0, 1, 2]
 POISONED = 1  # batch 1 is poisoned on rank 1
 TOLERANCE = 1e-5  # as in test_modes_equal_single: only the order of the sums differs
@@ -57,6 +57,8 @@ def run_poisoned(rank: int, world: int):
                     x[0, 0, 0] = float("nan") if policy == "skip_step" else float("inf")
                 loss_of(NAME, forward, x, y).backward()
                 if t == POISONED:
+                    if ded is not None:  # ZeRO-3-like: bring back the weights to read them
+                        ded.wait()
                     before = full_params(model)
                     state = {k: v.clone() for p in opt.state for k, v in opt.state[p].items()}
                 try:
