@@ -110,7 +110,7 @@ class Publication:
                         return
         except CollectiveError as err:
             raise err.with_context(
-                f"rank {self.rank}, before layer {key!r} runs: waiting for the weights "  # type: ignore[attr-defined]
+                f"rank {self.rank}, before layer {key!r} runs: waiting for the weights "
                 f"published by DMuon step {getattr(self, 'published_step', '?')}"
             ) from err
 
