@@ -30,6 +30,7 @@ from dmuon.comm.testing import RankFailure, RankOutcome, run_on_ranks
 from dmuon.optim import DMuon, param_groups
 
 WORLD, FAULTY = 3, 2
+_TIMEOUT = [2.0]  # set by main(); read by the forked ranks
 
 
 def _build(mode: str, world: int, timeout: float):
@@ -65,7 +66,8 @@ def _faulty(inner, fault: str):
         if len(calls) == 2:
             if fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(600)
+            time.sleep(4 * _TIMEOUT[0])  # longer than the deadline, then leave
+            raise SystemExit("the hanging rank gives up")
 
     return step
 
@@ -90,6 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--timeout", type=float, default=2.0, help="DMuon(timeout=...) in s")
     args = parser.parse_args()
+    _TIMEOUT[0] = args.timeout
     rows = []
     for mode in ("owner", "replicated", "sharded"):
         for fault in ("kill", "hang"):
