@@ -162,3 +162,18 @@ def test_a_gradient_whose_norm_underflows_gives_a_finite_update(rule, dtype, sca
     # (|w| < 4: 2⁻⁸ in fp16, 2⁻⁶ in bf16) or of bf16/fp16 Newton–Schulz for fp32.
     atol = {torch.float16: 2**-8, torch.bfloat16: 2**-6}.get(dtype, 2e-3)
     torch.testing.assert_close(moved, expected, atol=atol, rtol=0.0)
+
+
+def test_the_policy_and_its_count_survive_a_deep_copy():
+    import copy
+
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    opt = DMuon([w], nonfinite="skip_step", check_every=3, timeout=5)
+    w.grad = torch.full((4, 4), float("nan"))
+    opt.step()
+    twin = copy.deepcopy(opt)
+    assert (twin.nonfinite, twin.check_every, twin.timeout) == ("skip_step", 3, 5.0)
+    assert (twin.skipped_steps, twin.steps_taken) == (1, 0)
+    twin.param_groups[0]["params"][0].grad = torch.full((4, 4), float("inf"))
+    twin.step()  # skipped, not raised: the copy kept the policy
+    assert twin.skipped_steps == 2

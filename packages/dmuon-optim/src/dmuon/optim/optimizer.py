@@ -643,6 +643,13 @@ class DMuon(torch.optim.Optimizer):
             "matrix_defaults": self._matrix_defaults,
             "scalar_defaults": self._scalar_defaults,
             "rule_options": self._rule_options,
+            "guards": {
+                "timeout": self.timeout,
+                "nonfinite": self.nonfinite,
+                "check_every": self.check_every,
+                "skipped_steps": self.skipped_steps,
+                "steps_taken": self.steps_taken,
+            },
         }
         return state
 
@@ -654,6 +661,8 @@ class DMuon(torch.optim.Optimizer):
             self._matrix_defaults = config["matrix_defaults"]
             self._scalar_defaults = config["scalar_defaults"]
             self._rule_options = config["rule_options"]
+            for key, value in config.get("guards", {}).items():
+                setattr(self, key, value)
             self.sign_vote = local_vote
             self.max_batch_elements = None
             self._buckets, self._structure = {}, {}
