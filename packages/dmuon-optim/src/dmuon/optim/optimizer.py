@@ -472,8 +472,10 @@ class DMuon(torch.optim.Optimizer):
         t0 = time.perf_counter()
         try:
             with collective_timeout(self.timeout):
-                engine.begin_step()
-                if self.nonfinite is not None and not self._gradients_finite(number):
+                with report.phase("comm_wait"):  # the guards' flags are communication too
+                    engine.begin_step()
+                    finite = self.nonfinite is None or self._gradients_finite(number)
+                if not finite:
                     engine.skip_step()
                     self.skipped_steps += 1
                     report.seconds["total"] = time.perf_counter() - t0
