@@ -13,6 +13,12 @@ from dmuon.comm.buckets import BucketSlot, FlatBucket, make_buckets
 from dmuon.comm.consistency import PlanMismatchError, check_plan_consistency
 from dmuon.comm.cost import NSCost
 from dmuon.comm.cost_model import COLLECTIVES, CollectiveCost, cost_model
+from dmuon.comm.faults import (
+    CollectiveError,
+    collective_timeout,
+    current_timeout,
+    wait_work,
+)
 from dmuon.comm.flops import ns_flops
 from dmuon.comm.groups import CollectiveInputError
 from dmuon.comm.handles import CommHandle
@@ -32,6 +38,7 @@ __all__ = [
     "VOTE_METHODS",
     "BucketSlot",
     "CollectiveCost",
+    "CollectiveError",
     "CollectiveInputError",
     "CommHandle",
     "CommStats",
@@ -46,7 +53,9 @@ __all__ = [
     "all_gather_updates",
     "broadcast_from_owners",
     "check_plan_consistency",
+    "collective_timeout",
     "cost_model",
+    "current_timeout",
     "default_stats",
     "layer_key",
     "majority_vote",
@@ -60,4 +69,5 @@ __all__ = [
     "shard_all_to_all_reverse",
     "shard_range",
     "unpack_signs",
+    "wait_work",
 ]

@@ -125,4 +125,4 @@ def all_gather_updates(
             t.copy_(result[key])
         return result
 
-    return CommHandle(works, finish)
+    return CommHandle(works, finish, what="all-gather of updated matrices", group=group)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+from dmuon.comm.faults import wait_work
+
 __all__ = ["CommHandle"]
 
 T = TypeVar("T")
@@ -25,8 +27,17 @@ class CommHandle(Generic[T]):
         (True, 42, 42)
     """
 
-    def __init__(self, works: Sequence[Any], finish: Callable[[], T]):
+    def __init__(
+        self,
+        works: Sequence[Any],
+        finish: Callable[[], T],
+        *,
+        what: str = "communication",
+        group: Any = None,
+    ):
         self._works = [w for w in works if w is not None]
+        self.what = what
+        self._group = group
         self._finish: Callable[[], T] | None = finish
         self._result: T | None = None
 
@@ -35,10 +46,17 @@ class CommHandle(Generic[T]):
         return all(w.is_completed() for w in self._works)
 
     def wait(self) -> T:
-        """Block until the communication is done and return its result."""
+        """Block until the communication is done and return its result.
+
+        Each collective is waited within :func:`dmuon.comm.collective_timeout`'s deadline
+        (default: the process group's timeout).
+
+        Raises:
+            dmuon.comm.CollectiveError: a collective failed or missed the deadline.
+        """
         if self._finish is not None:
             for w in self._works:
-                w.wait()
+                wait_work(w, self.what, self._group)
             finish, self._finish = self._finish, None
             self._result = finish()
             self._works = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dmuon.comm.faults import wait_work
 from dmuon.comm.groups import group_size
 from dmuon.comm.signs import pack_bits, pack_signs, plus_minus, unpack_bits, unpack_signs
 from dmuon.comm.stats import CommStats, default_stats
@@ -87,7 +88,11 @@ def majority_vote(
     if method == "int8":
         vote_dtype = torch.int8 if n <= 127 else torch.int32
         votes = plus_minus(x.reshape(-1) >= 0, vote_dtype)
-        dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=group)
+        wait_work(
+            dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=group, async_op=True),
+            "majority vote all-reduce",
+            group,
+        )
         stats.record_collective(name, "all_reduce", nbytes=votes.nbytes, world_size=n)
         return plus_minus(votes >= 0, out_dtype).reshape(x.shape)
 
@@ -99,7 +104,11 @@ def majority_vote(
     bits[: packed.numel()] = packed
     chunk = bits.numel() // n
     received = torch.empty_like(bits)
-    dist.all_to_all_single(received, bits, group=group)
+    wait_work(
+        dist.all_to_all_single(received, bits, group=group, async_op=True),
+        "majority vote all-to-all",
+        group,
+    )
     stats.record(
         name,
         collectives=1,
@@ -113,6 +122,10 @@ def majority_vote(
     plus_votes = unpack_bits(received.view(n, chunk)).sum(dim=0, dtype=torch.int32)
     mine = pack_bits((2 * plus_votes >= n).to(torch.uint8))  # tie → +
     result = torch.empty_like(bits)
-    dist.all_gather_single(result, mine, group=group)
+    wait_work(
+        dist.all_gather_single(result, mine, group=group, async_op=True),
+        "majority vote all-gather",
+        group,
+    )
     stats.record_collective(name, "all_gather", nbytes=mine.nbytes, world_size=n)
     return unpack_signs(result, x.shape, dtype=out_dtype)

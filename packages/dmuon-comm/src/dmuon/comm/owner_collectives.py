@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm.buckets import FlatBucket
+from dmuon.comm.faults import wait_work
 from dmuon.comm.groups import agree, fingerprint, group_rank, group_size
 from dmuon.comm.handles import CommHandle
 from dmuon.comm.owner_plan import OwnerPlan
@@ -200,7 +201,7 @@ def reduce_to_owners(
                     )
                     stats.record_collective(name, "reduce", nbytes=b.nbytes, world_size=R)
             for w in second:
-                w.wait()
+                wait_work(w, "reduce to owners (replicate stage)", replicate_group)
         owned: dict[str, torch.Tensor] = {}
         for b in buckets:
             if b.owner == me:
@@ -209,7 +210,7 @@ def reduce_to_owners(
                 owned.update(b.views())
         return owned
 
-    return CommHandle(works, finish)
+    return CommHandle(works, finish, what="reduce to owners", group=group)
 
 
 def broadcast_from_owners(
@@ -312,7 +313,7 @@ def broadcast_from_owners(
     def finish() -> dict[str, torch.Tensor]:
         if R > 1:
             for w in shard_stage():
-                w.wait()  # type: ignore[attr-defined]
+                wait_work(w, "broadcast from owners (shard stage)", group)
         result: dict[str, torch.Tensor] = {}
         for b in buckets:
             result.update(b.views())
@@ -320,4 +321,9 @@ def broadcast_from_owners(
                 b.unpack_into(out)
         return result
 
-    return CommHandle(first, finish)
+    return CommHandle(
+        first,
+        finish,
+        what="broadcast from owners",
+        group=group if R == 1 else replicate_group,
+    )

@@ -192,7 +192,7 @@ def shard_all_to_all(
                 offset += rows * inner
         return full
 
-    return CommHandle(works, finish)
+    return CommHandle(works, finish, what="shard all-to-all to owners", group=group)
 
 
 def shard_all_to_all_reverse(
@@ -305,4 +305,4 @@ def shard_all_to_all_reverse(
                     offset += rows * inner
         return mine
 
-    return CommHandle(works, finish)
+    return CommHandle(works, finish, what="shard all-to-all back from owners", group=group)

@@ -29,6 +29,7 @@ from dmuon.integrations.dedication import Dedication
 from dmuon.integrations.hooks import install_hooks
 from dmuon.integrations.selection import Predicate, mesh_groups, split_parameters
 from dmuon.optim import OwnerExchange
+from dmuon.optim.engine.params import is_dtensor
 
 __all__ = ["dedicate"]
 
@@ -128,6 +129,13 @@ def _dedicate(
             for n, k, p in rest
         ]
         rest = []
+    sharded = [item.name for item, p in dedicated if is_dtensor(p)]
+    if sharded:
+        raise ValueError(
+            f"parameter {sharded[0]!r} is already an FSDP2 DTensor: dedicate() was called after "
+            "fully_shard(). Call dedicate(model, mesh) first, then fully_shard(model, mesh=mesh, "
+            "ignored_params=ded.params), so FSDP2 leaves the dedicated matrices to their owners"
+        )
     if not dedicated:
         raise ValueError(
             "no parameter to dedicate: the model has no matrix parameters (or the predicate "

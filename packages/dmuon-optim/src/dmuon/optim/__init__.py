@@ -17,7 +17,14 @@ from dmuon.optim.buckets import (
     step_bucket,
 )
 from dmuon.optim.clip import clip_grad_norm_
-from dmuon.optim.engine import MODES, ModelMismatchError, OwnerExchange, StepReport
+from dmuon.optim.engine import (
+    MODES,
+    ModelMismatchError,
+    NonFiniteGradientError,
+    OwnerExchange,
+    RankDivergenceError,
+    StepReport,
+)
 from dmuon.optim.groups import Assignment, ParamGroups, param_groups
 from dmuon.optim.layout import Block, MatrixLayout, matrix_layout
 from dmuon.optim.optimizer import DMuon
@@ -38,8 +45,10 @@ __all__ = [
     "Entry",
     "MatrixLayout",
     "ModelMismatchError",
+    "NonFiniteGradientError",
     "OwnerExchange",
     "ParamGroups",
+    "RankDivergenceError",
     "Rule",
     "SignVote",
     "StepReport",

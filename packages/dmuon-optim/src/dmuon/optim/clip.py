@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from dmuon.comm import wait_work
 from dmuon.comm.groups import group_size
 from dmuon.optim.engine.params import is_dtensor
 
@@ -92,7 +93,12 @@ def clip_grad_norm_(
     partial = partial.to(torch.float32)
     for pg in groups:
         if group_size(pg) > 1:
-            dist.all_reduce(partial, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pg)
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            wait_work(
+                dist.all_reduce(partial, op=op, group=pg, async_op=True),
+                "all-reduce of the gradient norm",
+                pg,
+            )
     total = partial if inf else partial.pow(1.0 / norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(

@@ -134,8 +134,13 @@ def _coefficients(value: Any) -> str | tuple[tuple[float, float, float], ...]:
         return value
     try:
         triples = tuple(value)
-        resolve_coefficients(triples, len(triples) or 1)
-        return tuple((float(a), float(b), float(c)) for a, b, c in triples)
+        if not triples:
+            raise ValueError("no triple given")
+        resolve_coefficients(triples, len(triples))
+        out = tuple((float(a), float(b), float(c)) for a, b, c in triples)
+        if not all(math.isfinite(x) for t in out for x in t):
+            raise ValueError("every coefficient must be a finite number")
+        return out
     except (TypeError, ValueError) as e:
         raise ValueError(
             f"must be one of {sorted(COEFFICIENT_SETS)} or a sequence of (a, b, c) triples, "

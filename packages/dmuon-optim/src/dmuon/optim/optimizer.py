@@ -8,8 +8,16 @@ from typing import Any
 
 import torch
 
+from dmuon.comm import CollectiveError, collective_timeout
 from dmuon.optim.buckets import Bucket, Sink, build_buckets, state_shapes, step_bucket
 from dmuon.optim.engine.base import Engine, SingleEngine
+from dmuon.optim.engine.exchange import exchange_of
+from dmuon.optim.engine.guards import (
+    NONFINITE_POLICIES,
+    NonFiniteGradientError,
+    check_agreement,
+    nonfinite_ranks,
+)
 from dmuon.optim.engine.modes import make_engine
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.hyperparameters import BOOKKEEPING_KEYS, MATRIX_KEYS, SCALAR_KEYS
@@ -80,6 +88,21 @@ class DMuon(torch.optim.Optimizer):
         adamw_betas: their ``(β₁, β₂)``.
         adamw_eps: their ε (AdamW).
         adamw_weight_decay: their decoupled weight decay.
+        mode: the execution mode (``None``: detected; see :attr:`mode`).
+        distributed: what ``dmuon.integrations.fsdp.dedicate`` / ``ddp.dedicate`` returned.
+        process_group: the group of the ``replicated``/``sharded``/``sign`` modes.
+        pipeline_depth: layers whose communication may be in flight at once.
+        timeout: seconds every collective of a step may take before every rank raises
+            :class:`dmuon.comm.CollectiveError` naming the step and the collective
+            (``None``: the process group's timeout).
+        nonfinite: what a NaN/Inf gradient on any rank does: ``"raise"``
+            (:class:`~dmuon.optim.engine.NonFiniteGradientError` on every rank, nothing
+            updated), ``"skip_step"`` (every rank skips the step, state untouched,
+            counted in :attr:`skipped_steps`) or ``None`` (no check: one pass over the
+            gradients and one tiny all-reduce saved per step).
+        check_every: compare a checksum of the replicated parameters across ranks every
+            that many steps (``None``: never); a difference raises
+            :class:`~dmuon.optim.engine.RankDivergenceError` naming the parameter.
         **rule_options: defaults of rule hyperparameters (e.g. ``beta2=0.9`` for
             NorMuon, ``fraction=0.5`` for Dion2, ``ns_compute_dtype="float32"``);
             each must be accepted by ``rule`` or by a group's algorithm.
@@ -95,6 +118,8 @@ class DMuon(torch.optim.Optimizer):
         max_batch_elements: the most matrix entries one batched rule call holds
             (``None``: per device, see :func:`~dmuon.optim.default_batch_elements`;
             the results do not depend on it).
+        steps_taken: steps this optimizer object has applied.
+        skipped_steps: steps skipped for non-finite gradients (``nonfinite="skip_step"``).
 
     Example:
         >>> import torch
@@ -129,9 +154,35 @@ class DMuon(torch.optim.Optimizer):
         distributed: Any = None,
         process_group: Any = None,
         pipeline_depth: int = 2,
+        timeout: float | None = None,
+        nonfinite: str | None = "raise",
+        check_every: int | None = None,
         **rule_options: Any,
     ) -> None:
         get_rule(rule)
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+        ):
+            raise ValueError(
+                f"timeout must be a positive number of seconds, or None for the process "
+                f"group's timeout; got {timeout!r}"
+            )
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"nonfinite must be 'raise', 'skip_step' or None (no check); got {nonfinite!r}"
+            )
+        if check_every is not None and (
+            isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1
+        ):
+            raise ValueError(
+                f"check_every must be an int ≥ 1 (compare parameters across ranks every that "
+                f"many steps) or None (never); got {check_every!r}"
+            )
+        self.timeout = None if timeout is None else float(timeout)
+        self.nonfinite = nonfinite
+        self.check_every = check_every
+        self.skipped_steps = 0
+        self.steps_taken = 0
         if scalar_optimizer not in SCALAR_ALGORITHMS:
             raise ValueError(
                 f"scalar_optimizer must be one of {list(SCALAR_ALGORITHMS)}, "
@@ -200,6 +251,9 @@ class DMuon(torch.optim.Optimizer):
             process_group=process_group,
             pipeline_depth=pipeline_depth,
         )
+        exchange = getattr(self._engine, "exchange", None)
+        if exchange is not None:
+            exchange.timeout = self.timeout
         self._initialized = True
         for index in range(len(self.param_groups)):
             self._rebuild(index)
@@ -235,6 +289,14 @@ class DMuon(torch.optim.Optimizer):
                 "was built with; build a new DMuon with every group"
             )
         group = self._normalize_group(param_group, len(self.param_groups))
+        seen = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        for k, p in enumerate(group["params"]):
+            if id(p) in seen:
+                name = _name(group.get("param_names"), k, len(self.param_groups), p)
+                raise ValueError(
+                    f"{name} appears in more than one parameter group (it is already in "
+                    f"param group {seen[id(p)]}); param_groups(model) assigns each parameter once"
+                )
         defaults, self.defaults = self.defaults, {}
         try:
             super().add_param_group(group)
@@ -306,7 +368,7 @@ class DMuon(torch.optim.Optimizer):
             matrix_layout(p, dict(group), name)
             if not p.is_contiguous():
                 raise ValueError(
-                    f"{name} (shape {tuple(p.shape)}) is not contiguous; matrix rules update "
+                    f"{name} is not contiguous; matrix rules update "
                     "parameters through views — make it contiguous (e.g. not channels_last)"
                 )
 
@@ -395,12 +457,64 @@ class DMuon(torch.optim.Optimizer):
                     "parameters) after construction; create a new optimizer or use "
                     "add_param_group"
                 )
-        report = StepReport(self._engine.mode, self._engine.rank, self._engine.world_size)
+        engine = self._engine
+        if engine.mode != "owner":
+            dedicated = next((e.name for e in engine.params if exchange_of(e.param)), None)
+            if dedicated is not None:
+                raise RuntimeError(
+                    f"parameter {dedicated!r} was dedicated to an owner after this optimizer "
+                    f"was built (mode {engine.mode!r}): the dedication now reduces its gradient "
+                    "to one rank and publishes its weight, which this optimizer does not know. "
+                    "Call dedicate() first, then build DMuon(..., distributed=ded)"
+                )
+        report = StepReport(engine.mode, engine.rank, engine.world_size)
+        number = self.steps_taken + self.skipped_steps + 1
         t0 = time.perf_counter()
-        self._engine.step(self, report)
+        try:
+            with collective_timeout(self.timeout):
+                with report.phase("comm_wait"):  # the guards' flags are communication too
+                    engine.begin_step()
+                    finite = self.nonfinite is None or self._gradients_finite(number)
+                if not finite:
+                    engine.skip_step()
+                    self.skipped_steps += 1
+                    report.seconds["total"] = time.perf_counter() - t0
+                    self.last_step = report
+                    return loss
+                exchange = getattr(engine, "exchange", None)
+                if exchange is not None:
+                    exchange.published_step = number
+                engine.step(self, report)
+                self.steps_taken += 1
+                if self.check_every is not None and self.steps_taken % self.check_every == 0:
+                    check_agreement(engine)
+        except CollectiveError as err:
+            raise err.with_context(
+                f"DMuon step {number} (mode {engine.mode!r}, rank {engine.rank} of "
+                f"{engine.world_size})"
+            ) from err
         report.seconds["total"] = time.perf_counter() - t0
         self.last_step = report
         return loss
+
+    def _gradients_finite(self, number: int) -> bool:
+        """Agree with every rank whether all gradients are finite; raise or say skip."""
+        ranks, names = nonfinite_ranks(self._engine)
+        if not ranks:
+            return True
+        if self.nonfinite == "skip_step":
+            return False
+        engine = self._engine
+        self._engine.skip_step()  # no collective left in flight: the optimizer stays usable
+        here = f"; on this rank: {names[:5]}" if names else ""
+        raise NonFiniteGradientError(
+            f"DMuon step {number}: non-finite (NaN or Inf) gradient on rank(s) {ranks}{here}. "
+            f"Nothing was updated on any rank (rank {engine.rank} of {engine.world_size}). "
+            "Lower the learning rate or clip the gradients, or pass nonfinite='skip_step' to "
+            "skip such steps on every rank (counted in skipped_steps)",
+            ranks,
+            names,
+        )
 
     def _is_scalar(self, group: Mapping[str, Any]) -> bool:
         return group["algorithm"] in SCALAR_ALGORITHMS
@@ -531,6 +645,13 @@ class DMuon(torch.optim.Optimizer):
             "matrix_defaults": self._matrix_defaults,
             "scalar_defaults": self._scalar_defaults,
             "rule_options": self._rule_options,
+            "guards": {
+                "timeout": self.timeout,
+                "nonfinite": self.nonfinite,
+                "check_every": self.check_every,
+                "skipped_steps": self.skipped_steps,
+                "steps_taken": self.steps_taken,
+            },
         }
         return state
 
@@ -542,6 +663,8 @@ class DMuon(torch.optim.Optimizer):
             self._matrix_defaults = config["matrix_defaults"]
             self._scalar_defaults = config["scalar_defaults"]
             self._rule_options = config["rule_options"]
+            for key, value in config.get("guards", {}).items():
+                setattr(self, key, value)
             self.sign_vote = local_vote
             self.max_batch_elements = None
             self._buckets, self._structure = {}, {}

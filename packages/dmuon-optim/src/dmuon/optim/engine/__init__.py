@@ -6,6 +6,13 @@ See the Concepts page "Execution modes" for the modes and their traffic.
 from dmuon.optim.engine.base import Engine, SingleEngine
 from dmuon.optim.engine.consistency import ModelMismatchError, check_model_consistency
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
+from dmuon.optim.engine.guards import (
+    NONFINITE_POLICIES,
+    NonFiniteGradientError,
+    RankDivergenceError,
+    check_agreement,
+    nonfinite_ranks,
+)
 from dmuon.optim.engine.modes import MODES, make_engine
 from dmuon.optim.engine.owner import OwnerEngine
 from dmuon.optim.engine.params import EngineParam, collect_params, item_shape, subplan
@@ -17,23 +24,28 @@ from dmuon.optim.engine.sign import SignEngine
 
 __all__ = [
     "MODES",
+    "NONFINITE_POLICIES",
     "PHASES",
     "Engine",
     "EngineParam",
     "ModelMismatchError",
+    "NonFiniteGradientError",
     "OwnerEngine",
     "OwnerExchange",
     "Pipeline",
     "PlannedEngine",
+    "RankDivergenceError",
     "ReplicatedEngine",
     "ShardedEngine",
     "SignEngine",
     "SingleEngine",
     "StepReport",
+    "check_agreement",
     "check_model_consistency",
     "collect_params",
     "exchange_of",
     "item_shape",
     "make_engine",
+    "nonfinite_ranks",
     "subplan",
 ]

@@ -72,6 +72,24 @@ class Engine:
     def step(self, opt: DMuon, report: StepReport) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def begin_step(self) -> None:
+        """Issue what every rank issues before the step's own collectives (owner mode:
+        launch the reductions not launched yet), so guards may add collectives after it."""
+
+    def skip_step(self) -> None:
+        """Finish this step's communication without stepping (every rank skips alike)."""
+
+    def settle(self) -> None:
+        """Wait until every parameter holds this step's value (owner mode: publications)."""
+
+    def agreement_groups(self) -> list[dist.ProcessGroup | None]:
+        """The process groups whose ranks must agree on a skip or a checksum (none alone)."""
+        return []
+
+    def replicated_params(self) -> list[EngineParam]:
+        """Parameters every rank holds whole and identical after a step."""
+        return [e for e in self.params if not is_dtensor(e.param)]
+
     def prepare_grads(self) -> None:
         """Make every gradient this rank holds final (owner mode: finish the reductions)."""
 

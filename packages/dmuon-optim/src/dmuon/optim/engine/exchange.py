@@ -54,6 +54,7 @@ from dmuon.comm import (
     default_stats,
     make_buckets,
     reduce_to_owners,
+    wait_work,
 )
 from dmuon.comm.groups import group_rank, group_size
 from dmuon.comm.owner_plan import natural_key
@@ -166,6 +167,9 @@ class OwnerExchange(Publication):
                 "keep the dedicated weights resident"
             )
         self.reshard_after_forward = reshard_after_forward
+        # Seconds to wait for a collective (None: the group's timeout); DMuon sets it.
+        self.timeout: float | None = None
+        self.published_step = 0  # the DMuon step whose weights are in flight (messages)
         self._backward_resident: list[str] = []
         if replicated and replicate_group is not None:
             raise ValueError(
@@ -320,19 +324,22 @@ class OwnerExchange(Publication):
             self.wait_all_published()
         while self._next_launch < len(self._reduce_order):
             self._launch(self._reduce_order[self._next_launch])
-        flags = torch.tensor([int(n in self._present) for n in self._params], dtype=torch.int32)
+        names = sorted(self._params)  # by name: one order on every rank
+        flags = torch.tensor([int(n in self._present) for n in names], dtype=torch.int32)
         groups = (
             [self.group] if self.replicate_group is None else [self.group, self.replicate_group]
         )
         for g in groups:
             if group_size(g) > 1:
-                dist.all_reduce(flags, group=g)
+                wait_work(
+                    dist.all_reduce(flags, group=g, async_op=True),
+                    "all-reduce of gradient-presence flags",
+                    g,
+                )
                 self.stats.record_collective(
                     "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=group_size(g)
                 )
-        self._global_present = {
-            n: bool(f) for n, f in zip(self._params, flags.tolist(), strict=True)
-        }
+        self._global_present = {n: bool(f) for n, f in zip(names, flags.tolist(), strict=True)}
         self._flushed = True
 
     def _launch(self, layer: _Layer) -> None:
@@ -385,7 +392,7 @@ class OwnerExchange(Publication):
             else:
                 p.grad = None
         for w in layer.allreduce_works:
-            w.wait()  # type: ignore[attr-defined]
+            wait_work(w, f"all-reduce of layer {key!r}'s replicated gradients", self.group)
         n = group_size(self.group)
         for b in layer.allreduce_buckets:
             if n > 1:

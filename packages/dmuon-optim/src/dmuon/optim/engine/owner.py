@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from dmuon.optim.engine.base import Engine, local_norm_tensors
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
-from dmuon.optim.engine.params import is_dtensor
+from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.report import StepReport
 
 if TYPE_CHECKING:
@@ -43,6 +43,14 @@ class OwnerEngine(Engine):
     def bind(self, opt: DMuon) -> None:
         super().bind(opt)
         ex = self.exchange
+        for index, group in enumerate(opt.param_groups):
+            if group["algorithm"] == "sign_muon":
+                raise ValueError(
+                    f"param group {index} uses rule 'sign_muon', which votes across ranks on "
+                    "each rank's local gradient; a dedication reduces the gradients to their "
+                    "owners, so there would be nothing to vote on. Drop the dedication and use "
+                    "mode='sign' (train without DDP), or pick another rule for owner mode"
+                )
         for e in self.params:
             owner = exchange_of(e.param)
             if owner is not None and owner is not ex:
@@ -92,6 +100,35 @@ class OwnerEngine(Engine):
         name = self.exchange.name_of(p)
         assert name is not None
         return self.exchange._layer_of[name]
+
+    def begin_step(self) -> None:
+        self.exchange.flush()
+
+    def skip_step(self) -> None:
+        ex = self.exchange
+        ex.wait_all_reduced()  # drain the reductions every rank launched
+        if ex.reshard_after_forward:
+            ex.release_all()
+        ex.end_step()
+
+    def settle(self) -> None:
+        if not self.exchange.reshard_after_forward:  # ZeRO-3-like: nothing compared to wait for
+            self.exchange.wait_all_published()
+
+    def agreement_groups(self) -> list[dist.ProcessGroup | None]:
+        ex = self.exchange
+        if self.world_size == 1:
+            return []
+        return [ex.group] if ex.replicate_group is None else [ex.group, ex.replicate_group]
+
+    def replicated_params(self) -> list[EngineParam]:
+        # Under ZeRO-3-like resharding a dedicated matrix lives on its owner only.
+        skip = self.exchange.reshard_after_forward
+        return [
+            e
+            for e in self.params
+            if not is_dtensor(e.param) and not (skip and self._dedicated(e.param))
+        ]
 
     def prepare_grads(self) -> None:
         self.exchange.wait_all_reduced()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import CommHandle, CommStats, OwnerPlan, default_stats, plan_owners
+from dmuon.comm import CommHandle, CommStats, OwnerPlan, default_stats, plan_owners, wait_work
 from dmuon.comm.groups import group_size
 from dmuon.optim.engine.base import Engine, world_of
 from dmuon.optim.engine.consistency import check_model_consistency
@@ -123,15 +123,23 @@ class PlannedEngine(Engine):
 
     def agree_presence(self, extra: list[EngineParam] | None = None) -> dict[str, bool]:
         """Which parameters have a gradient on at least one rank (one small all-reduce)."""
-        params = self.params if extra is None else extra
+        # by name: the ranks may list the same parameters in different orders
+        params = sorted(self.params if extra is None else extra, key=lambda e: e.name)
         flags = torch.tensor([int(e.param.grad is not None) for e in params], dtype=torch.int32)
         n = group_size(self.group)
         if n > 1:
-            dist.all_reduce(flags, group=self.group)
+            wait_work(
+                dist.all_reduce(flags, group=self.group, async_op=True),
+                "all-reduce of gradient-presence flags",
+                self.group,
+            )
             self.stats.record_collective(
                 "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=n
             )
         return {e.name: bool(f) for e, f in zip(params, flags.tolist(), strict=True)}
+
+    def agreement_groups(self) -> list[dist.ProcessGroup | None]:
+        return [self.group] if self.world_size > 1 else []
 
     def subplan(self, key: str) -> OwnerPlan:
         """The plan of layer ``key``'s matrices."""

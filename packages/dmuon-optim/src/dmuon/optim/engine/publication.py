@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import FlatBucket, broadcast_from_owners
+from dmuon.comm import CollectiveError, FlatBucket, broadcast_from_owners, collective_timeout
 
 if TYPE_CHECKING:
     from dmuon.optim.engine.exchange import _Layer
@@ -97,15 +97,22 @@ class Publication:
         second stage of HSDP broadcasts is issued in one order on every rank).
         ZeRO-3-like: materialise it.
         """
-        if self.reshard_after_forward:
-            self.materialize(key)
-            return
-        for layer in self.layers:
-            if layer.publish_handle is not None:
-                layer.publish_handle.wait()
-                layer.publish_handle = None
-            if layer.key == key:
-                return
+        try:
+            with collective_timeout(getattr(self, "timeout", None)):
+                if self.reshard_after_forward:
+                    self.materialize(key)
+                    return
+                for layer in self.layers:
+                    if layer.publish_handle is not None:
+                        layer.publish_handle.wait()
+                        layer.publish_handle = None
+                    if layer.key == key:
+                        return
+        except CollectiveError as err:
+            raise err.with_context(
+                f"rank {self.rank}, before layer {key!r} runs: waiting for the weights "
+                f"published by DMuon step {getattr(self, 'published_step', '?')}"
+            ) from err
 
     def wait_all_published(self) -> None:
         """Every layer holds the owners' weights (ZeRO-3-like: materialises them all)."""

@@ -92,13 +92,22 @@ class ShardedEngine(PlannedEngine):
         from dmuon.optim.engine.params import collect_params
 
         matrices = [e for e in collect_params(opt.param_groups) if e.matrix]
-        meshes = {
-            (id(m), d): (m, d) for m, d in (shard_group_of(e.param, e.name) for e in matrices)
-        }
+        # Meshes are compared by their ranks, not by identity: FSDP2 may hand equal
+        # DeviceMesh objects to different modules (seen with several models per process).
+        meshes: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        where: dict[tuple[Any, ...], str] = {}
+        for e in matrices:
+            m, d = shard_group_of(e.param, e.name)
+            key = (tuple(m.mesh.flatten().tolist()), tuple(m.mesh.shape), d)
+            meshes.setdefault(key, (m, d))
+            where.setdefault(key, e.name)
         if len(meshes) > 1:
+            found = "; ".join(
+                f"{where[k]!r} over ranks {list(k[0])} (dim {k[2]})" for k in list(meshes)[:3]
+            )
             raise ValueError(
                 "sharded mode needs every matrix sharded over the same mesh dimension; "
-                f"found {len(meshes)} different ones"
+                f"found {len(meshes)} different ones: {found}"
             )
         if meshes and self.group is None:
             mesh, dim = next(iter(meshes.values()))
@@ -170,6 +179,17 @@ class ShardedEngine(PlannedEngine):
                 if opt._is_scalar(g):
                     opt._scalar_step(g)
         pipe.drain()
+
+    def agreement_groups(self) -> list[dist.ProcessGroup | None]:
+        return self.norm_tensors_groups() if self.world_size > 1 else []
+
+    def norm_tensors_groups(self) -> list[dist.ProcessGroup | None]:
+        """Every mesh dimension of the sharded parameters (HSDP: shard and replicate)."""
+        for e in self.params:
+            if is_dtensor(e.param):
+                mesh = e.param.device_mesh  # type: ignore[attr-defined]
+                return [mesh.get_group(d) for d in range(mesh.ndim)]
+        return [self.group]
 
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
         out = local_norm_tensors(self.params)

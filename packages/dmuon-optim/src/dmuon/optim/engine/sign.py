@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import FlatBucket, majority_vote
+from dmuon.comm import FlatBucket, majority_vote, wait_work
 from dmuon.comm.groups import group_size
 from dmuon.optim.engine.params import EngineParam
 from dmuon.optim.engine.planned import PlannedEngine
@@ -88,7 +88,11 @@ class SignEngine(PlannedEngine):
             }
             bucket = FlatBucket.from_tensors({k: v.detach() for k, v in tensors.items()})
             if n > 1:
-                dist.all_reduce(bucket.buffer, group=self.group)
+                wait_work(
+                    dist.all_reduce(bucket.buffer, group=self.group, async_op=True),
+                    "all-reduce of scalar gradients",
+                    self.group,
+                )
                 self.stats.record_collective(
                     "all_reduce_scalars", "all_reduce", nbytes=bucket.nbytes, world_size=n
                 )

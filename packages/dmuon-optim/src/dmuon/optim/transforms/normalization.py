@@ -30,6 +30,12 @@ __all__ = [
 ]
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself in fp32/fp64, else an fp32 copy: in fp16 an ε of 1e-8 rounds to 0 and
+    squares of small entries underflow, which turned a zero or tiny gradient into 0/0."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
 def match_frobenius(Y: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     """``Y·‖X‖_F/‖Y‖_F`` per matrix of the batch; a zero ``Y`` stays zero."""
     nx = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
@@ -68,10 +74,13 @@ class RowNormalize:
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         beta2, eps = float(ctx.hp["beta2"]), float(ctx.hp["eps"])
-        v = state[self.name]
-        v.mul_(beta2).add_(X.square().mean(dim=-1), alpha=1.0 - beta2)
-        Y = X / (v.sqrt().unsqueeze(-1) + eps)
-        return match_frobenius(Y, X)
+        v, Xw = state[self.name], _wide(X)
+        vw = _wide(v)
+        vw.mul_(beta2).add_(Xw.square().mean(dim=-1), alpha=1.0 - beta2)
+        if vw is not v:
+            v.copy_(vw)
+        Y = Xw / (vw.sqrt().unsqueeze(-1) + eps)
+        return match_frobenius(Y, Xw).to(X.dtype)
 
 
 @dataclass(frozen=True)
@@ -100,10 +109,13 @@ class ElementwiseNormalize:
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         beta2, eps = float(ctx.hp["beta2"]), float(ctx.hp["eps"])
-        V = state["second_moment"]
-        V.mul_(beta2).addcmul_(X, X, value=1.0 - beta2)
-        Y = X / (V.sqrt() + eps)
-        return match_frobenius(Y, X)
+        V, Xw = state["second_moment"], _wide(X)
+        Vw = _wide(V)
+        Vw.mul_(beta2).addcmul_(Xw, Xw, value=1.0 - beta2)
+        if Vw is not V:
+            V.copy_(Vw)
+        Y = Xw / (Vw.sqrt() + eps)
+        return match_frobenius(Y, Xw).to(X.dtype)
 
 
 @dataclass(frozen=True)
@@ -135,10 +147,15 @@ class AdamPrecondition:
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         beta2, eps = float(ctx.hp["beta2"]), float(ctx.hp["eps"])
-        G = ctx.grad
-        V = state["grad_second_moment"]
-        V.mul_(beta2).addcmul_(G, G, value=1.0 - beta2)
-        return X / (V + eps).sqrt()
+        G, V = _wide(ctx.grad), state["grad_second_moment"]
+        Vw = _wide(V)
+        Vw.mul_(beta2).addcmul_(G, G, value=1.0 - beta2)
+        if Vw is not V:
+            V.copy_(Vw)
+        # 0/√(0 + ε) is 0 in fp32; a zero second moment with ε = 0 is guarded too
+        denom = (Vw + eps).sqrt()
+        Y = _wide(X) / torch.where(denom > 0, denom, torch.ones_like(denom))
+        return Y.to(X.dtype)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,119 @@
+"""How fast every surviving rank leaves a step when a peer dies or hangs mid-step.
+
+World of 3 CPU ranks (gloo), a 3-layer MLP, ``DMuon(timeout=T)``. In step 2, rank 2
+either kills itself with SIGKILL or sleeps, after stepping its first layer — while
+the others already wait for its results. For each mode and fault, every survivor
+reports the error class, why (``peer_died``: gloo saw the connection close;
+``timeout``: no answer within ``T``) and the seconds from the start of the failing
+iteration to the raise. Prints a table and writes
+``benchmarks/results/faults.json``. Nothing here asserts on time.
+
+    python benchmarks/faults.py               # T = 2 s
+    python benchmarks/faults.py --timeout 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dmuon.comm import CollectiveError
+from dmuon.comm.testing import RankFailure, RankOutcome, run_on_ranks
+from dmuon.optim import DMuon, param_groups
+
+WORLD, FAULTY = 3, 2
+_TIMEOUT = [2.0]  # set by main(); read by the forked ranks
+
+
+def _build(mode: str, world: int, timeout: float):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dmuon.integrations import ddp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3)))
+    forward: nn.Module = model
+    kw: dict = {"timeout": timeout}
+    if mode == "owner":
+        kw["distributed"] = ddp.dedicate(model)
+    elif mode == "replicated":
+        forward, kw["mode"] = DDP(model), "replicated"
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return forward, DMuon(param_groups(model), **kw)
+
+
+def _faulty(inner, fault: str):
+    """``inner`` that kills this process (or sleeps) after its second call."""
+    calls = []
+
+    def step(*args, **kwargs):
+        inner(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(4 * _TIMEOUT[0])  # longer than the deadline, then leave
+            raise SystemExit("the hanging rank gives up")
+
+    return step
+
+
+def _rank(rank: int, world: int, mode: str, fault: str, timeout: float):
+    forward, opt = _build(mode, world, timeout)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(1, 4):
+        if rank == FAULTY and step == 2:
+            opt._matrix_step = _faulty(opt._matrix_step, fault)
+        t0 = time.monotonic()
+        try:
+            F.mse_loss(forward(torch.randn(8, 32, generator=g)), torch.zeros(8, 32)).backward()
+            opt.step()
+        except CollectiveError as err:
+            return {"reason": err.reason, "seconds": time.monotonic() - t0, "message": str(err)}
+        opt.zero_grad()
+    return {"reason": "none", "seconds": 0.0, "message": ""}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--timeout", type=float, default=2.0, help="DMuon(timeout=...) in s")
+    args = parser.parse_args()
+    _TIMEOUT[0] = args.timeout
+    rows = []
+    for mode in ("owner", "replicated", "sharded"):
+        for fault in ("kill", "hang"):
+            try:
+                values = run_on_ranks(_rank, WORLD, args=(mode, fault, args.timeout), timeout=90)
+                outcomes = [RankOutcome(r, "ok", value=v) for r, v in enumerate(values)]
+            except RankFailure as failure:
+                outcomes = failure.outcomes
+            for o in outcomes:
+                if o.rank == FAULTY:
+                    continue
+                v = o.value if o.status == "ok" else {"reason": o.status, "seconds": float("nan")}
+                rows.append({"mode": mode, "fault": fault, "rank": o.rank, **v})
+                print(
+                    f"{mode:10s} {fault:5s} rank {o.rank}: {v['reason']:9s} {v['seconds']:6.2f} s"
+                )
+    out = pathlib.Path(__file__).parent / "results" / "faults.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"timeout_s": args.timeout, "world": WORLD, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

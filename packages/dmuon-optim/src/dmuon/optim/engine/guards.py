@@ -1,0 +1,196 @@
+"""Guards around a step: non-finite gradients, and ranks whose parameters diverged.
+
+Both are decided by *every* rank together, with one small collective each, so no
+rank goes on alone (a rank that skipped a step while the others stepped would hang
+the next collective, or silently train another model).
+
+* **Non-finite gradients** (:func:`nonfinite_ranks`): each rank takes the largest
+  absolute value of each gradient it holds (``inf``-norm: it never overflows, and
+  NaN propagates through it), sets its own slot of a flag vector, and the vector is
+  summed over the engine's groups. In owner mode this runs after the reductions were
+  launched but before their results are used, on the *local* gradients: a NaN on
+  rank 1 is seen by every rank before it reaches any owner's momentum.
+* **Rank agreement** (:func:`check_agreement`): a checksum per parameter — the
+  integer sum of its bit patterns, so any flipped bit in one element changes it —
+  all-gathered and compared. Parameters sharded by FSDP2 differ by design and are
+  left out.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from dmuon.comm import wait_work
+from dmuon.optim.engine.base import Engine
+from dmuon.optim.engine.params import EngineParam, is_dtensor
+
+__all__ = [
+    "NONFINITE_POLICIES",
+    "NonFiniteGradientError",
+    "RankDivergenceError",
+    "check_agreement",
+    "nonfinite_ranks",
+]
+
+NONFINITE_POLICIES = ("raise", "skip_step", None)
+
+
+class NonFiniteGradientError(RuntimeError):
+    """A gradient holds NaN or Inf on some rank (raised on every rank, state untouched).
+
+    Attributes:
+        ranks: the ranks whose gradients are not finite.
+        names: the parameters with a non-finite gradient on this rank.
+
+    Example:
+        >>> err = NonFiniteGradientError("nan", [1], [])
+        >>> err.ranks
+        [1]
+    """
+
+    def __init__(self, message: str, ranks: list[int], names: list[str]) -> None:
+        super().__init__(message)
+        self.ranks, self.names = ranks, names
+
+
+class RankDivergenceError(RuntimeError):
+    """Parameters that should be identical on every rank differ (raised on every rank).
+
+    Attributes:
+        names: the parameters that differ.
+        ranks: for each, the ranks whose copy differs from rank 0's.
+
+    Example:
+        >>> RankDivergenceError("differ", ["w"], [[1]]).names
+        ['w']
+    """
+
+    def __init__(self, message: str, names: list[str], ranks: list[list[int]]) -> None:
+        super().__init__(message)
+        self.names, self.ranks = names, ranks
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def _global_rank() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def nonfinite_ranks(engine: Engine) -> tuple[list[int], list[str]]:
+    """Ranks holding a non-finite gradient (agreed by all), and this rank's bad parameters.
+
+    Every rank of ``engine``'s groups must call it at the same point of the step.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import DMuon
+        >>> w = torch.nn.Parameter(torch.ones(2, 2))
+        >>> opt = DMuon([w])
+        >>> w.grad = torch.full((2, 2), float("nan"))
+        >>> nonfinite_ranks(opt.engine)
+        ([0], ['group0.param0'])
+    """
+    entries = [
+        (e, _local(e.param.grad))
+        for e in engine.params
+        if e.param.grad is not None and _local(e.param.grad).numel() > 0
+    ]
+    bad: list[str] = []
+    sparse = [e.name for e, g in entries if g.is_sparse]
+    if sparse:
+        raise RuntimeError(f"DMuon does not support sparse gradients (parameter {sparse[0]!r})")
+    if entries:
+        norms = torch._foreach_norm([g.detach() for _, g in entries], math.inf)
+        worst = torch.stack([n.float() for n in norms])
+        if not bool(torch.isfinite(worst).all()):
+            ok = torch.isfinite(worst).tolist()
+            bad = [e.name for (e, _), fine in zip(entries, ok, strict=True) if not fine]
+    groups = [g for g in engine.agreement_groups() if g is not None or _global_rank()[1] > 1]
+    if not groups:
+        return ([engine.rank] if bad else []), bad
+    rank, world = _global_rank()
+    flags = torch.zeros(world, dtype=torch.int32)
+    flags[rank] = int(bool(bad))
+    for g in groups:
+        wait_work(
+            dist.all_reduce(flags, group=g, async_op=True), "all-reduce of non-finite flags", g
+        )
+    return [r for r, f in enumerate(flags.tolist()) if f], bad
+
+
+def _checksum(t: torch.Tensor) -> int:
+    """Integer sum of the bit patterns (exact; any changed element changes it, except
+    for changes that cancel, which random divergence does not produce)."""
+    x = _local(t).detach().contiguous().reshape(-1)
+    if x.numel() == 0:
+        return 0
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[x.element_size()]
+    ints = x.view(bits).to(torch.int64)
+    # Weight by position so that two swapped elements do not cancel.
+    weights = torch.arange(1, x.numel() + 1, dtype=torch.int64) % 8191 + 1
+    return int((ints * weights).sum())
+
+
+def check_agreement(engine: Engine) -> int:
+    """Compare a checksum of every replicated parameter across ranks; raise if any differs.
+
+    Returns:
+        The number of parameters compared.
+
+    Raises:
+        RankDivergenceError: on every rank, naming the parameters and the ranks.
+
+    Example:
+        >>> import torch
+        >>> from dmuon.optim import DMuon
+        >>> opt = DMuon([torch.nn.Parameter(torch.ones(2, 2))])
+        >>> check_agreement(opt.engine)
+        1
+    """
+    engine.settle()
+    # by name: the ranks may list the same parameters in different orders
+    params: list[EngineParam] = sorted(engine.replicated_params(), key=lambda e: e.name)
+    groups = engine.agreement_groups()
+    if not groups or not params:
+        return len(params)
+    sums = torch.tensor([_checksum(e.param) for e in params], dtype=torch.int64)
+    names: list[str] = []
+    who: list[list[int]] = []
+    for g in groups:
+        n = dist.get_world_size(g)
+        flat = torch.empty(n * sums.numel(), dtype=torch.int64)
+        wait_work(
+            dist.all_gather_into_tensor(flat, sums, group=g, async_op=True),
+            "all-gather of parameter checksums",
+            g,
+        )
+        gathered = flat.view(n, sums.numel())
+        ranks = dist.get_process_group_ranks(g) if g is not None else list(range(n))
+        differs = (gathered != gathered[0]).any(dim=0)
+        for k in torch.nonzero(differs).flatten().tolist():
+            if params[k].name not in names:
+                names.append(params[k].name)
+                who.append(
+                    [ranks[0]] + [ranks[r] for r in range(n) if gathered[r, k] != gathered[0, k]]
+                )
+    if names:
+        lines = [
+            f"  {name!r}: rank(s) {ranks[1:]} hold another value than rank {ranks[0]}"
+            for name, ranks in zip(names[:10], who[:10], strict=False)
+        ]
+        who = [ranks[1:] for ranks in who]
+        raise RankDivergenceError(
+            f"{len(names)} parameter(s) that every rank should hold identically differ "
+            "between ranks (a rank stepped differently, or its weights were changed outside "
+            "the optimizer):\n" + "\n".join(lines),
+            names,
+            who,
+        )
+    return len(params)

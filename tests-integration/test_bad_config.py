@@ -1,0 +1,287 @@
+"""Every wrong input in the table gives a clear error: its type and the words that say
+what was wrong and what would be right.
+
+``CASES`` is the table. Single-process rows are one parametrised test each; the
+rows that need a process group run together in one ``run_on_ranks`` call of two
+ranks (every rank must raise, none may hang). ``docs/troubleshooting.md`` carries
+the same table between two markers; ``test_the_troubleshooting_page_lists_the_table``
+fails when they drift apart, and ``python tests-integration/test_bad_config.py``
+rewrites the page's table from ``CASES``.
+
+A row for DeepSpeed's unsupported ZeRO stages is to be added by the DeepSpeed
+integration (``ranks=2`` if it needs a process group).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from dmuon.optim import DMuon, ModelMismatchError, param_groups
+
+PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
+BEGIN, END = "<!-- bad-config table: begin -->", "<!-- bad-config table: end -->"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One wrong input: what it is, the code that does it, and the error it must give."""
+
+    id: str
+    wrong: str  # what the user did (Markdown)
+    run: Callable[..., object]  # single: run(); ranks: run(rank, world)
+    error: type[BaseException]
+    says: str  # a literal part of the message
+    ranks: int = 1
+
+
+def W(rows: int = 4, cols: int = 6) -> nn.Parameter:
+    return nn.Parameter(torch.randn(rows, cols))
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _two_groups() -> None:
+    w = W()
+    DMuon([{"params": [w]}, {"params": [w]}])
+
+
+def _dedicate_after_fully_shard(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon.integrations import fsdp
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = net()
+    fully_shard(model, mesh=mesh)
+    fsdp.dedicate(model, mesh)
+
+
+def _optimizer_before_dedicate(rank: int, world: int) -> None:
+    from dmuon.integrations import ddp
+
+    model = net()
+    opt = DMuon(param_groups(model), mode="replicated")
+    ddp.dedicate(model)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+
+
+def _sign_with_dedication(rank: int, world: int) -> None:
+    from dmuon.integrations import ddp
+
+    model = net()
+    DMuon(param_groups(model), rule="sign_muon", distributed=ddp.dedicate(model))
+
+
+def _mesh_larger_than_world(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import fsdp
+
+    fsdp.dedicate(net(), init_device_mesh("cpu", (world + 1,)))
+
+
+def _no_mode_with_group(rank: int, world: int) -> None:
+    DMuon(param_groups(net()))
+
+
+def _mode_contradicts_dedication(rank: int, world: int) -> None:
+    from dmuon.integrations import ddp
+
+    model = net()
+    DMuon(param_groups(model), distributed=ddp.dedicate(model), mode="replicated")
+
+
+def _other_model_dedicated(rank: int, world: int) -> None:
+    from dmuon.integrations import ddp
+
+    ded = ddp.dedicate(net())
+    DMuon(param_groups(net()), distributed=ded)
+
+
+def _model_differs(rank: int, world: int) -> None:
+    model = net() if rank == 0 else nn.Sequential(nn.Linear(4, 9), nn.Tanh(), nn.Linear(9, 2))
+    DMuon(param_groups(model), mode="replicated")
+
+
+CASES = [
+    Case("lr-negative", "`lr=-1.0`", lambda: DMuon([W()], lr=-1.0), ValueError,
+         "lr must be a finite real number >= 0.0, got -1.0"),
+    Case("lr-nan", "`lr=float('nan')`", lambda: DMuon([W()], lr=float("nan")), ValueError,
+         "lr must be a finite real number"),
+    Case("lr-string", "`lr='0.1'` (a string)", lambda: DMuon([W()], lr="0.1"), ValueError,
+         "lr must be a finite real number >= 0.0, got '0.1'"),
+    Case("momentum-one", "`momentum=1.0`", lambda: DMuon([W()], momentum=1.0), ValueError,
+         "momentum must be a real number in [0.0, 1.0), got 1.0"),
+    Case("momentum-negative", "`momentum=-0.1`", lambda: DMuon([W()], momentum=-0.1),
+         ValueError, "momentum must be a real number in [0.0, 1.0)"),
+    Case("weight-decay-negative", "`weight_decay=-1.0`",
+         lambda: DMuon([W()], weight_decay=-1.0), ValueError, "weight_decay must be a finite"),
+    Case("ns-steps-zero", "`ns_steps=0`", lambda: DMuon([W()], ns_steps=0), ValueError,
+         "ns_steps must be an integer >= 1, got 0"),
+    Case("ns-steps-float", "`ns_steps=2.5`", lambda: DMuon([W()], ns_steps=2.5), ValueError,
+         "ns_steps must be an integer >= 1, got 2.5"),
+    Case("coefficients-unknown", "`ns_coefficients='nope'`",
+         lambda: DMuon([W()], ns_coefficients="nope"), ValueError,
+         "ns_coefficients must be one of ['keller', 'polar_express'"),
+    Case("coefficients-pair", "`ns_coefficients=[(1.0, 2.0)]` (not a triple)",
+         lambda: DMuon([W()], ns_coefficients=[(1.0, 2.0)]), ValueError,
+         "must be an (a, b, c) triple"),
+    Case("coefficients-nan", "`ns_coefficients=[(nan, 1, 1)]`",
+         lambda: DMuon([W()], ns_coefficients=[(float("nan"), 1.0, 1.0)]), ValueError,
+         "every coefficient must be a finite number"),
+    Case("ns-method", "`ns_method='svd'`", lambda: DMuon([W()], ns_method="svd"), ValueError,
+         "ns_method must be one of ['gram', 'standard'], got 'svd'"),
+    Case("adjust-lr", "`adjust_lr='weird'`", lambda: DMuon([W()], adjust_lr="weird"),
+         ValueError, "adjust_lr must be one of ['original', 'match_rms_adamw'"),
+    Case("rule-unknown", "`rule='adam'`", lambda: DMuon([W()], rule="adam"), ValueError,
+         "unknown rule 'adam'; expected one of"),
+    Case("algorithm-unknown", "a group with `algorithm='sgd'`",
+         lambda: DMuon([{"params": [W()], "algorithm": "sgd"}]), ValueError,
+         "unknown algorithm 'sgd'; expected one of"),
+    Case("rule-option-unknown", "`DMuon(..., rule='muon', beta2=0.9)` (NorMuon's option)",
+         lambda: DMuon([W()], rule="muon", beta2=0.9), ValueError,
+         "unknown option(s) ['beta2'] for rule(s) ['muon']"),
+    Case("rule-option-range", "`rule='dion2', fraction=1.5`",
+         lambda: DMuon([W()], rule="dion2", fraction=1.5), ValueError,
+         "fraction must be a real number in (0.0, 1.0], got 1.5"),
+    Case("group-key-unknown", "a group with the key `lrr` (typo)",
+         lambda: DMuon([{"params": [W()], "lrr": 0.1}]), ValueError,
+         "unknown key(s) ['lrr'] for algorithm 'muon'"),
+    Case("scalar-optimizer", "`scalar_optimizer='sgd'`",
+         lambda: DMuon([W()], scalar_optimizer="sgd"), ValueError,
+         "scalar_optimizer must be one of ['adamw', 'lion'], got 'sgd'"),
+    Case("adamw-betas", "`adamw_betas=(0.9, 1.5)`",
+         lambda: DMuon([W()], adamw_betas=(0.9, 1.5)), ValueError,
+         "adamw_betas must be a pair (beta1, beta2) in [0, 1)"),
+    Case("vector-in-matrix-group", "a 1-D parameter (a bias) in a matrix group",
+         lambda: DMuon([{"params": [nn.Parameter(torch.zeros(6))], "algorithm": "muon"}]),
+         ValueError, "matrix rules take parameters with at least 2 dimensions"),
+    Case("param-in-two-groups", "one parameter in two groups", _two_groups, ValueError,
+         "appears in more than one parameter group (it is already in param group 0)"),
+    Case("integer-param", "an integer tensor as a parameter",
+         lambda: DMuon([torch.zeros(4, 4, dtype=torch.int64)]), ValueError,
+         "DMuon optimizes real floating-point parameters"),
+    Case("non-contiguous", "a transposed (non-contiguous) matrix",
+         lambda: DMuon([nn.Parameter(torch.randn(6, 4).t())]), ValueError,
+         "is not contiguous; matrix rules update parameters through views"),
+    Case("mode-unknown", "`mode='zero'`", lambda: DMuon([W()], mode="zero"), ValueError,
+         "mode must be one of ('single', 'owner', 'replicated', 'sharded', 'sign')"),
+    Case("owner-without-dedication", "`mode='owner'` without `dedicate()`",
+         lambda: DMuon([W()], mode="owner"), ValueError,
+         "mode='owner' needs dedicated parameters"),
+    Case("sharded-without-fsdp", "`mode='sharded'` on plain tensors",
+         lambda: DMuon([W()], mode="sharded"), ValueError,
+         "sharded mode steps FSDP2's sharded matrices"),
+    Case("pipeline-depth", "`pipeline_depth=0`", lambda: DMuon([W()], pipeline_depth=0),
+         ValueError, "pipeline_depth must be an int ≥ 1, got 0"),
+    Case("timeout", "`timeout=-1`", lambda: DMuon([W()], timeout=-1), ValueError,
+         "timeout must be a positive number of seconds"),
+    Case("nonfinite-policy", "`nonfinite='ignore'`", lambda: DMuon([W()], nonfinite="ignore"),
+         ValueError, "nonfinite must be 'raise', 'skip_step' or None"),
+    Case("check-every", "`check_every=0`", lambda: DMuon([W()], check_every=0), ValueError,
+         "check_every must be an int ≥ 1"),
+    Case("state-dict-incomplete", "`load_state_dict({'state': {}})`",
+         lambda: DMuon([W()]).load_state_dict({"state": {}}), ValueError,
+         "state dict is missing key(s) ['param_groups']"),
+    Case("no-mode-with-group", "no `mode` under a process group of 2 ranks, no dedication",
+         _no_mode_with_group, ValueError, "DMuon cannot tell how the gradients arrive", 2),
+    Case("dedicate-after-fully-shard", "`fsdp.dedicate()` after `fully_shard()`",
+         _dedicate_after_fully_shard, ValueError, "dedicate() was called after fully_shard()", 2),
+    Case("optimizer-before-dedicate", "`DMuon(...)` built before `dedicate()`",
+         _optimizer_before_dedicate, RuntimeError,
+         "was dedicated to an owner after this optimizer was built", 2),
+    Case("sign-with-dedication", "`rule='sign_muon'` with a dedication",
+         _sign_with_dedication, ValueError, "uses rule 'sign_muon', which votes across ranks", 2),
+    Case("mode-contradicts-dedication", "a dedication and `mode='replicated'`",
+         _mode_contradicts_dedication, ValueError,
+         "the parameters are dedicated to owners, which is owner mode", 2),
+    Case("dedication-of-another-model", "`distributed=` the dedication of another model",
+         _other_model_dedicated, ValueError, "is not dedicated: in owner mode", 2),
+    Case("mesh-larger-than-world", "a device mesh of 3 ranks in a world of 2 (raised by torch)",
+         _mesh_larger_than_world, RuntimeError, "Mesh should not be bigger than default world", 2),
+    Case("model-differs", "rank 1 builds another model (a hidden width of 9, not 8)",
+         _model_differs, ModelMismatchError, "the ranks hold different models", 2),
+    # The DeepSpeed integration adds its row here: an unsupported ZeRO stage.
+]  # fmt: skip
+
+
+def test_the_table_has_at_least_twenty_distinct_rows():
+    assert len(CASES) >= 20
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.ranks == 1], ids=lambda c: c.id)
+def test_a_wrong_input_gives_its_clear_error(case):
+    with pytest.raises(case.error) as info:
+        case.run()
+    assert case.says in str(info.value), str(info.value)
+
+
+def run_multi(rank: int, world: int, ids: list[str]) -> dict[str, tuple[str, str]]:
+    out = {}
+    for case in CASES:
+        if case.id not in ids:
+            continue
+        try:
+            case.run(rank, world)
+            out[case.id] = ("", "no error")
+        except Exception as err:  # every rank reports what it raised
+            out[case.id] = (type(err).__name__, str(err))
+    return out
+
+
+def test_wrong_distributed_inputs_raise_on_every_rank():
+    from dmuon.comm.testing import run_on_ranks
+
+    multi = [c for c in CASES if c.ranks == 2]
+    results = run_on_ranks(run_multi, 2, args=([c.id for c in multi],), timeout=120)
+    for rank, got in enumerate(results):
+        for case in multi:
+            kind, text = got[case.id]
+            assert kind == case.error.__name__, f"{case.id}, rank {rank}: {kind}: {text}"
+            assert case.says in text, f"{case.id}, rank {rank}: {text}"
+
+
+def table() -> str:
+    """The Markdown table of ``CASES`` for docs/troubleshooting.md."""
+    lines = ["| Wrong input | Error | The message says |", "|---|---|---|"]
+    for c in CASES:
+        assert "|" not in c.says and "`" not in c.says, c.id  # a code span in a table cell
+        where = " (every rank)" if c.ranks > 1 else ""
+        lines.append(f"| {c.wrong} | `{c.error.__name__}`{where} | `{c.says}` |")
+    return "\n".join(lines)
+
+
+def test_the_troubleshooting_page_lists_the_table():
+    text = PAGE.read_text()
+    m = re.search(re.escape(BEGIN) + r"\n(.*?)" + re.escape(END), text, re.S)
+    assert m, f"{PAGE.name} lacks the markers {BEGIN} … {END}"
+    assert m.group(1).strip() == table(), (
+        "docs/troubleshooting.md's table differs from CASES; "
+        "run: python tests-integration/test_bad_config.py"
+    )
+
+
+if __name__ == "__main__":  # rewrite the page's table from CASES
+    text = PAGE.read_text()
+    new = re.sub(
+        re.escape(BEGIN) + r"\n.*?" + re.escape(END),
+        lambda _: f"{BEGIN}\n{table()}\n{END}",
+        text,
+        flags=re.S,
+    )
+    PAGE.write_text(new)
+    sys.exit(0)

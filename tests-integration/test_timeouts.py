@@ -1,0 +1,152 @@
+"""No rank hangs when a peer dies or stops in the middle of a step.
+
+A rank is a real process: the faulty one kills itself with ``SIGKILL`` (no Python
+clean-up, its sockets simply close) or sleeps instead of stepping. Every other
+rank must leave ``opt.step()`` with :class:`dmuon.comm.CollectiveError` — never
+hang — and the message must name the step, the collective and, for a death, that
+a peer closed its connection. ``run_on_ranks``' own timeout (60 s) is the guard
+that turns a hang into a failure; DMuon's ```timeout`` is 2 s here.
+
+Faults are injected inside ``step()``: the dying rank wraps its optimizer's
+per-layer matrix step so that it dies after stepping its first layer, while the
+others are already waiting for its results (owner broadcasts, all-gathers,
+all-to-alls).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed_cases import OPT
+from torch import nn
+
+from dmuon.comm import CollectiveError
+from dmuon.comm.testing import RankFailure, run_on_ranks
+from dmuon.optim import DMuon, param_groups
+
+WORLD = 3
+FAULTY = 2
+# below run_on_ranks' 3 s grace after a first failure (a rank that dies), so that every
+# survivor reports its own error before the harness stops it
+DMUON_TIMEOUT = 2.0
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+            self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
+def build(mode: str, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dmuon.integrations import ddp
+
+    model = Net()
+    forward: nn.Module = model
+    kw = dict(OPT, timeout=DMUON_TIMEOUT)
+    if mode == "owner":
+        kw["distributed"] = ddp.dedicate(model)
+    elif mode == "replicated":
+        forward = DDP(model)
+        kw["mode"] = "replicated"
+    elif mode == "sharded":
+        mesh = init_device_mesh("cpu", (world,))
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, forward, DMuon(param_groups(model), **kw)
+
+
+def faulty(matrix_step, fault: str):
+    """``matrix_step`` that dies (or stops) after its second call: mid-step."""
+    calls = []
+
+    def step(*args, **kwargs):
+        matrix_step(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            # "hang": alive, but not joining the next collective for 4 deadlines; then it
+            # leaves, so the harness need not wait for its own timeout
+            time.sleep(4 * DMUON_TIMEOUT)
+            raise SystemExit("the hanging rank gives up")
+
+    return step
+
+
+def run_fault(rank: int, world: int, mode: str, fault: str):
+    _, forward, opt = build(mode, world)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(1, 4):
+        x = torch.randn(4, 8, generator=g)
+        if rank == FAULTY and step == 2:
+            opt._matrix_step = faulty(opt._matrix_step, fault)
+        t0 = time.monotonic()
+        try:  # owner mode: a survivor may only notice in the next forward (publications)
+            F.mse_loss(forward(x), torch.zeros(4, 2)).backward()
+            opt.step()
+        except CollectiveError as err:
+            return {"error": str(err), "reason": err.reason, "seconds": time.monotonic() - t0}
+        opt.zero_grad()
+    return {"error": None}
+
+
+def outcomes(mode: str, fault: str):
+    try:
+        run_on_ranks(run_fault, WORLD, args=(mode, fault), timeout=60)
+    except RankFailure as failure:
+        return failure
+    raise AssertionError("the faulty rank should not have returned")
+
+
+@pytest.mark.parametrize("mode", ["owner", "replicated", "sharded"])
+def test_a_rank_killed_mid_step_makes_every_other_rank_raise_naming_the_step(mode):
+    failure = outcomes(mode, "kill")
+    assert not failure.timed_out, str(failure)  # nobody hung until run_on_ranks' timeout
+    dead = failure.outcomes[FAULTY]
+    assert dead.status == "died" and dead.exitcode == -signal.SIGKILL
+    for o in failure.outcomes:
+        if o.rank == FAULTY:
+            continue
+        assert o.status == "ok", f"rank {o.rank}: {o.describe()}\n{o.traceback}"
+        text = o.value["error"]
+        assert text is not None, f"rank {o.rank} finished its steps without noticing"
+        assert "DMuon step 2" in text, text
+        assert "over ranks [0, 1, 2]" in text, text
+        # a rank either saw the connection close, or (waiting on a survivor that
+        # already left) ran into DMuon's deadline — never the 60 s of the harness
+        assert o.value["reason"] in ("peer_died", "timeout"), text
+        if o.value["reason"] == "peer_died":
+            assert "closed its connection" in text, text
+        else:
+            assert f"within {DMUON_TIMEOUT:g} s" in text, text
+
+
+def test_a_rank_that_stops_answering_makes_the_others_raise_at_the_deadline():
+    failure = outcomes("owner", "hang")
+    # the others raise at DMuon's deadline, while the sleeper still sleeps
+    assert failure.outcomes[FAULTY].status in ("raised", "killed")
+    for o in failure.outcomes:
+        if o.rank == FAULTY:
+            continue
+        assert o.status == "ok", f"rank {o.rank}: {o.describe()}\n{o.traceback}"
+        text = o.value["error"]
+        assert text is not None and o.value["reason"] == "timeout", text
+        assert "DMuon step 2" in text and f"no answer within {DMUON_TIMEOUT:g} s" in text, text
