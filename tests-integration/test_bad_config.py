@@ -8,8 +8,10 @@ the same table between two markers; ``test_the_troubleshooting_page_lists_the_ta
 fails when they drift apart, and ``python tests-integration/test_bad_config.py``
 rewrites the page's table from ``CASES``.
 
-A row for DeepSpeed's unsupported ZeRO stages is to be added by the DeepSpeed
-integration (``ranks=2`` if it needs a process group).
+The DeepSpeed rows go through ``check_config``, the pure check that
+``dmuon.integrations.deepspeed.initialize`` runs on every rank before any
+collective (``tests-integration/test_deepspeed.py`` shows the same error raised by
+``initialize`` on two real ranks).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pytest
 import torch
 from torch import nn
 
+from dmuon.integrations.deepspeed import UnsupportedConfigError, check_config
 from dmuon.optim import DMuon, ModelMismatchError, param_groups
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
@@ -49,6 +52,14 @@ def W(rows: int = 4, cols: int = 6) -> nn.Parameter:
 def net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _deepspeed_zero3() -> None:
+    check_config({"zero_optimization": {"stage": 3}})
+
+
+def _deepspeed_zero2_replicated() -> None:
+    check_config({"zero_optimization": {"stage": 2}}, mode="replicated")
 
 
 def _two_groups() -> None:
@@ -214,7 +225,12 @@ CASES = [
          _mesh_larger_than_world, RuntimeError, "Mesh should not be bigger than default world", 2),
     Case("model-differs", "rank 1 builds another model (a hidden width of 9, not 8)",
          _model_differs, ModelMismatchError, "the ranks hold different models", 2),
-    # The DeepSpeed integration adds its row here: an unsupported ZeRO stage.
+    Case("deepspeed-zero3", "DeepSpeed config with ZeRO stage 3 "
+         "(`dmuon.integrations.deepspeed.initialize`)", _deepspeed_zero3,
+         UnsupportedConfigError, "ZeRO stage 3 is not supported by DMuon: supported are"),
+    Case("deepspeed-zero2-replicated", "DeepSpeed ZeRO stage 2 with `mode='replicated'`",
+         _deepspeed_zero2_replicated, UnsupportedConfigError,
+         "is not supported at ZeRO stage 2 (ZeRO-1/2 would hand DMuon flat slices"),
 ]  # fmt: skip
 
 
