@@ -154,7 +154,7 @@ def load_corpus(
         ValueError: ``val_fraction`` outside (0, 0.5], ``path`` missing, or no file
             (or too few bytes) to train on.
 
-    Example:
+    Examples:
         >>> from benchmarks.common.data import load_corpus
         >>> c = load_corpus(val_fraction=0.08)
         >>> set(c.train_files).isdisjoint(c.val_files)

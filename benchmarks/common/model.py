@@ -199,7 +199,7 @@ class GPT(nn.Module):
     Args:
         config: the shape and options; ``config.seed`` fixes the initial weights.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from benchmarks.common.model import GPT, GPTConfig
         >>> a, b = GPT(GPTConfig.tiny(seed=3)), GPT(GPTConfig.tiny(seed=3))

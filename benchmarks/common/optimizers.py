@@ -141,7 +141,7 @@ def lr_multiplier(
         ValueError: ``total_steps < 1``, ``warmup_steps`` outside ``[0, total_steps)``,
             ``final_fraction`` outside [0, 1] or an unknown ``decay``.
 
-    Example:
+    Examples:
         >>> from benchmarks.common.optimizers import lr_multiplier
         >>> [round(lr_multiplier(s, 10, 2), 3) for s in (0, 1, 2, 6, 9)]
         [0.5, 1.0, 1.0, 0.345, 0.03]

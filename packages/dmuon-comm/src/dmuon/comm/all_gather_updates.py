@@ -52,7 +52,7 @@ def all_gather_updates(
         ValueError: a group that does not match the plan, a missing update, or an
             update or ``out`` tensor whose shape or dtype differs from its item.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.comm import MatrixItem, plan_owners, all_gather_updates
         >>> plan = plan_owners([MatrixItem("a", (2, 2)), MatrixItem("b", (1, 3))], 1)

@@ -30,7 +30,7 @@ class BucketSlot:
         offset: first element in the flat buffer.
         numel: number of elements.
 
-    Example:
+    Examples:
         >>> BucketSlot("w", (2, 3), offset=4, numel=6).end
         10
     """
@@ -63,7 +63,7 @@ class FlatBucket:
             wrong dtype, dimension, size or layout (it must be contiguous: the
             collectives use it in place).
 
-    Example:
+    Examples:
         >>> import torch
         >>> b = FlatBucket([("a", (2, 2)), ("b", (3,))], dtype=torch.float32, owner=1)
         >>> b.view("a").fill_(1.0); b.view("b").fill_(2.0)  # doctest: +ELLIPSIS
@@ -216,7 +216,7 @@ class FlatBucket:
     ) -> FlatBucket:
         """A new bucket holding copies of ``tensors`` (one dtype and device).
 
-        Example:
+        Examples:
             >>> import torch
             >>> b = FlatBucket.from_tensors({"x": torch.ones(2, 2), "y": torch.zeros(3)})
             >>> b.numel, b.names
@@ -273,7 +273,7 @@ def make_buckets(
     Raises:
         ValueError: unknown names, or a ``bucket_bytes`` that is not a positive int.
 
-    Example:
+    Examples:
         >>> from dmuon.comm import MatrixItem, plan_owners, make_buckets
         >>> items = [MatrixItem(f"h.{i}.w", (64, 64), layer=f"h.{i}") for i in range(4)]
         >>> plan = plan_owners(items, 2)

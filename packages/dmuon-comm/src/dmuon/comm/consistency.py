@@ -20,7 +20,7 @@ class PlanMismatchError(RuntimeError):
     Attributes:
         digests: global rank → that rank's :meth:`~dmuon.comm.OwnerPlan.digest` prefix.
 
-    Example:
+    Examples:
         >>> PlanMismatchError("plans differ", {0: "ab12", 1: "cd34"}).digests[1]
         'cd34'
     """
@@ -59,7 +59,7 @@ def check_plan_consistency(plan: OwnerPlan, group: dist.ProcessGroup | None = No
         PlanMismatchError: the plans differ, or a plan's world size is not the
             group's size.
 
-    Example:
+    Examples:
         >>> from dmuon.comm import MatrixItem, plan_owners
         >>> plan = plan_owners([MatrixItem("w", (8, 8))], 1)
         >>> check_plan_consistency(plan) == plan.digest()  # one process: nothing to compare

@@ -56,7 +56,7 @@ class NSCost:
         byte_passes: passes over the matrix by the element-wise work.
         call_overhead: seconds of fixed cost per (batched) call.
 
-    Example:
+    Examples:
         >>> from dmuon.comm import MatrixItem
         >>> cost = NSCost(flops_per_second=1e12, bytes_per_second=1e11, call_overhead=0.0)
         >>> item = MatrixItem("w", (1024, 4096))

@@ -53,7 +53,7 @@ class CollectiveCost:
         bytes_received: bytes each rank receives.
         seconds: ``steps·α + max(bytes_sent, bytes_received)/bandwidth``.
 
-    Example:
+    Examples:
         >>> c = cost_model("all_reduce", 4 * 2**20, 8, alpha=1e-5, bandwidth=1e10)
         >>> c.bytes_sent == 2 * 7 / 8 * 4 * 2**20, round(c.seconds * 1e3, 3)
         (True, 0.874)
@@ -93,7 +93,7 @@ def cost_model(
         ValueError: unknown ``op``, negative ``nbytes``, ``world_size < 1`` or a
             non-positive ``alpha``/``bandwidth``.
 
-    Example:
+    Examples:
         >>> P = 100 * 2**20
         >>> owner = cost_model("reduce", P, 4).bytes_sent + cost_model("broadcast", P, 4).bytes_sent
         >>> owner == cost_model("all_reduce", P, 4).bytes_sent  # one ring all-reduce

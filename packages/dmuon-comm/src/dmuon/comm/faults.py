@@ -44,7 +44,7 @@ class CollectiveError(RuntimeError):
         reason: ``"peer_died"``, ``"timeout"`` or ``"error"``.
         dead_rank: the rank that died when it can be known, else ``None``.
 
-    Example:
+    Examples:
         >>> err = CollectiveError("all-reduce of flags", [0, 1], 5.0, "timeout", "timed out")
         >>> err.reason, err.ranks
         ('timeout', [0, 1])
@@ -104,7 +104,7 @@ def collective_timeout(seconds: float | None) -> Iterator[None]:
 
     ``None`` keeps the process group's timeout.
 
-    Example:
+    Examples:
         >>> with collective_timeout(5):
         ...     current_timeout()
         5.0
@@ -124,7 +124,7 @@ def collective_timeout(seconds: float | None) -> Iterator[None]:
 def current_timeout() -> float | None:
     """The deadline of the enclosing :func:`collective_timeout` in seconds (``None``: none).
 
-    Example:
+    Examples:
         >>> current_timeout() is None
         True
     """
@@ -144,7 +144,7 @@ def _ranks(group: Any) -> list[int]:
 def classify(exc: BaseException) -> str:
     """``"peer_died"``, ``"timeout"`` or ``"error"`` for an exception a collective raised.
 
-    Example:
+    Examples:
         >>> classify(RuntimeError("Connection closed by peer [127.0.0.1]:4242"))
         'peer_died'
     """
@@ -167,7 +167,7 @@ def wait_work(work: Any, what: str, group: Any = None) -> None:
     Raises:
         CollectiveError: the collective failed or did not finish within the deadline.
 
-    Example:
+    Examples:
         >>> wait_work(None, "nothing")
     """
     if work is None:
@@ -187,7 +187,7 @@ def wait_work(work: Any, what: str, group: Any = None) -> None:
 def failure(exc: BaseException, what: str, group: Any = None) -> CollectiveError:
     """The :class:`CollectiveError` for ``exc`` raised by collective ``what``.
 
-    Example:
+    Examples:
         >>> failure(RuntimeError("Operation timed out!"), "broadcast").reason
         'timeout'
     """

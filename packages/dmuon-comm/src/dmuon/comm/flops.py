@@ -50,7 +50,7 @@ def ns_flops(
     Raises:
         ValueError: unknown ``method`` or a negative size.
 
-    Example:
+    Examples:
         >>> ns_flops(768, 3072, method="standard")  # 5·(4·768²·3072 + 2·768³)
         40768634880
         >>> s, l = 1024, 4096

@@ -32,7 +32,7 @@ class CollectiveInputError(ValueError):
         mismatched: global ranks whose plan or layout fingerprint differs from the
             one most ranks share.
 
-    Example:
+    Examples:
         >>> err = CollectiveInputError("reduce_to_owners", {1: "ValueError: bad shape"}, [])
         >>> err.bad_ranks
         [1]

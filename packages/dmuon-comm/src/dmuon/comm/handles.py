@@ -21,7 +21,7 @@ class CommHandle(Generic[T]):
     idempotent: later calls return the same result. Holding the handle keeps the
     communication buffers alive, so drop it only after waiting.
 
-    Example:
+    Examples:
         >>> h = CommHandle([], lambda: 42)
         >>> h.is_completed(), h.wait(), h.wait()
         (True, 42, 42)
@@ -66,7 +66,7 @@ class CommHandle(Generic[T]):
     def done(cls, result: T) -> CommHandle[T]:
         """A handle that is already complete (e.g. nothing to communicate).
 
-        Example:
+        Examples:
             >>> CommHandle.done({"w": 1}).wait()
             {'w': 1}
         """

@@ -322,7 +322,7 @@ def edge_colouring(
     the alternating path from ``v`` (in a bipartite graph it cannot reach ``u``), then
     colour the edge ``a``.
 
-    Example:
+    Examples:
         >>> edge_colouring([(0, 0), (0, 1), (1, 0), (1, 1)], 2, 2, 2)
         [1, 0, 0, 1]
     """

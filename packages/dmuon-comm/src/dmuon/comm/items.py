@@ -51,7 +51,7 @@ class MatrixItem:
             different owners and small ones are packed together (see
             :func:`~dmuon.comm.plan_owners`). ``None``: the item is its own group.
 
-    Example:
+    Examples:
         >>> import torch
         >>> item = MatrixItem("layers.0.mlp.fc", (3072, 768), torch.bfloat16, layer="layers.0")
         >>> item.rows, item.cols, item.batch, item.numel, item.nbytes
@@ -83,7 +83,7 @@ class MatrixItem:
     def from_tensor(cls, name: str, tensor: torch.Tensor, layer: str | None = None) -> MatrixItem:
         """The item describing ``tensor`` (its shape and dtype).
 
-        Example:
+        Examples:
             >>> import torch
             >>> MatrixItem.from_tensor("w", torch.zeros(4, 8)).shape
             (4, 8)
@@ -137,7 +137,7 @@ def layer_key(name: str) -> str:
     ``nn.ModuleList`` stacks; a name without a numeric component is grouped by its
     parent module (``"encoder.proj.weight"`` → ``"encoder.proj"``).
 
-    Example:
+    Examples:
         >>> layer_key("model.layers.12.self_attn.k_proj.weight")
         'model.layers.12'
         >>> layer_key("lm_head.weight")
@@ -162,7 +162,7 @@ def matrix_items(
         layer_of: maps a name to its layer key; default :func:`layer_key`.
         dtype: dtype to communicate in; default each tensor's own dtype.
 
-    Example:
+    Examples:
         >>> import torch
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
         >>> for item in matrix_items(model.named_parameters()):  # biases are not matrices

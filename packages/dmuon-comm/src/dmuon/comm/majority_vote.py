@@ -69,7 +69,7 @@ def majority_vote(
     Raises:
         ValueError: unknown ``method``, or a complex or boolean ``x``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> majority_vote(torch.tensor([0.3, -2.0, 0.0]))  # one rank: its own signs
         tensor([ 1., -1.,  1.])

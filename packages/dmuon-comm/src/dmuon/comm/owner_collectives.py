@@ -150,7 +150,7 @@ def reduce_to_owners(
             match the plan (names, shapes, owners), an integer bucket with
             ``op="avg"``, or a bad ``op``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.comm import MatrixItem, plan_owners, make_buckets, reduce_to_owners
         >>> plan = plan_owners([MatrixItem("w", (2, 2))], 1)
@@ -251,7 +251,7 @@ def broadcast_from_owners(
         ValueError: a group that does not match the plan, buckets that do not
             match it, or an ``out`` tensor whose shape differs from its item.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.comm import MatrixItem, plan_owners, make_buckets, broadcast_from_owners
         >>> plan = plan_owners([MatrixItem("w", (3,  2))], 1)

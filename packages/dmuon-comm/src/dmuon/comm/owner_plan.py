@@ -18,7 +18,7 @@ _DIGITS = re.compile(r"(\d+)")
 def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
     """Sort key that orders ``layers.2`` before ``layers.10``.
 
-    Example:
+    Examples:
         >>> sorted(["h.10.w", "h.2.w", "h.1.w"], key=natural_key)
         ['h.1.w', 'h.2.w', 'h.10.w']
     """
@@ -38,7 +38,7 @@ class OwnerUnit:
         cost: the unit's cost as seen by the planner (sum of its items' costs).
         owner: the rank that owns every item of the unit.
 
-    Example:
+    Examples:
         >>> OwnerUnit("w", ("w",), None, 1.5, owner=2).owner
         2
     """
@@ -80,7 +80,7 @@ class OwnerPlan:
         solver: what produced the owners (e.g. ``"lpt"``, ``"ilp (optimal)"``,
             ``"lpt (ilp fallback: scipy not installed)"``).
 
-    Example:
+    Examples:
         >>> from dmuon.comm import MatrixItem, plan_owners
         >>> items = [MatrixItem(f"h.{i}.w", (256, 256), layer=f"h.{i}") for i in range(4)]
         >>> plan = plan_owners(items, 2)
@@ -202,7 +202,7 @@ class OwnerPlan:
     def imbalance(self) -> float:
         """``max / mean − 1`` of the per-rank loads (0 for a perfect balance).
 
-        Example:
+        Examples:
             >>> from dmuon.comm import MatrixItem, plan_owners
             >>> plan = plan_owners([MatrixItem("a", (8, 8)), MatrixItem("b", (8, 8))], 2)
             >>> plan.imbalance()
@@ -220,7 +220,7 @@ class OwnerPlan:
         name, shape, dtype, layer and owner. Strategy, solver and loads are left out:
         two plans that move the same bytes between the same ranks are compatible.
 
-        Example:
+        Examples:
             >>> from dmuon.comm import MatrixItem, plan_owners
             >>> a = plan_owners([MatrixItem("w", (4, 4))], 2)
             >>> b = plan_owners([MatrixItem("w", (4, 4))], 2, strategy="round_robin")
@@ -242,7 +242,7 @@ class OwnerPlan:
     def summary(self, max_rows: int = 16) -> str:
         """A human-readable table: per rank, its load, items and bytes.
 
-        Example:
+        Examples:
             >>> from dmuon.comm import MatrixItem, plan_owners
             >>> print(plan_owners([MatrixItem("w", (4, 4))], 1).summary())  # doctest: +ELLIPSIS
             OwnerPlan: 1 items on 1 ranks, strategy lpt (lpt), imbalance 0.0%, digest ...

@@ -125,7 +125,7 @@ def plan_owners(
             ``replicate_size``, ``strategy``, ``max_batch``, ``pack_below`` or
             cost (missing, negative or not finite).
 
-    Example:
+    Examples:
         >>> from dmuon.comm import MatrixItem, plan_owners
         >>> items = [
         ...     MatrixItem(f"h.{i}.{p}", shape, layer=f"h.{i}")

@@ -35,7 +35,7 @@ __all__ = ["shard_all_to_all", "shard_all_to_all_reverse", "shard_range"]
 def shard_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
     """``(start, length)`` of ``rank``'s row shard under ``torch.chunk`` / FSDP2.
 
-    Example:
+    Examples:
         >>> [shard_range(5, 4, r) for r in range(4)]  # chunk size 2; rank 3 is empty
         [(0, 2), (2, 2), (4, 1), (5, 0)]
     """
@@ -107,7 +107,7 @@ def shard_all_to_all(
             shard whose shape or dtype is not what the plan and the chunking rule
             give this rank.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.comm import MatrixItem, plan_owners, shard_all_to_all
         >>> plan = plan_owners([MatrixItem("w", (3, 2))], 1)
@@ -225,7 +225,7 @@ def shard_all_to_all_reverse(
         ValueError: a group that does not match the plan, or a missing result or
             one whose shape or dtype differs from its item.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.comm import MatrixItem, plan_owners, shard_all_to_all_reverse
         >>> plan = plan_owners([MatrixItem("w", (3, 2))], 1)

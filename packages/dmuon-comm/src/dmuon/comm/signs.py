@@ -67,7 +67,7 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: ``x`` is complex or boolean.
 
-    Example:
+    Examples:
         >>> import torch
         >>> pack_signs(torch.tensor([1.0, -2.0, 0.0, -0.0, -1.0, 3.0, -5.0, 7.0, -1.0]))
         tensor([173, 254], dtype=torch.uint8)
@@ -95,7 +95,7 @@ def unpack_signs(
     Raises:
         ValueError: ``bits`` is not 1-D uint8 or is too short for ``shape``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> x = torch.tensor([[0.5, -1.0, 0.0], [-3.0, 2.0, -0.1]])
         >>> unpack_signs(pack_signs(x), x.shape)

@@ -24,7 +24,7 @@ class OpStats:
             off-rank bytes for all-to-all).
         bytes_received: bytes this rank receives, same convention.
 
-    Example:
+    Examples:
         >>> OpStats(calls=1, collectives=2, payload_bytes=8, bytes_sent=4.0, bytes_received=4.0)
         OpStats(calls=1, collectives=2, payload_bytes=8, bytes_sent=4.0, bytes_received=4.0)
     """
@@ -42,7 +42,7 @@ class CommStats:
     Every wrapper of this package takes ``stats=``; without it they record into
     :func:`default_stats`. Recording is thread-safe.
 
-    Example:
+    Examples:
         >>> stats = CommStats()
         >>> stats.record_collective("reduce_to_owners", "reduce", nbytes=1024, world_size=4)
         >>> stats["reduce_to_owners"].bytes_sent  # (N−1)/N · B
@@ -139,7 +139,7 @@ _DEFAULT = CommStats()
 def default_stats() -> CommStats:
     """The process-wide :class:`CommStats` wrappers record into when given no ``stats``.
 
-    Example:
+    Examples:
         >>> default_stats().reset()
     """
     return _DEFAULT

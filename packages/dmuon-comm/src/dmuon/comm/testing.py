@@ -54,7 +54,7 @@ class RankOutcome:
         exitcode: the process exit code (negative: the signal that ended it).
         when: ``time.time()`` when the rank raised, or when its death was noticed.
 
-    Example:
+    Examples:
         >>> RankOutcome(rank=1, status="died", exitcode=3).describe()
         'rank 1 died with exit code 3 before returning'
     """
@@ -97,7 +97,7 @@ class RankFailure(RuntimeError):
     The message names every rank that failed, the first failure first, with the
     full traceback of each rank that raised.
 
-    Example:
+    Examples:
         >>> err = RankFailure("boom", [RankOutcome(0, "ok"), RankOutcome(1, "killed")])
         >>> err.failed_ranks
         [1]
@@ -186,7 +186,7 @@ def run_on_ranks(
             ``backend``/``start_method`` combination.
         RankFailure: a rank raised, died or did not finish in time.
 
-    Example:
+    Examples:
         >>> import torch, torch.distributed as dist
         >>> def body(rank, world_size):
         ...     x = torch.tensor([float(rank)])

@@ -77,7 +77,7 @@ def dedicate(
         ValueError: a bad ``scalars`` or group.
         dmuon.optim.ModelMismatchError: the ranks' models differ.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.integrations.ddp import dedicate
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))

@@ -32,7 +32,7 @@ class Dedication:
         handles: the hooks installed on the model.
         kind: ``"fsdp"``, ``"ddp"`` or ``"deepspeed"`` (what made it).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.integrations.ddp import dedicate
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))

@@ -77,7 +77,7 @@ SUPPORTED: dict[int, tuple[str, ...]] = {
 class UnsupportedConfigError(ValueError):
     """A DeepSpeed config (stage × mode, precision, ...) DMuon cannot serve correctly.
 
-    Example:
+    Examples:
         >>> try:
         ...     check_config({"zero_optimization": {"stage": 3}})
         ... except UnsupportedConfigError as e:
@@ -121,7 +121,7 @@ def check_config(
         UnsupportedConfigError: the stage, the mode at that stage, or another setting
             cannot be served (the message names what is supported).
 
-    Example:
+    Examples:
         >>> check_config({"zero_optimization": {"stage": 2}})
         (2, 'owner')
         >>> check_config({"train_batch_size": 8})
@@ -230,7 +230,7 @@ def initialize(
             than one gradient-accumulation step in owner mode.
         ValueError: bad DMuon options, ``mode=``/``distributed=`` among them.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.integrations.deepspeed import initialize
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
@@ -288,7 +288,7 @@ def initialize(
 def dmuon_of(engine: Any) -> DMuon:
     """The :class:`~dmuon.optim.DMuon` behind a DeepSpeed engine made by :func:`initialize`.
 
-    Example:
+    Examples:
         >>> dmuon_of(engine).mode  # doctest: +SKIP
         'owner'
     """

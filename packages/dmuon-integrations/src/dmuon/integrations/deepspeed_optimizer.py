@@ -51,7 +51,7 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
         ValueError: a group with no parameters, an unknown algorithm, a missing or
             bad hyperparameter (named).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon
         >>> w, b = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.zeros(4))

@@ -82,7 +82,7 @@ def dedicate(
         ValueError: a bad mesh, or no parameter to dedicate.
         dmuon.optim.ModelMismatchError: the ranks' models differ.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.integrations.fsdp import dedicate
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))

@@ -63,7 +63,7 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     Returns:
         The hook handles (``handle.remove()`` undoes them).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.integrations import install_hooks
         >>> from dmuon.integrations.fsdp import dedicate

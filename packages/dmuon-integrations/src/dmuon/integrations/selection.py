@@ -31,7 +31,7 @@ def split_parameters(
     param)`` overrides it. Frozen parameters are in neither list, on every rank alike;
     a tied weight appears once.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.LayerNorm(4))
         >>> dedicated, rest = split_parameters(model)
@@ -67,7 +67,7 @@ def mesh_groups(mesh: Any) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup 
     Raises:
         ValueError: a mesh of more than two dimensions, or something else.
 
-    Example:
+    Examples:
         >>> from dmuon.integrations import mesh_groups
         >>> mesh_groups(None)  # the default process group, no replicas
         (None, None)

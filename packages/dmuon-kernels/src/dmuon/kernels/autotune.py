@@ -74,7 +74,7 @@ _log = logging.getLogger("dmuon.kernels")
 def cuda_event_timer(fn: Callable[[], object], *, warmup: int = 1, repeat: int = 5) -> float:
     """Median seconds of ``fn()`` over ``repeat`` runs, timed with CUDA events.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.kernels import cuda_event_timer
         >>> X = torch.randn(1024, 1024, device="cuda")  # on a CUDA machine
@@ -100,7 +100,7 @@ def cross_check_error(candidate: torch.Tensor, reference: torch.Tensor) -> float
     The autotuner rejects a candidate whose error exceeds
     :data:`CROSS_CHECK_TOLERANCE` for the compute dtype.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.kernels import cross_check_error
         >>> round(cross_check_error(torch.tensor([1.0, 2.1]), torch.tensor([1.0, 2.0])), 4)
@@ -124,7 +124,7 @@ def autotune_cache_dir() -> pathlib.Path:
     ``~/Library/Caches/dmuon-kernels`` on macOS, ``%LOCALAPPDATA%\\dmuon-kernels\\Cache``
     on Windows.
 
-    Example:
+    Examples:
         >>> import os
         >>> from dmuon.kernels import autotune_cache_dir
         >>> os.environ["DMUON_KERNELS_CACHE_DIR"] = "/tmp/my-cache"
@@ -151,7 +151,7 @@ class TuneKey:
     A decision is only reused for the same GPU, problem and library versions: a new
     driver, torch or Triton release re-tunes.
 
-    Example:
+    Examples:
         >>> from dmuon.kernels import TuneKey
         >>> key = TuneKey("NVIDIA H100 sm90", "gram", 1, 1024, 4096, "float16", 5, (2,),
         ...               (("torch", "2.13.0"),))
@@ -182,7 +182,7 @@ class TuneKey:
 class Decision:
     """The outcome of tuning one key: the winner, every timing, every rejection and why.
 
-    Example:
+    Examples:
         >>> from dmuon.kernels import Decision
         >>> d = Decision("triton", {"torch": 2e-3, "triton": 1e-3}, {"triton_syrk": "error 0.4"})
         >>> Decision.from_json(d.to_json()) == d
@@ -237,7 +237,7 @@ class Autotuner:
         tolerance: cross-check tolerance per compute dtype (default
             :data:`CROSS_CHECK_TOLERANCE`).
 
-    Example:
+    Examples:
         >>> from dmuon.kernels import Autotuner, TORCH_OPS
         >>> tuner = Autotuner(timer=lambda fn: 1.0, cache_dir=None, device_name=lambda d: "cpu")
         >>> key = tuner.key(torch.device("cpu"), "gram", 1, 8, 32, torch.float32, 5, (2,))
@@ -413,7 +413,7 @@ _default: Autotuner | None = None
 def default_autotuner() -> Autotuner:
     """The process-wide :class:`Autotuner` ``backend="auto"`` uses (created on first use).
 
-    Example:
+    Examples:
         >>> from dmuon.kernels import default_autotuner
         >>> default_autotuner() is default_autotuner()
         True
@@ -427,7 +427,7 @@ def default_autotuner() -> Autotuner:
 def clear_autotune_cache(*, disk: bool = False) -> None:
     """Forget the default autotuner's decisions (and delete its file with ``disk=True``).
 
-    Example:
+    Examples:
         >>> from dmuon.kernels import clear_autotune_cache
         >>> clear_autotune_cache()
     """

@@ -59,7 +59,7 @@ def _load_triton() -> tuple[tuple[dict[str, SymmetricOps], bool] | None, str]:
 def triton_available() -> bool:
     """Whether the Triton kernels can be imported (Triton installed and importable).
 
-    Example:
+    Examples:
         >>> from dmuon.kernels import triton_available
         >>> isinstance(triton_available(), bool)
         True
@@ -92,7 +92,7 @@ def resolve_backend(
         ValueError: ``backend`` is not one of :data:`BACKENDS`, or ``"triton"`` was
             asked for where it cannot run.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.kernels import resolve_backend
         >>> resolve_backend("auto", device=torch.device("cpu"), compute_dtype=torch.bfloat16,

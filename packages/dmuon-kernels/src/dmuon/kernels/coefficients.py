@@ -48,7 +48,7 @@ class CoefficientSet:
         band: ``(lo, hi)`` interval the composed map sends ``[lower, 1]`` into
             with five steps in exact arithmetic.
 
-    Example:
+    Examples:
         >>> from dmuon.kernels import COEFFICIENT_SETS
         >>> cset = COEFFICIENT_SETS["keller"]
         >>> cset.band, len(cset.triples(5))
@@ -175,7 +175,7 @@ def get_coefficients(name: str, steps: int = 5) -> Schedule:
         steps: number of Newton–Schulz steps; schedules shorter than ``steps``
             repeat their last triple.
 
-    Example:
+    Examples:
         >>> get_coefficients("keller", 2)
         ((3.4445, -4.775, 2.0315), (3.4445, -4.775, 2.0315))
     """
@@ -217,7 +217,7 @@ def ns_scalar_map(
     value independently, so for ``X = U Σ Vᵀ`` with ``‖X‖_2 ≤ 1`` the iteration
     returns ``U φ(Σ) Vᵀ`` with ``φ = ns_scalar_map``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> ns_scalar_map("polar_express", torch.tensor([1e-2, 0.5, 1.0], dtype=torch.float64))
         tensor([...], dtype=torch.float64)

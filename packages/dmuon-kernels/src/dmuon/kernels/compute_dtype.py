@@ -52,7 +52,7 @@ def cpu_has_native_bf16() -> bool:
     taken as yes for ``arm64`` (Apple M2 and later have BF16); ``False`` where
     neither tells. Cached for the process.
 
-    Example:
+    Examples:
         >>> isinstance(cpu_has_native_bf16(), bool)
         True
     """
@@ -66,7 +66,7 @@ def cpu_has_native_bf16() -> bool:
 def default_compute_dtype(device: torch.device | str, method: str = "gram") -> torch.dtype:
     """The compute dtype :func:`~dmuon.kernels.orthogonalize` uses when none is given.
 
-    Example:
+    Examples:
         >>> default_compute_dtype("cuda")
         torch.float16
         >>> default_compute_dtype("cpu") == (

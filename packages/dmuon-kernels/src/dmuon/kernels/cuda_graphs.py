@@ -102,7 +102,7 @@ class NSGraphCache:
     A key whose capture raised is remembered and runs eagerly from then on (one log
     line, no retry every step).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.kernels import NSGraphCache
         >>> class Fake:
@@ -190,7 +190,7 @@ def release_cuda_graphs() -> int:
     Call it before changing the set of shapes for good, to free memory, or before
     ``destroy_process_group``.
 
-    Example:
+    Examples:
         >>> from dmuon.kernels import release_cuda_graphs
         >>> release_cuda_graphs()
         0
@@ -204,7 +204,7 @@ def set_cuda_graphs_enabled(enabled: bool) -> None:
     Turning it off also releases the graphs. The initial value is on unless the
     environment has ``DMUON_NS_CUDA_GRAPH=0``; ``cuda_graph=`` on a call overrides it.
 
-    Example:
+    Examples:
         >>> from dmuon.kernels import cuda_graphs_enabled, set_cuda_graphs_enabled
         >>> set_cuda_graphs_enabled(False)
         >>> cuda_graphs_enabled()
@@ -221,7 +221,7 @@ def cuda_graphs_enabled() -> bool:
 
     On by default; ``DMUON_NS_CUDA_GRAPH=0`` or :func:`set_cuda_graphs_enabled` turn it off.
 
-    Example:
+    Examples:
         >>> from dmuon.kernels import cuda_graphs_enabled
         >>> isinstance(cuda_graphs_enabled(), bool)
         True

@@ -37,7 +37,7 @@ def ns_flops(
       (2s²l). Five steps with a restart at 2: ``8s²l + 28s³``. Square matrices run
       the standard iteration.
 
-    Example:
+    Examples:
         >>> ns_flops(768, 3072, method="standard")  # 5·(4·768²·3072 + 2·768³)
         40768634880
     """

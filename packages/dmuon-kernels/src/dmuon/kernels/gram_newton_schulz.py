@@ -119,7 +119,7 @@ def gram_newton_schulz(
         cuda_graph: capture and replay the call as a CUDA graph (see
             :func:`~dmuon.kernels.orthogonalize`).
 
-    Example:
+    Examples:
         >>> import torch
         >>> O = gram_newton_schulz(torch.randn(64, 512), compute_dtype=torch.float32)
         >>> O.shape

@@ -73,7 +73,7 @@ def newton_schulz(
     Returns:
         A tensor of ``G``'s shape and dtype.
 
-    Example:
+    Examples:
         >>> import torch
         >>> O = newton_schulz(torch.randn(64, 256), compute_dtype=torch.float32)
         >>> O.shape

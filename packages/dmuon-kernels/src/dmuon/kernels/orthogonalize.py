@@ -84,7 +84,7 @@ def orthogonalize(
             invalid, or ``backend="triton"`` cannot run here (Triton missing, a CPU
             tensor outside the Triton interpreter, or a float64 compute dtype).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.kernels import orthogonalize, polar_factor
         >>> G = torch.randn(128, 512)

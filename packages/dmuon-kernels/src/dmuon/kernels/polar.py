@@ -16,7 +16,7 @@ def polar_factor(G: torch.Tensor) -> torch.Tensor:
     float64 regardless of the input dtype. Zero singular values make the polar
     factor non-unique; the SVD's choice of vectors is returned.
 
-    Example:
+    Examples:
         >>> import torch
         >>> P = polar_factor(torch.randn(4, 6))
         >>> torch.allclose(P @ P.mT, torch.eye(4, dtype=torch.float64))

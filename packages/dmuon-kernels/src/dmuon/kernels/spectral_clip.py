@@ -89,7 +89,7 @@ def spectral_clip(
     Returns:
         A tensor of ``M``'s shape and dtype.
 
-    Example:
+    Examples:
         >>> import torch
         >>> M = torch.randn(32, 64, dtype=torch.float64) * 3
         >>> torch.linalg.svdvals(spectral_clip(M, 1.0, compute_dtype=torch.float64)).max() < 1.001

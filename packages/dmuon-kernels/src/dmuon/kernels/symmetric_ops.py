@@ -38,7 +38,7 @@ class SymmetricOps:
         sym_poly: ``(A, b, c, a) ↦ b·A + c·A² + a·I`` for symmetric ``A``.
         sym_mul: ``(A, B, a) ↦ A·B + a·A`` for commuting symmetric ``A``, ``B``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.kernels import TORCH_OPS
         >>> X = torch.randn(2, 3, 5)
@@ -55,7 +55,7 @@ class SymmetricOps:
 def syrk_torch(X: torch.Tensor) -> torch.Tensor:
     """``X Xᵀ`` for a ``(B, m, k)`` batch with the vendor GEMM.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.kernels import syrk_torch
         >>> syrk_torch(torch.ones(1, 2, 3))
@@ -68,7 +68,7 @@ def syrk_torch(X: torch.Tensor) -> torch.Tensor:
 def sym_poly_torch(A: torch.Tensor, b: float, c: float, a: float = 0.0) -> torch.Tensor:
     """``b·A + c·A² + a·I`` for a ``(B, m, m)`` batch with the vendor GEMM (one ``baddbmm``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.kernels import sym_poly_torch
         >>> A = 2 * torch.eye(2).unsqueeze(0)
@@ -85,7 +85,7 @@ def sym_poly_torch(A: torch.Tensor, b: float, c: float, a: float = 0.0) -> torch
 def sym_mul_torch(A: torch.Tensor, B: torch.Tensor, a: float) -> torch.Tensor:
     """``A·B + a·A`` for ``(B, m, m)`` batches with the vendor GEMM (one ``baddbmm``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.kernels import sym_mul_torch
         >>> A, B = torch.eye(2).unsqueeze(0), 3 * torch.eye(2).unsqueeze(0)

@@ -31,7 +31,7 @@ def apply_update(
         weight_decay: the group's weight decay.
         scale: the rule's scale (``adjust_lr`` factor and the like).
 
-    Example:
+    Examples:
         >>> import torch
         >>> W = [torch.ones(2, 2)]
         >>> apply_update(W, [torch.ones(2, 2)], lr=0.1, weight_decay=0.5, scale=2.0)

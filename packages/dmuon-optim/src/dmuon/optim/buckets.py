@@ -61,7 +61,7 @@ class Entry:
         block: which of its blocks.
         start: first matrix of this entry in the bucket's batch.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon, build_buckets, get_rule, param_groups
         >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32),
@@ -110,7 +110,7 @@ class Bucket:
         size: number of matrices ``B``.
         buffers: the stacked state (``None`` when the bucket gathers per step).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon, build_buckets, get_rule, param_groups
         >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32),
@@ -134,7 +134,7 @@ class Bucket:
 def state_shapes(rule: Rule, layout: MatrixLayout) -> dict[str, tuple[int, ...]]:
     """Per-parameter state keys of a matrix parameter and their shapes.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import get_rule, matrix_layout
         >>> layout = matrix_layout(torch.zeros(64, 32), {}, "w")
@@ -176,7 +176,7 @@ def build_buckets(
     Returns:
         The buckets, in order of first appearance, and the new state per parameter.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon, build_buckets, get_rule, param_groups
         >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32),
@@ -263,7 +263,7 @@ def default_batch_elements(device: torch.device | str) -> int:
     entries (4 MiB of fp32): large matrices run one by one, small ones by the
     dozen.
 
-    Example:
+    Examples:
         >>> default_batch_elements("cpu")
         1048576
     """
@@ -320,7 +320,7 @@ def step_bucket(
     Returns:
         The number of matrices the rule ran on.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon, build_buckets, get_rule, param_groups
         >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32),

@@ -63,7 +63,7 @@ def clip_grad_norm_(
         RuntimeError: a non-finite norm with ``error_if_nonfinite``.
         NotImplementedError: in sign mode (the voted step ignores the gradient scale).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon, clip_grad_norm_
         >>> w = torch.nn.Parameter(torch.zeros(4, 4))

@@ -50,7 +50,7 @@ class Assignment:
         group: the name of its group (``None`` if it was left out).
         reason: the rule that decided it.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import param_groups
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
@@ -71,7 +71,7 @@ class ParamGroups(list):
     Pass it to :class:`~dmuon.optim.DMuon` as is. ``assignments`` lists every
     parameter with its group and the reason; :meth:`summary` formats them.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import param_groups
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
@@ -171,7 +171,7 @@ def param_groups(
     Raises:
         ValueError: both predicates claim a parameter.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Embedding(100, 16), nn.Linear(16, 64), nn.LayerNorm(64),

@@ -37,7 +37,7 @@ class Block:
         heads: matrices per leading index.
         matrix_rows: rows of each matrix.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import matrix_layout
         >>> qkv = torch.nn.Parameter(torch.zeros(96, 32))  # fused Q, K, V with 4 heads each
@@ -62,7 +62,7 @@ class MatrixLayout:
         blocks: the row blocks, in row order.
         flatten: the ``flatten`` setting the layout was made with.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import matrix_layout
         >>> experts = torch.nn.Parameter(torch.zeros(4, 64, 32))  # a 3-D expert stack
@@ -150,7 +150,7 @@ def matrix_layout(param: torch.Tensor, group: dict[str, Any], where: str) -> Mat
         ValueError: a 0-/1-D parameter, a >2-D one without ``flatten``, split sizes
             that do not sum to the rows, or heads that do not divide a block.
 
-    Example:
+    Examples:
         >>> import torch
         >>> qkv = torch.zeros(3 * 64, 64)
         >>> lay = matrix_layout(qkv, {"split_sizes": (64, 64, 64), "num_heads": 4}, "qkv")

@@ -121,7 +121,7 @@ class DMuon(torch.optim.Optimizer):
         steps_taken: steps this optimizer object has applied.
         skipped_steps: steps skipped for non-finite gradients (``nonfinite="skip_step"``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon, param_groups
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),

@@ -63,7 +63,7 @@ class Rule:
         reconstruction: ``True`` where the source gives only an abstract and the
             equations are our documented reconstruction.
 
-    Example:
+    Examples:
         >>> from dmuon.optim import get_rule
         >>> rule = get_rule("normuon")
         >>> [type(t).__name__ for t in rule.chain]
@@ -107,7 +107,7 @@ class Rule:
         Returns:
             ``(U, scale)`` with ``W ← W·(1 − lr·wd) − lr·scale·U``.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from dmuon.optim import get_rule
             >>> rule = get_rule("muon")
@@ -275,7 +275,7 @@ def get_rule(name: str) -> Rule:
     Raises:
         ValueError: unknown name; the message lists the rules.
 
-    Example:
+    Examples:
         >>> get_rule("normuon").options["beta2"].default
         0.95
     """

@@ -44,7 +44,7 @@ def adamw_step(
     ``W ← W(1 − lr·wd) − lr·m̂/(√v̂ + ε)`` with bias-corrected ``m̂``, ``v̂``:
     exactly :class:`torch.optim.AdamW` (same code path, foreach where torch picks it).
 
-    Example:
+    Examples:
         >>> import torch
         >>> p, g = torch.ones(3), torch.ones(3)
         >>> m, v, t = torch.zeros(3), torch.zeros(3), torch.zeros(())
@@ -86,7 +86,7 @@ def lion_step(
     Source: arXiv 2302.06675. Lion's updates have RMS 1, so its learning rate is
     typically 3–10× smaller than AdamW's.
 
-    Example:
+    Examples:
         >>> import torch
         >>> p, g, m, t = torch.zeros(2), torch.tensor([1.0, -2.0]), torch.zeros(2), torch.zeros(())
         >>> lion_step([p], [g], [m], [t], lr=0.1, betas=(0.9, 0.99), weight_decay=0.0)

@@ -40,7 +40,7 @@ def adjust_lr_factor(adjust_lr: str | None, m: int, n: int) -> float:
     Raises:
         ValueError: unknown convention or a non-positive dimension.
 
-    Example:
+    Examples:
         >>> adjust_lr_factor("match_rms_adamw", 768, 3072)
         11.08...
         >>> adjust_lr_factor("original", 3072, 768)

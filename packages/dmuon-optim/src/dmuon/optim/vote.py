@@ -36,7 +36,7 @@ class SignVote(Protocol):
       chain itself is deterministic given the batch; the caller (the distributed
       engine) makes the batches agree, e.g. by stepping every matrix on every rank.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import SignVote, local_vote
         >>> isinstance(local_vote, SignVote)  # any callable signs → signs qualifies
@@ -53,7 +53,7 @@ class SignVote(Protocol):
 def local_vote(signs: torch.Tensor) -> torch.Tensor:
     """The vote of a single process: its own signs.
 
-    Example:
+    Examples:
         >>> import torch
         >>> s = torch.tensor([[1.0, -1.0], [0.0, 1.0]])
         >>> local_vote(s) is s

@@ -47,7 +47,7 @@ class CheckpointMismatchError(ValueError):
     Attributes:
         problems: one line per problem.
 
-    Example:
+    Examples:
         >>> err = CheckpointMismatchError(["missing key 'model.w'"])
         >>> err.problems
         ["missing key 'model.w'"]

@@ -91,7 +91,7 @@ def save(
         ValueError: a parameter of the optimizer is not in ``model``, or a mode
             without one optimizer state (``sign``).
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from dmuon.optim import DMuon, param_groups
         >>> from dmuon.integrations import checkpoint
@@ -185,7 +185,7 @@ def load(
         CheckpointMismatchError: a missing key, a shape that differs, a group with
             another rule or other parameters (nothing is changed).
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from dmuon.optim import DMuon, param_groups
         >>> from dmuon.integrations import checkpoint

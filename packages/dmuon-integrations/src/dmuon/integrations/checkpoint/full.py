@@ -86,7 +86,7 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
         TypeError: ``optimizer`` is not a DMuon.
         ValueError: a parameter of the optimizer is not in ``model``, or mode ``sign``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon, param_groups
         >>> from dmuon.integrations.checkpoint import full_state_dict
@@ -168,7 +168,7 @@ def load_full_state_dict(model: nn.Module, optimizer: DMuon, state_dict: Mapping
         CheckpointMismatchError: a missing key, a shape that differs, a group with
             another rule or other parameters (nothing is changed).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon, param_groups
         >>> from dmuon.integrations.checkpoint import full_state_dict, load_full_state_dict

@@ -42,7 +42,7 @@ class Holding:
         group: the process group :attr:`owner` counts in (``None``: the world or no
             process group).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon, param_groups
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
@@ -87,7 +87,7 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
             whose state cannot be checkpointed once (``sign``: every rank's momentum
             is its own), or HSDP owner mode.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon, param_groups
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))

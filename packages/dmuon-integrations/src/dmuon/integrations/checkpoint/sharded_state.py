@@ -71,7 +71,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
         ``{"state": {fqn: {key: tensor}}, "param_groups": [...]}``, the same keys on
         every rank.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon, param_groups
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))

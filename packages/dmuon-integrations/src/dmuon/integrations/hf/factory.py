@@ -57,7 +57,7 @@ def dmuon_kwargs(args: Any, **overrides: Any) -> dict[str, Any]:
         when a process group of more than one rank is initialised, else
         ``"single"``) unless ``overrides`` names one.
 
-    Example:
+    Examples:
         >>> from types import SimpleNamespace
         >>> args = SimpleNamespace(learning_rate=3e-4, weight_decay=0.1, adam_beta1=0.9,
         ...                        adam_beta2=0.98, adam_epsilon=1e-8)
@@ -103,7 +103,7 @@ def build_dmuon(
             ``sign``), or FSDP2-sharded (DTensor) parameters; each message says what
             to do instead.
 
-    Example:
+    Examples:
         >>> from types import SimpleNamespace
         >>> import torch
         >>> args = SimpleNamespace(learning_rate=1e-3, weight_decay=0.0, adam_beta1=0.9,
@@ -142,7 +142,7 @@ class DMuonFactory:
     Trainers call ``DMuonFactory(model, **kwargs)`` when the kwargs hold ``model``.
     Both build :func:`build_dmuon` ``(model, **kwargs)``.
 
-    Example:
+    Examples:
         >>> from types import SimpleNamespace
         >>> import torch
         >>> args = SimpleNamespace(learning_rate=1e-3, weight_decay=0.0, adam_beta1=0.9,
@@ -192,7 +192,7 @@ def optimizer_cls_and_kwargs(
     Returns:
         ``(DMuonFactory, kwargs)``.
 
-    Example:
+    Examples:
         >>> from types import SimpleNamespace
         >>> args = SimpleNamespace(learning_rate=1e-3, weight_decay=0.0, adam_beta1=0.9,
         ...                        adam_beta2=0.95, adam_epsilon=1e-8)

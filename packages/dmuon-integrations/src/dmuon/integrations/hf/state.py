@@ -38,7 +38,7 @@ def unwrap_optimizer(optimizer: Any) -> DMuon:
     Raises:
         TypeError: no DMuon inside.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon
         >>> opt = DMuon([torch.nn.Parameter(torch.zeros(4, 4))])
@@ -64,7 +64,7 @@ def missing_state(state_dict: dict[str, Any]) -> list[str]:
     dict. The check reads the dict only, so every rank that reads the same file
     reaches the same verdict without communicating.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon
         >>> opt = DMuon([torch.nn.Parameter(torch.zeros(4, 4))])
@@ -105,7 +105,7 @@ def gather_full_state_dict(optimizer: Any) -> dict[str, Any]:
             ``dmuon.integrations.checkpoint``). Raised on every rank alike (the mode
             is the same on every rank).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon
         >>> opt = DMuon([torch.nn.Parameter(torch.zeros(4, 4))])

@@ -46,7 +46,7 @@ class DMuonTrainer(Trainer):
     Raises:
         ValueError: ``optimizer_cls_and_kwargs`` is given (DMuonTrainer builds DMuon).
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
         >>> cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,

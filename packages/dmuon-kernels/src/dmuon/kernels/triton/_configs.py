@@ -37,7 +37,7 @@ __all__ = [
 class TileConfig:
     """One autotune candidate: tile side, depth of the k-loop step, warps, pipeline stages.
 
-    Example:
+    Examples:
         >>> from dmuon.kernels.triton import TileConfig
         >>> TileConfig(block=128, block_k=64, num_warps=8, num_stages=3).shared_memory(2)
         98304

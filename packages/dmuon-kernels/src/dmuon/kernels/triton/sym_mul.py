@@ -38,7 +38,7 @@ def sym_mul(
         ValueError: ``A`` or ``B`` is not square, they differ in shape, dtype or
             device, or either has the wrong rank, dtype, device or layout.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.kernels.triton import sym_mul, sym_poly
         >>> R = torch.eye(512, device="cuda", dtype=torch.float16)

@@ -40,7 +40,7 @@ def sym_poly(
     Raises:
         ValueError: ``A`` is not square, or has the wrong rank, dtype, device or layout.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.kernels.triton import sym_poly
         >>> X = torch.randn(1024, 4096, device="cuda", dtype=torch.float16)

@@ -34,7 +34,7 @@ def syrk(X: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         ValueError: ``X`` has the wrong rank, dtype, device or memory layout, or
             ``out`` does not match.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.kernels.triton import syrk
         >>> X = torch.randn(4, 1024, 4096, device="cuda", dtype=torch.float16)  # on a GPU

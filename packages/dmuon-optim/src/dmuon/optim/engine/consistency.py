@@ -28,7 +28,7 @@ class ModelMismatchError(PlanMismatchError):
         digests: global rank → that rank's plan digest prefix.
         differences: one line per difference, naming the parameter and the ranks.
 
-    Example:
+    Examples:
         >>> err = ModelMismatchError("models differ", {0: "ab", 1: "cd"}, ["rank 1: extra 'w'"])
         >>> err.differences
         ["rank 1: extra 'w'"]
@@ -111,7 +111,7 @@ def check_model_consistency(
     Raises:
         ModelMismatchError: on every rank, naming the parameters that differ.
 
-    Example:
+    Examples:
         >>> from dmuon.comm import MatrixItem, plan_owners
         >>> plan = plan_owners([MatrixItem("w", (4, 4))], 1)
         >>> check_model_consistency(plan) == plan.digest()

@@ -130,7 +130,7 @@ class OwnerExchange(Publication):
         dmuon.optim.engine.ModelMismatchError: the ranks' models differ (on every
             rank, naming the parameter, before any other collective).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.comm import MatrixItem, plan_owners
         >>> w = torch.nn.Parameter(torch.ones(4, 4))

@@ -45,7 +45,7 @@ class NonFiniteGradientError(RuntimeError):
         ranks: the ranks whose gradients are not finite.
         names: the parameters with a non-finite gradient on this rank.
 
-    Example:
+    Examples:
         >>> err = NonFiniteGradientError("nan", [1], [])
         >>> err.ranks
         [1]
@@ -63,7 +63,7 @@ class RankDivergenceError(RuntimeError):
         names: the parameters that differ.
         ranks: for each, the ranks whose copy differs from rank 0's.
 
-    Example:
+    Examples:
         >>> RankDivergenceError("differ", ["w"], [[1]]).names
         ['w']
     """
@@ -88,7 +88,7 @@ def nonfinite_ranks(engine: Engine) -> tuple[list[int], list[str]]:
 
     Every rank of ``engine``'s groups must call it at the same point of the step.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon
         >>> w = torch.nn.Parameter(torch.ones(2, 2))
@@ -147,7 +147,7 @@ def check_agreement(engine: Engine) -> int:
     Raises:
         RankDivergenceError: on every rank, naming the parameters and the ranks.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon
         >>> opt = DMuon([torch.nn.Parameter(torch.ones(2, 2))])

@@ -71,7 +71,7 @@ class EngineParam:
 def item_shape(p: torch.Tensor, group: Mapping[str, Any]) -> tuple[int, ...]:
     """The planned shape of ``p``: rows stay dim 0 (sharding and chunking keep working).
 
-    Example:
+    Examples:
         >>> import torch
         >>> item_shape(torch.zeros(8, 3, 3, 3), {"flatten": True})
         (8, 27)
@@ -127,7 +127,7 @@ def subplan(plan: OwnerPlan, names: Iterable[str]) -> OwnerPlan:
 
     Used to run a collective on one pipeline group at a time.
 
-    Example:
+    Examples:
         >>> from dmuon.comm import MatrixItem, plan_owners
         >>> items = [MatrixItem(f"h.{i}.w", (8, 8), layer=f"h.{i}") for i in range(4)]
         >>> plan = plan_owners(items, 2)

@@ -25,7 +25,7 @@ __all__ = ["Pipeline", "PlannedEngine"]
 class Pipeline:
     """Handles in flight, at most ``depth`` of them: the oldest is finished first.
 
-    Example:
+    Examples:
         >>> done = []
         >>> pipe = Pipeline(1)
         >>> pipe.push(CommHandle.done(1), done.append)

@@ -44,7 +44,7 @@ class StepReport:
         rule_calls: batched rule calls (one per bucket chunk).
         groups: pipeline groups processed.
 
-    Example:
+    Examples:
         >>> report = StepReport("single")
         >>> with report.phase("rule"):
         ...     pass

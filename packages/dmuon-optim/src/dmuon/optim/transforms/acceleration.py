@@ -28,7 +28,7 @@ class GradDiffAcceleration:
     Hyperparameters: ``mona_beta`` (β_d), ``mona_gamma`` (γ), ``momentum`` (μ).
     State: ``prev_grad``, ``grad_diff_avg`` (both ``matrix``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim.transforms import GradDiffAcceleration, StepContext
         >>> st = {"prev_grad": torch.zeros(1, 1, 1), "grad_diff_avg": torch.zeros(1, 1, 1)}

@@ -20,7 +20,7 @@ def block_bounds(size: int, blocks: int) -> list[tuple[int, int]]:
     ``torch.tensor_split`` — so ragged shards (FSDP pads the last one) map to
     blocks directly. Empty parts are dropped.
 
-    Example:
+    Examples:
         >>> block_bounds(10, 3)
         [(0, 4), (4, 7), (7, 10)]
     """
@@ -54,7 +54,7 @@ class BlockPeriodicOrthogonalize:
     Hyperparameters: ``period`` (P), ``row_blocks``, ``col_blocks``,
     ``block_lr_scale``, ``full_lr_scale``, ``adjust_lr``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim.transforms import BlockPeriodicOrthogonalize, StepContext
         >>> hp = dict(period=2, row_blocks=2, col_blocks=1, block_lr_scale=1.0,

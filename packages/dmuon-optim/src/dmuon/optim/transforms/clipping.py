@@ -33,7 +33,7 @@ class MomentumSpectralClip:
     Hyperparameters: ``clip_mode`` (``"hard"``/``"soft"``), ``clip_tau`` (τ > 0),
     ``clip_steps`` (inner iterations, ``None`` = the kernel's default), ``momentum``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim.transforms import MomentumSpectralClip, StepContext
         >>> X = 10 * torch.randn(1, 6, 10, dtype=torch.float64)

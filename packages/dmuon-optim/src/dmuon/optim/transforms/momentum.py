@@ -28,7 +28,7 @@ class Momentum:
     Hyperparameters: ``momentum`` (μ ∈ [0, 1)), ``nesterov`` (bool).
     State: ``momentum_buffer`` (``matrix``), zero at the start.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim.transforms import Momentum, StepContext
         >>> G = torch.ones(1, 2, 2)

@@ -55,7 +55,7 @@ class RowNormalize:
 
     Hyperparameters: ``beta2``, ``eps``. State: ``row_second_moment`` (``row``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim.transforms import RowNormalize, StepContext
         >>> O = torch.randn(2, 4, 8)
@@ -93,7 +93,7 @@ class ElementwiseNormalize:
 
     Hyperparameters: ``beta2``, ``eps``. State: ``second_moment`` (``matrix``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim.transforms import ElementwiseNormalize, StepContext
         >>> O = torch.randn(1, 3, 5)
@@ -130,7 +130,7 @@ class AdamPrecondition:
 
     Hyperparameters: ``beta2``, ``eps``. State: ``grad_second_moment`` (``matrix``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim.transforms import AdamPrecondition, StepContext
         >>> G = torch.full((1, 2, 2), 2.0)
@@ -167,7 +167,7 @@ class SpectralNormalize:
     has no spectral gap to speak of, so a power iteration would not be reliable.
     Sign-Muon's "spectral-norm-normalised sign step".
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim.transforms import SpectralNormalize, StepContext
         >>> S = torch.ones(1, 2, 8)

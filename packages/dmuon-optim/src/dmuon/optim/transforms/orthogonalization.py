@@ -22,7 +22,7 @@ class Orthogonalize:
     ``when_option`` set, the transform runs only when that boolean hyperparameter
     is true (Sign-Muon's optional local polar step).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim.transforms import Orthogonalize, StepContext
         >>> hp = dict(ns_method="gram", ns_coefficients="polar_express", ns_steps=5,

@@ -21,7 +21,7 @@ class AdjustLR:
     :attr:`StepContext.scale` and is folded into the learning rate by the apply
     step (see :mod:`dmuon.optim.scaling` for the conventions).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim.transforms import AdjustLR, StepContext
         >>> X = torch.zeros(2, 100, 400)

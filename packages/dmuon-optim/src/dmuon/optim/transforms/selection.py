@@ -42,7 +42,7 @@ class ErrorFeedbackSelect:
     decay, Dion2's ``ef_decay``), ``select_dim`` (default ``"rows"`` when absent).
     State: ``momentum_buffer`` (``matrix``) plus the inner transforms' state.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim.transforms import ErrorFeedbackSelect, StepContext
         >>> G = torch.tensor([[[1.0, 1.0], [5.0, 5.0], [2.0, 2.0]]])

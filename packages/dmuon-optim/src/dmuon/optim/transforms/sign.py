@@ -19,7 +19,7 @@ class Sign:
     With ``when_option`` set, applies only when that boolean hyperparameter is
     true (AdaMuon's ``sign``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim.transforms import Sign, StepContext
         >>> X = torch.tensor([[[-2.0, 0.0, 3.0]]])
@@ -47,7 +47,7 @@ class MajorityVote:
     The vote is whatever :class:`~dmuon.optim.SignVote` the step was given
     (:attr:`StepContext.vote`); the transform only checks that it kept the shape.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim.transforms import MajorityVote, StepContext
         >>> S = torch.tensor([[[1.0, -1.0]]])

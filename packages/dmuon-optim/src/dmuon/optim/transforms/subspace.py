@@ -22,7 +22,7 @@ def rank_fraction_at(hp: Mapping[str, object], step: int) -> float:
     ``rank_start`` at step 1 to ``rank_fraction`` at step ``rank_steps + 1``, then
     constant.
 
-    Example:
+    Examples:
         >>> hp = dict(rank_schedule="linear", rank_start=1.0, rank_fraction=0.5, rank_steps=10)
         >>> rank_fraction_at(hp, 1), rank_fraction_at(hp, 6), rank_fraction_at(hp, 100)
         (1.0, 0.75, 0.5)
@@ -70,7 +70,7 @@ class TopKPolar:
     Hyperparameters: ``rank_fraction``, ``rank_schedule``, ``rank_start``,
     ``rank_steps``, ``power_iters``, ``oversample``, ``seed``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from dmuon.optim.transforms import TopKPolar, StepContext
         >>> hp = dict(rank_fraction=1.0, rank_schedule="constant", power_iters=1,
