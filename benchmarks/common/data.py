@@ -198,9 +198,7 @@ def load_corpus(
         val=_to_tensor(val),
         train_files=tuple(train_files),
         val_files=tuple(val_files),
-        source=(
-            f"python-stdlib {platform.python_version()}" if path is None else root.name
-        ),
+        source=(f"python-stdlib {platform.python_version()}" if path is None else root.name),
         split=split,
         digest=digest,
     )
