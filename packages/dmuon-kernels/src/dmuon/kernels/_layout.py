@@ -65,7 +65,9 @@ def to_wide_normalized(
     if transposed:
         X = X.mT
     work = torch.float64 if G.dtype == torch.float64 else torch.float32
-    X = X.to(work)
+    # contiguous before the reductions: a tall matrix gives bit for bit the result of its
+    # transpose (a reduction over a transposed view sums in another order)
+    X = X.to(work).contiguous()
     scale = X.abs().amax(dim=(-2, -1), keepdim=True)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     X = X / scale
