@@ -28,7 +28,7 @@ def test_docstring_examples_run(name):
 @pytest.mark.parametrize("name", sorted(set(dmuon.comm.__all__) - CONSTANTS))
 def test_every_public_name_has_a_docstring_with_an_example(name):
     doc = inspect.getdoc(getattr(dmuon.comm, name)) or ""
-    assert "Example:" in doc, f"{name} has no Example section"
+    assert "Examples:" in doc, f"{name} has no Examples section"
 
 
 def test_comm_never_imports_kernels():

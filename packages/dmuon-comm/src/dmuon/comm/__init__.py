@@ -24,6 +24,7 @@ from dmuon.comm.groups import CollectiveInputError
 from dmuon.comm.handles import CommHandle
 from dmuon.comm.items import MatrixItem, layer_key, matrix_items
 from dmuon.comm.majority_vote import VOTE_METHODS, majority_vote
+from dmuon.comm.objects import all_gather_objects
 from dmuon.comm.owner_collectives import broadcast_from_owners, reduce_to_owners
 from dmuon.comm.owner_plan import OwnerPlan, OwnerUnit
 from dmuon.comm.planning import DEFAULT_PACK_BELOW, STRATEGIES, plan_owners
@@ -50,6 +51,7 @@ __all__ = [
     "OwnerUnit",
     "PlanMismatchError",
     "__version__",
+    "all_gather_objects",
     "all_gather_updates",
     "broadcast_from_owners",
     "check_plan_consistency",

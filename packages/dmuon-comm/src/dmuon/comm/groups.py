@@ -18,6 +18,8 @@ from typing import TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from dmuon.comm.objects import all_gather_objects
+
 __all__ = ["CollectiveInputError", "agree", "group_rank", "group_size"]
 
 T = TypeVar("T")
@@ -128,8 +130,7 @@ def agree(
     messages = {dist.get_rank(): text} if text else {}
     known = (messages, sorted(mismatched))
     for g in active:
-        gathered: list[object] = [None] * dist.get_world_size(g)
-        dist.all_gather_object(gathered, known, group=g)
+        gathered = all_gather_objects(known, group=g)
         merged: dict[int, str] = {}
         mism: set[int] = set()
         for entry in gathered:

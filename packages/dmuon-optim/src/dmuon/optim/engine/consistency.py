@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import OwnerPlan, PlanMismatchError, check_plan_consistency
+from dmuon.comm import OwnerPlan, PlanMismatchError, all_gather_objects, check_plan_consistency
 
 __all__ = ["ModelMismatchError", "check_model_consistency"]
 
@@ -81,8 +81,7 @@ def _check_group(plan: OwnerPlan, group: dist.ProcessGroup | None) -> ModelMisma
         # Every rank of the group raised the same error, so every rank is here: the
         # object all-gather below cannot hang on a rank that went on.
         n = dist.get_world_size(group)
-        gathered: list[object] = [None] * n
-        dist.all_gather_object(gathered, _describe(plan), group=group)
+        gathered = all_gather_objects(_describe(plan), group=group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
         lines = _differences([list(g) for g in gathered], ranks)  # type: ignore[call-overload]
         text = "the ranks hold different models, so their collectives would not match:\n"
@@ -131,8 +130,7 @@ def check_model_consistency(
     flags = torch.empty(R, dtype=torch.int64)
     dist.all_gather_single(flags, torch.tensor([int(err is not None)]), group=replicate_group)
     if bool(flags.any()):
-        texts: list[object] = [None] * R
-        dist.all_gather_object(texts, None if err is None else str(err), group=replicate_group)
+        texts = all_gather_objects(None if err is None else str(err), group=replicate_group)
         if err is not None:
             raise err
         first = next(t for t in texts if t is not None)
