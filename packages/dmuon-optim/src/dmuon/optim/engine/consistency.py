@@ -83,7 +83,7 @@ def _check_group(plan: OwnerPlan, group: dist.ProcessGroup | None) -> ModelMisma
         n = dist.get_world_size(group)
         gathered = all_gather_objects(_describe(plan), group=group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
-        lines = _differences([list(g) for g in gathered], ranks)  # type: ignore[call-overload]
+        lines = _differences([list(g) for g in gathered], ranks)
         text = "the ranks hold different models, so their collectives would not match:\n"
         text += "\n".join(f"  {line}" for line in lines) if lines else str(err)
         text += "\n  build the same model on every rank (same config, same frozen parameters)"
