@@ -90,7 +90,7 @@ class DMuonTrainer(Trainer):
                 ``dmuon.integrations.deepspeed``, see the DeepSpeed guide), FSDP, or a
                 mode the launch cannot run.
         """
-        if self.optimizer is None:
+        if getattr(self, "optimizer", None) is None:
             if getattr(self, "is_deepspeed_enabled", False):
                 raise ValueError(
                     "DMuonTrainer does not build the optimizer for Trainer's DeepSpeed launch: "
