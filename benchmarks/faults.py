@@ -4,8 +4,10 @@ World of 3 CPU ranks (gloo), a 3-layer MLP, ``DMuon(timeout=T)``. In step 2, ran
 either kills itself with SIGKILL or sleeps, after stepping its first layer — while
 the others already wait for its results. For each mode and fault, every survivor
 reports the error class, why (``peer_died``: gloo saw the connection close;
-``timeout``: no answer within ``T``) and the seconds from the start of the failing
-iteration to the raise. Prints a table and writes
+``timeout``: no answer within ``T``), which rank the error names (the one absent
+from the roll call after a death, the one alive outside any DMuon collective after
+a hang; see :mod:`dmuon.comm.roll_call`) and the seconds from the start of the
+failing iteration to the raise. Prints a table and writes
 ``benchmarks/results/faults.json``. Nothing here asserts on time.
 
     python benchmarks/faults.py               # T = 2 s
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dmuon.comm import CollectiveError
-from dmuon.comm.testing import RankFailure, RankOutcome, run_on_ranks
+from dmuon.comm.testing import RankFailure, RankOutcome, rank_store, run_on_ranks
 from dmuon.optim import DMuon, param_groups
 
 WORLD, FAULTY = 3, 2
@@ -43,7 +45,7 @@ def _build(mode: str, world: int, timeout: float):
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3)))
     forward: nn.Module = model
-    kw: dict = {"timeout": timeout}
+    kw: dict = {"timeout": timeout, "store": rank_store()}
     if mode == "owner":
         kw["distributed"] = ddp.dedicate(model)
     elif mode == "replicated":
@@ -83,9 +85,16 @@ def _rank(rank: int, world: int, mode: str, fault: str, timeout: float):
             F.mse_loss(forward(torch.randn(8, 32, generator=g)), torch.zeros(8, 32)).backward()
             opt.step()
         except CollectiveError as err:
-            return {"reason": err.reason, "seconds": time.monotonic() - t0, "message": str(err)}
+            roll = err.roll_call
+            named = [err.dead_rank] if err.dead_rank is not None else (roll.stalled if roll else [])
+            return {
+                "reason": err.reason,
+                "named": named,
+                "seconds": time.monotonic() - t0,
+                "message": str(err),
+            }
         opt.zero_grad()
-    return {"reason": "none", "seconds": 0.0, "message": ""}
+    return {"reason": "none", "named": [], "seconds": 0.0, "message": ""}
 
 
 def main() -> None:
@@ -104,10 +113,15 @@ def main() -> None:
             for o in outcomes:
                 if o.rank == FAULTY:
                     continue
-                v = o.value if o.status == "ok" else {"reason": o.status, "seconds": float("nan")}
+                v = (
+                    o.value
+                    if o.status == "ok"
+                    else {"reason": o.status, "named": [], "seconds": float("nan")}
+                )
                 rows.append({"mode": mode, "fault": fault, "rank": o.rank, **v})
                 print(
-                    f"{mode:10s} {fault:5s} rank {o.rank}: {v['reason']:9s} {v['seconds']:6.2f} s"
+                    f"{mode:10s} {fault:5s} rank {o.rank}: {v['reason']:9s} "
+                    f"names rank(s) {v['named']}  {v['seconds']:6.2f} s"
                 )
     out = pathlib.Path(__file__).parent / "results" / "faults.json"
     out.parent.mkdir(exist_ok=True)

@@ -3,9 +3,11 @@
 A rank is a real process: the faulty one kills itself with ``SIGKILL`` (no Python
 clean-up, its sockets simply close) or sleeps instead of stepping. Every other
 rank must leave ``opt.step()`` with :class:`dmuon.comm.CollectiveError` — never
-hang — and the message must name the step, the collective and, for a death, that
-a peer closed its connection. ``run_on_ranks``' own timeout (60 s) is the guard
-that turns a hang into a failure; DMuon's ```timeout`` is 2 s here.
+hang — and the message must name the step, the collective and the rank at fault:
+the one that did not answer the roll call after a death, the one alive but outside
+any DMuon collective after a hang (:mod:`dmuon.comm.roll_call`). ``run_on_ranks``'
+own timeout (60 s) is the guard that turns a hang into a failure; DMuon's
+``timeout`` is 2 s here.
 
 Faults are injected inside ``step()``: the dying rank wraps its optimizer's
 per-layer matrix step so that it dies after stepping its first layer, while the
@@ -26,7 +28,7 @@ from distributed_cases import OPT
 from torch import nn
 
 from dmuon.comm import CollectiveError
-from dmuon.comm.testing import RankFailure, run_on_ranks
+from dmuon.comm.testing import RankFailure, rank_store, run_on_ranks
 from dmuon.optim import DMuon, param_groups
 
 WORLD = 3
@@ -59,7 +61,7 @@ def build(mode: str, world: int):
 
     model = Net()
     forward: nn.Module = model
-    kw = dict(OPT, timeout=DMUON_TIMEOUT)
+    kw = dict(OPT, timeout=DMUON_TIMEOUT, store=rank_store())
     if mode == "owner":
         kw["distributed"] = ddp.dedicate(model)
     elif mode == "replicated":
@@ -103,7 +105,12 @@ def run_fault(rank: int, world: int, mode: str, fault: str):
             F.mse_loss(forward(x), torch.zeros(4, 2)).backward()
             opt.step()
         except CollectiveError as err:
-            return {"error": str(err), "reason": err.reason, "seconds": time.monotonic() - t0}
+            return {
+                "error": str(err),
+                "reason": err.reason,
+                "dead_rank": err.dead_rank,
+                "seconds": time.monotonic() - t0,
+            }
         opt.zero_grad()
     return {"error": None}
 
@@ -134,9 +141,12 @@ def test_a_rank_killed_mid_step_makes_every_other_rank_raise_naming_the_step(mod
         # already left) ran into DMuon's deadline — never the 60 s of the harness
         assert o.value["reason"] in ("peer_died", "timeout"), text
         if o.value["reason"] == "peer_died":
-            assert "closed its connection" in text, text
+            assert f"rank {FAULTY} closed its connection" in text, text
         else:
             assert f"within {DMUON_TIMEOUT:g} s" in text, text
+        # the roll call names the dead rank by number, on every survivor
+        assert o.value["dead_rank"] == FAULTY, text
+        assert f"rank {FAULTY} did not answer" in text, text
 
 
 def test_a_rank_that_stops_answering_makes_the_others_raise_at_the_deadline():
@@ -150,3 +160,7 @@ def test_a_rank_that_stops_answering_makes_the_others_raise_at_the_deadline():
         text = o.value["error"]
         assert text is not None and o.value["reason"] == "timeout", text
         assert "DMuon step 2" in text and f"no answer within {DMUON_TIMEOUT:g} s" in text, text
+        # every rank answered the roll call; the sleeper was in step 2 but in no collective
+        assert o.value["dead_rank"] is None, text
+        assert f"rank {FAULTY} (" in text and "alive but not in a DMuon collective" in text, text
+        assert "'DMuon step 2'" in text, text

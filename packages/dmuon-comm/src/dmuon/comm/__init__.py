@@ -28,6 +28,7 @@ from dmuon.comm.objects import all_gather_objects
 from dmuon.comm.owner_collectives import broadcast_from_owners, reduce_to_owners
 from dmuon.comm.owner_plan import OwnerPlan, OwnerUnit
 from dmuon.comm.planning import DEFAULT_PACK_BELOW, STRATEGIES, plan_owners
+from dmuon.comm.roll_call import RollCall, call_roll, start_responder
 from dmuon.comm.shard_all_to_all import shard_all_to_all, shard_all_to_all_reverse, shard_range
 from dmuon.comm.signs import pack_signs, unpack_signs
 from dmuon.comm.stats import CommStats, OpStats, default_stats
@@ -50,10 +51,12 @@ __all__ = [
     "OwnerPlan",
     "OwnerUnit",
     "PlanMismatchError",
+    "RollCall",
     "__version__",
     "all_gather_objects",
     "all_gather_updates",
     "broadcast_from_owners",
+    "call_roll",
     "check_plan_consistency",
     "collective_timeout",
     "cost_model",
@@ -70,6 +73,7 @@ __all__ = [
     "shard_all_to_all",
     "shard_all_to_all_reverse",
     "shard_range",
+    "start_responder",
     "unpack_signs",
     "wait_work",
 ]

@@ -10,10 +10,12 @@ Two facts about ``torch.distributed`` shape this module:
   timeout applies, as it does for every synchronous collective);
 * when a peer process dies, gloo fails the collective at once with "Connection
   closed/reset by peer [address]" — it gives the peer's socket address, not its
-  rank, so the rank can be named only when the error says it.
+  rank; the ranks not connected to the dead one only run into their deadline.
 
 :func:`wait_work` turns any failure into a :class:`CollectiveError` naming the
-collective, its ranks and the deadline; the optimizer adds the step.
+collective, its ranks and the deadline; :meth:`CollectiveError.after_roll_call`
+names the dead (or stalled) rank by a roll call over the rendezvous store
+(:mod:`dmuon.comm.roll_call`), and the optimizer adds the step.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch.distributed as dist
+
+from dmuon.comm.roll_call import DEFAULT_GRACE, RollCall, call_roll, note_collective
 
 __all__ = ["CollectiveError", "collective_timeout", "current_timeout", "wait_work"]
 
@@ -42,7 +46,9 @@ class CollectiveError(RuntimeError):
         ranks: the global ranks of its process group.
         timeout: the deadline it was waited with, in seconds (``None``: the group's).
         reason: ``"peer_died"``, ``"timeout"`` or ``"error"``.
-        dead_rank: the rank that died when it can be known, else ``None``.
+        dead_rank: the rank that died when it can be known (the one rank absent from
+            the roll call), else ``None``.
+        roll_call: what the roll call after the failure found (``None``: none made).
 
     Examples:
         >>> err = CollectiveError("all-reduce of flags", [0, 1], 5.0, "timeout", "timed out")
@@ -59,9 +65,11 @@ class CollectiveError(RuntimeError):
         cause: str,
         dead_rank: int | None = None,
         context: str = "",
+        roll_call: RollCall | None = None,
     ) -> None:
         self.what, self.ranks, self.timeout = what, ranks, timeout
         self.reason, self.cause, self.dead_rank, self.context = reason, cause, dead_rank, context
+        self.roll_call = roll_call
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -81,16 +89,56 @@ class CollectiveError(RuntimeError):
             )
         else:
             why = "the collective raised"
+        roll = f" {_capital(self.roll_call.summary())}." if self.roll_call is not None else ""
         return (
-            f"{where}{self.what} over ranks {self.ranks} failed: {why}. "
+            f"{where}{self.what} over ranks {self.ranks} failed: {why}.{roll} "
             f"Original error: {self.cause.strip().splitlines()[0] if self.cause.strip() else '?'}"
         )
 
+    def _replace(self, **changes: Any) -> CollectiveError:
+        fields = {
+            "what": self.what,
+            "ranks": self.ranks,
+            "timeout": self.timeout,
+            "reason": self.reason,
+            "cause": self.cause,
+            "dead_rank": self.dead_rank,
+            "context": self.context,
+            "roll_call": self.roll_call,
+        }
+        return CollectiveError(**{**fields, **changes})
+
     def with_context(self, context: str) -> CollectiveError:
         """The same error with ``context`` (e.g. the step) in front of the message."""
-        return CollectiveError(
-            self.what, self.ranks, self.timeout, self.reason, self.cause, self.dead_rank, context
-        )
+        return self._replace(context=context)
+
+    def after_roll_call(self, grace: float | None = None) -> CollectiveError:
+        """The same error, with the ranks of its group that did not answer a roll call
+        named (:func:`dmuon.comm.roll_call.call_roll`); unchanged if one was made.
+
+        Args:
+            grace: seconds to wait for answers (``None``: 1 s, at most half the deadline).
+
+        Examples:
+            >>> from dmuon.comm.roll_call import stop_responder
+            >>> stop_responder()
+            >>> err = CollectiveError("broadcast", [0, 1], 2.0, "timeout", "timed out")
+            >>> err.after_roll_call().roll_call.unavailable is not None
+            True
+        """
+        if self.roll_call is not None or not self.ranks:
+            return self
+        if grace is None:
+            grace = DEFAULT_GRACE if self.timeout is None else min(DEFAULT_GRACE, self.timeout / 2)
+        roll = call_roll(self.ranks, grace)
+        dead = self.dead_rank
+        if dead is None and len(roll.absent) == 1:
+            dead = roll.absent[0]
+        return self._replace(roll_call=roll, dead_rank=dead)
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def _peer(text: str) -> str:
@@ -173,11 +221,13 @@ def wait_work(work: Any, what: str, group: Any = None) -> None:
     if work is None:
         return
     timeout = _TIMEOUT.get()
+    note_collective(what)  # what a roll call reports of this rank while it waits
     try:
         if timeout is None:
             work.wait()
         else:
             work.wait(timeout=timeout)
+        note_collective(None)  # left in place on failure: this rank was waiting in it
     except CollectiveError:
         raise
     except Exception as exc:  # gloo raises plain RuntimeError / DistBackendError

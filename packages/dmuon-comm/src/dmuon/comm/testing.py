@@ -29,11 +29,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankFailure", "RankOutcome", "run_on_ranks"]
+__all__ = ["RankFailure", "RankOutcome", "rank_store", "run_on_ranks"]
 
 # After the first rank fails, the others get this long to finish or fail on their
 # own (so that every rank's error is reported) before they are killed.
 _GRACE_AFTER_FAILURE_S = 3.0
+
+_STORE: dist.Store | None = None  # the rendezvous store, inside a rank of run_on_ranks
+
+
+def rank_store() -> dist.Store:
+    """The store this rank of :func:`run_on_ranks` joined its process group through.
+
+    Pass it where a rendezvous store is wanted, e.g. ``DMuon(..., store=rank_store())``
+    so that a failed collective names the dead rank (:mod:`dmuon.comm.roll_call`).
+
+    Raises:
+        RuntimeError: called outside a rank of :func:`run_on_ranks`.
+
+    Examples:
+        >>> def body(rank, world_size):
+        ...     return rank_store().add("ranks", 1) >= 1
+        >>> run_on_ranks(body, 2, timeout=30)
+        [True, True]
+    """
+    if _STORE is None:
+        raise RuntimeError("rank_store() is only available inside a rank of run_on_ranks")
+    return _STORE
 
 
 @dataclass(frozen=True)
@@ -405,6 +427,7 @@ def _rank_main(
     pg_timeout: float,
     conn: multiprocessing.connection.Connection,
 ) -> None:
+    global _STORE
     _die_with_parent()
     stack_file = open(os.path.join(workdir, f"rank{rank}.txt"), "w")  # noqa: SIM115 (kept open)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
@@ -423,7 +446,7 @@ def _rank_main(
     report: RankOutcome
     try:
         timeout = datetime.timedelta(seconds=pg_timeout)
-        store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+        store = _STORE = dist.FileStore(os.path.join(workdir, "store"), world_size)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(

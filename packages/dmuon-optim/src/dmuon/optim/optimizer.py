@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from dmuon.comm import CollectiveError, collective_timeout
+from dmuon.comm.roll_call import note_phase, start_responder
 from dmuon.optim.buckets import Bucket, Sink, build_buckets, state_shapes, step_bucket
 from dmuon.optim.engine.base import Engine, SingleEngine
 from dmuon.optim.engine.exchange import exchange_of
@@ -103,6 +104,11 @@ class DMuon(torch.optim.Optimizer):
         check_every: compare a checksum of the replicated parameters across ranks every
             that many steps (``None``: never); a difference raises
             :class:`~dmuon.optim.engine.RankDivergenceError` naming the parameter.
+        store: the rendezvous ``torch.distributed.Store`` through which, after a failed
+            collective, the surviving ranks call the roll and name the rank that died or
+            stalled (:mod:`dmuon.comm.roll_call`). ``None``: a client of
+            ``MASTER_ADDR:MASTER_PORT`` when both are set (``torchrun``, ``env://``);
+            without either, errors name the step and the collective but not the rank.
         **rule_options: defaults of rule hyperparameters (e.g. ``beta2=0.9`` for
             NorMuon, ``fraction=0.5`` for Dion2, ``ns_compute_dtype="float32"``);
             each must be accepted by ``rule`` or by a group's algorithm.
@@ -157,6 +163,7 @@ class DMuon(torch.optim.Optimizer):
         timeout: float | None = None,
         nonfinite: str | None = "raise",
         check_every: int | None = None,
+        store: Any = None,
         **rule_options: Any,
     ) -> None:
         get_rule(rule)
@@ -177,6 +184,11 @@ class DMuon(torch.optim.Optimizer):
             raise ValueError(
                 f"check_every must be an int ≥ 1 (compare parameters across ranks every that "
                 f"many steps) or None (never); got {check_every!r}"
+            )
+        if store is not None and not isinstance(store, torch.distributed.Store):
+            raise ValueError(
+                "store must be a torch.distributed.Store (e.g. the TCPStore the process group "
+                f"was initialised with) or None; got {type(store).__name__}"
             )
         self.timeout = None if timeout is None else float(timeout)
         self.nonfinite = nonfinite
@@ -254,6 +266,8 @@ class DMuon(torch.optim.Optimizer):
         exchange = getattr(self._engine, "exchange", None)
         if exchange is not None:
             exchange.timeout = self.timeout
+        if self._engine.world_size > 1:
+            start_responder(store)  # answers roll calls when a peer's collective fails
         self._initialized = True
         for index in range(len(self.param_groups)):
             self._rebuild(index)
@@ -470,6 +484,7 @@ class DMuon(torch.optim.Optimizer):
         report = StepReport(engine.mode, engine.rank, engine.world_size)
         number = self.steps_taken + self.skipped_steps + 1
         t0 = time.perf_counter()
+        note_phase(f"DMuon step {number}")
         try:
             with collective_timeout(self.timeout):
                 with report.phase("comm_wait"):  # the guards' flags are communication too
@@ -478,6 +493,7 @@ class DMuon(torch.optim.Optimizer):
                 if not finite:
                     engine.skip_step()
                     self.skipped_steps += 1
+                    note_phase(f"outside DMuon (forward, backward, user code), step {number} done")
                     report.seconds["total"] = time.perf_counter() - t0
                     self.last_step = report
                     return loss
@@ -489,10 +505,11 @@ class DMuon(torch.optim.Optimizer):
                 if self.check_every is not None and self.steps_taken % self.check_every == 0:
                     check_agreement(engine)
         except CollectiveError as err:
-            raise err.with_context(
+            raise err.after_roll_call().with_context(
                 f"DMuon step {number} (mode {engine.mode!r}, rank {engine.rank} of "
                 f"{engine.world_size})"
             ) from err
+        note_phase(f"outside DMuon (forward, backward, user code), step {number} done")
         report.seconds["total"] = time.perf_counter() - t0
         self.last_step = report
         return loss

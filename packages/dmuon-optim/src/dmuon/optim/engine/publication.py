@@ -109,7 +109,7 @@ class Publication:
                     if layer.key == key:
                         return
         except CollectiveError as err:
-            raise err.with_context(
+            raise err.after_roll_call().with_context(
                 f"rank {self.rank}, before layer {key!r} runs: waiting for the weights "
                 f"published by DMuon step {getattr(self, 'published_step', '?')}"
             ) from err
