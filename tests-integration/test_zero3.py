@@ -3,6 +3,7 @@ only owned matrices between layers, and moves 3(N−1)/N·P bytes per step (broa
 forward, re-broadcast for backward, reduce)."""
 
 import pytest
+import torch
 from distributed_cases import (
     STEPS,
     TOLERANCE,
@@ -53,16 +54,83 @@ def run_memory_and_bytes(rank, world):
         loss_of(NAME, model, *batch(NAME, t, rank, world)).backward()
         opt.step()
         opt.zero_grad()
-        held.append({n: params[n].untyped_storage().nbytes() > 0 for n in ded.names})
+        held.append({n: 0 not in params[n].stride() for n in ded.names})
+        freed = all(
+            b.buffer.untyped_storage().nbytes() == 0
+            for layer in ded.exchange.layers
+            for b in layer.publish_buckets
+            if b.owner != rank
+        )
+        assert freed, "a bucket this rank does not own still holds memory"
         ops = stats.ops
         sent = ops["reduce_to_owners"].bytes_sent + ops["broadcast_from_owners"].bytes_sent
     P = sum(i.nbytes for i in ded.plan.items)
-    return held, sorted(ded.owned), sent, P
+    # a freed weight read outside a forward is NaN (it used to read freed memory and
+    # crash the process), keeps its shape, and refuses writes
+    errors = []
+    for n in sorted(set(ded.names) - set(ded.owned)):
+        p = params[n]
+        errors.append(p.detach().sum().isnan().item() and p.ndim == 2)
+        try:
+            with torch.no_grad():
+                p.add_(1.0)
+            errors.append(False)
+        except RuntimeError:
+            errors.append(True)
+    try:
+        model.state_dict()
+        refused = ""
+    except RuntimeError as err:
+        refused = str(err)
+    ded.wait()  # every rank: all weights materialised
+    gathered = {n: params[n].detach().clone() for n in ded.names}
+    state = model.state_dict()  # now allowed
+    return held, sorted(ded.owned), sent, P, errors, refused, gathered, len(state)
 
 
 def test_zero3_like_frees_what_a_rank_does_not_own_and_moves_three_halves_of_a_ring():
     world = 2
-    for held, owned, sent, P in run_on_ranks(run_memory_and_bytes, world, timeout=120):
+    results = run_on_ranks(run_memory_and_bytes, world, timeout=120)
+    for held, owned, sent, P, errors, refused, _, n_state in results:
         for step in held:
             assert sorted(n for n, kept in step.items() if kept) == owned
         assert sent == pytest.approx(3 * (world - 1) / world * P, rel=0.01)
+        assert errors and all(errors), errors
+        assert "freed on this rank" in refused and "ded.wait()" in refused, refused
+        assert n_state > 0
+    # after ded.wait() every rank holds every weight, the owners' values
+    first = results[0][6]
+    for other in results[1:]:
+        for n, w in other[6].items():
+            assert torch.equal(w, first[n]), n
+
+
+def run_checkpoint_round_trip(rank, world, path):
+    from distributed_cases import full_params, setup
+
+    from dmuon.integrations import checkpoint
+
+    def train(forward, opt, start, stop):
+        for t in range(start, stop):
+            loss_of(NAME, forward, *batch(NAME, t, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, forward, opt, ded = setup("owner_fsdp_z3", NAME, world)
+    train(forward, opt, 0, 2)
+    checkpoint.save(path, model, opt)  # saves freed weights too: it materialises them
+    train(forward, opt, 2, 4)
+    ded.wait()
+    expected = full_params(model)
+    model, forward, opt, ded = setup("owner_fsdp_z3", NAME, world)
+    checkpoint.load(path, model, opt)
+    train(forward, opt, 2, 4)
+    ded.wait()
+    return max_diff(full_params(model), expected)
+
+
+def test_zero3_like_checkpoint_round_trip_resumes_exactly(tmp_path):
+    for diff, where in run_on_ranks(
+        run_checkpoint_round_trip, 2, args=(str(tmp_path / "dcp"),), timeout=180
+    ):
+        assert diff == 0.0, f"{where} differs by {diff:.2e}"

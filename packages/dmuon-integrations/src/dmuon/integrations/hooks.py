@@ -97,4 +97,22 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
             handles.append(
                 module.register_full_backward_pre_hook(call(exchange.backward_enter, key))
             )
+    if exchange.reshard_after_forward:
+        handles.append(model.register_state_dict_pre_hook(_refuse_released(exchange)))
     return handles
+
+
+def _refuse_released(exchange: OwnerExchange) -> Callable[..., None]:
+    """A state-dict pre-hook: freed weights (ZeRO-3-like) would be saved as NaN."""
+
+    def hook(*_: Any) -> None:
+        released = exchange.released_names()
+        if released:
+            raise RuntimeError(
+                f"rank {exchange.rank}: {len(released)} dedicated weight(s) are freed on this "
+                f"rank (ZeRO-3-like owner mode keeps only the owned ones between forwards), "
+                f"e.g. {released[0]!r}; call ded.wait() on every rank before state_dict(), "
+                "or save with dmuon.integrations.checkpoint"
+            )
+
+    return hook

@@ -380,7 +380,10 @@ class DMuon(torch.optim.Optimizer):
             )
         if algorithm in RULES:
             matrix_layout(p, dict(group), name)
-            if not p.is_contiguous():
+            # a dedicated weight freed on this rank (ZeRO-3-like) is one broadcast NaN;
+            # another rank owns it, this one never updates it
+            freed = exchange_of(p) is not None and 0 in p.stride() and p.numel() > 1
+            if not p.is_contiguous() and not freed:
                 raise ValueError(
                     f"{name} is not contiguous; matrix rules update "
                     "parameters through views — make it contiguous (e.g. not channels_last)"

@@ -11,7 +11,12 @@ pre-hook, the next layer prefetched), freed after it, materialised again for its
 backward (in its backward pre-hook, the layer before prefetched) and freed once
 backward has moved on to the next layer. Freeing is
 ``untyped_storage().resize_(0)`` of the layer's broadcast buffer — the public way
-FSDP1 freed its flat parameters; the parameters are views of that buffer. Traffic
+FSDP1 freed its flat parameters; the parameters are views of that buffer. A freed
+parameter's data becomes one NaN broadcast to its shape (no memory, shape and
+dtype kept for code that inspects them), so that reading it outside a forward gives
+NaN instead of reading freed memory (which crashes the process), writing to it
+raises, and the model's ``state_dict`` refuses it
+(:meth:`Publication.released_names`). Traffic
 per step: ``3(N−1)/N·P`` (broadcast, re-broadcast, reduce) instead of ``2(N−1)/N·P``.
 These broadcasts run on a process group of their own, so their order (set by
 forward and backward) never interleaves with the reductions' fixed order.
@@ -30,6 +35,11 @@ if TYPE_CHECKING:
     from dmuon.optim.engine.exchange import _Layer
 
 __all__ = ["Publication"]
+
+
+def _freed(p: torch.Tensor) -> torch.Tensor:
+    """What a freed parameter holds: one NaN seen at every index (no memory)."""
+    return torch.full((1,), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
 
 
 class Publication:
@@ -57,6 +67,8 @@ class Publication:
         view = b.view(name)
         if p.data_ptr() == view.data_ptr() and p.dtype == view.dtype:
             return
+        if 0 in p.stride() and p.numel() > 1:
+            return  # freed (ZeRO-3-like): materialize makes it a view again
         if view.device != p.device:
             raise RuntimeError(
                 f"dedicated parameter {name!r} is on {p.device} but was dedicated on "
@@ -137,6 +149,9 @@ class Publication:
             for b in layer.publish_buckets:
                 if b.owner != self.rank:
                     b.buffer.untyped_storage().resize_(b.numel * b.buffer.element_size())
+                    for name in b.names:  # a view of the buffer again
+                        p = self._params[name]
+                        p.data = b.view(name).view(p.shape)
             if self.world_size > 1 and layer.publish_buckets:
                 self._broadcast(layer)
             layer.resident = True
@@ -155,7 +170,21 @@ class Publication:
         for b in layer.publish_buckets:
             if b.owner != self.rank:
                 b.buffer.untyped_storage().resize_(0)
+                for name in b.names:  # no view of freed memory stays readable
+                    p = self._params[name]
+                    p.data = _freed(p)
         layer.resident = False
+
+    def released_names(self) -> list[str]:
+        """Parameters freed on this rank right now (ZeRO-3-like, outside a forward)."""
+        return [
+            name
+            for layer in self.layers
+            if not layer.resident
+            for b in layer.publish_buckets
+            if b.owner != self.rank
+            for name in b.names
+        ]
 
     def forward_enter(self, key: str) -> None:
         """Forward pre-hook: layer ``key`` holds the owners' weights; under ZeRO-3-like,
