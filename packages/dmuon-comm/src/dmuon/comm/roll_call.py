@@ -152,8 +152,8 @@ def start_responder(store: Any = None, rank: int | None = None) -> bool:
     global _RESPONDER
     if _RESPONDER is not None and _RESPONDER.error is None:
         return True
-    rank = dist.get_rank() if rank is None else rank
     try:
+        rank = dist.get_rank() if rank is None else rank
         if store is None:
             found = _env_store()
             if found is None:
