@@ -733,7 +733,7 @@ class DMuon(torch.optim.Optimizer):
                         )
 
 
-def _refuse_foreign_placeholders(opt: DMuon, state_dict: Mapping[str, Any]) -> None:
+def _refuse_foreign_placeholders(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
     """Raise if ``state_dict`` holds a placeholder where this rank holds full state.
 
     A placeholder (an empty tensor) stands for state another rank keeps; loading one
@@ -743,9 +743,9 @@ def _refuse_foreign_placeholders(opt: DMuon, state_dict: Mapping[str, Any]) -> N
     name them (torch's group sizes, ``_check_loaded_state``'s keys and shapes).
     """
     saved_groups, state = state_dict.get("param_groups"), state_dict.get("state")
-    if not isinstance(saved_groups, list) or not isinstance(state, Mapping):
+    if not isinstance(opt, DMuon) or not isinstance(state, Mapping):
         return
-    if len(saved_groups) != len(opt.param_groups):
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(opt.param_groups):
         return
     for gi, (live, saved) in enumerate(zip(opt.param_groups, saved_groups, strict=True)):
         ids = saved.get("params") if isinstance(saved, Mapping) else None
