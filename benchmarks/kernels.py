@@ -25,15 +25,19 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import platform
-import time
+import sys
 from typing import Any
 
 import torch
 import torch.utils.benchmark as tb
 
-from dmuon.kernels import __version__ as kernels_version
-from dmuon.kernels import ns_flops, orthogonalize
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.common` importable
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common.metrics import machine_info  # noqa: E402
+from benchmarks.common.progress import progress  # noqa: E402
+from dmuon.kernels import ns_flops, orthogonalize  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -117,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     rows: list[Row] = []
     ceilings: dict[tuple[int, int, int, torch.dtype], float] = {}
-    with progress() as bar:
+    with progress(width=40) as bar:
         task = bar.add_task("orthogonalize", total=len(jobs))
         for label, batch, m, n, dtype, method, mode in jobs:
             bar.update(task, description=f"{label} {method} {str(dtype)[6:]} {mode}")
@@ -165,18 +169,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def progress():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("{task.description:<40}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        transient=False,
-    )
-
-
 def summarise(rows: list[Row]) -> dict[str, Any]:
     """The two targets of the foundation issue, computed from the rows."""
     by = {(r.case, r.dtype, r.method, r.mode): r for r in rows}
@@ -203,22 +195,6 @@ def summarise(rows: list[Row]) -> dict[str, Any]:
             {"case": case, "dtype": dtype, "method": method, "speedup": r.seconds / b.seconds}
         )
     return {"gram_over_standard": gram_vs_standard, "batched_speedup": batched_vs_loop}
-
-
-def machine_info(device: str) -> dict[str, Any]:
-    info = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": device,
-        "torch": torch.__version__,
-        "dmuon_kernels": kernels_version,
-        "python": platform.python_version(),
-        "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
-    }
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-        info["cuda"] = torch.version.cuda
-    return info
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -40,7 +40,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -49,10 +48,14 @@ from typing import Any
 
 import torch
 
-from dmuon.kernels import __version__ as kernels_version
-from dmuon.kernels import ns_flops
-from dmuon.optim import RULES, DMuon
-from dmuon.optim import __version__ as optim_version
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.*` importable
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common.metrics import machine_info  # noqa: E402
+from benchmarks.common.progress import progress  # noqa: E402
+from dmuon.kernels import ns_flops  # noqa: E402
+from dmuon.optim import RULES, DMuon  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -151,7 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfgs = configs(args.device, args.quick)
     opts = optimizers(args.rules)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    with progress() as bar:
+    with progress(width=48) as bar:
         task = bar.add_task("step", total=len(cfgs) * len(opts) * (args.rounds + 1))
         for cfg in cfgs:
             gen = torch.Generator().manual_seed(0)
@@ -220,30 +223,6 @@ def summarise(rows: list[Row], cfgs: list[Config]) -> dict[str, Any]:
     return out
 
 
-def progress():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
-    )
-
-
-def machine_info(device: str) -> dict[str, Any]:
-    info = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": device,
-        "torch": torch.__version__,
-        "dmuon_kernels": kernels_version,
-        "dmuon_optim": optim_version,
-        "python": platform.python_version(),
-        "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
-    }
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
-
-
 def print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -300,7 +279,7 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("ms per optimizer step (log)")
         ax.set_title(
-            f"{cfg}\n{result['meta']['device']}, torch threads = {result['meta']['threads']}",
+            f"{cfg}\n{result['meta']['device']}, torch threads = {result['meta']['torch_threads']}",
             fontsize=9,
         )
         muon = next(r["seconds"] * 1e3 for r in rows if r["optimizer"] == "torch.optim.Muon")
@@ -314,9 +293,6 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
 
 def main_world(args: argparse.Namespace) -> int:
     """``--world N``: the distributed training step (see ``benchmarks/step_world.py``)."""
-    root = str(pathlib.Path(__file__).resolve().parents[1])
-    if root not in sys.path:  # run as a script: make `benchmarks.*` importable
-        sys.path.insert(0, root)
     from benchmarks import step_world
 
     if args.world < 1:

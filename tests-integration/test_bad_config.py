@@ -127,6 +127,16 @@ def _model_differs(rank: int, world: int) -> None:
     DMuon(param_groups(model), mode="replicated")
 
 
+def _state_dict_of_another_rank(rank: int, world: int) -> None:
+    from dmuon.comm import all_gather_objects
+    from dmuon.integrations import ddp
+
+    model = net()
+    opt = DMuon(param_groups(model), distributed=ddp.dedicate(model))  # one matrix per rank
+    dicts = all_gather_objects(opt.state_dict())
+    opt.load_state_dict(dicts[(rank + 1) % world])
+
+
 CASES = [
     Case("lr-negative", "`lr=-1.0`", lambda: DMuon([W()], lr=-1.0), ValueError,
          "lr must be a finite real number >= 0.0, got -1.0"),
@@ -228,6 +238,10 @@ CASES = [
          _mesh_larger_than_world, RuntimeError, "Mesh should not be bigger than default world", 2),
     Case("model-differs", "rank 1 builds another model (a hidden width of 9, not 8)",
          _model_differs, ModelMismatchError, "the ranks hold different models", 2),
+    Case("state-dict-of-another-rank",
+         "`load_state_dict()` of a state dict another rank saved (owner mode)",
+         _state_dict_of_another_rank, ValueError,
+         "is an empty placeholder in this state dict, saved by rank", 2),
     Case("deepspeed-zero3", "DeepSpeed config with ZeRO stage 3 "
          "(`dmuon.integrations.deepspeed.initialize`)", _deepspeed_zero3,
          UnsupportedConfigError, "ZeRO stage 3 is not supported by DMuon: supported are"),

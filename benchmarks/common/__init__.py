@@ -24,6 +24,7 @@ from benchmarks.common.optimizers import (
     require_dmuon,
 )
 from benchmarks.common.plots import plot_sweep, plot_validation
+from benchmarks.common.progress import progress
 
 __all__ = [
     "DEFAULT_OPTIMIZERS",
@@ -46,6 +47,7 @@ __all__ = [
     "parse_optimizer_name",
     "plot_sweep",
     "plot_validation",
+    "progress",
     "require_dmuon",
     "shard_rows",
     "steps_to_reach",

@@ -94,6 +94,29 @@ def test_untied_head_is_found_by_name_and_by_vocabulary_size():
     assert w["2.weight"][1] == "output head" and w["1.weight"][1] == "2-D hidden weight"
 
 
+def test_an_inner_linear_as_wide_as_the_vocabulary_is_not_the_head():
+    # The MLP's up-projection is D → V (as wide as the vocabulary) but sits in a block;
+    # the read-out after the blocks is the head, whatever its name.
+    class Up(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(D, V)
+            self.down = nn.Linear(V, D)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, D)
+            self.blocks = nn.ModuleList([Up(), Up()])
+            self.readout = nn.Linear(D, V, bias=False)
+
+    w = where(param_groups(Net()))
+    assert w["readout.weight"] == ("scalar: embeddings and head", "output head")
+    for i in range(2):
+        assert w[f"blocks.{i}.up.weight"] == ("matrix", "2-D hidden weight")
+        assert w[f"blocks.{i}.down.weight"] == ("matrix", "2-D hidden weight")
+
+
 def test_predicates_override_and_frozen_can_be_kept():
     groups = param_groups(
         Model(tie=False),

@@ -8,10 +8,12 @@ import torch
 from dmuon.optim import adjust_lr_factor, get_rule
 from dmuon.optim.transforms import (
     MajorityVote,
+    Momentum,
     MomentumSpectralClip,
     SpectralNormalize,
     StepContext,
     TopKPolar,
+    Transform,
     block_bounds,
     rank_fraction_at,
     selected_count,
@@ -130,3 +132,24 @@ def test_rule_update_is_usable_without_an_optimizer():
     assert U.shape == G.shape and scale == math.sqrt(8 / 12)
     assert int((U.abs().sum(-1) > 0).sum()) == 3 * 2  # ⌈0.25·8⌉ = 2 rows per matrix
     assert int((state["row_second_moment"] > 0).sum()) == 3 * 2
+
+
+def test_when_option_gates_every_transform_alike():
+    # The gate lives in Transform.__call__: a stateful transform (Momentum) switched off
+    # passes X through and leaves its state alone; switched on it is the plain transform.
+    G = torch.randn(2, 3, 4, dtype=torch.float64)
+    gated = Momentum(when_option="use_momentum")
+    hp = {"momentum": 0.5, "nesterov": False}
+    off = {"momentum_buffer": torch.ones(2, 3, 4, dtype=torch.float64)}
+    out = gated(G, off, StepContext(grad=G, hp={**hp, "use_momentum": False}))
+    assert out is G
+    assert torch.equal(off["momentum_buffer"], torch.ones(2, 3, 4, dtype=torch.float64))
+    on, plain = ({"momentum_buffer": torch.ones(2, 3, 4, dtype=torch.float64)} for _ in range(2))
+    got = gated(G, on, StepContext(grad=G, hp={**hp, "use_momentum": True}))
+    want = Momentum()(G, plain, StepContext(grad=G, hp=hp))
+    torch.testing.assert_close(got, G + 0.5, rtol=0, atol=0)  # M ← 0.5·1 + G
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(KeyError, match="the group has no 'use_momentum'"):
+        gated(G, on, StepContext(grad=G, hp=hp))
+    with pytest.raises(TypeError):  # the hook is abstract: a transform must implement apply
+        Transform()  # type: ignore[abstract]

@@ -10,7 +10,7 @@ overridable.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +111,19 @@ def _match(patterns: Mapping[str, Any] | None, name: str) -> Any:
     return None
 
 
+def _vocabulary_head(modules: Iterable[nn.Module]) -> nn.Linear | None:
+    """The last ``nn.Linear`` (in module order) that maps to an embedding's vocabulary.
+
+    A decoder's read-out ``h → logits`` follows its blocks, so of all the Linears as
+    wide as a vocabulary the last one is the head; earlier ones (an MLP whose width
+    happens to equal a small vocabulary) are hidden matrices.
+    """
+    modules = list(modules)
+    vocab_sizes = {m.num_embeddings for m in modules if isinstance(m, _EMBEDDINGS)}
+    wide = [m for m in modules if isinstance(m, nn.Linear) and m.out_features in vocab_sizes]
+    return wide[-1] if wide else None
+
+
 def param_groups(
     model: nn.Module,
     *,
@@ -134,7 +147,10 @@ def param_groups(
     4. Embedding weights (``nn.Embedding``/``EmbeddingBag``), and an output head
        tied to one → scalar optimizer.
     5. The output head → scalar optimizer: an ``nn.Linear`` whose module name is in
-       ``head_names`` or whose ``out_features`` equals an embedding's vocabulary.
+       ``head_names``, or else the *last* ``nn.Linear`` in module order whose
+       ``out_features`` equals an embedding's vocabulary size (the read-out to the
+       vocabulary comes after the blocks; an inner ``Linear`` that merely happens to
+       be as wide as the vocabulary stays a hidden matrix).
     6. Any parameter of a norm layer → scalar optimizer.
     7. Convolution weights → matrix rule with ``flatten=True``: each is one
        ``(out, in·kernel)`` matrix, flattened per parameter, never across.
@@ -183,10 +199,9 @@ def param_groups(
     """
     owners: dict[int, list[tuple[str, nn.Module]]] = {}
     order: list[tuple[str, torch.Tensor]] = []
-    vocab_sizes: set[int] = set()
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, _EMBEDDINGS):
-            vocab_sizes.add(module.num_embeddings)
+    modules = list(model.named_modules(remove_duplicate=False))
+    vocab_head = _vocabulary_head(m for _, m in modules)
+    for mod_name, module in modules:
         for pname, p in module.named_parameters(recurse=False):
             full = f"{mod_name}.{pname}" if mod_name else pname
             if id(p) not in owners:
@@ -223,10 +238,7 @@ def param_groups(
             for (n, m) in mods
             if isinstance(m, nn.Linear)
             and n.rsplit(".", 1)[-1] == "weight"
-            and (
-                (n.rsplit(".", 2)[-2] if n.count(".") else "") in head_names
-                or m.out_features in vocab_sizes
-            )
+            and ((n.rsplit(".", 2)[-2] if n.count(".") else "") in head_names or m is vocab_head)
         ]
         scalar_key = ("scalar: embeddings and head",)
         small_key = ("scalar: norms, biases and scalars",)

@@ -627,10 +627,16 @@ class DMuon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict`; checked before anything changes.
 
+        In a distributed mode a state dict is rank-local: parameters another rank
+        steps hold empty placeholders. Load on each rank the dict that rank saved
+        (same mode, world size and plan), or use :mod:`dmuon.integrations.checkpoint`,
+        which reshards.
+
         Raises:
             ValueError: a missing or extra group, parameter or state key, a tensor of
-                the wrong shape, or a group whose hyperparameters do not validate. The
-                optimizer is unchanged when it raises.
+                the wrong shape, a group whose hyperparameters do not validate, or a
+                placeholder for a parameter this rank steps (a dict saved by another
+                rank, mode or world size). The optimizer is unchanged when it raises.
         """
         if not self._optimizer_load_state_dict_pre_hooks:
             if not isinstance(state_dict, Mapping):
@@ -641,7 +647,13 @@ class DMuon(torch.optim.Optimizer):
                     f"state dict is missing key(s) {missing}; an optimizer state dict has "
                     "'state' and 'param_groups'"
                 )
-        super().load_state_dict(state_dict)
+        # Registered last, so it checks the dict the caller's own pre-hooks return,
+        # and runs before torch's load changes anything.
+        handle = self.register_load_state_dict_pre_hook(_refuse_foreign_placeholders)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
 
     def state_dict(self) -> dict[str, Any]:
         """The state dict of ``torch.optim.Optimizer``, plus ``"distributed"``: the mode,
@@ -739,6 +751,60 @@ class DMuon(torch.optim.Optimizer):
                         raise ValueError(
                             f"state {key!r} of {name} has shape {got}; expected {shape}"
                         )
+
+
+def _refuse_foreign_placeholders(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Raise if ``state_dict`` holds a placeholder where this rank holds full state.
+
+    A placeholder (an empty tensor) stands for state another rank keeps; loading one
+    for a parameter this rank steps would restart its momentum from zero without a
+    word. The pattern is read off this optimizer's live state, which ``_rebuild``
+    shaped after what this rank steps. Malformed dicts are left to the checks that
+    name them (torch's group sizes, ``_check_loaded_state``'s keys and shapes).
+    """
+    saved_groups, state = state_dict.get("param_groups"), state_dict.get("state")
+    if not isinstance(opt, DMuon) or not isinstance(state, Mapping):
+        return
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(opt.param_groups):
+        return
+    for gi, (live, saved) in enumerate(zip(opt.param_groups, saved_groups, strict=True)):
+        ids = saved.get("params") if isinstance(saved, Mapping) else None
+        if not isinstance(ids, list) or len(ids) != len(live["params"]):
+            return
+        for i, (p, pid) in enumerate(zip(live["params"], ids, strict=True)):
+            theirs = state.get(pid)
+            if not isinstance(theirs, Mapping):
+                continue
+            for key, mine in opt.state.get(p, {}).items():
+                other = theirs.get(key)
+                if key == "step" or not isinstance(mine, torch.Tensor) or mine.numel() == 0:
+                    continue
+                if isinstance(other, torch.Tensor) and other.numel() == 0:
+                    name = _name(live.get("param_names"), i, gi, p)
+                    raise ValueError(_foreign_placeholder_message(opt, state_dict, key, name))
+
+
+def _foreign_placeholder_message(
+    opt: DMuon, state_dict: Mapping[str, Any], key: str, name: str
+) -> str:
+    engine = opt.engine
+    saved = state_dict.get("distributed")
+    if isinstance(saved, Mapping) and "rank" in saved:
+        saver = (
+            f"rank {saved['rank']} of {saved.get('world_size', '?')} in "
+            f"{saved.get('mode', '?')!r} mode"
+        )
+    else:
+        saver = "a rank it does not name (no 'distributed' entry)"
+    return (
+        f"state {key!r} of {name} is an empty placeholder in this state dict, saved by "
+        f"{saver}, where another rank steps that parameter; this is rank {engine.rank} of "
+        f"{engine.world_size} in {engine.mode!r} mode, which steps it, so loading would "
+        "restart its state from zero. Load the state dict this same rank saved (same mode, "
+        "world size and plan), or save and load with dmuon.integrations.checkpoint "
+        "(save/load or full_state_dict/load_full_state_dict), which reshards the state to "
+        "the ranks that step each parameter"
+    )
 
 
 def _check(key: str, value: Any, opt: Any, where: str) -> Any:

@@ -147,7 +147,13 @@ RULES: dict[str, Rule] = {
         ),
         Rule(
             "adamuon",
-            (Momentum(), Sign("sign"), Orthogonalize(), ElementwiseNormalize(), AdjustLR()),
+            (
+                Momentum(),
+                Sign(when_option="sign"),
+                Orthogonalize(),
+                ElementwiseNormalize(),
+                AdjustLR(),
+            ),
             options={
                 "beta2": _BETA2,
                 "eps": _EPS,
@@ -199,7 +205,7 @@ RULES: dict[str, Rule] = {
                 Orthogonalize(),
                 Sign(),
                 MajorityVote(),
-                Orthogonalize("local_polar"),
+                Orthogonalize(when_option="local_polar"),
                 SpectralNormalize(),
                 AdjustLR(),
             ),

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dmuon.optim.transforms.base import StateSpec, StepContext
+from dmuon.optim.transforms.base import StateSpec, StepContext, Transform
 
 __all__ = ["GradDiffAcceleration"]
 
 
 @dataclass(frozen=True)
-class GradDiffAcceleration:
+class GradDiffAcceleration(Transform):
     """``D ← β_d·D + (1−β_d)(G_t − G_{t−1})``, ``X ← X + γ/(1−μ)·D``.
 
     **A reconstruction.** MONA (Li et al., "Muon Optimizer with Nesterov
@@ -43,7 +43,7 @@ class GradDiffAcceleration:
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec("prev_grad", "matrix"), StateSpec("grad_diff_avg", "matrix"))
 
-    def __call__(
+    def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         beta = float(ctx.hp["mona_beta"])

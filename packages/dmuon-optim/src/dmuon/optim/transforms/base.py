@@ -24,9 +24,10 @@ Rules of the game, which let the distributed engine run the same chains unchange
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
@@ -104,18 +105,63 @@ class StepContext:
         )
 
 
-class Transform(Protocol):
-    """One link of an update rule's chain."""
+@dataclass(frozen=True)
+class Transform(ABC):
+    """One link of an update rule's chain: a frozen dataclass with an :meth:`apply` hook.
+
+    A transform subclasses this, implements :meth:`apply` and, when it owns state,
+    :meth:`state_specs`. Calling the transform runs :meth:`apply`, unless
+    ``when_option`` names a boolean hyperparameter that is false in this group:
+    then ``X`` passes through unchanged and the transform's state is not touched.
+    Any transform can be made optional that way, e.g. Sign-Muon's local polar step
+    ``Orthogonalize(when_option="local_polar")`` or AdaMuon's
+    ``Sign(when_option="sign")``.
+
+    Attributes:
+        when_option: name of a boolean hyperparameter of the group that switches
+            the transform on (``None``: always on). Keyword-only.
+
+    Examples:
+        >>> import torch
+        >>> from dataclasses import dataclass
+        >>> from dmuon.optim.transforms import StepContext, Transform
+        >>> @dataclass(frozen=True)
+        ... class Double(Transform):
+        ...     def apply(self, X, state, ctx):
+        ...         return 2 * X
+        >>> X = torch.ones(1, 1, 2)
+        >>> Double()(X, {}, StepContext(grad=X, hp={})).tolist()
+        [[[2.0, 2.0]]]
+        >>> Double(when_option="double")(X, {}, StepContext(grad=X, hp={"double": False})).tolist()
+        [[[1.0, 1.0]]]
+    """
+
+    when_option: str | None = field(default=None, kw_only=True)
 
     def state_specs(self) -> tuple[StateSpec, ...]:
-        """The buffers this transform owns (empty for stateless transforms)."""
-        ...
+        """The buffers this transform owns (none unless a subclass says so)."""
+        return ()
 
     def __call__(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
-        """Map ``X`` ``(B, m, n)`` to the next tensor of the chain."""
-        ...
+        """Map ``X`` ``(B, m, n)`` to the next tensor of the chain (``X`` itself when off)."""
+        option = self.when_option
+        if option is not None:
+            if option not in ctx.hp:
+                raise KeyError(
+                    f"{type(self).__name__} runs when the hyperparameter {option!r} is true, "
+                    f"but the group has no {option!r}; give the rule that option"
+                )
+            if not ctx.hp[option]:
+                return X
+        return self.apply(X, state, ctx)
+
+    @abstractmethod
+    def apply(
+        self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
+    ) -> torch.Tensor:
+        """The transform itself: ``X`` ``(B, m, n)`` → the next tensor of the chain."""
 
 
 def run_chain(

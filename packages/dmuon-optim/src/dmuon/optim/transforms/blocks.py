@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from dmuon.optim.scaling import adjust_lr_factor
-from dmuon.optim.transforms.base import StateSpec, StepContext
+from dmuon.optim.transforms.base import StepContext, Transform
 
 __all__ = ["BlockPeriodicOrthogonalize", "block_bounds"]
 
@@ -35,7 +35,7 @@ def block_bounds(size: int, blocks: int) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
-class BlockPeriodicOrthogonalize:
+class BlockPeriodicOrthogonalize(Transform):
     """MuonBP: ``O = NS(X)`` on step ``t ≡ 0 (mod P)``, else ``O_ij = NS(X_ij)`` per block.
 
     The matrix is cut into ``row_blocks × col_blocks`` blocks ``X_ij`` (on one
@@ -66,10 +66,7 @@ class BlockPeriodicOrthogonalize:
         torch.Size([1, 8, 16])
     """
 
-    def state_specs(self) -> tuple[StateSpec, ...]:
-        return ()
-
-    def __call__(
+    def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         hp = ctx.hp

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from dmuon.kernels import spectral_clip
-from dmuon.optim.transforms.base import StateSpec, StepContext
+from dmuon.optim.transforms.base import StepContext, Transform
 
 __all__ = ["MomentumSpectralClip"]
 
 
 @dataclass(frozen=True)
-class MomentumSpectralClip:
+class MomentumSpectralClip(Transform):
     """``X ← clip_τ((1−μ)·X)``: hard ``U min(Σ, τ) Vᵀ`` or soft ``U Σ(I + Σ²/τ²)^{-1/2} Vᵀ``.
 
     **A reconstruction.** No text of "Musec" (momentum spectral clipping) could be
@@ -43,10 +43,7 @@ class MomentumSpectralClip:
         True
     """
 
-    def state_specs(self) -> tuple[StateSpec, ...]:
-        return ()
-
-    def __call__(
+    def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         mu = float(ctx.hp["momentum"])

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dmuon.optim.transforms.base import StateSpec, StepContext
+from dmuon.optim.transforms.base import StateSpec, StepContext, Transform
 
 __all__ = ["Momentum"]
 
 
 @dataclass(frozen=True)
-class Momentum:
+class Momentum(Transform):
     """``M ← μ·M + G``; output ``G + μ·M`` (Nesterov) or ``M``.
 
     This is the *sum form* of Moonlight (Liu et al., arXiv 2502.16982), DMuon's
@@ -41,7 +41,7 @@ class Momentum:
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec("momentum_buffer", "matrix"),)
 
-    def __call__(
+    def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         mu = float(ctx.hp["momentum"])

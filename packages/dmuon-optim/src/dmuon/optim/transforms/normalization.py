@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dmuon.optim.transforms.base import StateSpec, StepContext
+from dmuon.optim.transforms.base import StateSpec, StepContext, Transform
 
 __all__ = [
     "AdamPrecondition",
@@ -45,7 +45,7 @@ def match_frobenius(Y: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class RowNormalize:
+class RowNormalize(Transform):
     """NorMuon: ``v ← β₂v + (1−β₂)·mean_j(O∘O)``, ``Ô = O/(√v + ε)``, Frobenius rescale.
 
     ``v`` has one entry per row of each matrix — per output neuron of an
@@ -70,7 +70,7 @@ class RowNormalize:
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec(self.name, "row"),)
 
-    def __call__(
+    def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         beta2, eps = float(ctx.hp["beta2"]), float(ctx.hp["eps"])
@@ -84,7 +84,7 @@ class RowNormalize:
 
 
 @dataclass(frozen=True)
-class ElementwiseNormalize:
+class ElementwiseNormalize(Transform):
     """AdaMuon: ``V ← β₂V + (1−β₂)·O∘O``, ``Ô = O/(√V + ε)``, Frobenius rescale.
 
     The second moment is of the *orthogonalised* direction, entry by entry, with no
@@ -105,7 +105,7 @@ class ElementwiseNormalize:
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec("second_moment", "matrix"),)
 
-    def __call__(
+    def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         beta2, eps = float(ctx.hp["beta2"]), float(ctx.hp["eps"])
@@ -119,7 +119,7 @@ class ElementwiseNormalize:
 
 
 @dataclass(frozen=True)
-class AdamPrecondition:
+class AdamPrecondition(Transform):
     """Muon²: ``V ← β₂V + (1−β₂)·G∘G`` of the raw gradient, ``X ← X/√(V + ε)``.
 
     An Adam-style elementwise preconditioner applied to the momentum *before*
@@ -143,7 +143,7 @@ class AdamPrecondition:
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec("grad_second_moment", "matrix"),)
 
-    def __call__(
+    def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         beta2, eps = float(ctx.hp["beta2"]), float(ctx.hp["eps"])
@@ -159,7 +159,7 @@ class AdamPrecondition:
 
 
 @dataclass(frozen=True)
-class SpectralNormalize:
+class SpectralNormalize(Transform):
     """``X ← X/‖X‖₂`` per matrix (a zero matrix stays zero).
 
     The spectral norm is computed exactly as ``√λ_max(X Xᵀ)`` on the small Gram
@@ -175,10 +175,7 @@ class SpectralNormalize:
         1.0
     """
 
-    def state_specs(self) -> tuple[StateSpec, ...]:
-        return ()
-
-    def __call__(
+    def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         return X * inverse_spectral_norm(X)

@@ -7,20 +7,20 @@ from dataclasses import dataclass
 
 import torch
 
-from dmuon.optim.transforms.base import StateSpec, StepContext
+from dmuon.optim.transforms.base import StepContext, Transform
 
 __all__ = ["Orthogonalize"]
 
 
 @dataclass(frozen=True)
-class Orthogonalize:
+class Orthogonalize(Transform):
     """``X ← NS(X) ≈ U Vᵀ`` for ``X = U Σ Vᵀ``, every matrix of the batch in one call.
 
     Runs :func:`dmuon.kernels.orthogonalize` once on the whole ``(B, m, n)`` batch
     with the group's ``ns_method``, ``ns_coefficients``, ``ns_steps`` and
-    ``ns_compute_dtype``; the result comes back in ``X``'s dtype. With
-    ``when_option`` set, the transform runs only when that boolean hyperparameter
-    is true (Sign-Muon's optional local polar step).
+    ``ns_compute_dtype``; the result comes back in ``X``'s dtype. Sign-Muon's
+    optional local polar step is ``Orthogonalize(when_option="local_polar")``
+    (see :class:`~dmuon.optim.transforms.Transform`).
 
     Examples:
         >>> import torch
@@ -33,14 +33,7 @@ class Orthogonalize:
         torch.Size([3, 8, 16])
     """
 
-    when_option: str | None = None
-
-    def state_specs(self) -> tuple[StateSpec, ...]:
-        return ()
-
-    def __call__(
+    def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
-        if self.when_option is not None and not ctx.hp[self.when_option]:
-            return X
         return ctx.orthogonalize(X)

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from dmuon.optim.scaling import adjust_lr_factor
-from dmuon.optim.transforms.base import StateSpec, StepContext
+from dmuon.optim.transforms.base import StepContext, Transform
 
 __all__ = ["AdjustLR"]
 
 
 @dataclass(frozen=True)
-class AdjustLR:
+class AdjustLR(Transform):
     """Multiply the step's scale by the ``adjust_lr`` factor of the matrix shape ``m × n``.
 
     The tensor passes through unchanged; the factor ends up in
@@ -31,10 +31,7 @@ class AdjustLR:
         4.0
     """
 
-    def state_specs(self) -> tuple[StateSpec, ...]:
-        return ()
-
-    def __call__(
+    def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         m, n = X.shape[-2], X.shape[-1]

@@ -19,7 +19,7 @@ def selected_count(fraction: float, size: int) -> int:
 
 
 @dataclass(frozen=True)
-class ErrorFeedbackSelect:
+class ErrorFeedbackSelect(Transform):
     """Dion2's step: accumulate, pick the top-k slices by L1 norm, decay them, orthogonalise them.
 
     For each matrix of the batch:
@@ -60,7 +60,7 @@ class ErrorFeedbackSelect:
         own = (StateSpec("momentum_buffer", "matrix"),)
         return own + tuple(s for t in self.inner for s in t.state_specs())
 
-    def __call__(
+    def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         mu = float(ctx.hp["momentum"])

@@ -7,17 +7,17 @@ from dataclasses import dataclass
 
 import torch
 
-from dmuon.optim.transforms.base import StateSpec, StepContext
+from dmuon.optim.transforms.base import StepContext, Transform
 
 __all__ = ["MajorityVote", "Sign"]
 
 
 @dataclass(frozen=True)
-class Sign:
+class Sign(Transform):
     """``X ← sign(X)`` entrywise, with ``sign(0) = 0`` (a zero gradient never moves a weight).
 
-    With ``when_option`` set, applies only when that boolean hyperparameter is
-    true (AdaMuon's ``sign``).
+    AdaMuon's optional sign step is ``Sign(when_option="sign")`` (see
+    :class:`~dmuon.optim.transforms.Transform`).
 
     Examples:
         >>> import torch
@@ -27,21 +27,14 @@ class Sign:
         [[[-1.0, 0.0, 1.0]]]
     """
 
-    when_option: str | None = None
-
-    def state_specs(self) -> tuple[StateSpec, ...]:
-        return ()
-
-    def __call__(
+    def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
-        if self.when_option is not None and not ctx.hp[self.when_option]:
-            return X
         return torch.sign(X)
 
 
 @dataclass(frozen=True)
-class MajorityVote:
+class MajorityVote(Transform):
     """``S ← vote(S)``: the elementwise majority sign over ranks (identity on one process).
 
     The vote is whatever :class:`~dmuon.optim.SignVote` the step was given
@@ -55,10 +48,7 @@ class MajorityVote:
         [[[1.0, -1.0]]]
     """
 
-    def state_specs(self) -> tuple[StateSpec, ...]:
-        return ()
-
-    def __call__(
+    def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         voted = ctx.vote(X)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dmuon.optim.transforms.base import StateSpec, StepContext
+from dmuon.optim.transforms.base import StepContext, Transform
 
 __all__ = ["RANK_SCHEDULES", "TopKPolar", "rank_fraction_at", "sketch_matrix"]
 
@@ -50,7 +50,7 @@ def sketch_matrix(n: int, width: int, seed: int, step: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class TopKPolar:
+class TopKPolar(Transform):
     """``X ← U_k V_kᵀ`` for the top-k singular triplets of ``X``, ``k = ⌈r(t)·min(m, n)⌉``.
 
     The top-k subspace comes from randomised subspace iteration (Halko, Martinsson,
@@ -82,10 +82,7 @@ class TopKPolar:
         True
     """
 
-    def state_specs(self) -> tuple[StateSpec, ...]:
-        return ()
-
-    def __call__(
+    def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         hp = ctx.hp
