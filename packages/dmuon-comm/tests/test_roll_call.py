@@ -120,3 +120,56 @@ def _env_then_unavailable(rank, world):
     time.sleep(0.3)
     roll = call_roll([0, 1], grace=0.5)  # never raises: says why there is no roll call
     return status, alive, roll.unavailable
+
+
+_EXIT_SCRIPT = """
+import os, sys, torch.distributed as dist
+from dmuon.comm.roll_call import note_collective, start_responder
+dist.init_process_group("gloo", init_method="env://")  # rank 0 hosts the TCPStore
+assert start_responder(), "no responder from MASTER_ADDR/MASTER_PORT"
+note_collective(None)
+dist.barrier()
+if sys.argv[1] == "destroy":  # the store's server goes away while others still poll
+    dist.destroy_process_group()
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ending", ["exit", "destroy"])
+def test_processes_with_a_responder_exit_cleanly(tmp_path, ending):
+    # A responder blocked in a native store.wait aborted every process at exit
+    # ("terminate called without an active exception") once rank 0's store went away.
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), ending],
+            env={
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0 and "exiting" in out, f"rank {rank}: rc {p.returncode}\n{err}"
+        assert "terminate called" not in err, err

@@ -29,7 +29,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dmuon.comm.roll_call import DEFAULT_GRACE, RollCall, call_roll, note_collective
+from dmuon.comm.roll_call import (
+    DEFAULT_GRACE,
+    POLL_INTERVAL,
+    RollCall,
+    call_roll,
+    note_collective,
+)
 
 __all__ = ["CollectiveError", "collective_timeout", "current_timeout", "wait_work"]
 
@@ -117,7 +123,8 @@ class CollectiveError(RuntimeError):
         named (:func:`dmuon.comm.roll_call.call_roll`); unchanged if one was made.
 
         Args:
-            grace: seconds to wait for answers (``None``: 1 s, at most half the deadline).
+            grace: seconds to wait for answers (``None``: 1 s, at most half the deadline
+                but at least three of the responders' polling intervals).
 
         Examples:
             >>> from dmuon.comm.roll_call import stop_responder
@@ -130,6 +137,7 @@ class CollectiveError(RuntimeError):
             return self
         if grace is None:
             grace = DEFAULT_GRACE if self.timeout is None else min(DEFAULT_GRACE, self.timeout / 2)
+            grace = max(grace, 3 * POLL_INTERVAL)
         roll = call_roll(self.ranks, grace)
         dead = self.dead_rank
         if dead is None and len(roll.absent) == 1:

@@ -8,8 +8,10 @@ process group through) outlives a worker: under ``torchrun`` the elastic agent
 hosts it. So DMuon asks it:
 
 * every process that runs DMuon collectives starts one **responder**: a daemon
-  thread blocked in ``store.wait`` on the next call key (no traffic while
-  training runs);
+  thread that looks for the next call key every 0.2 s (one tiny ``store.check``;
+  it never blocks inside the store client, so neither a normal exit nor the loss
+  of the store can catch it in native code — a thread blocked in ``store.wait``
+  aborts the process when the store server goes away at the end of a run);
 * a rank whose collective failed **calls the roll**: it sets the call key, every
   live responder answers at once with its rank, host, process id and what its main
   thread is doing (:func:`note_phase`, :func:`note_collective`), and the ranks that
@@ -27,6 +29,7 @@ than its grace plus the store's own timeout.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -41,6 +44,7 @@ import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_GRACE",
+    "POLL_INTERVAL",
     "RollCall",
     "call_roll",
     "note_collective",
@@ -50,11 +54,14 @@ __all__ = [
     "stop_responder",
 ]
 
+POLL_INTERVAL = 0.2
+"""Seconds between a responder's looks for a roll call."""
+
 DEFAULT_GRACE = 1.0
-"""Seconds a roll call waits for answers: a live responder answers in milliseconds."""
+"""Seconds a roll call waits for answers: a live responder answers within
+:data:`POLL_INTERVAL` plus a store round trip."""
 
 _PREFIX = "dmuon/roll_call/"
-_WAIT_CHUNK = datetime.timedelta(hours=1)  # a responder's wait is re-issued after this
 _STORE_TIMEOUT = datetime.timedelta(seconds=10)
 _REUSE_S = 60.0  # a roll call concluded this recently is the answer to a new failure too
 
@@ -207,24 +214,26 @@ def responder_status() -> str:
 def _respond(r: _Responder, call: int) -> None:
     host, pid = socket.gethostname(), os.getpid()
     while not r.stopping:
-        key = f"call/{call}"
         try:
-            r.store.wait([key], _WAIT_CHUNK)
-        except Exception as exc:
-            if "timeout" in str(exc).lower() and not r.stopping:
+            if not r.store.check([f"call/{call}"]):
+                time.sleep(POLL_INTERVAL)
                 continue
-            r.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            return
-        if r.stopping:
-            return
-        answer = {"rank": r.rank, "host": host, "pid": pid, **_progress()}
-        try:
+            answer = {"rank": r.rank, "host": host, "pid": pid, **_progress()}
             r.store.set(f"answer/{call}/{r.rank}", json.dumps(answer))
-        except Exception as exc:
-            r.error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # the store is gone (end of the run, or its host died)
+            r.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             return
         r.answered += 1
         call += 1
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    # Out of the store client before the interpreter finalises (at most one poll).
+    r = _RESPONDER
+    if r is not None and r.thread is not None:
+        r.stopping = True
+        r.thread.join(timeout=2 * POLL_INTERVAL + 1.0)
 
 
 # ----------------------------------------------------------------- calling the roll
