@@ -14,6 +14,7 @@ gradient sums. The guide (docs/guides/lightning.md) shows the script verbatim.
 
 from __future__ import annotations
 
+import itertools
 import os
 import pathlib
 import re
@@ -35,9 +36,13 @@ TOLERANCE = 1e-5
 
 
 def _example():
+    return _example_at(SCRIPT)
+
+
+def _example_at(script: pathlib.Path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("lightning_ddp", SCRIPT)
+    spec = importlib.util.spec_from_file_location(script.stem, script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # guarded by __main__: defines, does not train
     return module
@@ -98,3 +103,94 @@ def test_the_guide_shows_the_example_verbatim():
     guide = (ROOT / "docs" / "guides" / "lightning.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", guide, flags=re.S)
     assert SCRIPT.read_text() in blocks, "docs/guides/lightning.md must show the script as is"
+
+
+# ----------------------------------------------------------------- owner mode (DMuonStrategy)
+OWNER_SCRIPT = ROOT / "examples" / "lightning_owner.py"
+# 128 samples, 16 per rank and micro-batch, 2 ranks: 4 micro-batches per epoch and rank,
+# so with 2 micro-batches per step an epoch is 2 optimizer steps and a checkpoint taken at
+# the end of epoch 0 resumes at an epoch boundary (no mid-epoch sampler position to restore).
+OWNER_SAMPLES, OWNER_EPOCHS, ACCUMULATE = 128, 2, 2
+RESUME_TOLERANCE = 1e-6  # the same arithmetic in the same order: equal up to fp32 rounding
+
+
+def _run(script: pathlib.Path, tmp_path: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [*map(str, sorted((ROOT / "packages").glob("*/src"))), env.get("PYTHONPATH", "")]
+    )
+    cmd = [sys.executable, str(script), "--devices", str(WORLD), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+def _owner_reference(example) -> dict[str, torch.Tensor]:
+    """The module trained in this process by a plain loop: same global micro-batches,
+    Lightning's loss scaling (1/accumulate), the scheduler stepped per optimizer step."""
+    from torch.utils.data import DistributedSampler
+
+    model = example.Regressor()
+    config = model.configure_optimizers()  # no Trainer: dmuon_optimizer picks single mode
+    opt, schedule = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    assert opt.mode == "single"
+    data = example.dataset(OWNER_SAMPLES)
+    samplers = [DistributedSampler(data, num_replicas=WORLD, rank=r, seed=0) for r in range(WORLD)]
+    for epoch in range(OWNER_EPOCHS):
+        for s in samplers:
+            s.set_epoch(epoch)  # Lightning reshuffles every epoch
+        loaders = [iter(DataLoader(data, batch_size=PER_RANK, sampler=s)) for s in samplers]
+        for _ in range(len(samplers[0]) // (PER_RANK * ACCUMULATE)):
+            for _ in range(ACCUMULATE):
+                losses = [nn.functional.mse_loss(model(x), y) for x, y in map(next, loaders)]
+                (sum(losses) / WORLD / ACCUMULATE).backward()
+            opt.step()
+            opt.zero_grad()
+            schedule.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_lightning_owner_mode_equals_single_process_and_resumes(tmp_path):
+    """DMuonStrategy at 2 ranks, 2 micro-batches per step, a LambdaLR scheduler:
+
+    * the optimizer runs in owner mode and the first micro-batch of a step reduces nothing;
+    * both ranks end with the single-process parameters (1e-5);
+    * the checkpoint of epoch 0 holds every matrix's momentum (each from its owner), and a
+      new run resumed from it ends where the uninterrupted run ended (1e-6).
+    """
+    from dmuon.integrations.lightning import CHECKPOINT_FORMAT
+
+    common = ["--samples", str(OWNER_SAMPLES), "--epochs", str(OWNER_EPOCHS)]
+    common += ["--accumulate", str(ACCUMULATE), "--batch-size", str(PER_RANK)]
+    full = _run(OWNER_SCRIPT, tmp_path, *common, "--ckpt-dir", "ckpt", "--out", "full")
+    assert full.stdout.count("DMuon mode owner") == WORLD, full.stdout[-2000:]
+    ckpt = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    resumed = _run(OWNER_SCRIPT, tmp_path, *common, "--resume", str(ckpt), "--out", "resumed")
+    assert resumed.stdout.count("DMuon mode owner") == WORLD, resumed.stdout[-2000:]
+
+    example = _example_at(OWNER_SCRIPT)
+    expected = _owner_reference(example)
+    initial = dict(example.Regressor().named_parameters())
+    moved = max(float((expected[n] - initial[n].detach()).abs().max()) for n in expected)
+    assert moved > 1e-2, "the reference barely trained: the comparison would prove nothing"
+
+    saved = torch.load(ckpt, weights_only=False)["optimizer_states"][0]
+    assert saved["format"] == CHECKPOINT_FORMAT
+    for name in ("net.0.weight", "net.2.weight", "net.4.weight"):
+        momentum = saved["optim"]["state"][name]["momentum_buffer"]
+        assert float(momentum.norm()) > 0, f"{name}: its owner's momentum is not in the checkpoint"
+
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"full.rank{rank}.pt")
+        again = torch.load(tmp_path / f"resumed.rank{rank}.pt")
+        assert got["mode"] == "owner"
+        # Owner reductions issued so far, after each backward: none on a step's first
+        # micro-batch (no_sync), some on its last.
+        calls = [0, *got["reductions"]]
+        added = [b - a for a, b in itertools.pairwise(calls)]
+        assert added[0::2] == [0] * (len(added) // 2) and min(added[1::2]) > 0, added
+        for name in expected:
+            diff = float((got["params"][name] - expected[name]).abs().max())
+            assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+            diff = float((again["params"][name] - got["params"][name]).abs().max())
+            assert diff <= RESUME_TOLERANCE, f"rank {rank}: resumed {name} differs by {diff:.2e}"
