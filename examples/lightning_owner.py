@@ -4,6 +4,7 @@
     python examples/lightning_owner.py --devices 2 --accumulate 2       # gradient accumulation
     python examples/lightning_owner.py --devices 2 --ckpt-dir ckpts     # a checkpoint per epoch
     python examples/lightning_owner.py --devices 2 --resume ckpts/epoch=0-step=8.ckpt
+    python examples/lightning_owner.py --devices 2 --mode replicated   # keep the DDP wrapper
 
 Each matrix's gradient is reduced to its owner rank only (no DDP all-reduce), the
 owner orthogonalises it and broadcasts the new weight. Checkpoints hold every owner's
@@ -84,6 +85,9 @@ class ReductionLog(L.Callback):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument(
+        "--mode", choices=("owner", "replicated"), default="owner", help="DMuonStrategy's mode"
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
     parser.add_argument("--samples", type=int, default=256, help="size of the data set")
     parser.add_argument("--epochs", type=int, default=2)
@@ -102,10 +106,14 @@ def main() -> None:
     # Lightning gives each rank a DistributedSampler (shuffled with seed PL_GLOBAL_SEED,
     # default 0, and the epoch), whatever the DataLoader says.
     loader = DataLoader(dataset(args.samples), batch_size=args.batch_size, shuffle=False)
+    if args.mode == "owner":
+        strategy = DMuonStrategy(dedicate_options={"stats": stats})
+    else:  # Lightning's DDP wrapper, DMuon in replicated mode; checkpoints still whole
+        strategy = DMuonStrategy("replicated")
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=DMuonStrategy(dedicate_options={"stats": stats}),
+        strategy=strategy,
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
         callbacks=callbacks,

@@ -156,7 +156,10 @@ def test_lightning_owner_mode_equals_single_process_and_resumes(tmp_path):
     * the optimizer runs in owner mode and the first micro-batch of a step reduces nothing;
     * both ranks end with the single-process parameters (1e-5);
     * the checkpoint of epoch 0 holds every matrix's momentum (each from its owner), and a
-      new run resumed from it ends where the uninterrupted run ended (1e-6).
+      new run resumed from it ends where the uninterrupted run ended (1e-6);
+    * so does a run resumed from it in replicated mode (DMuonStrategy("replicated"): the
+      DDP wrapper; 1e-5, the sums run in another order), and the checkpoint that run
+      writes from rank 0 holds every owner's momentum too, not rank 0's share alone.
     """
     from dmuon.integrations.lightning import CHECKPOINT_FORMAT
 
@@ -167,6 +170,20 @@ def test_lightning_owner_mode_equals_single_process_and_resumes(tmp_path):
     ckpt = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
     resumed = _run(OWNER_SCRIPT, tmp_path, *common, "--resume", str(ckpt), "--out", "resumed")
     assert resumed.stdout.count("DMuon mode owner") == WORLD, resumed.stdout[-2000:]
+    rep = _run(
+        OWNER_SCRIPT,
+        tmp_path,
+        *common,
+        "--mode",
+        "replicated",
+        "--resume",
+        str(ckpt),
+        "--ckpt-dir",
+        "ckpt-replicated",
+        "--out",
+        "replicated",
+    )
+    assert rep.stdout.count("DMuon mode replicated") == WORLD, rep.stdout[-2000:]
 
     example = _example_at(OWNER_SCRIPT)
     expected = _owner_reference(example)
@@ -179,6 +196,14 @@ def test_lightning_owner_mode_equals_single_process_and_resumes(tmp_path):
     for name in ("net.0.weight", "net.2.weight", "net.4.weight"):
         momentum = saved["optim"]["state"][name]["momentum_buffer"]
         assert float(momentum.norm()) > 0, f"{name}: its owner's momentum is not in the checkpoint"
+
+    from dmuon.integrations.hf import missing_state
+
+    saved = torch.load(tmp_path / "ckpt-replicated" / "epoch=1-step=4.ckpt", weights_only=False)
+    state = saved["optimizer_states"][0]
+    assert state["distributed"]["mode"] == "replicated"
+    assert set(state["distributed"]["owners"].values()) == set(range(WORLD))  # both own some
+    assert missing_state(state) == [], "rank 0 wrote its own share only"
 
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"full.rank{rank}.pt")
@@ -194,3 +219,6 @@ def test_lightning_owner_mode_equals_single_process_and_resumes(tmp_path):
             assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
             diff = float((again["params"][name] - got["params"][name]).abs().max())
             assert diff <= RESUME_TOLERANCE, f"rank {rank}: resumed {name} differs by {diff:.2e}"
+            other = torch.load(tmp_path / f"replicated.rank{rank}.pt")["params"][name]
+            diff = float((other - got["params"][name]).abs().max())
+            assert diff <= TOLERANCE, f"rank {rank}: replicated {name} differs by {diff:.2e}"
