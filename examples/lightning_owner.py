@@ -71,12 +71,18 @@ class Regressor(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-class ReductionLog(L.Callback):
-    """After every backward, how many owner reductions this rank has issued so far."""
+class OwnerLog(L.Callback):
+    """The matrices this rank owns, and after every backward how many owner reductions
+    it has issued so far."""
 
     def __init__(self, stats: CommStats) -> None:
         self.stats = stats
+        self.owned: tuple[str, ...] = ()
         self.calls: list[int] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        ded = trainer.strategy.dedication  # None in replicated mode
+        self.owned = ded.owned if ded is not None else ()
 
     def on_after_backward(self, trainer, pl_module) -> None:
         self.calls.append(self.stats["reduce_to_owners"].calls)
@@ -98,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
 
     stats = CommStats()  # the bytes this rank's owner collectives move
-    log = ReductionLog(stats)
+    log = OwnerLog(stats)
     callbacks: list[L.Callback] = [log]
     if args.ckpt_dir:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(args.ckpt_dir, save_top_k=-1))
@@ -128,12 +134,13 @@ def main() -> None:
     sent = stats.total_bytes_sent / 2**10
     print(
         f"rank {trainer.global_rank}: DMuon mode {opt.mode}, loss {loss:.5f}, "
-        f"{trainer.global_step} steps, {sent:.1f} KiB sent by owner collectives"
+        f"{trainer.global_step} steps, owns {list(log.owned)}, "
+        f"{sent:.1f} KiB sent by owner collectives"
     )
     if args.out:
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
         torch.save(
-            {"params": params, "reductions": log.calls, "mode": opt.mode},
+            {"params": params, "owned": log.owned, "reductions": log.calls, "mode": opt.mode},
             f"{args.out}.rank{trainer.global_rank}.pt",
         )
 

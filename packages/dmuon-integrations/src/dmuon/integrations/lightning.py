@@ -43,6 +43,7 @@ from dmuon.integrations.checkpoint import full_state_dict, load_full_state_dict
 from dmuon.integrations.dedication import Dedication
 from dmuon.integrations.hf.state import gather_full_state_dict, missing_state
 from dmuon.optim import DMuon, param_groups
+from dmuon.optim.engine import exchange_of
 
 __all__ = ["CHECKPOINT_FORMAT", "MODES", "DMuonStrategy", "dmuon_optimizer"]
 
@@ -148,13 +149,26 @@ class DMuonStrategy(DDPStrategy):
         return self._dedication
 
     def configure_ddp(self) -> None:
-        """Owner mode: dedicate the LightningModule (no wrapper); replicated: wrap in DDP."""
+        """Owner mode: dedicate the LightningModule (no wrapper); replicated: wrap in DDP.
+
+        Raises:
+            ValueError: the module was dedicated by an earlier ``fit`` (a module is
+                dedicated once; resume a new one from a checkpoint instead).
+        """
         if self._mode == "replicated":
             super().configure_ddp()
             return
         if not isinstance(self.model, pl.LightningModule):
             raise TypeError(
                 f"DMuonStrategy dedicates a LightningModule, got {type(self.model).__name__}"
+            )
+        if any(exchange_of(p) is not None for p in self.model.parameters()):
+            # The owner registry keeps a parameter dedicated for its lifetime; a second
+            # dedicate would fail deep inside with "dedicated twice". Same on every rank.
+            raise ValueError(
+                f"this {type(self.model).__name__} was dedicated by an earlier Trainer.fit "
+                "under DMuonStrategy, and a module is dedicated once: build a new module and "
+                "resume with trainer.fit(new_module, ckpt_path=...)"
             )
         self._dedication = ddp.dedicate(self.model, **self._dedicate_options)
 
@@ -181,7 +195,7 @@ class DMuonStrategy(DDPStrategy):
         Replicated mode: the optimizer's state dict with every owner's momentum in it.
         Other optimizers: as ``DDPStrategy``.
         """
-        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        opt = _unwrap(optimizer)
         if not isinstance(opt, DMuon) or opt.mode in ("single", "sign", "sharded"):
             return super().optimizer_state(optimizer)
         if opt.mode == "replicated":
@@ -209,19 +223,15 @@ class DMuonStrategy(DDPStrategy):
                 f"the checkpoint holds {len(states)} optimizer state(s), configure_optimizers "
                 f"returned {len(self.optimizers)}"
             )
-        for optimizer, saved in zip(self.optimizers, states, strict=True):
-            opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-            if isinstance(saved, Mapping) and saved.get("format") == CHECKPOINT_FORMAT:
-                if not isinstance(opt, DMuon):
-                    raise TypeError(
-                        f"the checkpoint holds DMuon state ({CHECKPOINT_FORMAT}) for an "
-                        f"optimizer of type {type(opt).__name__}"
-                    )
-                assert self.lightning_module is not None
-                full = {"model": checkpoint["state_dict"], "optim": saved["optim"]}
-                load_full_state_dict(self.lightning_module, opt, full)
-                continue
-            if isinstance(opt, DMuon) and isinstance(saved, Mapping):
+        pairs = [(_unwrap(o), saved) for o, saved in zip(self.optimizers, states, strict=True)]
+        # Check every entry before loading any, so a refused checkpoint changes nothing.
+        for opt, saved in pairs:
+            if _is_full(saved) and not isinstance(opt, DMuon):
+                raise TypeError(
+                    f"the checkpoint holds DMuon state ({CHECKPOINT_FORMAT}) for an "
+                    f"optimizer of type {type(opt).__name__}"
+                )
+            if isinstance(opt, DMuon) and isinstance(saved, Mapping) and not _is_full(saved):
                 missing = missing_state(dict(saved))
                 if missing:
                     raise ValueError(
@@ -230,9 +240,17 @@ class DMuonStrategy(DDPStrategy):
                         "written from rank 0 only (strategy='ddp'). Loading it would restart "
                         "that momentum from zero; save checkpoints under DMuonStrategy"
                     )
-            # Optimizer.load_state_dict (and load_full_state_dict) put the state on
-            # the parameters' device: nothing to move afterwards.
-            opt.load_state_dict(saved)
+        for opt, saved in pairs:
+            if _is_full(saved):
+                assert self.lightning_module is not None
+                # The weights: those Lightning has just restored (its restore_model ran
+                # before the strategy's setup, honouring strict_loading).
+                full = {"model": self.lightning_module_state_dict(), "optim": saved["optim"]}
+                load_full_state_dict(self.lightning_module, opt, full)  # type: ignore[arg-type]
+            else:
+                # Optimizer.load_state_dict (and load_full_state_dict) put the state on
+                # the parameters' device: nothing to move afterwards.
+                opt.load_state_dict(saved)
 
     def teardown(self) -> None:
         """Wait for the last broadcasts, remove the owner hooks, then as ``DDPStrategy``."""
@@ -241,6 +259,14 @@ class DMuonStrategy(DDPStrategy):
             self._dedication.remove()
             self._dedication = None
         super().teardown()
+
+
+def _unwrap(optimizer: Optimizer) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _is_full(saved: Any) -> bool:
+    return isinstance(saved, Mapping) and saved.get("format") == CHECKPOINT_FORMAT
 
 
 def _strategy_arg(name: str) -> bool:
