@@ -260,3 +260,54 @@ def test_replicated_checkpoints_are_whole_and_incomplete_ones_refused(tmp_path):
     for lost, missing in results:
         assert lost > 0, "rank 0 owned every matrix: the check would prove nothing"
         assert missing == []
+
+
+def _owner_checkpoint_checks(rank: int, world: int, tmp: str) -> list[str]:
+    from dmuon.integrations.lightning import DMuonStrategy
+    from dmuon.optim import DMuon, param_groups
+
+    example = _example_at(OWNER_SCRIPT)
+    module = example.Regressor()
+    strategy = DMuonStrategy(dedicate_options={"reshard_after_forward": True})
+    strategy.connect(module)
+    strategy.configure_ddp()  # what Trainer.fit's setup calls: dedicates the module
+    ded = strategy.dedication
+    opt = DMuon(param_groups(module), lr=0.02, distributed=ded, ns_compute_dtype="float32")
+    strategy.optimizers = [opt]
+    x, y = example.dataset(32)[rank * 16 : rank * 16 + 16]
+    nn.functional.mse_loss(module(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    # What Lightning's dump_checkpoint calls, in its order, on every rank.
+    weights = strategy.lightning_module_state_dict()
+    live = {k: v.detach().clone() for k, v in weights.items()}
+    state = strategy.optimizer_state(opt)  # gathers, then frees the weights not owned
+    # Lightning writes `weights` now, with the weights this rank does not own freed.
+    assert all(torch.equal(weights[k], live[k]) for k in live), "the saved weights changed"
+    if rank == 0:
+        torch.save({"state_dict": weights, "optimizer_states": [state]}, f"{tmp}/ckpt.pt")
+    torch.distributed.barrier()
+    before = {
+        n: opt.state[p]["momentum_buffer"].clone()
+        for n, p in module.named_parameters()
+        if n in ded.owned
+    }
+    for p in opt.state.values():  # forget the state: the load must bring it back
+        for v in p.values():
+            v.zero_()
+    strategy.load_optimizer_state_dict(torch.load(f"{tmp}/ckpt.pt", weights_only=False))
+    for n, p in module.named_parameters():
+        if n in ded.owned:
+            assert torch.equal(opt.state[p]["momentum_buffer"], before[n]), n
+    ded.remove()
+    return list(ded.owned)
+
+
+def test_owner_checkpoints_round_trip_through_the_strategy_under_zero3_like(tmp_path):
+    """DMuonStrategy's checkpoint methods, called as Lightning calls them, with the
+    weights a rank does not own freed between steps (``reshard_after_forward``): the
+    saved weights are copies taken while whole, and each owner gets its momentum back."""
+    from dmuon.comm.testing import run_on_ranks
+
+    owned = run_on_ranks(_owner_checkpoint_checks, WORLD, args=(str(tmp_path),), timeout=120)
+    assert all(owned), f"a rank owns no matrix: {owned}"

@@ -183,10 +183,18 @@ class DMuonStrategy(DDPStrategy):
             yield
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The weights, once every rank holds the owners' latest broadcast."""
-        if self._dedication is not None:
-            self._dedication.wait()
-        return super().lightning_module_state_dict()
+        """The weights, once every rank holds the owners' latest broadcast.
+
+        Under ``reshard_after_forward`` they are copies: the weights a rank does not own
+        are freed again after the checkpoint's optimizer state is gathered.
+        """
+        if self._dedication is None:
+            return super().lightning_module_state_dict()
+        self._dedication.wait()
+        sd = super().lightning_module_state_dict()
+        if self._dedication.exchange.reshard_after_forward:
+            sd = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in sd.items()}
+        return sd
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         """A DMuon's whole state on rank 0 (``{}`` elsewhere): a collective, every rank calls it.
