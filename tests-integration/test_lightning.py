@@ -14,6 +14,7 @@ gradient sums. The guide (docs/guides/lightning.md) shows the script verbatim.
 
 from __future__ import annotations
 
+import itertools
 import os
 import pathlib
 import re
@@ -35,9 +36,13 @@ TOLERANCE = 1e-5
 
 
 def _example():
+    return _example_at(SCRIPT)
+
+
+def _example_at(script: pathlib.Path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("lightning_ddp", SCRIPT)
+    spec = importlib.util.spec_from_file_location(script.stem, script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # guarded by __main__: defines, does not train
     return module
@@ -98,3 +103,211 @@ def test_the_guide_shows_the_example_verbatim():
     guide = (ROOT / "docs" / "guides" / "lightning.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", guide, flags=re.S)
     assert SCRIPT.read_text() in blocks, "docs/guides/lightning.md must show the script as is"
+
+
+# ----------------------------------------------------------------- owner mode (DMuonStrategy)
+OWNER_SCRIPT = ROOT / "examples" / "lightning_owner.py"
+# 128 samples, 16 per rank and micro-batch, 2 ranks: 4 micro-batches per epoch and rank,
+# so with 2 micro-batches per step an epoch is 2 optimizer steps and a checkpoint taken at
+# the end of epoch 0 resumes at an epoch boundary (no mid-epoch sampler position to restore).
+OWNER_SAMPLES, OWNER_EPOCHS, ACCUMULATE = 128, 2, 2
+RESUME_TOLERANCE = 1e-6  # the same arithmetic in the same order: equal up to fp32 rounding
+
+
+def _run(script: pathlib.Path, tmp_path: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [*map(str, sorted((ROOT / "packages").glob("*/src"))), env.get("PYTHONPATH", "")]
+    )
+    cmd = [sys.executable, str(script), "--devices", str(WORLD), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+def _owner_reference(example) -> dict[str, torch.Tensor]:
+    """The module trained in this process by a plain loop: same global micro-batches,
+    Lightning's loss scaling (1/accumulate), the scheduler stepped per optimizer step."""
+    from torch.utils.data import DistributedSampler
+
+    model = example.Regressor()
+    config = model.configure_optimizers()  # no Trainer: dmuon_optimizer picks single mode
+    opt, schedule = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    assert opt.mode == "single"
+    data = example.dataset(OWNER_SAMPLES)
+    samplers = [DistributedSampler(data, num_replicas=WORLD, rank=r, seed=0) for r in range(WORLD)]
+    for epoch in range(OWNER_EPOCHS):
+        for s in samplers:
+            s.set_epoch(epoch)  # Lightning reshuffles every epoch
+        loaders = [iter(DataLoader(data, batch_size=PER_RANK, sampler=s)) for s in samplers]
+        for _ in range(len(samplers[0]) // (PER_RANK * ACCUMULATE)):
+            for _ in range(ACCUMULATE):
+                losses = [nn.functional.mse_loss(model(x), y) for x, y in map(next, loaders)]
+                (sum(losses) / WORLD / ACCUMULATE).backward()
+            opt.step()
+            opt.zero_grad()
+            schedule.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_lightning_owner_mode_equals_single_process_and_resumes(tmp_path):
+    """DMuonStrategy at 2 ranks, 2 micro-batches per step, a LambdaLR scheduler:
+
+    * the optimizer runs in owner mode and the first micro-batch of a step reduces nothing;
+    * both ranks end with the single-process parameters (1e-5);
+    * the checkpoint of epoch 0 holds every matrix's momentum (each from its owner), and a
+      new run resumed from it ends where the uninterrupted run ended (1e-6).
+
+    Replicated mode's checkpoints are checked without Lightning's launcher (below): one
+    more Lightning run would add half again to this test's time.
+    """
+    from dmuon.integrations.lightning import CHECKPOINT_FORMAT
+
+    common = ["--samples", str(OWNER_SAMPLES), "--epochs", str(OWNER_EPOCHS)]
+    common += ["--accumulate", str(ACCUMULATE), "--batch-size", str(PER_RANK)]
+    full = _run(OWNER_SCRIPT, tmp_path, *common, "--ckpt-dir", "ckpt", "--out", "full")
+    assert full.stdout.count("DMuon mode owner") == WORLD, full.stdout[-2000:]
+    ckpt = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    resumed = _run(OWNER_SCRIPT, tmp_path, *common, "--resume", str(ckpt), "--out", "resumed")
+    assert resumed.stdout.count("DMuon mode owner") == WORLD, resumed.stdout[-2000:]
+
+    example = _example_at(OWNER_SCRIPT)
+    expected = _owner_reference(example)
+    initial = dict(example.Regressor().named_parameters())
+    moved = max(float((expected[n] - initial[n].detach()).abs().max()) for n in expected)
+    assert moved > 1e-2, "the reference barely trained: the comparison would prove nothing"
+
+    saved = torch.load(ckpt, weights_only=False)["optimizer_states"][0]
+    assert saved["format"] == CHECKPOINT_FORMAT
+    for name in ("net.0.weight", "net.2.weight", "net.4.weight"):
+        momentum = saved["optim"]["state"][name]["momentum_buffer"]
+        assert float(momentum.norm()) > 0, f"{name}: its owner's momentum is not in the checkpoint"
+
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"full.rank{rank}.pt")
+        again = torch.load(tmp_path / f"resumed.rank{rank}.pt")
+        assert got["mode"] == "owner"
+        assert got["owned"], f"rank {rank} owns no matrix: the resume would prove less"
+        # Owner reductions issued so far, after each backward: none on a step's first
+        # micro-batch (no_sync), some on its last.
+        calls = [0, *got["reductions"]]
+        added = [b - a for a, b in itertools.pairwise(calls)]
+        assert added[0::2] == [0] * (len(added) // 2) and min(added[1::2]) > 0, added
+        for name in expected:
+            diff = float((got["params"][name] - expected[name]).abs().max())
+            assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+            diff = float((again["params"][name] - got["params"][name]).abs().max())
+            assert diff <= RESUME_TOLERANCE, f"rank {rank}: resumed {name} differs by {diff:.2e}"
+
+
+def test_dmuon_strategy_refuses_what_it_cannot_serve():
+    import lightning as L
+
+    from dmuon.integrations.lightning import DMuonStrategy, dmuon_optimizer
+
+    with pytest.raises(ValueError, match="mode must be one of"):
+        DMuonStrategy("sharded")
+    with pytest.raises(ValueError, match=r"no DDP wrapper.*find_unused_parameters"):
+        DMuonStrategy(find_unused_parameters=True)
+    with pytest.raises(ValueError, match=r"no DDP wrapper.*ddp_comm_hook"):
+        DMuonStrategy(ddp_comm_hook=print)
+    with pytest.raises(ValueError, match="configure owner mode"):
+        DMuonStrategy("replicated", scalars="owner")
+    assert DMuonStrategy("replicated", find_unused_parameters=True).mode == "replicated"
+
+    example = _example_at(OWNER_SCRIPT)
+    with pytest.raises(ValueError, match="chooses"):
+        dmuon_optimizer(example.Regressor(), mode="owner")
+    trainer = L.Trainer(strategy="dmuon", accelerator="cpu", devices=1, logger=False)
+    assert type(trainer.strategy) is DMuonStrategy and trainer.strategy.mode == "owner"
+
+
+def _load_checks(rank: int, world: int, tmp: str) -> tuple[int, list[str]]:
+    from dmuon.integrations.hf import missing_state
+    from dmuon.integrations.lightning import DMuonStrategy
+    from dmuon.optim import DMuon, param_groups
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 2))
+    opt = DMuon(param_groups(model), lr=0.02, mode="replicated")
+    model(torch.randn(4, 8)).square().sum().backward()  # the same gradients everywhere, as DDP
+    opt.step()
+    strategy = DMuonStrategy("replicated")
+    strategy.optimizers = [opt]
+    whole = strategy.optimizer_state(opt)  # a collective: every rank calls it
+    if rank == 0:  # what strategy="ddp" writes: rank 0's own state dict
+        torch.save(opt.state_dict(), f"{tmp}/rank0.pt")
+    torch.distributed.barrier()
+    rank0 = torch.load(f"{tmp}/rank0.pt")
+    before = {k: v.clone() for st in opt.state_dict()["state"].values() for k, v in st.items()}
+    with pytest.raises(ValueError, match="restart that momentum from zero"):
+        strategy.load_optimizer_state_dict({"optimizer_states": [rank0]})
+    with pytest.raises(ValueError, match="holds 2 optimizer state"):
+        strategy.load_optimizer_state_dict({"optimizer_states": [whole, whole]})
+    after = {k: v for st in opt.state_dict()["state"].values() for k, v in st.items()}
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused load changed state"
+    strategy.load_optimizer_state_dict({"optimizer_states": [whole]})
+    return len(missing_state(rank0)), missing_state(whole)
+
+
+def test_replicated_checkpoints_are_whole_and_incomplete_ones_refused(tmp_path):
+    """Rank 0's own replicated-mode state dict (what ``strategy="ddp"`` saves) lacks the
+    momentum of the matrices rank 1 owns; DMuonStrategy refuses to load it on every rank
+    (no hang, nothing changed) and saves and loads the gathered one."""
+    from dmuon.comm.testing import run_on_ranks
+
+    results = run_on_ranks(_load_checks, WORLD, args=(str(tmp_path),), timeout=120)
+    for lost, missing in results:
+        assert lost > 0, "rank 0 owned every matrix: the check would prove nothing"
+        assert missing == []
+
+
+def _owner_checkpoint_checks(rank: int, world: int, tmp: str) -> list[str]:
+    from dmuon.integrations.lightning import DMuonStrategy
+    from dmuon.optim import DMuon, param_groups
+
+    example = _example_at(OWNER_SCRIPT)
+    module = example.Regressor()
+    strategy = DMuonStrategy(dedicate_options={"reshard_after_forward": True})
+    strategy.connect(module)
+    strategy.configure_ddp()  # what Trainer.fit's setup calls: dedicates the module
+    ded = strategy.dedication
+    opt = DMuon(param_groups(module), lr=0.02, distributed=ded, ns_compute_dtype="float32")
+    strategy.optimizers = [opt]
+    x, y = example.dataset(32)[rank * 16 : rank * 16 + 16]
+    nn.functional.mse_loss(module(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    # What Lightning's dump_checkpoint calls, in its order, on every rank.
+    weights = strategy.lightning_module_state_dict()
+    live = {k: v.detach().clone() for k, v in weights.items()}
+    state = strategy.optimizer_state(opt)  # gathers, then frees the weights not owned
+    # Lightning writes `weights` now, with the weights this rank does not own freed.
+    assert all(torch.equal(weights[k], live[k]) for k in live), "the saved weights changed"
+    if rank == 0:
+        torch.save({"state_dict": weights, "optimizer_states": [state]}, f"{tmp}/ckpt.pt")
+    torch.distributed.barrier()
+    before = {
+        n: opt.state[p]["momentum_buffer"].clone()
+        for n, p in module.named_parameters()
+        if n in ded.owned
+    }
+    for p in opt.state.values():  # forget the state: the load must bring it back
+        for v in p.values():
+            v.zero_()
+    strategy.load_optimizer_state_dict(torch.load(f"{tmp}/ckpt.pt", weights_only=False))
+    for n, p in module.named_parameters():
+        if n in ded.owned:
+            assert torch.equal(opt.state[p]["momentum_buffer"], before[n]), n
+    ded.remove()
+    return list(ded.owned)
+
+
+def test_owner_checkpoints_round_trip_through_the_strategy_under_zero3_like(tmp_path):
+    """DMuonStrategy's checkpoint methods, called as Lightning calls them, with the
+    weights a rank does not own freed between steps (``reshard_after_forward``): the
+    saved weights are copies taken while whole, and each owner gets its momentum back."""
+    from dmuon.comm.testing import run_on_ranks
+
+    owned = run_on_ranks(_owner_checkpoint_checks, WORLD, args=(str(tmp_path),), timeout=120)
+    assert all(owned), f"a rank owns no matrix: {owned}"

@@ -13,6 +13,8 @@
 
 * :mod:`dmuon.integrations.hf` — the Hugging Face Trainer (``DMuonTrainer``); import
   it explicitly, it needs ``transformers`` (``pip install "dmuon-optim[hf]"``).
+* :mod:`dmuon.integrations.lightning` — Lightning: ``DMuonStrategy`` (owner mode instead of
+  the DDP wrapper, whole checkpoints); import it explicitly, it needs ``lightning``.
 
 Stock DDP and stock FSDP2 need nothing from here: ``DMuon(..., mode="replicated")``
 and DTensor parameters (``sharded`` mode) are handled by :mod:`dmuon.optim`.

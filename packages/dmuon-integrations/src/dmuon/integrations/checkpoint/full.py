@@ -104,6 +104,10 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
         model_sd: dict[str, Any] = get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+        # On a CPU, DSD hands back plain parameters themselves: copy them here, before
+        # release() frees the weights this rank does not own (reshard_after_forward),
+        # and so that the dict does not follow the training that goes on.
+        model_sd = {k: v.detach().clone() for k, v in model_sd.items()} if _rank0() else {}
         steps = owner_steps(optimizer, [h for h in held if h.owner is not None])
         state: dict[str, dict[str, torch.Tensor]] = {}
         from dmuon.integrations.checkpoint.compat import expected_state_shapes
@@ -130,9 +134,7 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
     if not _rank0():
         return {}
     return {
-        # On a CPU, DSD hands back plain parameters themselves: copy them, so the
-        # dict does not follow the training that goes on.
-        "model": {k: v.detach().clone() for k, v in model_sd.items()},
+        "model": model_sd,
         "optim": {"state": state, "param_groups": group_records(optimizer, held)},
         "dmuon": _describe(optimizer),
     }

@@ -1,0 +1,347 @@
+"""DMuon's owner mode under PyTorch Lightning: a strategy that dedicates instead of wrapping.
+
+Lightning's DDP strategy wraps the model in ``DistributedDataParallel``, which
+all-reduces every gradient; DMuon can then only run in ``replicated`` mode.
+:class:`DMuonStrategy` is a ``DDPStrategy`` (same launcher, process group, samplers,
+``reduce``/``barrier``) that *dedicates* the model instead
+(:func:`dmuon.integrations.ddp.dedicate`): each matrix's gradient is reduced to its
+owner rank only, the owner orthogonalises it and broadcasts the new weight::
+
+    trainer = L.Trainer(strategy=DMuonStrategy(), devices=2, ...)
+
+    class Model(L.LightningModule):
+        def configure_optimizers(self):
+            return dmuon_optimizer(self, lr=0.02)   # owner, replicated or single mode
+
+It also makes Lightning checkpoints whole: Lightning writes the optimizer state of
+rank 0 only, but in owner and replicated mode each matrix's momentum lives on its
+owner rank. The strategy gathers every owner's share when a checkpoint is saved (a
+collective; Lightning dumps checkpoints on every rank) and gives each rank its share
+back when ``trainer.fit(..., ckpt_path=...)`` resumes, at any world size.
+
+Lightning is imported by this module: ``dmuon.integrations`` never imports it, import
+``dmuon.integrations.lightning`` explicitly (``pip install "dmuon-integrations[lightning]"``).
+Importing it registers ``strategy="dmuon"`` (owner mode, defaults) with Lightning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Generator, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from dmuon.integrations import ddp
+from dmuon.integrations.checkpoint import full_state_dict, load_full_state_dict
+from dmuon.integrations.dedication import Dedication
+from dmuon.integrations.hf.state import gather_full_state_dict, missing_state
+from dmuon.optim import DMuon, param_groups
+from dmuon.optim.engine import exchange_of
+
+__all__ = ["CHECKPOINT_FORMAT", "MODES", "DMuonStrategy", "dmuon_optimizer"]
+
+MODES = ("owner", "replicated")
+"""The modes of :class:`DMuonStrategy`: ``"owner"`` dedicates the model (no DDP wrapper),
+``"replicated"`` keeps Lightning's DDP wrapper and only makes checkpoints whole."""
+
+CHECKPOINT_FORMAT = "dmuon.full_state_dict"
+"""The ``"format"`` of an owner-mode entry of a checkpoint's ``"optimizer_states"``:
+``{"format": CHECKPOINT_FORMAT, "optim": ..., "dmuon": ...}``, the optimizer part of
+:func:`dmuon.integrations.checkpoint.full_state_dict` (the weights are the checkpoint's
+``"state_dict"``)."""
+
+# DDPStrategy arguments that configure the DDP wrapper or its communication hooks:
+# in owner mode there is no wrapper, and silently dropping them would surprise.
+_DDP_ONLY = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+
+
+class DMuonStrategy(DDPStrategy):
+    """Lightning's DDP strategy with DMuon's owner hooks in place of the DDP wrapper.
+
+    In ``mode="owner"`` (the default) :meth:`configure_ddp` calls
+    :func:`dmuon.integrations.ddp.dedicate` on the LightningModule instead of wrapping
+    it; :attr:`dedication` is then what ``DMuon(..., distributed=...)`` takes
+    (:func:`dmuon_optimizer` does it). Gradient accumulation
+    (``Trainer(accumulate_grad_batches=k)``) skips the reductions of the first ``k-1``
+    micro-batches through ``dedication.no_sync()``.
+
+    In ``mode="replicated"`` the model is wrapped in DDP as by ``strategy="ddp"``;
+    DMuon runs in replicated mode and the strategy only makes checkpoints whole.
+
+    Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``) hold every owner's
+    optimizer state, gathered to rank 0 when saving; ``trainer.fit(..., ckpt_path=)``
+    gives each rank its share back, at any world size (one process included). Other
+    optimizers in ``configure_optimizers`` are saved and loaded as Lightning does.
+
+    Args:
+        mode: ``"owner"`` or ``"replicated"`` (see :data:`MODES`).
+        scalars: owner mode: ``"all_reduce"`` (biases, norms, embeddings all-reduced,
+            stepped on every rank, like DDP) or ``"owner"`` (dedicated too: sharded
+            AdamW state). See :func:`dmuon.integrations.ddp.dedicate`.
+        dedicate_options: more keyword arguments of
+            :func:`dmuon.integrations.ddp.dedicate` (``reshard_after_forward``,
+            ``strategy``, ``stats``, ``predicate``, ...), owner mode only.
+        **kwargs: the arguments of Lightning's ``DDPStrategy`` (``accelerator``,
+            ``process_group_backend``, ``timeout``, ``start_method``, ...); in
+            replicated mode also those of ``DistributedDataParallel``.
+
+    Raises:
+        ValueError: an unknown ``mode``, options of the other mode, or arguments of
+            the DDP wrapper (``find_unused_parameters``, ``ddp_comm_hook``, ...) in
+            owner mode, where there is no wrapper.
+
+    Examples:
+        >>> from dmuon.integrations.lightning import DMuonStrategy
+        >>> strategy = DMuonStrategy(scalars="owner")
+        >>> strategy.mode, strategy.dedication is None  # dedicated in Trainer.fit
+        ('owner', True)
+        >>> DMuonStrategy(find_unused_parameters=True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: DMuonStrategy(mode='owner') builds no DDP wrapper, ...
+    """
+
+    def __init__(
+        self,
+        mode: str = "owner",
+        *,
+        scalars: str = "all_reduce",
+        dedicate_options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if scalars not in ddp.SCALAR_MODES:
+            raise ValueError(f"scalars must be one of {ddp.SCALAR_MODES}, got {scalars!r}")
+        if mode == "owner":
+            wrapper_args = sorted(k for k in kwargs if k in _DDP_ONLY or not _strategy_arg(k))
+            if wrapper_args:
+                raise ValueError(
+                    f"DMuonStrategy(mode='owner') builds no DDP wrapper, so it cannot take "
+                    f"{wrapper_args}; pass them with mode='replicated' or drop them"
+                )
+        elif scalars != "all_reduce" or dedicate_options:
+            raise ValueError(
+                "scalars= and dedicate_options= configure owner mode; mode='replicated' keeps "
+                "the DDP wrapper, which all-reduces every gradient"
+            )
+        super().__init__(**kwargs)
+        self._mode = mode
+        self._dedicate_options = {"scalars": scalars, **dict(dedicate_options or {})}
+        self._dedication: Dedication | None = None
+
+    @property
+    def mode(self) -> str:
+        """``"owner"`` or ``"replicated"``."""
+        return self._mode
+
+    @property
+    def dedication(self) -> Dedication | None:
+        """The :class:`~dmuon.integrations.Dedication` of the LightningModule (owner mode,
+        from ``Trainer.fit``'s setup until teardown); ``None`` otherwise."""
+        return self._dedication
+
+    def configure_ddp(self) -> None:
+        """Owner mode: dedicate the LightningModule (no wrapper); replicated: wrap in DDP.
+
+        Raises:
+            ValueError: the module was dedicated by an earlier ``fit`` (a module is
+                dedicated once; resume a new one from a checkpoint instead).
+        """
+        if self._mode == "replicated":
+            super().configure_ddp()
+            return
+        if not isinstance(self.model, pl.LightningModule):
+            raise TypeError(
+                f"DMuonStrategy dedicates a LightningModule, got {type(self.model).__name__}"
+            )
+        if any(exchange_of(p) is not None for p in self.model.parameters()):
+            # The owner registry keeps a parameter dedicated for its lifetime; a second
+            # dedicate would fail deep inside with "dedicated twice". Same on every rank.
+            raise ValueError(
+                f"this {type(self.model).__name__} was dedicated by an earlier Trainer.fit "
+                "under DMuonStrategy, and a module is dedicated once: build a new module and "
+                "resume with trainer.fit(new_module, ckpt_path=...)"
+            )
+        self._dedication = ddp.dedicate(self.model, **self._dedicate_options)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the owner reductions of a gradient-accumulation micro-batch."""
+        if self._dedication is None:
+            with super().block_backward_sync():
+                yield
+            return
+        with self._dedication.no_sync():
+            yield
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The weights, once every rank holds the owners' latest broadcast.
+
+        Under ``reshard_after_forward`` they are copies: the weights a rank does not own
+        are freed again after the checkpoint's optimizer state is gathered.
+        """
+        if self._dedication is None:
+            return super().lightning_module_state_dict()
+        self._dedication.wait()
+        sd = super().lightning_module_state_dict()
+        if self._dedication.exchange.reshard_after_forward:
+            sd = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in sd.items()}
+        return sd
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """A DMuon's whole state on rank 0 (``{}`` elsewhere): a collective, every rank calls it.
+
+        Owner mode: :data:`CHECKPOINT_FORMAT` (each owner's share sent to rank 0).
+        Replicated mode: the optimizer's state dict with every owner's momentum in it.
+        Other optimizers: as ``DDPStrategy``.
+        """
+        opt = _unwrap(optimizer)
+        if not isinstance(opt, DMuon) or opt.mode in ("single", "sign", "sharded"):
+            return super().optimizer_state(optimizer)
+        if opt.mode == "replicated":
+            full = gather_full_state_dict(opt)
+            return full if self.is_global_zero else {}
+        assert self.lightning_module is not None
+        sd = full_state_dict(self.lightning_module, opt)
+        if not sd:
+            return {}
+        return {"format": CHECKPOINT_FORMAT, "optim": sd["optim"], "dmuon": sd["dmuon"]}
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Give every rank its share of the saved optimizer states (called on every rank).
+
+        Raises:
+            dmuon.integrations.checkpoint.CheckpointMismatchError: the saved state does
+                not fit this optimizer (nothing is changed).
+            ValueError: a DMuon state dict with another rank's share missing (a
+                checkpoint written under ``strategy="ddp"`` in replicated mode): loading
+                it would silently restart that momentum from zero.
+        """
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"the checkpoint holds {len(states)} optimizer state(s), configure_optimizers "
+                f"returned {len(self.optimizers)}"
+            )
+        pairs = [(_unwrap(o), saved) for o, saved in zip(self.optimizers, states, strict=True)]
+        # Check every entry before loading any, so a refused checkpoint changes nothing.
+        for opt, saved in pairs:
+            if _is_full(saved) and not isinstance(opt, DMuon):
+                raise TypeError(
+                    f"the checkpoint holds DMuon state ({CHECKPOINT_FORMAT}) for an "
+                    f"optimizer of type {type(opt).__name__}"
+                )
+            if isinstance(opt, DMuon) and isinstance(saved, Mapping) and not _is_full(saved):
+                missing = missing_state(dict(saved))
+                if missing:
+                    raise ValueError(
+                        f"the DMuon state in this checkpoint lacks {len(missing)} entries "
+                        f"held by other ranks when it was saved (e.g. {missing[:3]}); it was "
+                        "written from rank 0 only (strategy='ddp'). Loading it would restart "
+                        "that momentum from zero; save checkpoints under DMuonStrategy"
+                    )
+        for opt, saved in pairs:
+            if _is_full(saved):
+                assert self.lightning_module is not None
+                # The weights: those Lightning has just restored (its restore_model ran
+                # before the strategy's setup, honouring strict_loading).
+                full = {"model": self.lightning_module_state_dict(), "optim": saved["optim"]}
+                load_full_state_dict(self.lightning_module, opt, full)  # type: ignore[arg-type]
+            else:
+                # Optimizer.load_state_dict (and load_full_state_dict) put the state on
+                # the parameters' device: nothing to move afterwards.
+                opt.load_state_dict(saved)
+
+    def teardown(self) -> None:
+        """Wait for the last broadcasts, remove the owner hooks, then as ``DDPStrategy``."""
+        if self._dedication is not None:
+            self._dedication.wait()
+            self._dedication.remove()
+            self._dedication = None
+        super().teardown()
+
+
+def _unwrap(optimizer: Optimizer) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _is_full(saved: Any) -> bool:
+    return isinstance(saved, Mapping) and saved.get("format") == CHECKPOINT_FORMAT
+
+
+def _strategy_arg(name: str) -> bool:
+    return name in inspect.signature(DDPStrategy.__init__).parameters
+
+
+def dmuon_optimizer(module: pl.LightningModule, **kwargs: Any) -> DMuon:
+    """DMuon for ``module``'s ``configure_optimizers``, in the mode its Trainer calls for.
+
+    Under :class:`DMuonStrategy` (owner mode) the optimizer takes the strategy's
+    dedication; under Lightning's DDP strategy (the model wrapped in
+    ``DistributedDataParallel``, or ``DMuonStrategy(mode="replicated")``) it runs in
+    ``replicated`` mode; with no Trainer or one process, in ``single`` mode. So the
+    same LightningModule trains under each strategy, and in a plain loop. Other
+    strategies get DMuon's own choice (``sharded`` for DTensor parameters).
+
+    Args:
+        module: the LightningModule (its parameters go through
+            :func:`dmuon.optim.param_groups`).
+        **kwargs: arguments of :class:`dmuon.optim.DMuon` (``lr``, ``adamw_lr``, ...);
+            not ``mode`` or ``distributed``, which this function chooses.
+
+    Returns:
+        The :class:`~dmuon.optim.DMuon`.
+
+    Raises:
+        ValueError: ``mode`` or ``distributed`` in ``kwargs``; or a
+            :class:`DMuonStrategy` in owner mode that has not dedicated the module
+            yet (call it from ``configure_optimizers``).
+
+    Examples:
+        >>> import lightning as L
+        >>> import torch
+        >>> from dmuon.integrations.lightning import dmuon_optimizer
+        >>> class Model(L.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        ...     def configure_optimizers(self):
+        ...         return dmuon_optimizer(self, lr=0.02)
+        >>> Model().configure_optimizers().mode  # no Trainer: one process
+        'single'
+    """
+    chosen = sorted(k for k in ("mode", "distributed") if k in kwargs)
+    if chosen:
+        raise ValueError(
+            f"dmuon_optimizer chooses {chosen} from the Trainer's strategy; build "
+            "dmuon.optim.DMuon yourself to set them"
+        )
+    trainer = module._trainer
+    strategy = trainer.strategy if trainer is not None else None
+    groups = param_groups(module)
+    if isinstance(strategy, DMuonStrategy) and strategy.mode == "owner":
+        if strategy.dedication is None:
+            raise ValueError(
+                "DMuonStrategy has not dedicated the module yet: call dmuon_optimizer from "
+                "configure_optimizers, which Lightning runs after the strategy's setup"
+            )
+        return DMuon(groups, distributed=strategy.dedication, **kwargs)
+    if strategy is not None and isinstance(strategy.model, DistributedDataParallel):
+        return DMuon(groups, mode="replicated", **kwargs)
+    return DMuon(groups, **kwargs)
+
+
+if "dmuon" not in StrategyRegistry:
+    StrategyRegistry.register(
+        "dmuon",
+        DMuonStrategy,
+        description="DMuon owner mode: matrices reduced to their owner rank, no DDP wrapper",
+    )
