@@ -19,11 +19,13 @@ import http.server
 import json
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 import threading
 import urllib.parse
 from collections.abc import Iterator
+from html import unescape
 
 import pytest
 from selenium import webdriver
@@ -242,3 +244,36 @@ def test_site_search_finds(browser, site_url, query, expected):
     assert any(hit(link) for link in links), (
         f"search {query!r} ({meta!r}) did not link {want}; it linked {found}"
     )
+
+
+SNIPPET = "--8<--"
+
+
+def test_every_included_script_is_in_its_built_page():
+    # `ruff format` once rewrote the snippet lines into `--8 < --"…"`, which the
+    # snippets extension leaves as text: the guides silently lost their scripts.
+    pages = sorted((ROOT / "docs").rglob("*.md"))
+    included = 0
+    for page in pages:
+        for line in page.read_text().splitlines():
+            if not line.lstrip().startswith("--8"):
+                continue
+            assert line.startswith(f'{SNIPPET} "') and line.endswith('"'), (
+                f"{page.relative_to(ROOT)}: malformed snippet line {line!r}; keep it "
+                "between <!-- fmt: off --> and <!-- fmt: on --> so ruff leaves it alone"
+            )
+            target = ROOT / line[len(SNIPPET) + 2 : -1]
+            assert target.is_file(), f"{page.relative_to(ROOT)} includes missing {target}"
+            built = SITE / page.relative_to(ROOT / "docs").with_suffix("") / "index.html"
+            if page.name == "index.md":
+                built = SITE / page.relative_to(ROOT / "docs").with_name("index.html")
+            if not built.is_file():
+                pytest.skip(f"no built site at {SITE}: run mkdocs build first")
+            html = built.read_text()
+            assert "--8" not in html, f"{built}: the snippet marker was not replaced"
+            text = unescape(re.sub(r"<[^>]+>", "", html))  # code is split into spans
+            # the script's own first line of code (its docstring opening) is in the page
+            first = next(t for t in target.read_text().splitlines() if t.strip())
+            assert first.strip('"').strip()[:30] in text, f"{built} lacks {target.name}"
+            included += 1
+    assert included >= 4, f"only {included} included scripts found"
