@@ -50,6 +50,15 @@ def steps_to_reach(xs: Sequence[float], losses: Sequence[float], target: float) 
     return None
 
 
+def _cpu_native_bf16() -> bool | None:
+    """dmuon.kernels' answer (AVX-512-BF16, AMX or Arm BF16); None without dmuon-kernels."""
+    try:
+        from dmuon.kernels import cpu_has_native_bf16
+    except ImportError:
+        return None
+    return cpu_has_native_bf16()
+
+
 def _cpu_name() -> str:
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
@@ -82,6 +91,8 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
         "device": device,
         "cpu": _cpu_name(),
         "cores": cores,
+        # CPU figures for bf16 depend on it: emulated bf16 matmul is ~40x slower than fp32.
+        "cpu_native_bf16": _cpu_native_bf16(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
