@@ -8,6 +8,7 @@ whole tensors, and the matrices' owner step must run once per round of groups.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -82,3 +83,44 @@ def test_slices_step_like_whole_tensors_and_matrices_step_once_per_round():
         # the same elementwise AdamW and the same Newton–Schulz on the same numbers; 1e-6
         # leaves room only for torch choosing its foreach or per-tensor AdamW path
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{name}")
+
+
+def _zero_step(opt: ZeroClientOptimizer) -> None:
+    """ZeRO-1/2's stepping: one call per group, ``param_groups`` narrowed to it."""
+    everything = opt.param_groups
+    for group in everything:
+        opt.param_groups = [group]
+        opt.step()
+    opt.param_groups = everything
+
+
+def test_load_state_dict_is_refused_alone_and_keeps_stepping_the_matrices_after():
+    model = _model()
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    dmuon = DMuon([model[0].weight, model[2].weight], lr=0.02)
+    groups = [{"params": g, "algorithm": "adamw", "weight_decay": 0.0, **HYPER} for g in
+              _scalar_groups(model)]  # fmt: skip
+    opt = ZeroClientOptimizer(groups, dmuon)
+    nn.functional.mse_loss(model(x), y).backward()
+    _zero_step(opt)
+    saved = opt.state_dict()
+    before = {k: v.clone() for k, v in opt.state[model[1].weight].items()}
+
+    # engine.load_checkpoint would call this alone: the matrices' momentum would be lost.
+    with pytest.raises(RuntimeError, match="DMuon's matrix momentum"):
+        opt.load_state_dict(saved)
+    assert all(torch.equal(opt.state[model[1].weight][k], v) for k, v in before.items())
+
+    # dmuon.integrations.deepspeed.load_checkpoint loads DMuon's state next: allowed, and
+    # the owner step still runs with the last group (torch replaced the group dicts).
+    opt._dmuon_state_loaded_separately = True
+    opt.load_state_dict(saved)
+    opt._dmuon_state_loaded_separately = False
+    steps = []
+    dmuon.register_step_post_hook(lambda *_: steps.append(1))
+    w = model[0].weight.detach().clone()
+    nn.functional.mse_loss(model(x), y).backward()
+    _zero_step(opt)
+    assert steps == [1], "DMuon's step did not run after load_state_dict"
+    assert not torch.equal(model[0].weight, w)
+    assert model[0].weight.grad is None

@@ -53,6 +53,7 @@ from torch import nn
 
 from dmuon.comm import layer_key
 from dmuon.integrations import ddp
+from dmuon.integrations.deepspeed_checkpoint import load_checkpoint, save_checkpoint
 from dmuon.integrations.deepspeed_optimizer import ZeroClientOptimizer
 from dmuon.integrations.fsdp import _dedicate
 from dmuon.optim import RULES, SCALAR_ALGORITHMS, DMuon, param_groups
@@ -64,6 +65,8 @@ __all__ = [
     "check_config",
     "dmuon_of",
     "initialize",
+    "load_checkpoint",
+    "save_checkpoint",
 ]
 
 SUPPORTED: dict[int, tuple[str, ...]] = {

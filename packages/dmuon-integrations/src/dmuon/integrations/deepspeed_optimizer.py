@@ -78,6 +78,8 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
         # ZeRO narrows param_groups to one group per call; the group dicts stay the same
         # objects (ZeRO only swaps their "params"), so the last one marks the end of a step.
         self._last_group = self.param_groups[-1]
+        # Set by dmuon.integrations.deepspeed.load_checkpoint, which loads DMuon's state next.
+        self._dmuon_state_loaded_separately = False
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -135,6 +137,31 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
             if algorithm == "adamw":
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ZeRO's scalar state; refused unless DMuon's state is loaded too.
+
+        ZeRO-1/2 call this from ``engine.load_checkpoint`` with this rank's scalar
+        state. The matrices' momentum is DMuon's, outside ZeRO's files: loading only
+        the scalars would go on training with it at zero. So this raises, before
+        anything changes, unless :func:`dmuon.integrations.deepspeed.load_checkpoint`
+        (which loads DMuon's state right after) is the caller.
+
+        Raises:
+            RuntimeError: called by ``engine.load_checkpoint`` directly.
+        """
+        if not self._dmuon_state_loaded_separately:
+            raise RuntimeError(
+                "engine.load_checkpoint would restore ZeRO's scalar optimizer state but not "
+                "DMuon's matrix momentum (held by the owner ranks, outside ZeRO's files), and "
+                "training would go on with it at zero. Save with "
+                "dmuon.integrations.deepspeed.save_checkpoint(engine, dir) and load with "
+                "dmuon.integrations.deepspeed.load_checkpoint(engine, dir); to load only the "
+                "weights, pass load_optimizer_states=False"
+            )
+        super().load_state_dict(state_dict)
+        # torch's load_state_dict replaces the group dicts (same parameters, new dicts).
+        self._last_group = self.param_groups[-1]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the scalar parameters' and the matrices' gradients."""
