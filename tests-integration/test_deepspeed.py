@@ -3,10 +3,11 @@
 For each (ZeRO stage, mode) of ``dmuon.integrations.deepspeed.SUPPORTED`` (stage 0 in
 replicated and in owner mode, stages 1 and 2 in owner mode), a small GPT (benchmarks/common) is
 trained 5 steps by a DeepSpeed engine on 2 gloo ranks, each rank on its half of the
-global batch; the reference trains the same model in this process with
-``DMuon(param_groups(model))`` on the mean of the two halves' losses. The same rank
-processes then ask for every refused combination (stage 3, replicated at stage 1/2,
-an unknown mode, bf16, gradient accumulation in owner mode) and must raise
+global batch — once in one micro-batch per step, once in two accumulated ones
+(DeepSpeed's ``gradient_accumulation_steps``); the reference trains the same model in
+this process with ``DMuon(param_groups(model))`` on the mean of the two halves' losses. The same
+rank processes then ask for every refused combination (stage 3, replicated at stage 1/2,
+an unknown mode, bf16, gradient clipping in owner mode) and must raise
 ``UnsupportedConfigError`` on every rank, without a collective that could hang. One
 launch runs all of it: DeepSpeed's import and its first ``initialize`` (it builds its
 shared-memory comm op on the CPU accelerator, cached afterwards) are paid once.
@@ -20,6 +21,7 @@ The guide's script (docs/guides/deepspeed.md) is run as written, under torchrun.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import pathlib
 import re
@@ -60,20 +62,16 @@ REFUSED = [  # (stage, mode, extra config, what the message must say)
     (2, "replicated", {}, SUPPORTED_TEXT),
     (1, "sharded", {}, SUPPORTED_TEXT),
     (2, None, {"bf16": {"enabled": True}}, SUPPORTED_TEXT),
-    # found after DeepSpeed derived it: raised once the engine exists, on every rank
-    (
-        2,
-        None,
-        {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // 4, "gradient_accumulation_steps": 2},
-        "gradient accumulation (2 steps) is not supported in owner mode",
-    ),
+    (2, None, {"gradient_clipping": 1.0}, "gradient_clipping is not supported in owner mode"),
 ]
+ACCUMULATE = 2  # micro-batches per step in the accumulation cases (every case runs both)
 
 
-def _config(stage: int, world: int, **extra):
+def _config(stage: int, world: int, accumulate: int = 1, **extra):
     return {
         "train_batch_size": GLOBAL_BATCH,
-        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (world * accumulate),
+        "gradient_accumulation_steps": accumulate,
         "zero_optimization": {"stage": stage},
         **extra,
     }
@@ -83,18 +81,21 @@ def _train_and_refuse(rank: int, world: int):
     import torch.distributed as dist
 
     params, modes = {}, {}
-    for stage, mode in CASES:
+    for (stage, mode), accumulate in itertools.product(CASES, (1, ACCUMULATE)):
         model = build("gpt")
-        engine, _, _, _ = dmuon_ds.initialize(model, _config(stage, world), mode=mode, **OPT)
+        config = _config(stage, world, accumulate)
+        engine, _, _, _ = dmuon_ds.initialize(model, config, mode=mode, **OPT)
         for t in range(STEPS):
-            engine.backward(loss_of("gpt", engine, *batch("gpt", t, rank, world)))
-            engine.step()
+            x, y = batch("gpt", t, rank, world)  # this rank's rows, in `accumulate` pieces
+            for xm, ym in zip(x.chunk(accumulate), y.chunk(accumulate), strict=True):
+                engine.backward(loss_of("gpt", engine, xm, ym))  # DeepSpeed scales by 1/acc.
+                engine.step()  # the optimizer steps at the boundary only
         opt = dmuon_ds.dmuon_of(engine)
         if opt.mode == "owner":
             opt.engine.exchange.wait_all_published()  # the last broadcasts, before reading
         # owner mode at stage 0 replaces DeepSpeed's all-reduce (it would repeat the traffic)
-        modes[stage, mode] = (opt.mode, engine.enable_backward_allreduce)
-        params[stage, mode] = full_params(model)
+        modes[stage, mode, accumulate] = (opt.mode, engine.enable_backward_allreduce)
+        params[stage, mode, accumulate] = full_params(model)
         dist.barrier()
     refusals = []
     for stage, mode, extra, _ in REFUSED:
@@ -117,8 +118,9 @@ def test_supported_stages_equal_single_process_and_refused_ones_raise_on_every_r
     assert moved > 1e-2, "the reference barely trained: the comparison would prove nothing"
     results = run_on_ranks(_train_and_refuse, WORLD, timeout=900)
     for rank, (params, modes, refusals) in enumerate(results):
-        assert modes == {(s, m): (m, not (s == 0 and m == "owner")) for s, m in CASES}
-        for case in CASES:
+        expected_modes = {(s, m, a): (m, not (s == 0 and m == "owner")) for s, m, a in modes}
+        assert modes == expected_modes and len(modes) == 2 * len(CASES)
+        for case in modes:
             diff, where = max_diff(params[case], expected)
             assert diff <= TOLERANCE, f"{case}, rank {rank}: {where} differs by {diff:.2e}"
             same, where = max_diff(params[case], results[0][0][case])

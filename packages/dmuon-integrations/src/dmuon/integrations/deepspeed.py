@@ -32,8 +32,9 @@ rank before any collective, naming the supported ones: stage 3 (every parameter 
 partitioned, including the matrices); ``replicated`` at stage 1/2 (the matrices would
 be sliced); fp16/bf16 (DeepSpeed's mixed-precision
 wrappers flatten the master weights); an ``"optimizer"`` section; CPU offload; and in
-owner mode gradient clipping (ZeRO would clip the scalars by their norm alone) and
-gradient accumulation (the owners reduce each backward).
+owner mode gradient clipping (ZeRO would clip the scalars by their norm alone).
+Gradient accumulation works in every mode: in owner mode the owners' reductions run
+in the backward of the accumulation boundary only.
 
 DeepSpeed is imported when :func:`initialize` runs, so ``dmuon.integrations``
 imports without it.
@@ -229,8 +230,7 @@ def initialize(
 
     Raises:
         UnsupportedConfigError: a config DMuon cannot serve (on every rank, before any
-            collective); also after DeepSpeed's initialisation when it derives more
-            than one gradient-accumulation step in owner mode.
+            collective).
         ValueError: bad DMuon options, ``mode=``/``distributed=`` among them.
 
     Examples:
@@ -279,13 +279,28 @@ def initialize(
         # rest, like DDP; DeepSpeed's own all-reduce of every gradient (the switch its
         # pipeline engine turns off too) would only repeat that traffic.
         engine.enable_backward_allreduce = False
-    if mode == "owner" and engine.gradient_accumulation_steps() > 1:
-        raise UnsupportedConfigError(
-            f"gradient accumulation ({engine.gradient_accumulation_steps()} steps) is not "
-            "supported in owner mode: the owners reduce every backward's gradients; use one "
-            "micro-batch per step (train_batch_size = micro batch × ranks) or stage 0"
-        )
+    if mode == "owner":
+        _follow_accumulation_boundary(engine, client)
     return out
+
+
+def _follow_accumulation_boundary(engine: Any, client: Any) -> None:
+    """Owner mode: reduce to the owners only in the last micro-batch's backward.
+
+    DeepSpeed scales each micro-batch's loss by 1/gradient_accumulation_steps and steps
+    the optimizer at the boundary; before it, the owners' reductions must not run
+    (``no_sync``): the gradients accumulate locally and the boundary's backward reduces
+    their sum. The boundary is read before each forward, the micro-step whose backward
+    follows (``engine.is_gradient_accumulation_boundary()``, which also honours
+    ``engine.set_gradient_accumulation_boundary``).
+    """
+    dmuon = client.dmuon if isinstance(client, ZeroClientOptimizer) else client
+    exchange = dmuon.engine.exchange
+
+    def before_forward(_module: nn.Module, _args: Any) -> None:
+        exchange.set_requires_gradient_sync(engine.is_gradient_accumulation_boundary())
+
+    engine.module.register_forward_pre_hook(before_forward)
 
 
 def dmuon_of(engine: Any) -> DMuon:

@@ -292,6 +292,15 @@ class OwnerExchange(Publication):
         finally:
             self._sync = previous
 
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """Reduce the gradients of the next backward (``True``) or accumulate them locally.
+
+        The switch :meth:`no_sync` flips for a block, for training loops that decide it
+        per micro-batch (DeepSpeed's gradient-accumulation boundary); named after
+        FSDP2's ``FSDPModule.set_requires_gradient_sync``.
+        """
+        self._sync = bool(requires)
+
     def grad_ready(self, p: torch.Tensor) -> None:
         """A gradient of ``p`` has been accumulated (call from a post-accumulate hook)."""
         if not self._sync:
