@@ -16,6 +16,8 @@ step by step so that background load hits every setup alike):
                     Keller's coefficients) and AdamW for the other parameters
 ``owner_fsdp``      DMuon owner mode: ``fsdp.dedicate`` + ``fully_shard(ignored_params)``
 ``owner_ddp``       DMuon owner mode replacing DDP: ``ddp.dedicate``
+``owner_ddp_zero1`` the same with the scalars owned too (``scalars="owner"``:
+                    ZeRO-1-like sharded AdamW state, reduce + broadcast)
 ``replicated``      DMuon ``mode="replicated"`` under stock DDP
 ``sharded``         DMuon sharded mode under stock FSDP2 (DTensor matrices)
 ``sign``            Sign-Muon, ``mode="sign"``: local gradients, packed vote
@@ -51,13 +53,15 @@ SETUPS = (
     "torch_muon_ddp",
     "owner_fsdp",
     "owner_ddp",
+    "owner_ddp_zero1",
     "replicated",
     "sharded",
     "sign",
 )
 # torch.optim.Muon runs Newton–Schulz in bf16, which on a CPU without AVX-512-BF16/AMX
 # takes ~40× the fp32 time (minutes per step here): opt in with --setups.
-DEFAULT_SETUPS = tuple(s for s in SETUPS if s != "torch_muon_ddp")
+# owner_ddp_zero1 differs from owner_ddp in the scalars only: opt in with --setups.
+DEFAULT_SETUPS = tuple(s for s in SETUPS if s not in ("torch_muon_ddp", "owner_ddp_zero1"))
 LABELS = {
     "adamw_ddp": "AdamW, DDP",
     "adamw_fsdp": "AdamW, FSDP2",
@@ -65,6 +69,7 @@ LABELS = {
     "torch_muon_ddp": "torch.optim.Muon, DDP",
     "owner_fsdp": "DMuon owner + FSDP2",
     "owner_ddp": "DMuon owner, DDP replacement",
+    "owner_ddp_zero1": "DMuon owner, DDP replacement, scalars owned",
     "replicated": "DMuon replicated + DDP",
     "sharded": "DMuon sharded + FSDP2",
     "sign": "DMuon Sign-Muon (sign)",
@@ -132,6 +137,8 @@ def build(setup: str, cfg: WorldConfig, device: torch.device) -> tuple[Any, Any,
         forward = DDP(model)
     elif setup == "owner_ddp":
         ded = ddp.dedicate(model)
+    elif setup == "owner_ddp_zero1":
+        ded = ddp.dedicate(model, scalars="owner")
     elif setup != "sign":
         raise ValueError(f"unknown setup {setup!r}; expected one of {SETUPS}")
     if setup.startswith("adamw"):
