@@ -29,6 +29,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from distributed_cases import (
     GLOBAL_BATCH,
     OPT,
@@ -44,6 +45,7 @@ from distributed_cases import (
 
 from dmuon.comm.testing import run_on_ranks
 from dmuon.integrations import deepspeed as dmuon_ds
+from dmuon.optim import DMuon, param_groups
 
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
@@ -62,9 +64,25 @@ REFUSED = [  # (stage, mode, extra config, what the message must say)
     (2, "replicated", {}, SUPPORTED_TEXT),
     (1, "sharded", {}, SUPPORTED_TEXT),
     (2, None, {"bf16": {"enabled": True}}, SUPPORTED_TEXT),
-    (2, None, {"gradient_clipping": 1.0}, "gradient_clipping is not supported in owner mode"),
+    (2, None, {"gradient_clipping": 1.0}, "gradient_clipping is not supported at ZeRO stage 2"),
 ]
 ACCUMULATE = 2  # micro-batches per step in the accumulation cases (every case runs both)
+CLIPPED = [(0, "replicated"), (0, "owner")]  # where gradient_clipping is served
+MAX_NORM = 0.05  # below this model's gradient norms: the clipping is active
+
+
+def clipped_reference(world: int) -> dict:
+    """``reference`` with ``torch.nn.utils.clip_grad_norm_`` of the global gradient."""
+    torch.manual_seed(0)
+    model = build("gpt")
+    opt = DMuon(param_groups(model), **OPT)
+    for t in range(STEPS):
+        losses = [loss_of("gpt", model, *batch("gpt", t, r, world)) for r in range(world)]
+        (sum(losses) / world).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    return full_params(model)
 
 
 def _config(stage: int, world: int, accumulate: int = 1, **extra):
@@ -97,6 +115,18 @@ def _train_and_refuse(rank: int, world: int):
         modes[stage, mode, accumulate] = (opt.mode, engine.enable_backward_allreduce)
         params[stage, mode, accumulate] = full_params(model)
         dist.barrier()
+    for stage, mode in CLIPPED:
+        model = build("gpt")
+        config = _config(stage, world, gradient_clipping=MAX_NORM)
+        engine, _, _, _ = dmuon_ds.initialize(model, config, mode=mode, **OPT)
+        for t in range(STEPS):
+            engine.backward(loss_of("gpt", engine, *batch("gpt", t, rank, world)))
+            engine.step()
+        opt = dmuon_ds.dmuon_of(engine)
+        if opt.mode == "owner":
+            opt.engine.exchange.wait_all_published()
+        params[stage, mode, "clipped"] = full_params(model)
+        dist.barrier()
     refusals = []
     for stage, mode, extra, _ in REFUSED:
         try:
@@ -116,10 +146,15 @@ def test_supported_stages_equal_single_process_and_refused_ones_raise_on_every_r
     expected = reference("gpt", WORLD)
     moved, _ = max_diff(expected, full_params(build("gpt")))
     assert moved > 1e-2, "the reference barely trained: the comparison would prove nothing"
+    clipped = clipped_reference(WORLD)
+    assert max_diff(clipped, expected)[0] > 1e-4, "MAX_NORM does not clip: the test is void"
     results = run_on_ranks(_train_and_refuse, WORLD, timeout=900)
     for rank, (params, modes, refusals) in enumerate(results):
         expected_modes = {(s, m, a): (m, not (s == 0 and m == "owner")) for s, m, a in modes}
         assert modes == expected_modes and len(modes) == 2 * len(CASES)
+        for stage, mode in CLIPPED:
+            diff, where = max_diff(params[stage, mode, "clipped"], clipped)
+            assert diff <= TOLERANCE, f"clipped {stage} {mode}, rank {rank}: {where} by {diff:.2e}"
         for case in modes:
             diff, where = max_diff(params[case], expected)
             assert diff <= TOLERANCE, f"{case}, rank {rank}: {where} differs by {diff:.2e}"

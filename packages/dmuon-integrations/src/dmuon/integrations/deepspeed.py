@@ -32,7 +32,8 @@ rank before any collective, naming the supported ones: stage 3 (every parameter 
 partitioned, including the matrices); ``replicated`` at stage 1/2 (the matrices would
 be sliced); fp16/bf16 (DeepSpeed's mixed-precision
 wrappers flatten the master weights); an ``"optimizer"`` section; CPU offload; and in
-owner mode gradient clipping (ZeRO would clip the scalars by their norm alone).
+owner mode at stage 1/2 gradient clipping (ZeRO would clip the scalars by their norm
+alone; at stage 0 DMuon clips by the global norm, :func:`dmuon.optim.clip_grad_norm_`).
 Gradient accumulation works in every mode: in owner mode the owners' reductions run
 in the backward of the accumulation boundary only.
 
@@ -57,7 +58,7 @@ from dmuon.integrations import ddp
 from dmuon.integrations.deepspeed_checkpoint import load_checkpoint, save_checkpoint
 from dmuon.integrations.deepspeed_optimizer import ZeroClientOptimizer
 from dmuon.integrations.fsdp import _dedicate
-from dmuon.optim import RULES, SCALAR_ALGORITHMS, DMuon, param_groups
+from dmuon.optim import RULES, SCALAR_ALGORITHMS, DMuon, clip_grad_norm_, param_groups
 
 __all__ = [
     "SUPPORTED",
@@ -168,14 +169,18 @@ def check_config(
                 f"zero_optimization.{key} is not supported with DMuon (ZeRO-Offload runs "
                 "DeepSpeed's own CPU optimizer)"
             )
-    if mode == "owner" and float(cfg.get("gradient_clipping", 0.0) or 0.0) > 0.0:
+    if mode == "owner" and stage > 0 and _clipping(cfg) > 0.0:
         raise UnsupportedConfigError(
-            "gradient_clipping is not supported in owner mode: DeepSpeed would clip before "
-            "the owners hold the reduced matrix gradients (ZeRO: the scalars by their own "
-            "norm); drop it, or use stage 0 with mode='replicated', where DeepSpeed clips the "
-            "averaged gradients"
+            f"gradient_clipping is not supported at ZeRO stage {stage}: ZeRO would clip the "
+            "scalars by their own norm, without the matrices held by DMuon's owners; drop it, "
+            "or use stage 0 (owner mode: DMuon clips by the global norm; replicated: "
+            "DeepSpeed clips the averaged gradients)"
         )
     return stage, mode
+
+
+def _clipping(cfg: Mapping[str, Any]) -> float:
+    return float(cfg.get("gradient_clipping", 0.0) or 0.0)
 
 
 def initialize(
@@ -201,7 +206,9 @@ def initialize(
       :func:`dmuon.integrations.ddp.dedicate` (matrices reduced to their owners, the
       other parameters all-reduced, from hooks during backward), DMuon in owner mode
       is handed to DeepSpeed, and the engine's own gradient all-reduce is switched off
-      (``engine.enable_backward_allreduce = False``);
+      (``engine.enable_backward_allreduce = False``). ``gradient_clipping`` is done
+      by DMuon (:func:`dmuon.optim.clip_grad_norm_` before each step, by the norm of
+      the averaged global gradient) and taken out of the config DeepSpeed receives;
     * stage 1/2: the matrix groups' parameters are dedicated to owner ranks (their
       gradients reduced to the owner from hooks, the new weights broadcast back),
       a ``DMuon`` in owner mode steps them, and DeepSpeed gets a
@@ -267,6 +274,15 @@ def initialize(
         client: Any = DMuon(chosen, mode="replicated", **dmuon_options)
     elif stage == 0:
         client = _owner_dmuon(model, chosen, dmuon_options, dict(dedicate_options or {}))
+        max_norm = _clipping(cfg)
+        if max_norm > 0.0:
+            # DeepSpeed would clip the local gradients before the owners hold the reduced
+            # ones; DMuon's clip_grad_norm_ counts each gradient where it lives.
+            cfg["gradient_clipping"] = 0.0
+            def clip(opt: DMuon, _args: Any, _kwargs: Any) -> None:
+                clip_grad_norm_(opt, max_norm)
+
+            client.register_step_pre_hook(clip)
     else:
         cfg["zero_allow_untested_optimizer"] = True
         client = _owner_client(model, chosen, dmuon_options, dict(dedicate_options or {}))
