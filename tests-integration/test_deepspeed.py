@@ -20,6 +20,7 @@ The guide's script (docs/guides/deepspeed.md) is run as written, under torchrun.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -65,6 +66,15 @@ REFUSED = [  # (stage, mode, extra config, what the message must say)
     (1, "sharded", {}, SUPPORTED_TEXT),
     (2, None, {"bf16": {"enabled": True}}, SUPPORTED_TEXT),
     (2, None, {"gradient_clipping": 1.0}, "gradient_clipping is not supported at ZeRO stage 2"),
+    (0, "owner", {"managed_gradient_accumulation": False}, "managed_gradient_accumulation=false"),
+    (2, None, {"zero_optimization": {"stage": 2, "elastic_checkpoint": True}}, "elastic_ch"),
+]
+# Training loops that decide per micro-batch whether it ends the step: (name, stage, accumulate)
+LOOPS = [
+    ("boundary set before backward", 2, 2),  # what Accelerate does: after the forward
+    ("boundary set before backward", 0, 2),
+    ("DMuon's no_sync", 0, 1),  # the first half-batch's backward inside exchange.no_sync()
+    ("DeepSpeed's no_sync", 0, 1),  # ... inside engine.no_sync()
 ]
 ACCUMULATE = 2  # micro-batches per step in the accumulation cases (every case runs both)
 CLIPPED = [(0, "replicated"), (0, "owner")]  # where gradient_clipping is served
@@ -115,6 +125,31 @@ def _train_and_refuse(rank: int, world: int):
         modes[stage, mode, accumulate] = (opt.mode, engine.enable_backward_allreduce)
         params[stage, mode, accumulate] = full_params(model)
         dist.barrier()
+    for name, stage, accumulate in LOOPS:
+        model = build("gpt")
+        engine, _, _, _ = dmuon_ds.initialize(
+            model, _config(stage, world, accumulate), mode="owner", **OPT
+        )
+        exchange = dmuon_ds.dmuon_of(engine).engine.exchange
+        for t in range(STEPS):
+            x, y = batch("gpt", t, rank, world)
+            halves = list(zip(x.chunk(2), y.chunk(2), strict=True))
+            for i, (xm, ym) in enumerate(halves):
+                last = i == len(halves) - 1
+                loss = loss_of("gpt", engine, xm, ym)
+                if name == "boundary set before backward":
+                    engine.set_gradient_accumulation_boundary(last)
+                    engine.backward(loss)
+                    engine.step()
+                    continue
+                hold = exchange.no_sync() if name == "DMuon's no_sync" else engine.no_sync()
+                with contextlib.nullcontext() if last else hold:
+                    engine.backward(loss / 2)  # two halves, one step: their mean
+            if name != "boundary set before backward":
+                engine.step()
+        exchange.wait_all_published()
+        params[name, stage, accumulate] = full_params(model)
+        dist.barrier()
     for stage, mode in CLIPPED:
         model = build("gpt")
         config = _config(stage, world, gradient_clipping=MAX_NORM)
@@ -152,6 +187,9 @@ def test_supported_stages_equal_single_process_and_refused_ones_raise_on_every_r
     for rank, (params, modes, refusals) in enumerate(results):
         expected_modes = {(s, m, a): (m, not (s == 0 and m == "owner")) for s, m, a in modes}
         assert modes == expected_modes and len(modes) == 2 * len(CASES)
+        for case in LOOPS:
+            diff, where = max_diff(params[case], expected)
+            assert diff <= TOLERANCE, f"{case}, rank {rank}: {where} differs by {diff:.2e}"
         for stage, mode in CLIPPED:
             diff, where = max_diff(params[stage, mode, "clipped"], clipped)
             assert diff <= TOLERANCE, f"clipped {stage} {mode}, rank {rank}: {where} by {diff:.2e}"

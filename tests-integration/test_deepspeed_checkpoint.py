@@ -9,8 +9,9 @@ that loads the weights only (``load_optimizer_states=False``) must differ (so th
 equality proves the optimizer state came back); ``engine.load_checkpoint`` alone at
 ZeRO-1/2 must raise instead of training on with the matrices' momentum at zero; a
 checkpoint saved by ``engine.save_checkpoint`` alone must be refused before anything
-is loaded. Then one process loads the stage-0 checkpoints (DMuon's part resharded to
-a plan of one rank) and must reach the 2-rank run's weights to 1e-5.
+is loaded, and so must a checkpoint whose DMuon part does not fit (another rule),
+leaving the engine untouched. Then one process loads the stage-0 checkpoints (DMuon's
+part resharded to a plan of one rank) and must reach the 2-rank run's weights to 1e-5.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from distributed_cases import (
 )
 
 from dmuon.comm.testing import run_on_ranks
+from dmuon.integrations.checkpoint import CheckpointMismatchError
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
@@ -48,7 +50,7 @@ def _cases():
     return [(stage, mode) for stage, modes in dmuon_ds.SUPPORTED.items() for mode in modes]
 
 
-def _engine(stage: int, mode: str, world: int):
+def _engine(stage: int, mode: str, world: int, **options):
     from dmuon.integrations import deepspeed as dmuon_ds
 
     config = {
@@ -57,7 +59,7 @@ def _engine(stage: int, mode: str, world: int):
         "zero_optimization": {"stage": stage},
     }
     model = build("gpt")
-    engine, _, _, _ = dmuon_ds.initialize(model, config, mode=mode, **OPT)
+    engine, _, _, _ = dmuon_ds.initialize(model, config, mode=mode, **{**OPT, **options})
     return engine
 
 
@@ -102,13 +104,25 @@ def _save_and_resume(rank: int, world: int, root: str) -> dict:
         weights_only = _train(weights_only_engine, after, rank, world)
         out[stage, mode] = {
             "tag": tag,
-            "client_state": client_state.get("data_step"),
+            "client_state": {
+                k: v for k, v in client_state.items() if k == "data_step" or k == "optimizer"
+            },
             "straight": straight,
             "resumed": resumed,
             "weights_only": weights_only,
             "plain": plain,
         }
         dist.barrier()
+
+    # DMuon's part does not fit (another rule): refused before DeepSpeed's part is loaded.
+    engine = _engine(2, "owner", world, rule="normuon")
+    fresh = full_params(engine.module)
+    try:
+        dmuon_ds.load_checkpoint(engine, os.path.join(root, "stage2-owner"))
+    except CheckpointMismatchError as e:
+        out["mismatch"] = str(e)
+    out["after_refusal"] = (engine.global_steps, max_diff(full_params(engine.module), fresh)[0])
+    dist.barrier()
 
     # A checkpoint DeepSpeed wrote alone has no DMuon part: refused before any loading.
     engine = _engine(2, "owner", world)
@@ -142,7 +156,7 @@ def test_deepspeed_checkpoints_resume_bitwise_and_reshard_dmuons_state(tmp_path)
         for stage, mode in _cases():
             r = out[stage, mode]
             assert r["tag"] == f"global_step{SAVED_AT}", r["tag"]
-            assert r["client_state"] == SAVED_AT
+            assert r["client_state"] == {"data_step": SAVED_AT}  # (no rank-0 optimizer)
             diff, where = max_diff(r["resumed"], r["straight"])
             assert diff == 0.0, f"stage {stage} {mode}, rank {rank}: {where} differs by {diff:.2e}"
             control, _ = max_diff(r["weights_only"], r["straight"])
@@ -152,6 +166,8 @@ def test_deepspeed_checkpoints_resume_bitwise_and_reshard_dmuons_state(tmp_path)
                 assert "DMuon's matrix momentum" in r["plain"]
                 assert "dmuon.integrations.deepspeed.load_checkpoint" in r["plain"]
         assert "saved by engine.save_checkpoint alone" in out["no_dmuon_part"]
+        assert "rule" in out["mismatch"], out["mismatch"]
+        assert out["after_refusal"] == (0, 0.0), "a refused load changed the engine"
 
     alone = run_on_ranks(_resume_alone, 1, args=(str(tmp_path),), timeout=600)[0]
     for case, params in alone.items():

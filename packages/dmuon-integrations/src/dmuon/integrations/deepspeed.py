@@ -176,6 +176,19 @@ def check_config(
             "or use stage 0 (owner mode: DMuon clips by the global norm; replicated: "
             "DeepSpeed clips the averaged gradients)"
         )
+    if mode == "owner" and not cfg.get("managed_gradient_accumulation", True):
+        raise UnsupportedConfigError(
+            "managed_gradient_accumulation=false is not supported in owner mode: DeepSpeed "
+            "then marks no backward as an accumulation boundary, so the owners would never "
+            "receive a gradient; leave it managed (the default)"
+        )
+    if mode == "owner" and stage > 0 and zero.get("elastic_checkpoint", False):
+        raise UnsupportedConfigError(
+            "zero_optimization.elastic_checkpoint is not supported with DMuon: its checkpoints "
+            "cannot be loaded back with DMuon's scalar optimizer (ZeRO asserts a 'step' entry "
+            "in its param groups) and its loader bypasses the optimizer's load_state_dict; "
+            "drop it (dmuon.integrations.deepspeed.save_checkpoint keeps DMuon's state apart)"
+        )
     return stage, mode
 
 
@@ -279,6 +292,7 @@ def initialize(
             # DeepSpeed would clip the local gradients before the owners hold the reduced
             # ones; DMuon's clip_grad_norm_ counts each gradient where it lives.
             cfg["gradient_clipping"] = 0.0
+
             def clip(opt: DMuon, _args: Any, _kwargs: Any) -> None:
                 clip_grad_norm_(opt, max_norm)
 
@@ -304,19 +318,18 @@ def _follow_accumulation_boundary(engine: Any, client: Any) -> None:
     """Owner mode: reduce to the owners only in the last micro-batch's backward.
 
     DeepSpeed scales each micro-batch's loss by 1/gradient_accumulation_steps and steps
-    the optimizer at the boundary; before it, the owners' reductions must not run
-    (``no_sync``): the gradients accumulate locally and the boundary's backward reduces
-    their sum. The boundary is read before each forward, the micro-step whose backward
-    follows (``engine.is_gradient_accumulation_boundary()``, which also honours
-    ``engine.set_gradient_accumulation_boundary``).
+    the optimizer at the boundary; before it, the owners' reductions must not run: the
+    gradients accumulate locally and the boundary's backward reduces their sum. The
+    exchange asks, as each gradient arrives, ``engine.is_gradient_accumulation_boundary()``
+    (so ``engine.set_gradient_accumulation_boundary`` called before ``backward``, as
+    Accelerate does, is honoured) and whether DeepSpeed's ``engine.no_sync()`` is open.
     """
     dmuon = client.dmuon if isinstance(client, ZeroClientOptimizer) else client
-    exchange = dmuon.engine.exchange
 
-    def before_forward(_module: nn.Module, _args: Any) -> None:
-        exchange.set_requires_gradient_sync(engine.is_gradient_accumulation_boundary())
+    def at_boundary() -> bool:
+        return engine.is_gradient_accumulation_boundary() and not engine.inside_no_sync_ctxt
 
-    engine.module.register_forward_pre_hook(before_forward)
+    dmuon.engine.exchange.set_sync_condition(at_boundary)
 
 
 def dmuon_of(engine: Any) -> DMuon:

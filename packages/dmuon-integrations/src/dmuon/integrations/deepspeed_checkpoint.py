@@ -9,15 +9,19 @@ the *scalar* state; the matrices' momentum is held by DMuon, outside ZeRO.
 
 So :func:`save_checkpoint` writes, beside DeepSpeed's files, DMuon's state as a DCP
 checkpoint (:func:`dmuon.integrations.checkpoint.save`: each owner-held tensor once)
-in ``<save_dir>/<tag>/dmuon/``, and :func:`load_checkpoint` loads both: DeepSpeed's
-module weights, ZeRO's scalar state and the scheduler, then DMuon's state — resharded
-to the current owner plan, so the number of ranks may change as far as DeepSpeed
-itself allows it (ZeRO-1/2 reshard their partitions; stage 0 has none).
-The layout::
+in ``<save_dir>/<tag>/dmuon/``, and :func:`load_checkpoint` checks DMuon's part, then
+loads DeepSpeed's (module weights, ZeRO's scalar state, the scheduler) and DMuon's
+state, resharded to the current owner plan. So a stage-0 checkpoint loads at another
+world size; ZeRO-1/2 load their partitions only at the world size that saved them
+(DeepSpeed raises otherwise). The layout::
 
     <save_dir>/latest                      # written last: names a complete checkpoint
     <save_dir>/<tag>/mp_rank_00_model_states.pt, zero_pp_rank_*_optim_states.pt, ...
     <save_dir>/<tag>/dmuon/.metadata, *.distcp
+
+Saving again under an existing tag overwrites it in place, while ``latest`` may
+already name it: a crash in between leaves that checkpoint torn. Use a new tag per
+save (the default, ``global_step<N>``, is one).
 
 A plain ``engine.load_checkpoint`` of such a checkpoint restores everything but
 DMuon's state; at stages 1/2 :class:`~dmuon.integrations.deepspeed_optimizer.ZeroClientOptimizer`
@@ -155,7 +159,8 @@ def load_checkpoint(
             no DMuon part (saved by ``engine.save_checkpoint`` alone, or unfinished) —
             raised before anything is loaded.
         dmuon.integrations.checkpoint.CheckpointMismatchError: DMuon's part does not
-            fit the current optimizer (another model, rule or groups).
+            fit the current optimizer (another model, rule or groups) — raised before
+            anything is loaded.
 
     Examples:
         >>> path, client_state = load_checkpoint(engine, "ckpt")  # doctest: +SKIP
@@ -172,6 +177,8 @@ def load_checkpoint(
             "its save did not finish. Save with dmuon.integrations.deepspeed.save_checkpoint; "
             "to load only the weights, pass load_optimizer_states=False"
         )
+    if wants_state:  # DMuon's part must fit before DeepSpeed's is loaded: no half-loads
+        checkpoint.check(dmuon_dir, engine.module, optimizer)
     # At stage 0 DeepSpeed's optimizer part is DMuon's state_dict of rank 0 alone: skip it
     # (DMuon's part holds every rank's state). At stages 1/2 it is ZeRO's scalar state.
     stage = engine.zero_optimization_stage()
@@ -183,4 +190,7 @@ def load_checkpoint(
         raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {load_dir!r}")
     if wants_state:
         checkpoint.load(dmuon_dir, engine.module, optimizer)
+    if stage == 0 and client_state is not None:
+        # not loaded, so DeepSpeed left it in: rank 0's rank-local DMuon state dict
+        client_state.pop("optimizer", None)
     return load_path, client_state

@@ -39,7 +39,7 @@ from dmuon.integrations.checkpoint.holders import holdings, release, settle
 from dmuon.integrations.checkpoint.sharded_state import state_targets, state_to_save
 from dmuon.optim import DMuon
 
-__all__ = ["load", "save"]
+__all__ = ["check", "load", "save"]
 
 FORMAT = 1
 
@@ -156,6 +156,80 @@ def _listify(node: Any) -> Any:
     return items
 
 
+def _read_checked(
+    path: str, model: nn.Module, optimizer: DMuon
+) -> tuple[list[Any], list[dict[str, Any]], dict[str, Any]]:
+    """Phase 1 of :func:`load`: the small entries (groups, extra), then every check.
+
+    Between :func:`settle` and :func:`release` (the model's state dict is read).
+    """
+    held = holdings(model, optimizer)
+    metadata = _read_metadata(path).state_dict_metadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved_shapes = {
+        k: (tuple(v.size) if isinstance(v, TensorStorageMetadata) else None)
+        for k, v in metadata.items()
+    }
+    small: dict[str, Any] = {
+        "optim": {"param_groups": _listify(_tree_from(metadata, "optim.param_groups"))},
+    }
+    extra_tree = _listify(_tree_from(metadata, "extra"))
+    if extra_tree:
+        small["extra"] = extra_tree
+    groups = small["optim"]["param_groups"]
+    if not isinstance(groups, list):
+        raise CheckpointMismatchError(
+            [f"{path!r} has no optimizer param groups ('optim.param_groups')"]
+        )
+    extra_tensors = {
+        k: v
+        for k, v in metadata.items()
+        if k.startswith("extra.") and isinstance(v, TensorStorageMetadata)
+    }
+    for key, md in extra_tensors.items():
+        node = small["extra"]
+        parts = key.split(".")[1:]
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    with _quiet_single_process():
+        dcp.load(small, checkpoint_id=path)
+    model_shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    check_compatible(held, optimizer, model_shapes, saved_shapes, groups)
+    return held, groups, small
+
+
+@torch.no_grad()
+def check(path: str | os.PathLike[str], model: nn.Module, optimizer: DMuon) -> None:
+    """Check that :func:`load` would accept ``path`` for ``model`` and ``optimizer``.
+
+    Everything :func:`load` checks before it changes anything — the checkpoint is
+    complete, every key is there with a fitting shape, the groups and rules match —
+    without loading a tensor. For loaders that restore other state first (the
+    DeepSpeed integration) and must not stop halfway. Collective like :func:`load`.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no complete checkpoint.
+        CheckpointMismatchError: what :func:`load` would refuse.
+
+    Examples:
+        >>> import tempfile, torch
+        >>> from dmuon.optim import DMuon, param_groups
+        >>> from dmuon.integrations import checkpoint
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> opt = DMuon(param_groups(model))
+        >>> path = tempfile.mkdtemp()
+        >>> checkpoint.save(path, model, opt)
+        >>> checkpoint.check(path, model, opt)
+    """
+    settle(optimizer)
+    try:
+        _read_checked(os.fspath(path), model, optimizer)
+    finally:
+        release(optimizer)
+
+
 @torch.no_grad()
 def load(
     path: str | os.PathLike[str],
@@ -200,44 +274,10 @@ def load(
         dmuon...CheckpointMismatchError: the checkpoint does not fit ...
     """
     path = os.fspath(path)
-    held = holdings(model, optimizer)
-    metadata = _read_metadata(path).state_dict_metadata
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    saved_shapes = {
-        k: (tuple(v.size) if isinstance(v, TensorStorageMetadata) else None)
-        for k, v in metadata.items()
-    }
-    # Phase 1: the small non-tensor entries (groups, extra), then every check.
-    small = {
-        "optim": {"param_groups": _listify(_tree_from(metadata, "optim.param_groups"))},
-    }
-    extra_tree = _listify(_tree_from(metadata, "extra"))
-    if extra_tree:
-        small["extra"] = extra_tree
-    groups = small["optim"]["param_groups"]
-    if not isinstance(groups, list):
-        raise CheckpointMismatchError(
-            [f"{path!r} has no optimizer param groups ('optim.param_groups')"]
-        )
-    extra_tensors = {
-        k: v
-        for k, v in metadata.items()
-        if k.startswith("extra.") and isinstance(v, TensorStorageMetadata)
-    }
-    for key, md in extra_tensors.items():
-        node = small["extra"]
-        parts = key.split(".")[1:]
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    with _quiet_single_process():
-        dcp.load(small, checkpoint_id=path)
     settle(optimizer)
     try:
+        held, groups, small = _read_checked(path, model, optimizer)
         model_sd: dict[str, Any] = get_model_state_dict(model)
-        model_shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
-        check_compatible(held, optimizer, model_shapes, saved_shapes, groups)
         # Phase 2: the tensors. The model loads in place; the optimizer into fresh
         # tensors that load_state_dict then copies into its stacked buffers.
         targets = state_targets(optimizer, held)

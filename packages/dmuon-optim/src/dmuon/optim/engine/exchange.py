@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -221,6 +221,7 @@ class OwnerExchange(Publication):
             _register(p, self)
         self._alias_all()
         self._sync = True
+        self._sync_condition: Callable[[], bool] | None = None
         self._present: set[str] = set()
         self._global_present: dict[str, bool] = {}
         self._next_launch = 0
@@ -292,18 +293,22 @@ class OwnerExchange(Publication):
         finally:
             self._sync = previous
 
-    def set_requires_gradient_sync(self, requires: bool) -> None:
-        """Reduce the gradients of the next backward (``True``) or accumulate them locally.
+    def set_sync_condition(self, condition: Callable[[], bool] | None) -> None:
+        """Reduce a backward's gradients only while ``condition()`` is true (``None``: always).
 
-        The switch :meth:`no_sync` flips for a block, for training loops that decide it
-        per micro-batch (DeepSpeed's gradient-accumulation boundary); named after
-        FSDP2's ``FSDPModule.set_requires_gradient_sync``.
+        For training loops that decide per micro-batch, when the backward runs, whether
+        it ends a gradient-accumulation step (DeepSpeed's
+        ``engine.is_gradient_accumulation_boundary()``). It is asked as each gradient
+        arrives, so it must not change during a backward; it adds to :meth:`no_sync`,
+        which still keeps every reduction back inside its block.
         """
-        self._sync = bool(requires)
+        if condition is not None and not callable(condition):
+            raise TypeError(f"condition must be callable or None, got {type(condition).__name__}")
+        self._sync_condition = condition
 
     def grad_ready(self, p: torch.Tensor) -> None:
         """A gradient of ``p`` has been accumulated (call from a post-accumulate hook)."""
-        if not self._sync:
+        if not self._sync or (self._sync_condition is not None and not self._sync_condition()):
             return
         name = self._name_by_id.get(id(p))
         if name is None:
