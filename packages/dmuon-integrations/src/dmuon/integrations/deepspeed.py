@@ -329,7 +329,10 @@ def _follow_accumulation_boundary(engine: Any, client: Any) -> None:
     def at_boundary() -> bool:
         return engine.is_gradient_accumulation_boundary() and not engine.inside_no_sync_ctxt
 
-    dmuon.engine.exchange.set_sync_condition(at_boundary)
+    exchange = getattr(dmuon.engine, "exchange", None)  # owner mode: the OwnerExchange
+    if exchange is None:
+        raise RuntimeError(f"DMuon in mode {dmuon.mode!r} has no owner exchange to follow")
+    exchange.set_sync_condition(at_boundary)
 
 
 def dmuon_of(engine: Any) -> DMuon:

@@ -195,7 +195,8 @@ def _read_checked(
         node[parts[-1]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     with _quiet_single_process():
         dcp.load(small, checkpoint_id=path)
-    model_shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    model_sd: dict[str, Any] = get_model_state_dict(model)
+    model_shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
     check_compatible(held, optimizer, model_shapes, saved_shapes, groups)
     return held, groups, small
 
