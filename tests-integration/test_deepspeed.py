@@ -21,7 +21,6 @@ The guide's script (docs/guides/deepspeed.md) is run as written, under torchrun.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 import os
 import pathlib
@@ -31,8 +30,8 @@ import sys
 
 import pytest
 import torch
+from deepspeed_cases import CASES, deepspeed_config, needs_deepspeed
 from distributed_cases import (
-    GLOBAL_BATCH,
     OPT,
     STEPS,
     TOLERANCE,
@@ -48,17 +47,11 @@ from dmuon.comm.testing import run_on_ranks
 from dmuon.integrations import deepspeed as dmuon_ds
 from dmuon.optim import DMuon, param_groups
 
-needs_deepspeed = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None,
-    reason="DeepSpeed is not installed: pip install 'dmuon-integrations[deepspeed]'",
-)
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORLD = 2
 SUPPORTED_TEXT = (
     "stage 0 (mode='replicated' or 'owner'), stage 1 (mode='owner'), stage 2 (mode='owner')"
 )
-CASES = [(stage, mode) for stage, modes in dmuon_ds.SUPPORTED.items() for mode in modes]
 REFUSED = [  # (stage, mode, extra config, what the message must say)
     (3, None, {}, SUPPORTED_TEXT),
     (1, "replicated", {}, SUPPORTED_TEXT),
@@ -95,23 +88,13 @@ def clipped_reference(world: int) -> dict:
     return full_params(model)
 
 
-def _config(stage: int, world: int, accumulate: int = 1, **extra):
-    return {
-        "train_batch_size": GLOBAL_BATCH,
-        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (world * accumulate),
-        "gradient_accumulation_steps": accumulate,
-        "zero_optimization": {"stage": stage},
-        **extra,
-    }
-
-
 def _train_and_refuse(rank: int, world: int):
     import torch.distributed as dist
 
     params, modes = {}, {}
     for (stage, mode), accumulate in itertools.product(CASES, (1, ACCUMULATE)):
         model = build("gpt")
-        config = _config(stage, world, accumulate)
+        config = deepspeed_config(stage, world, accumulate)
         engine, _, _, _ = dmuon_ds.initialize(model, config, mode=mode, **OPT)
         for t in range(STEPS):
             x, y = batch("gpt", t, rank, world)  # this rank's rows, in `accumulate` pieces
@@ -128,7 +111,7 @@ def _train_and_refuse(rank: int, world: int):
     for name, stage, accumulate in LOOPS:
         model = build("gpt")
         engine, _, _, _ = dmuon_ds.initialize(
-            model, _config(stage, world, accumulate), mode="owner", **OPT
+            model, deepspeed_config(stage, world, accumulate), mode="owner", **OPT
         )
         exchange = dmuon_ds.dmuon_of(engine).engine.exchange
         for t in range(STEPS):
@@ -152,7 +135,7 @@ def _train_and_refuse(rank: int, world: int):
         dist.barrier()
     for stage, mode in CLIPPED:
         model = build("gpt")
-        config = _config(stage, world, gradient_clipping=MAX_NORM)
+        config = deepspeed_config(stage, world, gradient_clipping=MAX_NORM)
         engine, _, _, _ = dmuon_ds.initialize(model, config, mode=mode, **OPT)
         for t in range(STEPS):
             engine.backward(loss_of("gpt", engine, *batch("gpt", t, rank, world)))
@@ -165,7 +148,8 @@ def _train_and_refuse(rank: int, world: int):
     refusals = []
     for stage, mode, extra, _ in REFUSED:
         try:
-            dmuon_ds.initialize(build("gpt"), _config(stage, world, **extra), mode=mode, **OPT)
+            config = deepspeed_config(stage, world, **extra)
+            dmuon_ds.initialize(build("gpt"), config, mode=mode, **OPT)
         except dmuon_ds.UnsupportedConfigError as e:
             refusals.append(str(e))
         else:

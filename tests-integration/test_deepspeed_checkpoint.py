@@ -16,12 +16,10 @@ part resharded to a plan of one rank) and must reach the 2-rank run's weights to
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
-import pytest
+from deepspeed_cases import CASES, deepspeed_config, needs_deepspeed
 from distributed_cases import (
-    GLOBAL_BATCH,
     OPT,
     TOLERANCE,
     batch,
@@ -34,30 +32,17 @@ from distributed_cases import (
 from dmuon.comm.testing import run_on_ranks
 from dmuon.integrations.checkpoint import CheckpointMismatchError
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None,
-    reason="DeepSpeed is not installed: pip install 'dmuon-integrations[deepspeed]'",
-)
+pytestmark = needs_deepspeed
 
 WORLD = 2
 SAVED_AT = 2  # steps before the checkpoint
 AFTER = 2  # steps after it
 
 
-def _cases():
-    from dmuon.integrations import deepspeed as dmuon_ds
-
-    return [(stage, mode) for stage, modes in dmuon_ds.SUPPORTED.items() for mode in modes]
-
-
 def _engine(stage: int, mode: str, world: int, **options):
     from dmuon.integrations import deepspeed as dmuon_ds
 
-    config = {
-        "train_batch_size": GLOBAL_BATCH,
-        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
-        "zero_optimization": {"stage": stage},
-    }
+    config = deepspeed_config(stage, world)
     model = build("gpt")
     engine, _, _, _ = dmuon_ds.initialize(model, config, mode=mode, **{**OPT, **options})
     return engine
@@ -82,7 +67,7 @@ def _save_and_resume(rank: int, world: int, root: str) -> dict:
 
     out: dict = {}
     after = range(SAVED_AT, SAVED_AT + AFTER)
-    for stage, mode in _cases():
+    for stage, mode in CASES:
         where = os.path.join(root, f"stage{stage}-{mode}")
         engine = _engine(stage, mode, world)
         _train(engine, range(SAVED_AT), rank, world)
@@ -139,7 +124,7 @@ def _resume_alone(rank: int, world: int, root: str) -> dict:
     from dmuon.integrations import deepspeed as dmuon_ds
 
     out = {}
-    for stage, mode in _cases():
+    for stage, mode in CASES:
         if stage != 0:  # ZeRO-1/2 load their partitions at the saved world size only
             continue
         engine = _engine(stage, mode, world)
@@ -153,7 +138,7 @@ def test_deepspeed_checkpoints_resume_bitwise_and_reshard_dmuons_state(tmp_path)
 
     results = run_on_ranks(_save_and_resume, WORLD, args=(str(tmp_path),), timeout=900)
     for rank, out in enumerate(results):
-        for stage, mode in _cases():
+        for stage, mode in CASES:
             r = out[stage, mode]
             assert r["tag"] == f"global_step{SAVED_AT}", r["tag"]
             assert r["client_state"] == {"data_step": SAVED_AT}  # (no rank-0 optimizer)

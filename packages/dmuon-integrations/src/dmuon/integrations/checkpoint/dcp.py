@@ -158,10 +158,11 @@ def _listify(node: Any) -> Any:
 
 def _read_checked(
     path: str, model: nn.Module, optimizer: DMuon
-) -> tuple[list[Any], list[dict[str, Any]], dict[str, Any]]:
+) -> tuple[list[Any], list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """Phase 1 of :func:`load`: the small entries (groups, extra), then every check.
 
     Between :func:`settle` and :func:`release` (the model's state dict is read).
+    Returns the holdings, the saved groups, the small entries and the model's state dict.
     """
     held = holdings(model, optimizer)
     metadata = _read_metadata(path).state_dict_metadata
@@ -198,7 +199,7 @@ def _read_checked(
     model_sd: dict[str, Any] = get_model_state_dict(model)
     model_shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
     check_compatible(held, optimizer, model_shapes, saved_shapes, groups)
-    return held, groups, small
+    return held, groups, small, model_sd
 
 
 @torch.no_grad()
@@ -277,8 +278,7 @@ def load(
     path = os.fspath(path)
     settle(optimizer)
     try:
-        held, groups, small = _read_checked(path, model, optimizer)
-        model_sd: dict[str, Any] = get_model_state_dict(model)
+        held, groups, small, model_sd = _read_checked(path, model, optimizer)
         # Phase 2: the tensors. The model loads in place; the optimizer into fresh
         # tensors that load_state_dict then copies into its stacked buffers.
         targets = state_targets(optimizer, held)
