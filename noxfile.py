@@ -11,6 +11,11 @@
                               wheel alone and each extra in a fresh venv, public API
                               imported; `-- --release DIST...` adds the release checks
                               (docs/development/releasing.md)
+    nox -s compat             the package suites, a distributed subset of the integration
+                              tests and the GPU command's dry run on the oldest supported
+                              torch (2.11) and triton (3.6), on Python 3.12 where present
+    nox -s compat-newest      the same on the newest torch on the index (by hand, before a
+                              release: docs/development/index.md)
     nox -s demo               the main job (see README)
     nox -s bench              the benchmarks, results under benchmarks/results/
     nox -t ci                 everything CI runs (the README's test command)
@@ -42,7 +47,14 @@ LOCAL_DEPS = {
 }
 TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
 
-nox.options.sessions = ["lint", *(f"tests-{p}" for p in PACKAGES), "integration", "docs", "build"]
+nox.options.sessions = [
+    "lint",
+    *(f"tests-{p}" for p in PACKAGES),
+    "integration",
+    "compat",
+    "docs",
+    "build",
+]
 nox.options.reuse_existing_virtualenvs = False
 nox.options.error_on_missing_interpreters = True
 
@@ -98,6 +110,116 @@ def integration(session: nox.Session) -> None:
         "tests-integration",
         *session.posargs,
     )
+
+
+# --- torch range ---------------------------------------------------------------------------
+# The oldest torch and triton the packages declare (pyproject lower bounds) and the newest
+# torch on the index. The GPU machine this project is lent runs Python 3.12, torch 2.11 and
+# triton 3.6: `compat` is that image's software on a CPU.
+COMPAT_OLDEST = ("torch==2.11.0", "triton==3.6.0")
+# The integration tests that run real gloo process groups through every execution mode,
+# FSDP2, HSDP, checkpoints and timeouts (the rest need the clients' extras or are static).
+COMPAT_INTEGRATION = (
+    "test_modes_equal_single.py",
+    "test_modes_api.py",
+    "test_sign_mode.py",
+    "test_hsdp.py",
+    "test_zero3.py",
+    "test_checkpoint_reshard.py",
+    "test_clip_and_accumulation.py",
+    "test_hang_freedom.py",
+    "test_timeouts.py",
+    "test_comm_cost_matches_kernels.py",
+)
+
+
+def _interpreter(version: str) -> str | None:
+    """An interpreter of Python ``version`` on this machine (PATH, else pyenv), or None."""
+    import subprocess
+
+    def runs(exe: str) -> bool:
+        try:
+            done = subprocess.run([exe, "-c", "pass"], capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return done.returncode == 0
+
+    if runs(f"python{version}"):
+        return f"python{version}"
+    if shutil.which("pyenv"):
+        listed = subprocess.run(["pyenv", "versions", "--bare"], capture_output=True, text=True)
+        for name in reversed(listed.stdout.split()):
+            if name.startswith(version + "."):
+                prefix = subprocess.run(["pyenv", "prefix", name], capture_output=True, text=True)
+                exe = pathlib.Path(prefix.stdout.strip()) / "bin" / f"python{version}"
+                if runs(str(exe)):
+                    return str(exe)
+    return None
+
+
+COMPAT_PYTHON = _interpreter("3.12")
+
+
+def _compat_constraints(session: nox.Session, pins: tuple[str, ...]) -> tuple[str, str]:
+    """constraints.txt with torch and triton replaced by ``pins`` (none: left to torch)."""
+    replaced = {canonicalize_name(p.split("=")[0]) for p in ("torch==", "triton==")}
+    kept = [
+        line
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if canonicalize_name(line.split("=")[0].strip() or "-") not in replaced
+    ]
+    path = pathlib.Path(session.create_tmp()) / "compat-constraints.txt"
+    path.write_text("\n".join([*kept, *pins]) + "\n")
+    return ("-c", str(path))
+
+
+def _compat(session: nox.Session, pins: tuple[str, ...]) -> None:
+    constraints = _compat_constraints(session, pins)
+    # A machine's global pip configuration may cap torch below the newest release: the
+    # newest run replaces it with no constraint (the session's own file still applies).
+    env = {} if pins else {"PIP_CONSTRAINT": os.devnull}
+    specs = [pkg_dir("kernels") + "[triton]", pkg_dir("comm") + "[ilp]"]
+    specs += [pkg_dir("optim"), pkg_dir("integrations")]
+    session.install(*constraints, *specs, *TEST_TOOLS, "matplotlib>=3.8", "rich>=13", env=env)
+    session.run(
+        "python",
+        "-c",
+        "import sys, torch, triton; print('compat: Python', sys.version.split()[0], "
+        "'torch', torch.__version__, 'triton', triton.__version__)",
+    )
+    # -rs: every skip prints its reason, so no test is skipped on one torch silently.
+    pytest = ("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider")
+    for package in ("kernels", "comm", "optim", "integrations"):
+        session.chdir(pathlib.Path(pkg_dir(package)) / "tests")  # the installed package
+        session.run(*pytest, ".", *session.posargs)
+    session.chdir(ROOT)
+    session.run(*pytest, *(f"tests-integration/{t}" for t in COMPAT_INTEGRATION))
+    # The GPU command end to end on the CPU: an import or API error shows here first.
+    out = pathlib.Path(session.create_tmp()) / "gpu-run"
+    shutil.rmtree(out, ignore_errors=True)
+    session.run("python", "benchmarks/gpu_run.py", "--dry-run", "--out", str(out))
+
+
+@nox.session(python=COMPAT_PYTHON, tags=["ci"])
+def compat(session: nox.Session) -> None:
+    """The oldest supported torch (2.11.0) and triton (3.6.0), on Python 3.12 where present.
+
+    Runs the test suites of the four packages, the integration tests that
+    drive real gloo process groups (COMPAT_INTEGRATION), and ``benchmarks/gpu_run.py
+    --dry-run``. torch 2.11.0 comes from PyPI as its CUDA build (about 5 GB with the
+    CUDA libraries); it runs on the CPU here.
+    """
+    _compat(session, COMPAT_OLDEST)
+
+
+@nox.session(name="compat-newest", python=COMPAT_PYTHON)
+def compat_newest(session: nox.Session) -> None:
+    """What ``compat`` runs, on the newest torch on the index (and the triton it requires).
+
+    Not in CI (another ~5 GB install and the same suites again): run it by hand before a
+    release and record the result on docs/development/index.md.
+    """
+    _compat(session, ())
 
 
 # Debian's browser and the matching driver (one source package, so versions always agree).

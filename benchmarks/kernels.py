@@ -58,6 +58,8 @@ CUDA_SHAPES = [
     ("llama-8B mlp 4096x14336", 4096, 14336),
 ]
 QUICK_SHAPES = [("gpt2 attn 768x768", 768, 768), ("gpt2 mlp 768x3072", 768, 3072)]
+# --dry-run: every code path at toy sizes (benchmarks/gpu_run.py runs it on a CPU in CI).
+DRY_RUN_SHAPES = [("toy 32x96", 32, 96), ("toy tall 96x32", 96, 32)]
 # Same-shape batches: 8 × 256×1024 is the target case; 32 × 64×256 shows the
 # launch-bound regime (many small matrices) where batching matters most.
 BATCHES = [
@@ -111,6 +113,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shapes = QUICK_SHAPES if args.quick else (CUDA_SHAPES if device == "cuda" else CPU_SHAPES)
     batches = BATCHES[:1] if args.quick else BATCHES
     min_run = 0.2 if args.quick else args.min_run_time
+    if args.dry_run:
+        shapes, batches, min_run = DRY_RUN_SHAPES, [("4 x 16x48", 4, 16, 48)], 0.01
     cases = [(label, 1, m, n) for label, m, n in shapes] + list(batches)
     jobs = [
         (label, batch, m, n, dtype, method, mode)
@@ -274,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="small subset, about a minute on CPU")
+    p.add_argument("--dry-run", action="store_true", help="toy shapes (checks the code)")
     p.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -281,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"kernels-{args.device}" + ("-quick" if args.quick else "")
+    stem += "-dry-run" if args.dry_run else ""
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     plot(result, args.out / f"{stem}.png")
     print_table(result)

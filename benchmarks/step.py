@@ -97,7 +97,13 @@ def scaled(matrices, div: int):
     return tuple((n, (a // div, b // div), c) for n, (a, b), c in matrices)
 
 
-def configs(device: str, quick: bool) -> list[Config]:
+# --dry-run: every code path at toy sizes (benchmarks/gpu_run.py runs it on a CPU in CI).
+TINY = (("qkv", (96, 32), 1), ("fc", (128, 32), 1), ("proj", (32, 128), 1))
+
+
+def configs(device: str, quick: bool, dry_run: bool = False) -> list[Config]:
+    if dry_run:
+        return [Config("tiny (dry run)", 2, TINY)]
     if device == "cuda":
         return [Config("gpt2-small", 12, GPT2), Config("llama-1b", 16, LLAMA1B)]
     if quick:
@@ -151,7 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     alike; the median over rounds is reported.
     """
     rows: list[Row] = []
-    cfgs = configs(args.device, args.quick)
+    cfgs = configs(args.device, args.quick, args.dry_run)
     opts = optimizers(args.rules)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     with progress(width=48) as bar:
@@ -340,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="smaller models, shorter runs")
+    p.add_argument(
+        "--dry-run", action="store_true", help="--single: toy shapes, one round (checks the code)"
+    )
     p.add_argument("--rounds", type=int, default=5, help="timed steps per optimizer (median)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--rules", nargs="*", default=sorted(RULES), help="DMuon rules to time")
@@ -364,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         return main_world(args)
     if args.quick:
         args.rounds = min(args.rounds, 3)
+    if args.dry_run:
+        args.rounds = 1
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -375,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"step-single-{args.device}" + ("-quick" if args.quick else "")
+    stem += "-dry-run" if args.dry_run else ""
     if args.threads is not None:
         stem += f"-{args.threads}thread"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))

@@ -11,6 +11,7 @@ from dmuon.comm.groups import agree, fingerprint, group_rank, group_size
 from dmuon.comm.handles import CommHandle
 from dmuon.comm.owner_plan import OwnerPlan
 from dmuon.comm.stats import CommStats, default_stats
+from dmuon.comm.torch_compat import all_gather_single
 
 __all__ = ["all_gather_updates"]
 
@@ -107,7 +108,7 @@ def all_gather_updates(
             offset += item.numel
         recv = torch.empty(n * volume, dtype=dtype, device=device)
         if n > 1:
-            works.append(dist.all_gather_single(recv, send, group=group, async_op=True))
+            works.append(all_gather_single(recv, send, group=group, async_op=True))
             stats.record_collective(name, "all_gather", nbytes=send.nbytes, world_size=n)
         else:
             recv.copy_(send)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from dmuon.comm.groups import group_size
 from dmuon.comm.owner_plan import OwnerPlan
+from dmuon.comm.torch_compat import all_gather_single
 
 __all__ = ["PlanMismatchError", "check_plan_consistency"]
 
@@ -77,7 +78,7 @@ def check_plan_consistency(plan: OwnerPlan, group: dist.ProcessGroup | None = No
     else:
         width = len(mine)
         gathered = torch.empty(n * width, dtype=torch.int64)
-        dist.all_gather_single(gathered, torch.tensor(mine, dtype=torch.int64), group=group)
+        all_gather_single(gathered, torch.tensor(mine, dtype=torch.int64), group=group)
         rows = [gathered[r * width : (r + 1) * width].tolist() for r in range(n)]
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
     wrong_size = [ranks[r] for r, row in enumerate(rows) if row[0] != n]

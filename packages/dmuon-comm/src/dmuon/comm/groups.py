@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm.objects import all_gather_objects
+from dmuon.comm.torch_compat import all_gather_single
 
 __all__ = ["CollectiveInputError", "agree", "group_rank", "group_size"]
 
@@ -117,7 +118,7 @@ def agree(
         n = dist.get_world_size(g)
         mine = torch.tensor([int(bad), fingerprint_value], dtype=torch.int64)
         everyone = torch.empty(2 * n, dtype=torch.int64)
-        dist.all_gather_single(everyone, mine, group=g)
+        all_gather_single(everyone, mine, group=g)
         flags, prints = everyone[0::2].tolist(), everyone[1::2].tolist()
         ranks = dist.get_process_group_ranks(g) if g is not None else list(range(n))
         # The odd ones out differ from the most common fingerprint (ties: the lowest rank's).

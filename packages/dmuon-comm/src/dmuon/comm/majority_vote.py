@@ -18,6 +18,7 @@ from dmuon.comm.faults import wait_work
 from dmuon.comm.groups import group_size
 from dmuon.comm.signs import pack_bits, pack_signs, plus_minus, unpack_bits, unpack_signs
 from dmuon.comm.stats import CommStats, default_stats
+from dmuon.comm.torch_compat import all_gather_single
 
 __all__ = ["VOTE_METHODS", "majority_vote"]
 
@@ -123,7 +124,7 @@ def majority_vote(
     mine = pack_bits((2 * plus_votes >= n).to(torch.uint8))  # tie → +
     result = torch.empty_like(bits)
     wait_work(
-        dist.all_gather_single(result, mine, group=group, async_op=True),
+        all_gather_single(result, mine, group=group, async_op=True),
         "majority vote all-gather",
         group,
     )

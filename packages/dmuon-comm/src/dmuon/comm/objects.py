@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dmuon.comm.torch_compat import all_gather_single
+
 __all__ = ["all_gather_objects"]
 
 
@@ -42,12 +44,12 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
     n = dist.get_world_size(group)
     sizes = torch.empty(n, dtype=torch.int64, device=device)
     mine = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(sizes, mine, group=group)
+    all_gather_single(sizes, mine, group=group)
     lengths = sizes.tolist()
     longest = max(lengths)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     everyone = torch.empty(n * longest, dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(everyone, padded, group=group)
+    all_gather_single(everyone, padded, group=group)
     rows = everyone.view(n, longest).cpu()
     return [pickle.loads(bytes(rows[r, : lengths[r]].tolist())) for r in range(n)]

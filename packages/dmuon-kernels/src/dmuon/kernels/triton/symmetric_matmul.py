@@ -78,6 +78,19 @@ def _prune(configs, named_args, **kwargs):
     return keep or configs[:1]
 
 
+@triton.jit
+def _accumulate(
+    acc, a_ptrs, b_ptrs, rm, rn, rk, M, k_left, UPCAST: tl.constexpr, PRECISION: tl.constexpr
+):
+    """acc + A[rm, k-slab] · B[k-slab, rn]; rows/columns past M and k past k_left read 0."""
+    a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (rk[None, :] < k_left), other=0.0)
+    b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & (rn[None, :] < M), other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
 @triton.autotune(
     configs=[_to_triton(c) for c in _ALL_CONFIGS],
     key=["M", "K", "HAS_BETA", "HAS_DIAG", "PRECISION"],
@@ -129,16 +142,23 @@ def _lower_tile_kernel(
     a_ptrs = A + batch * stride_ab + rm64[:, None] * stride_am + rk[None, :] * stride_ak
     b_ptrs = B + batch * stride_bb + rk[:, None] * stride_bk + rn64[None, :] * stride_bn
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (rk[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & (rn[None, :] < M), other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    if UPCAST:
+        # The interpreter (UPCAST is set there): Triton 3.6 hands the kernel K as a
+        # one-element array, which numpy >= 2.4 refuses as a range() bound (Triton 3.7
+        # squeezes it); a while loop only takes its truth value. Compiled kernels keep
+        # the for loop, which Triton software-pipelines.
+        k0 = 0
+        while k0 < K:
+            acc = _accumulate(acc, a_ptrs, b_ptrs, rm, rn, rk, M, K - k0, UPCAST, PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+            k0 += BLOCK_K
+    else:
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - k * BLOCK_K
+            acc = _accumulate(acc, a_ptrs, b_ptrs, rm, rn, rk, M, k_left, UPCAST, PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
 
     acc = acc * alpha
     inside = (rm[:, None] < M) & (rn[None, :] < M)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import OwnerPlan, PlanMismatchError, all_gather_objects, check_plan_consistency
+from dmuon.comm.torch_compat import all_gather_single
 
 __all__ = ["ModelMismatchError", "check_model_consistency"]
 
@@ -128,7 +129,7 @@ def check_model_consistency(
     # rank of every shard group, so if any shard group disagreed every rank learns
     # it (and its message) here, and no rank goes on alone.
     flags = torch.empty(R, dtype=torch.int64)
-    dist.all_gather_single(flags, torch.tensor([int(err is not None)]), group=replicate_group)
+    all_gather_single(flags, torch.tensor([int(err is not None)]), group=replicate_group)
     if bool(flags.any()):
         texts = all_gather_objects(None if err is None else str(err), group=replicate_group)
         if err is not None:

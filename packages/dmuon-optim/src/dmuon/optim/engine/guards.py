@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import wait_work
+from dmuon.comm.torch_compat import all_gather_single
 from dmuon.optim.engine.base import Engine
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 
@@ -167,7 +168,7 @@ def check_agreement(engine: Engine) -> int:
         n = dist.get_world_size(g)
         flat = torch.empty(n * sums.numel(), dtype=torch.int64)
         wait_work(
-            dist.all_gather_into_tensor(flat, sums, group=g, async_op=True),
+            all_gather_single(flat, sums, group=g, async_op=True),
             "all-gather of parameter checksums",
             g,
         )

@@ -1,0 +1,226 @@
+"""The one prepared GPU command: every GPU check and benchmark in one call, no network.
+
+The GPU machine this project is sometimes lent has Python 3.12, torch 2.11 and triton
+3.6 and cannot reach a package index. This script runs there with the image's
+``python3`` and this checkout's sources (``packages/*/src`` on the path, nothing
+installed), installs from a folder of wheels carried with the working tree whatever
+the image lacks (pytest, hypothesis, rich, matplotlib, ...), then runs, each under its
+own time limit:
+
+1. ``benchmarks/gpu_check.py``: the kernel tests compiled on the GPU, the symmetric
+   kernels against cuBLAS, whole Newton–Schulz calls against the GEMM rate;
+2. ``benchmarks/step.py --single``: the optimizer step of DMuon (every rule) against
+   ``torch.optim.Muon`` and AdamW on the GPT-2-small and Llama-1B weight shapes;
+3. ``benchmarks/kernels.py``: each ``orthogonalize`` call at the CUDA shapes, standard
+   vs Gram, against the dense GEMM rate.
+
+Everything lands in ``--out`` (default ``$OUT``, the folder the GPU tool returns, else
+``benchmarks/results/gpu-run``): the JSON and PNG of each step, ``gpu-run.log`` (every
+step's output) and ``gpu-run.json`` (versions, each step's status and seconds) —
+8 files at most. Full mode fits in 8 minutes, ``--quick`` in 3, so one rerun fits in
+a session's 15 minutes of device time.
+
+    python benchmarks/gpu_run.py --prepare-wheels   # on the CPU machine, with network
+    python3 benchmarks/gpu_run.py                    # on the GPU machine (< 8 min)
+    python3 benchmarks/gpu_run.py --quick            # < 3 min
+    python benchmarks/gpu_run.py --dry-run           # on a CPU: tiny shapes, Triton
+                                                     # interpreter; catches import/API errors
+
+The wheels folder (``benchmarks/gpu-wheels/``, ignored by git, < 64 MiB) is made by
+``--prepare-wheels`` with ``pip download --only-binary=:all: --python-version 3.12
+--platform manylinux_2_28_x86_64``; hand it to the GPU tool's ``carry``. See
+docs/development/gpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SOURCES = [ROOT / "packages" / f"dmuon-{p}" / "src" for p in ("kernels", "comm", "optim")]
+WHEELS = ROOT / "benchmarks" / "gpu-wheels"
+WHEELS_LIMIT = 60 * 2**20  # the GPU tool carries 64 MiB in all
+# (import name, distribution): what the steps need beyond torch and triton. Missing ones
+# come from the wheels folder; matplotlib only draws the PNGs, rich only the tables.
+NEEDED = [
+    ("pytest", "pytest"),
+    ("pytest_timeout", "pytest-timeout"),
+    ("hypothesis", "hypothesis"),
+    ("numpy", "numpy"),
+    ("rich", "rich"),
+    ("matplotlib", "matplotlib"),
+]
+# The GPU image: what --prepare-wheels downloads for.
+IMAGE_PYTHON = "3.12"
+IMAGE_PLATFORM = "manylinux_2_28_x86_64"
+
+
+def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
+    """(name, command, time limit in seconds) of each step for ``mode``.
+
+    The limits add up to 480 s (full) and 170 s (quick): under the 8 and 3 minutes the
+    GPU tool's budget leaves for one rerun. ``dry-run`` runs the same steps on a CPU at
+    tiny sizes.
+    """
+    py = sys.executable
+    b = ROOT / "benchmarks"
+    o = ["--out", str(out)]
+    if mode == "dry-run":
+        return [
+            ("gpu_check", [py, str(b / "gpu_check.py"), "--dry-run", "--budget", "240", *o], 300),
+            (
+                "step_single",
+                [py, str(b / "step.py"), "--single", "--dry-run", "--device", "cpu", *o],
+                240,
+            ),
+            ("kernels", [py, str(b / "kernels.py"), "--dry-run", "--device", "cpu", *o], 120),
+        ]
+    if mode == "quick":
+        return [
+            ("gpu_check", [py, str(b / "gpu_check.py"), "--quick", "--budget", "110", *o], 120),
+            ("step_single", [py, str(b / "step.py"), "--single", "--quick", *o], 25),
+            ("kernels", [py, str(b / "kernels.py"), "--quick", *o], 25),
+        ]
+    return [
+        ("gpu_check", [py, str(b / "gpu_check.py"), "--budget", "300", *o], 330),
+        ("step_single", [py, str(b / "step.py"), "--single", *o], 90),
+        ("kernels", [py, str(b / "kernels.py"), "--min-run-time", "0.3", *o], 60),
+    ]
+
+
+def missing_modules() -> list[tuple[str, str]]:
+    return [(m, d) for m, d in NEEDED if importlib.util.find_spec(m) is None]
+
+
+def install_missing(wheels: pathlib.Path, target: pathlib.Path, log) -> dict[str, Any]:
+    """pip-install the missing distributions from ``wheels`` (no index) into ``target``."""
+    missing = missing_modules()
+    report: dict[str, Any] = {"missing": [d for _, d in missing], "installed": []}
+    if not missing:
+        return report
+    if not wheels.is_dir():
+        report["error"] = f"{wheels} does not exist: run --prepare-wheels and carry it"
+        return report
+    command = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(wheels)]
+    command += ["--target", str(target), "--quiet", *(d for _, d in missing)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    log.write(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}\n")
+    if done.returncode != 0:
+        report["error"] = f"pip exited {done.returncode} (see gpu-run.log)"
+    else:
+        report["installed"] = report["missing"]
+    return report
+
+
+def prepare_wheels(folder: pathlib.Path) -> int:
+    """Download the wheels the GPU image lacks (for Python 3.12, manylinux x86-64)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pip", "download", "--only-binary=:all:"]
+    command += ["--python-version", IMAGE_PYTHON, "--platform", IMAGE_PLATFORM]
+    command += ["--dest", str(folder), *(d for _, d in NEEDED)]
+    print("$", " ".join(command), flush=True)
+    done = subprocess.run(command, check=False)
+    if done.returncode != 0:
+        return done.returncode
+    size = sum(f.stat().st_size for f in folder.iterdir())
+    print(f"{folder}: {len(list(folder.iterdir()))} wheels, {size / 2**20:.1f} MiB")
+    if size > WHEELS_LIMIT:
+        print(f"over {WHEELS_LIMIT / 2**20:.0f} MiB: the GPU tool will not carry it")
+        return 1
+    return 0
+
+
+def versions() -> dict[str, Any]:
+    info: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine()}
+    for name in ("torch", "triton", "numpy"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception as exc:  # report, do not stop: the steps say what failed
+            info[name] = f"unavailable: {type(exc).__name__}"
+    try:
+        import torch
+
+        info["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["capability"] = list(torch.cuda.get_device_capability(0))
+    except Exception as exc:
+        info["cuda"] = f"unavailable: {type(exc).__name__}"
+    return info
+
+
+def run(args: argparse.Namespace) -> int:
+    mode = "dry-run" if args.dry_run else ("quick" if args.quick else "full")
+    out: pathlib.Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {"mode": mode, "versions": versions(), "steps": []}
+    if mode != "dry-run" and "gpu" not in summary["versions"]:
+        print("No CUDA device: run with --dry-run on a CPU.", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    site = pathlib.Path(tempfile.mkdtemp(prefix="dmuon-gpu-run-"))
+    try:
+        with (out / "gpu-run.log").open("w") as log:
+            summary["wheels"] = install_missing(args.wheels, site, log)
+            env = dict(os.environ)
+            path = [*map(str, SOURCES), str(site), env.get("PYTHONPATH", "")]
+            env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+            for name, command, limit in steps(mode, out):
+                summary["steps"].append(run_step(name, command, limit, env, log))
+    finally:
+        shutil.rmtree(site, ignore_errors=True)
+    summary["seconds"] = round(time.monotonic() - started, 1)
+    (out / "gpu-run.json").write_text(json.dumps(summary, indent=1))
+    print(f"\n{mode}: {summary['seconds']} s")
+    for s in summary["steps"]:
+        print(f"  {s['name']:<12} {s['status']:<24} {s['seconds']:>7.1f} s")
+    files = sorted(p.name for p in out.iterdir() if p.is_file())
+    print(f"{len(files)} files in {out}: {', '.join(files)}")
+    return 0 if all(s["status"] == "ok" for s in summary["steps"]) else 1
+
+
+def run_step(name: str, command: list[str], limit: float, env: dict, log) -> dict[str, Any]:
+    print(f"== {name} (limit {limit:.0f} s): {' '.join(command[1:])}", flush=True)
+    log.write(f"== {name}\n$ {' '.join(command)}\n")
+    log.flush()
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit
+        )
+        status = "ok" if done.returncode == 0 else f"exit {done.returncode}"
+    except subprocess.TimeoutExpired:
+        status = f"timed out after {limit:.0f} s"
+    log.write(f"-- {name}: {status}\n\n")
+    log.flush()
+    return {"name": name, "status": status, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--quick", action="store_true", help="fewer shapes: under 3 minutes")
+    what.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, interpreter")
+    what.add_argument("--prepare-wheels", action="store_true", help="download the wheels")
+    p.add_argument("--wheels", type=pathlib.Path, default=WHEELS, help="folder of wheels")
+    default_out = os.environ.get("OUT") or str(ROOT / "benchmarks" / "results" / "gpu-run")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path(default_out))
+    args = p.parse_args(argv)
+    if args.prepare_wheels:
+        return prepare_wheels(args.wheels)
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
