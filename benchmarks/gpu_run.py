@@ -63,7 +63,8 @@ NEEDED = [
 ]
 # The GPU image: what --prepare-wheels downloads for.
 IMAGE_PYTHON = "3.12"
-IMAGE_PLATFORM = "manylinux_2_28_x86_64"
+# pip takes the tags literally: list the older manylinux tags the image's glibc also runs.
+IMAGE_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 
 def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
@@ -127,7 +128,8 @@ def prepare_wheels(folder: pathlib.Path) -> int:
     """Download the wheels the GPU image lacks (for Python 3.12, manylinux x86-64)."""
     folder.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "pip", "download", "--only-binary=:all:"]
-    command += ["--python-version", IMAGE_PYTHON, "--platform", IMAGE_PLATFORM]
+    command += ["--python-version", IMAGE_PYTHON]
+    command += [arg for tag in IMAGE_PLATFORMS for arg in ("--platform", tag)]
     command += ["--dest", str(folder), *(d for _, d in NEEDED)]
     print("$", " ".join(command), flush=True)
     done = subprocess.run(command, check=False)

@@ -25,8 +25,8 @@ def _release(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-#: The running torch's (major, minor).
 TORCH_VERSION: tuple[int, int] = _release(torch.__version__)
+"""The running torch's ``(major, minor)``, e.g. ``(2, 11)`` for ``2.11.0+cu130``."""
 
 # torch 2.13 renamed the single-tensor collectives:
 #   all_gather_into_tensor -> all_gather_single, reduce_scatter_tensor -> reduce_scatter_single
