@@ -51,6 +51,7 @@ from dmuon.kernels.symmetric_ops import (
     sym_poly_torch,
     syrk_torch,
 )
+from dmuon.kernels.tp_gram_newton_schulz import REDUCE_OPS, tp_gram_newton_schulz
 
 __all__ = [
     "BACKENDS",
@@ -58,6 +59,7 @@ __all__ = [
     "CROSS_CHECK_TOLERANCE",
     "METHODS",
     "MIN_TRITON_SIZE",
+    "REDUCE_OPS",
     "TORCH_OPS",
     "Autotuner",
     "CoefficientSet",
@@ -88,5 +90,6 @@ __all__ = [
     "sym_mul_torch",
     "sym_poly_torch",
     "syrk_torch",
+    "tp_gram_newton_schulz",
     "triton_available",
 ]

@@ -22,7 +22,7 @@ standard iteration.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,7 +31,12 @@ from dmuon.kernels.dispatch import execute
 from dmuon.kernels.newton_schulz import newton_schulz_iterations
 from dmuon.kernels.symmetric_ops import TORCH_OPS, SymmetricOps
 
-__all__ = ["check_restarts", "gram_newton_schulz", "gram_newton_schulz_iterations"]
+__all__ = [
+    "check_restarts",
+    "gram_iterations",
+    "gram_newton_schulz",
+    "gram_newton_schulz_iterations",
+]
 
 
 def check_restarts(restarts: Sequence[int], steps: int) -> tuple[int, ...]:
@@ -68,13 +73,30 @@ def gram_newton_schulz_iterations(
     m, n = X.shape[-2], X.shape[-1]
     if m == n:
         return newton_schulz_iterations(X, schedule, ops)
+    return gram_iterations(X, schedule, restarts, ops, ops.syrk)
+
+
+def gram_iterations(
+    X: torch.Tensor,
+    schedule: Schedule,
+    restarts: tuple[int, ...],
+    ops: SymmetricOps,
+    gram: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The Gram iteration on ``X`` of any shape, with ``R = gram(X)``.
+
+    ``gram`` is ``ops.syrk`` on a whole matrix; on a column shard ``X_i`` of a
+    tensor-parallel matrix it is ``Σ_j X_j X_jᵀ`` over the shards
+    (:func:`~dmuon.kernels.tp_gram_newton_schulz`), and the result is that shard of
+    the whole result. Every call of ``gram`` happens in the same order on every shard.
+    """
     last = len(schedule) - 1
-    R = ops.syrk(X)
+    R = gram(X)
     Q: torch.Tensor | None = None
     for i, (a, b, c) in enumerate(schedule):
         if i in restarts and Q is not None:
             X = torch.bmm(Q, X)
-            R = ops.syrk(X)
+            R = gram(X)
             Q = None
         evolve = i < last and (i + 1) not in restarts
         if Q is None and not evolve:
