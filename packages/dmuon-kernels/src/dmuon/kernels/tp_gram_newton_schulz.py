@@ -101,7 +101,6 @@ def tp_gram_newton_schulz(
     Examples:
         >>> import torch
         >>> G = torch.randn(64, 256)
-        >>> left, right = G.tensor_split(2, dim=-1)
         >>> whole = lambda t, op: t  # one rank: the shard is the whole matrix
         >>> O = tp_gram_newton_schulz(G, split_dim=-1, reduce=whole,
         ...                           compute_dtype=torch.float32)
