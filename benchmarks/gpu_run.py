@@ -12,12 +12,14 @@ own time limit:
 2. ``benchmarks/step.py --single``: the optimizer step of DMuon (every rule) against
    ``torch.optim.Muon`` and AdamW on the GPT-2-small and Llama-1B weight shapes;
 3. ``benchmarks/kernels.py``: each ``orthogonalize`` call at the CUDA shapes, standard
-   vs Gram, against the dense GEMM rate.
+   vs Gram, against the dense GEMM rate;
+4. ``benchmarks/tp_gram.py``: Newton–Schulz of a tensor-parallel matrix per rank, the
+   Gram iteration on the shards against gather + Gram, at 4096×14336 split 2 and 4 ways.
 
 Everything lands in ``--out`` (default ``$OUT``, the folder the GPU tool returns, else
-``benchmarks/results/gpu-run``): the JSON and PNG of each step, ``gpu-run.log`` (every
-step's output) and ``gpu-run.json`` (versions, each step's status and seconds) —
-8 files at most. Full mode fits in 8 minutes, ``--quick`` in 3, so one rerun fits in
+``benchmarks/results/gpu-run``): the JSON and PNG of steps 1–3, the JSON of step 4 and
+``gpu-run.json`` (versions, each step's status, seconds and the tail of its output) —
+8 files, the GPU tool's limit. Full mode fits in 8 minutes, ``--quick`` in 3, so one rerun fits in
 a session's 15 minutes of device time.
 
     python benchmarks/gpu_run.py --prepare-wheels   # on the CPU machine, with network
@@ -51,6 +53,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "packages" / f"dmuon-{p}" / "src" for p in ("kernels", "comm", "optim")]
 WHEELS = ROOT / "benchmarks" / "gpu-wheels"
 WHEELS_LIMIT = 60 * 2**20  # the GPU tool carries 64 MiB in all
+TAIL = 4000  # characters of each step's output kept in gpu-run.json
 # (import name, distribution): what the steps need beyond torch and triton. Missing ones
 # come from the wheels folder; matplotlib only draws the PNGs, rich only the tables.
 NEEDED = [
@@ -70,13 +73,14 @@ IMAGE_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2
 def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
     """(name, command, time limit in seconds) of each step for ``mode``.
 
-    The limits add up to 480 s (full) and 170 s (quick): under the 8 and 3 minutes the
+    The limits add up to 480 s (full) and 175 s (quick): under the 8 and 3 minutes the
     GPU tool's budget leaves for one rerun. ``dry-run`` runs the same steps on a CPU at
     tiny sizes.
     """
     py = sys.executable
     b = ROOT / "benchmarks"
     o = ["--out", str(out)]
+    tp = [*o, "--no-plot"]  # 8 files in all: the GPU tool's limit
     if mode == "dry-run":
         return [
             ("gpu_check", [py, str(b / "gpu_check.py"), "--dry-run", "--budget", "240", *o], 300),
@@ -86,17 +90,20 @@ def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
                 240,
             ),
             ("kernels", [py, str(b / "kernels.py"), "--dry-run", "--device", "cpu", *o], 120),
+            ("tp_gram", [py, str(b / "tp_gram.py"), "--dry-run", "--device", "cpu", *tp], 60),
         ]
     if mode == "quick":
         return [
-            ("gpu_check", [py, str(b / "gpu_check.py"), "--quick", "--budget", "110", *o], 120),
+            ("gpu_check", [py, str(b / "gpu_check.py"), "--quick", "--budget", "100", *o], 110),
             ("step_single", [py, str(b / "step.py"), "--single", "--quick", *o], 25),
             ("kernels", [py, str(b / "kernels.py"), "--quick", *o], 25),
+            ("tp_gram", [py, str(b / "tp_gram.py"), "--min-run-time", "0.1", *tp], 20),
         ]
     return [
-        ("gpu_check", [py, str(b / "gpu_check.py"), "--budget", "300", *o], 330),
+        ("gpu_check", [py, str(b / "gpu_check.py"), "--budget", "270", *o], 300),
         ("step_single", [py, str(b / "step.py"), "--single", *o], 90),
-        ("kernels", [py, str(b / "kernels.py"), "--min-run-time", "0.3", *o], 60),
+        ("kernels", [py, str(b / "kernels.py"), "--min-run-time", "0.3", *o], 55),
+        ("tp_gram", [py, str(b / "tp_gram.py"), "--min-run-time", "0.3", *tp], 35),
     ]
 
 
@@ -118,7 +125,7 @@ def install_missing(wheels: pathlib.Path, target: pathlib.Path, log) -> dict[str
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     log.write(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}\n")
     if done.returncode != 0:
-        report["error"] = f"pip exited {done.returncode} (see gpu-run.log)"
+        report["error"] = f"pip exited {done.returncode} (see log_tail)"
     else:
         report["installed"] = report["missing"]
     return report
@@ -171,17 +178,19 @@ def run(args: argparse.Namespace) -> int:
         print("No CUDA device: run with --dry-run on a CPU.", file=sys.stderr)
         return 2
     started = time.monotonic()
-    site = pathlib.Path(tempfile.mkdtemp(prefix="dmuon-gpu-run-"))
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="dmuon-gpu-run-"))
+    site = scratch / "site"
     try:
-        with (out / "gpu-run.log").open("w") as log:
+        with (scratch / "pip.log").open("w") as log:
             summary["wheels"] = install_missing(args.wheels, site, log)
-            env = dict(os.environ)
-            path = [*map(str, SOURCES), str(site), env.get("PYTHONPATH", "")]
-            env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
-            for name, command, limit in steps(mode, out):
-                summary["steps"].append(run_step(name, command, limit, env, log))
+        summary["wheels"]["log_tail"] = (scratch / "pip.log").read_text()[-TAIL:]
+        env = dict(os.environ)
+        path = [*map(str, SOURCES), str(site), env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+        for name, command, limit in steps(mode, out):
+            summary["steps"].append(run_step(name, command, limit, env, scratch))
     finally:
-        shutil.rmtree(site, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     summary["seconds"] = round(time.monotonic() - started, 1)
     (out / "gpu-run.json").write_text(json.dumps(summary, indent=1))
     print(f"\n{mode}: {summary['seconds']} s")
@@ -192,21 +201,31 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(s["status"] == "ok" for s in summary["steps"]) else 1
 
 
-def run_step(name: str, command: list[str], limit: float, env: dict, log) -> dict[str, Any]:
+def run_step(
+    name: str, command: list[str], limit: float, env: dict, scratch: pathlib.Path
+) -> dict[str, Any]:
+    """Run one step under its limit; its output's tail goes to the summary and stdout."""
     print(f"== {name} (limit {limit:.0f} s): {' '.join(command[1:])}", flush=True)
-    log.write(f"== {name}\n$ {' '.join(command)}\n")
-    log.flush()
     t0 = time.monotonic()
-    try:
-        done = subprocess.run(
-            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit
-        )
-        status = "ok" if done.returncode == 0 else f"exit {done.returncode}"
-    except subprocess.TimeoutExpired:
-        status = f"timed out after {limit:.0f} s"
-    log.write(f"-- {name}: {status}\n\n")
-    log.flush()
-    return {"name": name, "status": status, "seconds": round(time.monotonic() - t0, 1)}
+    log_path = scratch / f"{name}.log"
+    with log_path.open("w") as log:
+        try:
+            done = subprocess.run(
+                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit
+            )
+            status = "ok" if done.returncode == 0 else f"exit {done.returncode}"
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {limit:.0f} s"
+    tail = log_path.read_text(errors="replace")[-TAIL:]
+    if status != "ok":
+        print(tail, flush=True)
+    return {
+        "name": name,
+        "command": " ".join(command[1:]),
+        "status": status,
+        "seconds": round(time.monotonic() - t0, 1),
+        "output_tail": tail,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
