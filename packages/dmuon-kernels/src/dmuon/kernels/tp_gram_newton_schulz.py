@@ -90,8 +90,11 @@ def tp_gram_newton_schulz(
             reduced) exactly. ``None``: ``(2,)`` when the Gram side (the unsplit
             dimension) is the short side of the whole matrix, every step
             ``(1, …, steps − 1)`` when it is the long side (see above).
-        coefficients, steps, eps, compute_dtype: as for
-            :func:`~dmuon.kernels.gram_newton_schulz`.
+        coefficients: as for :func:`~dmuon.kernels.gram_newton_schulz`.
+        steps: as for :func:`~dmuon.kernels.gram_newton_schulz`.
+        eps: as for :func:`~dmuon.kernels.gram_newton_schulz` (relative to the largest
+            entry of the whole matrix).
+        compute_dtype: as for :func:`~dmuon.kernels.gram_newton_schulz`.
         ops: the symmetric products (:data:`~dmuon.kernels.TORCH_OPS`, or the Triton
             kernels' set from :mod:`dmuon.kernels.triton`).
 
