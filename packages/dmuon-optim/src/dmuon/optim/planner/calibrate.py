@@ -8,6 +8,8 @@ reads slower — the profile records the machine it ran on):
 * :func:`dmuon.kernels.orthogonalize` on the model's matrix shapes (largest first,
   within a time budget) → ``ns_efficiency = Σ ns_flops / Σ seconds / peak_flops``;
 * the same on an 8 × 8 matrix → ``call_overhead`` (the fixed cost of one call);
+* a ``DMuon`` step (``mode="single"``) over one matrix of each timed shape →
+  ``matrix_overhead = (t_step − Σ t_NS) / matrices`` (momentum, update, bookkeeping);
 * ``torch.optim.AdamW`` (foreach) on a 2²² -element parameter →
   ``memory_bandwidth = k·(3e + 16)/t`` (the bytes the step model charges AdamW) with
   ``memory_efficiency = 1`` (already a sustained rate);
@@ -143,6 +145,19 @@ def calibrate(
         timed_shapes.append({"shape": [m, n], "seconds": s, "flops_per_second": f / s})
         progress(f"NS {m}×{n}: {f / s / 1e9:.1f} GFLOP/s")
     ns_rate = flops / seconds
+    # One DMuon step (mode "single") over one matrix of each timed shape: what it takes
+    # beyond the Newton–Schulz calls is the per-matrix optimizer overhead.
+    from dmuon.optim import DMuon
+
+    params = [torch.nn.Parameter(torch.randn(*r["shape"], device=dev)) for r in timed_shapes]
+    for q in params:
+        q.grad = torch.randn_like(q)
+    step_opt = DMuon(
+        [{"params": params}], mode="single", ns_compute_dtype=str(dtype).removeprefix("torch.")
+    )
+    t_step = _median_seconds(step_opt.step, dev, max(1, repeats // 2))
+    matrix_overhead = max(0.0, (t_step - seconds) / len(params))
+    progress(f"DMuon step beyond NS: {matrix_overhead * 1e6:.0f} µs per matrix")
     tiny = torch.randn(8, 8, device=dev)
     overhead = _median_seconds(
         lambda: orthogonalize(tiny, method="gram", steps=5, compute_dtype=dtype), dev, repeats
@@ -195,6 +210,7 @@ def calibrate(
         ns_efficiency=min(1.0, ns_rate / peak),
         memory_efficiency=1.0,
         call_overhead=overhead,
+        matrix_overhead=matrix_overhead,
         source=f"dmuon-plan --calibrate, {measured['date']}",
         measured=measured,
     )

@@ -59,7 +59,12 @@ def memory_per_rank(spec: ModelSpec, plan: OwnerPlan, mode: str) -> dict[str, fl
     phi, pm, ps = spec.total_params, spec.matrix_params, spec.scalar_params
     layer, biggest = _largest_layer(spec)
     owned = max(sum(i.numel for i in plan.items_of(r)) for r in range(N))
-    if mode == "adamw":
+    m: tuple[float, float, float, float]
+    if mode == "adamw-ddp":
+        m = (phi * e, phi * e, 8 * phi, phi * e)
+    elif mode == "vanilla-ddp":
+        m = (phi * e, phi * e, pm * e + 8 * ps, phi * e)
+    elif mode == "adamw":
         m = (phi * e / N + 2 * layer * e, phi * e / N + layer * e, 8 * phi / N, 0.0)
     elif mode == "vanilla":
         m = (phi * e / N + 2 * layer * e, phi * e / N + layer * e, pm * e / N + 8 * ps / N,

@@ -70,6 +70,9 @@ class DeviceProfile:
         ns_efficiency: fraction of ``peak_flops`` Newton–Schulz products sustain.
         memory_efficiency: fraction of ``memory_bandwidth`` element-wise work sustains.
         call_overhead: fixed seconds per (batched) Newton–Schulz call (launches).
+        matrix_overhead: seconds of optimizer-step work per matrix a rank steps beyond
+            its Newton–Schulz call (momentum, update, bookkeeping); 0 unless measured
+            by ``--calibrate``.
         source: where the figures come from.
         measured: rates measured by ``--calibrate`` (name → value), if any.
     """
@@ -81,6 +84,7 @@ class DeviceProfile:
     ns_efficiency: float = 0.6
     memory_efficiency: float = 0.8
     call_overhead: float = 50e-6
+    matrix_overhead: float = 0.0
     source: str = ""
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -98,11 +102,12 @@ class DeviceProfile:
                 raise ValueError(
                     f"device profile {self.name!r}: {name} must be in (0, 1], got {value!r}"
                 )
-        if not (isinstance(self.call_overhead, (int, float)) and self.call_overhead >= 0):
-            raise ValueError(
-                f"device profile {self.name!r}: call_overhead must be ≥ 0 seconds, "
-                f"got {self.call_overhead!r}"
-            )
+        for name in ("call_overhead", "matrix_overhead"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(
+                    f"device profile {self.name!r}: {name} must be ≥ 0 seconds, got {value!r}"
+                )
 
     @property
     def ns_flops_per_second(self) -> float:

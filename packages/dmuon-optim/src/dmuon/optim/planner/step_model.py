@@ -12,7 +12,9 @@ of peak rate ``F`` (FLOP/s) and memory bandwidth ``B_mem``:
   p·m·n·e/(η_mem·B_mem))]`` — :class:`dmuon.comm.NSCost` over the batched calls of the
   owner plan (:func:`dmuon.comm.plan_owners` with that cost), at kernel efficiency
   ``η`` and memory efficiency ``η_mem`` from the profile. DMuon waits for
-  ``max_r t_ns(r)``; vanilla Muon and Sign-Muon run every matrix on every rank.
+  ``max_r t_ns(r)``; vanilla Muon and Sign-Muon run every matrix on every rank. A
+  calibrated profile adds ``o`` seconds per matrix stepped (momentum, update and
+  bookkeeping measured around the NS calls; 0 for datasheet profiles).
 * **AdamW** is memory bound: per element it reads the parameter, gradient and both
   moments and writes the parameter and moments, ``3e + 16`` bytes (fp32 moments,
   parameters and gradients of ``e`` bytes), so ``t_adam = k·(3e+16)/(η_mem·B_mem)``
@@ -54,7 +56,11 @@ from dmuon.optim.planner.traffic import (
 __all__ = ["ALL_MODES", "ModePrediction", "Prediction", "TrainingShape", "predict"]
 
 ALL_MODES = ("adamw", "vanilla", *DMUON_MODES)
-"""What :func:`predict` reports: the two baselines and every DMuon mode."""
+"""What :func:`predict` reports by default: the two baselines and every DMuon mode."""
+
+DDP_BASELINES = ("adamw-ddp", "vanilla-ddp")
+"""Baselines under stock DDP (every rank steps everything after an all-reduce), as
+``benchmarks/step.py``'s ``adamw_ddp`` and ``muon_vanilla``; ask for them in ``modes``."""
 
 
 @dataclass(frozen=True)
@@ -224,9 +230,9 @@ def predict(
         >>> p.modes["owner"].ns_s < p.modes["vanilla"].ns_s
         True
     """
-    bad = [m for m in modes if m not in ALL_MODES]
+    bad = [m for m in modes if m not in ALL_MODES + DDP_BASELINES]
     if bad:
-        raise ValueError(f"modes must be among {ALL_MODES}, got {bad}")
+        raise ValueError(f"modes must be among {ALL_MODES + DDP_BASELINES}, got {bad}")
     if not spec.matrices:
         raise ValueError(f"model {spec.name!r} has no Muon matrices to plan")
     N = cluster.gpus
@@ -245,20 +251,28 @@ def predict(
     adam_rate = (3 * e + 16) / d.bytes_per_second
     flops = plan_flops(plan, shape)
     all_flops = plan_flops(single, shape)[0]
+    # per-matrix optimizer work beyond NS (calibrated; 0 for datasheet profiles)
+    per_matrix = d.matrix_overhead
+    busiest = max(sum(i.batch for i in plan.items_of(r)) for r in range(N)) * per_matrix
+    everything = sum(i.batch for i in spec.matrices) * per_matrix
     out: dict[str, ModePrediction] = {}
     for mode in dict.fromkeys(("adamw", "vanilla", *modes)):
-        if mode == "adamw":
+        if mode in ("adamw", "adamw-ddp"):
             dm: list[Transfer] = []
             t_ns, f_max, f_mean = 0.0, 0, 0.0
-            t_adam = spec.total_params / N * adam_rate
+            t_adam = spec.total_params / (N if mode == "adamw" else 1) * adam_rate
+        elif mode == "vanilla-ddp":
+            dm = []
+            t_ns, f_max, f_mean = single.max_load + everything, all_flops, float(all_flops)
+            t_adam = spec.scalar_params * adam_rate
         elif mode in ("vanilla", "sign"):
             dm = [] if mode == "vanilla" else dmuon_transfers(spec, plan, mode)
-            t_ns, f_max, f_mean = single.max_load, all_flops, float(all_flops)
+            t_ns, f_max, f_mean = single.max_load + everything, all_flops, float(all_flops)
             scalars = spec.scalar_params / N if mode == "vanilla" else spec.scalar_params
             t_adam = scalars * adam_rate
         else:
             dm = dmuon_transfers(spec, plan, mode)
-            t_ns, f_max, f_mean = plan.max_load, max(flops), sum(flops) / N
+            t_ns, f_max, f_mean = plan.max_load + busiest, max(flops), sum(flops) / N
             scalars = spec.scalar_params if mode == "replicated" else spec.scalar_params / N
             t_adam = scalars * adam_rate
         fw = framework_transfers(spec, mode, N)
@@ -271,7 +285,7 @@ def predict(
             "backward": _exposed(comm["backward"], t_b, layers),
         }
         c = comm["step"]
-        if mode == "sign" or mode == "vanilla":
+        if mode in ("sign", "vanilla", "vanilla-ddp"):
             t_opt_ns = t_ns + c  # synchronous: votes / gradient gathers before NS
         else:
             t_opt_ns = max(c, t_ns) + min(c, t_ns) / layers
@@ -330,6 +344,8 @@ def assumptions(
         ("memory efficiency", f"{d.memory_efficiency:.2f} of memory bandwidth"
          + (" (measured)" if measured else " (assumed)")),
         ("NS call overhead", f"{d.call_overhead * 1e6:.0f} µs per batched call (launches)"),
+        ("optimizer overhead", f"{d.matrix_overhead * 1e6:.0f} µs per matrix stepped"
+         + (" (measured)" if measured else " (not modelled for datasheet profiles)")),
         ("intra-node link", link("intra", cluster.intra)),
         ("inter-node link", link("inter", cluster.inter)),
         ("forward + backward", fb),

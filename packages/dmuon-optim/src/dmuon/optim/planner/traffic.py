@@ -258,7 +258,8 @@ def framework_transfers(spec: ModelSpec, mode: str, n: int) -> list[Transfer]:
     on whole matrices (naive FSDP2 + Muon). ``owner``/``owner-z3``: FSDP2 over the
     scalar parameters only (the matrices are ``ignored_params``). ``sharded``: FSDP2
     over every parameter. ``replicated``: DDP's all-reduce of every gradient.
-    ``sign``: nothing (DMuon all-reduces the scalars itself).
+    ``adamw-ddp``, ``vanilla-ddp``: DDP's all-reduce. ``sign``: nothing (DMuon
+    all-reduces the scalars itself).
     """
     if n == 1:
         return []
@@ -280,7 +281,7 @@ def framework_transfers(spec: ModelSpec, mode: str, n: int) -> list[Transfer]:
         return [*fsdp(everything), _ring("gather_gradients", "all_gather", "step", matrices, n)]
     if mode in ("owner", "owner-z3"):
         return fsdp(scalars)
-    if mode == "replicated":
+    if mode in ("replicated", "adamw-ddp", "vanilla-ddp"):
         return [_ring("ddp_all_reduce", "all_reduce", "backward", everything, n)]
     if mode == "sign":
         return []
