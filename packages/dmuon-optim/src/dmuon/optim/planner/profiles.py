@@ -33,6 +33,11 @@ eth-100g        12.5e9     100 Gb/s Ethernet
 pcie4           25e9       PCIe 4.0 x16, ~32 GB/s raw per direction, less protocol
 ==============  =========  ===============================================
 
+``α`` is the latency of one algorithm step (one hop of a ring): 1 µs on NVLink,
+5 µs over InfiniBand, 10 µs over Ethernet — assumed, of the order nccl-tests shows
+for small messages (an 8-byte all-reduce on 8 NVLink GPUs, 2(N−1) = 14 steps, takes
+some 10–20 µs); ``--calibrate`` fits it on the machine at hand.
+
 A datasheet rate is a peak. The *efficiencies* say how much of it a workload
 sustains; they are stated assumptions, not measurements, until ``--calibrate``
 replaces them: NS kernels at 0.6 of the tensor peak (large bf16/fp16 GEMMs on these
@@ -187,22 +192,16 @@ class Link:
 
 
 INTERCONNECTS: dict[str, Link] = {
-    "nvlink3": Link(
-        "nvlink3", 300e9, 10e-6, source="A100 datasheet: NVLink 600 GB/s bidirectional"
-    ),
+    "nvlink3": Link("nvlink3", 300e9, 1e-6, source="A100 datasheet: NVLink 600 GB/s bidirectional"),
     "nvlink3-a800": Link(
-        "nvlink3-a800", 200e9, 10e-6, source="A800 datasheet: NVLink 400 GB/s bidirectional"
+        "nvlink3-a800", 200e9, 1e-6, source="A800 datasheet: NVLink 400 GB/s bidirectional"
     ),
-    "nvlink4": Link(
-        "nvlink4", 450e9, 10e-6, source="H100 datasheet: NVLink 900 GB/s bidirectional"
-    ),
-    "nvlink5": Link(
-        "nvlink5", 900e9, 10e-6, source="B200 datasheet: NVLink 1.8 TB/s bidirectional"
-    ),
-    "ib-hdr": Link("ib-hdr", 25e9, 20e-6, source="InfiniBand HDR 200 Gb/s, one port per GPU"),
-    "ib-ndr": Link("ib-ndr", 50e9, 20e-6, source="InfiniBand NDR 400 Gb/s, one port per GPU"),
-    "eth-100g": Link("eth-100g", 12.5e9, 30e-6, source="100 Gb/s Ethernet"),
-    "pcie4": Link("pcie4", 25e9, 10e-6, source="PCIe 4.0 x16"),
+    "nvlink4": Link("nvlink4", 450e9, 1e-6, source="H100 datasheet: NVLink 900 GB/s bidirectional"),
+    "nvlink5": Link("nvlink5", 900e9, 1e-6, source="B200 datasheet: NVLink 1.8 TB/s bidirectional"),
+    "ib-hdr": Link("ib-hdr", 25e9, 5e-6, source="InfiniBand HDR 200 Gb/s, one port per GPU"),
+    "ib-ndr": Link("ib-ndr", 50e9, 5e-6, source="InfiniBand NDR 400 Gb/s, one port per GPU"),
+    "eth-100g": Link("eth-100g", 12.5e9, 10e-6, source="100 Gb/s Ethernet"),
+    "pcie4": Link("pcie4", 25e9, 1e-6, source="PCIe 4.0 x16"),
 }
 """Interconnect presets, per GPU and direction (see the module table)."""
 

@@ -20,7 +20,8 @@ of peak rate ``F`` (FLOP/s) and memory bandwidth ``B_mem``:
   parameters and gradients of ``e`` bytes), so ``t_adam = k·(3e+16)/(η_mem·B_mem)``
   for the ``k`` elements a rank steps.
 * **A collective** costs ``steps·α + max(sent, received)/(η_link·B_link)``
-  (:func:`dmuon.comm.cost_model`'s Hockney form) with the bytes of
+  (:func:`dmuon.comm.cost_model`'s Hockney form; the collectives one layer issues
+  together pay ``α`` once) with the bytes of
   :mod:`~dmuon.optim.planner.traffic`; a group within one node runs at the
   intra-node link, one that spans nodes at the inter-node link.
 * **Overlap, as the engine does it.** Transfers launched per layer from backward
@@ -197,11 +198,16 @@ def plan_flops(plan: OwnerPlan, shape: TrainingShape) -> list[int]:
 
 
 def collective_seconds(t: Transfer, cluster: ClusterProfile) -> float:
-    """α–β time of a transfer on the busiest rank: ``k·steps·α + bytes/(η·B)``."""
+    """α–β time of a transfer on the busiest rank: ``rounds·steps·α + bytes/(η·B)``.
+
+    ``steps`` is the collective's latency steps (``2(N−1)`` for an all-reduce, ``N−1``
+    otherwise, :func:`dmuon.comm.cost_model`); ``rounds`` the times they are paid in
+    sequence (once per layer for collectives a layer issues together).
+    """
     link = cluster.link(t.group_size)
     n = t.group_size
     steps_per = 2 * (n - 1) if t.collective == "all_reduce" else n - 1
-    return t.collectives * steps_per * link.alpha + t.max_bytes / link.effective_bandwidth
+    return t.rounds * steps_per * link.alpha + t.max_bytes / link.effective_bandwidth
 
 
 def _exposed(comm: float, window: float, layers: int) -> float:

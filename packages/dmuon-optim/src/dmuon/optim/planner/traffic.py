@@ -61,6 +61,10 @@ class Transfer:
         sent: bytes sent per rank.
         received: bytes received per rank.
         collectives: collectives issued per rank.
+        rounds: how many times the latency is paid in sequence: the collectives of one
+            layer are issued together, asynchronously, and their start-up latencies
+            overlap, so a per-layer transfer pays it once per layer; a synchronous one
+            (Sign-Muon's votes) once per collective.
         group_size: ranks in each collective.
         recorded: whether DMuon's ``CommStats`` records it.
     """
@@ -73,6 +77,7 @@ class Transfer:
     collectives: int = 0
     group_size: int = 1
     recorded: bool = True
+    rounds: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -106,6 +111,7 @@ def _record(t: Transfer, collective: str, nbytes: int, n: int, calls: int = 1) -
 def _presence(count: int, n: int, phase: str) -> Transfer:
     t = _collective("presence_flags", "all_reduce", phase, n)
     _record(t, "all_reduce", 4 * count, n)
+    t.rounds = 1
     return t
 
 
@@ -113,7 +119,10 @@ def _owner(plan: OwnerPlan, n: int, z3: bool) -> list[Transfer]:
     reduce = _collective("reduce_to_owners", "reduce", "backward", n)
     bcast = _collective("broadcast_from_owners", "broadcast", "forward", n)
     again = _collective("broadcast_from_owners", "broadcast", "backward", n)
-    for _, part in _layers(plan):
+    layers = _layers(plan)
+    for t in (reduce, bcast, again):
+        t.rounds = len(layers)
+    for _, part in layers:
         # one bucket per (owner, dtype) of the layer: make_buckets, alignment 1
         buckets: dict[tuple[int, torch.dtype], int] = {}
         for item in part.items:
@@ -129,7 +138,9 @@ def _owner(plan: OwnerPlan, n: int, z3: bool) -> list[Transfer]:
 
 def _replicated(plan: OwnerPlan, n: int) -> list[Transfer]:
     t = _collective("all_gather_updates", "all_gather", "step", n)
-    for _, part in _layers(plan):
+    layers = _layers(plan)
+    t.rounds = len(layers)
+    for _, part in layers:
         for dtype in dict.fromkeys(i.dtype for i in part.items):
             volume = max(
                 sum(i.numel for i in part.items_of(r) if i.dtype == dtype) for r in range(n)
@@ -142,7 +153,9 @@ def _replicated(plan: OwnerPlan, n: int) -> list[Transfer]:
 def _sharded(plan: OwnerPlan, n: int, params: int) -> list[Transfer]:
     there = _collective("shard_all_to_all", "all_to_all", "step", n)
     back = _collective("shard_all_to_all_reverse", "all_to_all", "step", n)
-    for _, part in _layers(plan):
+    layers = _layers(plan)
+    there.rounds = back.rounds = len(layers)
+    for _, part in layers:
         for dtype in dict.fromkeys(i.dtype for i in part.items):
             volume = [
                 sum(
@@ -196,10 +209,12 @@ def _sign(spec: ModelSpec, n: int, batch_limit: int) -> list[Transfer]:
                 vote.sent[r] += 2 * (n - 1) * chunk
                 vote.received[r] += 2 * (n - 1) * chunk
             vote.collectives += 2
+            vote.rounds += 2  # synchronous: the vote sits between the two transfers
     scalars = _collective("all_reduce_scalars", "all_reduce", "step", n)
     nbytes = spec.scalar_params * spec.matrices[0].dtype.itemsize if spec.matrices else 0
     if nbytes:
         _record(scalars, "all_reduce", nbytes, n)
+        scalars.rounds = 1
     return [vote, scalars, _presence(len(spec.matrices) + len(spec.scalars), n, "step")]
 
 
@@ -240,13 +255,17 @@ def dmuon_transfers(
     return _sign(spec, n, batch_limit)
 
 
-def _ring(op: str, collective: str, phase: str, nbytes: float, n: int) -> Transfer:
+def _ring(op: str, collective: str, phase: str, nbytes: float, n: int, rounds: int = 1) -> Transfer:
     t = Transfer(op, collective, phase, [0.0] * n, [0.0] * n, group_size=n, recorded=False)
     c = cost_model(collective, int(nbytes), n)
     t.sent = [c.bytes_sent] * n
     t.received = [c.bytes_received] * n
-    t.collectives = 1
+    t.collectives = t.rounds = max(1, rounds)
     return t
+
+
+DDP_BUCKET_BYTES = 25 * 2**20
+"""DDP's default ``bucket_cap_mb=25``: one all-reduce per bucket."""
 
 
 def framework_transfers(spec: ModelSpec, mode: str, n: int) -> list[Transfer]:
@@ -268,21 +287,26 @@ def framework_transfers(spec: ModelSpec, mode: str, n: int) -> list[Transfer]:
     scalars = spec.scalar_params * b
     matrices = spec.matrix_params * b
 
+    layers = max(1, len(spec.layers))  # fully_shard per block: one collective per block
+
     def fsdp(nbytes: float) -> list[Transfer]:
         return [
-            _ring("fsdp_all_gather", "all_gather", "forward", nbytes, n),
-            _ring("fsdp_all_gather_backward", "all_gather", "backward", nbytes, n),
-            _ring("fsdp_reduce_scatter", "reduce_scatter", "backward", nbytes, n),
+            _ring("fsdp_all_gather", "all_gather", "forward", nbytes, n, layers),
+            _ring("fsdp_all_gather_backward", "all_gather", "backward", nbytes, n, layers),
+            _ring("fsdp_reduce_scatter", "reduce_scatter", "backward", nbytes, n, layers),
         ]
+
+    ddp_rounds = -(-int(everything) // DDP_BUCKET_BYTES)
 
     if mode == "adamw" or mode == "sharded":
         return fsdp(everything)
     if mode == "vanilla":
-        return [*fsdp(everything), _ring("gather_gradients", "all_gather", "step", matrices, n)]
+        gather = _ring("gather_gradients", "all_gather", "step", matrices, n, layers)
+        return [*fsdp(everything), gather]
     if mode in ("owner", "owner-z3"):
         return fsdp(scalars)
     if mode in ("replicated", "adamw-ddp", "vanilla-ddp"):
-        return [_ring("ddp_all_reduce", "all_reduce", "backward", everything, n)]
+        return [_ring("ddp_all_reduce", "all_reduce", "backward", everything, n, ddp_rounds)]
     if mode == "sign":
         return []
     raise ValueError(f"mode must be adamw, vanilla or one of {DMUON_MODES}, got {mode!r}")
