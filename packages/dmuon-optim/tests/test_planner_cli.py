@@ -102,3 +102,20 @@ def test_calibrate_writes_a_profile_that_later_runs_load(tmp_path):
     again = run("planner_factories:tiny", "--device", str(profile), "--gpus", "2", "--json")
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["cluster"]["device"]["name"].startswith("cpu")
+
+
+def test_the_guides_example_prints_what_the_guide_shows():
+    guide = HERE.parents[2] / "docs" / "guides" / "planning.md"
+    if not guide.is_file():  # an installed package's tests, without the repository
+        pytest.skip("docs/guides/planning.md is not next to these tests")
+    done = run(
+        "llama-3.1-8b", "--gpus", "64", "--gpus-per-node", "8", "--device", "H100",
+        "--inter", "ib-ndr", "--tokens", "4194304", "--seq-len", "4096", "--mfu", "0.4",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text = guide.read_text()
+    lines = done.stdout.splitlines()
+    for line in lines[:3]:  # model, cluster and plan summary lines, verbatim
+        assert line in text, line
+    owner = next(x for x in lines if x.strip().startswith("owner "))
+    assert " ".join(owner.split()[:5]) in " ".join(text.split())
