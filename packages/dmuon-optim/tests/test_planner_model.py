@@ -175,3 +175,17 @@ def test_device_profiles_load_from_presets_and_json(tmp_path):
         load_device_profile(str(path))
     with pytest.raises(ValueError, match="neither a preset"):
         load_device_profile("TPUv9")
+
+
+def test_a_profile_without_overlap_exposes_all_communication():
+    spec = load_model("gpt2")
+    cpu = DeviceProfile("cpu", 5e10, 8e9, 5e9, overlap=False)
+    link = Link("gloo", 5e8, alpha=1e-4)
+    c = ClusterProfile(cpu, 4, 4, link, link)
+    for mode in ("owner", "sharded", "adamw"):
+        m = predict(spec, c, TrainingShape(fwd_bwd_s=10.0), modes=(mode,)).modes[mode]
+        assert m.exposed_s["forward"] == m.comm_s["forward"] > 0
+        assert m.exposed_s["backward"] == m.comm_s["backward"] > 0
+        assert m.exposed_s["step"] == pytest.approx(m.comm_s["step"])
+    with pytest.raises(ValueError, match="overlap must be true or false"):
+        DeviceProfile("cpu", 5e10, 8e9, 5e9, overlap="no")  # type: ignore[arg-type]

@@ -13,6 +13,8 @@ reads slower — the profile records the machine it ran on):
 * ``torch.optim.AdamW`` (foreach) on a 2²² -element parameter →
   ``memory_bandwidth = k·(3e + 16)/t`` (the bytes the step model charges AdamW) with
   ``memory_efficiency = 1`` (already a sustained rate);
+* on a CPU, ``overlap = False``: gloo's collectives run on threads that compete
+  with the ranks' compute for the same cores, so nothing hides behind compute;
 * an all-reduce of 8 bytes and of 16 MiB on ``world`` ranks of the active backend
   (gloo on CPU, NCCL on GPUs) → α and bandwidth of the ring model, fitted as
   ``benchmarks/comm.py`` does: ``α = t_small / 2(N−1)``,
@@ -211,6 +213,7 @@ def calibrate(
         memory_efficiency=1.0,
         call_overhead=overhead,
         matrix_overhead=matrix_overhead,
+        overlap=dev.type == "cuda",
         source=f"dmuon-plan --calibrate, {measured['date']}",
         measured=measured,
     )

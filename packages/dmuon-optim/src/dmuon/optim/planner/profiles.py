@@ -78,6 +78,9 @@ class DeviceProfile:
         matrix_overhead: seconds of optimizer-step work per matrix a rank steps beyond
             its Newton–Schulz call (momentum, update, bookkeeping); 0 unless measured
             by ``--calibrate``.
+        overlap: whether communication can run behind compute (a GPU: separate
+            streams and copy engines); ``--calibrate`` on a CPU sets ``False``, since
+            gloo's collectives compete with the ranks' compute for the same cores.
         source: where the figures come from.
         measured: rates measured by ``--calibrate`` (name → value), if any.
     """
@@ -90,6 +93,7 @@ class DeviceProfile:
     memory_efficiency: float = 0.8
     call_overhead: float = 50e-6
     matrix_overhead: float = 0.0
+    overlap: bool = True
     source: str = ""
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -107,6 +111,10 @@ class DeviceProfile:
                 raise ValueError(
                     f"device profile {self.name!r}: {name} must be in (0, 1], got {value!r}"
                 )
+        if not isinstance(self.overlap, bool):
+            raise ValueError(
+                f"device profile {self.name!r}: overlap must be true or false, got {self.overlap!r}"
+            )
         for name in ("call_overhead", "matrix_overhead"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0):

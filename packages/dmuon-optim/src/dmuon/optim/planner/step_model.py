@@ -32,7 +32,8 @@ of peak rate ``F`` (FLOP/s) and memory bandwidth ``B_mem``:
   ``exposed = max(c/L, c − w)`` — the last layer's share can never hide. Transfers
   inside the optimizer step (replicated all-gather, sharded all-to-alls) are
   pipelined with Newton–Schulz layer by layer: ``t_opt = max(c, t_ns) +
-  min(c, t_ns)/L``. Sign-Muon's votes are synchronous: ``t_opt = t_ns + c``.
+  min(c, t_ns)/L``. Sign-Muon's votes are synchronous: ``t_opt = t_ns + c``. A
+  profile with ``overlap=False`` (a calibrated CPU) exposes all communication.
 * **Step** ``t = t_fb + exposed_forward + exposed_backward + t_opt``; overhead vs
   AdamW ``t/t_AdamW − 1``; speedup vs vanilla ``t_vanilla/t``.
 """
@@ -286,12 +287,15 @@ def predict(
         comm = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         for t in transfers:
             comm[t.phase] += collective_seconds(t, cluster)
-        exposed = {
-            "forward": _exposed(comm["forward"], t_f, layers),
-            "backward": _exposed(comm["backward"], t_b, layers),
-        }
+        if d.overlap:
+            exposed = {
+                "forward": _exposed(comm["forward"], t_f, layers),
+                "backward": _exposed(comm["backward"], t_b, layers),
+            }
+        else:  # nothing hides behind compute (a calibrated CPU profile)
+            exposed = {"forward": comm["forward"], "backward": comm["backward"]}
         c = comm["step"]
-        if mode in ("sign", "vanilla", "vanilla-ddp"):
+        if mode in ("sign", "vanilla", "vanilla-ddp") or not d.overlap:
             t_opt_ns = t_ns + c  # synchronous: votes / gradient gathers before NS
         else:
             t_opt_ns = max(c, t_ns) + min(c, t_ns) / layers
@@ -352,6 +356,9 @@ def assumptions(
         ("NS call overhead", f"{d.call_overhead * 1e6:.0f} µs per batched call (launches)"),
         ("optimizer overhead", f"{d.matrix_overhead * 1e6:.0f} µs per matrix stepped"
          + (" (measured)" if measured else " (not modelled for datasheet profiles)")),
+        ("overlap", "communication hides behind compute as the engine schedules it"
+         if d.overlap else "none: the profile says communication and compute share the "
+         "cores (a CPU)"),
         ("intra-node link", link("intra", cluster.intra)),
         ("inter-node link", link("inter", cluster.inter)),
         ("forward + backward", fb),
