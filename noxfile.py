@@ -313,6 +313,7 @@ EXTRA_IMPORTS: dict[str, tuple[str, ...]] = {
     "dmuon-optim[fsdp]": ("dmuon.integrations", "torch.distributed.fsdp"),
     "dmuon-optim[deepspeed]": ("deepspeed", "dmuon.integrations.deepspeed"),
     "dmuon-optim[hf]": ("transformers", "accelerate", "dmuon.integrations.hf"),
+    "dmuon-optim[plan]": ("rich", "matplotlib"),
     "dmuon-integrations[lightning]": ("lightning", "dmuon.integrations.lightning"),
 }
 # The build backend every pyproject.toml names; `python -m build --no-isolation` checks that

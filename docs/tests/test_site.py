@@ -82,6 +82,8 @@ SEARCH_HITS: list[tuple[str, str]] = [
     ("orthogonalize", "api/kernels/#dmuon.kernels.orthogonalize.orthogonalize"),
     ("plan_owners", "api/comm/#dmuon.comm.plan_owners"),
     ("OwnerPlan", "api/comm/#dmuon.comm.OwnerPlan"),
+    ("dmuon-plan", "guides/planning/*"),
+    ("step-time model", "concepts/step-model/*"),
 ]
 
 # Nothing here may hang: each test (browser start included) gets a hard limit.

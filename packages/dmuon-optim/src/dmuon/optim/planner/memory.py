@@ -1,0 +1,89 @@
+"""Predicted memory per rank: weights, gradients, optimizer state, communication buffers.
+
+For ``N`` ranks, ``e`` bytes per parameter element, ``Φ_M`` matrix and ``Φ_S``
+scalar elements, ``O_r`` the matrix elements rank ``r`` owns and ``ℓ`` the elements
+of the largest layer (the transient unsharded layer of FSDP2 and of the ZeRO-3-like
+owner mode); the busiest rank (largest ``O_r``) is reported:
+
+* ``adamw`` (FSDP2, ZeRO-3): weights ``Φe/N + 2ℓe``, gradients ``Φe/N + ℓe``,
+  state ``8Φ/N`` (fp32 moments);
+* ``vanilla`` (FSDP2 + Muon): as AdamW, state ``Φ_M e/N + 8Φ_S/N``, buffers the
+  largest gathered gradient;
+* ``owner`` (ZeRO-2-like): weights and gradients ``Φ_M e + Φ_S e/N``, state
+  ``O_r e + 8Φ_S/N``, reduce buckets ``Φ_M e``;
+* ``owner-z3`` (``reshard_after_forward``): weights ``O_r e + Φ_S e/N + 2ℓe``,
+  gradients ``O_r e + Φ_S e/N + ℓe``, state ``O_r e + 8Φ_S/N``, a reduce bucket ``ℓe``;
+* ``replicated`` (DDP): weights and gradients ``Φe``, state ``O_r e + 8Φ_S``,
+  DDP buckets ``Φe`` and the all-gather's ``ℓNe``;
+* ``sharded`` (FSDP2): weights ``Φe/N + 2ℓe``, gradients ``Φe/N + ℓe``, state
+  ``O_r e + 8Φ_S/N``, all-to-all buffers ``2ℓe``;
+* ``sign``: weights and gradients ``Φe``, state ``Φ_M e + 8Φ_S``, packed signs ``ℓ/8``.
+
+Owner mode (ZeRO-2-like) keeps every matrix on every rank: the owners broadcast
+into the parameters, and backward produces every matrix's gradient locally before
+it is reduced. Muon's momentum is a ``zeros_like`` of the parameter (same dtype),
+held only by the owner. Activations are not modelled (they are the same in every
+mode and depend on the micro-batch and checkpointing).
+"""
+
+from __future__ import annotations
+
+from dmuon.comm import OwnerPlan
+from dmuon.optim.planner.config import ModelSpec
+
+__all__ = ["memory_per_rank"]
+
+
+def _largest_layer(spec: ModelSpec) -> tuple[int, int]:
+    """(elements of the largest layer's matrices, of the largest single matrix)."""
+    by_layer: dict[str, int] = {}
+    for i in spec.matrices:
+        by_layer[str(i.layer)] = by_layer.get(str(i.layer), 0) + i.numel
+    return max(by_layer.values(), default=0), max((i.numel for i in spec.matrices), default=0)
+
+
+def memory_per_rank(spec: ModelSpec, plan: OwnerPlan, mode: str) -> dict[str, float]:
+    """Bytes per rank in ``mode``: ``weights``, ``gradients``, ``optimizer_state``,
+    ``buffers`` and their ``total`` (activations excluded).
+
+    Examples:
+        >>> from dmuon.comm import plan_owners
+        >>> from dmuon.optim.planner.config import load_model
+        >>> spec = load_model("gpt2")
+        >>> m = memory_per_rank(spec, plan_owners(spec.matrices, 1), "replicated")
+        >>> m["weights"] == spec.total_params * 2  # bf16
+        True
+    """
+    N = plan.world_size
+    e = spec.matrices[0].dtype.itemsize if spec.matrices else 2
+    phi, pm, ps = spec.total_params, spec.matrix_params, spec.scalar_params
+    layer, biggest = _largest_layer(spec)
+    owned = max(sum(i.numel for i in plan.items_of(r)) for r in range(N))
+    m: tuple[float, float, float, float]
+    if mode == "adamw-ddp":
+        m = (phi * e, phi * e, 8 * phi, phi * e)
+    elif mode == "vanilla-ddp":
+        m = (phi * e, phi * e, pm * e + 8 * ps, phi * e)
+    elif mode == "adamw":
+        m = (phi * e / N + 2 * layer * e, phi * e / N + layer * e, 8 * phi / N, 0.0)
+    elif mode == "vanilla":
+        m = (phi * e / N + 2 * layer * e, phi * e / N + layer * e, pm * e / N + 8 * ps / N,
+             biggest * e)  # fmt: skip
+    elif mode == "owner":
+        m = (pm * e + ps * e / N, pm * e + ps * e / N, owned * e + 8 * ps / N, pm * e)
+    elif mode == "owner-z3":
+        m = (owned * e + ps * e / N + 2 * layer * e, owned * e + ps * e / N + layer * e,
+             owned * e + 8 * ps / N, layer * e)  # fmt: skip
+    elif mode == "replicated":
+        m = (phi * e, phi * e, owned * e + 8 * ps, phi * e + layer * N * e)
+    elif mode == "sharded":
+        m = (phi * e / N + 2 * layer * e, phi * e / N + layer * e, owned * e + 8 * ps / N,
+             2 * layer * e)  # fmt: skip
+    elif mode == "sign":
+        m = (phi * e, phi * e, pm * e + 8 * ps, layer / 8)
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    keys = ("weights", "gradients", "optimizer_state", "buffers")
+    out = {k: float(v) for k, v in zip(keys, m, strict=True)}
+    out["total"] = sum(out.values())
+    return out

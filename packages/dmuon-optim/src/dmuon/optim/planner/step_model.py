@@ -1,0 +1,377 @@
+"""The step-time model: a training step of AdamW, vanilla distributed Muon and DMuon.
+
+For ``N`` data-parallel ranks, a model of ``Φ`` parameters (``Φ_a`` active per
+token; ``Φ_M`` in Muon matrices, ``Φ_S`` scalar), ``T`` tokens per step and a device
+of peak rate ``F`` (FLOP/s) and memory bandwidth ``B_mem``:
+
+* **forward + backward** ``t_fb = 6·Φ_a·T / (N·MFU·F)`` (Kaplan et al. 2020,
+  *Scaling Laws for Neural Language Models*, §2.1: 2 FLOPs per parameter and token
+  forward, 4 backward), or a measured ``t_fb`` (``--fwd-bwd-ms``). Forward is
+  ``t_f = t_fb/3``, backward ``t_b = 2·t_fb/3``.
+* **Newton–Schulz** on rank ``r``: ``t_ns(r) = Σ_calls [c₀ + b·(ns_flops(m,n)/(η·F) +
+  p·m·n·e/(η_mem·B_mem))]`` — :class:`dmuon.comm.NSCost` over the batched calls of the
+  owner plan (:func:`dmuon.comm.plan_owners` with that cost), at kernel efficiency
+  ``η`` and memory efficiency ``η_mem`` from the profile. DMuon waits for
+  ``max_r t_ns(r)``; vanilla Muon and Sign-Muon run every matrix on every rank. A
+  calibrated profile adds ``o`` seconds per matrix stepped (momentum, update and
+  bookkeeping measured around the NS calls; 0 for datasheet profiles).
+* **AdamW** is memory bound: per element it reads the parameter, gradient and both
+  moments and writes the parameter and moments, ``3e + 16`` bytes (fp32 moments,
+  parameters and gradients of ``e`` bytes), so ``t_adam = k·(3e+16)/(η_mem·B_mem)``
+  for the ``k`` elements a rank steps.
+* **A collective** costs ``steps·α + max(sent, received)/(η_link·B_link)``
+  (:func:`dmuon.comm.cost_model`'s Hockney form; the collectives one layer issues
+  together pay ``α`` once) with the bytes of
+  :mod:`~dmuon.optim.planner.traffic`; a group within one node runs at the
+  intra-node link, one that spans nodes at the inter-node link.
+* **Overlap, as the engine does it.** Transfers launched per layer from backward
+  hooks (DMuon's reduce to owners, FSDP2's reduce-scatter, DDP's all-reduce)
+  overlap the rest of backward; transfers awaited by the next forward (DMuon's
+  broadcast of updated weights, FSDP2's all-gather) overlap forward. With ``L``
+  layers, a phase's communication ``c`` against a compute window ``w`` leaves
+  ``exposed = max(c/L, c − w)`` — the last layer's share can never hide. Transfers
+  inside the optimizer step (replicated all-gather, sharded all-to-alls) are
+  pipelined with Newton–Schulz layer by layer: ``t_opt = max(c, t_ns) +
+  min(c, t_ns)/L``. Sign-Muon's votes are synchronous: ``t_opt = t_ns + c``. A
+  profile with ``overlap=False`` (a calibrated CPU) exposes all communication.
+* **Step** ``t = t_fb + exposed_forward + exposed_backward + t_opt``; overhead vs
+  AdamW ``t/t_AdamW − 1``; speedup vs vanilla ``t_vanilla/t``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dmuon.comm import NSCost, OwnerPlan, plan_owners
+from dmuon.kernels import ns_flops
+from dmuon.optim.planner.config import ModelSpec
+from dmuon.optim.planner.memory import memory_per_rank
+from dmuon.optim.planner.profiles import ClusterProfile, Link
+from dmuon.optim.planner.traffic import (
+    DMUON_MODES,
+    Transfer,
+    dmuon_transfers,
+    framework_transfers,
+)
+
+__all__ = ["ALL_MODES", "ModePrediction", "Prediction", "TrainingShape", "predict"]
+
+ALL_MODES = ("adamw", "vanilla", *DMUON_MODES)
+"""What :func:`predict` reports by default: the two baselines and every DMuon mode."""
+
+DDP_BASELINES = ("adamw-ddp", "vanilla-ddp")
+"""Baselines under stock DDP (every rank steps everything after an all-reduce), as
+``benchmarks/step.py``'s ``adamw_ddp`` and ``muon_vanilla``; ask for them in ``modes``."""
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """The training shape.
+
+    Attributes:
+        global_tokens: tokens per optimizer step over all ranks.
+        seq_len: sequence length (reported; the 6·Φ·T count does not use it).
+        mfu: model FLOPs utilisation of forward + backward.
+        fwd_bwd_s: a measured forward + backward time per rank (overrides ``mfu``).
+        method: Newton–Schulz method (``"gram"`` or ``"standard"``).
+        ns_steps: Newton–Schulz steps.
+        restarts: Gram restart iterations.
+    """
+
+    global_tokens: int = 4 * 1024 * 1024
+    seq_len: int = 4096
+    mfu: float = 0.4
+    fwd_bwd_s: float | None = None
+    method: str = "gram"
+    ns_steps: int = 5
+    restarts: tuple[int, ...] = (2,)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.global_tokens, bool) or not isinstance(self.global_tokens, int):
+            raise ValueError(f"global_tokens must be an int ≥ 1, got {self.global_tokens!r}")
+        if self.global_tokens < 1 or self.seq_len < 1:
+            raise ValueError(
+                f"global_tokens and seq_len must be ≥ 1, got {self.global_tokens}, {self.seq_len}"
+            )
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"mfu must be in (0, 1], got {self.mfu!r}")
+        if self.fwd_bwd_s is not None and not self.fwd_bwd_s > 0:
+            raise ValueError(f"fwd_bwd_s (--fwd-bwd-ms) must be > 0, got {self.fwd_bwd_s!r}")
+        if self.method not in ("gram", "standard"):
+            raise ValueError(f"method must be 'gram' or 'standard', got {self.method!r}")
+
+
+@dataclass
+class ModePrediction:
+    """The prediction for one mode (seconds, bytes, FLOPs per rank)."""
+
+    mode: str
+    fwd_bwd_s: float
+    ns_s: float
+    adamw_s: float
+    comm_s: dict[str, float]
+    exposed_s: dict[str, float]
+    optimizer_s: float
+    step_s: float
+    ns_flops_max: int
+    ns_flops_mean: float
+    bytes_dmuon: float
+    bytes_framework: float
+    memory: dict[str, float]
+    transfers: list[Transfer] = field(default_factory=list)
+    overhead_vs_adamw: float = 0.0
+    speedup_vs_vanilla: float = 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (see the schema in :mod:`~dmuon.optim.planner.report`)."""
+        return {
+            "mode": self.mode,
+            "fwd_bwd_ms": self.fwd_bwd_s * 1e3,
+            "ns_ms": self.ns_s * 1e3,
+            "adamw_ms": self.adamw_s * 1e3,
+            "comm_ms": {k: v * 1e3 for k, v in self.comm_s.items()},
+            "exposed_comm_ms": {k: v * 1e3 for k, v in self.exposed_s.items()},
+            "optimizer_ms": self.optimizer_s * 1e3,
+            "step_ms": self.step_s * 1e3,
+            "ns_flops_per_rank_max": self.ns_flops_max,
+            "ns_flops_per_rank_mean": self.ns_flops_mean,
+            "bytes_per_rank_dmuon": self.bytes_dmuon,
+            "bytes_per_rank_framework": self.bytes_framework,
+            "memory_bytes": self.memory,
+            "overhead_vs_adamw": self.overhead_vs_adamw,
+            "speedup_vs_vanilla": self.speedup_vs_vanilla,
+            "transfers": [
+                {
+                    "op": t.op,
+                    "collective": t.collective,
+                    "phase": t.phase,
+                    "bytes_per_rank_max": t.max_bytes,
+                    "collectives": t.collectives,
+                    "recorded_by_commstats": t.recorded,
+                }
+                for t in self.transfers
+            ],
+        }
+
+
+@dataclass
+class Prediction:
+    """Everything :func:`predict` found."""
+
+    spec: ModelSpec
+    cluster: ClusterProfile
+    shape: TrainingShape
+    plan: OwnerPlan
+    modes: dict[str, ModePrediction]
+    assumptions: list[tuple[str, str]]
+
+
+def ns_cost(cluster: ClusterProfile, shape: TrainingShape) -> NSCost:
+    """The profile's :class:`~dmuon.comm.NSCost` (rates in seconds)."""
+    d = cluster.device
+    return NSCost(
+        method=shape.method,
+        steps=shape.ns_steps,
+        restarts=shape.restarts,
+        flops_per_second=d.ns_flops_per_second,
+        bytes_per_second=d.bytes_per_second,
+        call_overhead=d.call_overhead,
+    )
+
+
+def plan_flops(plan: OwnerPlan, shape: TrainingShape) -> list[int]:
+    """Newton–Schulz FLOPs per rank (:func:`dmuon.kernels.ns_flops` of each owned item)."""
+    return [
+        sum(
+            ns_flops(
+                i.rows,
+                i.cols,
+                method=shape.method,
+                steps=shape.ns_steps,
+                restarts=shape.restarts,
+                batch=i.batch,
+            )
+            for i in plan.items_of(r)
+        )
+        for r in range(plan.world_size)
+    ]
+
+
+def collective_seconds(t: Transfer, cluster: ClusterProfile) -> float:
+    """α–β time of a transfer on the busiest rank: ``rounds·steps·α + bytes/(η·B)``.
+
+    ``steps`` is the collective's latency steps (``2(N−1)`` for an all-reduce, ``N−1``
+    otherwise, :func:`dmuon.comm.cost_model`); ``rounds`` the times they are paid in
+    sequence (once per layer for collectives a layer issues together).
+    """
+    link = cluster.link(t.group_size)
+    n = t.group_size
+    steps_per = 2 * (n - 1) if t.collective == "all_reduce" else n - 1
+    return t.rounds * steps_per * link.alpha + t.max_bytes / link.effective_bandwidth
+
+
+def _exposed(comm: float, window: float, layers: int) -> float:
+    return max(comm / layers, comm - window) if comm > 0 else 0.0
+
+
+def predict(
+    spec: ModelSpec,
+    cluster: ClusterProfile,
+    shape: TrainingShape,
+    *,
+    modes: tuple[str, ...] = ALL_MODES,
+    plan: OwnerPlan | None = None,
+) -> Prediction:
+    """Predict the step of every mode in ``modes`` (``adamw`` and ``vanilla`` always).
+
+    Raises:
+        ValueError: an unknown mode, or a model without Muon matrices.
+
+    Examples:
+        >>> from dmuon.optim.planner.config import load_model
+        >>> from dmuon.optim.planner.profiles import DEVICES, INTERCONNECTS, ClusterProfile
+        >>> cluster = ClusterProfile(DEVICES["H100"], 8, 8, INTERCONNECTS["nvlink4"],
+        ...                          INTERCONNECTS["ib-ndr"])
+        >>> p = predict(load_model("gpt2"), cluster, TrainingShape(global_tokens=2**19))
+        >>> p.modes["owner"].ns_s < p.modes["vanilla"].ns_s
+        True
+    """
+    bad = [m for m in modes if m not in ALL_MODES + DDP_BASELINES]
+    if bad:
+        raise ValueError(f"modes must be among {ALL_MODES + DDP_BASELINES}, got {bad}")
+    if not spec.matrices:
+        raise ValueError(f"model {spec.name!r} has no Muon matrices to plan")
+    N = cluster.gpus
+    d = cluster.device
+    cost = ns_cost(cluster, shape)
+    if plan is None:
+        plan = plan_owners(spec.matrices, N, cost=cost)
+    single = plan_owners(spec.matrices, 1, cost=cost)
+    layers = max(1, len(spec.layers))
+    e = spec.matrices[0].dtype.itemsize
+    if shape.fwd_bwd_s is not None:
+        t_fb = shape.fwd_bwd_s
+    else:
+        t_fb = 6 * spec.active_params * shape.global_tokens / (N * shape.mfu * d.peak_flops)
+    t_f, t_b = t_fb / 3, 2 * t_fb / 3
+    adam_rate = (3 * e + 16) / d.bytes_per_second
+    flops = plan_flops(plan, shape)
+    all_flops = plan_flops(single, shape)[0]
+    # per-matrix optimizer work beyond NS (calibrated; 0 for datasheet profiles)
+    per_matrix = d.matrix_overhead
+    busiest = max(sum(i.batch for i in plan.items_of(r)) for r in range(N)) * per_matrix
+    everything = sum(i.batch for i in spec.matrices) * per_matrix
+    out: dict[str, ModePrediction] = {}
+    for mode in dict.fromkeys(("adamw", "vanilla", *modes)):
+        if mode in ("adamw", "adamw-ddp"):
+            dm: list[Transfer] = []
+            t_ns, f_max, f_mean = 0.0, 0, 0.0
+            t_adam = spec.total_params / (N if mode == "adamw" else 1) * adam_rate
+        elif mode == "vanilla-ddp":
+            dm = []
+            t_ns, f_max, f_mean = single.max_load + everything, all_flops, float(all_flops)
+            t_adam = spec.scalar_params * adam_rate
+        elif mode in ("vanilla", "sign"):
+            dm = [] if mode == "vanilla" else dmuon_transfers(spec, plan, mode)
+            t_ns, f_max, f_mean = single.max_load + everything, all_flops, float(all_flops)
+            scalars = spec.scalar_params / N if mode == "vanilla" else spec.scalar_params
+            t_adam = scalars * adam_rate
+        else:
+            dm = dmuon_transfers(spec, plan, mode)
+            t_ns, f_max, f_mean = plan.max_load + busiest, max(flops), sum(flops) / N
+            scalars = spec.scalar_params if mode == "replicated" else spec.scalar_params / N
+            t_adam = scalars * adam_rate
+        fw = framework_transfers(spec, mode, N)
+        transfers = dm + fw
+        comm = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        for t in transfers:
+            comm[t.phase] += collective_seconds(t, cluster)
+        if d.overlap:
+            exposed = {
+                "forward": _exposed(comm["forward"], t_f, layers),
+                "backward": _exposed(comm["backward"], t_b, layers),
+            }
+        else:  # nothing hides behind compute (a calibrated CPU profile)
+            exposed = {"forward": comm["forward"], "backward": comm["backward"]}
+        c = comm["step"]
+        if mode in ("sign", "vanilla", "vanilla-ddp") or not d.overlap:
+            t_opt_ns = t_ns + c  # synchronous: votes / gradient gathers before NS
+        else:
+            t_opt_ns = max(c, t_ns) + min(c, t_ns) / layers
+        exposed["step"] = t_opt_ns - t_ns
+        t_opt = t_opt_ns + t_adam
+        step = t_fb + exposed["forward"] + exposed["backward"] + t_opt
+        out[mode] = ModePrediction(
+            mode=mode,
+            fwd_bwd_s=t_fb,
+            ns_s=t_ns,
+            adamw_s=t_adam,
+            comm_s=comm,
+            exposed_s=exposed,
+            optimizer_s=t_opt,
+            step_s=step,
+            ns_flops_max=f_max,
+            ns_flops_mean=f_mean,
+            bytes_dmuon=sum(max(t.sent) for t in dm),
+            bytes_framework=sum(max(t.sent) for t in fw),
+            memory=memory_per_rank(spec, plan, mode),
+            transfers=transfers,
+        )
+    base, vanilla = out["adamw"].step_s, out["vanilla"].step_s
+    for m in out.values():
+        m.overhead_vs_adamw = m.step_s / base - 1
+        m.speedup_vs_vanilla = vanilla / m.step_s
+    return Prediction(spec, cluster, shape, plan, out, assumptions(spec, cluster, shape))
+
+
+def assumptions(
+    spec: ModelSpec, cluster: ClusterProfile, shape: TrainingShape
+) -> list[tuple[str, str]]:
+    """Every assumption the prediction rests on, with where it came from."""
+    d = cluster.device
+
+    def link(name: str, k: Link) -> str:
+        return (
+            f"{k.name}: {k.bandwidth:.3g} B/s × {k.efficiency:.2f}, "
+            f"α {k.alpha * 1e6:.0f} µs ({k.source})"
+        )
+
+    measured = "ns_flops_per_second" in d.measured
+    if shape.fwd_bwd_s is not None:
+        fb = f"measured {shape.fwd_bwd_s * 1e3:.1f} ms (--fwd-bwd-ms)"
+    else:
+        fb = (
+            f"6·{spec.active_params:,}·{shape.global_tokens:,} FLOPs / N at MFU "
+            f"{shape.mfu:.2f} (Kaplan et al. 2020)"
+        )
+    rows = [
+        ("model", f"{spec.name}: {spec.total_params:,} parameters ({spec.source})"),
+        ("device", f"{d.name}: {d.peak_flops:.3g} FLOP/s, {d.memory_bandwidth:.3g} B/s "
+         f"({d.source})"),
+        ("NS kernel efficiency", f"{d.ns_efficiency:.2f} of peak "
+         + ("(measured)" if measured else "(assumed; --calibrate measures it)")),
+        ("memory efficiency", f"{d.memory_efficiency:.2f} of memory bandwidth"
+         + (" (measured)" if measured else " (assumed)")),
+        ("NS call overhead", f"{d.call_overhead * 1e6:.0f} µs per batched call (launches)"),
+        ("optimizer overhead", f"{d.matrix_overhead * 1e6:.0f} µs per matrix stepped"
+         + (" (measured)" if measured else " (not modelled for datasheet profiles)")),
+        ("overlap", "communication hides behind compute as the engine schedules it"
+         if d.overlap else "none: the profile says communication and compute share the "
+         "cores (a CPU)"),
+        ("intra-node link", link("intra", cluster.intra)),
+        ("inter-node link", link("inter", cluster.inter)),
+        ("forward + backward", fb),
+        ("Newton–Schulz", f"{shape.method}, {shape.ns_steps} steps, restarts "
+         f"{list(shape.restarts)}; FLOPs by dmuon.kernels.ns_flops"),
+        ("owner plan", "dmuon.comm.plan_owners (LPT) with NSCost at the profile's rates"),
+        ("bytes", "DMuon: the wrappers' CommStats formulas (tested on gloo ranks); "
+         "FSDP2/DDP: ring formulas of dmuon.comm.cost_model"),
+        ("baselines", "AdamW = FSDP2 (ZeRO-3) + AdamW; vanilla = FSDP2 + Muon gathering every "
+         "gradient and orthogonalising every matrix on every rank"),
+        ("precision", f"parameters, gradients and traffic in {spec.matrices[0].dtype}; AdamW "
+         "moments fp32; Muon momentum in the parameter dtype"),
+        ("not modelled", "activations memory, TP/EP, stragglers, kernel-launch jitter; "
+         "a group spanning nodes runs entirely at the inter-node link"),
+    ]  # fmt: skip
+    return rows

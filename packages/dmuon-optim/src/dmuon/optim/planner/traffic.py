@@ -1,0 +1,322 @@
+"""Bytes per rank per step, for each execution mode, by the formulas the wrappers record.
+
+DMuon's own traffic is counted exactly as :class:`dmuon.comm.CommStats` counts it when
+the engine runs: the same buffers (per layer, per dtype, per owner), the same padding,
+and :meth:`~dmuon.comm.CommStats.record_collective` (hence
+:func:`dmuon.comm.cost_model`) for the per-rank bytes of each collective. The
+planner's figures therefore equal what a run records; the tests check it on real
+gloo ranks. The training framework's own traffic (FSDP2's all-gathers and
+reduce-scatters, DDP's all-reduce), which DMuon does not record, follows the ring
+formulas of :func:`~dmuon.comm.cost_model`.
+
+========== ========================================================== ==========
+mode       DMuon's collectives per step                                phase
+========== ========================================================== ==========
+owner      ``reduce`` of every matrix to its owner, per layer bucket   backward
+           ``broadcast`` of every matrix from its owner                forward
+owner-z3   as owner, and a second ``broadcast`` before backward        both
+replicated one ``all_gather`` of the updates per layer and dtype,       step
+           every rank's chunk padded to the largest owner volume
+sharded    one ``all_to_all`` of row shards (padded to ⌈rows/N⌉) to    step
+           the owners per layer and dtype, and one back
+sign       one packed majority vote (``all_to_all`` + ``all_gather`` of step
+           ⌈numel/8N⌉ bytes) per batched rule call; an ``all_reduce``
+           of the scalar gradients
+========== ========================================================== ==========
+
+Every mode but ``owner``/``owner-z3`` and ``replicated`` also all-reduces the int32
+gradient-presence flags of the parameters it steps (``presence_flags``); owner mode
+does it for the dedicated matrices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dmuon.comm import CommStats, OwnerPlan
+from dmuon.comm.cost_model import cost_model
+from dmuon.optim.engine.params import subplan
+from dmuon.optim.planner.config import ModelSpec
+
+__all__ = ["DMUON_MODES", "Transfer", "dmuon_transfers", "framework_transfers", "per_rank_ops"]
+
+DMUON_MODES = ("owner", "owner-z3", "replicated", "sharded", "sign")
+"""The DMuon execution modes the planner predicts (``owner-z3``: owner mode with
+``reshard_after_forward=True``)."""
+
+
+@dataclass
+class Transfer:
+    """One kind of collective in a step: what each rank sends and receives.
+
+    Attributes:
+        op: the :class:`~dmuon.comm.CommStats` name (``"reduce_to_owners"`` …) or a
+            framework name (``"fsdp_all_gather"`` …).
+        collective: the torch.distributed collective (for the latency steps).
+        phase: ``"forward"``, ``"backward"`` or ``"step"``: what it can overlap with.
+        sent: bytes sent per rank.
+        received: bytes received per rank.
+        collectives: collectives issued per rank.
+        rounds: how many times the latency is paid in sequence: the collectives of one
+            layer are issued together, asynchronously, and their start-up latencies
+            overlap, so a per-layer transfer pays it once per layer; a synchronous one
+            (Sign-Muon's votes) once per collective.
+        group_size: ranks in each collective.
+        recorded: whether DMuon's ``CommStats`` records it.
+    """
+
+    op: str
+    collective: str
+    phase: str
+    sent: list[float]
+    received: list[float]
+    collectives: int = 0
+    group_size: int = 1
+    recorded: bool = True
+    rounds: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def max_bytes(self) -> float:
+        """The busiest rank's ``max(sent, received)``: what the α–β time is charged on."""
+        return max(max(s, r) for s, r in zip(self.sent, self.received, strict=True))
+
+
+def _layers(plan: OwnerPlan) -> list[tuple[str, OwnerPlan]]:
+    by_layer: dict[str, list[str]] = {}
+    for item in plan.items:
+        by_layer.setdefault(str(item.layer), []).append(item.name)
+    return [(k, subplan(plan, names)) for k, names in by_layer.items()]
+
+
+def _collective(op: str, collective: str, phase: str, n: int) -> Transfer:
+    return Transfer(op, collective, phase, [0.0] * n, [0.0] * n, group_size=n)
+
+
+def _record(t: Transfer, collective: str, nbytes: int, n: int, calls: int = 1) -> None:
+    """Add ``calls`` collectives as CommStats.record_collective counts them, on every rank."""
+    stats = CommStats()
+    stats.record_collective(t.op, collective, nbytes=nbytes, world_size=n)
+    s = stats[t.op]
+    for r in range(n):
+        t.sent[r] += calls * s.bytes_sent
+        t.received[r] += calls * s.bytes_received
+    t.collectives += calls
+
+
+def _presence(count: int, n: int, phase: str) -> Transfer:
+    t = _collective("presence_flags", "all_reduce", phase, n)
+    _record(t, "all_reduce", 4 * count, n)
+    t.rounds = 1
+    return t
+
+
+def _owner(plan: OwnerPlan, n: int, z3: bool) -> list[Transfer]:
+    reduce = _collective("reduce_to_owners", "reduce", "backward", n)
+    bcast = _collective("broadcast_from_owners", "broadcast", "forward", n)
+    again = _collective("broadcast_from_owners", "broadcast", "backward", n)
+    layers = _layers(plan)
+    for t in (reduce, bcast, again):
+        t.rounds = len(layers)
+    for _, part in layers:
+        # one bucket per (owner, dtype) of the layer: make_buckets, alignment 1
+        buckets: dict[tuple[int, torch.dtype], int] = {}
+        for item in part.items:
+            key = (part.owner(item.name), item.dtype)
+            buckets[key] = buckets.get(key, 0) + item.nbytes
+        for nbytes in buckets.values():
+            _record(reduce, "reduce", nbytes, n)
+            _record(bcast, "broadcast", nbytes, n)
+            _record(again, "broadcast", nbytes, n)
+    # ZeRO-3-like: each layer is broadcast again before its backward
+    return [reduce, bcast, *([again] if z3 else []), _presence(len(plan.items), n, "backward")]
+
+
+def _replicated(plan: OwnerPlan, n: int) -> list[Transfer]:
+    t = _collective("all_gather_updates", "all_gather", "step", n)
+    layers = _layers(plan)
+    t.rounds = len(layers)
+    for _, part in layers:
+        for dtype in dict.fromkeys(i.dtype for i in part.items):
+            volume = max(
+                sum(i.numel for i in part.items_of(r) if i.dtype == dtype) for r in range(n)
+            )
+            if volume:
+                _record(t, "all_gather", volume * dtype.itemsize, n)
+    return [t]
+
+
+def _sharded(plan: OwnerPlan, n: int, params: int) -> list[Transfer]:
+    there = _collective("shard_all_to_all", "all_to_all", "step", n)
+    back = _collective("shard_all_to_all_reverse", "all_to_all", "step", n)
+    layers = _layers(plan)
+    there.rounds = back.rounds = len(layers)
+    for _, part in layers:
+        for dtype in dict.fromkeys(i.dtype for i in part.items):
+            volume = [
+                sum(
+                    -(-i.shape[0] // n) * math.prod(i.shape[1:])
+                    for i in part.items_of(r)
+                    if i.dtype == dtype
+                )
+                for r in range(n)
+            ]
+            if not sum(volume):
+                continue
+            e = dtype.itemsize
+            for me in range(n):
+                there.sent[me] += (sum(volume) - volume[me]) * e
+                there.received[me] += (n - 1) * volume[me] * e
+                back.sent[me] += (n - 1) * volume[me] * e
+                back.received[me] += (sum(volume) - volume[me]) * e
+            there.collectives += 1
+            back.collectives += 1
+    return [there, back, _presence(params, n, "step")]
+
+
+def _chunks(counts: Sequence[int], per: int, limit: int) -> list[int]:
+    """Matrices per batched call: consecutive runs of entries (``counts`` matrices each)
+    holding at most ``limit`` matrix entries, at least one entry each
+    (:func:`dmuon.optim.buckets.step_bucket`'s batching)."""
+    out: list[int] = []
+    cur = size = 0
+    for c in counts:
+        if cur and size + c * per > limit:
+            out.append(cur)
+            cur = size = 0
+        cur += c
+        size += c * per
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _sign(spec: ModelSpec, n: int, batch_limit: int) -> list[Transfer]:
+    vote = _collective("majority_vote[packed]", "all_to_all", "step", n)
+    by_layer_shape: dict[tuple[str, tuple[int, int], torch.dtype], list[int]] = {}
+    for item in spec.matrices:
+        key = (str(item.layer), (item.rows, item.cols), item.dtype)
+        by_layer_shape.setdefault(key, []).append(item.batch)
+    for (_, (m, k), _), counts in by_layer_shape.items():
+        for b in _chunks(counts, m * k, batch_limit):
+            numel = b * m * k
+            chunk = -(-numel // (8 * n)) * (8 * n) // 8 // n
+            for r in range(n):  # all-to-all of the packed signs, all-gather of the majority
+                vote.sent[r] += 2 * (n - 1) * chunk
+                vote.received[r] += 2 * (n - 1) * chunk
+            vote.collectives += 2
+            vote.rounds += 2  # synchronous: the vote sits between the two transfers
+    scalars = _collective("all_reduce_scalars", "all_reduce", "step", n)
+    nbytes = spec.scalar_params * spec.matrices[0].dtype.itemsize if spec.matrices else 0
+    if nbytes:
+        _record(scalars, "all_reduce", nbytes, n)
+        scalars.rounds = 1
+    return [vote, scalars, _presence(len(spec.matrices) + len(spec.scalars), n, "step")]
+
+
+def dmuon_transfers(
+    spec: ModelSpec, plan: OwnerPlan, mode: str, *, batch_limit: int = 1 << 62
+) -> list[Transfer]:
+    """DMuon's collectives of one step in ``mode``, as ``CommStats`` would record them.
+
+    Args:
+        spec: the model.
+        plan: the owner plan of ``spec.matrices`` over the data-parallel ranks (the
+            plan the engine makes: :func:`dmuon.comm.plan_owners` with its options).
+        mode: one of :data:`DMUON_MODES`.
+        batch_limit: matrix entries per batched rule call (sign mode's votes):
+            :func:`dmuon.optim.buckets.default_batch_elements` of the device.
+
+    Examples:
+        >>> from dmuon.comm import plan_owners
+        >>> from dmuon.optim.planner.config import load_model
+        >>> spec = load_model("gpt2")
+        >>> plan = plan_owners(spec.matrices, 8)
+        >>> ts = dmuon_transfers(spec, plan, "owner")
+        >>> P = sum(i.nbytes for i in spec.matrices)  # reduce + broadcast = one ring all-reduce
+        >>> round((ts[0].sent[0] + ts[1].sent[0]) / (2 * 7 / 8 * P), 9)
+        1.0
+    """
+    n = plan.world_size
+    if mode not in DMUON_MODES:
+        raise ValueError(f"mode must be one of {DMUON_MODES}, got {mode!r}")
+    if n == 1:
+        return []
+    if mode in ("owner", "owner-z3"):
+        return _owner(plan, n, z3=mode == "owner-z3")
+    if mode == "replicated":
+        return _replicated(plan, n)
+    if mode == "sharded":
+        return _sharded(plan, n, len(spec.matrices) + len(spec.scalars))
+    return _sign(spec, n, batch_limit)
+
+
+def _ring(op: str, collective: str, phase: str, nbytes: float, n: int, rounds: int = 1) -> Transfer:
+    t = Transfer(op, collective, phase, [0.0] * n, [0.0] * n, group_size=n, recorded=False)
+    c = cost_model(collective, int(nbytes), n)
+    t.sent = [c.bytes_sent] * n
+    t.received = [c.bytes_received] * n
+    t.collectives = t.rounds = max(1, rounds)
+    return t
+
+
+DDP_BUCKET_BYTES = 25 * 2**20
+"""DDP's default ``bucket_cap_mb=25``: one all-reduce per bucket."""
+
+
+def framework_transfers(spec: ModelSpec, mode: str, n: int) -> list[Transfer]:
+    """The training framework's traffic in ``mode`` (ring formulas; not in ``CommStats``).
+
+    ``adamw``: FSDP2 (ZeRO-3: all-gather before forward and before backward,
+    reduce-scatter of the gradients) over every parameter. ``vanilla``: the same, plus
+    an all-gather of every matrix gradient so that every rank can run Newton–Schulz
+    on whole matrices (naive FSDP2 + Muon). ``owner``/``owner-z3``: FSDP2 over the
+    scalar parameters only (the matrices are ``ignored_params``). ``sharded``: FSDP2
+    over every parameter. ``replicated``: DDP's all-reduce of every gradient.
+    ``adamw-ddp``, ``vanilla-ddp``: DDP's all-reduce. ``sign``: nothing (DMuon
+    all-reduces the scalars itself).
+    """
+    if n == 1:
+        return []
+    b = spec.matrices[0].dtype.itemsize if spec.matrices else 4
+    everything = spec.total_params * b
+    scalars = spec.scalar_params * b
+    matrices = spec.matrix_params * b
+
+    layers = max(1, len(spec.layers))  # fully_shard per block: one collective per block
+
+    def fsdp(nbytes: float) -> list[Transfer]:
+        return [
+            _ring("fsdp_all_gather", "all_gather", "forward", nbytes, n, layers),
+            _ring("fsdp_all_gather_backward", "all_gather", "backward", nbytes, n, layers),
+            _ring("fsdp_reduce_scatter", "reduce_scatter", "backward", nbytes, n, layers),
+        ]
+
+    ddp_rounds = -(-int(everything) // DDP_BUCKET_BYTES)
+
+    if mode == "adamw" or mode == "sharded":
+        return fsdp(everything)
+    if mode == "vanilla":
+        gather = _ring("gather_gradients", "all_gather", "step", matrices, n, layers)
+        return [*fsdp(everything), gather]
+    if mode in ("owner", "owner-z3"):
+        return fsdp(scalars)
+    if mode in ("replicated", "adamw-ddp", "vanilla-ddp"):
+        return [_ring("ddp_all_reduce", "all_reduce", "backward", everything, n, ddp_rounds)]
+    if mode == "sign":
+        return []
+    raise ValueError(f"mode must be adamw, vanilla or one of {DMUON_MODES}, got {mode!r}")
+
+
+def per_rank_ops(transfers: Sequence[Transfer], rank: int) -> dict[str, tuple[float, float]]:
+    """``{op: (sent, received)}`` of ``rank`` for the recorded transfers (as CommStats)."""
+    out: dict[str, tuple[float, float]] = {}
+    for t in transfers:
+        if t.recorded:
+            s, r = out.get(t.op, (0.0, 0.0))
+            out[t.op] = (s + t.sent[rank], r + t.received[rank])
+    return out

@@ -1,0 +1,121 @@
+"""``dmuon-plan`` end to end, in a subprocess: JSON against the schema, table, plot, errors."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from dmuon.optim.planner.report import SCHEMA, validate
+
+HERE = pathlib.Path(__file__).parent
+
+
+def run(*args, timeout=240):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "dmuon.optim.planner", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
+def test_json_output_validates_against_the_documented_schema():
+    done = run("llama-3.1-8b", "--gpus", "64", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    validate(out)
+    assert set(out["modes"]) == {
+        "adamw", "vanilla", "owner", "owner-z3", "replicated", "sharded", "sign",
+    }  # fmt: skip
+    assert out["model"]["total_params"] == 8_030_261_248
+    assert out["plan"]["world_size"] == 64
+    assert out["modes"]["owner"]["ns_ms"] < out["modes"]["vanilla"]["ns_ms"]
+    assert any(a["what"] == "NS kernel efficiency" for a in out["assumptions"])
+
+
+def test_the_schema_validator_rejects_what_does_not_fit():
+    done = run("gpt2", "--gpus", "4", "--mode", "owner", "--json")
+    out = json.loads(done.stdout)
+    validate(out)
+    del out["modes"]["owner"]["step_ms"]
+    with pytest.raises(ValueError, match=r"\$\.modes\.owner: missing required field 'step_ms'"):
+        validate(out, SCHEMA)
+    out = json.loads(done.stdout)
+    out["modes"]["adamw"]["transfers"][0]["phase"] = "later"
+    with pytest.raises(ValueError, match="expected one of"):
+        validate(out)
+
+
+def test_plain_table_when_piped_and_plot(tmp_path):
+    png = tmp_path / "overhead.png"
+    done = run("qwen2.5-1.5b", "--gpus", "16", "--device", "A800", "--plot", str(png))
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert "owner plan: 16 ranks, imbalance" in text and "assumptions:" in text
+    assert "\x1b[" not in text  # no terminal escapes when piped
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_module_factory_model():
+    done = run("planner_factories:tiny", "--gpus", "2", "--json", "--mode", "owner,sharded")
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads(done.stdout)["modes"]) == {"adamw", "vanilla", "owner", "sharded"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["gpt2", "--inter", "0GB/s"], "bandwidth must be a finite number > 0"),
+        (["gpt2", "--intra", "fast"], "--intra 'fast': give a preset"),
+        (["gpt2", "--mode", "zero"], "--mode must be 'all' or among"),
+        (["gpt2", "--gpus", "0"], "gpus must be an int ≥ 1"),
+        (["gpt2", "--tp", "2"], "models data parallelism only"),
+        (["gpt2", "--device", "TPU"], "neither a preset"),
+        (["bert-base"], "neither a preset"),
+    ],
+)
+def test_bad_input_exits_2_naming_it(args, message):
+    done = run(*args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_calibrate_writes_a_profile_that_later_runs_load(tmp_path):
+    profile = tmp_path / "cpu.json"
+    done = run(
+        "planner_factories:tiny", "--calibrate", str(profile), "--calibrate-device", "cpu",
+        "--gpus", "2", "--gpus-per-node", "2", "--json", timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(profile.read_text())
+    assert data["peak_flops"] > 0 and 0 < data["ns_efficiency"] <= 1
+    assert data["measured"]["link"]["backend"] == "gloo"
+    assert data["measured"]["link"]["bandwidth"] > 0
+    out = json.loads(done.stdout)
+    assert out["cluster"]["intra"]["name"] == "measured"
+    again = run("planner_factories:tiny", "--device", str(profile), "--gpus", "2", "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["cluster"]["device"]["name"].startswith("cpu")
+
+
+def test_the_guides_example_prints_what_the_guide_shows():
+    guide = HERE.parents[2] / "docs" / "guides" / "planning.md"
+    if not guide.is_file():  # an installed package's tests, without the repository
+        pytest.skip("docs/guides/planning.md is not next to these tests")
+    done = run(
+        "llama-3.1-8b", "--gpus", "64", "--gpus-per-node", "8", "--device", "H100",
+        "--inter", "ib-ndr", "--tokens", "4194304", "--seq-len", "4096", "--mfu", "0.4",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text = guide.read_text()
+    lines = done.stdout.splitlines()
+    for line in lines[:3]:  # model, cluster and plan summary lines, verbatim
+        assert line in text, line
+    owner = next(x for x in lines if x.strip().startswith("owner "))
+    assert " ".join(owner.split()[:5]) in " ".join(text.split())

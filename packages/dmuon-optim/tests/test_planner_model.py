@@ -1,0 +1,191 @@
+"""The step-time and memory model: FLOPs, bytes, limits and monotonicity."""
+
+import pytest
+
+from dmuon.comm import ns_flops as closed_form_ns_flops
+from dmuon.comm import plan_owners
+from dmuon.optim.planner.config import load_model
+from dmuon.optim.planner.profiles import (
+    DEVICES,
+    INTERCONNECTS,
+    ClusterProfile,
+    DeviceProfile,
+    Link,
+    load_device_profile,
+)
+from dmuon.optim.planner.step_model import ALL_MODES, TrainingShape, ns_cost, predict
+from dmuon.optim.planner.traffic import dmuon_transfers, framework_transfers
+
+
+def cluster(n, device="H100", per_node=8):
+    return ClusterProfile(DEVICES[device], n, per_node, INTERCONNECTS["nvlink4"],
+                          INTERCONNECTS["ib-ndr"])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model("llama-3.2-3b")
+
+
+def test_per_rank_flops_equal_the_closed_form_count(llama):
+    shape = TrainingShape(global_tokens=2**20)
+    p = predict(llama, cluster(16), shape, modes=("owner",))
+    # reference: dmuon.comm's closed form (dmuon.kernels counts by walking the iteration)
+    per_rank = [
+        sum(closed_form_ns_flops(i.rows, i.cols, batch=i.batch) for i in p.plan.items_of(r))
+        for r in range(16)
+    ]
+    assert p.modes["owner"].ns_flops_max == max(per_rank)
+    assert p.modes["owner"].ns_flops_mean == pytest.approx(sum(per_rank) / 16)
+    every = sum(closed_form_ns_flops(i.rows, i.cols, batch=i.batch) for i in llama.matrices)
+    assert p.modes["vanilla"].ns_flops_max == every == sum(per_rank)
+
+
+def test_owner_traffic_is_one_ring_all_reduce_and_z3_adds_a_broadcast(llama):
+    P = sum(i.nbytes for i in llama.matrices)
+    for n in (2, 3, 8, 128):
+        plan = plan_owners(llama.matrices, n)
+        z2 = dmuon_transfers(llama, plan, "owner")
+        z3 = dmuon_transfers(llama, plan, "owner-z3")
+        ring = 2 * (n - 1) / n * P
+        assert z2[0].sent[0] + z2[1].sent[0] == pytest.approx(ring)
+        assert sum(t.sent[0] for t in z3[:3]) == pytest.approx(1.5 * ring)
+
+
+def test_sharded_moves_two_shard_volumes_and_sign_a_thirty_second(llama):
+    n = 8
+    plan = plan_owners(llama.matrices, n)
+    P = sum(i.nbytes for i in llama.matrices)
+    there, back, _ = dmuon_transfers(llama, plan, "sharded")
+    # every rank sends (N−1)/N of its shards when rows divide evenly (they do here)
+    assert sum(there.sent) == pytest.approx((n - 1) / n * P)
+    assert sum(there.sent) == pytest.approx(sum(back.received))
+    vote = dmuon_transfers(llama, plan, "sign")[0]
+    fp32_all_reduce = 2 * (n - 1) / n * sum(i.numel * 4 for i in llama.matrices)
+    assert vote.sent[0] == pytest.approx(fp32_all_reduce / 32, rel=1e-3)
+
+
+def test_more_gpus_never_increase_the_per_rank_newton_schulz_time(llama):
+    shape = TrainingShape(global_tokens=2**22)
+    previous = float("inf")
+    for n in (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 100, 128, 256, 512, 1024):
+        p = predict(llama, cluster(n), shape, modes=("owner",))
+        t = p.modes["owner"].ns_s
+        assert t <= previous * (1 + 1e-12), f"{n} GPUs: {t} > {previous}"
+        previous = t
+    # with more ranks than matrices, no rank can finish before its largest matrix
+    cost = ns_cost(cluster(1024), shape)
+    assert previous >= max(cost(i) for i in llama.matrices) > 0
+
+
+def test_one_gpu_vanilla_equals_every_dmuon_mode(llama):
+    p = predict(llama, cluster(1), TrainingShape(global_tokens=2**16))
+    vanilla = p.modes["vanilla"]
+    for mode in ("owner", "owner-z3", "replicated", "sharded", "sign"):
+        m = p.modes[mode]
+        assert m.step_s == pytest.approx(vanilla.step_s, rel=1e-12), mode
+        assert m.ns_flops_max == vanilla.ns_flops_max
+        assert m.bytes_dmuon == m.bytes_framework == 0
+    assert set(p.modes) == set(ALL_MODES)
+
+
+def test_dmuon_divides_newton_schulz_and_beats_vanilla_at_scale(llama):
+    p = predict(llama, cluster(64), TrainingShape(global_tokens=2**22))
+    assert p.modes["owner"].ns_s < p.modes["vanilla"].ns_s / 30
+    assert p.modes["owner"].speedup_vs_vanilla > 1
+    assert p.modes["sign"].ns_s == p.modes["vanilla"].ns_s  # every rank, every matrix
+
+
+def test_exposed_communication_under_overlap():
+    spec = load_model("gpt2")
+    slow = ClusterProfile(DEVICES["H100"], 16, 8, INTERCONNECTS["nvlink4"],
+                          Link("slow", 1e8, alpha=0.0))  # fmt: skip
+    long = predict(spec, slow, TrainingShape(fwd_bwd_s=1e4), modes=("owner",)).modes["owner"]
+    L = len(spec.layers)
+    # a compute window longer than the communication: only the last layer's share shows
+    for phase in ("forward", "backward"):
+        assert long.exposed_s[phase] == pytest.approx(long.comm_s[phase] / L)
+    short = predict(spec, slow, TrainingShape(fwd_bwd_s=1e-3), modes=("owner",)).modes["owner"]
+    assert short.exposed_s["backward"] == pytest.approx(short.comm_s["backward"] - 2e-3 / 3)
+    assert short.step_s > long.step_s - 1e4 + 1e-3
+
+
+def test_memory_modes_order(llama):
+    p = predict(llama, cluster(64), TrainingShape(global_tokens=2**22))
+    mem = {k: m.memory["total"] for k, m in p.modes.items()}
+    assert mem["owner-z3"] < mem["owner"] < mem["replicated"]
+    assert mem["sharded"] < mem["owner"]
+    assert p.modes["replicated"].memory["weights"] == llama.total_params * 2
+
+
+def test_framework_traffic_formulas(llama):
+    n, b = 8, 2
+    fsdp = framework_transfers(llama, "adamw", n)
+    assert [t.op for t in fsdp] == [
+        "fsdp_all_gather",
+        "fsdp_all_gather_backward",
+        "fsdp_reduce_scatter",
+    ]
+    assert fsdp[2].sent[0] == pytest.approx((n - 1) / n * llama.total_params * b, rel=1e-9)
+    ddp = framework_transfers(llama, "replicated", n)[0]
+    assert ddp.sent[0] == pytest.approx(2 * (n - 1) / n * llama.total_params * b, rel=1e-9)
+    assert framework_transfers(llama, "adamw", 1) == []
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: DeviceProfile("x", 0.0, 1e9, 1e9), "peak_flops must be a finite number > 0"),
+        (lambda: DeviceProfile("x", 1e12, 1e9, 0), "memory_bandwidth must be a finite number"),
+        (lambda: DeviceProfile("x", 1e12, 1e9, 1e9, ns_efficiency=0), "ns_efficiency must be"),
+        (lambda: Link("ib", 0.0), "bandwidth must be a finite number > 0"),
+        (lambda: Link("ib", 1e9, alpha=-1), "alpha must be ≥ 0"),
+        (lambda: TrainingShape(mfu=0), "mfu must be in"),
+        (lambda: TrainingShape(fwd_bwd_s=0), "fwd_bwd_s"),
+        (lambda: cluster(0), "gpus must be an int ≥ 1"),
+    ],
+)
+def test_zero_rates_and_bad_shapes_are_refused(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_device_profiles_load_from_presets_and_json(tmp_path):
+    assert load_device_profile("a800").memory_bandwidth == 2.039e12
+    path = tmp_path / "p.json"
+    custom = DeviceProfile("mine", 1e12, 8e9, 1e11, ns_efficiency=0.5)
+    import json
+
+    path.write_text(json.dumps(custom.to_json()))
+    assert load_device_profile(str(path)) == custom
+    path.write_text(json.dumps({**custom.to_json(), "speed": 1}))
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['speed'\]"):
+        load_device_profile(str(path))
+    # a benchmarks/gpu_check.py result: the GPU named, NS rates measured
+    check = {
+        "meta": {"gpu": "NVIDIA H100 80GB HBM3"},
+        "ns": [{"status": "ok", "tflops": t} for t in (400.0, 500.0, 450.0)],
+        "gemm_flops": {"bfloat16": 7e14},
+    }
+    path.write_text(json.dumps(check))
+    got = load_device_profile(str(path))
+    assert got.name == "H100" and got.ns_efficiency == pytest.approx(450e12 / 989e12)
+    path.write_text(json.dumps({"meta": {"gpu": "Some GPU"}}))
+    with pytest.raises(ValueError, match="names none of"):
+        load_device_profile(str(path))
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_device_profile("TPUv9")
+
+
+def test_a_profile_without_overlap_exposes_all_communication():
+    spec = load_model("gpt2")
+    cpu = DeviceProfile("cpu", 5e10, 8e9, 5e9, overlap=False)
+    link = Link("gloo", 5e8, alpha=1e-4)
+    c = ClusterProfile(cpu, 4, 4, link, link)
+    for mode in ("owner", "sharded", "adamw"):
+        m = predict(spec, c, TrainingShape(fwd_bwd_s=10.0), modes=(mode,)).modes[mode]
+        assert m.exposed_s["forward"] == m.comm_s["forward"] > 0
+        assert m.exposed_s["backward"] == m.comm_s["backward"] > 0
+        assert m.exposed_s["step"] == pytest.approx(m.comm_s["step"])
+    with pytest.raises(ValueError, match="overlap must be true or false"):
+        DeviceProfile("cpu", 5e10, 8e9, 5e9, overlap="no")  # type: ignore[arg-type]
