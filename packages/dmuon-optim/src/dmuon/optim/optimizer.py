@@ -536,10 +536,11 @@ class DMuon(torch.optim.Optimizer):
             names,
         )
 
-    def _is_scalar(self, group: Mapping[str, Any]) -> bool:
+    def is_scalar(self, group: Mapping[str, Any]) -> bool:
+        """Whether ``group`` is stepped by a scalar optimizer (AdamW/Lion), not a rule."""
         return group["algorithm"] in SCALAR_ALGORITHMS
 
-    def _matrix_step(
+    def step_matrices(
         self,
         index: int,
         key: str | None,
@@ -586,7 +587,7 @@ class DMuon(torch.optim.Optimizer):
             for p in active.values()
         )
 
-    def _scalar_step(
+    def step_scalars(
         self, group: Mapping[str, Any], params: list[torch.Tensor] | None = None
     ) -> None:
         """AdamW/Lion on ``params`` (default: the group's) that have a gradient."""

@@ -3,7 +3,7 @@
 See the Concepts page "Execution modes" for the modes and their traffic.
 """
 
-from dmuon.optim.engine.base import Engine, SingleEngine
+from dmuon.optim.engine.base import Engine, SingleEngine, Stepper
 from dmuon.optim.engine.consistency import ModelMismatchError, check_model_consistency
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
 from dmuon.optim.engine.guards import (
@@ -40,6 +40,7 @@ __all__ = [
     "SignEngine",
     "SingleEngine",
     "StepReport",
+    "Stepper",
     "check_agreement",
     "check_model_consistency",
     "collect_params",
