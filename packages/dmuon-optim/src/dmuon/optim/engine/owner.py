@@ -96,7 +96,7 @@ class OwnerEngine(Engine):
             return None
         name = self.exchange.name_of(p)
         assert name is not None
-        return self.exchange._layer_of[name]
+        return self.exchange.layer_of(name)
 
     def begin_step(self) -> None:
         self.exchange.flush()
