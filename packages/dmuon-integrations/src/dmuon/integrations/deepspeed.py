@@ -56,7 +56,7 @@ from torch import nn
 from dmuon.comm import layer_key
 from dmuon.integrations import ddp
 from dmuon.integrations.deepspeed_checkpoint import load_checkpoint, save_checkpoint
-from dmuon.integrations.deepspeed_optimizer import ZeroClientOptimizer
+from dmuon.integrations.deepspeed_optimizer import ZeroClientOptimizer, dmuon_of
 from dmuon.integrations.fsdp import _dedicate
 from dmuon.optim import RULES, SCALAR_ALGORITHMS, DMuon, clip_grad_norm_, param_groups
 
@@ -333,24 +333,6 @@ def _follow_accumulation_boundary(engine: Any, client: Any) -> None:
     if exchange is None:
         raise RuntimeError(f"DMuon in mode {dmuon.mode!r} has no owner exchange to follow")
     exchange.set_sync_condition(at_boundary)
-
-
-def dmuon_of(engine: Any) -> DMuon:
-    """The :class:`~dmuon.optim.DMuon` behind a DeepSpeed engine made by :func:`initialize`.
-
-    Examples:
-        >>> dmuon_of(engine).mode  # doctest: +SKIP
-        'owner'
-    """
-    opt = getattr(engine, "basic_optimizer", None) or getattr(engine, "optimizer", None)
-    if isinstance(opt, DMuon):
-        return opt
-    if isinstance(opt, ZeroClientOptimizer):
-        return opt.dmuon
-    raise TypeError(
-        f"the engine's optimizer is a {type(opt).__name__}, not one made by "
-        "dmuon.integrations.deepspeed.initialize"
-    )
 
 
 def _matrix_ids(groups: list[dict[str, Any]], defaults: Mapping[str, Any]) -> set[int]:

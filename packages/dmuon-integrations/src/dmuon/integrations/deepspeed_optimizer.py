@@ -23,7 +23,7 @@ import torch
 from dmuon.optim import SCALAR_ALGORITHMS, DMuon, adamw_step, lion_step
 from dmuon.optim.hyperparameters import SCALAR_KEYS
 
-__all__ = ["ZeroClientOptimizer"]
+__all__ = ["ZeroClientOptimizer", "client_optimizer", "dmuon_of"]
 
 
 class ZeroClientOptimizer(torch.optim.Optimizer):
@@ -189,3 +189,26 @@ def _check_group(group: Mapping[str, Any], index: int) -> dict[str, Any]:
         if key in group:
             out[key] = group[key]
     return out
+
+
+def client_optimizer(engine: Any) -> Any:
+    """The optimizer a DeepSpeed engine was given (``basic_optimizer``; else ``optimizer``)."""
+    return getattr(engine, "basic_optimizer", None) or getattr(engine, "optimizer", None)
+
+
+def dmuon_of(engine: Any) -> DMuon:
+    """The :class:`~dmuon.optim.DMuon` behind a DeepSpeed engine made by :func:`initialize`.
+
+    Examples:
+        >>> dmuon_of(engine).mode  # doctest: +SKIP
+        'owner'
+    """
+    opt = client_optimizer(engine)
+    if isinstance(opt, DMuon):
+        return opt
+    if isinstance(opt, ZeroClientOptimizer):
+        return opt.dmuon
+    raise TypeError(
+        f"the engine's optimizer is a {type(opt).__name__}, not one made by "
+        "dmuon.integrations.deepspeed.initialize"
+    )
