@@ -113,6 +113,13 @@ class Engine:
     def step(self, stepper: Stepper, report: StepReport) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def set_timeout(self, seconds: float | None) -> None:
+        """Seconds every wait of this engine outside ``DMuon.step`` may take (owner mode:
+        the forward's wait for published weights); inside a step ``DMuon`` bounds them."""
+
+    def set_step_number(self, number: int) -> None:
+        """The number of the step about to run (named in the errors of later waits)."""
+
     def begin_step(self) -> None:
         """Issue what every rank issues before the step's own collectives (owner mode:
         launch the reductions not launched yet), so guards may add collectives after it."""

@@ -98,6 +98,12 @@ class OwnerEngine(Engine):
         assert name is not None
         return self.exchange.layer_of(name)
 
+    def set_timeout(self, seconds: float | None) -> None:
+        self.exchange.timeout = seconds
+
+    def set_step_number(self, number: int) -> None:
+        self.exchange.published_step = number
+
     def begin_step(self) -> None:
         self.exchange.flush()
 
