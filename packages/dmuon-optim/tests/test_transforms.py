@@ -153,3 +153,18 @@ def test_when_option_gates_every_transform_alike():
         gated(G, on, StepContext(grad=G, hp=hp))
     with pytest.raises(TypeError):  # the hook is abstract: a transform must implement apply
         Transform()  # type: ignore[abstract]
+
+
+def test_a_rule_refuses_two_transforms_declaring_the_same_state_name():
+    from dmuon.optim import Rule
+    from dmuon.optim.transforms import Momentum
+
+    with pytest.raises(ValueError, match=r"state name\(s\) \['momentum_buffer'\]"):
+        Rule("twice", (Momentum(), Momentum()))
+
+
+def test_the_engine_asks_the_rule_whether_it_votes_mid_chain():
+    from dmuon.optim import RULES, get_rule
+
+    voting = sorted(name for name in RULES if get_rule(name).needs_collective)
+    assert voting == ["sign_muon"]

@@ -80,6 +80,21 @@ class Rule:
     source: str = ""
     reconstruction: bool = False
 
+    def __post_init__(self) -> None:
+        names = [s.name for t in self.chain for s in t.state_specs()]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"rule {self.name!r}: state name(s) {repeated} are declared by more than one "
+                "transform of its chain; each buffer needs its own name"
+            )
+
+    @property
+    def needs_collective(self) -> bool:
+        """Whether a transform of the chain communicates across ranks mid-chain (Sign-Muon's
+        vote): such a rule runs on every rank's own gradient, in ``sign`` mode only."""
+        return any(t.collective for t in self.chain)
+
     def state_specs(self) -> tuple[StateSpec, ...]:
         """Every buffer of the chain, per matrix."""
         return tuple(s for t in self.chain for s in t.state_specs())

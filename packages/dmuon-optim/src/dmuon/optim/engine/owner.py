@@ -22,6 +22,7 @@ from dmuon.optim.engine.base import Engine, Stepper, local_norm_tensors
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.report import StepReport
+from dmuon.optim.rules import get_rule
 
 __all__ = ["OwnerEngine"]
 
@@ -41,12 +42,12 @@ class OwnerEngine(Engine):
         super().bind(stepper)
         ex = self.exchange
         for index, group in enumerate(stepper.param_groups):
-            if group["algorithm"] == "sign_muon":
+            if not stepper.is_scalar(group) and get_rule(group["algorithm"]).needs_collective:
                 raise ValueError(
-                    f"param group {index} uses rule 'sign_muon', which votes across ranks on "
-                    "each rank's local gradient; a dedication reduces the gradients to their "
-                    "owners, so there would be nothing to vote on. Drop the dedication and use "
-                    "mode='sign' (train without DDP), or pick another rule for owner mode"
+                    f"param group {index} uses rule {group['algorithm']!r}, which votes across "
+                    "ranks on each rank's local gradient; a dedication reduces the gradients to "
+                    "their owners, so there would be nothing to vote on. Drop the dedication and "
+                    "use mode='sign' (train without DDP), or pick another rule for owner mode"
                 )
         for e in self.params:
             owner = exchange_of(e.param)

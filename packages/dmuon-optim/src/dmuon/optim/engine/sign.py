@@ -24,6 +24,7 @@ from dmuon.optim.engine.base import Stepper
 from dmuon.optim.engine.params import EngineParam
 from dmuon.optim.engine.planned import PlannedEngine
 from dmuon.optim.engine.report import StepReport
+from dmuon.optim.rules import get_rule
 
 __all__ = ["SignEngine"]
 
@@ -36,10 +37,10 @@ class SignEngine(PlannedEngine):
     def bind(self, stepper: Stepper) -> None:
         super().bind(stepper)
         for g in stepper.param_groups:
-            if not stepper.is_scalar(g) and g["algorithm"] != "sign_muon":
+            if not stepper.is_scalar(g) and not get_rule(g["algorithm"]).needs_collective:
                 raise ValueError(
-                    f"mode='sign' needs rule 'sign_muon' for every matrix group (the only rule "
-                    f"with a vote); param group {stepper.param_groups.index(g)} has "
+                    f"mode='sign' needs a rule that votes across ranks (such as 'sign_muon') for "
+                    f"every matrix group; param group {stepper.param_groups.index(g)} has "
                     f"{g['algorithm']!r}. Use mode='owner' or 'replicated' for the other rules"
                 )
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -120,6 +120,10 @@ class Transform(ABC):
     Attributes:
         when_option: name of a boolean hyperparameter of the group that switches
             the transform on (``None``: always on). Keyword-only.
+        collective: class-level: ``True`` for a transform that communicates across
+            ranks in the middle of the chain (Sign-Muon's vote, through
+            :attr:`StepContext.vote`); the engine asks the rule
+            (:attr:`~dmuon.optim.Rule.needs_collective`), never the rule's name.
 
     Examples:
         >>> import torch
@@ -137,6 +141,7 @@ class Transform(ABC):
     """
 
     when_option: str | None = field(default=None, kw_only=True)
+    collective: ClassVar[bool] = False
 
     def state_specs(self) -> tuple[StateSpec, ...]:
         """The buffers this transform owns (none unless a subclass says so)."""
