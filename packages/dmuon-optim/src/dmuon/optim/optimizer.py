@@ -37,7 +37,7 @@ class DMuon(torch.optim.Optimizer):
 
     Each parameter group carries an ``algorithm``: a matrix rule
     (``"muon"``, ``"normuon"``, ``"adamuon"``, ``"muon2"``, ``"mona"``, ``"musec"``,
-    ``"sign_muon"``, ``"dion2"``, ``"dion3"``, ``"muonbp"``, ``"numuon"``; the
+    ``"sign_muon"``, ``"dion2"``, ``"dion3"``, ``"muonbp"``, ``"numuon"``, ``"scion"``; the
     default is ``rule``) or a scalar optimizer (``"adamw"``, ``"lion"``; the
     placeholder ``"scalar"`` means ``scalar_optimizer``). For Muon, a matrix ``W``
     with gradient ``G`` takes the step

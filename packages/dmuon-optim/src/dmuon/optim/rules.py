@@ -37,6 +37,7 @@ from dmuon.optim.transforms import (
     RowNormalize,
     Sign,
     SpectralNormalize,
+    SpectralRadius,
     StateSpec,
     StepContext,
     TopKPolar,
@@ -283,11 +284,20 @@ RULES: dict[str, Rule] = {
             summary="step along the top-k singular directions (randomised subspace iteration)",
             source="Dolatabadi et al., NuMuon, arXiv 2603.03597",
         ),
+        Rule(
+            "scion",
+            (Momentum(), Orthogonalize(), SpectralRadius()),
+            options={
+                "radius": Option(1.0, real(0.0, lo_open=True), "ρ, the spectral ball's radius"),
+            },
+            summary="the spectral-norm LMO step ρ·√(fan_out/fan_in)·polar(momentum)",
+            source="Pethick et al., Scion, arXiv 2502.07529 (hidden matrices)",
+        ),
     )
 }
 """Every update rule by name (the ``rule=`` / ``algorithm`` values): ``muon``, ``normuon``,
 ``adamuon``, ``muon2``, ``mona``, ``musec``, ``sign_muon``, ``dion2``, ``dion3``, ``muonbp``,
-``numuon``. Each is a :class:`Rule`; the Algorithms pages give their equations."""
+``numuon``, ``scion``. Each is a :class:`Rule`; the Algorithms pages give their equations."""
 
 
 def get_rule(name: str) -> Rule:

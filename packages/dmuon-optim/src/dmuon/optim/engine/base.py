@@ -40,6 +40,19 @@ class Stepper(Protocol):
         param_groups: the optimizer's parameter groups (each with its ``algorithm``).
         sign_vote: the collective Sign-Muon's chain calls mid-step; an engine that
             votes across ranks (``sign`` mode) sets it when it binds.
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.optim import DMuon, StepReport
+        >>> w = torch.nn.Parameter(torch.ones(4, 4))
+        >>> opt = DMuon([w])  # a Stepper
+        >>> opt.is_scalar(opt.param_groups[0])
+        False
+        >>> w.grad = torch.ones(4, 4)
+        >>> report = StepReport("single", 0, 1)
+        >>> opt.step_matrices(0, None, report)  # what SingleEngine.step asks
+        >>> report.matrices
+        1
     """
 
     param_groups: list[dict[str, Any]]

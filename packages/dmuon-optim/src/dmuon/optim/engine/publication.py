@@ -72,6 +72,16 @@ class Publication:
         timeout: seconds a wait for weights may take (``None``: the group's timeout);
             :class:`~dmuon.optim.DMuon` sets it through the exchange.
         published_step: the DMuon step whose weights are in flight (for messages).
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.comm import MatrixItem, plan_owners
+        >>> from dmuon.optim import OwnerExchange
+        >>> w = torch.nn.Parameter(torch.ones(4, 4))
+        >>> item = MatrixItem("blocks.0.w", (4, 4), layer="blocks.0")
+        >>> ex = OwnerExchange([(item, w)], plan=plan_owners([item], 1))
+        >>> ex.publication.pending_publications(), ex.publication.released_names()
+        ([], [])
     """
 
     def __init__(
