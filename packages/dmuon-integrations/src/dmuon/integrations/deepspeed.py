@@ -55,9 +55,9 @@ from torch import nn
 
 from dmuon.comm import layer_key
 from dmuon.integrations import ddp
+from dmuon.integrations.dedication import build_dedication
 from dmuon.integrations.deepspeed_checkpoint import load_checkpoint, save_checkpoint
 from dmuon.integrations.deepspeed_optimizer import ZeroClientOptimizer, dmuon_of
-from dmuon.integrations.fsdp import _dedicate
 from dmuon.optim import RULES, SCALAR_ALGORITHMS, DMuon, clip_grad_norm_, param_groups
 
 __all__ = [
@@ -379,7 +379,7 @@ def _owner_client(
             if algorithm == "scalar":
                 algorithm = defaults["scalar_optimizer"]
             scalar_groups.append(_scalar_group(g, algorithm, defaults))
-    ded = _dedicate(
+    ded = build_dedication(
         model,
         dedicate_options.pop("group", None),
         predicate=lambda _name, p: id(p) in matrices,
