@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 
-from dmuon.optim.hyperparameters import Option, boolean, choice, integer, optional, real
+from dmuon.optim.hyperparameters import (
+    MATRIX_KEYS,
+    Option,
+    boolean,
+    choice,
+    integer,
+    optional,
+    real,
+)
 from dmuon.optim.transforms import (
     RANK_SCHEDULES,
     AdamPrecondition,
@@ -89,6 +97,18 @@ class Rule:
                 f"rule {self.name!r}: state name(s) {repeated} are declared by more than one "
                 "transform of its chain; each buffer needs its own name"
             )
+        missing = sorted(set(self.reads) - set(MATRIX_KEYS) - set(self.options))
+        if missing:
+            raise ValueError(
+                f"rule {self.name!r}: its chain reads hyperparameter(s) {missing}, which are "
+                "neither common matrix keys nor options of the rule; give the rule an Option "
+                "(with its default and check) for each"
+            )
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Every group hyperparameter the chain reads (declared by its transforms), once."""
+        return tuple(dict.fromkeys(k for t in self.chain for k in t.read_keys()))
 
     @property
     def needs_collective(self) -> bool:

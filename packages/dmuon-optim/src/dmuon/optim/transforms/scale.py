@@ -32,6 +32,8 @@ class AdjustLR(Transform):
         4.0
     """
 
+    reads = ("adjust_lr",)
+
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
@@ -60,6 +62,8 @@ class SpectralRadius(Transform):
         >>> ctx.scale
         6.0
     """
+
+    reads = ("radius",)
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
