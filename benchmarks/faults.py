@@ -79,7 +79,7 @@ def _rank(rank: int, world: int, mode: str, fault: str, timeout: float):
     g = torch.Generator().manual_seed(rank)
     for step in range(1, 4):
         if rank == FAULTY and step == 2:
-            opt._matrix_step = _faulty(opt._matrix_step, fault)
+            opt.step_matrices = _faulty(opt.step_matrices, fault)
         t0 = time.monotonic()
         try:
             F.mse_loss(forward(torch.randn(8, 32, generator=g)), torch.zeros(8, 32)).backward()

@@ -99,7 +99,7 @@ def run_fault(rank: int, world: int, mode: str, fault: str):
     for step in range(1, 4):
         x = torch.randn(4, 8, generator=g)
         if rank == FAULTY and step == 2:
-            opt._matrix_step = faulty(opt._matrix_step, fault)
+            opt.step_matrices = faulty(opt.step_matrices, fault)
         t0 = time.monotonic()
         try:  # owner mode: a survivor may only notice in the next forward (publications)
             F.mse_loss(forward(x), torch.zeros(4, 2)).backward()

@@ -146,6 +146,11 @@ def rule_step(rule, W, G, st, hp, t, vote=lambda s: s):
         k = max(1, math.ceil(hp["rank_fraction"] * min(m, n)))
         Uu, _, Vh = torch.linalg.svd(U, full_matrices=False)
         D = Uu[:, :k] @ Vh[:k]
+    elif rule == "scion":
+        # Scion (arXiv 2502.07529): the paper's EMA d = (1 − μ)·M of the sum-form
+        # buffer M, whose polar factor is M's; step ρ·√(m/n)·polar(d).
+        D = ns_((1 - hp["momentum"]) * momentum_input(G, st, hp))
+        scale = hp["radius"] * math.sqrt(m / n)
     else:
         raise AssertionError(rule)
     return W * (1 - hp["lr"] * hp["weight_decay"]) - hp["lr"] * scale * D

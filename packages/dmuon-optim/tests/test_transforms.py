@@ -153,3 +153,39 @@ def test_when_option_gates_every_transform_alike():
         gated(G, on, StepContext(grad=G, hp=hp))
     with pytest.raises(TypeError):  # the hook is abstract: a transform must implement apply
         Transform()  # type: ignore[abstract]
+
+
+def test_a_rule_refuses_two_transforms_declaring_the_same_state_name():
+    from dmuon.optim import Rule
+    from dmuon.optim.transforms import Momentum
+
+    with pytest.raises(ValueError, match=r"state name\(s\) \['momentum_buffer'\]"):
+        Rule("twice", (Momentum(), Momentum()))
+
+
+def test_the_engine_asks_the_rule_whether_it_votes_mid_chain():
+    from dmuon.optim import RULES, get_rule
+
+    voting = sorted(name for name in RULES if get_rule(name).needs_collective)
+    assert voting == ["sign_muon"]
+
+
+def test_a_rule_refuses_a_chain_that_reads_a_key_without_a_default():
+    from dmuon.optim import Rule
+    from dmuon.optim.hyperparameters import Option, real
+    from dmuon.optim.transforms import Orthogonalize, SpectralRadius
+
+    with pytest.raises(ValueError, match=r"reads hyperparameter\(s\) \['radius'\]"):
+        Rule("no_radius", (Orthogonalize(), SpectralRadius()))
+    rule = Rule("with_radius", (SpectralRadius(),), options={"radius": Option(1.0, real(0.0), "ρ")})
+    assert rule.reads == ("radius",)
+
+
+def test_every_key_a_rule_reads_is_a_key_its_groups_have():
+    import torch
+
+    from dmuon.optim import RULES, DMuon
+
+    for name, rule in RULES.items():
+        group = DMuon([torch.nn.Parameter(torch.ones(4, 4))], rule=name).param_groups[0]
+        assert set(rule.reads) <= set(group), name

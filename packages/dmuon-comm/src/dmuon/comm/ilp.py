@@ -44,13 +44,11 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dmuon.comm.cost import Costing, ShapeKey, shape_key
 from dmuon.comm.owner_plan import natural_key
-
-if TYPE_CHECKING:
-    from dmuon.comm.planning import Unit
+from dmuon.comm.units import Unit
 
 __all__ = ["edge_colouring", "scipy_milp_available", "solve_owner_ilp"]
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 from dmuon.comm.cost import Costing, CostSpec, ShapeKey
 from dmuon.comm.items import MatrixItem
 from dmuon.comm.owner_plan import OwnerPlan, OwnerUnit, natural_key
+from dmuon.comm.units import Unit, layer_caps, make_units
 
 __all__ = ["DEFAULT_PACK_BELOW", "STRATEGIES", "plan_owners"]
 
@@ -21,21 +20,6 @@ STRATEGIES = ("lpt", "round_robin", "single", "ilp")
 # layer). 2**20 elements is 4 MiB in fp32; DMuon uses 5M for 7B-scale models.
 DEFAULT_PACK_BELOW = 1 << 20
 """Default ``pack_below``: matrices of one layer with fewer elements share one owner unit."""
-
-
-@dataclass
-class Unit:
-    """A planning unit before it has an owner (internal)."""
-
-    name: str
-    items: tuple[MatrixItem, ...]
-    layer: str | None
-    cost: float
-
-    @property
-    def key(self) -> tuple[float, tuple[tuple[int, int | str], ...]]:
-        # Longest first; ties by name so that the order never depends on input order.
-        return (-self.cost, natural_key(self.items[0].name))
 
 
 def plan_owners(
@@ -154,8 +138,8 @@ def plan_owners(
         raise ValueError(f"ilp_time_limit must be > 0 seconds, got {ilp_time_limit!r}")
 
     costing = Costing(items, cost, batch_cost, max_batch)
-    units = _make_units(items, costing, pack_below)
-    caps = _layer_caps(units, world_size) if spread_layers else {}
+    units = make_units(items, costing, pack_below)
+    caps = layer_caps(units, world_size) if spread_layers else {}
     shard_size = world_size // replicate_size
     solver = strategy
 
@@ -195,38 +179,6 @@ def _check_items(items: Iterable[MatrixItem]) -> list[MatrixItem]:
     if dups:
         raise ValueError(f"item names must be unique; repeated: {dups[:5]}")
     return sorted(out, key=lambda i: natural_key(i.name))
-
-
-def _make_units(items: Sequence[MatrixItem], costing: Costing, pack_below: int) -> list[Unit]:
-    """One unit per item, except the small items of one layer, packed into one."""
-    by_layer: dict[str, list[MatrixItem]] = {}
-    units: list[Unit] = []
-    for item in items:  # canonical order
-        if item.layer is not None and item.numel < pack_below:
-            by_layer.setdefault(item.layer, []).append(item)
-        else:
-            units.append(Unit(item.name, (item,), item.layer, costing.item_cost[item.name]))
-    for layer, small in by_layer.items():
-        if len(small) == 1:
-            (item,) = small
-            units.append(Unit(item.name, (item,), layer, costing.item_cost[item.name]))
-        else:
-            # Packed items also share batched calls on their owner; the unit cost is
-            # what LPT sorts by, the rank loads are recomputed with batching.
-            cost = costing.rank_load(small)
-            shown = ", ".join(i.name.removeprefix(layer).lstrip(".") for i in small)
-            units.append(Unit(f"{layer}[packed: {shown}]", tuple(small), layer, cost))
-    units.sort(key=lambda u: natural_key(u.items[0].name))
-    return units
-
-
-def _layer_caps(units: Sequence[Unit], world_size: int) -> dict[str, int]:
-    """Most units of one layer a rank may hold: ceil(k / world_size)."""
-    counts: dict[str, int] = {}
-    for u in units:
-        if u.layer is not None:
-            counts[u.layer] = counts.get(u.layer, 0) + 1
-    return {layer: math.ceil(k / world_size) for layer, k in counts.items() if k > 1}
 
 
 def _lpt(

@@ -25,8 +25,7 @@ from torch import nn
 
 from dmuon.comm import CommStats, layer_key
 from dmuon.comm.groups import group_size
-from dmuon.integrations.dedication import Dedication
-from dmuon.integrations.fsdp import _dedicate
+from dmuon.integrations.dedication import Dedication, build_dedication
 from dmuon.integrations.selection import Predicate, mesh_groups
 
 __all__ = ["SCALAR_MODES", "dedicate"]
@@ -93,7 +92,7 @@ def dedicate(
             "ddp.dedicate takes a 1-D group; for HSDP use dmuon.integrations.fsdp.dedicate "
             "with the 2-D mesh and FSDP2 for the scalar parameters"
         )
-    ded = _dedicate(
+    ded = build_dedication(
         model,
         pg,
         predicate=predicate,

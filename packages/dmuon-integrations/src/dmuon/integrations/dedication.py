@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,10 +11,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from dmuon.comm import OwnerPlan
+from dmuon.comm import CommStats, OwnerPlan, plan_owners
+from dmuon.comm.groups import group_size
+from dmuon.integrations.hooks import install_hooks
+from dmuon.integrations.selection import Predicate, mesh_groups, split_parameters
 from dmuon.optim import OwnerExchange
+from dmuon.optim.engine.params import is_dtensor
 
-__all__ = ["Dedication"]
+__all__ = ["Dedication", "build_dedication"]
 
 
 @dataclass(eq=False)
@@ -141,3 +145,70 @@ def _fsdp_modules(model: nn.Module) -> list[Any]:
     except ImportError:  # pragma: no cover
         return []
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def build_dedication(
+    model: nn.Module,
+    mesh: Any,
+    *,
+    predicate: Predicate | None,
+    strategy: str,
+    layer_of: Callable[[str], str],
+    stats: CommStats | None,
+    all_reduce_rest: bool,
+    kind: str,
+    plan_options: dict[str, Any],
+    dedicate_rest: bool = False,
+    reshard_after_forward: bool = False,
+) -> Dedication:
+    """Plan owners for ``model``'s dedicated parameters, build their exchange, hook it in.
+
+    What ``fsdp.dedicate``, ``ddp.dedicate`` and the DeepSpeed integration share:
+    split the parameters (``predicate``), plan the dedicated ones over the mesh's
+    ranks (:func:`~dmuon.comm.plan_owners`), build the
+    :class:`~dmuon.optim.OwnerExchange` (the rest all-reduced when
+    ``all_reduce_rest``, or dedicated too when ``dedicate_rest``) and install its
+    hooks (:func:`~dmuon.integrations.install_hooks`).
+
+    Raises:
+        ValueError: a parameter already sharded by FSDP2, or nothing to dedicate.
+    """
+    group, replicate_group = mesh_groups(mesh)
+    dedicated, rest = split_parameters(model, predicate, layer_of=layer_of)
+    if dedicate_rest:
+        from dmuon.comm import MatrixItem
+
+        dedicated += [
+            (MatrixItem(n, (1, p.numel()) if p.dim() < 2 else tuple(p.shape), p.dtype, k), p)
+            for n, k, p in rest
+        ]
+        rest = []
+    sharded = [item.name for item, p in dedicated if is_dtensor(p)]
+    if sharded:
+        raise ValueError(
+            f"parameter {sharded[0]!r} is already an FSDP2 DTensor: dedicate() was called after "
+            "fully_shard(). Call dedicate(model, mesh) first, then fully_shard(model, mesh=mesh, "
+            "ignored_params=ded.params), so FSDP2 leaves the dedicated matrices to their owners"
+        )
+    if not dedicated:
+        raise ValueError(
+            "no parameter to dedicate: the model has no matrix parameters (or the predicate "
+            "chose none); use plain FSDP2/DDP, or pass a predicate"
+        )
+    S = group_size(group)
+    R = group_size(replicate_group) if replicate_group is not None else 1
+    plan = plan_owners(
+        [item for item, _ in dedicated], R * S, strategy=strategy, replicate_size=R, **plan_options
+    )
+    exchange = OwnerExchange(
+        dedicated,
+        plan=plan,
+        replicated=rest if all_reduce_rest else (),
+        group=group,
+        replicate_group=replicate_group,
+        stats=stats,
+        reshard_after_forward=reshard_after_forward,
+    )
+    ded = Dedication(model, exchange, kind=kind)
+    ded.handles = install_hooks(model, exchange)
+    return ded

@@ -55,9 +55,9 @@ from torch import nn
 
 from dmuon.comm import layer_key
 from dmuon.integrations import ddp
+from dmuon.integrations.dedication import build_dedication
 from dmuon.integrations.deepspeed_checkpoint import load_checkpoint, save_checkpoint
-from dmuon.integrations.deepspeed_optimizer import ZeroClientOptimizer
-from dmuon.integrations.fsdp import _dedicate
+from dmuon.integrations.deepspeed_optimizer import ZeroClientOptimizer, dmuon_of
 from dmuon.optim import RULES, SCALAR_ALGORITHMS, DMuon, clip_grad_norm_, param_groups
 
 __all__ = [
@@ -335,24 +335,6 @@ def _follow_accumulation_boundary(engine: Any, client: Any) -> None:
     exchange.set_sync_condition(at_boundary)
 
 
-def dmuon_of(engine: Any) -> DMuon:
-    """The :class:`~dmuon.optim.DMuon` behind a DeepSpeed engine made by :func:`initialize`.
-
-    Examples:
-        >>> dmuon_of(engine).mode  # doctest: +SKIP
-        'owner'
-    """
-    opt = getattr(engine, "basic_optimizer", None) or getattr(engine, "optimizer", None)
-    if isinstance(opt, DMuon):
-        return opt
-    if isinstance(opt, ZeroClientOptimizer):
-        return opt.dmuon
-    raise TypeError(
-        f"the engine's optimizer is a {type(opt).__name__}, not one made by "
-        "dmuon.integrations.deepspeed.initialize"
-    )
-
-
 def _matrix_ids(groups: list[dict[str, Any]], defaults: Mapping[str, Any]) -> set[int]:
     """ids of the parameters of the groups whose algorithm is a matrix rule."""
     ids = set()
@@ -397,7 +379,7 @@ def _owner_client(
             if algorithm == "scalar":
                 algorithm = defaults["scalar_optimizer"]
             scalar_groups.append(_scalar_group(g, algorithm, defaults))
-    ded = _dedicate(
+    ded = build_dedication(
         model,
         dedicate_options.pop("group", None),
         predicate=lambda _name, p: id(p) in matrices,

@@ -36,23 +36,16 @@ from contextlib import contextmanager
 from typing import Any
 
 from dmuon.integrations import checkpoint
-from dmuon.integrations.deepspeed_optimizer import ZeroClientOptimizer
-from dmuon.optim import DMuon
+from dmuon.integrations.deepspeed_optimizer import (
+    ZeroClientOptimizer,
+    client_optimizer,
+    dmuon_of,
+)
 
 __all__ = ["DMUON_SUBDIR", "load_checkpoint", "save_checkpoint"]
 
 DMUON_SUBDIR = "dmuon"
 """The directory, inside a tag's directory, that holds DMuon's DCP checkpoint."""
-
-
-def _dmuon_of(engine: Any) -> DMuon:
-    from dmuon.integrations.deepspeed import dmuon_of
-
-    return dmuon_of(engine)
-
-
-def _client(engine: Any) -> Any:
-    return getattr(engine, "basic_optimizer", None) or getattr(engine, "optimizer", None)
 
 
 def save_checkpoint(
@@ -92,7 +85,7 @@ def save_checkpoint(
         >>> tag  # doctest: +SKIP
         'global_step20'
     """
-    optimizer = _dmuon_of(engine)  # before anything is written: a foreign engine fails here
+    optimizer = dmuon_of(engine)  # before anything is written: a foreign engine fails here
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     checkpoint.save(os.path.join(os.fspath(save_dir), tag, DMUON_SUBDIR), engine.module, optimizer)
     engine.save_checkpoint(
@@ -116,7 +109,7 @@ def _latest_tag(load_dir: str) -> str:
 def _dmuon_state_loaded_after(engine: Any) -> Iterator[None]:
     # ZeroClientOptimizer.load_state_dict refuses a checkpoint whose DMuon state nobody
     # loads; here it is loaded right after DeepSpeed's part.
-    client = _client(engine)
+    client = client_optimizer(engine)
     if not isinstance(client, ZeroClientOptimizer):
         yield
         return
@@ -166,7 +159,7 @@ def load_checkpoint(
         >>> path, client_state = load_checkpoint(engine, "ckpt")  # doctest: +SKIP
     """
     load_dir = os.fspath(load_dir)
-    optimizer = _dmuon_of(engine)
+    optimizer = dmuon_of(engine)
     tag = _latest_tag(load_dir) if tag is None else str(tag)
     dmuon_dir = os.path.join(load_dir, tag, DMUON_SUBDIR)
     wants_state = load_optimizer_states and not options.get("load_module_only", False)

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from dmuon.optim import SCALAR_ALGORITHMS, DMuon, adamw_step, lion_step
+from dmuon.optim import SCALAR_ALGORITHMS, DMuon
 from dmuon.optim.hyperparameters import SCALAR_KEYS
+from dmuon.optim.stepping import step_scalars
 
-__all__ = ["ZeroClientOptimizer"]
+__all__ = ["ZeroClientOptimizer", "client_optimizer", "dmuon_of"]
 
 
 class ZeroClientOptimizer(torch.optim.Optimizer):
@@ -103,30 +104,11 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
         return loss
 
     def _scalar_step(self, group: Mapping[str, Any]) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            return
-        states = [self._state_of(p, group["algorithm"]) for p in params]
-        grads = [p.grad for p in params]
-        common = dict(lr=group["lr"], betas=group["betas"], weight_decay=group["weight_decay"])
-        if group["algorithm"] == "adamw":
-            adamw_step(
-                params,
-                grads,
-                [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states],
-                [s["step"] for s in states],
-                eps=group["eps"],
-                **common,
-            )
-        else:
-            lion_step(
-                params,
-                grads,
-                [s["exp_avg"] for s in states],
-                [s["step"] for s in states],
-                **common,
-            )
+        """The same AdamW/Lion step as DMuon's scalar groups (``dmuon.optim.stepping``)."""
+        for p in group["params"]:
+            if p.grad is not None:
+                self._state_of(p, group["algorithm"])
+        step_scalars(group, self.state)
 
     def _state_of(self, p: torch.Tensor, algorithm: str) -> dict[str, torch.Tensor]:
         # Lazily, like torch.optim.AdamW: ZeRO replaces the parameters after construction.
@@ -189,3 +171,26 @@ def _check_group(group: Mapping[str, Any], index: int) -> dict[str, Any]:
         if key in group:
             out[key] = group[key]
     return out
+
+
+def client_optimizer(engine: Any) -> Any:
+    """The optimizer a DeepSpeed engine was given (``basic_optimizer``; else ``optimizer``)."""
+    return getattr(engine, "basic_optimizer", None) or getattr(engine, "optimizer", None)
+
+
+def dmuon_of(engine: Any) -> DMuon:
+    """The :class:`~dmuon.optim.DMuon` behind a DeepSpeed engine made by :func:`initialize`.
+
+    Examples:
+        >>> dmuon_of(engine).mode  # doctest: +SKIP
+        'owner'
+    """
+    opt = client_optimizer(engine)
+    if isinstance(opt, DMuon):
+        return opt
+    if isinstance(opt, ZeroClientOptimizer):
+        return opt.dmuon
+    raise TypeError(
+        f"the engine's optimizer is a {type(opt).__name__}, not one made by "
+        "dmuon.integrations.deepspeed.initialize"
+    )

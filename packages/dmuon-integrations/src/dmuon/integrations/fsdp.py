@@ -23,13 +23,9 @@ from typing import Any
 
 from torch import nn
 
-from dmuon.comm import CommStats, layer_key, plan_owners
-from dmuon.comm.groups import group_size
-from dmuon.integrations.dedication import Dedication
-from dmuon.integrations.hooks import install_hooks
-from dmuon.integrations.selection import Predicate, mesh_groups, split_parameters
-from dmuon.optim import OwnerExchange
-from dmuon.optim.engine.params import is_dtensor
+from dmuon.comm import CommStats, layer_key
+from dmuon.integrations.dedication import Dedication, build_dedication
+from dmuon.integrations.selection import Predicate
 
 __all__ = ["dedicate"]
 
@@ -91,7 +87,7 @@ def dedicate(
         ...     [model[1].weight, model[0].weight], key=lambda p: p.shape)
         True
     """
-    return _dedicate(
+    return build_dedication(
         model,
         mesh,
         predicate=predicate,
@@ -103,58 +99,3 @@ def dedicate(
         kind="fsdp",
         plan_options=plan_options,
     )
-
-
-def _dedicate(
-    model: nn.Module,
-    mesh: Any,
-    *,
-    predicate: Predicate | None,
-    strategy: str,
-    layer_of: Callable[[str], str],
-    stats: CommStats | None,
-    all_reduce_rest: bool,
-    kind: str,
-    plan_options: dict[str, Any],
-    dedicate_rest: bool = False,
-    reshard_after_forward: bool = False,
-) -> Dedication:
-    group, replicate_group = mesh_groups(mesh)
-    dedicated, rest = split_parameters(model, predicate, layer_of=layer_of)
-    if dedicate_rest:
-        from dmuon.comm import MatrixItem
-
-        dedicated += [
-            (MatrixItem(n, (1, p.numel()) if p.dim() < 2 else tuple(p.shape), p.dtype, k), p)
-            for n, k, p in rest
-        ]
-        rest = []
-    sharded = [item.name for item, p in dedicated if is_dtensor(p)]
-    if sharded:
-        raise ValueError(
-            f"parameter {sharded[0]!r} is already an FSDP2 DTensor: dedicate() was called after "
-            "fully_shard(). Call dedicate(model, mesh) first, then fully_shard(model, mesh=mesh, "
-            "ignored_params=ded.params), so FSDP2 leaves the dedicated matrices to their owners"
-        )
-    if not dedicated:
-        raise ValueError(
-            "no parameter to dedicate: the model has no matrix parameters (or the predicate "
-            "chose none); use plain FSDP2/DDP, or pass a predicate"
-        )
-    S = group_size(group)
-    R = group_size(replicate_group) if replicate_group is not None else 1
-    plan = plan_owners(
-        [item for item, _ in dedicated], R * S, strategy=strategy, replicate_size=R, **plan_options
-    )
-    exchange = OwnerExchange(
-        dedicated,
-        plan=plan,
-        replicated=rest if all_reduce_rest else (),
-        group=group,
-        replicate_group=replicate_group,
-        stats=stats,
-        reshard_after_forward=reshard_after_forward,
-    )
-    ded = Dedication(model, exchange, kind=kind)
-    ded.handles = install_hooks(model, exchange)
-    return ded

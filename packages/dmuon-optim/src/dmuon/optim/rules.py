@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 
-from dmuon.optim.hyperparameters import Option, boolean, choice, integer, optional, real
+from dmuon.optim.hyperparameters import (
+    MATRIX_KEYS,
+    Option,
+    boolean,
+    choice,
+    integer,
+    optional,
+    real,
+)
 from dmuon.optim.transforms import (
     RANK_SCHEDULES,
     AdamPrecondition,
@@ -37,6 +45,7 @@ from dmuon.optim.transforms import (
     RowNormalize,
     Sign,
     SpectralNormalize,
+    SpectralRadius,
     StateSpec,
     StepContext,
     TopKPolar,
@@ -79,6 +88,33 @@ class Rule:
     summary: str = ""
     source: str = ""
     reconstruction: bool = False
+
+    def __post_init__(self) -> None:
+        names = [s.name for t in self.chain for s in t.state_specs()]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"rule {self.name!r}: state name(s) {repeated} are declared by more than one "
+                "transform of its chain; each buffer needs its own name"
+            )
+        missing = sorted(set(self.reads) - set(MATRIX_KEYS) - set(self.options))
+        if missing:
+            raise ValueError(
+                f"rule {self.name!r}: its chain reads hyperparameter(s) {missing}, which are "
+                "neither common matrix keys nor options of the rule; give the rule an Option "
+                "(with its default and check) for each"
+            )
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Every group hyperparameter the chain reads (declared by its transforms), once."""
+        return tuple(dict.fromkeys(k for t in self.chain for k in t.read_keys()))
+
+    @property
+    def needs_collective(self) -> bool:
+        """Whether a transform of the chain communicates across ranks mid-chain (Sign-Muon's
+        vote): such a rule runs on every rank's own gradient, in ``sign`` mode only."""
+        return any(t.collective for t in self.chain)
 
     def state_specs(self) -> tuple[StateSpec, ...]:
         """Every buffer of the chain, per matrix."""
@@ -268,11 +304,20 @@ RULES: dict[str, Rule] = {
             summary="step along the top-k singular directions (randomised subspace iteration)",
             source="Dolatabadi et al., NuMuon, arXiv 2603.03597",
         ),
+        Rule(
+            "scion",
+            (Momentum(), Orthogonalize(), SpectralRadius()),
+            options={
+                "radius": Option(1.0, real(0.0, lo_open=True), "ρ, the spectral ball's radius"),
+            },
+            summary="the spectral-norm LMO step ρ·√(fan_out/fan_in)·polar(momentum)",
+            source="Pethick et al., Scion, arXiv 2502.07529 (hidden matrices)",
+        ),
     )
 }
 """Every update rule by name (the ``rule=`` / ``algorithm`` values): ``muon``, ``normuon``,
 ``adamuon``, ``muon2``, ``mona``, ``musec``, ``sign_muon``, ``dion2``, ``dion3``, ``muonbp``,
-``numuon``. Each is a :class:`Rule`; the Algorithms pages give their equations."""
+``numuon``, ``scion``. Each is a :class:`Rule`; the Algorithms pages give their equations."""
 
 
 def get_rule(name: str) -> Rule:

@@ -53,7 +53,8 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def _describe(optimizer: DMuon) -> str:
+def describe_optimizer(optimizer: DMuon) -> str:
+    """What a checkpoint records about ``optimizer`` (format, mode, world, plan), as JSON."""
     info = optimizer.engine.describe()
     return json.dumps(
         {
@@ -109,7 +110,7 @@ def save(
         state = {
             "model": get_model_state_dict(model),
             "optim": state_to_save(optimizer, held),
-            "dmuon": _describe(optimizer),
+            "dmuon": describe_optimizer(optimizer),
         }
         if extra:
             state["extra"] = dict(extra)

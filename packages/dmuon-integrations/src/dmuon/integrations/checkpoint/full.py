@@ -32,7 +32,7 @@ from dmuon.integrations.checkpoint.compat import (
     load_into_optimizer,
     saved_groups,
 )
-from dmuon.integrations.checkpoint.dcp import _describe
+from dmuon.integrations.checkpoint.dcp import describe_optimizer
 from dmuon.integrations.checkpoint.holders import Holding, holdings, release, settle
 from dmuon.integrations.checkpoint.sharded_state import group_records, owner_steps
 from dmuon.optim import DMuon
@@ -136,7 +136,7 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
     return {
         "model": model_sd,
         "optim": {"state": state, "param_groups": group_records(optimizer, held)},
-        "dmuon": _describe(optimizer),
+        "dmuon": describe_optimizer(optimizer),
     }
 
 

@@ -3,7 +3,7 @@
 See the Concepts page "Execution modes" for the modes and their traffic.
 """
 
-from dmuon.optim.engine.base import Engine, SingleEngine
+from dmuon.optim.engine.base import Engine, SingleEngine, Stepper
 from dmuon.optim.engine.consistency import ModelMismatchError, check_model_consistency
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
 from dmuon.optim.engine.guards import (
@@ -13,10 +13,12 @@ from dmuon.optim.engine.guards import (
     check_agreement,
     nonfinite_ranks,
 )
+from dmuon.optim.engine.layer_record import OwnerLayer
 from dmuon.optim.engine.modes import MODES, make_engine
 from dmuon.optim.engine.owner import OwnerEngine
 from dmuon.optim.engine.params import EngineParam, collect_params, item_shape, subplan
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine
+from dmuon.optim.engine.publication import Publication
 from dmuon.optim.engine.replicated import ReplicatedEngine
 from dmuon.optim.engine.report import PHASES, StepReport
 from dmuon.optim.engine.sharded import ShardedEngine
@@ -32,14 +34,17 @@ __all__ = [
     "NonFiniteGradientError",
     "OwnerEngine",
     "OwnerExchange",
+    "OwnerLayer",
     "Pipeline",
     "PlannedEngine",
+    "Publication",
     "RankDivergenceError",
     "ReplicatedEngine",
     "ShardedEngine",
     "SignEngine",
     "SingleEngine",
     "StepReport",
+    "Stepper",
     "check_agreement",
     "check_model_consistency",
     "collect_params",

@@ -1,6 +1,11 @@
-"""What every execution mode provides to :class:`~dmuon.optim.DMuon`, and the ``single`` mode.
+"""Where the optimizer and its engines meet: the :class:`Stepper` protocol, the
+:class:`Engine` base class of the execution modes, and the ``single`` mode.
 
-An engine decides, for the optimizer it is bound to,
+An engine drives a :class:`Stepper` (what :class:`~dmuon.optim.DMuon` implements):
+it asks "step these same-shape matrices" (:meth:`Stepper.step_matrices`) and "step
+these scalar parameters" (:meth:`Stepper.step_scalars`), and never imports the
+optimizer class nor calls its private methods (DESIGN.md, "the optimizer and its
+engines meet at a small public protocol"). An engine decides, for the optimizer it is bound to,
 
 * which parameters this rank steps (:meth:`Engine.steps`) — the others keep
   placeholder state, so state dicts have the same keys on every rank;
@@ -14,8 +19,8 @@ The rule never knows which mode runs it (DESIGN.md: same rules, same results).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,11 +28,60 @@ import torch.distributed as dist
 from dmuon.comm.groups import group_size
 from dmuon.optim.engine.params import EngineParam, collect_params, is_dtensor
 from dmuon.optim.engine.report import StepReport
+from dmuon.optim.vote import SignVote
 
-if TYPE_CHECKING:
-    from dmuon.optim.optimizer import DMuon
+__all__ = ["Engine", "SingleEngine", "Stepper", "local_norm_tensors"]
 
-__all__ = ["Engine", "SingleEngine", "local_norm_tensors"]
+
+class Stepper(Protocol):
+    """What an engine needs from the optimizer it drives; :class:`~dmuon.optim.DMuon` is one.
+
+    Attributes:
+        param_groups: the optimizer's parameter groups (each with its ``algorithm``).
+        sign_vote: the collective Sign-Muon's chain calls mid-step; an engine that
+            votes across ranks (``sign`` mode) sets it when it binds.
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.optim import DMuon, StepReport
+        >>> w = torch.nn.Parameter(torch.ones(4, 4))
+        >>> opt = DMuon([w])  # a Stepper
+        >>> opt.is_scalar(opt.param_groups[0])
+        False
+        >>> w.grad = torch.ones(4, 4)
+        >>> report = StepReport("single", 0, 1)
+        >>> opt.step_matrices(0, None, report)  # what SingleEngine.step asks
+        >>> report.matrices
+        1
+    """
+
+    param_groups: list[dict[str, Any]]
+    sign_vote: SignVote
+
+    def is_scalar(self, group: Mapping[str, Any]) -> bool:
+        """Whether ``group`` is stepped by a scalar optimizer (AdamW/Lion), not a matrix rule."""
+        ...
+
+    def step_matrices(
+        self,
+        index: int,
+        key: str | None,
+        report: StepReport,
+        grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        sink: Any = None,
+    ) -> None:
+        """Run group ``index``'s rule on its same-shape batches of pipeline group ``key``.
+
+        ``grads`` replaces ``p.grad`` (``sharded``/``sign`` modes); ``sink`` receives the
+        updates instead of the parameters (``sharded``: they travel back to the shards).
+        """
+        ...
+
+    def step_scalars(
+        self, group: Mapping[str, Any], params: list[torch.Tensor] | None = None
+    ) -> None:
+        """Step ``params`` of scalar ``group`` (default: all its parameters with a gradient)."""
+        ...
 
 
 class Engine:
@@ -48,9 +102,9 @@ class Engine:
         self.params: list[EngineParam] = []
         self._by_param: dict[int, EngineParam] = {}
 
-    def bind(self, opt: DMuon) -> None:
+    def bind(self, stepper: Stepper) -> None:
         """Learn the optimizer's parameters (called once, after its groups exist)."""
-        self.params = collect_params(opt.param_groups)
+        self.params = collect_params(stepper.param_groups)
         self._by_param = {id(e.param): e for e in self.params}
 
     def info(self, p: torch.Tensor) -> EngineParam | None:
@@ -69,8 +123,15 @@ class Engine:
         """The pipeline group of ``p``."""
         return None
 
-    def step(self, opt: DMuon, report: StepReport) -> None:  # pragma: no cover - abstract
+    def step(self, stepper: Stepper, report: StepReport) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def set_timeout(self, seconds: float | None) -> None:
+        """Seconds every wait of this engine outside ``DMuon.step`` may take (owner mode:
+        the forward's wait for published weights); inside a step ``DMuon`` bounds them."""
+
+    def set_step_number(self, number: int) -> None:
+        """The number of the step about to run (named in the errors of later waits)."""
 
     def begin_step(self) -> None:
         """Issue what every rank issues before the step's own collectives (owner mode:
@@ -116,13 +177,13 @@ class SingleEngine(Engine):
 
     mode = "single"
 
-    def step(self, opt: DMuon, report: StepReport) -> None:
-        for index, group in enumerate(opt.param_groups):
-            if opt._is_scalar(group):
+    def step(self, stepper: Stepper, report: StepReport) -> None:
+        for index, group in enumerate(stepper.param_groups):
+            if stepper.is_scalar(group):
                 with report.phase("scalar"):
-                    opt._scalar_step(group)
+                    stepper.step_scalars(group)
             else:
-                opt._matrix_step(index, None, report)
+                stepper.step_matrices(index, None, report)
         report.groups = 1
 
 

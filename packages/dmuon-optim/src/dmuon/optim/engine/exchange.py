@@ -40,13 +40,11 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from dmuon.comm import (
-    CommHandle,
     CommStats,
     FlatBucket,
     MatrixItem,
@@ -59,6 +57,7 @@ from dmuon.comm import (
 from dmuon.comm.groups import group_rank, group_size
 from dmuon.comm.owner_plan import natural_key
 from dmuon.optim.engine.consistency import check_model_consistency
+from dmuon.optim.engine.layer_record import OwnerLayer
 from dmuon.optim.engine.publication import Publication
 
 __all__ = ["OwnerExchange", "exchange_of"]
@@ -81,28 +80,7 @@ def _register(p: torch.Tensor, exchange: OwnerExchange) -> None:
     _REGISTRY[key] = (weakref.ref(p, lambda _: _REGISTRY.pop(key, None)), exchange)
 
 
-@dataclass(eq=False)
-class _Layer:
-    key: str
-    dedicated: list[str] = field(default_factory=list)
-    replicated: list[str] = field(default_factory=list)
-    reduce_buckets: list[FlatBucket] = field(default_factory=list)
-    publish_buckets: list[FlatBucket] = field(default_factory=list)
-    allreduce_buckets: list[FlatBucket] = field(default_factory=list)
-    ready: set[str] = field(default_factory=set)
-    launched: bool = False
-    reduce_handle: CommHandle | None = None
-    allreduce_works: list[object] = field(default_factory=list)
-    reduced: bool = False
-    publish_handle: CommHandle | None = None
-    resident: bool = True
-
-    @property
-    def expected(self) -> int:
-        return len(self.dedicated) + len(self.replicated)
-
-
-class OwnerExchange(Publication):
+class OwnerExchange:
     """Reduce-to-owner and broadcast-from-owner traffic for a set of dedicated parameters.
 
     Integrations build one (``dmuon.integrations.fsdp.dedicate``,
@@ -167,10 +145,6 @@ class OwnerExchange(Publication):
                 "keep the dedicated weights resident"
             )
         self.reshard_after_forward = reshard_after_forward
-        # Seconds to wait for a collective (None: the group's timeout); DMuon sets it.
-        self.timeout: float | None = None
-        self.published_step = 0  # the DMuon step whose weights are in flight (messages)
-        self._backward_resident: list[str] = []
         if replicated and replicate_group is not None:
             raise ValueError(
                 "replicated (all-reduced) parameters are for the DDP replacement on a 1-D "
@@ -179,7 +153,7 @@ class OwnerExchange(Publication):
         self._params: dict[str, torch.Tensor] = {}
         self._items: dict[str, MatrixItem] = {}
         self._layer_of: dict[str, str] = {}
-        layers: dict[str, _Layer] = {}
+        layers: dict[str, OwnerLayer] = {}
         for item, p in dedicated:
             if item.name in self._params or exchange_of(p) is not None:
                 raise ValueError(f"parameter {item.name!r} is dedicated twice")
@@ -188,7 +162,7 @@ class OwnerExchange(Publication):
             self._params[item.name], self._items[item.name] = p, item
             key = item.layer if item.layer is not None else item.name
             self._layer_of[item.name] = key
-            layers.setdefault(key, _Layer(key)).dedicated.append(item.name)
+            layers.setdefault(key, OwnerLayer(key)).dedicated.append(item.name)
         if len(self._items) != len(plan):
             raise ValueError(f"the plan has {len(plan)} items for {len(self._items)} parameters")
         for name, key, p in replicated:
@@ -196,7 +170,7 @@ class OwnerExchange(Publication):
                 raise ValueError(f"parameter {name!r} is both dedicated and replicated")
             self._params[name] = p
             self._layer_of[name] = key
-            layers.setdefault(key, _Layer(key)).replicated.append(name)
+            layers.setdefault(key, OwnerLayer(key)).replicated.append(name)
         self.layers = [layers[k] for k in sorted(layers, key=natural_key)]
         self._by_key = {layer.key: layer for layer in self.layers}
         # One model check before anything else travels (no-op on one rank).
@@ -219,7 +193,17 @@ class OwnerExchange(Publication):
             ]
         for _, p in dedicated:
             _register(p, self)
-        self._alias_all()
+        self.publication = Publication(
+            self.layers,
+            self._params,
+            plan,
+            rank=self.rank,
+            world_size=self.world_size,
+            group=group,
+            replicate_group=replicate_group,
+            stats=self.stats,
+            reshard_after_forward=reshard_after_forward,
+        )
         self._sync = True
         self._sync_condition: Callable[[], bool] | None = None
         self._present: set[str] = set()
@@ -227,14 +211,8 @@ class OwnerExchange(Publication):
         self._next_launch = 0
         self._flushed = False
         self._reduce_order = list(reversed(self.layers))
-        # ZeRO-3-like broadcasts follow forward and backward, the reductions a fixed
-        # order: separate process groups keep the two sequences from interleaving.
-        self._publish_group = group
-        if reshard_after_forward and S > 1:
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(S))
-            self._publish_group = dist.new_group(ranks)
-        self.synchronize_parameters()
-        self.release_all()
+        self.publication.synchronize_parameters()
+        self.publication.release_all()
 
     # ------------------------------------------------------------------ lookups
 
@@ -269,6 +247,10 @@ class OwnerExchange(Publication):
     def name_of(self, p: torch.Tensor) -> str | None:
         """The name ``p`` was dedicated or replicated under (``None``: neither)."""
         return self._name_by_id.get(id(p))
+
+    def layer_of(self, name: str) -> str:
+        """The layer key of the dedicated or replicated parameter called ``name``."""
+        return self._layer_of[name]
 
     def layer_keys(self) -> list[str]:
         """Layer keys, in natural (forward) order."""
@@ -321,7 +303,8 @@ class OwnerExchange(Publication):
                 "micro-batches inside no_sync()"
             )
         if not self._present and not self.reshard_after_forward:
-            self.wait_all_published()  # publications finish before this step's reductions
+            # publications finish before this step's reductions
+            self.publication.wait_all_published()
         self._present.add(name)
         layer.ready.add(name)
         while self._next_launch < len(self._reduce_order):
@@ -335,7 +318,7 @@ class OwnerExchange(Publication):
         if self._flushed:
             return
         if not self.reshard_after_forward:
-            self.wait_all_published()
+            self.publication.wait_all_published()
         while self._next_launch < len(self._reduce_order):
             self._launch(self._reduce_order[self._next_launch])
         names = sorted(self._params)  # by name: one order on every rank
@@ -356,7 +339,7 @@ class OwnerExchange(Publication):
         self._global_present = {n: bool(f) for n, f in zip(names, flags.tolist(), strict=True)}
         self._flushed = True
 
-    def _launch(self, layer: _Layer) -> None:
+    def _launch(self, layer: OwnerLayer) -> None:
         for b in layer.reduce_buckets + layer.allreduce_buckets:
             for name in b.names:
                 g = self._params[name].grad
@@ -430,7 +413,76 @@ class OwnerExchange(Publication):
         self._present.clear()
         self._next_launch = 0
         self._flushed = False
-        self._backward_resident = []
+        self.publication.end_step()
+
+    # ------------------------------------------------------------- publication
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds a wait for published weights may take (``None``: the group's timeout);
+        :class:`~dmuon.optim.DMuon` sets it from its ``timeout=``."""
+        return self.publication.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float | None) -> None:
+        self.publication.timeout = seconds
+
+    @property
+    def published_step(self) -> int:
+        """The DMuon step whose weights are in flight (named in timeout messages)."""
+        return self.publication.published_step
+
+    @published_step.setter
+    def published_step(self, number: int) -> None:
+        self.publication.published_step = number
+
+    def publish(self, key: str) -> None:
+        """See :meth:`Publication.publish`."""
+        self.publication.publish(key)
+
+    def wait_published(self, key: str) -> None:
+        """See :meth:`Publication.wait_published` (the forward pre-hook calls this)."""
+        self.publication.wait_published(key)
+
+    def wait_all_published(self) -> None:
+        """See :meth:`Publication.wait_all_published`."""
+        self.publication.wait_all_published()
+
+    def pending_publications(self) -> list[str]:
+        """See :meth:`Publication.pending_publications`."""
+        return self.publication.pending_publications()
+
+    def materialize(self, key: str, wait: bool = True) -> None:
+        """See :meth:`Publication.materialize`."""
+        self.publication.materialize(key, wait)
+
+    def release(self, key: str) -> None:
+        """See :meth:`Publication.release`."""
+        self.publication.release(key)
+
+    def release_all(self) -> None:
+        """See :meth:`Publication.release_all`."""
+        self.publication.release_all()
+
+    def released_names(self) -> list[str]:
+        """See :meth:`Publication.released_names`."""
+        return self.publication.released_names()
+
+    def forward_enter(self, key: str) -> None:
+        """See :meth:`Publication.forward_enter` (forward pre-hook)."""
+        self.publication.forward_enter(key)
+
+    def forward_exit(self, key: str) -> None:
+        """See :meth:`Publication.forward_exit` (forward post-hook)."""
+        self.publication.forward_exit(key)
+
+    def backward_enter(self, key: str) -> None:
+        """See :meth:`Publication.backward_enter` (backward pre-hook)."""
+        self.publication.backward_enter(key)
+
+    def synchronize_parameters(self) -> None:
+        """See :meth:`Publication.synchronize_parameters`."""
+        self.publication.synchronize_parameters()
 
     def describe(self) -> str:
         """One line per layer: its parameters and owners."""

@@ -17,21 +17,18 @@ wrong — so it raises and asks for ``mode="replicated"`` or ``mode="sign"``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
 from dmuon.comm.groups import group_size
-from dmuon.optim.engine.base import Engine, SingleEngine
+from dmuon.optim.engine.base import Engine, SingleEngine, Stepper
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
 from dmuon.optim.engine.owner import OwnerEngine
 from dmuon.optim.engine.params import collect_params, is_dtensor
 from dmuon.optim.engine.replicated import ReplicatedEngine
 from dmuon.optim.engine.sharded import ShardedEngine
 from dmuon.optim.engine.sign import SignEngine
-
-if TYPE_CHECKING:
-    from dmuon.optim.optimizer import DMuon
 
 __all__ = ["MODES", "make_engine"]
 
@@ -53,7 +50,7 @@ def _exchange(distributed: Any) -> OwnerExchange:
 
 
 def make_engine(
-    opt: DMuon,
+    opt: Stepper,
     *,
     mode: str | None = None,
     distributed: Any = None,

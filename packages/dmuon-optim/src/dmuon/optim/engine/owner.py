@@ -13,18 +13,16 @@ memory.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dmuon.optim.engine.base import Engine, local_norm_tensors
+from dmuon.optim.engine.base import Engine, Stepper, local_norm_tensors
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.report import StepReport
-
-if TYPE_CHECKING:
-    from dmuon.optim.optimizer import DMuon
+from dmuon.optim.rules import get_rule
 
 __all__ = ["OwnerEngine"]
 
@@ -40,16 +38,16 @@ class OwnerEngine(Engine):
         self.rank = exchange.rank
         self.world_size = exchange.world_size
 
-    def bind(self, opt: DMuon) -> None:
-        super().bind(opt)
+    def bind(self, stepper: Stepper) -> None:
+        super().bind(stepper)
         ex = self.exchange
-        for index, group in enumerate(opt.param_groups):
-            if group["algorithm"] == "sign_muon":
+        for index, group in enumerate(stepper.param_groups):
+            if not stepper.is_scalar(group) and get_rule(group["algorithm"]).needs_collective:
                 raise ValueError(
-                    f"param group {index} uses rule 'sign_muon', which votes across ranks on "
-                    "each rank's local gradient; a dedication reduces the gradients to their "
-                    "owners, so there would be nothing to vote on. Drop the dedication and use "
-                    "mode='sign' (train without DDP), or pick another rule for owner mode"
+                    f"param group {index} uses rule {group['algorithm']!r}, which votes across "
+                    "ranks on each rank's local gradient; a dedication reduces the gradients to "
+                    "their owners, so there would be nothing to vote on. Drop the dedication and "
+                    "use mode='sign' (train without DDP), or pick another rule for owner mode"
                 )
         for e in self.params:
             owner = exchange_of(e.param)
@@ -99,7 +97,13 @@ class OwnerEngine(Engine):
             return None
         name = self.exchange.name_of(p)
         assert name is not None
-        return self.exchange._layer_of[name]
+        return self.exchange.layer_of(name)
+
+    def set_timeout(self, seconds: float | None) -> None:
+        self.exchange.timeout = seconds
+
+    def set_step_number(self, number: int) -> None:
+        self.exchange.published_step = number
 
     def begin_step(self) -> None:
         self.exchange.flush()
@@ -133,17 +137,17 @@ class OwnerEngine(Engine):
     def prepare_grads(self) -> None:
         self.exchange.wait_all_reduced()
 
-    def step(self, opt: DMuon, report: StepReport) -> None:
+    def step(self, stepper: Stepper, report: StepReport) -> None:
         ex = self.exchange
         with report.phase("comm_wait"):
             ex.flush()
-        scalar_groups = [(i, g) for i, g in enumerate(opt.param_groups) if opt._is_scalar(g)]
-        matrix_groups = [i for i, g in enumerate(opt.param_groups) if not opt._is_scalar(g)]
+        scalar_groups = [(i, g) for i, g in enumerate(stepper.param_groups) if stepper.is_scalar(g)]
+        matrix_groups = [i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)]
         for key in ex.layer_keys():
             with report.phase("comm_wait"):
                 ex.wait_reduced(key)
             for index in matrix_groups:
-                opt._matrix_step(index, key, report)
+                stepper.step_matrices(index, key, report)
             owned_scalars = [
                 (g, [p for p in g["params"] if self.steps(p) and self.group_of(p) == key])
                 for _, g in scalar_groups
@@ -151,7 +155,7 @@ class OwnerEngine(Engine):
             with report.phase("scalar"):
                 for g, ps in owned_scalars:
                     if ps:
-                        opt._scalar_step(g, ps)
+                        stepper.step_scalars(g, ps)
             with report.phase("publish"):
                 ex.publish(key)
             report.groups += 1
@@ -159,7 +163,7 @@ class OwnerEngine(Engine):
             for _, g in scalar_groups:
                 rest = [p for p in g["params"] if not self._dedicated(p)]
                 if rest:
-                    opt._scalar_step(g, rest)
+                    stepper.step_scalars(g, rest)
         ex.end_step()
 
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dmuon.comm import CommHandle, CommStats, OwnerPlan, default_stats, plan_owners, wait_work
 from dmuon.comm.groups import group_size
-from dmuon.optim.engine.base import Engine, world_of
+from dmuon.optim.engine.base import Engine, Stepper, world_of
 from dmuon.optim.engine.consistency import check_model_consistency
 from dmuon.optim.engine.params import EngineParam, layers_in_order, subplan
 from dmuon.optim.engine.report import StepReport
-
-if TYPE_CHECKING:
-    from dmuon.optim.optimizer import DMuon
 
 __all__ = ["Pipeline", "PlannedEngine"]
 
@@ -91,8 +88,8 @@ class PlannedEngine(Engine):
         self._subplans: dict[str, OwnerPlan] = {}
         self._owner: dict[int, int] = {}
 
-    def bind(self, opt: DMuon) -> None:
-        super().bind(opt)
+    def bind(self, stepper: Stepper) -> None:
+        super().bind(stepper)
         self.rank, self.world_size = world_of(self.group)
         matrices = [e for e in self.params if e.matrix]
         self.plan = plan_owners([e.item for e in matrices], self.world_size, **self.plan_options)

@@ -24,15 +24,21 @@ forward and backward) never interleaves with the reductions' fixed order.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import CollectiveError, FlatBucket, broadcast_from_owners, collective_timeout
-
-if TYPE_CHECKING:
-    from dmuon.optim.engine.exchange import _Layer
+from dmuon.comm import (
+    CollectiveError,
+    CommStats,
+    FlatBucket,
+    OwnerPlan,
+    broadcast_from_owners,
+    collective_timeout,
+)
+from dmuon.comm.groups import group_size
+from dmuon.optim.engine.layer_record import OwnerLayer
 
 __all__ = ["Publication"]
 
@@ -43,17 +49,75 @@ def _freed(p: torch.Tensor) -> torch.Tensor:
 
 
 class Publication:
-    """Mixin of :class:`~dmuon.optim.engine.OwnerExchange`: publishing owners' weights."""
+    """The broadcast side of owner mode: the owners' weights back to every rank.
 
-    # provided by OwnerExchange
-    layers: list[_Layer]
-    _by_key: dict[str, _Layer]
-    _params: dict[str, torch.Tensor]
-    world_size: int
-    rank: int
-    reshard_after_forward: bool
-    _publish_group: dist.ProcessGroup | None
-    _backward_resident: list[str]
+    :class:`~dmuon.optim.engine.OwnerExchange` builds one after its buckets and
+    holds it as :attr:`OwnerExchange.publication`; both share the same
+    :class:`~dmuon.optim.engine.layer_record.OwnerLayer` records. Building it makes
+    every dedicated parameter a view of its slot in its layer's broadcast bucket
+    (a collective under ZeRO-3-like: the broadcasts' own process group).
+
+    Args:
+        layers: the layer records, in forward order.
+        params: every dedicated (and replicated) parameter by name.
+        plan: the owner plan.
+        rank: this rank in the plan's ranks (HSDP: ``i·S + j``).
+        world_size: the number of those ranks.
+        group: the plan's process group (HSDP: the shard group); ``None``: the world.
+        replicate_group: HSDP only, this rank's replicate group.
+        stats: where the bytes are recorded.
+        reshard_after_forward: ZeRO-3-like (see the module docstring).
+
+    Attributes:
+        timeout: seconds a wait for weights may take (``None``: the group's timeout);
+            :class:`~dmuon.optim.DMuon` sets it through the exchange.
+        published_step: the DMuon step whose weights are in flight (for messages).
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.comm import MatrixItem, plan_owners
+        >>> from dmuon.optim import OwnerExchange
+        >>> w = torch.nn.Parameter(torch.ones(4, 4))
+        >>> item = MatrixItem("blocks.0.w", (4, 4), layer="blocks.0")
+        >>> ex = OwnerExchange([(item, w)], plan=plan_owners([item], 1))
+        >>> ex.publication.pending_publications(), ex.publication.released_names()
+        ([], [])
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[OwnerLayer],
+        params: Mapping[str, torch.Tensor],
+        plan: OwnerPlan,
+        *,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None,
+        replicate_group: dist.ProcessGroup | None,
+        stats: CommStats,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.layers = list(layers)
+        self._by_key = {layer.key: layer for layer in self.layers}
+        self._params = params
+        self.plan = plan
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.replicate_group = replicate_group
+        self.stats = stats
+        self.reshard_after_forward = reshard_after_forward
+        self.timeout: float | None = None
+        self.published_step = 0
+        self._backward_resident: list[str] = []
+        self._alias_all()
+        # ZeRO-3-like broadcasts follow forward and backward, the reductions a fixed
+        # order: separate process groups keep the two sequences from interleaving.
+        self._publish_group = group
+        S = group_size(group)
+        if reshard_after_forward and S > 1:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(S))
+            self._publish_group = dist.new_group(ranks)
 
     def _alias_all(self) -> None:
         for layer in self.layers:
@@ -78,13 +142,13 @@ class Publication:
             view.copy_(p.detach().reshape(view.shape))
         p.data = view.view(p.shape)
 
-    def _broadcast(self, layer: _Layer) -> None:
+    def _broadcast(self, layer: OwnerLayer) -> None:
         layer.publish_handle = broadcast_from_owners(
             layer.publish_buckets,
-            self.plan,  # type: ignore[attr-defined]
+            self.plan,
             group=self._publish_group,
-            replicate_group=self.replicate_group,  # type: ignore[attr-defined]
-            stats=self.stats,  # type: ignore[attr-defined]
+            replicate_group=self.replicate_group,
+            stats=self.stats,
         )
 
     def publish(self, key: str) -> None:
@@ -110,7 +174,7 @@ class Publication:
         ZeRO-3-like: materialise it.
         """
         try:
-            with collective_timeout(getattr(self, "timeout", None)):
+            with collective_timeout(self.timeout):
                 if self.reshard_after_forward:
                     self.materialize(key)
                     return
@@ -123,7 +187,7 @@ class Publication:
         except CollectiveError as err:
             raise err.after_roll_call().with_context(
                 f"rank {self.rank}, before layer {key!r} runs: waiting for the weights "
-                f"published by DMuon step {getattr(self, 'published_step', '?')}"
+                f"published by DMuon step {self.published_step}"
             ) from err
 
     def wait_all_published(self) -> None:
@@ -219,6 +283,10 @@ class Publication:
         i = keys.index(key) + offset
         return keys[i] if 0 <= i < len(keys) else None
 
+    def end_step(self) -> None:
+        """Forget which layers backward kept materialised (the step is over)."""
+        self._backward_resident = []
+
     def release_all(self) -> None:
         """Free every layer a rank does not own (ZeRO-3-like; after the step's flush)."""
         for layer in self.layers:
@@ -243,6 +311,6 @@ class Publication:
         for names in by_dtype.values():
             tensors = {n: self._params[n].detach() for n in names}
             b = FlatBucket.from_tensors(tensors)
-            dist.broadcast(b.buffer, group_src=0, group=self.group)  # type: ignore[attr-defined]
+            dist.broadcast(b.buffer, group_src=0, group=self.group)
             with torch.no_grad():
                 b.unpack_into(tensors)

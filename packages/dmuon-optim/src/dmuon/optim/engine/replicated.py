@@ -10,17 +10,13 @@ one all-gather of the matrices, ``(N−1)/N·P``; Newton–Schulz work divided b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from dmuon.comm import all_gather_updates
+from dmuon.optim.engine.base import Stepper
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine
 from dmuon.optim.engine.report import StepReport
-
-if TYPE_CHECKING:
-    from dmuon.optim.optimizer import DMuon
 
 __all__ = ["ReplicatedEngine"]
 
@@ -30,12 +26,12 @@ class ReplicatedEngine(PlannedEngine):
 
     mode = "replicated"
 
-    def step(self, opt: DMuon, report: StepReport) -> None:
-        matrix_groups = [i for i, g in enumerate(opt.param_groups) if not opt._is_scalar(g)]
+    def step(self, stepper: Stepper, report: StepReport) -> None:
+        matrix_groups = [i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)]
         pipe = Pipeline(self.pipeline_depth, report)
         for key in self.layers:
             for index in matrix_groups:
-                opt._matrix_step(index, key, report)
+                stepper.step_matrices(index, key, report)
             with report.phase("publish"):
                 mine: dict[str, torch.Tensor] = {}
                 others: dict[str, torch.Tensor] = {}
@@ -48,9 +44,9 @@ class ReplicatedEngine(PlannedEngine):
             pipe.push(handle, lambda _: None)
             report.groups += 1
         with report.phase("scalar"):
-            for g in opt.param_groups:
-                if opt._is_scalar(g):
-                    opt._scalar_step(g)
+            for g in stepper.param_groups:
+                if stepper.is_scalar(g):
+                    stepper.step_scalars(g)
         pipe.drain()
 
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:

@@ -19,20 +19,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dmuon.comm import shard_all_to_all, shard_all_to_all_reverse, shard_range
 from dmuon.optim.buckets import Entry
-from dmuon.optim.engine.base import local_norm_tensors
+from dmuon.optim.engine.base import Stepper, local_norm_tensors
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine
 from dmuon.optim.engine.report import StepReport
-
-if TYPE_CHECKING:
-    from dmuon.optim.optimizer import DMuon
 
 __all__ = ["ShardedEngine", "shard_group_of"]
 
@@ -88,10 +85,10 @@ class ShardedEngine(PlannedEngine):
 
     mode = "sharded"
 
-    def bind(self, opt: DMuon) -> None:
+    def bind(self, stepper: Stepper) -> None:
         from dmuon.optim.engine.params import collect_params
 
-        matrices = [e for e in collect_params(opt.param_groups) if e.matrix]
+        matrices = [e for e in collect_params(stepper.param_groups) if e.matrix]
         # Meshes are compared by their ranks, not by identity: FSDP2 may hand equal
         # DeviceMesh objects to different modules (seen with several models per process).
         meshes: dict[tuple[Any, ...], tuple[Any, Any]] = {}
@@ -112,17 +109,17 @@ class ShardedEngine(PlannedEngine):
         if meshes and self.group is None:
             mesh, dim = next(iter(meshes.values()))
             self.group = mesh.get_group(dim)
-        super().bind(opt)
+        super().bind(stepper)
 
     def _shard(self, e: EngineParam, t: torch.Tensor) -> torch.Tensor:
         """A DTensor's local rows, viewed with the item's trailing shape."""
         local = t.to_local()  # type: ignore[attr-defined]
         return local.view(local.shape[0], *e.item.shape[1:])
 
-    def step(self, opt: DMuon, report: StepReport) -> None:
+    def step(self, stepper: Stepper, report: StepReport) -> None:
         with report.phase("comm_wait"):
             present = self.agree_presence()
-        matrix_groups = [i for i, g in enumerate(opt.param_groups) if not opt._is_scalar(g)]
+        matrix_groups = [i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)]
         n = self.world_size
 
         def start(key: str) -> Any:
@@ -143,7 +140,7 @@ class ShardedEngine(PlannedEngine):
                 for e in self.matrices(key):
                     if not present[e.name]:
                         continue
-                    group = opt.param_groups[e.group_index]
+                    group = stepper.param_groups[e.group_index]
                     lr, wd = float(group["lr"]), float(group["weight_decay"])
                     w = self._shard(e, e.param.detach())
                     if wd != 0.0 and lr != 0.0:
@@ -167,7 +164,7 @@ class ShardedEngine(PlannedEngine):
             }
             sink = _collector({id(e.param): e for e in mine}, results)
             for index in matrix_groups:
-                opt._matrix_step(index, key, report, grads=grads, sink=sink)
+                stepper.step_matrices(index, key, report, grads=grads, sink=sink)
             with report.phase("publish"):
                 back = shard_all_to_all_reverse(
                     results, self.subplan(key), group=self.group, stats=self.stats
@@ -175,9 +172,9 @@ class ShardedEngine(PlannedEngine):
             pipe.push(back, functools.partial(apply, key))
             report.groups += 1
         with report.phase("scalar"):
-            for g in opt.param_groups:
-                if opt._is_scalar(g):
-                    opt._scalar_step(g)
+            for g in stepper.param_groups:
+                if stepper.is_scalar(g):
+                    stepper.step_scalars(g)
         pipe.drain()
 
     def agreement_groups(self) -> list[dist.ProcessGroup | None]:

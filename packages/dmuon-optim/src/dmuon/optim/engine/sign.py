@@ -15,19 +15,16 @@ holds the momentum of every matrix (it is rank-specific by design).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from dmuon.comm import FlatBucket, majority_vote, wait_work
 from dmuon.comm.groups import group_size
+from dmuon.optim.engine.base import Stepper
 from dmuon.optim.engine.params import EngineParam
 from dmuon.optim.engine.planned import PlannedEngine
 from dmuon.optim.engine.report import StepReport
-
-if TYPE_CHECKING:
-    from dmuon.optim.optimizer import DMuon
+from dmuon.optim.rules import get_rule
 
 __all__ = ["SignEngine"]
 
@@ -37,29 +34,29 @@ class SignEngine(PlannedEngine):
 
     mode = "sign"
 
-    def bind(self, opt: DMuon) -> None:
-        super().bind(opt)
-        for g in opt.param_groups:
-            if not opt._is_scalar(g) and g["algorithm"] != "sign_muon":
+    def bind(self, stepper: Stepper) -> None:
+        super().bind(stepper)
+        for g in stepper.param_groups:
+            if not stepper.is_scalar(g) and not get_rule(g["algorithm"]).needs_collective:
                 raise ValueError(
-                    f"mode='sign' needs rule 'sign_muon' for every matrix group (the only rule "
-                    f"with a vote); param group {opt.param_groups.index(g)} has "
+                    f"mode='sign' needs a rule that votes across ranks (such as 'sign_muon') for "
+                    f"every matrix group; param group {stepper.param_groups.index(g)} has "
                     f"{g['algorithm']!r}. Use mode='owner' or 'replicated' for the other rules"
                 )
 
         def vote(signs: torch.Tensor) -> torch.Tensor:
             return majority_vote(signs, self.group, method="packed", stats=self.stats)
 
-        opt.sign_vote = vote
+        stepper.sign_vote = vote
 
     def steps(self, p: torch.Tensor) -> bool:
         return True
 
-    def step(self, opt: DMuon, report: StepReport) -> None:
+    def step(self, stepper: Stepper, report: StepReport) -> None:
         with report.phase("comm_wait"):
             present = self.agree_presence()
             self._average_scalars(present)
-        matrix_groups = [i for i, g in enumerate(opt.param_groups) if not opt._is_scalar(g)]
+        matrix_groups = [i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)]
         for key in self.layers:
             grads = {}
             for e in self.matrices(key):
@@ -67,12 +64,12 @@ class SignEngine(PlannedEngine):
                     g = e.param.grad
                     grads[e.param] = torch.zeros_like(e.param) if g is None else g
             for index in matrix_groups:
-                opt._matrix_step(index, key, report, grads=grads)
+                stepper.step_matrices(index, key, report, grads=grads)
             report.groups += 1
         with report.phase("scalar"):
-            for group in opt.param_groups:
-                if opt._is_scalar(group):
-                    opt._scalar_step(group)
+            for group in stepper.param_groups:
+                if stepper.is_scalar(group):
+                    stepper.step_scalars(group)
 
     def _average_scalars(self, present: dict[str, bool]) -> None:
         n = group_size(self.group)

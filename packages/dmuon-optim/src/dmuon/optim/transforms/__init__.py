@@ -25,7 +25,7 @@ from dmuon.optim.transforms.normalization import (
     match_frobenius,
 )
 from dmuon.optim.transforms.orthogonalization import Orthogonalize
-from dmuon.optim.transforms.scale import AdjustLR
+from dmuon.optim.transforms.scale import AdjustLR, SpectralRadius
 from dmuon.optim.transforms.selection import ErrorFeedbackSelect, selected_count
 from dmuon.optim.transforms.sign import MajorityVote, Sign
 from dmuon.optim.transforms.subspace import (
@@ -51,6 +51,7 @@ __all__ = [
     "RowNormalize",
     "Sign",
     "SpectralNormalize",
+    "SpectralRadius",
     "StateSpec",
     "StepContext",
     "TopKPolar",

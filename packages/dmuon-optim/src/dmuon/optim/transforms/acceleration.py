@@ -43,6 +43,8 @@ class GradDiffAcceleration(Transform):
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec("prev_grad", "matrix"), StateSpec("grad_diff_avg", "matrix"))
 
+    reads = ("mona_beta", "mona_gamma", "momentum")
+
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -120,6 +120,13 @@ class Transform(ABC):
     Attributes:
         when_option: name of a boolean hyperparameter of the group that switches
             the transform on (``None``: always on). Keyword-only.
+        reads: class-level: the group hyperparameters :meth:`apply` reads from
+            ``ctx.hp``; a :class:`~dmuon.optim.Rule` checks at definition that each
+            is a common matrix key or one of its options (so it has a default).
+        collective: class-level: ``True`` for a transform that communicates across
+            ranks in the middle of the chain (Sign-Muon's vote, through
+            :attr:`StepContext.vote`); the engine asks the rule
+            (:attr:`~dmuon.optim.Rule.needs_collective`), never the rule's name.
 
     Examples:
         >>> import torch
@@ -137,10 +144,16 @@ class Transform(ABC):
     """
 
     when_option: str | None = field(default=None, kw_only=True)
+    reads: ClassVar[tuple[str, ...]] = ()
+    collective: ClassVar[bool] = False
 
     def state_specs(self) -> tuple[StateSpec, ...]:
         """The buffers this transform owns (none unless a subclass says so)."""
         return ()
+
+    def read_keys(self) -> tuple[str, ...]:
+        """The hyperparameters this transform reads: :attr:`reads` and ``when_option``."""
+        return self.reads + ((self.when_option,) if self.when_option is not None else ())
 
     def __call__(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

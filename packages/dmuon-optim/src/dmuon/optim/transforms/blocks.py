@@ -66,6 +66,19 @@ class BlockPeriodicOrthogonalize(Transform):
         torch.Size([1, 8, 16])
     """
 
+    reads = (
+        "period",
+        "adjust_lr",
+        "full_lr_scale",
+        "row_blocks",
+        "col_blocks",
+        "block_lr_scale",
+        "ns_method",
+        "ns_coefficients",
+        "ns_steps",
+        "ns_compute_dtype",
+    )
+
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:

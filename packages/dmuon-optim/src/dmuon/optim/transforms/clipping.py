@@ -43,6 +43,8 @@ class MomentumSpectralClip(Transform):
         True
     """
 
+    reads = ("momentum", "clip_tau", "clip_mode", "clip_steps")
+
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:

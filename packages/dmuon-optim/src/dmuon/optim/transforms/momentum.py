@@ -41,6 +41,8 @@ class Momentum(Transform):
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec("momentum_buffer", "matrix"),)
 
+    reads = ("momentum", "nesterov")
+
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:

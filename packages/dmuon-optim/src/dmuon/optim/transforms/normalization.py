@@ -70,6 +70,8 @@ class RowNormalize(Transform):
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec(self.name, "row"),)
 
+    reads = ("beta2", "eps")
+
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
@@ -104,6 +106,8 @@ class ElementwiseNormalize(Transform):
 
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec("second_moment", "matrix"),)
+
+    reads = ("beta2", "eps")
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
@@ -142,6 +146,8 @@ class AdamPrecondition(Transform):
 
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec("grad_second_moment", "matrix"),)
+
+    reads = ("beta2", "eps")
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

@@ -33,6 +33,8 @@ class Orthogonalize(Transform):
         torch.Size([3, 8, 16])
     """
 
+    reads = ("ns_method", "ns_coefficients", "ns_steps", "ns_compute_dtype")
+
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:

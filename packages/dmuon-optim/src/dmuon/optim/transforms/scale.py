@@ -1,7 +1,8 @@
-"""The learning-rate convention as the last link of a chain."""
+"""The size of the step as the last link of a chain: a convention or a norm ball's radius."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ import torch
 from dmuon.optim.scaling import adjust_lr_factor
 from dmuon.optim.transforms.base import StepContext, Transform
 
-__all__ = ["AdjustLR"]
+__all__ = ["AdjustLR", "SpectralRadius"]
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,42 @@ class AdjustLR(Transform):
         4.0
     """
 
+    reads = ("adjust_lr",)
+
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         m, n = X.shape[-2], X.shape[-1]
         ctx.scale *= adjust_lr_factor(ctx.hp["adjust_lr"], m, n)
+        return X
+
+
+@dataclass(frozen=True)
+class SpectralRadius(Transform):
+    """Multiply the step's scale by ``ρ·√(m/n)``: the radius of a spectral-norm ball.
+
+    With ``X`` the polar factor ``UVᵀ`` of the momentum, ``−ρ·√(m/n)·UVᵀ`` is the
+    linear minimisation oracle of the ball ``{W : ‖W‖_{RMS→RMS} ≤ ρ}`` of an
+    ``m × n`` hidden matrix (``m`` fan-out, ``n`` fan-in; ``‖W‖_{RMS→RMS} =
+    √(n/m)·‖W‖₂``): Pethick et al., *Training Deep Learning Models with
+    Norm-Constrained LMOs* (Scion), arXiv 2502.07529, §3 and Table 2. Reads the
+    group's ``radius`` (ρ); ``adjust_lr`` is not used.
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.optim.transforms import SpectralRadius, StepContext
+        >>> X = torch.zeros(1, 400, 100)
+        >>> ctx = StepContext(grad=X, hp={"radius": 3.0})
+        >>> _ = SpectralRadius()(X, {}, ctx)
+        >>> ctx.scale
+        6.0
+    """
+
+    reads = ("radius",)
+
+    def apply(
+        self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
+    ) -> torch.Tensor:
+        m, n = X.shape[-2], X.shape[-1]
+        ctx.scale *= float(ctx.hp["radius"]) * math.sqrt(m / n)
         return X

@@ -60,6 +60,12 @@ class ErrorFeedbackSelect(Transform):
         own = (StateSpec("momentum_buffer", "matrix"),)
         return own + tuple(s for t in self.inner for s in t.state_specs())
 
+    # and "select_dim" where the rule has it (Dion2); without it (Dion3): rows
+    reads = ("momentum", "fraction")
+
+    def read_keys(self) -> tuple[str, ...]:
+        return super().read_keys() + tuple(k for t in self.inner for k in t.read_keys())
+
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:

@@ -48,6 +48,8 @@ class MajorityVote(Transform):
         [[[1.0, -1.0]]]
     """
 
+    collective = True
+
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:

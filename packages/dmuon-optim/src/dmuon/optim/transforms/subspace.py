@@ -82,6 +82,16 @@ class TopKPolar(Transform):
         True
     """
 
+    reads = (
+        "rank_fraction",
+        "rank_schedule",
+        "rank_start",
+        "rank_steps",
+        "oversample",
+        "seed",
+        "power_iters",
+    )
+
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:

@@ -1,0 +1,218 @@
+"""Parameter groups of :class:`~dmuon.optim.DMuon`: their defaults, normalisation and checks.
+
+A group names its ``algorithm`` (a matrix rule of :data:`~dmuon.optim.RULES` or a
+scalar optimizer of :data:`~dmuon.optim.SCALAR_ALGORITHMS`); every key it leaves
+out is filled from the constructor's arguments — for a rule option, the value the
+caller passed to ``DMuon(**rule_options)`` if any, else the rule's own default (a
+rule's default never overrides a caller's value). Every value is checked by its
+:class:`~dmuon.optim.hyperparameters.Option`, every parameter against what the
+algorithm can take, each error naming the group, the key or the parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dmuon.optim.engine.exchange import exchange_of
+from dmuon.optim.hyperparameters import BOOKKEEPING_KEYS, MATRIX_KEYS, SCALAR_KEYS
+from dmuon.optim.layout import matrix_layout
+from dmuon.optim.rules import RULES, get_rule
+from dmuon.optim.scalar import SCALAR_ALGORITHMS
+
+__all__ = ["STRUCTURE", "GroupDefaults", "check_value", "param_name", "structure_of"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The structural keys a group's buckets depend on; changing them after construction
+# would silently mismatch the state, so step() refuses.
+STRUCTURE = ("algorithm", "flatten", "split_sizes", "num_heads")
+
+
+@dataclass
+class GroupDefaults:
+    """What a group that leaves keys out gets: the constructor's arguments, checked.
+
+    Attributes:
+        rule: the matrix rule of groups that name no ``algorithm``.
+        scalar_optimizer: what ``algorithm="scalar"`` means (``"adamw"``/``"lion"``).
+        matrix: defaults of the keys every matrix rule takes (:data:`MATRIX_KEYS`).
+        scalar: defaults of the scalar optimizers' keys (lr, betas, eps, weight_decay).
+        rule_options: the caller's rule options (``DMuon(**rule_options)``).
+    """
+
+    rule: str
+    scalar_optimizer: str
+    matrix: dict[str, Any]
+    scalar: dict[str, Any]
+    rule_options: dict[str, Any]
+
+    @staticmethod
+    def check_rule(rule: str) -> None:
+        """Raise unless ``rule`` names a matrix rule (the error lists them)."""
+        get_rule(rule)
+
+    @classmethod
+    def build(
+        cls,
+        rule: str,
+        scalar_optimizer: str,
+        matrix: Mapping[str, Any],
+        scalar: Mapping[str, Any],
+        rule_options: Mapping[str, Any],
+    ) -> GroupDefaults:
+        """Check the constructor's values (``scalar`` keys named ``adamw_*`` in errors)."""
+        get_rule(rule)
+        if scalar_optimizer not in SCALAR_ALGORITHMS:
+            raise ValueError(
+                f"scalar_optimizer must be one of {list(SCALAR_ALGORITHMS)}, "
+                f"got {scalar_optimizer!r}"
+            )
+        checked = {k: check_value(k, v, MATRIX_KEYS[k], "DMuon") for k, v in matrix.items()}
+        scalars = {
+            k: check_value(f"adamw_{k}", v, SCALAR_KEYS["adamw"][k], "DMuon")
+            for k, v in scalar.items()
+        }
+        options = dict(rule_options)
+        for key, value in options.items():
+            if key in MATRIX_KEYS:
+                checked[key] = check_value(key, value, MATRIX_KEYS[key], "DMuon")
+        return cls(rule, scalar_optimizer, checked, scalars, options)
+
+    def to_config(self) -> dict[str, Any]:
+        """Plain values for a pickle (``DMuon.__getstate__``)."""
+        return {
+            "rule": self.rule,
+            "scalar_optimizer": self.scalar_optimizer,
+            "matrix_defaults": self.matrix,
+            "scalar_defaults": self.scalar,
+            "rule_options": self.rule_options,
+        }
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> GroupDefaults:
+        """The defaults :meth:`to_config` saved."""
+        return cls(
+            config["rule"],
+            config["scalar_optimizer"],
+            config["matrix_defaults"],
+            config["scalar_defaults"],
+            config["rule_options"],
+        )
+
+    def torch_defaults(self) -> dict[str, Any]:
+        """The ``defaults`` handed to ``torch.optim.Optimizer`` (the default rule's keys)."""
+        defaults = {"algorithm": self.rule, **self.matrix}
+        for key, opt in get_rule(self.rule).options.items():
+            defaults[key] = self.rule_options.get(key, opt.default)
+        return defaults
+
+    def check_options_used(self, groups: list[dict[str, Any]]) -> None:
+        """Raise if a caller's rule option is taken by no rule of the groups."""
+        used = set(MATRIX_KEYS) | set(get_rule(self.rule).options)
+        for group in groups:
+            if group["algorithm"] in RULES:
+                used |= set(get_rule(group["algorithm"]).options)
+        unused = sorted(set(self.rule_options) - used)
+        if unused:
+            rules_used = sorted({g["algorithm"] for g in groups} & set(RULES) | {self.rule})
+            raise ValueError(
+                f"unknown option(s) {unused} for rule(s) {rules_used}; accepted options: "
+                f"{sorted(used)}"
+            )
+
+    def normalize(self, param_group: Mapping[str, Any], index: int) -> dict[str, Any]:
+        """Group ``index`` with every key filled in and checked, its parameters listed."""
+        group = dict(param_group)
+        params = group.get("params")
+        if params is None:
+            raise ValueError(f"param group {index} has no 'params'")
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError("parameters must be an ordered collection (a list), not a set")
+        params = list(params)
+        if params and all(isinstance(p, tuple) for p in params):
+            group["param_names"] = [n for n, _ in params]
+            params = [p for _, p in params]
+        group["params"] = params
+        where = f"param group {index}"
+        algorithm = group.get("algorithm", self.rule)
+        if algorithm == "scalar":
+            algorithm = self.scalar_optimizer
+        accepted_algorithms = sorted(RULES) + list(SCALAR_ALGORITHMS) + ["scalar"]
+        if algorithm not in RULES and algorithm not in SCALAR_ALGORITHMS:
+            raise ValueError(
+                f"{where}: unknown algorithm {algorithm!r}; expected one of {accepted_algorithms}"
+            )
+        group["algorithm"] = algorithm
+        if algorithm in SCALAR_ALGORITHMS:
+            keys = SCALAR_KEYS[algorithm]
+            defaults = dict(self.scalar)
+        else:
+            rule = get_rule(algorithm)
+            keys = {**MATRIX_KEYS, **rule.options}
+            defaults = dict(self.matrix)
+            for key, opt in rule.options.items():
+                defaults[key] = self.rule_options.get(key, opt.default)
+        unknown = sorted(k for k in group if k not in keys and k not in BOOKKEEPING_KEYS)
+        if algorithm in SCALAR_ALGORITHMS and "max_momentum" in group and "momentum" in unknown:
+            # OneCycleLR/CyclicLR(cycle_momentum=True) write "momentum" into every
+            # group; it cycles the matrix groups' μ and is ignored by AdamW/Lion.
+            unknown.remove("momentum")
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown key(s) {unknown} for algorithm {algorithm!r}; accepted keys: "
+                f"{sorted(keys)} (and {sorted(BOOKKEEPING_KEYS)})"
+            )
+        for key, opt in keys.items():
+            value = group[key] if key in group else defaults[key]
+            group[key] = check_value(key, value, opt, where)
+        names = group.get("param_names")
+        for i, p in enumerate(params):
+            check_param(p, algorithm, group, param_name(names, i, index, p))
+        return group
+
+
+def check_param(p: Any, algorithm: str, group: Mapping[str, Any], name: str) -> None:
+    """Raise unless ``algorithm`` can step ``p`` (a real float tensor; a rule: a matrix)."""
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{name} is a {type(p).__name__}; DMuon optimizes torch.Tensors")
+    if p.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"{name} has dtype {p.dtype}; DMuon optimizes real floating-point parameters "
+            f"({', '.join(str(d) for d in FLOAT_DTYPES)})"
+        )
+    if algorithm in RULES:
+        matrix_layout(p, dict(group), name)
+        # a dedicated weight freed on this rank (ZeRO-3-like) is one broadcast NaN;
+        # another rank owns it, this one never updates it
+        freed = exchange_of(p) is not None and 0 in p.stride() and p.numel() > 1
+        if not p.is_contiguous() and not freed:
+            raise ValueError(
+                f"{name} is not contiguous; matrix rules update "
+                "parameters through views — make it contiguous (e.g. not channels_last)"
+            )
+
+
+def check_value(key: str, value: Any, opt: Any, where: str) -> Any:
+    """``opt.check(value)``, its error prefixed with where and which key."""
+    try:
+        return opt.check(value)
+    except ValueError as e:
+        raise ValueError(f"{where}: {key} {e}") from None
+
+
+def param_name(names: list[str] | None, i: int, group_index: int, p: Any) -> str:
+    """How errors name parameter ``i`` of group ``group_index``."""
+    shape = tuple(p.shape) if isinstance(p, torch.Tensor) else "?"
+    if names is not None and i < len(names):
+        return f"parameter {names[i]!r} (param group {group_index}, shape {shape})"
+    return f"parameter {i} of param group {group_index} (shape {shape})"
+
+
+def structure_of(group: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a group's buckets depend on (:data:`STRUCTURE` and its parameters)."""
+    return (*(group.get(k) for k in STRUCTURE), tuple(id(p) for p in group["params"]))

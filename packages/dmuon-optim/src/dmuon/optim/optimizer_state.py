@@ -1,0 +1,213 @@
+"""State of :class:`~dmuon.optim.DMuon`: created eagerly, checked when a state dict loads.
+
+Every parameter gets its state at construction, on every rank, under the same keys
+(DESIGN.md: "create every optimizer state eagerly so state dicts have the same keys
+on every rank"). A parameter another rank steps holds *placeholders*: empty tensors
+under the same keys. Matrix state is views into one stacked buffer per shape
+(:func:`~dmuon.optim.build_buckets`); scalar state is one tensor per key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from dmuon.optim.buckets import Bucket, build_buckets, state_shapes
+from dmuon.optim.engine.base import Engine
+from dmuon.optim.group_options import param_name
+from dmuon.optim.layout import matrix_layout
+from dmuon.optim.rules import get_rule
+from dmuon.optim.scalar import SCALAR_ALGORITHMS, scalar_state_shapes
+
+__all__ = [
+    "build_state",
+    "check_loaded_state",
+    "check_state_dict_keys",
+    "refuse_foreign_placeholders",
+]
+
+
+def build_state(
+    state: dict[Any, Any], group: dict[str, Any], index: int, engine: Engine
+) -> dict[str | None, list[Bucket]]:
+    """(Re)create group ``index``'s state in ``state``, keeping values of matching shape.
+
+    The engine says which parameters this rank steps and in which pipeline group;
+    the others get placeholder state (same keys, empty tensors), so every rank's
+    state dict has the same keys. Returns the group's buckets per pipeline group
+    (none for a scalar group).
+    """
+    names = group.get("param_names")
+    algorithm = group["algorithm"]
+    if algorithm in SCALAR_ALGORITHMS:
+        for p in group["params"]:
+            old = state.get(p, {})
+            new: dict[str, torch.Tensor] = {}
+            full = engine.steps(p)
+            for key in scalar_state_shapes(algorithm, p):
+                if key == "step":
+                    t = torch.zeros((), dtype=torch.float32)
+                elif full:
+                    t = torch.zeros_like(p, memory_format=torch.preserve_format)
+                else:
+                    t = _placeholder(p)
+                value = old.get(key)
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(t.shape):
+                    t.copy_(value)
+                new[key] = t
+            state[p] = new
+        return {}
+    rule = get_rule(algorithm)
+    out: dict[str | None, list[Bucket]] = {}
+    built: set[int] = set()
+    for pipeline_group in engine.step_groups():
+
+        def include(i: int, p: torch.Tensor, key: str | None = pipeline_group) -> bool:
+            return engine.steps(p) and engine.group_of(p) == key
+
+        buckets, new_state = build_buckets(
+            group,
+            rule,
+            lambda p: state.get(p, {}),
+            lambda i: param_name(names, i, index, group["params"][i]),
+            include=include,
+        )
+        out[pipeline_group] = buckets
+        for p, st in new_state.items():
+            state[p] = st
+            built.add(id(p))
+    for p in group["params"]:
+        if id(p) not in built:  # stepped by another rank (or frozen): placeholders
+            step = torch.zeros((), dtype=torch.float32)
+            _copy_step(step, state.get(p, {}))
+            holder = {"step": step}
+            for spec in rule.state_specs():
+                holder[spec.name] = _placeholder(p)
+            state[p] = holder
+    return out
+
+
+def check_state_dict_keys(state_dict: Any) -> None:
+    """Raise unless ``state_dict`` is a dict with ``"state"`` and ``"param_groups"``."""
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    missing = [k for k in ("state", "param_groups") if k not in state_dict]
+    if missing:
+        raise ValueError(
+            f"state dict is missing key(s) {missing}; an optimizer state dict has "
+            "'state' and 'param_groups'"
+        )
+
+
+def check_loaded_state(state: Mapping[Any, Any], groups: list[dict[str, Any]]) -> None:
+    """Raise unless ``state`` has exactly the keys and shapes ``groups`` need."""
+    params = {p for g in groups for p in g["params"]}
+    extra = [k for k in state if not (isinstance(k, torch.Tensor) and k in params)]
+    if extra:
+        raise ValueError(
+            f"state dict has state for parameter id(s) {extra} that belong to no group of "
+            "this optimizer"
+        )
+    for gi, g in enumerate(groups):
+        names = g.get("param_names")
+        for i, p in enumerate(g["params"]):
+            name = param_name(names, i, gi, p)
+            if g["algorithm"] in SCALAR_ALGORITHMS:
+                expected = scalar_state_shapes(g["algorithm"], p)
+            else:
+                layout = matrix_layout(p, g, name)
+                expected = state_shapes(get_rule(g["algorithm"]), layout)
+            st = state.get(p)
+            if st is None:
+                raise ValueError(
+                    f"state dict has no state for {name}; expected keys {sorted(expected)}"
+                )
+            missing = sorted(set(expected) - set(st))
+            surplus = sorted(set(st) - set(expected))
+            if missing or surplus:
+                raise ValueError(
+                    f"state of {name} (algorithm {g['algorithm']!r}): missing key(s) "
+                    f"{missing}, unexpected key(s) {surplus}; expected {sorted(expected)}"
+                )
+            for key, shape in expected.items():
+                value = st[key]
+                if key != "step" and isinstance(value, torch.Tensor) and value.numel() == 0:
+                    continue  # a placeholder: another rank steps this parameter
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+                    raise ValueError(f"state {key!r} of {name} has shape {got}; expected {shape}")
+
+
+def refuse_foreign_placeholders(
+    engine: Engine,
+) -> Callable[[torch.optim.Optimizer, dict[str, Any]], None]:
+    """A load-state-dict pre-hook: raise if a dict holds a placeholder where this rank
+    holds full state.
+
+    A placeholder (an empty tensor) stands for state another rank keeps; loading one
+    for a parameter this rank steps would restart its momentum from zero without a
+    word. The pattern is read off the optimizer's live state, which
+    :func:`build_state` shaped after what this rank steps. Malformed dicts are left to
+    the checks that name them (torch's group sizes, :func:`check_loaded_state`).
+    """
+
+    def hook(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        saved_groups, state = state_dict.get("param_groups"), state_dict.get("state")
+        if not isinstance(state, Mapping):
+            return
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(opt.param_groups):
+            return
+        for gi, (live, saved) in enumerate(zip(opt.param_groups, saved_groups, strict=True)):
+            ids = saved.get("params") if isinstance(saved, Mapping) else None
+            if not isinstance(ids, list) or len(ids) != len(live["params"]):
+                return
+            for i, (p, pid) in enumerate(zip(live["params"], ids, strict=True)):
+                theirs = state.get(pid)
+                if not isinstance(theirs, Mapping):
+                    continue
+                for key, mine in opt.state.get(p, {}).items():
+                    other = theirs.get(key)
+                    if key == "step" or not isinstance(mine, torch.Tensor) or mine.numel() == 0:
+                        continue
+                    if isinstance(other, torch.Tensor) and other.numel() == 0:
+                        name = param_name(live.get("param_names"), i, gi, p)
+                        raise ValueError(
+                            _foreign_placeholder_message(engine, state_dict, key, name)
+                        )
+
+    return hook
+
+
+def _foreign_placeholder_message(
+    engine: Engine, state_dict: Mapping[str, Any], key: str, name: str
+) -> str:
+    saved = state_dict.get("distributed")
+    if isinstance(saved, Mapping) and "rank" in saved:
+        saver = (
+            f"rank {saved['rank']} of {saved.get('world_size', '?')} in "
+            f"{saved.get('mode', '?')!r} mode"
+        )
+    else:
+        saver = "a rank it does not name (no 'distributed' entry)"
+    return (
+        f"state {key!r} of {name} is an empty placeholder in this state dict, saved by "
+        f"{saver}, where another rank steps that parameter; this is rank {engine.rank} of "
+        f"{engine.world_size} in {engine.mode!r} mode, which steps it, so loading would "
+        "restart its state from zero. Load the state dict this same rank saved (same mode, "
+        "world size and plan), or save and load with dmuon.integrations.checkpoint "
+        "(save/load or full_state_dict/load_full_state_dict), which reshards the state to "
+        "the ranks that step each parameter"
+    )
+
+
+def _placeholder(p: torch.Tensor) -> torch.Tensor:
+    """Empty state for a parameter another rank steps (same key, no memory)."""
+    return torch.zeros(0, dtype=p.dtype, device=p.device)
+
+
+def _copy_step(step: torch.Tensor, old: Mapping[str, Any]) -> None:
+    value = old.get("step")
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        step.copy_(value.reshape(()))

@@ -1,0 +1,225 @@
+"""One step of :class:`~dmuon.optim.DMuon`, top to bottom: guards → engine → report.
+
+:func:`run_step` is the whole of ``DMuon.step`` after the closure: it checks
+nothing was dedicated behind the optimizer's back, agrees with every rank that the
+gradients are finite (``nonfinite=``), lets the engine of the execution mode run
+the step (:meth:`~dmuon.optim.engine.Engine.step`, which calls back
+:func:`step_matrices` and :func:`step_scalars` through the
+:class:`~dmuon.optim.engine.Stepper` protocol), compares the ranks' parameters
+every ``check_every`` steps, and fills the :class:`~dmuon.optim.StepReport`.
+Every collective of the step runs under ``timeout=``; a failed one calls the roll
+(:mod:`dmuon.comm.roll_call`) and names the rank that stalled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from dmuon.comm import CollectiveError, collective_timeout
+from dmuon.comm.roll_call import note_phase
+from dmuon.optim.buckets import Bucket, Sink, step_bucket
+from dmuon.optim.engine.base import Engine, Stepper
+from dmuon.optim.engine.exchange import exchange_of
+from dmuon.optim.engine.guards import (
+    NONFINITE_POLICIES,
+    NonFiniteGradientError,
+    check_agreement,
+    nonfinite_ranks,
+)
+from dmuon.optim.engine.report import StepReport
+from dmuon.optim.rules import get_rule
+from dmuon.optim.scalar import adamw_step, lion_step
+from dmuon.optim.vote import SignVote
+
+__all__ = ["check_guard_options", "run_step", "step_matrices", "step_scalars"]
+
+
+def run_step(
+    stepper: Stepper,
+    engine: Engine,
+    number: int,
+    *,
+    timeout: float | None,
+    nonfinite: str | None,
+    check_every: int | None,
+    stepped: Callable[[], int],
+) -> tuple[StepReport, bool]:
+    """Step ``number`` of ``stepper`` by ``engine``: ``(report, whether it stepped)``.
+
+    ``stepped()`` is called once the engine has stepped and returns the number of
+    steps taken so far (for ``check_every``); a skipped step (``"skip_step"``) does
+    not call it.
+    """
+    if engine.mode != "owner":
+        dedicated = next((e.name for e in engine.params if exchange_of(e.param)), None)
+        if dedicated is not None:
+            raise RuntimeError(
+                f"parameter {dedicated!r} was dedicated to an owner after this optimizer "
+                f"was built (mode {engine.mode!r}): the dedication now reduces its gradient "
+                "to one rank and publishes its weight, which this optimizer does not know. "
+                "Call dedicate() first, then build DMuon(..., distributed=ded)"
+            )
+    report = StepReport(engine.mode, engine.rank, engine.world_size)
+    t0 = time.perf_counter()
+    note_phase(f"DMuon step {number}")
+    ran = False
+    try:
+        with collective_timeout(timeout):
+            with report.phase("comm_wait"):  # the guards' flags are communication too
+                engine.begin_step()
+                finite = nonfinite is None or _gradients_finite(engine, nonfinite, number)
+            if not finite:
+                engine.skip_step()
+            else:
+                engine.set_step_number(number)
+                engine.step(stepper, report)
+                ran = True
+                taken = stepped()
+                if check_every is not None and taken % check_every == 0:
+                    check_agreement(engine)
+    except CollectiveError as err:
+        raise err.after_roll_call().with_context(
+            f"DMuon step {number} (mode {engine.mode!r}, rank {engine.rank} of {engine.world_size})"
+        ) from err
+    note_phase(f"outside DMuon (forward, backward, user code), step {number} done")
+    report.seconds["total"] = time.perf_counter() - t0
+    return report, ran
+
+
+def _gradients_finite(engine: Engine, nonfinite: str, number: int) -> bool:
+    """Agree with every rank whether all gradients are finite; raise or say skip."""
+    ranks, names = nonfinite_ranks(engine)
+    if not ranks:
+        return True
+    if nonfinite == "skip_step":
+        return False
+    engine.skip_step()  # no collective left in flight: the optimizer stays usable
+    here = f"; on this rank: {names[:5]}" if names else ""
+    raise NonFiniteGradientError(
+        f"DMuon step {number}: non-finite (NaN or Inf) gradient on rank(s) {ranks}{here}. "
+        f"Nothing was updated on any rank (rank {engine.rank} of {engine.world_size}). "
+        "Lower the learning rate or clip the gradients, or pass nonfinite='skip_step' to "
+        "skip such steps on every rank (counted in skipped_steps)",
+        ranks,
+        names,
+    )
+
+
+def step_matrices(
+    group: Mapping[str, Any],
+    index: int,
+    buckets: list[Bucket],
+    state: Mapping[torch.Tensor, dict[str, Any]],
+    report: StepReport,
+    *,
+    vote: SignVote,
+    max_batch_elements: int | None,
+    grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    sink: Sink | None = None,
+) -> None:
+    """Run matrix group ``index``'s rule on ``buckets`` (same-shape batches)."""
+    if not buckets:
+        return
+    active: dict[int, torch.Tensor] = {}
+    for b in buckets:
+        for e in b.entries:
+            has = e.param.grad is not None if grads is None else e.param in grads
+            if has:
+                active[id(e.param)] = e.param
+    if not active:
+        return
+    torch._foreach_add_([state[p]["step"] for p in active.values()], 1.0)
+    rule = get_rule(group["algorithm"])
+    names = group.get("param_names")
+    timings: dict[str, float] = {}
+    for b in buckets:
+        ran = step_bucket(
+            b,
+            group,
+            rule,
+            state,
+            vote,
+            max_batch_elements,
+            grads=grads,
+            sink=sink,
+            timings=timings,
+        )
+        report.matrices += ran
+        report.rule_calls += int(ran > 0)
+    for phase, seconds in timings.items():
+        report.add(phase, seconds)
+    index_of = {id(p): i for i, p in enumerate(group["params"])}
+    report.stepped.extend(
+        names[index_of[id(p)]] if names else f"group{index}.param{index_of[id(p)]}"
+        for p in active.values()
+    )
+
+
+def step_scalars(
+    group: Mapping[str, Any],
+    state: Mapping[torch.Tensor, dict[str, Any]],
+    params: list[torch.Tensor] | None = None,
+) -> None:
+    """AdamW/Lion on ``params`` (default: the group's) that have a gradient."""
+    candidates = group["params"] if params is None else params
+    params = [p for p in candidates if p.grad is not None]
+    if not params:
+        return
+    grads = [p.grad for p in params]
+    if any(g.is_sparse for g in grads):  # type: ignore[union-attr]
+        raise RuntimeError("DMuon does not support sparse gradients")
+    states = [state[p] for p in params]
+    steps = [s["step"] for s in states]
+    if group["algorithm"] == "adamw":
+        adamw_step(
+            params,
+            grads,  # type: ignore[arg-type]
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            steps,
+            lr=float(group["lr"]),
+            betas=group["betas"],
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+        )
+    else:
+        lion_step(
+            params,
+            grads,  # type: ignore[arg-type]
+            [s["exp_avg"] for s in states],
+            steps,
+            lr=float(group["lr"]),
+            betas=group["betas"],
+            weight_decay=float(group["weight_decay"]),
+        )
+
+
+def check_guard_options(timeout: Any, nonfinite: Any, check_every: Any, store: Any) -> None:
+    """Raise on a bad ``timeout``, ``nonfinite``, ``check_every`` or ``store`` of ``DMuon``."""
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+    ):
+        raise ValueError(
+            f"timeout must be a positive number of seconds, or None for the process "
+            f"group's timeout; got {timeout!r}"
+        )
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"nonfinite must be 'raise', 'skip_step' or None (no check); got {nonfinite!r}"
+        )
+    if check_every is not None and (
+        isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1
+    ):
+        raise ValueError(
+            f"check_every must be an int ≥ 1 (compare parameters across ranks every that "
+            f"many steps) or None (never); got {check_every!r}"
+        )
+    if store is not None and not isinstance(store, torch.distributed.Store):
+        raise ValueError(
+            "store must be a torch.distributed.Store (e.g. the TCPStore the process group "
+            f"was initialised with) or None; got {type(store).__name__}"
+        )

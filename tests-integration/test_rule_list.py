@@ -1,0 +1,62 @@
+"""``RULES`` is the one source of the rule list: the places that repeat it agree with it.
+
+The ``DMuon`` docstring's list of matrix rules, the table of the algorithms index
+(``docs/algorithms/index.md``) and the rule pages of the mkdocs navigation name the
+rules of :data:`dmuon.optim.RULES`, in its order, each with its page. Adding a rule
+to ``rules.py`` without its page and rows fails here, and so does a stale row.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+from dmuon.optim import RULES, DMuon
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOT_RULES = ("index", "coefficients")  # the other pages of the Algorithms section
+
+
+def docstring_rules(doc: str) -> list[str]:
+    """The rule names the docstring lists after "a matrix rule" (up to "; the default")."""
+    text = " ".join(doc.split())
+    listed = re.search(r"a matrix rule \((.*?); the default", text)
+    assert listed, "the DMuon docstring no longer lists the matrix rules"
+    return re.findall(r'``"(\w+)"``', listed.group(1))
+
+
+def table_rules(markdown: str) -> list[str]:
+    """The rules of the algorithms index table, by their first column."""
+    return [name for name, _ in re.findall(r"^\| \[`(\w+)`\]\((\w+)\.md\) \|", markdown, re.M)]
+
+
+def nav_rules(mkdocs_yml: str) -> list[str]:
+    """The rule pages of the mkdocs navigation, in order."""
+    pages = re.findall(r"^\s+- (?:[^:\n]+: )?algorithms/(\w+)\.md\s*$", mkdocs_yml, re.M)
+    return [p for p in pages if p not in NOT_RULES]
+
+
+def test_the_docstring_lists_every_rule_in_order():
+    assert docstring_rules(DMuon.__doc__ or "") == list(RULES)
+
+
+def test_the_algorithms_table_has_one_row_per_rule_in_order():
+    text = (ROOT / "docs" / "algorithms" / "index.md").read_text()
+    assert table_rules(text) == list(RULES)
+    for name, page in re.findall(r"^\| \[`(\w+)`\]\((\w+)\.md\) \|", text, re.M):
+        assert name == page, f"the row of {name!r} links {page}.md"
+
+
+def test_the_navigation_has_one_page_per_rule_in_order():
+    assert nav_rules((ROOT / "mkdocs.yml").read_text()) == list(RULES)
+    for name in RULES:
+        assert (ROOT / "docs" / "algorithms" / f"{name}.md").is_file(), f"no page for {name!r}"
+
+
+def test_the_checks_fail_on_a_drifted_list():
+    doc = 'a matrix rule (``"muon"``, ``"normuon"``; the default is ``rule``)'
+    assert docstring_rules(doc) != list(RULES)
+    table = "| [`muon`](muon.md) | x | — | y |\n| [`extra`](extra.md) | x | — | y |\n"
+    assert table_rules(table) != list(RULES)
+    nav = "      - algorithms/index.md\n      - Muon: algorithms/muon.md\n"
+    assert nav_rules(nav) == ["muon"] != list(RULES)
