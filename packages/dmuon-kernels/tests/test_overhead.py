@@ -4,7 +4,7 @@ Counted, not timed: every ATen operator of the call is recorded with a
 ``TorchDispatchMode`` and sorted into matrix products, norms, copies and the other
 passes over a whole ``m × n`` matrix. The expected counts are derived from the
 iterations (docstrings of :mod:`dmuon.kernels.newton_schulz` and
-:mod:`dmuon.kernels.gram_newton_schulz`) and from the normalisation (two reductions,
+:mod:`dmuon.kernels.gram_newton_schulz`) and from the normalisation (three reductions,
 two written passes, ``_layout.to_wide_normalized``). An extra ``contiguous``, a cast
 that could ride on a write, a second norm or a product too many fails here.
 """
@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 from dmuon.kernels import orthogonalize
 
 PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul"}
-NORMS = {"linalg_vector_norm", "norm", "frobenius_norm", "amax", "max"}
+NORMS = {"linalg_vector_norm", "norm", "frobenius_norm", "amax", "amin", "aminmax", "max"}
 COPIES = {"copy_", "_to_copy", "clone", "contiguous"}
 
 
@@ -92,9 +92,10 @@ def gram_products(steps: int, restarts: tuple[int, ...]) -> tuple[Counter, int]:
     return Counter(bmm=bmm + 1, baddbmm=baddbmm), copies
 
 
-# Normalisation: max|G| and ‖G / max|G|‖_F (two reductions), G / max|G| and X / ‖·‖ (two
-# written passes; the second is in place, or casts to the compute dtype on its store).
-NORMALISE_NORMS = Counter(linalg_vector_norm=2)
+# Normalisation: max|G| = max(max G, −min G) and ‖G / max|G|‖_F (three read-only
+# reductions), G / max|G| and X / ‖·‖ (two written passes; the second is in place, or
+# casts to the compute dtype on its store).
+NORMALISE_NORMS = Counter(amax=1, amin=1, linalg_vector_norm=1)
 NORMALISE_PASSES = Counter(div=1, div_=1)
 
 

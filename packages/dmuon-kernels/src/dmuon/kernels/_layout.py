@@ -58,9 +58,9 @@ def to_wide_normalized(
     (``‖G‖_F + eps``) silently leaves small gradients un-orthogonalised. A zero
     matrix stays zero.
 
-    Cost: two reductions (``max|G|``, ``‖G/max|G|‖_F``) and two written passes; the
-    transpose of a tall matrix and the casts ride on the writes (no separate
-    ``contiguous``/``to`` copies, no ``|G|`` temporary).
+    Cost: three read-only reductions (``max G``, ``min G``, ``‖G/max|G|‖_F``) and two
+    written passes; the transpose of a tall matrix and the casts ride on the writes
+    (no separate ``contiguous``/``to`` copies, no ``|G|`` temporary).
     """
     check_matrix_input(G)
     m, n = G.shape[-2], G.shape[-1]
@@ -71,12 +71,15 @@ def to_wide_normalized(
     work = torch.float64 if G.dtype == torch.float64 else torch.float32
     if compute_dtype is None:
         compute_dtype = default_compute_dtype(G.device, method)
-    # Two reads and two writes, each written pass fusing what it can: max|G| is a
-    # reduction of G itself (no |G| materialised); dividing by it upcasts, transposes
-    # to the wide orientation and makes X contiguous in one write, so a tall matrix
-    # reduces in the same memory order as its transpose and gives bit for bit the same
-    # result; the division by the norm casts to the compute dtype on its store.
-    scale = torch.linalg.vector_norm(G3, ord=float("inf"), dim=(-2, -1), keepdim=True)
+    # Three read-only reductions and two writes, each write fusing what it can:
+    # max|G| = max(max G, −min G) reads G twice but materialises no |G| (on a 2-core x86
+    # CPU, torch 2.13, vector_norm(ord=inf) of a (4, 384, 1536) fp32 batch took 15 ms,
+    # amax + amin 0.8–1.4 ms); dividing by it upcasts, transposes to the wide
+    # orientation and makes X contiguous in one write, so a tall matrix reduces in the
+    # same memory order as its transpose and gives bit for bit the same result; the
+    # division by the norm casts to the compute dtype on its store.
+    dims = (-2, -1)
+    scale = torch.maximum(G3.amax(dim=dims, keepdim=True), G3.amin(dim=dims, keepdim=True).neg_())
     scale = torch.where(scale > 0, scale, 1.0).to(work)
     layout = Layout(G.shape, G.dtype, transposed)
     if G.requires_grad and torch.is_grad_enabled():  # out= has no autograd: same arithmetic
