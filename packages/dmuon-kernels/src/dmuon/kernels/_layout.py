@@ -79,7 +79,7 @@ def to_wide_normalized(
     # same memory order as its transpose and gives bit for bit the same result; the
     # division by the norm casts to the compute dtype on its store.
     dims = (-2, -1)
-    scale = torch.maximum(G3.amax(dim=dims, keepdim=True), G3.amin(dim=dims, keepdim=True).neg_())
+    scale = torch.maximum(G3.amax(dim=dims, keepdim=True), -G3.amin(dim=dims, keepdim=True))
     scale = torch.where(scale > 0, scale, 1.0).to(work)
     layout = Layout(G.shape, G.dtype, transposed)
     if G.requires_grad and torch.is_grad_enabled():  # out= has no autograd: same arithmetic
