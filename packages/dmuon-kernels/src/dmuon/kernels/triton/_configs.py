@@ -52,6 +52,10 @@ class TileConfig:
         """Bytes of the A and B tiles staged in shared memory (Triton's software pipeline)."""
         return self.num_stages * 2 * self.block * self.block_k * element_size
 
+    def accumulator_registers(self) -> int:
+        """fp32 accumulator registers per thread: ``BLOCK² / (32 · num_warps)``."""
+        return self.block * self.block // (32 * self.num_warps)
+
 
 HOPPER: tuple[TileConfig, ...] = (
     TileConfig(128, 64, 8, 3),
@@ -68,6 +72,10 @@ AMPERE: tuple[TileConfig, ...] = (
 INTERPRETER: tuple[TileConfig, ...] = (TileConfig(64, 64, 4, 1),)
 
 _KIB = 1024
+# With 4-byte operands a 128-register accumulator per thread leaves too few of the 255 for
+# the operand fragments: ptxas spilled 340–572 bytes for AMPERE's 128×32, 4-warp config in
+# fp32 (benchmarks/results/triton-compile.json), so fp32 takes at most 64.
+_FP32_MAX_ACCUMULATOR_REGISTERS = 64
 
 
 def arch_of(capability: tuple[int, int]) -> str:
@@ -76,7 +84,13 @@ def arch_of(capability: tuple[int, int]) -> str:
 
 
 def shared_memory_limit(capability: tuple[int, int]) -> int:
-    """Opt-in shared memory per block in bytes (CUDA programming guide, compute capabilities)."""
+    """Opt-in shared memory per block in bytes.
+
+    CUDA C++ Programming Guide, "Technical Specifications per Compute Capability"
+    (maximum shared memory per thread block); NVIDIA Ampere Tuning Guide §1.4.1.4 (A100:
+    163 KB per block of the 164 KB per SM) and Hopper Tuning Guide §1.4.1.5 (H100: 227 KB
+    of 228 KB per SM). One block of the symmetric kernel never needs more than this.
+    """
     if capability[0] in (9, 10):
         return 227 * _KIB
     if capability == (8, 0) or capability == (8, 7):
@@ -95,14 +109,20 @@ def select_configs(
 ) -> list[TileConfig]:
     """The configs worth timing for an ``m × m`` output on a GPU of this capability.
 
-    Drops configs whose staged tiles do not fit in shared memory and tiles more than
-    twice the (power-of-two padded) output size; always returns at least one config.
+    Drops configs whose staged tiles do not fit in shared memory, tiles more than
+    twice the (power-of-two padded) output size and, for 4-byte operands, configs
+    whose accumulator takes more than 64 registers per thread (they spill); always
+    returns at least one config.
     """
     configs = HOPPER if arch_of(capability) == "hopper" else AMPERE
     limit = shared_memory_limit(capability)
     padded = 1 << max(0, (m - 1).bit_length())
     keep = [
-        c for c in configs if c.shared_memory(element_size) <= limit and c.block <= max(64, padded)
+        c
+        for c in configs
+        if c.shared_memory(element_size) <= limit
+        and c.block <= max(64, padded)
+        and (element_size < 4 or c.accumulator_registers() <= _FP32_MAX_ACCUMULATOR_REGISTERS)
     ]
     if not keep:
         keep = [min(configs, key=lambda c: c.shared_memory(element_size))]

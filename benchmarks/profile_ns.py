@@ -1,0 +1,197 @@
+"""Where the time of a Newton–Schulz call and of an optimizer step goes (torch.profiler).
+
+For each shape it profiles ``dmuon.kernels.orthogonalize`` (standard and Gram) and,
+for a small GPT-2-like set of matrices, the optimizer step of DMuon at equal math
+(``rule="muon"``, standard iteration, Keller's coefficients), DMuon's default and
+``torch.optim.Muon`` (in the dtype of the comparison, see ``benchmarks/step.py``).
+Operator self-times are summed into groups:
+
+* ``products``: ``mm``/``bmm``/``addmm``/``baddbmm``;
+* ``norms``: ``linalg_vector_norm`` and other reductions;
+* ``casts/copies``: ``copy_``, ``_to_copy``, ``clone``, ``contiguous``;
+* ``stack/unstack``: ``stack``, ``cat``, ``split``, ``unbind``, ``index_*``;
+* ``elementwise``: the other arithmetic (``div``, ``mul``, ``add``, ``lerp`` …);
+* ``other``: everything else (allocation, views, Python-side dispatch).
+
+Prints one table per case and writes ``benchmarks/results/profile-<device>.json``.
+Times are medians of interleaved repeats with one torch thread; nothing asserts on
+them.
+
+    python benchmarks/profile_ns.py              # ~5 minutes on 2 shared cores
+    python benchmarks/profile_ns.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.*` importable
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common.metrics import machine_info  # noqa: E402
+from benchmarks.step import TorchMuonFP32, ns_dtype  # noqa: E402
+from dmuon.kernels import orthogonalize  # noqa: E402
+from dmuon.optim import DMuon  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+SHAPES = [(768, 768), (768, 3072), (3072, 768), (1024, 3584)]
+QUICK_SHAPES = [(384, 1536), (1536, 384)]
+GROUPS = {
+    "products": {"mm", "bmm", "addmm", "baddbmm", "matmul"},
+    "norms": {"linalg_vector_norm", "norm", "amax", "max", "sum", "isfinite", "all", "any"},
+    "casts/copies": {"copy_", "_to_copy", "to", "clone", "contiguous"},
+    "stack/unstack": {"stack", "cat", "split", "unbind", "index_select", "index_copy_"},
+    "elementwise": {
+        "div",
+        "div_",
+        "mul",
+        "mul_",
+        "add",
+        "add_",
+        "sub",
+        "sub_",
+        "lerp",
+        "lerp_",
+        "abs",
+        "where",
+        "clamp",
+        "clamp_",
+        "addcmul_",
+        "_foreach_mul_",
+        "_foreach_add_",
+        "_foreach_lerp_",
+        "_foreach_div_",
+        "_foreach_addcmul_",
+    },
+}
+
+
+def group_of(name: str) -> str:
+    op = name.removeprefix("aten::")
+    for group, ops in GROUPS.items():
+        if op in ops:
+            return group
+    return "other"
+
+
+def breakdown(fn: Callable[[], Any], repeats: int) -> dict[str, Any]:
+    """Median wall time of ``fn`` and the profiled self-time of its operators by group."""
+    fn()
+    walls = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    groups: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for event in prof.key_averages():
+        if not event.key.startswith("aten::"):
+            continue
+        g = group_of(event.key)
+        groups[g] += event.self_cpu_time_total / 1e3  # ms
+        calls[event.key.removeprefix("aten::")] += event.count
+    total = sum(groups.values())
+    return {
+        "wall_ms": statistics.median(walls) * 1e3,
+        "profiled_ms": total,
+        "groups_ms": dict(groups),
+        "calls": dict(sorted(calls.items(), key=lambda kv: -kv[1])),
+    }
+
+
+def ns_cases(shapes, dtype: torch.dtype, repeats: int) -> list[dict[str, Any]]:
+    out = []
+    for m, n in shapes:
+        G = torch.randn(m, n, generator=torch.Generator().manual_seed(0))
+        for method in ("standard", "gram"):
+            r = breakdown(
+                lambda G=G, method=method: orthogonalize(
+                    G, method=method, compute_dtype=dtype, backend="torch"
+                ),
+                repeats,
+            )
+            out.append({"case": f"orthogonalize {method} {m}x{n}", **r})
+    return out
+
+
+def step_cases(dtype: torch.dtype, repeats: int, quick: bool) -> list[dict[str, Any]]:
+    width = 192 if quick else 384  # the issue's GPT of width 384, 4 layers: 16 matrices
+    shapes = [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * 4
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    name = str(dtype).removeprefix("torch.")
+    makers: dict[str, Callable[[], torch.optim.Optimizer]] = {
+        "torch.optim.Muon": lambda: torch.optim.Muon(params, lr=0.02, adjust_lr_fn="original"),
+        "DMuon equal math (standard, keller)": lambda: DMuon(
+            params,
+            rule="muon",
+            ns_method="standard",
+            ns_coefficients="keller",
+            ns_compute_dtype=name,
+        ),
+        "DMuon default (gram, polar_express)": lambda: DMuon(params, rule="muon"),
+    }
+    if dtype == torch.float32:
+        makers["torch.optim.Muon"] = lambda: TorchMuonFP32(params, lr=0.02, adjust_lr_fn="original")
+    out = []
+    for label, make in makers.items():
+        opt = make()
+        r = breakdown(opt.step, repeats)
+        out.append({"case": f"step {label}, {len(shapes)} matrices of width {width}", **r})
+    return out
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    cols = ["products", "norms", "casts/copies", "stack/unstack", "elementwise", "other"]
+    print(f"{'case':<62} {'wall ms':>8} " + " ".join(f"{c[:12]:>12}" for c in cols))
+    for r in rows:
+        total = r["profiled_ms"] or 1.0
+        shares = " ".join(f"{100 * r['groups_ms'].get(c, 0.0) / total:>11.1f}%" for c in cols)
+        print(f"{r['case']:<62} {r['wall_ms']:>8.1f} {shares}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--shared-machine", action="store_true", help="record a shared machine")
+    p.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    dtype = ns_dtype("cpu")
+    load_before = os.getloadavg()[0]
+    rows = ns_cases(QUICK_SHAPES if args.quick else SHAPES, dtype, args.repeats)
+    rows += step_cases(dtype, args.repeats, args.quick)
+    print_table(rows)
+    meta = {
+        **machine_info("cpu"),
+        "dtype": str(dtype).removeprefix("torch."),
+        "shared_machine": args.shared_machine,
+        "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / ("profile-cpu" + ("-quick" if args.quick else "") + ".json")
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
