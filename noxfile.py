@@ -71,8 +71,13 @@ def install_local(session: nox.Session, names, extras: dict[str, str] | None = N
 
 def _package_tests(session: nox.Session, package: str) -> None:
     """One package's tests, installed (not editable) with only its declared dependencies."""
-    # comm's ILP solver; kernels' Triton kernels (run under TRITON_INTERPRET=1 in the tests)
-    extras = {"comm": {"comm": "ilp"}, "kernels": {"kernels": "triton"}}.get(package)
+    # comm's ILP solver; kernels' Triton kernels (run under TRITON_INTERPRET=1 in the tests);
+    # optim's planner tables and plots (dmuon-plan --plot)
+    extras = {
+        "comm": {"comm": "ilp"},
+        "kernels": {"kernels": "triton"},
+        "optim": {"optim": "plan"},
+    }.get(package)
     install_local(session, LOCAL_DEPS[package], extras)
     session.install(*CONSTRAINTS, *TEST_TOOLS)
     # Run from the tests folder so `dmuon` resolves to the installed wheel, not src/.

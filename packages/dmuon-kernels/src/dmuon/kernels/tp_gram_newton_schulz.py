@@ -83,8 +83,9 @@ def tp_gram_newton_schulz(
             (columns) or ``-2`` / ``ndim - 2`` (rows).
         reduce: ``reduce(tensor, op)`` with ``op`` in :data:`REDUCE_OPS` returns the
             elementwise ``"sum"`` or ``"max"`` of ``tensor`` over the group (it may
-            work in place), e.g. ``torch.distributed.all_reduce`` on the
-            tensor-parallel process group. It is called ``3 + len(restarts)``
+            work in place and return None), e.g. torch's distributed ``all_reduce``
+            on the tensor-parallel process group (dmuon-kernels itself holds no
+            distributed code). It is called ``3 + len(restarts)``
             times, in the same order on every rank.
         restarts: iterations at which ``X`` is re-formed and ``R`` recomputed (and
             reduced) exactly. ``None``: ``(2,)`` when the Gram side (the unsplit
