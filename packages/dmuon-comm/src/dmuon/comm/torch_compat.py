@@ -6,8 +6,8 @@ new name is used where it exists (the old one warns as deprecated there); the ol
 one otherwise. ``nox -s compat`` runs the test suites on the oldest supported torch,
 so both branches of each entry are exercised in CI (the newest on the pinned torch).
 
-dmuon-optim and dmuon-integrations import their collectives from here too, so the
-choice is made in one place.
+dmuon-optim imports these collectives from here too, so the choice is made in one
+place.
 """
 
 from __future__ import annotations
