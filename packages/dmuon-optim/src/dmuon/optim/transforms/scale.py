@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -69,5 +68,6 @@ class SpectralRadius(Transform):
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         m, n = X.shape[-2], X.shape[-1]
-        ctx.scale *= float(ctx.hp["radius"]) * math.sqrt(m / n)
+        # √(m/n) is the "spectral" convention's factor: one definition of it
+        ctx.scale *= float(ctx.hp["radius"]) * adjust_lr_factor("spectral", m, n)
         return X
