@@ -50,6 +50,8 @@ import time
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.*` importable
+    sys.path.insert(0, str(ROOT))
 SOURCES = [ROOT / "packages" / f"dmuon-{p}" / "src" for p in ("kernels", "comm", "optim")]
 WHEELS = ROOT / "benchmarks" / "gpu-wheels"
 WHEELS_LIMIT = 60 * 2**20  # the GPU tool carries 64 MiB in all
@@ -151,21 +153,24 @@ def prepare_wheels(folder: pathlib.Path) -> int:
 
 
 def versions() -> dict[str, Any]:
-    info: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine()}
-    for name in ("torch", "triton", "numpy"):
-        try:
-            info[name] = __import__(name).__version__
-        except Exception as exc:  # report, do not stop: the steps say what failed
-            info[name] = f"unavailable: {type(exc).__name__}"
+    """The benchmarks' ``machine_info`` (date, commit, CPU, torch, GPU, CUDA) plus triton,
+    numpy and the GPU's compute capability; what cannot be read is reported, not raised."""
+    info: dict[str, Any] = {"python": platform.python_version()}
     try:
         import torch
 
-        info["cuda"] = torch.version.cuda
+        from benchmarks.common.metrics import machine_info
+
+        info.update(machine_info("cuda" if torch.cuda.is_available() else "cpu"))
         if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
             info["capability"] = list(torch.cuda.get_device_capability(0))
-    except Exception as exc:
-        info["cuda"] = f"unavailable: {type(exc).__name__}"
+    except Exception as exc:  # report, do not stop: the steps say what failed
+        info["torch"] = f"unavailable: {type(exc).__name__}: {exc}"
+    for name in ("triton", "numpy"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception as exc:
+            info[name] = f"unavailable: {type(exc).__name__}"
     return info
 
 

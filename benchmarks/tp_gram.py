@@ -33,13 +33,13 @@ import sys
 from typing import Any
 
 import torch
-import torch.utils.benchmark as tb
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.*` importable
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.metrics import machine_info  # noqa: E402
+from benchmarks.kernels import timeit as median_time  # noqa: E402
 from dmuon.kernels import default_compute_dtype, gram_newton_schulz, tp_gram_newton_schulz  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -55,11 +55,11 @@ def _identity(tensor: torch.Tensor, op: str) -> torch.Tensor:
 
 
 def timeit(fn, min_run_time: float, device: str) -> float:
-    fn()  # warm-up (autotune, first-call allocations)
+    """kernels.py's median timing, after one warm-up call (autotune, first allocations)."""
+    fn()
     if device == "cuda":
         torch.cuda.synchronize()
-    timer = tb.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median
+    return median_time(fn, min_run_time)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
