@@ -36,7 +36,9 @@ import nox
 from packaging.utils import canonicalize_name
 
 ROOT = pathlib.Path(__file__).parent
-CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+# --no-compile: pip byte-compiles every module of torch on install (a sixth of each
+# session's install time); Python compiles what a test imports on its own.
+CONSTRAINTS = ("--no-compile", "-c", str(ROOT / "constraints.txt"))
 PACKAGES = ("kernels", "comm", "optim", "integrations")
 # What each distribution needs from the monorepo (the order pip must see them in).
 LOCAL_DEPS = {
@@ -165,7 +167,7 @@ def _interpreter(version: str) -> str | None:
 COMPAT_PYTHON = _interpreter("3.12")
 
 
-def _compat_constraints(session: nox.Session, pins: tuple[str, ...]) -> tuple[str, str]:
+def _compat_constraints(session: nox.Session, pins: tuple[str, ...]) -> tuple[str, ...]:
     """constraints.txt with torch and triton replaced by ``pins`` (none: left to torch)."""
     replaced = {canonicalize_name(p.split("=")[0]) for p in ("torch==", "triton==")}
     kept = [
@@ -175,7 +177,7 @@ def _compat_constraints(session: nox.Session, pins: tuple[str, ...]) -> tuple[st
     ]
     path = pathlib.Path(session.create_tmp()) / "compat-constraints.txt"
     path.write_text("\n".join([*kept, *pins]) + "\n")
-    return ("-c", str(path))
+    return ("--no-compile", "-c", str(path))
 
 
 def _compat(session: nox.Session, pins: tuple[str, ...]) -> None:
@@ -418,7 +420,7 @@ def _install_and_import(
     venv = tmp / label.replace("[", "-").replace("]", "")
     py = _fresh_venv(session, venv, base)
     report = venv / "pip-report.json"
-    install = ["-m", "pip", "install", "-q", "--no-compile", "--report", str(report)]
+    install = ["-m", "pip", "install", "-q", "--report", str(report)]
     install += [*CONSTRAINTS, "-c", str(pins), "--find-links", str(dist)]
     if alone:
         # --no-index: its dmuon dependencies can only come from the wheels just built.
@@ -599,9 +601,7 @@ def _torch_base(session: nox.Session, venv: pathlib.Path) -> pathlib.Path:
     shutil.rmtree(venv, ignore_errors=True)
     session.run("python", "-m", "venv", str(venv))
     py = str(venv / "bin" / "python")
-    session.run(
-        py, "-m", "pip", "install", "-q", "--no-compile", *CONSTRAINTS, "torch", external=True
-    )
+    session.run(py, "-m", "pip", "install", "-q", *CONSTRAINTS, "torch", external=True)
     return _site_packages(venv)
 
 
