@@ -1,12 +1,14 @@
-"""How fast every surviving rank leaves a step when a peer dies or hangs mid-step.
+"""How fast every surviving rank leaves a step when a peer dies, hangs or skips a step.
 
 World of 3 CPU ranks (gloo), a 3-layer MLP, ``DMuon(timeout=T)``. In step 2, rank 2
 either kills itself with SIGKILL or sleeps, after stepping its first layer — while
-the others already wait for its results. For each mode and fault, every survivor
-reports the error class, why (``peer_died``: gloo saw the connection close;
-``timeout``: no answer within ``T``), which rank the error names (the one absent
-from the roll call after a death, the one alive outside any DMuon collective after
-a hang; see :mod:`dmuon.comm.roll_call`) and the seconds from the start of the
+the others already wait for its results — or (``skip``) runs forward and backward
+and then skips ``opt.step()``, as a loop that catches an error and ``continue``s.
+For each mode and fault, every survivor reports the error class, why
+(``peer_died``: gloo saw the connection close; ``timeout``: no answer within
+``T``), which rank the error names (the one absent from the roll call after a
+death, the one alive outside any DMuon collective after a hang or a skip; see
+:mod:`dmuon.comm.roll_call`) and the seconds from the start of the
 failing iteration to the raise. Prints a table and writes
 ``benchmarks/results/faults.json``. Nothing here asserts on time.
 
@@ -78,11 +80,13 @@ def _rank(rank: int, world: int, mode: str, fault: str, timeout: float):
     forward, opt = _build(mode, world, timeout)
     g = torch.Generator().manual_seed(rank)
     for step in range(1, 4):
-        if rank == FAULTY and step == 2:
+        if rank == FAULTY and step == 2 and fault != "skip":
             opt.step_matrices = _faulty(opt.step_matrices, fault)
         t0 = time.monotonic()
         try:
             F.mse_loss(forward(torch.randn(8, 32, generator=g)), torch.zeros(8, 32)).backward()
+            if rank == FAULTY and step == 2 and fault == "skip":
+                continue  # the misuse: this rank skips opt.step()
             opt.step()
         except CollectiveError as err:
             roll = err.roll_call
@@ -104,9 +108,11 @@ def main() -> None:
     _TIMEOUT[0] = args.timeout
     rows = []
     for mode in ("owner", "replicated", "sharded"):
-        for fault in ("kill", "hang"):
+        for fault in ("kill", "hang", "skip"):
+            # a skipping rank waits in DDP's/FSDP2's own collective: the harness ends it
+            limit = 30 if fault == "skip" else 90
             try:
-                values = run_on_ranks(_rank, WORLD, args=(mode, fault, args.timeout), timeout=90)
+                values = run_on_ranks(_rank, WORLD, args=(mode, fault, args.timeout), timeout=limit)
                 outcomes = [RankOutcome(r, "ok", value=v) for r, v in enumerate(values)]
             except RankFailure as failure:
                 outcomes = failure.outcomes

@@ -23,6 +23,7 @@ from dmuon.optim.engine import (
     NonFiniteGradientError,
     OwnerExchange,
     RankDivergenceError,
+    StepMismatchError,
     StepReport,
 )
 from dmuon.optim.groups import Assignment, ParamGroups, param_groups
@@ -51,6 +52,7 @@ __all__ = [
     "RankDivergenceError",
     "Rule",
     "SignVote",
+    "StepMismatchError",
     "StepReport",
     "__version__",
     "adamw_step",

@@ -23,7 +23,15 @@ from dmuon.optim.layout import matrix_layout
 from dmuon.optim.rules import RULES, get_rule
 from dmuon.optim.scalar import SCALAR_ALGORITHMS
 
-__all__ = ["STRUCTURE", "GroupDefaults", "check_value", "param_name", "structure_of"]
+__all__ = [
+    "STRUCTURE",
+    "GroupDefaults",
+    "accepted_options",
+    "check_distinct_params",
+    "check_value",
+    "param_name",
+    "structure_of",
+]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # The structural keys a group's buckets depend on; changing them after construction
@@ -216,3 +224,32 @@ def param_name(names: list[str] | None, i: int, group_index: int, p: Any) -> str
 def structure_of(group: Mapping[str, Any]) -> tuple[Any, ...]:
     """What a group's buckets depend on (:data:`STRUCTURE` and its parameters)."""
     return (*(group.get(k) for k in STRUCTURE), tuple(id(p) for p in group["params"]))
+
+
+def accepted_options(algorithm: str) -> Mapping[str, Any]:
+    """The keys a group of ``algorithm`` takes, each with its :class:`Option`."""
+    if algorithm in SCALAR_ALGORITHMS:
+        return SCALAR_KEYS[algorithm]
+    return {**MATRIX_KEYS, **get_rule(algorithm).options}
+
+
+def check_distinct_params(
+    group: Mapping[str, Any], index: int, groups: list[dict[str, Any]]
+) -> None:
+    """Raise if a parameter of ``group`` (to become group ``index``) is listed twice in it
+    or already belongs to one of ``groups`` (it would be stepped twice)."""
+    seen = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+    mine: set[int] = set()
+    for k, p in enumerate(group["params"]):
+        name = param_name(group.get("param_names"), k, index, p)
+        if id(p) in mine:
+            raise ValueError(
+                f"{name} is listed twice in param group {index}; it would be stepped twice "
+                "per step. List each parameter once (param_groups(model) does)"
+            )
+        mine.add(id(p))
+        if id(p) in seen:
+            raise ValueError(
+                f"{name} appears in more than one parameter group (it is already in "
+                f"param group {seen[id(p)]}); param_groups(model) assigns each parameter once"
+            )

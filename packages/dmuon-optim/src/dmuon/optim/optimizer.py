@@ -15,10 +15,12 @@ import torch
 
 from dmuon.comm.roll_call import start_responder
 from dmuon.optim.buckets import Bucket, Sink
+from dmuon.optim.deadline import Deadline, check_timeout
 from dmuon.optim.engine.base import Engine, SingleEngine
 from dmuon.optim.engine.modes import make_engine
 from dmuon.optim.engine.report import StepReport
-from dmuon.optim.group_options import STRUCTURE, GroupDefaults, param_name, structure_of
+from dmuon.optim.group_options import GroupDefaults, check_distinct_params
+from dmuon.optim.group_record import GroupRecord
 from dmuon.optim.optimizer_state import (
     build_state,
     check_loaded_state,
@@ -91,13 +93,16 @@ class DMuon(torch.optim.Optimizer):
         process_group: the group of the ``replicated``/``sharded``/``sign`` modes.
         pipeline_depth: layers whose communication may be in flight at once.
         timeout: seconds every collective of a step may take before every rank raises
-            :class:`dmuon.comm.CollectiveError` naming the step and the collective
-            (``None``: the process group's timeout).
+            :class:`dmuon.comm.CollectiveError` naming the step, the collective and (by
+            the roll call) the rank that stalled. ``"auto"``: at least 300 s, and at
+            least 20 times the slowest iteration measured so far (see
+            :mod:`dmuon.optim.deadline`); ``None``: the process group's timeout.
         nonfinite: what a NaN/Inf gradient on any rank does: ``"raise"``
             (:class:`~dmuon.optim.engine.NonFiniteGradientError` on every rank, nothing
             updated), ``"skip_step"`` (every rank skips the step, state untouched,
             counted in :attr:`skipped_steps`) or ``None`` (no check: one pass over the
-            gradients and one tiny all-reduce saved per step).
+            gradients saved per step; the tiny all-reduce that agrees on the step
+            number stays).
         check_every: compare a checksum of the replicated parameters across ranks every
             that many steps (``None``: never); a difference raises
             :class:`~dmuon.optim.engine.RankDivergenceError` naming the parameter.
@@ -157,7 +162,7 @@ class DMuon(torch.optim.Optimizer):
         distributed: Any = None,
         process_group: Any = None,
         pipeline_depth: int = 2,
-        timeout: float | None = None,
+        timeout: float | str | None = "auto",
         nonfinite: str | None = "raise",
         check_every: int | None = None,
         store: Any = None,
@@ -165,7 +170,7 @@ class DMuon(torch.optim.Optimizer):
     ) -> None:
         GroupDefaults.check_rule(rule)
         check_guard_options(timeout, nonfinite, check_every, store)
-        self.timeout = None if timeout is None else float(timeout)
+        self.timeout = check_timeout(timeout)
         self.nonfinite = nonfinite
         self.check_every = check_every
         self.skipped_steps = 0
@@ -203,7 +208,7 @@ class DMuon(torch.optim.Optimizer):
             process_group=process_group,
             pipeline_depth=pipeline_depth,
         )
-        self._engine.set_timeout(self.timeout)
+        self._engine.set_timeout(self._deadline.seconds())
         if self._engine.world_size > 1:
             start_responder(store)  # answers roll calls when a peer's collective fails
         self._initialized = True
@@ -216,9 +221,10 @@ class DMuon(torch.optim.Optimizer):
         self.sign_vote: SignVote = local_vote
         self.max_batch_elements: int | None = None
         self._buckets: dict[int, dict[str | None, list[Bucket]]] = {}
-        self._structure: dict[int, tuple[Any, ...]] = {}
+        self._records: dict[int, GroupRecord] = {}
         self._engine = SingleEngine()
         self.last_step: StepReport | None = None
+        self._deadline: Deadline = Deadline(getattr(self, "timeout", "auto"))
 
     @property
     def _rule(self) -> str:
@@ -253,14 +259,7 @@ class DMuon(torch.optim.Optimizer):
                 "was built with; build a new DMuon with every group"
             )
         group = self._group_defaults.normalize(param_group, len(self.param_groups))
-        seen = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
-        for k, p in enumerate(group["params"]):
-            if id(p) in seen:
-                name = param_name(group.get("param_names"), k, len(self.param_groups), p)
-                raise ValueError(
-                    f"{name} appears in more than one parameter group (it is already in "
-                    f"param group {seen[id(p)]}); param_groups(model) assigns each parameter once"
-                )
+        check_distinct_params(group, len(self.param_groups), self.param_groups)
         defaults, self.defaults = self.defaults, {}
         try:
             super().add_param_group(group)
@@ -273,7 +272,7 @@ class DMuon(torch.optim.Optimizer):
         """(Re)create buckets and state of group ``index`` (see :func:`build_state`)."""
         group = self.param_groups[index]
         self._buckets[index] = build_state(self.state, group, index, self._engine)
-        self._structure[index] = structure_of(group)
+        self._records[index] = GroupRecord.of(group, index)
 
     # -------------------------------------------------------------------- step
 
@@ -295,17 +294,12 @@ class DMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for index, group in enumerate(self.param_groups):
-            if self._structure.get(index) != structure_of(group):
-                raise RuntimeError(
-                    f"param group {index} changed its structure ({', '.join(STRUCTURE)} or its "
-                    "parameters) after construction; create a new optimizer or use "
-                    "add_param_group"
-                )
+            self._records[index].check(group)  # what the caller changed since the last step
         report, stepped = run_step(
             self,
             self._engine,
             self.steps_taken + self.skipped_steps + 1,
-            timeout=self.timeout,
+            timeout=self._next_deadline(),
             nonfinite=self.nonfinite,
             check_every=self.check_every,
             stepped=self._count_step,
@@ -314,6 +308,14 @@ class DMuon(torch.optim.Optimizer):
             self.skipped_steps += 1
         self.last_step = report
         return loss
+
+    def _next_deadline(self) -> float | None:
+        """The deadline of this step's collectives (and of the hooks' until the next)."""
+        self._deadline.setting = check_timeout(self.timeout)
+        self._deadline.observe()
+        seconds = self._deadline.seconds()
+        self._engine.set_timeout(seconds)
+        return seconds
 
     def _count_step(self) -> int:
         self.steps_taken += 1

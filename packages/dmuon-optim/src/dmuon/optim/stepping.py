@@ -22,13 +22,15 @@ import torch
 from dmuon.comm import CollectiveError, collective_timeout
 from dmuon.comm.roll_call import note_phase
 from dmuon.optim.buckets import Bucket, Sink, step_bucket
+from dmuon.optim.deadline import check_timeout
 from dmuon.optim.engine.base import Engine, Stepper
 from dmuon.optim.engine.exchange import exchange_of
 from dmuon.optim.engine.guards import (
     NONFINITE_POLICIES,
     NonFiniteGradientError,
+    StepMismatchError,
+    agree_step,
     check_agreement,
-    nonfinite_ranks,
 )
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.rules import get_rule
@@ -71,7 +73,7 @@ def run_step(
         with collective_timeout(timeout):
             with report.phase("comm_wait"):  # the guards' flags are communication too
                 engine.begin_step()
-                finite = nonfinite is None or _gradients_finite(engine, nonfinite, number)
+                finite = _agree(engine, nonfinite, number)
             if not finite:
                 engine.skip_step()
             else:
@@ -90,9 +92,14 @@ def run_step(
     return report, ran
 
 
-def _gradients_finite(engine: Engine, nonfinite: str, number: int) -> bool:
-    """Agree with every rank whether all gradients are finite; raise or say skip."""
-    ranks, names = nonfinite_ranks(engine)
+def _agree(engine: Engine, nonfinite: str | None, number: int) -> bool:
+    """Agree with every rank on the step number and whether all gradients are finite
+    (:func:`~dmuon.optim.engine.agree_step`); raise, or say whether to step."""
+    try:
+        ranks, names = agree_step(engine, number, check_finite=nonfinite is not None)
+    except StepMismatchError:
+        engine.skip_step()  # nothing in flight: the optimizer stays usable
+        raise
     if not ranks:
         return True
     if nonfinite == "skip_step":
@@ -200,13 +207,7 @@ def step_scalars(
 
 def check_guard_options(timeout: Any, nonfinite: Any, check_every: Any, store: Any) -> None:
     """Raise on a bad ``timeout``, ``nonfinite``, ``check_every`` or ``store`` of ``DMuon``."""
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
-    ):
-        raise ValueError(
-            f"timeout must be a positive number of seconds, or None for the process "
-            f"group's timeout; got {timeout!r}"
-        )
+    check_timeout(timeout)
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(
             f"nonfinite must be 'raise', 'skip_step' or None (no check); got {nonfinite!r}"

@@ -147,6 +147,11 @@ class Engine:
         """The process groups whose ranks must agree on a skip or a checksum (none alone)."""
         return []
 
+    def guard_groups(self) -> list[dist.ProcessGroup | None]:
+        """The groups the guards' flags and checksums are summed over: the agreement groups
+        themselves, or (modes whose group the training framework also uses) their twins."""
+        return self.agreement_groups()
+
     def replicated_params(self) -> list[EngineParam]:
         """Parameters every rank holds whole and identical after a step."""
         return [e for e in self.params if not is_dtensor(e.param)]

@@ -10,6 +10,15 @@ the next collective, or silently train another model).
   summed over the engine's groups. In owner mode this runs after the reductions were
   launched but before their results are used, on the *local* gradients: a NaN on
   rank 1 is seen by every rank before it reaches any owner's momentum.
+* **Step agreement** (the same flag vector): each rank's slot also carries the number
+  of the step it is in. A rank that skipped ``opt.step()`` (or called it twice) is at
+  another number; every rank sees it and raises :class:`StepMismatchError` before any
+  collective of the step proper is entered. In the modes whose process group the
+  training framework also uses (``replicated``: DDP's, ``sharded``: FSDP2's, and
+  ``sign``), the vector is summed over a twin of each group (:func:`guard_groups`),
+  so it never meets a collective of another size that a skipping rank entered
+  instead: the rank that waits raises :class:`dmuon.comm.CollectiveError` at the
+  deadline, naming the rank that is elsewhere, and no backend aborts on a mismatch.
 * **Rank agreement** (:func:`check_agreement`): a checksum per parameter — the
   integer sum of its bit patterns, so any flipped bit in one element changes it —
   all-gathered and compared. Parameters sharded by FSDP2 differ by design and are
@@ -32,7 +41,10 @@ __all__ = [
     "NONFINITE_POLICIES",
     "NonFiniteGradientError",
     "RankDivergenceError",
+    "StepMismatchError",
+    "agree_step",
     "check_agreement",
+    "guard_groups",
     "nonfinite_ranks",
 ]
 
@@ -74,6 +86,37 @@ class RankDivergenceError(RuntimeError):
         self.names, self.ranks = names, ranks
 
 
+class StepMismatchError(RuntimeError):
+    """The ranks are at different steps: one skipped ``opt.step()`` or called it twice.
+
+    Raised on every rank that took part, before anything of the step was updated.
+
+    Attributes:
+        steps: each rank's step number (rank → step).
+
+    Examples:
+        >>> StepMismatchError("differ", {0: 3, 1: 2}).steps
+        {0: 3, 1: 2}
+    """
+
+    def __init__(self, message: str, steps: dict[int, int]) -> None:
+        super().__init__(message)
+        self.steps = steps
+
+
+def guard_groups(groups: list[dist.ProcessGroup | None]) -> list[dist.ProcessGroup | None]:
+    """A twin of each group (same ranks, its own communicator) for the guards' flags.
+
+    Only the members of a group create its twin (``use_local_synchronization``), so
+    every rank calls this once, at construction, for its own groups.
+    """
+    twins: list[dist.ProcessGroup | None] = []
+    for g in groups:
+        ranks = dist.get_process_group_ranks(dist.group.WORLD if g is None else g)
+        twins.append(dist.new_group(ranks, use_local_synchronization=True))
+    return twins
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
@@ -98,32 +141,65 @@ def nonfinite_ranks(engine: Engine) -> tuple[list[int], list[str]]:
         >>> nonfinite_ranks(opt.engine)
         ([0], ['group0.param0'])
     """
+    return agree_step(engine, None, check_finite=True)
+
+
+def agree_step(
+    engine: Engine, number: int | None, *, check_finite: bool
+) -> tuple[list[int], list[str]]:
+    """Agree with every rank on the step number and (``check_finite``) finiteness.
+
+    One all-reduce of one ``int64`` slot per rank: ``2·number + (1 if this rank holds
+    a non-finite gradient)``, summed over :meth:`Engine.guard_groups`.
+
+    Returns:
+        The ranks holding a non-finite gradient, and this rank's bad parameters.
+
+    Raises:
+        StepMismatchError: the ranks are at different step numbers (on every rank).
+    """
+    bad = _nonfinite_names(engine) if check_finite else []
+    groups = [g for g in engine.guard_groups() if g is not None or _global_rank()[1] > 1]
+    if not groups:
+        return ([engine.rank] if bad else []), bad
+    rank, world = _global_rank()
+    flags = torch.zeros(world, dtype=torch.int64)
+    flags[rank] = 2 * (number or 0) + int(bool(bad))
+    what = "all-reduce of step numbers and non-finite flags"
+    for g in groups:
+        wait_work(dist.all_reduce(flags, group=g, async_op=True), what, g)
+    slots = flags.tolist()
+    steps = {r: v // 2 for r, v in enumerate(slots) if v}  # every rank of the groups
+    if number is not None and len(set(steps.values())) > 1:
+        at = ", ".join(f"rank {r} at step {n}" for r, n in steps.items())
+        raise StepMismatchError(
+            f"the ranks are at different DMuon steps ({at}): a rank skipped opt.step() or "
+            "called it twice. Every rank must call opt.step() once per iteration; to skip "
+            "an iteration on every rank, let the ranks agree first (e.g. nonfinite="
+            "'skip_step' skips a step with a NaN/Inf gradient on any rank everywhere)",
+            steps,
+        )
+    return [r for r, v in enumerate(slots) if v % 2], bad
+
+
+def _nonfinite_names(engine: Engine) -> list[str]:
+    """This rank's parameters whose gradient holds NaN or Inf."""
     entries = [
         (e, _local(e.param.grad))
         for e in engine.params
         if e.param.grad is not None and _local(e.param.grad).numel() > 0
     ]
-    bad: list[str] = []
     sparse = [e.name for e, g in entries if g.is_sparse]
     if sparse:
         raise RuntimeError(f"DMuon does not support sparse gradients (parameter {sparse[0]!r})")
-    if entries:
-        norms = torch._foreach_norm([g.detach() for _, g in entries], math.inf)
-        worst = torch.stack([n.float() for n in norms])
-        if not bool(torch.isfinite(worst).all()):
-            ok = torch.isfinite(worst).tolist()
-            bad = [e.name for (e, _), fine in zip(entries, ok, strict=True) if not fine]
-    groups = [g for g in engine.agreement_groups() if g is not None or _global_rank()[1] > 1]
-    if not groups:
-        return ([engine.rank] if bad else []), bad
-    rank, world = _global_rank()
-    flags = torch.zeros(world, dtype=torch.int32)
-    flags[rank] = int(bool(bad))
-    for g in groups:
-        wait_work(
-            dist.all_reduce(flags, group=g, async_op=True), "all-reduce of non-finite flags", g
-        )
-    return [r for r, f in enumerate(flags.tolist()) if f], bad
+    if not entries:
+        return []
+    norms = torch._foreach_norm([g.detach() for _, g in entries], math.inf)
+    worst = torch.stack([n.float() for n in norms])
+    if bool(torch.isfinite(worst).all()):
+        return []
+    ok = torch.isfinite(worst).tolist()
+    return [e.name for (e, _), fine in zip(entries, ok, strict=True) if not fine]
 
 
 def _checksum(t: torch.Tensor) -> int:
@@ -158,7 +234,7 @@ def check_agreement(engine: Engine) -> int:
     engine.settle()
     # by name: the ranks may list the same parameters in different orders
     params: list[EngineParam] = sorted(engine.replicated_params(), key=lambda e: e.name)
-    groups = engine.agreement_groups()
+    groups = engine.guard_groups()
     if not groups or not params:
         return len(params)
     sums = torch.tensor([_checksum(e.param) for e in params], dtype=torch.int64)

@@ -13,6 +13,7 @@ from dmuon.comm import CommHandle, CommStats, OwnerPlan, default_stats, plan_own
 from dmuon.comm.groups import group_size
 from dmuon.optim.engine.base import Engine, Stepper, world_of
 from dmuon.optim.engine.consistency import check_model_consistency
+from dmuon.optim.engine.guards import guard_groups
 from dmuon.optim.engine.params import EngineParam, layers_in_order, subplan
 from dmuon.optim.engine.report import StepReport
 
@@ -87,6 +88,7 @@ class PlannedEngine(Engine):
         self.layers: list[str] = []
         self._subplans: dict[str, OwnerPlan] = {}
         self._owner: dict[int, int] = {}
+        self._guard_groups: list[dist.ProcessGroup | None] = []
 
     def bind(self, stepper: Stepper) -> None:
         super().bind(stepper)
@@ -98,6 +100,12 @@ class PlannedEngine(Engine):
         for key in self.layers:
             self._subplans[key] = subplan(self.plan, [e.name for e in matrices if e.layer == key])
         self._owner = {id(e.param): self.plan.owner(e.name) for e in matrices}
+        # DDP, FSDP2 or the training loop use these groups too: the guards' flags go
+        # over twins, so a rank that is in another collective is never matched with them.
+        self._guard_groups = guard_groups(self.agreement_groups())
+
+    def guard_groups(self) -> list[dist.ProcessGroup | None]:
+        return self._guard_groups
 
     def matrices(self, key: str | None = None) -> list[EngineParam]:
         """The matrix parameters (of layer ``key``)."""

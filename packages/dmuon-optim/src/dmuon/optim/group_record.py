@@ -1,0 +1,101 @@
+"""What ``DMuon.step`` checks each parameter group against before anything is stepped.
+
+The constructor checks every group (:mod:`dmuon.optim.group_options`); a caller may
+still change a group afterwards — a scheduler sets ``lr``, a user sets
+``group["momentum"] = 1.5``, replaces a parameter's ``.data`` with another shape, or
+hands in a sparse gradient. :class:`GroupRecord` keeps what the group's state was
+built for and re-checks, at every step and cheaply, what changed since.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dmuon.optim.group_options import (
+    STRUCTURE,
+    accepted_options,
+    check_value,
+    param_name,
+    structure_of,
+)
+
+__all__ = ["GroupRecord"]
+
+_MISSING = object()
+
+
+@dataclass
+class GroupRecord:
+    """What ``step()`` checks group ``index`` against: what its state was built for.
+
+    Taken when the group's state is (re)built. :meth:`check` runs at every step,
+    before anything is stepped, and costs one pass over the group's parameters and
+    keys (identity and shape comparisons; a value is re-checked only when the
+    caller replaced it, as an LR scheduler does every step).
+
+    Attributes:
+        index: the group's position in ``param_groups``.
+        structure: :func:`structure_of` the group.
+        shapes: each parameter's shape.
+        values: each accepted key's checked value.
+    """
+
+    index: int
+    structure: tuple[Any, ...]
+    shapes: tuple[torch.Size, ...]
+    values: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, group: Mapping[str, Any], index: int) -> GroupRecord:
+        """The record of a group just normalised (its values are checked)."""
+        options = accepted_options(group["algorithm"])
+        return cls(
+            index,
+            structure_of(group),
+            tuple(p.shape for p in group["params"]),
+            {k: group[k] for k in options if k in group},
+        )
+
+    def check(self, group: dict[str, Any]) -> None:
+        """Raise if ``group`` no longer matches what its state was built for.
+
+        Raises:
+            RuntimeError: its structure (:data:`STRUCTURE`, its parameters) changed, a
+                parameter's shape changed (its ``.data`` replaced), or a gradient is
+                sparse — each naming the parameter.
+            ValueError: a value the caller set since the last step does not check
+                (named with the key, as the constructor names it); nothing is stepped.
+        """
+        where = f"param group {self.index}"
+        if structure_of(group) != self.structure:
+            raise RuntimeError(
+                f"{where} changed its structure ({', '.join(STRUCTURE)} or its "
+                "parameters) after construction; create a new optimizer or use "
+                "add_param_group"
+            )
+        params, names = group["params"], group.get("param_names")
+        for i, (p, shape) in enumerate(zip(params, self.shapes, strict=True)):
+            if p.shape != shape:
+                raise RuntimeError(
+                    f"{param_name(names, i, self.index, p)} changed shape: DMuon built its "
+                    f"state for {tuple(shape)}. Its .data was replaced by a tensor of another "
+                    "shape; keep the shape, or build a new optimizer for the new parameters"
+                )
+            if p.grad is not None and p.grad.is_sparse:
+                name = param_name(names, i, self.index, p)
+                raise RuntimeError(
+                    f"DMuon does not support sparse gradients: {name} has one (e.g. "
+                    "nn.Embedding(sparse=True)); use dense gradients"
+                )
+        for key, value in self.values.items():
+            now = group.get(key, _MISSING)
+            if now is value:
+                continue
+            if now is _MISSING:
+                raise ValueError(f"{where}: key {key!r} was removed after construction")
+            option = accepted_options(group["algorithm"])[key]
+            group[key] = self.values[key] = check_value(key, now, option, where)

@@ -1,0 +1,110 @@
+"""What a caller changes between steps is checked at the next step, cheaply, and the
+error names the parameter or the key (issue: reliability, round two, defect 9).
+
+Each case is checked against the state it must leave: nothing stepped, nothing
+corrupted, the optimizer usable once the change is undone.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from dmuon.optim import DMuon, param_groups
+
+
+def mat(*shape):
+    return nn.Parameter(torch.randn(*shape))
+
+
+def _model():
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("momentum", 1.5, "momentum"),
+        ("ns_steps", 0, "ns_steps"),
+        ("lr", -1.0, "lr"),
+        ("weight_decay", float("nan"), "weight_decay"),
+    ],
+)
+def test_a_group_value_edited_after_construction_is_checked_at_the_next_step(key, value, message):
+    p = mat(4, 4)
+    opt = DMuon([p])
+    p.grad = torch.randn(4, 4)
+    before = p.detach().clone()
+    good = opt.param_groups[0][key]
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=rf"param group 0: {message}"):
+        opt.step()
+    assert torch.equal(p.detach(), before)  # nothing stepped
+    opt.param_groups[0][key] = good
+    opt.step()  # usable again once the value is fixed
+    assert not torch.equal(p.detach(), before)
+
+
+def test_a_scalar_group_value_edited_after_construction_is_checked():
+    model = _model()
+    opt = DMuon(param_groups(model))
+    scalar = next(i for i, g in enumerate(opt.param_groups) if g["algorithm"] == "adamw")
+    opt.param_groups[scalar]["betas"] = (0.9, 1.5)
+    model(torch.randn(3, 6)).sum().backward()
+    with pytest.raises(ValueError, match=rf"param group {scalar}: betas"):
+        opt.step()
+
+
+def test_a_scheduler_changing_lr_every_step_passes():
+    p = mat(4, 4)
+    opt = DMuon([p])
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=5)
+    for _ in range(4):
+        p.grad = torch.randn(4, 4)
+        opt.step()
+        sched.step()
+    assert opt.steps_taken == 4
+
+
+def test_a_parameter_whose_data_was_replaced_by_another_shape_is_named():
+    model = _model()
+    opt = DMuon(param_groups(model))
+    model[0].weight.data = torch.randn(5, 6)
+    model[0].weight.grad = torch.randn(5, 6)
+    with pytest.raises(RuntimeError, match=r"'0\.weight'.*shape \(5, 6\).*\(8, 6\)"):
+        opt.step()
+
+
+def test_a_sparse_gradient_is_named_without_the_finiteness_guard():
+    model = _model()
+    opt = DMuon(param_groups(model), nonfinite=None)
+    model[0].weight.grad = torch.randn(8, 6).to_sparse()
+    with pytest.raises(RuntimeError, match=r"sparse.*'0\.weight'"):
+        opt.step()
+
+
+def test_the_same_tensor_twice_in_one_group_is_refused():
+    p = mat(3, 3)
+    with pytest.raises(ValueError, match="twice in param group 0"):
+        DMuon([{"params": [p, p]}])
+    opt = DMuon([mat(3, 3)])
+    with pytest.raises(ValueError, match="twice in param group 1"):
+        opt.add_param_group({"params": [p, p]})
+
+
+def test_the_default_deadline_is_auto_and_grows_with_the_slowest_iteration():
+    from dmuon.optim.deadline import AUTO_FLOOR_SECONDS, AUTO_ITERATION_FACTOR, Deadline
+
+    p = mat(4, 4)
+    opt = DMuon([p])
+    assert opt.timeout == "auto"
+    d = Deadline("auto")
+    assert d.seconds() == AUTO_FLOOR_SECONDS  # nothing measured yet
+    for now in (0.0, 1.0, 31.0, 32.0):  # iterations of 1 s, 30 s, 1 s
+        d.observe(now=now)
+    assert d.seconds() == max(AUTO_FLOOR_SECONDS, AUTO_ITERATION_FACTOR * 30.0)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, True, "soon", float("nan")])
+def test_a_bad_timeout_is_refused_naming_the_choices(bad):
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds, 'auto'"):
+        DMuon([mat(3, 3)], timeout=bad)
