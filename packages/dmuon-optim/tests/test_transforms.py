@@ -1,11 +1,13 @@
 """Transforms on their own, each against a reference computed another way (SVD)."""
 
 import math
+from typing import ClassVar
 
 import pytest
 import torch
 
 from dmuon.optim import adjust_lr_factor, get_rule
+from dmuon.optim.hyperparameters import MATRIX_KEYS
 from dmuon.optim.transforms import (
     MajorityVote,
     Momentum,
@@ -171,14 +173,126 @@ def test_the_engine_asks_the_rule_whether_it_votes_mid_chain():
 
 
 def test_a_rule_refuses_a_chain_that_reads_a_key_without_a_default():
+    from dataclasses import dataclass
+
+    from dmuon.optim import Rule
+    from dmuon.optim.hyperparameters import REQUIRED, Option, real
+    from dmuon.optim.transforms import Orthogonalize
+
+    @dataclass(frozen=True)
+    class Radius(Transform):
+        hyperparameters: ClassVar[dict[str, Option]] = {
+            "radius": Option(REQUIRED, real(0.0), "ρ, no default of its own")
+        }
+
+        def apply(self, X, state, ctx):
+            return X
+
+    with pytest.raises(ValueError, match=r"rule 'no_radius': Radius reads hyperparameter 'radius'"):
+        Rule("no_radius", (Orthogonalize(), Radius()))
+    rule = Rule("with_radius", (Radius(),), defaults={"radius": 2})
+    assert rule.reads == ("radius",)
+    assert rule.options["radius"].default == 2.0  # checked, normalised to float
+
+
+def test_a_switch_has_no_default_until_the_rule_gives_one():
+    from dmuon.optim import Rule
+    from dmuon.optim.transforms import Momentum, Sign
+
+    with pytest.raises(ValueError, match=r"rule 'r': Sign reads hyperparameter 'sign'"):
+        Rule("r", (Momentum(), Sign(when_option="sign")))
+    assert (
+        Rule("r", (Sign(when_option="sign"),), defaults={"sign": False}).options["sign"].default
+        is False
+    )
+    with pytest.raises(ValueError, match=r"rule 'r': default sign must be True or False"):
+        Rule("r", (Sign(when_option="sign"),), defaults={"sign": "yes"})
+
+
+def test_a_rule_refuses_two_transforms_declaring_one_key_differently():
+    from dataclasses import dataclass
+
+    from dmuon.optim import Rule
+    from dmuon.optim.hyperparameters import Option, integer, real
+    from dmuon.optim.transforms import RowNormalize
+
+    @dataclass(frozen=True)
+    class OtherBeta(Transform):  # beta2 as an integer: a different type
+        hyperparameters: ClassVar[dict[str, Option]] = {
+            "beta2": Option(1, integer(0), "not an EMA decay")
+        }
+
+        def apply(self, X, state, ctx):
+            return X
+
+    @dataclass(frozen=True)
+    class OtherDefault(Transform):  # beta2 with another default
+        hyperparameters: ClassVar[dict[str, Option]] = {
+            "beta2": Option(0.9, real(0.0, 1.0, hi_open=True), "EMA decay")
+        }
+
+        def apply(self, X, state, ctx):
+            return X
+
+    for other in (OtherBeta(), OtherDefault()):
+        name = type(other).__name__
+        with pytest.raises(ValueError, match=rf"rule 'r': {name} declares hyperparameter 'beta2'"):
+            Rule("r", (RowNormalize(), other))
+
+
+def test_a_transform_declares_a_common_key_with_its_common_entry():
+    from dataclasses import dataclass
+
     from dmuon.optim import Rule
     from dmuon.optim.hyperparameters import Option, real
-    from dmuon.optim.transforms import Orthogonalize, SpectralRadius
 
-    with pytest.raises(ValueError, match=r"reads hyperparameter\(s\) \['radius'\]"):
-        Rule("no_radius", (Orthogonalize(), SpectralRadius()))
-    rule = Rule("with_radius", (SpectralRadius(),), options={"radius": Option(1.0, real(0.0), "ρ")})
-    assert rule.reads == ("radius",)
+    @dataclass(frozen=True)
+    class OwnMomentum(Transform):
+        hyperparameters: ClassVar[dict[str, Option]] = {
+            "momentum": Option(0.9, real(0.0), "a default of its own")
+        }
+
+        def apply(self, X, state, ctx):
+            return X
+
+    with pytest.raises(ValueError, match=r"OwnMomentum declares hyperparameter 'momentum'"):
+        Rule("r", (OwnMomentum(),))
+
+
+def test_a_rule_refuses_a_default_for_a_key_its_chain_does_not_read():
+    from dmuon.optim import Rule
+    from dmuon.optim.transforms import Momentum
+
+    with pytest.raises(ValueError, match=r"rule 'r': defaults for \['beta2'\]"):
+        Rule("r", (Momentum(),), defaults={"beta2": 0.9})
+
+
+def test_a_rule_derives_its_options_from_its_chain():
+    from dmuon.optim import RULES
+
+    for rule in RULES.values():
+        declared = {k: o for t in rule.chain for k, o in t.hyperparameter_specs().items()}
+        assert set(rule.options) == set(declared) - set(MATRIX_KEYS), rule.name
+        for key, opt in rule.options.items():
+            want = rule.defaults.get(key, declared[key].default)
+            assert opt.default == want, (rule.name, key)
+    assert RULES["muon2"].options["eps"].default == 1e-16  # AdamPrecondition's own
+    assert "select_dim" in RULES["dion2"].options  # Dion3's row state fixes rows
+    assert "select_dim" not in RULES["dion3"].options
+
+
+def test_a_caller_value_wins_over_the_rule_default():
+    import torch
+
+    from dmuon.optim import DMuon
+
+    w, v = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(4, 4))
+    opt = DMuon([{"params": [w]}, {"params": [v], "sign": False}], rule="adamuon")
+    assert [g["sign"] for g in opt.param_groups] == [True, False]  # rule default, group value
+    opt = DMuon([w], rule="adamuon", sign=False, eps=1e-6)  # the constructor's value
+    assert (opt.param_groups[0]["sign"], opt.param_groups[0]["eps"]) == (False, 1e-6)
+    opt = DMuon([w], rule="muon2", eps=1e-12)  # over muon2's own 1e-16
+    assert opt.param_groups[0]["eps"] == 1e-12
 
 
 def test_every_key_a_rule_reads_is_a_key_its_groups_have():

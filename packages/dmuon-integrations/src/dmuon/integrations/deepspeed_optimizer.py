@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from dmuon.optim import SCALAR_ALGORITHMS, DMuon
-from dmuon.optim.hyperparameters import SCALAR_KEYS
+from dmuon.optim import SCALAR_ALGORITHMS, DMuon, get_scalar_rule
 from dmuon.optim.stepping import step_scalars
 
 __all__ = ["ZeroClientOptimizer", "client_optimizer", "dmuon_of"]
@@ -104,7 +103,7 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
         return loss
 
     def _scalar_step(self, group: Mapping[str, Any]) -> None:
-        """The same AdamW/Lion step as DMuon's scalar groups (``dmuon.optim.stepping``)."""
+        """The same scalar rule step as DMuon's scalar groups (``dmuon.optim.stepping``)."""
         for p in group["params"]:
             if p.grad is not None:
                 self._state_of(p, group["algorithm"])
@@ -115,9 +114,8 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if algorithm == "adamw":
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            for name in get_scalar_rule(algorithm).buffers:
+                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -162,9 +160,10 @@ def _check_group(group: Mapping[str, Any], index: int) -> dict[str, Any]:
     if not params:
         raise ValueError(f"{where} has no parameters (drop empty groups)")
     out: dict[str, Any] = {"params": params, "algorithm": algorithm}
-    for key, option in SCALAR_KEYS[algorithm].items():
+    options = get_scalar_rule(algorithm).options
+    for key, option in options.items():
         if key not in group:
-            accepted = sorted(SCALAR_KEYS[algorithm])
+            accepted = sorted(options)
             raise ValueError(f"{where}: missing {key!r} (accepted keys: {accepted})")
         out[key] = option.check(group[key])
     for key in ("name", "param_names"):

@@ -30,7 +30,14 @@ from dmuon.optim.groups import Assignment, ParamGroups, param_groups
 from dmuon.optim.layout import Block, MatrixLayout, matrix_layout
 from dmuon.optim.optimizer import DMuon
 from dmuon.optim.rules import RULES, Rule, get_rule
-from dmuon.optim.scalar import SCALAR_ALGORITHMS, adamw_step, lion_step
+from dmuon.optim.scalar import (
+    SCALAR_ALGORITHMS,
+    SCALAR_RULES,
+    ScalarRule,
+    adamw_step,
+    get_scalar_rule,
+    lion_step,
+)
 from dmuon.optim.scaling import ADJUST_LR, adjust_lr_factor
 from dmuon.optim.vote import SignVote, local_vote
 
@@ -39,6 +46,7 @@ __all__ = [
     "MODES",
     "RULES",
     "SCALAR_ALGORITHMS",
+    "SCALAR_RULES",
     "Assignment",
     "Block",
     "Bucket",
@@ -51,6 +59,7 @@ __all__ = [
     "ParamGroups",
     "RankDivergenceError",
     "Rule",
+    "ScalarRule",
     "SignVote",
     "StepMismatchError",
     "StepReport",
@@ -62,6 +71,7 @@ __all__ = [
     "clip_grad_norm_",
     "default_batch_elements",
     "get_rule",
+    "get_scalar_rule",
     "lion_step",
     "local_vote",
     "matrix_layout",

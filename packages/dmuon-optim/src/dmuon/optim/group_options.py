@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from dmuon.optim.engine.exchange import exchange_of
-from dmuon.optim.hyperparameters import BOOKKEEPING_KEYS, MATRIX_KEYS, SCALAR_KEYS
+from dmuon.optim.hyperparameters import BOOKKEEPING_KEYS, MATRIX_KEYS, SCALAR_OPTIONS
 from dmuon.optim.layout import matrix_layout
 from dmuon.optim.rules import RULES, get_rule
-from dmuon.optim.scalar import SCALAR_ALGORITHMS
+from dmuon.optim.scalar import SCALAR_ALGORITHMS, get_scalar_rule
 
 __all__ = [
     "STRUCTURE",
@@ -80,8 +80,7 @@ class GroupDefaults:
             )
         checked = {k: check_value(k, v, MATRIX_KEYS[k], "DMuon") for k, v in matrix.items()}
         scalars = {
-            k: check_value(f"adamw_{k}", v, SCALAR_KEYS["adamw"][k], "DMuon")
-            for k, v in scalar.items()
+            k: check_value(f"adamw_{k}", v, SCALAR_OPTIONS[k], "DMuon") for k, v in scalar.items()
         }
         options = dict(rule_options)
         for key, value in options.items():
@@ -157,7 +156,7 @@ class GroupDefaults:
             )
         group["algorithm"] = algorithm
         if algorithm in SCALAR_ALGORITHMS:
-            keys = SCALAR_KEYS[algorithm]
+            keys = dict(get_scalar_rule(algorithm).options)
             defaults = dict(self.scalar)
         else:
             rule = get_rule(algorithm)

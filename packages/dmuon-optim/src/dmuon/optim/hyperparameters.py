@@ -1,8 +1,9 @@
 """Hyperparameter specifications: defaults, checks and the normalised plain values.
 
 Every key a parameter group may carry is declared here (the keys common to all
-matrix rules, the scalar optimizers' keys) or in the rule's own options
-(:mod:`dmuon.optim.rules`). A key that is declared nowhere is an error that names
+matrix rules, the scalar optimizers' keys) or by a transform of the rule's chain
+(:mod:`dmuon.optim.transforms`, from which :class:`~dmuon.optim.Rule` derives its
+options). A key that is declared nowhere is an error that names
 it and lists the accepted ones: a silently ignored ``betas`` is a known trap.
 Values are normalised to plain Python values (floats, ints, bools, strings,
 tuples) so that ``param_groups`` and state dicts hold nothing else.
@@ -20,25 +21,69 @@ import torch
 from dmuon.kernels import COEFFICIENT_SETS, METHODS
 from dmuon.kernels.coefficients import resolve_coefficients
 from dmuon.optim.scaling import ADJUST_LR
-from dmuon.optim.transforms.base import COMPUTE_DTYPES
 
 __all__ = [
     "BOOKKEEPING_KEYS",
+    "COMPUTE_DTYPES",
     "MATRIX_KEYS",
-    "SCALAR_KEYS",
+    "REQUIRED",
+    "SCALAR_OPTIONS",
     "Option",
     "boolean",
     "choice",
     "integer",
+    "matrix_keys",
+    "optional",
     "real",
 ]
 
 Check = Callable[[Any], Any]
 
+COMPUTE_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+
+
+class _Required:
+    """The type of :data:`REQUIRED` (copies and pickles are :data:`REQUIRED` itself)."""
+
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+    def __reduce__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
+"""The default of an :class:`Option` that has none of its own: the rule that chains the
+transform declaring it must give one (``Rule(..., defaults={key: value})``), or the
+key must be a common matrix key (filled from the ``DMuon`` constructor)."""
+
 
 @dataclass(frozen=True)
 class Option:
-    """A hyperparameter: its default, how it is checked and normalised, what it means."""
+    """A hyperparameter: its default, how it is checked and normalised, what it means.
+
+    Transforms declare the keys they read as options (``Transform.hyperparameters``),
+    as they declare their state; the check normalises a value to a plain Python value
+    of the key's type (``real`` → ``float``, ``integer`` → ``int``, ``boolean``,
+    ``choice``), so two declarations of one key agree only if they are the same
+    option (same default, same check).
+
+    Attributes:
+        default: the value a group gets when neither it nor the caller gives one;
+            :data:`REQUIRED` where there is none.
+        check: validates a value and returns it normalised; raises ``ValueError``.
+        doc: one line, what it means.
+
+    Examples:
+        >>> beta2 = Option(0.95, real(0.0, 1.0, hi_open=True), "EMA decay")
+        >>> beta2.check(0), beta2.default
+        (0.0, 0.95)
+    """
 
     default: Any
     check: Check
@@ -212,19 +257,26 @@ MATRIX_KEYS: dict[str, Option] = {
     "num_heads": Option(None, _heads, "split each (block's) rows into this many per-head matrices"),
 }
 
-SCALAR_KEYS: dict[str, dict[str, Option]] = {
-    "adamw": {
-        "lr": Option(None, real(0.0), "learning rate (≥ 0)"),
-        "betas": Option(None, _betas, "(beta1, beta2) in [0, 1)"),
-        "eps": Option(None, real(0.0), "denominator guard"),
-        "weight_decay": Option(None, real(0.0), "decoupled weight decay"),
-    },
-    "lion": {
-        "lr": Option(None, real(0.0), "learning rate (≥ 0)"),
-        "betas": Option(None, _betas, "(beta1, beta2) in [0, 1)"),
-        "weight_decay": Option(None, real(0.0), "decoupled weight decay"),
-    },
+
+def matrix_keys(*names: str) -> dict[str, Option]:
+    """The :data:`MATRIX_KEYS` entries of ``names``: how a transform declares that it reads
+    common keys (their values come from the group, filled by the ``DMuon`` constructor).
+
+    Examples:
+        >>> sorted(matrix_keys("momentum", "nesterov"))
+        ['momentum', 'nesterov']
+    """
+    return {name: MATRIX_KEYS[name] for name in names}
+
+
+SCALAR_OPTIONS: dict[str, Option] = {
+    "lr": Option(None, real(0.0), "learning rate (≥ 0)"),
+    "betas": Option(None, _betas, "(beta1, beta2) in [0, 1)"),
+    "eps": Option(None, real(0.0), "denominator guard"),
+    "weight_decay": Option(None, real(0.0), "decoupled weight decay"),
 }
+"""The keys of the scalar optimizers (:data:`~dmuon.optim.SCALAR_RULES` picks its own
+from them); their defaults come from the ``DMuon`` constructor (``adamw_*``)."""
 
 # Keys that carry no hyperparameter: what the group holds and bookkeeping written
 # by torch's LR schedulers and SWA, which must survive a state-dict round trip.

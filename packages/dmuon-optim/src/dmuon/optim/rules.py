@@ -1,7 +1,8 @@
 """The update rules of the Muon family, each a short chain of transforms.
 
-A rule is data: its chain, its own hyperparameters (with defaults and checks),
-whether it reads the step count, and where it comes from. :meth:`Rule.update` is
+A rule is data: its chain, whether it reads the step count, and where it comes
+from. Its hyperparameters are what its transforms declare (name, default, check),
+so a rule only names a default of its own where its chain needs one. :meth:`Rule.update` is
 the pure, rank-agnostic function the optimizer — and later the distributed
 engine, on each owner's batch — calls on a stacked batch of same-shape matrices:
 
@@ -16,22 +17,13 @@ that means for it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from dmuon.optim.hyperparameters import (
-    MATRIX_KEYS,
-    Option,
-    boolean,
-    choice,
-    integer,
-    optional,
-    real,
-)
+from dmuon.optim.hyperparameters import MATRIX_KEYS, REQUIRED, Option
 from dmuon.optim.transforms import (
-    RANK_SCHEDULES,
     AdamPrecondition,
     AdjustLR,
     BlockPeriodicOrthogonalize,
@@ -59,18 +51,30 @@ __all__ = ["RULES", "Rule", "get_rule"]
 
 @dataclass(frozen=True)
 class Rule:
-    """An update rule: a chain of transforms with its own hyperparameters.
+    """An update rule: a chain of transforms, and the hyperparameters the chain declares.
 
     Attributes:
         name: the ``rule=`` / ``algorithm`` value.
         chain: the transforms, in order.
-        options: the rule's own hyperparameters (beyond the common matrix keys).
+        defaults: this rule's own default for a key its chain declares (Muon²'s
+            ``eps``, AdaMuon's ``sign`` switch); checked like any value. A caller's
+            value (``DMuon(**options)`` or a group's key) always wins over it.
         uses_step: whether a transform reads the step count (the step runs matrices
             with different counts in separate batches).
         summary: one line.
         source: paper or code it follows.
         reconstruction: ``True`` where the source gives only an abstract and the
             equations are our documented reconstruction.
+        options: derived, not passed: every key the chain declares
+            (:meth:`Transform.hyperparameter_specs
+            <dmuon.optim.transforms.Transform.hyperparameter_specs>`) beyond the common
+            matrix keys, with ``defaults`` applied.
+
+    Raises:
+        ValueError: at definition, naming the rule, the transform and the key: a state
+            name declared twice; a key declared twice with different defaults or checks;
+            a key with no default (neither a common matrix key nor in ``defaults``);
+            a ``defaults`` key the chain does not read, or a bad value for it.
 
     Examples:
         >>> from dmuon.optim import get_rule
@@ -83,11 +87,12 @@ class Rule:
 
     name: str
     chain: tuple[Transform, ...]
-    options: Mapping[str, Option] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
     uses_step: bool = False
     summary: str = ""
     source: str = ""
     reconstruction: bool = False
+    options: Mapping[str, Option] = field(init=False)
 
     def __post_init__(self) -> None:
         names = [s.name for t in self.chain for s in t.state_specs()]
@@ -97,18 +102,53 @@ class Rule:
                 f"rule {self.name!r}: state name(s) {repeated} are declared by more than one "
                 "transform of its chain; each buffer needs its own name"
             )
-        missing = sorted(set(self.reads) - set(MATRIX_KEYS) - set(self.options))
-        if missing:
+        object.__setattr__(self, "options", self._derive_options())
+
+    def _derive_options(self) -> dict[str, Option]:
+        """The chain's declared keys beyond :data:`MATRIX_KEYS`, ``defaults`` applied."""
+        declared: dict[str, tuple[str, Option]] = {}
+        for t in self.chain:
+            who = type(t).__name__
+            for key, opt in t.hyperparameter_specs().items():
+                # a common key's one declaration is MATRIX_KEYS'; another key's, its first
+                first, same = declared.setdefault(key, (who, MATRIX_KEYS.get(key, opt)))
+                if opt != same:
+                    raise ValueError(
+                        f"rule {self.name!r}: {who} declares hyperparameter {key!r} (default "
+                        f"{opt.default!r}: {opt.doc}) unlike "
+                        f"{'MATRIX_KEYS' if key in MATRIX_KEYS else first} (default "
+                        f"{same.default!r}: {same.doc}); a key is one Option, shared by "
+                        "every transform that reads it"
+                    )
+        unread = sorted(set(self.defaults) - set(declared))
+        if unread:
             raise ValueError(
-                f"rule {self.name!r}: its chain reads hyperparameter(s) {missing}, which are "
-                "neither common matrix keys nor options of the rule; give the rule an Option "
-                "(with its default and check) for each"
+                f"rule {self.name!r}: defaults for {unread}, which no transform of its chain "
+                f"reads; its chain reads {sorted(declared)}"
             )
+        options: dict[str, Option] = {}
+        for key, (who, opt) in declared.items():
+            if key in MATRIX_KEYS:
+                continue  # a group value, filled from the DMuon constructor
+            if key in self.defaults:
+                try:
+                    value = opt.check(self.defaults[key])
+                except ValueError as e:
+                    raise ValueError(f"rule {self.name!r}: default {key} {e}") from None
+                opt = replace(opt, default=value)
+            if opt.default is REQUIRED:
+                raise ValueError(
+                    f"rule {self.name!r}: {who} reads hyperparameter {key!r}, which has no "
+                    "default and is not a common matrix key; give the rule one "
+                    f"(Rule(..., defaults={{{key!r}: ...}}))"
+                )
+            options[key] = opt
+        return options
 
     @property
     def reads(self) -> tuple[str, ...]:
         """Every group hyperparameter the chain reads (declared by its transforms), once."""
-        return tuple(dict.fromkeys(k for t in self.chain for k in t.read_keys()))
+        return tuple(dict.fromkeys(k for t in self.chain for k in t.hyperparameter_specs()))
 
     @property
     def needs_collective(self) -> bool:
@@ -161,10 +201,6 @@ class Rule:
         return U, ctx.scale
 
 
-_BETA2 = Option(0.95, real(0.0, 1.0, hi_open=True), "EMA decay of the second moment")
-_EPS = Option(1e-8, real(0.0), "denominator guard")
-_FRACTION = Option(0.25, real(0.0, 1.0, lo_open=True), "fraction of rows/columns selected")
-
 RULES: dict[str, Rule] = {
     r.name: r
     for r in (
@@ -177,7 +213,6 @@ RULES: dict[str, Rule] = {
         Rule(
             "normuon",
             (Momentum(), Orthogonalize(), RowNormalize(), AdjustLR()),
-            options={"beta2": _BETA2, "eps": _EPS},
             summary="Muon with a per-row second moment after NS and a Frobenius rescale",
             source="Li et al., NorMuon, arXiv 2510.05491; microsoft/dion normuon.py",
         ),
@@ -190,33 +225,19 @@ RULES: dict[str, Rule] = {
                 ElementwiseNormalize(),
                 AdjustLR(),
             ),
-            options={
-                "beta2": _BETA2,
-                "eps": _EPS,
-                "sign": Option(True, boolean, "orthogonalise sign(M) (paper v2+) instead of M"),
-            },
+            defaults={"sign": True},  # orthogonalise sign(M) (paper v2+) instead of M
             summary="NS of sign(M), elementwise second moment of the result, Frobenius rescale",
             source="Si, Zhang, Shen, AdaMuon, arXiv 2507.11005",
         ),
         Rule(
             "muon2",
             (Momentum(), AdamPrecondition(), Orthogonalize(), AdjustLR()),
-            options={
-                "beta2": _BETA2,
-                "eps": Option(1e-16, real(0.0), "guard inside the root: X/√(V + ε)"),
-            },
             summary="Adam-style second-moment preconditioning before NS",
             source="Liu et al., Muon², arXiv 2604.09967",
         ),
         Rule(
             "mona",
             (Momentum(), GradDiffAcceleration(), Orthogonalize(), AdjustLR()),
-            options={
-                "mona_beta": Option(
-                    0.92, real(0.0, 1.0, hi_open=True), "EMA decay of gradient differences"
-                ),
-                "mona_gamma": Option(0.92, real(0.0), "weight of the acceleration term"),
-            },
             uses_step=True,
             summary="an EMA of gradient differences added before NS (reconstruction)",
             source="Li et al., MONA, arXiv 2605.26842 (abstract only); Adan, arXiv 2208.06677",
@@ -225,11 +246,6 @@ RULES: dict[str, Rule] = {
         Rule(
             "musec",
             (Momentum(), MomentumSpectralClip(), AdjustLR()),
-            options={
-                "clip_mode": Option("hard", choice(("hard", "soft")), "hard or soft clipping"),
-                "clip_tau": Option(1.0, real(0.0, lo_open=True), "clipping level τ"),
-                "clip_steps": Option(None, optional(integer(1)), "inner iterations of the clip"),
-            },
             summary="clip the momentum's singular values at τ instead of setting them to 1",
             source="reconstruction from MuCon (arXiv 2605.26459) and SPECTRA (arXiv 2603.14315)",
             reconstruction=True,
@@ -245,9 +261,7 @@ RULES: dict[str, Rule] = {
                 SpectralNormalize(),
                 AdjustLR(),
             ),
-            options={
-                "local_polar": Option(False, boolean, "orthogonalise the voted signs again"),
-            },
+            defaults={"local_polar": False},  # orthogonalise the voted signs again
             summary="sign of the polar factor, majority vote across ranks, spectral-norm step",
             source="Mishra, Trivedi, Kumar, Sign-Muon, arXiv 2605.16311 (abstract; "
             "normalisation reconstructed)",
@@ -256,32 +270,18 @@ RULES: dict[str, Rule] = {
         Rule(
             "dion2",
             (ErrorFeedbackSelect(inner=(Orthogonalize(),)), AdjustLR()),
-            options={
-                "fraction": _FRACTION,
-                "select_dim": Option(
-                    "auto", choice(("auto", "rows", "cols")), "slices to select (auto = shorter)"
-                ),
-            },
             summary="orthogonalise the top-k rows/columns by L1 norm, error feedback on the rest",
             source="Ahn, Amsel, Langford, Dion2, arXiv 2512.16928; microsoft/dion dion2.py",
         ),
         Rule(
             "dion3",
             (ErrorFeedbackSelect(inner=(Orthogonalize(), RowNormalize())), AdjustLR()),
-            options={"fraction": _FRACTION, "beta2": _BETA2, "eps": _EPS},
             summary="Dion2's row selection with NorMuon's normalisation (NorDion2)",
             source="microsoft/dion nordion2.py, dion3.py",
         ),
         Rule(
             "muonbp",
             (Momentum(), BlockPeriodicOrthogonalize()),
-            options={
-                "period": Option(5, integer(1), "a full orthogonalisation every P steps"),
-                "row_blocks": Option(2, integer(1), "blocks along the rows (shards)"),
-                "col_blocks": Option(1, integer(1), "blocks along the columns"),
-                "block_lr_scale": Option(1.0, real(0.0), "η_block / lr"),
-                "full_lr_scale": Option(1.0, real(0.0), "η_full / lr"),
-            },
             uses_step=True,
             summary="blockwise orthogonalisation, the full matrix every P steps",
             source="Khaled et al., MuonBP, arXiv 2510.16981",
@@ -289,17 +289,6 @@ RULES: dict[str, Rule] = {
         Rule(
             "numuon",
             (Momentum(), TopKPolar(), AdjustLR()),
-            options={
-                "rank_fraction": Option(
-                    0.25, real(0.0, 1.0, lo_open=True), "relative rank r (the final one)"
-                ),
-                "rank_schedule": Option("constant", choice(RANK_SCHEDULES), "rank schedule"),
-                "rank_start": Option(1.0, real(0.0, 1.0, lo_open=True), "relative rank at step 1"),
-                "rank_steps": Option(1000, integer(1), "steps from rank_start to rank_fraction"),
-                "power_iters": Option(2, integer(0), "power iterations of the range finder"),
-                "oversample": Option(8, integer(0), "extra sketch columns"),
-                "seed": Option(0, integer(0), "seed of the Gaussian sketches"),
-            },
             uses_step=True,
             summary="step along the top-k singular directions (randomised subspace iteration)",
             source="Dolatabadi et al., NuMuon, arXiv 2603.03597",
@@ -307,9 +296,6 @@ RULES: dict[str, Rule] = {
         Rule(
             "scion",
             (Momentum(), Orthogonalize(), SpectralRadius()),
-            options={
-                "radius": Option(1.0, real(0.0, lo_open=True), "ρ, the spectral ball's radius"),
-            },
             summary="the spectral-norm LMO step ρ·√(fan_out/fan_in)·polar(momentum)",
             source="Pethick et al., Scion, arXiv 2502.07529 (hidden matrices)",
         ),

@@ -1,29 +1,32 @@
 """The scalar-parameter optimizers: AdamW and Lion, over lists with ``torch._foreach_*``.
 
 Embeddings, output heads, norms, biases and scalars are not matrices in Muon's
-sense; they take an elementwise optimizer in the same ``DMuon`` object.
+sense; they take an elementwise optimizer in the same ``DMuon`` object. Each is a
+:class:`ScalarRule` of :data:`SCALAR_RULES`, declaring its hyperparameters and its
+state as a matrix rule's transforms do; whoever steps scalar parameters (DMuon's
+engines, DeepSpeed's client optimizer) calls ``get_scalar_rule(algorithm).update``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
-__all__ = ["SCALAR_ALGORITHMS", "adamw_step", "lion_step", "scalar_state_shapes"]
+from dmuon.optim.hyperparameters import SCALAR_OPTIONS, Option
 
-SCALAR_ALGORITHMS = ("adamw", "lion")
-"""The ``algorithm`` values a scalar group (embeddings, head, norms, biases) may take:
-AdamW (decoupled weight decay, Loshchilov & Hutter 2019) or Lion (Chen et al. 2023)."""
-
-
-def scalar_state_shapes(algorithm: str, param: torch.Tensor) -> dict[str, tuple[int, ...]]:
-    """The state keys of one parameter under ``algorithm`` and their shapes."""
-    shape = tuple(param.shape)
-    if algorithm == "adamw":
-        return {"step": (), "exp_avg": shape, "exp_avg_sq": shape}
-    return {"step": (), "exp_avg": shape}
+__all__ = [
+    "SCALAR_ALGORITHMS",
+    "SCALAR_RULES",
+    "ScalarRule",
+    "adamw_step",
+    "get_scalar_rule",
+    "lion_step",
+    "scalar_state_shapes",
+]
 
 
 def adamw_step(
@@ -104,3 +107,159 @@ def lion_step(
     torch._foreach_add_(params, directions, alpha=-lr)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)
     torch._foreach_add_(list(steps), 1.0)
+
+
+def _adamw_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[dict[str, torch.Tensor]],
+    group: Mapping[str, Any],
+) -> None:
+    adamw_step(
+        params,
+        grads,
+        [s["exp_avg"] for s in states],
+        [s["exp_avg_sq"] for s in states],
+        [s["step"] for s in states],
+        lr=float(group["lr"]),
+        betas=group["betas"],
+        eps=float(group["eps"]),
+        weight_decay=float(group["weight_decay"]),
+    )
+
+
+def _lion_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[dict[str, torch.Tensor]],
+    group: Mapping[str, Any],
+) -> None:
+    lion_step(
+        params,
+        grads,
+        [s["exp_avg"] for s in states],
+        [s["step"] for s in states],
+        lr=float(group["lr"]),
+        betas=group["betas"],
+        weight_decay=float(group["weight_decay"]),
+    )
+
+
+@dataclass(frozen=True)
+class ScalarRule:
+    """An elementwise optimizer for scalar parameters: its keys, its state, its step.
+
+    Attributes:
+        name: the group's ``algorithm`` value.
+        options: the group keys it reads (name → :class:`~dmuon.optim.hyperparameters.Option`);
+            their defaults come from the ``DMuon`` constructor (``adamw_*``).
+        buffers: its state buffers, each shaped like the parameter; every scalar rule
+            also keeps ``step``, a 0-dim fp32 count.
+        step_fn: ``step_fn(params, grads, states, group)``, one step of every listed
+            parameter in place (:func:`adamw_step`, :func:`lion_step`).
+        summary: one line.
+        source: the paper it follows.
+
+    Examples:
+        >>> import torch
+        >>> rule = get_scalar_rule("adamw")
+        >>> sorted(rule.options), rule.state_shapes(torch.zeros(3))
+        (['betas', 'eps', 'lr', 'weight_decay'], {'step': (), 'exp_avg': (3,), 'exp_avg_sq': (3,)})
+    """
+
+    name: str
+    options: Mapping[str, Option]
+    buffers: tuple[str, ...]
+    step_fn: Callable[
+        [list[torch.Tensor], list[torch.Tensor], list[dict[str, torch.Tensor]], Mapping[str, Any]],
+        None,
+    ]
+    summary: str = ""
+    source: str = ""
+
+    def state_shapes(self, param: torch.Tensor) -> dict[str, tuple[int, ...]]:
+        """The state keys of ``param`` under this rule and their shapes."""
+        return {"step": (), **{name: tuple(param.shape) for name in self.buffers}}
+
+    def update(
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        states: Sequence[dict[str, torch.Tensor]],
+        group: Mapping[str, Any],
+    ) -> None:
+        """One step of ``params`` (with their ``grads`` and ``states``) by ``group``'s values.
+
+        Examples:
+            >>> import torch
+            >>> p, g = torch.zeros(2), torch.tensor([1.0, -2.0])
+            >>> state = {"step": torch.zeros(()), "exp_avg": torch.zeros(2)}
+            >>> group = {"lr": 0.1, "betas": (0.9, 0.99), "weight_decay": 0.0}
+            >>> get_scalar_rule("lion").update([p], [g], [state], group)
+            >>> tuple(round(x, 6) for x in p.tolist()), state["step"].item()
+            ((-0.1, 0.1), 1.0)
+        """
+        self.step_fn(list(params), list(grads), list(states), group)
+
+
+def _keys(*names: str) -> dict[str, Option]:
+    return {name: SCALAR_OPTIONS[name] for name in names}
+
+
+SCALAR_RULES: dict[str, ScalarRule] = {
+    r.name: r
+    for r in (
+        ScalarRule(
+            "adamw",
+            _keys("lr", "betas", "eps", "weight_decay"),
+            ("exp_avg", "exp_avg_sq"),
+            _adamw_update,
+            summary="Adam with decoupled weight decay (torch's own functional)",
+            source="Loshchilov & Hutter, arXiv 1711.05101",
+        ),
+        ScalarRule(
+            "lion",
+            _keys("lr", "betas", "weight_decay"),
+            ("exp_avg",),
+            _lion_update,
+            summary="the sign of an interpolated momentum",
+            source="Chen et al., arXiv 2302.06675",
+        ),
+    )
+}
+"""The scalar optimizers by name (the ``algorithm`` values of scalar groups): ``adamw``
+and ``lion``, each a :class:`ScalarRule`."""
+
+SCALAR_ALGORITHMS = tuple(SCALAR_RULES)
+"""The ``algorithm`` values a scalar group (embeddings, head, norms, biases) may take:
+AdamW (decoupled weight decay, Loshchilov & Hutter 2019) or Lion (Chen et al. 2023)."""
+
+
+def get_scalar_rule(name: str) -> ScalarRule:
+    """The scalar optimizer called ``name``.
+
+    Raises:
+        ValueError: unknown name; the message lists the scalar optimizers.
+
+    Examples:
+        >>> get_scalar_rule("lion").buffers
+        ('exp_avg',)
+    """
+    try:
+        return SCALAR_RULES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown scalar optimizer {name!r}; expected one of {list(SCALAR_RULES)}"
+        ) from None
+
+
+def scalar_state_shapes(algorithm: str, param: torch.Tensor) -> dict[str, tuple[int, ...]]:
+    """The state keys of one parameter under ``algorithm`` and their shapes (declared by
+    its :class:`ScalarRule`).
+
+    Examples:
+        >>> import torch
+        >>> scalar_state_shapes("lion", torch.zeros(2, 3))
+        {'step': (), 'exp_avg': (2, 3)}
+    """
+    return get_scalar_rule(algorithm).state_shapes(param)

@@ -34,7 +34,7 @@ from dmuon.optim.engine.guards import (
 )
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.rules import get_rule
-from dmuon.optim.scalar import adamw_step, lion_step
+from dmuon.optim.scalar import get_scalar_rule
 from dmuon.optim.vote import SignVote
 
 __all__ = ["check_guard_options", "run_step", "step_matrices", "step_scalars"]
@@ -171,7 +171,8 @@ def step_scalars(
     state: Mapping[torch.Tensor, dict[str, Any]],
     params: list[torch.Tensor] | None = None,
 ) -> None:
-    """AdamW/Lion on ``params`` (default: the group's) that have a gradient."""
+    """The group's scalar rule (AdamW/Lion) on ``params`` (default: the group's) that have a
+    gradient."""
     candidates = group["params"] if params is None else params
     params = [p for p in candidates if p.grad is not None]
     if not params:
@@ -179,30 +180,12 @@ def step_scalars(
     grads = [p.grad for p in params]
     if any(g.is_sparse for g in grads):  # type: ignore[union-attr]
         raise RuntimeError("DMuon does not support sparse gradients")
-    states = [state[p] for p in params]
-    steps = [s["step"] for s in states]
-    if group["algorithm"] == "adamw":
-        adamw_step(
-            params,
-            grads,  # type: ignore[arg-type]
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
-            steps,
-            lr=float(group["lr"]),
-            betas=group["betas"],
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-        )
-    else:
-        lion_step(
-            params,
-            grads,  # type: ignore[arg-type]
-            [s["exp_avg"] for s in states],
-            steps,
-            lr=float(group["lr"]),
-            betas=group["betas"],
-            weight_decay=float(group["weight_decay"]),
-        )
+    get_scalar_rule(group["algorithm"]).update(
+        params,
+        grads,  # type: ignore[arg-type]
+        [state[p] for p in params],
+        group,
+    )
 
 
 def check_guard_options(timeout: Any, nonfinite: Any, check_every: Any, store: Any) -> None:

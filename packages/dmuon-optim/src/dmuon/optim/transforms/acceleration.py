@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from dmuon.optim.hyperparameters import Option, matrix_keys, real
 from dmuon.optim.transforms.base import StateSpec, StepContext, Transform
 
 __all__ = ["GradDiffAcceleration"]
@@ -43,7 +45,13 @@ class GradDiffAcceleration(Transform):
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec("prev_grad", "matrix"), StateSpec("grad_diff_avg", "matrix"))
 
-    reads = ("mona_beta", "mona_gamma", "momentum")
+    hyperparameters: ClassVar[Mapping[str, Option]] = {
+        "mona_beta": Option(
+            0.92, real(0.0, 1.0, hi_open=True), "EMA decay of gradient differences"
+        ),
+        "mona_gamma": Option(0.92, real(0.0), "weight of the acceleration term"),
+        **matrix_keys("momentum"),
+    }
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

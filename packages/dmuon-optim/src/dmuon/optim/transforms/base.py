@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from dmuon.kernels import orthogonalize
+from dmuon.optim.hyperparameters import COMPUTE_DTYPES, REQUIRED, Option, boolean
 from dmuon.optim.vote import SignVote, local_vote
 
 __all__ = [
@@ -42,13 +43,6 @@ __all__ = [
     "resolve_compute_dtype",
     "run_chain",
 ]
-
-COMPUTE_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
 
 
 def resolve_compute_dtype(name: str | None) -> torch.dtype | None:
@@ -120,9 +114,13 @@ class Transform(ABC):
     Attributes:
         when_option: name of a boolean hyperparameter of the group that switches
             the transform on (``None``: always on). Keyword-only.
-        reads: class-level: the group hyperparameters :meth:`apply` reads from
-            ``ctx.hp``; a :class:`~dmuon.optim.Rule` checks at definition that each
-            is a common matrix key or one of its options (so it has a default).
+        hyperparameters: class-level: every group hyperparameter :meth:`apply` reads
+            from ``ctx.hp``, name → :class:`~dmuon.optim.hyperparameters.Option`
+            (default, check, meaning), declared as the state is; a common matrix key
+            (``momentum``, ``ns_steps``, …) is declared with its entry of
+            :data:`~dmuon.optim.hyperparameters.MATRIX_KEYS`. A
+            :class:`~dmuon.optim.Rule` derives its options from its chain's
+            declarations (:meth:`hyperparameter_specs`).
         collective: class-level: ``True`` for a transform that communicates across
             ranks in the middle of the chain (Sign-Muon's vote, through
             :attr:`StepContext.vote`); the engine asks the rule
@@ -144,16 +142,27 @@ class Transform(ABC):
     """
 
     when_option: str | None = field(default=None, kw_only=True)
-    reads: ClassVar[tuple[str, ...]] = ()
+    hyperparameters: ClassVar[Mapping[str, Option]] = {}
     collective: ClassVar[bool] = False
 
     def state_specs(self) -> tuple[StateSpec, ...]:
         """The buffers this transform owns (none unless a subclass says so)."""
         return ()
 
+    def hyperparameter_specs(self) -> dict[str, Option]:
+        """The hyperparameters this transform reads: :attr:`hyperparameters` and, where
+        set, its ``when_option`` switch (a boolean with no default of its own: the rule
+        that chains the transform gives it one)."""
+        specs = dict(self.hyperparameters)
+        if self.when_option is not None:
+            specs[self.when_option] = Option(
+                REQUIRED, boolean, f"run {type(self).__name__} (a switch of the chain)"
+            )
+        return specs
+
     def read_keys(self) -> tuple[str, ...]:
-        """The hyperparameters this transform reads: :attr:`reads` and ``when_option``."""
-        return self.reads + ((self.when_option,) if self.when_option is not None else ())
+        """The names of :meth:`hyperparameter_specs`, in order."""
+        return tuple(self.hyperparameter_specs())
 
     def __call__(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

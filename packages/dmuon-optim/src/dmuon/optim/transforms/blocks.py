@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from dmuon.optim.hyperparameters import Option, integer, matrix_keys, real
 from dmuon.optim.scaling import adjust_lr_factor
 from dmuon.optim.transforms.base import StepContext, Transform
 
@@ -66,18 +68,14 @@ class BlockPeriodicOrthogonalize(Transform):
         torch.Size([1, 8, 16])
     """
 
-    reads = (
-        "period",
-        "adjust_lr",
-        "full_lr_scale",
-        "row_blocks",
-        "col_blocks",
-        "block_lr_scale",
-        "ns_method",
-        "ns_coefficients",
-        "ns_steps",
-        "ns_compute_dtype",
-    )
+    hyperparameters: ClassVar[Mapping[str, Option]] = {
+        "period": Option(5, integer(1), "a full orthogonalisation every P steps"),
+        "row_blocks": Option(2, integer(1), "blocks along the rows (shards)"),
+        "col_blocks": Option(1, integer(1), "blocks along the columns"),
+        "block_lr_scale": Option(1.0, real(0.0), "η_block / lr"),
+        "full_lr_scale": Option(1.0, real(0.0), "η_full / lr"),
+        **matrix_keys("adjust_lr", "ns_method", "ns_coefficients", "ns_steps", "ns_compute_dtype"),
+    }
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

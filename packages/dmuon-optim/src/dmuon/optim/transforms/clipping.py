@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from dmuon.kernels import spectral_clip
+from dmuon.optim.hyperparameters import Option, choice, integer, matrix_keys, optional, real
 from dmuon.optim.transforms.base import StepContext, Transform
 
 __all__ = ["MomentumSpectralClip"]
@@ -43,7 +45,12 @@ class MomentumSpectralClip(Transform):
         True
     """
 
-    reads = ("momentum", "clip_tau", "clip_mode", "clip_steps")
+    hyperparameters: ClassVar[Mapping[str, Option]] = {
+        "clip_mode": Option("hard", choice(("hard", "soft")), "hard or soft clipping"),
+        "clip_tau": Option(1.0, real(0.0, lo_open=True), "clipping level τ"),
+        "clip_steps": Option(None, optional(integer(1)), "inner iterations of the clip"),
+        **matrix_keys("momentum"),
+    }
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

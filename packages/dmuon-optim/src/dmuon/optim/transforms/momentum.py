@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from dmuon.optim.hyperparameters import Option, matrix_keys
 from dmuon.optim.transforms.base import StateSpec, StepContext, Transform
 
 __all__ = ["Momentum"]
@@ -41,7 +43,7 @@ class Momentum(Transform):
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec("momentum_buffer", "matrix"),)
 
-    reads = ("momentum", "nesterov")
+    hyperparameters: ClassVar[Mapping[str, Option]] = matrix_keys("momentum", "nesterov")
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

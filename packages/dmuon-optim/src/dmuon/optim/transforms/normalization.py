@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from dmuon.optim.hyperparameters import Option, real
 from dmuon.optim.transforms.base import StateSpec, StepContext, Transform
 
 __all__ = [
@@ -28,6 +30,11 @@ __all__ = [
     "SpectralNormalize",
     "match_frobenius",
 ]
+
+# One declaration each, shared by NorMuon's, AdaMuon's, Muon²'s and Dion3's transforms: a
+# rule that chains two of them reads one beta2 (Rule refuses two different ones).
+_BETA2 = Option(0.95, real(0.0, 1.0, hi_open=True), "EMA decay of the second moment")
+_EPS = Option(1e-8, real(0.0), "denominator guard")
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -70,7 +77,7 @@ class RowNormalize(Transform):
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec(self.name, "row"),)
 
-    reads = ("beta2", "eps")
+    hyperparameters: ClassVar[Mapping[str, Option]] = {"beta2": _BETA2, "eps": _EPS}
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
@@ -107,7 +114,7 @@ class ElementwiseNormalize(Transform):
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec("second_moment", "matrix"),)
 
-    reads = ("beta2", "eps")
+    hyperparameters: ClassVar[Mapping[str, Option]] = {"beta2": _BETA2, "eps": _EPS}
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
@@ -147,7 +154,10 @@ class AdamPrecondition(Transform):
     def state_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec("grad_second_moment", "matrix"),)
 
-    reads = ("beta2", "eps")
+    hyperparameters: ClassVar[Mapping[str, Option]] = {
+        "beta2": _BETA2,
+        "eps": Option(1e-16, real(0.0), "guard inside the root: X/√(V + ε)"),
+    }
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from dmuon.optim.hyperparameters import Option, matrix_keys
 from dmuon.optim.transforms.base import StepContext, Transform
 
 __all__ = ["Orthogonalize"]
@@ -33,7 +35,9 @@ class Orthogonalize(Transform):
         torch.Size([3, 8, 16])
     """
 
-    reads = ("ns_method", "ns_coefficients", "ns_steps", "ns_compute_dtype")
+    hyperparameters: ClassVar[Mapping[str, Option]] = matrix_keys(
+        "ns_method", "ns_coefficients", "ns_steps", "ns_compute_dtype"
+    )
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from dmuon.optim.hyperparameters import Option, matrix_keys, real
 from dmuon.optim.scaling import adjust_lr_factor
 from dmuon.optim.transforms.base import StepContext, Transform
 
@@ -31,7 +33,7 @@ class AdjustLR(Transform):
         4.0
     """
 
-    reads = ("adjust_lr",)
+    hyperparameters: ClassVar[Mapping[str, Option]] = matrix_keys("adjust_lr")
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
@@ -62,7 +64,9 @@ class SpectralRadius(Transform):
         6.0
     """
 
-    reads = ("radius",)
+    hyperparameters: ClassVar[Mapping[str, Option]] = {
+        "radius": Option(1.0, real(0.0, lo_open=True), "ρ, the spectral ball's radius"),
+    }
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

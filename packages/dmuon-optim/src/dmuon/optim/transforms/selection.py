@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
+from dmuon.optim.hyperparameters import Option, choice, matrix_keys, real
 from dmuon.optim.transforms.base import StateSpec, StepContext, Transform, run_chain
 
 __all__ = ["ErrorFeedbackSelect", "selected_count"]
@@ -39,7 +41,8 @@ class ErrorFeedbackSelect(Transform):
     (Dion3 = Dion2's selection + NorMuon's normalisation).
 
     Hyperparameters: ``fraction`` (α ∈ (0, 1]), ``momentum`` (μ, the error-feedback
-    decay, Dion2's ``ef_decay``), ``select_dim`` (default ``"rows"`` when absent).
+    decay, Dion2's ``ef_decay``), ``select_dim`` (declared only when no inner
+    transform keeps row-kind state; with one, as in Dion3, the slices are rows).
     State: ``momentum_buffer`` (``matrix``) plus the inner transforms' state.
 
     Examples:
@@ -60,11 +63,22 @@ class ErrorFeedbackSelect(Transform):
         own = (StateSpec("momentum_buffer", "matrix"),)
         return own + tuple(s for t in self.inner for s in t.state_specs())
 
-    # and "select_dim" where the rule has it (Dion2); without it (Dion3): rows
-    reads = ("momentum", "fraction")
+    hyperparameters: ClassVar[Mapping[str, Option]] = {
+        **matrix_keys("momentum"),
+        "fraction": Option(0.25, real(0.0, 1.0, lo_open=True), "fraction of rows/columns selected"),
+    }
 
-    def read_keys(self) -> tuple[str, ...]:
-        return super().read_keys() + tuple(k for t in self.inner for k in t.read_keys())
+    def hyperparameter_specs(self) -> dict[str, Option]:
+        """Its own keys, ``select_dim`` unless an inner transform keeps row-kind state
+        (then the slices are rows: Dion3), and the inner transforms' keys."""
+        specs = super().hyperparameter_specs()
+        if not any(s.kind == "row" for t in self.inner for s in t.state_specs()):
+            specs["select_dim"] = Option(
+                "auto", choice(("auto", "rows", "cols")), "slices to select (auto = shorter)"
+            )
+        for t in self.inner:
+            specs.update(t.hyperparameter_specs())
+        return specs
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

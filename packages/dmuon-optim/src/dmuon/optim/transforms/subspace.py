@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from dmuon.optim.hyperparameters import Option, choice, integer, real
 from dmuon.optim.transforms.base import StepContext, Transform
 
 __all__ = ["RANK_SCHEDULES", "TopKPolar", "rank_fraction_at", "sketch_matrix"]
@@ -82,15 +84,17 @@ class TopKPolar(Transform):
         True
     """
 
-    reads = (
-        "rank_fraction",
-        "rank_schedule",
-        "rank_start",
-        "rank_steps",
-        "oversample",
-        "seed",
-        "power_iters",
-    )
+    hyperparameters: ClassVar[Mapping[str, Option]] = {
+        "rank_fraction": Option(
+            0.25, real(0.0, 1.0, lo_open=True), "relative rank r (the final one)"
+        ),
+        "rank_schedule": Option("constant", choice(RANK_SCHEDULES), "rank schedule"),
+        "rank_start": Option(1.0, real(0.0, 1.0, lo_open=True), "relative rank at step 1"),
+        "rank_steps": Option(1000, integer(1), "steps from rank_start to rank_fraction"),
+        "power_iters": Option(2, integer(0), "power iterations of the range finder"),
+        "oversample": Option(8, integer(0), "extra sketch columns"),
+        "seed": Option(0, integer(0), "seed of the Gaussian sketches"),
+    }
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
