@@ -155,14 +155,12 @@ class GroupDefaults:
                 f"{where}: unknown algorithm {algorithm!r}; expected one of {accepted_algorithms}"
             )
         group["algorithm"] = algorithm
+        keys = accepted_options(algorithm)
         if algorithm in SCALAR_ALGORITHMS:
-            keys = dict(get_scalar_rule(algorithm).options)
             defaults = dict(self.scalar)
         else:
-            rule = get_rule(algorithm)
-            keys = {**MATRIX_KEYS, **rule.options}
             defaults = dict(self.matrix)
-            for key, opt in rule.options.items():
+            for key, opt in get_rule(algorithm).options.items():
                 defaults[key] = self.rule_options.get(key, opt.default)
         unknown = sorted(k for k in group if k not in keys and k not in BOOKKEEPING_KEYS)
         if algorithm in SCALAR_ALGORITHMS and "max_momentum" in group and "momentum" in unknown:
@@ -228,7 +226,7 @@ def structure_of(group: Mapping[str, Any]) -> tuple[Any, ...]:
 def accepted_options(algorithm: str) -> Mapping[str, Any]:
     """The keys a group of ``algorithm`` takes, each with its :class:`Option`."""
     if algorithm in SCALAR_ALGORITHMS:
-        return SCALAR_KEYS[algorithm]
+        return dict(get_scalar_rule(algorithm).options)
     return {**MATRIX_KEYS, **get_rule(algorithm).options}
 
 
