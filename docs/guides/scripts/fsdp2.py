@@ -10,51 +10,21 @@ The DMuon lines are marked ``# DMuon``; the AdamW version of this script calls
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dmuon.integrations.fsdp import dedicate
 from dmuon.optim import DMuon, param_groups
 
-VOCAB, WIDTH, LAYERS, SEQ, GLOBAL_BATCH = 64, 64, 2, 16, 8
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.proj = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.proj(F.gelu(self.fc(self.norm(x))))
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)  # every rank builds the same model
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block(WIDTH) for _ in range(LAYERS))
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def batch(step: int, rank: int, world: int, device: torch.device):
-    """This rank's rows of the global batch of ``step``: learn y = (3x + 1) mod VOCAB."""
-    g = torch.Generator().manual_seed(step)
-    x = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
-    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-    return x[rows].to(device), ((3 * x + 1) % VOCAB)[rows].to(device)
+# The model and the batches, shared by the guides' scripts, live next to this file.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from guide_model import Model, batch
 
 
 def train(steps: int = 50) -> dict[str, torch.Tensor]:

@@ -7,10 +7,11 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from dmuon.comm.groups import agree, fingerprint, group_rank, group_size
+from dmuon.comm.groups import group_rank, group_size
 from dmuon.comm.handles import CommHandle
 from dmuon.comm.owner_plan import OwnerPlan
-from dmuon.comm.stats import CommStats, default_stats
+from dmuon.comm.plan_collective import begin, check_owned, items_by_dtype
+from dmuon.comm.stats import CommStats
 from dmuon.comm.torch_compat import all_gather_single
 
 __all__ = ["all_gather_updates"]
@@ -62,7 +63,6 @@ def all_gather_updates(
         (['a', 'b'], 4.0)
     """
     name = "all_gather_updates"
-    stats = stats if stats is not None else default_stats()
 
     def check() -> tuple[int, int]:
         n = group_size(group)
@@ -72,15 +72,7 @@ def all_gather_updates(
                 f"world_size={plan.world_size}"
             )
         me = group_rank(group)
-        for item in plan.items_of(me):
-            if item.name not in updates:
-                raise ValueError(f"{name}: rank {me} owns {item.name!r} but gave no update for it")
-            t = updates[item.name]
-            if tuple(t.shape) != item.shape or t.dtype != item.dtype:
-                raise ValueError(
-                    f"{name}: update of {item.name!r} must be {item.dtype} of shape "
-                    f"{item.shape}, got {t.dtype} of shape {tuple(t.shape)}"
-                )
+        check_owned(name, plan, me, updates, noun="update", missing="gave no update for it")
         for key, t in (out or {}).items():
             if key not in plan or tuple(t.shape) != plan.item(key).shape:
                 raise ValueError(
@@ -89,14 +81,9 @@ def all_gather_updates(
                 )
         return n, me
 
-    if verify:
-        n, me = agree(name, [group], check, fingerprint(name, plan.digest()))
-    else:
-        n, me = check()
-    stats.count_call(name)
+    n, me, stats = begin(name, plan, group, check, verify=verify, stats=stats)
     works, received = [], []
-    for dtype in dict.fromkeys(i.dtype for i in plan.items):
-        per_rank = [[i for i in plan.items_of(r) if i.dtype == dtype] for r in range(n)]
+    for dtype, per_rank in items_by_dtype(plan, n):
         volume = max(sum(i.numel for i in its) for its in per_rank)
         if volume == 0:
             continue

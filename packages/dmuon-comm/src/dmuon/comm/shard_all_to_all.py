@@ -23,11 +23,12 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from dmuon.comm.groups import agree, fingerprint, group_rank, group_size
+from dmuon.comm.groups import group_rank, group_size
 from dmuon.comm.handles import CommHandle
 from dmuon.comm.items import MatrixItem
 from dmuon.comm.owner_plan import OwnerPlan
-from dmuon.comm.stats import CommStats, default_stats
+from dmuon.comm.plan_collective import begin, check_owned, items_by_dtype
+from dmuon.comm.stats import CommStats
 
 __all__ = ["shard_all_to_all", "shard_all_to_all_reverse", "shard_range"]
 
@@ -55,8 +56,44 @@ def _padded_chunk(item: MatrixItem, n: int) -> tuple[int, int]:
     return -(-item.shape[0] // n), inner
 
 
-def _dtypes(plan: OwnerPlan) -> list[torch.dtype]:
-    return list(dict.fromkeys(i.dtype for i in plan.items))
+def _volumes(per_rank: list[list[MatrixItem]], n: int) -> list[int]:
+    """Elements of each rank's padded chunks (one dtype): the all-to-all's split sizes."""
+    return [sum(math.prod(_padded_chunk(i, n)) for i in its) for its in per_rank]
+
+
+def _all_to_all(
+    name: str,
+    recv: torch.Tensor,
+    send: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    me: int,
+    *,
+    group: dist.ProcessGroup | None,
+    stats: CommStats,
+    works: list[object],
+) -> None:
+    """Start the all-to-all of ``send`` into ``recv`` (a copy on one rank); record its bytes.
+
+    This rank sends ``in_splits[r]`` elements to rank ``r`` and receives
+    ``out_splits[r]`` from it; what it keeps for itself is not traffic.
+    """
+    n = len(out_splits)
+    if n > 1:
+        works.append(
+            dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True)
+        )
+    else:
+        recv.copy_(send)
+    elem = send.element_size()
+    stats.record(
+        name,
+        collectives=int(n > 1),
+        payload_bytes=send.numel() * elem,
+        bytes_sent=(sum(in_splits) - in_splits[me]) * elem,
+        bytes_received=(sum(out_splits) - out_splits[me]) * elem,
+        calls=0,
+    )
 
 
 def _setup(plan: OwnerPlan, group: dist.ProcessGroup | None, op: str) -> tuple[int, int]:
@@ -115,7 +152,6 @@ def shard_all_to_all(
         torch.Size([3, 2])
     """
     name = "shard_all_to_all"
-    stats = stats if stats is not None else default_stats()
 
     def check() -> tuple[int, int]:
         n, me = _setup(plan, group, name)
@@ -138,15 +174,11 @@ def shard_all_to_all(
                 )
         return n, me
 
-    if verify:
-        n, me = agree(name, [group], check, fingerprint(name, plan.digest()))
-    else:
-        n, me = check()
-    stats.count_call(name)
-    works, finishers = [], []
-    for dtype in _dtypes(plan):
-        per_rank = [[i for i in plan.items_of(r) if i.dtype == dtype] for r in range(n)]
-        volume = [sum(math.prod(_padded_chunk(i, n)) for i in its) for its in per_rank]
+    n, me, stats = begin(name, plan, group, check, verify=verify, stats=stats)
+    works: list[object] = []
+    finishers: list = []
+    for dtype, per_rank in items_by_dtype(plan, n):
+        volume = _volumes(per_rank, n)
         if sum(volume) == 0:
             continue
         device = next(iter(shards.values())).device if shards else None
@@ -161,22 +193,8 @@ def shard_all_to_all(
                 block[shard.shape[0] :].zero_()
                 offset += rows * inner
         recv = torch.empty(n * volume[me], dtype=dtype, device=device)
-        if n > 1:
-            works.append(
-                dist.all_to_all_single(
-                    recv, send, [volume[me]] * n, volume, group=group, async_op=True
-                )
-            )
-        else:
-            recv.copy_(send)
-        elem = send.element_size()
-        stats.record(
-            name,
-            collectives=int(n > 1),
-            payload_bytes=send.numel() * elem,
-            bytes_sent=(sum(volume) - volume[me]) * elem,
-            bytes_received=(n - 1) * volume[me] * elem,
-            calls=0,
+        _all_to_all(
+            name, recv, send, [volume[me]] * n, volume, me, group=group, stats=stats, works=works
         )
         finishers.append((recv, per_rank[me], volume[me]))
 
@@ -233,30 +251,17 @@ def shard_all_to_all_reverse(
         torch.Size([3, 2])
     """
     name = "shard_all_to_all_reverse"
-    stats = stats if stats is not None else default_stats()
 
     def check() -> tuple[int, int]:
         n, me = _setup(plan, group, name)
-        for item in plan.items_of(me):
-            if item.name not in results:
-                raise ValueError(f"{name}: rank {me} owns {item.name!r} but no result was given")
-            t = results[item.name]
-            if tuple(t.shape) != item.shape or t.dtype != item.dtype:
-                raise ValueError(
-                    f"{name}: result of {item.name!r} must be {item.dtype} of shape "
-                    f"{item.shape}, got {t.dtype} of shape {tuple(t.shape)}"
-                )
+        check_owned(name, plan, me, results, noun="result", missing="no result was given")
         return n, me
 
-    if verify:
-        n, me = agree(name, [group], check, fingerprint(name, plan.digest()))
-    else:
-        n, me = check()
-    stats.count_call(name)
-    works, finishers = [], []
-    for dtype in _dtypes(plan):
-        per_rank = [[i for i in plan.items_of(r) if i.dtype == dtype] for r in range(n)]
-        volume = [sum(math.prod(_padded_chunk(i, n)) for i in its) for its in per_rank]
+    n, me, stats = begin(name, plan, group, check, verify=verify, stats=stats)
+    works: list[object] = []
+    finishers: list = []
+    for dtype, per_rank in items_by_dtype(plan, n):
+        volume = _volumes(per_rank, n)
         if sum(volume) == 0:
             continue
         device = next(iter(results.values())).device if results else None
@@ -273,22 +278,8 @@ def shard_all_to_all_reverse(
                 region[r, length:].zero_()
             offset += rows * inner
         recv = torch.empty(sum(volume), dtype=dtype, device=device)
-        if n > 1:
-            works.append(
-                dist.all_to_all_single(
-                    recv, send, volume, [volume[me]] * n, group=group, async_op=True
-                )
-            )
-        else:
-            recv.copy_(send)
-        elem = send.element_size()
-        stats.record(
-            name,
-            collectives=int(n > 1),
-            payload_bytes=send.numel() * elem,
-            bytes_sent=(n - 1) * volume[me] * elem,
-            bytes_received=(sum(volume) - volume[me]) * elem,
-            calls=0,
+        _all_to_all(
+            name, recv, send, volume, [volume[me]] * n, me, group=group, stats=stats, works=works
         )
         finishers.append((recv, per_rank))
 

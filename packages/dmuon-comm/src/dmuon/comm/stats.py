@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -118,19 +119,32 @@ class CommStats:
         invocations are counted separately, by :meth:`count_call`.
         """
         size = nbytes * world_size if op == "all_gather" else nbytes
-        c = cost_model(op, size, world_size)
+        sent, received = _traffic(op, size, world_size)
         self.record(
             name,
             collectives=1,
             payload_bytes=nbytes,
-            bytes_sent=c.bytes_sent,
-            bytes_received=c.bytes_received,
+            bytes_sent=sent,
+            bytes_received=received,
             calls=0,
         )
 
     def count_call(self, name: str) -> None:
         """Count one wrapper invocation without traffic."""
         self.record(name, collectives=0, payload_bytes=0, bytes_sent=0.0, bytes_received=0.0)
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _traffic(op: str, nbytes: int, world_size: int) -> tuple[float, float]:
+    """Per-rank bytes sent and received of one collective, by :func:`~dmuon.comm.cost_model`.
+
+    A training step issues the same collectives on the same buffers every step, so
+    the figures are computed once per (op, size, world size) and looked up after.
+    ``typed``: ``True`` and ``1`` are different keys (``cost_model`` rejects a bool
+    size); an argument it rejects raises every time, since errors are not cached.
+    """
+    c = cost_model(op, nbytes, world_size)
+    return c.bytes_sent, c.bytes_received
 
 
 _DEFAULT = CommStats()

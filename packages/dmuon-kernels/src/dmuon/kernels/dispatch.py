@@ -1,16 +1,28 @@
-"""One Newton–Schulz call end to end: backend, autotune, CUDA graph, preparation and way back.
+"""One Newton–Schulz call end to end: plan, backend, autotune, CUDA graph, preparation, way back.
 
 Every public entry point (:func:`~dmuon.kernels.orthogonalize`,
 :func:`~dmuon.kernels.newton_schulz`, :func:`~dmuon.kernels.gram_newton_schulz`)
-hands its iteration to :func:`execute` as ``iterate(X, ops)``; this module decides
-which :class:`~dmuon.kernels.SymmetricOps` it runs with and whether the whole
-call goes through a CUDA graph. It knows nothing about the iterations themselves.
+hands its iteration and its :class:`~dmuon.kernels.ns_options.NSOptions` to
+:func:`run`; this module decides which :class:`~dmuon.kernels.SymmetricOps` the
+iteration runs with and whether the whole call goes through a CUDA graph. It knows
+nothing about the iterations themselves.
+
+**Plans.** An optimizer calls with the same options on the same shapes every step,
+and everything decided before the first matmul — the checked coefficient schedule
+and restarts, the compute dtype, the backend rule's answer — depends only on the
+options, the device and the Gram size. :func:`run` resolves it once into a frozen
+:class:`CallPlan` and reuses it, so a warm call goes from the entry point straight
+to its iteration and the products (the same arithmetic in the same order: results
+are bitwise those of a fresh resolution). What can change between calls is decided
+per call as before: the autotuner's answer (``backend="auto"`` on CUDA), the CUDA-
+graph switch and whether a capture is running.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,11 +32,14 @@ from dmuon.kernels.backends import BACKENDS, resolve_backend, triton_candidates
 from dmuon.kernels.coefficients import Schedule
 from dmuon.kernels.compute_dtype import default_compute_dtype
 from dmuon.kernels.cuda_graphs import graph_cache
+from dmuon.kernels.ns_options import NSOptions
 from dmuon.kernels.symmetric_ops import TORCH_OPS, SymmetricOps
 
-__all__ = ["execute", "graph_key", "random_wide_batch", "wants_graph"]
+__all__ = ["CallPlan", "Iteration", "graph_key", "random_wide_batch", "run", "wants_graph"]
 
 Iterate = Callable[[torch.Tensor, SymmetricOps], torch.Tensor]
+Iteration = Callable[[torch.Tensor, Schedule, tuple[int, ...], SymmetricOps], torch.Tensor]
+"""An iteration as :func:`run` calls it: ``(X, schedule, restarts, ops) -> X``."""
 
 
 def random_wide_batch(
@@ -82,26 +97,100 @@ def graph_key(
     )
 
 
-def _ops_for(
-    choice: str,
-    *,
+@dataclass(frozen=True)
+class CallPlan:
+    """What every call with the same options, method, device and Gram size does.
+
+    Attributes:
+        method: ``"gram"`` or ``"standard"`` (part of the graph and tuning keys).
+        iterate: the iteration bound to ``schedule`` and ``restarts``, ``(X, ops) -> X``.
+        schedule: the checked ``(a, b, c)`` triples, one per step.
+        restarts: the checked Gram restarts (``()`` for the standard iteration).
+        eps: relative guard of the normalisation.
+        compute_dtype: the dtype of the matmuls (the per-device default resolved).
+        ops: the symmetric products, or ``None`` when the per-shape autotuner
+            chooses them on each call (``backend="auto"`` where Triton can help).
+    """
+
+    method: str
+    iterate: Iterate
+    schedule: Schedule
+    restarts: tuple[int, ...]
+    eps: float
+    compute_dtype: torch.dtype
+    ops: SymmetricOps | None
+
+
+_PLANS: dict[tuple, CallPlan] = {}
+
+
+def _plan_key(G: object, method: str, iteration: Iteration, options: NSOptions) -> tuple | None:
+    """The key of the plan a call can reuse, or None when it must be resolved afresh.
+
+    Only plain options are keyed: a name of coefficients, int steps and restarts, a
+    float eps. ``True == 1`` and ``(2.0,) == (2,)`` in a key, so anything else goes
+    through the checks every time (and raises there when it is wrong). The backend
+    rule itself is part of the key, so a replaced rule (tests replace it) is never
+    answered from a plan that another rule made.
+    """
+    o = options
+    restarts = tuple(o.restarts) if type(o.restarts) in (tuple, list) else None
+    plain = (
+        isinstance(G, torch.Tensor)
+        and G.ndim >= 2
+        and type(method) is str
+        and type(o.coefficients) is str
+        and type(o.steps) is int
+        and restarts is not None
+        and set(map(type, restarts)) <= {int}
+        and type(o.eps) is float
+        and (o.compute_dtype is None or isinstance(o.compute_dtype, torch.dtype))
+        and type(o.backend) is str
+    )
+    if not plain:
+        return None
+    assert isinstance(G, torch.Tensor)
+    gram_size = min(G.shape[-2:])
+    return (method, iteration, o.coefficients, o.steps, restarts, o.eps, o.compute_dtype,
+            o.backend, G.device, gram_size, resolve_backend)  # fmt: skip
+
+
+def _make_plan(
+    G: torch.Tensor,
     method: str,
-    iterate: Iterate,
+    iteration: Iteration,
+    options: NSOptions,
     schedule: Schedule,
     restarts: tuple[int, ...],
-    device: torch.device,
-    batch: int,
-    m: int,
-    n: int,
-    compute_dtype: torch.dtype,
-) -> SymmetricOps:
+) -> CallPlan:
+    dtype = (
+        options.compute_dtype
+        if options.compute_dtype is not None
+        else default_compute_dtype(G.device, method)
+    )
+    choice = resolve_backend(
+        options.backend, device=G.device, compute_dtype=dtype, gram_size=min(G.shape[-2:])
+    )
+    ops: SymmetricOps | None = None  # "tune": the autotuner answers per call
     if choice == "torch":
-        return TORCH_OPS
+        ops = TORCH_OPS
+    elif choice == "triton":
+        ops = triton_candidates()["triton"]
+
+    def iterate(X: torch.Tensor, ops: SymmetricOps) -> torch.Tensor:
+        return iteration(X, schedule, restarts, ops)
+
+    return CallPlan(method, iterate, schedule, restarts, options.eps, dtype, ops)
+
+
+def _tuned_ops(G: torch.Tensor, plan: CallPlan) -> SymmetricOps:
+    """The autotuner's products for this shape (timed the first time it is seen)."""
     candidates = triton_candidates()
-    if choice == "triton":
-        return candidates["triton"]
+    m, n = sorted(G.shape[-2:])
+    batch = math.prod(G.shape[:-2])
+    dtype, device = plan.compute_dtype, G.device
     tuner = default_autotuner()
-    key = tuner.key(device, method, batch, m, n, compute_dtype, len(schedule), restarts)
+    key = tuner.key(device, plan.method, batch, m, n, dtype, len(plan.schedule), plan.restarts)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         # Timing synchronises the device, which a capture forbids: use what is known.
         decision = tuner.lookup(key)
@@ -109,73 +198,59 @@ def _ops_for(
         return known.get(decision.winner, TORCH_OPS) if decision else TORCH_OPS
     return tuner.choose(
         key,
-        iterate,
+        plan.iterate,
         candidates,
-        lambda: random_wide_batch(batch, m, n, compute_dtype, device),
+        lambda: random_wide_batch(batch, m, n, dtype, device),
     )
 
 
-def execute(
-    G: torch.Tensor,
-    *,
-    method: str,
-    iterate: Iterate,
-    schedule: Schedule,
-    restarts: tuple[int, ...],
-    eps: float,
-    compute_dtype: torch.dtype | None,
-    backend: str,
-    cuda_graph: bool | None,
-) -> torch.Tensor:
-    """Normalise ``G`` to the wide orientation, run ``iterate`` with the chosen products, undo.
+def run(G: torch.Tensor, method: str, iteration: Iteration, options: NSOptions) -> torch.Tensor:
+    """Normalise ``G`` to the wide orientation, run ``iteration`` with the chosen products, undo.
 
-    See :func:`~dmuon.kernels.orthogonalize` for the backend rule and the CUDA-graph
-    behaviour.
+    See :func:`~dmuon.kernels.orthogonalize` for the options, the backend rule and
+    the CUDA-graph behaviour. The checks run in the order they always have
+    (options, then ``G``, ``backend`` and ``cuda_graph``); a call with a plan has
+    passed the checks of its options already.
     """
+    key = _plan_key(G, method, iteration, options)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        schedule, restarts = options.resolve(method)
     check_matrix_input(G)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if plan is None and options.backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {options.backend!r}")
+    cuda_graph = options.cuda_graph
     if cuda_graph is not None and not isinstance(cuda_graph, bool):
         raise ValueError(f"cuda_graph must be None, True or False, got {cuda_graph!r}")
     if G.numel() == 0:
         return empty_result(G)
-    dtype = compute_dtype if compute_dtype is not None else default_compute_dtype(G.device, method)
-    m, n = sorted(G.shape[-2:])
-    batch = math.prod(G.shape[:-2])
-    choice = resolve_backend(backend, device=G.device, compute_dtype=dtype, gram_size=m)
-    ops = _ops_for(
-        choice,
-        method=method,
-        iterate=iterate,
-        schedule=schedule,
-        restarts=restarts,
-        device=G.device,
-        batch=batch,
-        m=m,
-        n=n,
-        compute_dtype=dtype,
-    )
+    if plan is None:
+        plan = _make_plan(G, method, iteration, options, schedule, restarts)
+        if key is not None:
+            _PLANS[key] = plan
+    ops = plan.ops if plan.ops is not None else _tuned_ops(G, plan)
 
     def whole_call(G: torch.Tensor) -> torch.Tensor:
-        X, layout = to_wide_normalized(G, eps, dtype, method)
-        return restore(iterate(X, ops), layout)
+        X, layout = to_wide_normalized(G, plan.eps, plan.compute_dtype, plan.method)
+        return restore(plan.iterate(X, ops), layout)
 
+    if G.device.type != "cuda":  # graphs are CUDA-only: the cache is not even asked
+        return whole_call(G)
     cache = graph_cache()
-    on_cuda = G.device.type == "cuda"
     if wants_graph(
         device_type=G.device.type,
         cuda_graph=cuda_graph,
         enabled=cache.enabled,
-        capturing=on_cuda and torch.cuda.is_current_stream_capturing(),
+        capturing=torch.cuda.is_current_stream_capturing(),
         needs_grad=G.requires_grad and torch.is_grad_enabled(),
     ):
         key = graph_key(
             G,
-            method=method,
-            compute_dtype=dtype,
-            schedule=schedule,
-            restarts=restarts,
-            eps=eps,
+            method=plan.method,
+            compute_dtype=plan.compute_dtype,
+            schedule=plan.schedule,
+            restarts=plan.restarts,
+            eps=plan.eps,
             ops_name=ops.name,
         )
         return cache.run(key, whole_call, G, force=cuda_graph is True)

@@ -26,9 +26,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dmuon.kernels.coefficients import Schedule, resolve_coefficients
-from dmuon.kernels.dispatch import execute
+from dmuon.kernels.coefficients import Schedule
+from dmuon.kernels.dispatch import run
 from dmuon.kernels.newton_schulz import newton_schulz_iterations
+from dmuon.kernels.ns_options import DEFAULTS, NSOptions, check_restarts
 from dmuon.kernels.symmetric_ops import TORCH_OPS, SymmetricOps
 
 __all__ = [
@@ -37,19 +38,6 @@ __all__ = [
     "gram_newton_schulz",
     "gram_newton_schulz_iterations",
 ]
-
-
-def check_restarts(restarts: Sequence[int], steps: int) -> tuple[int, ...]:
-    """Validate restart iterations: integers in ``[1, steps)``, returned sorted and unique."""
-    out = set()
-    for r in restarts:
-        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < steps:
-            raise ValueError(
-                f"restarts must be iteration indices in [1, {steps}) for steps={steps}, "
-                f"got {tuple(restarts)!r}"
-            )
-        out.add(r)
-    return tuple(sorted(out))
 
 
 def _add_identity(M: torch.Tensor, a: float) -> torch.Tensor:
@@ -115,13 +103,13 @@ def gram_iterations(
 def gram_newton_schulz(
     G: torch.Tensor,
     *,
-    coefficients: str | Sequence[Sequence[float]] = "polar_express",
-    steps: int = 5,
-    restarts: Sequence[int] = (2,),
-    eps: float = 1e-7,
-    compute_dtype: torch.dtype | None = None,
-    backend: str = "auto",
-    cuda_graph: bool | None = None,
+    coefficients: str | Sequence[Sequence[float]] = DEFAULTS.coefficients,
+    steps: int = DEFAULTS.steps,
+    restarts: Sequence[int] = DEFAULTS.restarts,
+    eps: float = DEFAULTS.eps,
+    compute_dtype: torch.dtype | None = DEFAULTS.compute_dtype,
+    backend: str = DEFAULTS.backend,
+    cuda_graph: bool | None = DEFAULTS.cuda_graph,
 ) -> torch.Tensor:
     """Approximate the polar factor of ``G`` with Gram Newton–Schulz.
 
@@ -147,20 +135,5 @@ def gram_newton_schulz(
         >>> O.shape
         torch.Size([64, 512])
     """
-    schedule = resolve_coefficients(coefficients, steps)
-    restarts_t = check_restarts(restarts, steps)
-
-    def iterate(X: torch.Tensor, ops: SymmetricOps) -> torch.Tensor:
-        return gram_newton_schulz_iterations(X, schedule, restarts_t, ops)
-
-    return execute(
-        G,
-        method="gram",
-        iterate=iterate,
-        schedule=schedule,
-        restarts=restarts_t,
-        eps=eps,
-        compute_dtype=compute_dtype,
-        backend=backend,
-        cuda_graph=cuda_graph,
-    )
+    options = NSOptions(coefficients, steps, restarts, eps, compute_dtype, backend, cuda_graph)
+    return run(G, "gram", gram_newton_schulz_iterations, options)

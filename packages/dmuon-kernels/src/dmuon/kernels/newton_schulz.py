@@ -18,11 +18,12 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon.kernels.coefficients import Schedule, resolve_coefficients
-from dmuon.kernels.dispatch import execute
+from dmuon.kernels.coefficients import Schedule
+from dmuon.kernels.dispatch import run
+from dmuon.kernels.ns_options import DEFAULTS, NSOptions
 from dmuon.kernels.symmetric_ops import TORCH_OPS, SymmetricOps
 
-__all__ = ["newton_schulz", "newton_schulz_iterations"]
+__all__ = ["newton_schulz", "newton_schulz_iterations", "standard_iterations"]
 
 
 def newton_schulz_iterations(
@@ -42,15 +43,23 @@ def newton_schulz_iterations(
     return X
 
 
+def standard_iterations(
+    X: torch.Tensor, schedule: Schedule, restarts: tuple[int, ...], ops: SymmetricOps
+) -> torch.Tensor:
+    """:func:`newton_schulz_iterations` as :func:`~dmuon.kernels.dispatch.run` calls every
+    iteration, ``(X, schedule, restarts, ops)``; the standard iteration has no restarts."""
+    return newton_schulz_iterations(X, schedule, ops)
+
+
 def newton_schulz(
     G: torch.Tensor,
     *,
-    coefficients: str | Sequence[Sequence[float]] = "polar_express",
-    steps: int = 5,
-    eps: float = 1e-7,
-    compute_dtype: torch.dtype | None = None,
-    backend: str = "auto",
-    cuda_graph: bool | None = None,
+    coefficients: str | Sequence[Sequence[float]] = DEFAULTS.coefficients,
+    steps: int = DEFAULTS.steps,
+    eps: float = DEFAULTS.eps,
+    compute_dtype: torch.dtype | None = DEFAULTS.compute_dtype,
+    backend: str = DEFAULTS.backend,
+    cuda_graph: bool | None = DEFAULTS.cuda_graph,
 ) -> torch.Tensor:
     """Approximate the polar factor ``U Vᵀ`` of ``G`` (or of each matrix of a batch).
 
@@ -79,19 +88,5 @@ def newton_schulz(
         >>> O.shape
         torch.Size([64, 256])
     """
-    schedule = resolve_coefficients(coefficients, steps)
-
-    def iterate(X: torch.Tensor, ops: SymmetricOps) -> torch.Tensor:
-        return newton_schulz_iterations(X, schedule, ops)
-
-    return execute(
-        G,
-        method="standard",
-        iterate=iterate,
-        schedule=schedule,
-        restarts=(),
-        eps=eps,
-        compute_dtype=compute_dtype,
-        backend=backend,
-        cuda_graph=cuda_graph,
-    )
+    options = NSOptions(coefficients, steps, (), eps, compute_dtype, backend, cuda_graph)
+    return run(G, "standard", standard_iterations, options)

@@ -6,11 +6,10 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon.kernels.coefficients import resolve_coefficients
-from dmuon.kernels.dispatch import execute
-from dmuon.kernels.gram_newton_schulz import check_restarts, gram_newton_schulz_iterations
-from dmuon.kernels.newton_schulz import newton_schulz_iterations
-from dmuon.kernels.symmetric_ops import SymmetricOps
+from dmuon.kernels.dispatch import run
+from dmuon.kernels.gram_newton_schulz import gram_newton_schulz_iterations
+from dmuon.kernels.newton_schulz import standard_iterations
+from dmuon.kernels.ns_options import DEFAULTS, NSOptions
 
 __all__ = ["METHODS", "orthogonalize"]
 
@@ -22,13 +21,13 @@ def orthogonalize(
     G: torch.Tensor,
     *,
     method: str = "gram",
-    coefficients: str | Sequence[Sequence[float]] = "polar_express",
-    steps: int = 5,
-    restarts: Sequence[int] = (2,),
-    eps: float = 1e-7,
-    compute_dtype: torch.dtype | None = None,
-    backend: str = "auto",
-    cuda_graph: bool | None = None,
+    coefficients: str | Sequence[Sequence[float]] = DEFAULTS.coefficients,
+    steps: int = DEFAULTS.steps,
+    restarts: Sequence[int] = DEFAULTS.restarts,
+    eps: float = DEFAULTS.eps,
+    compute_dtype: torch.dtype | None = DEFAULTS.compute_dtype,
+    backend: str = DEFAULTS.backend,
+    cuda_graph: bool | None = DEFAULTS.cuda_graph,
 ) -> torch.Tensor:
     """Approximate the polar factor ``U Vᵀ`` of a matrix or of every matrix in a batch.
 
@@ -94,22 +93,6 @@ def orthogonalize(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    schedule = resolve_coefficients(coefficients, steps)
-    restarts_t = check_restarts(restarts, steps) if method == "gram" else ()
-
-    def iterate(X: torch.Tensor, ops: SymmetricOps) -> torch.Tensor:
-        if method == "gram":
-            return gram_newton_schulz_iterations(X, schedule, restarts_t, ops)
-        return newton_schulz_iterations(X, schedule, ops)
-
-    return execute(
-        G,
-        method=method,
-        iterate=iterate,
-        schedule=schedule,
-        restarts=restarts_t,
-        eps=eps,
-        compute_dtype=compute_dtype,
-        backend=backend,
-        cuda_graph=cuda_graph,
-    )
+    iteration = gram_newton_schulz_iterations if method == "gram" else standard_iterations
+    options = NSOptions(coefficients, steps, restarts, eps, compute_dtype, backend, cuda_graph)
+    return run(G, method, iteration, options)

@@ -42,7 +42,8 @@ import torch
 from dmuon.kernels._layout import check_matrix_input
 from dmuon.kernels.coefficients import resolve_coefficients
 from dmuon.kernels.compute_dtype import default_compute_dtype
-from dmuon.kernels.gram_newton_schulz import check_restarts, gram_iterations
+from dmuon.kernels.gram_newton_schulz import gram_iterations
+from dmuon.kernels.ns_options import DEFAULTS, check_restarts
 from dmuon.kernels.symmetric_ops import TORCH_OPS, SymmetricOps
 
 __all__ = ["REDUCE_OPS", "tp_gram_newton_schulz"]
@@ -58,11 +59,11 @@ def tp_gram_newton_schulz(
     *,
     split_dim: int,
     reduce: Reduce,
-    coefficients: str | Sequence[Sequence[float]] = "polar_express",
-    steps: int = 5,
+    coefficients: str | Sequence[Sequence[float]] = DEFAULTS.coefficients,
+    steps: int = DEFAULTS.steps,
     restarts: Sequence[int] | None = None,
-    eps: float = 1e-7,
-    compute_dtype: torch.dtype | None = None,
+    eps: float = DEFAULTS.eps,
+    compute_dtype: torch.dtype | None = DEFAULTS.compute_dtype,
     ops: SymmetricOps = TORCH_OPS,
 ) -> torch.Tensor:
     """This rank's shard of the Gram Newton–Schulz polar factor of a split matrix.
