@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Generator, Mapping
 from typing import Any
 
@@ -45,9 +46,9 @@ from dmuon.integrations.hf.state import gather_full_state_dict, missing_state
 from dmuon.optim import DMuon, param_groups
 from dmuon.optim.engine import exchange_of
 
-__all__ = ["CHECKPOINT_FORMAT", "MODES", "DMuonStrategy", "dmuon_optimizer"]
+__all__ = ["CHECKPOINT_FORMAT", "STRATEGY_MODES", "DMuonStrategy", "dmuon_optimizer"]
 
-MODES = ("owner", "replicated")
+STRATEGY_MODES = ("owner", "replicated")
 """The modes of :class:`DMuonStrategy`: ``"owner"`` dedicates the model (no DDP wrapper),
 ``"replicated"`` keeps Lightning's DDP wrapper and only makes checkpoints whole."""
 
@@ -81,7 +82,7 @@ class DMuonStrategy(DDPStrategy):
     optimizers in ``configure_optimizers`` are saved and loaded as Lightning does.
 
     Args:
-        mode: ``"owner"`` or ``"replicated"`` (see :data:`MODES`).
+        mode: ``"owner"`` or ``"replicated"`` (see :data:`STRATEGY_MODES`).
         scalars: owner mode: ``"all_reduce"`` (biases, norms, embeddings all-reduced,
             stepped on every rank, like DDP) or ``"owner"`` (dedicated too: sharded
             AdamW state). See :func:`dmuon.integrations.ddp.dedicate`.
@@ -116,8 +117,8 @@ class DMuonStrategy(DDPStrategy):
         dedicate_options: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode not in STRATEGY_MODES:
+            raise ValueError(f"mode must be one of {STRATEGY_MODES}, got {mode!r}")
         if scalars not in ddp.SCALAR_MODES:
             raise ValueError(f"scalars must be one of {ddp.SCALAR_MODES}, got {scalars!r}")
         if mode == "owner":
@@ -345,3 +346,16 @@ if "dmuon" not in StrategyRegistry:
         DMuonStrategy,
         description="DMuon owner mode: matrices reduced to their owner rank, no DDP wrapper",
     )
+
+
+def __getattr__(name: str) -> Any:
+    """``MODES``: the old name of :data:`STRATEGY_MODES` (deprecated; removed next release)."""
+    if name == "MODES":
+        warnings.warn(
+            "dmuon.integrations.lightning.MODES was renamed STRATEGY_MODES (dmuon.optim's "
+            "MODES are the optimizer's execution modes)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return STRATEGY_MODES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
