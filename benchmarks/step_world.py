@@ -18,6 +18,8 @@ step by step so that background load hits every setup alike):
 ``owner_ddp``       DMuon owner mode replacing DDP: ``ddp.dedicate``
 ``owner_ddp_zero1`` the same with the scalars owned too (``scalars="owner"``:
                     ZeRO-1-like sharded AdamW state, reduce + broadcast)
+``owner_ddp_check1`` ``owner_ddp`` with ``check_every=1``: the rank-agreement
+                    checksum every step, so its cost per check is the difference
 ``replicated``      DMuon ``mode="replicated"`` under stock DDP
 ``sharded``         DMuon sharded mode under stock FSDP2 (DTensor matrices)
 ``sign``            Sign-Muon, ``mode="sign"``: local gradients, packed vote
@@ -54,14 +56,18 @@ SETUPS = (
     "owner_fsdp",
     "owner_ddp",
     "owner_ddp_zero1",
+    "owner_ddp_check1",
     "replicated",
     "sharded",
     "sign",
 )
 # torch.optim.Muon runs Newton–Schulz in bf16, which on a CPU without AVX-512-BF16/AMX
 # takes ~40× the fp32 time (minutes per step here): opt in with --setups.
-# owner_ddp_zero1 differs from owner_ddp in the scalars only: opt in with --setups.
-DEFAULT_SETUPS = tuple(s for s in SETUPS if s not in ("torch_muon_ddp", "owner_ddp_zero1"))
+# owner_ddp_zero1 differs from owner_ddp in the scalars only, owner_ddp_check1 in the
+# rank-agreement check only: opt in with --setups.
+DEFAULT_SETUPS = tuple(
+    s for s in SETUPS if s not in ("torch_muon_ddp", "owner_ddp_zero1", "owner_ddp_check1")
+)
 LABELS = {
     "adamw_ddp": "AdamW, DDP",
     "adamw_fsdp": "AdamW, FSDP2",
@@ -70,6 +76,7 @@ LABELS = {
     "owner_fsdp": "DMuon owner + FSDP2",
     "owner_ddp": "DMuon owner, DDP replacement",
     "owner_ddp_zero1": "DMuon owner, DDP replacement, scalars owned",
+    "owner_ddp_check1": "DMuon owner, DDP replacement, check_every=1",
     "replicated": "DMuon replicated + DDP",
     "sharded": "DMuon sharded + FSDP2",
     "sign": "DMuon Sign-Muon (sign)",
@@ -135,7 +142,7 @@ def build(setup: str, cfg: WorldConfig, device: torch.device) -> tuple[Any, Any,
         fully_shard(model, mesh=mesh, ignored_params=ignored)
     elif setup in ("adamw_ddp", "muon_vanilla", "torch_muon_ddp", "replicated"):
         forward = DDP(model)
-    elif setup == "owner_ddp":
+    elif setup in ("owner_ddp", "owner_ddp_check1"):
         ded = ddp.dedicate(model)
     elif setup == "owner_ddp_zero1":
         ded = ddp.dedicate(model, scalars="owner")
@@ -154,7 +161,8 @@ def build(setup: str, cfg: WorldConfig, device: torch.device) -> tuple[Any, Any,
     elif setup == "sign":
         opt = DMuon(param_groups(model), rule="sign_muon", mode="sign", **kw)
     else:
-        opt = DMuon(param_groups(model), distributed=ded, **kw)
+        check = {"check_every": 1} if setup == "owner_ddp_check1" else {}
+        opt = DMuon(param_groups(model), distributed=ded, **kw, **check)
     return forward, opt, ded
 
 
