@@ -95,16 +95,16 @@ def test_no_sync_skips_the_reductions_and_the_optimizer_sees_the_sum():
     ded = fsdp.dedicate(net)
     with ded.no_sync():
         net(idx).sum().backward()
-    assert ded.exchange._next_launch == 0  # nothing launched
+    assert ded.exchange.reduction.next_launch == 0  # nothing launched
     net(idx).sum().backward()
-    assert ded.exchange._next_launch == len(ded.exchange.layer_keys())
+    assert ded.exchange.reduction.next_launch == len(ded.exchange.layer_keys())
 
 
 def test_the_parameters_become_views_of_the_broadcast_buffers():
     net = Net()
     before = net.blocks[0].weight.detach().clone()
     ded = fsdp.dedicate(net)
-    layer = ded.exchange._by_key["blocks.0"]
+    layer = ded.exchange.layer("blocks.0")
     (bucket,) = layer.publish_buckets
     assert net.blocks[0].weight.data_ptr() == bucket.view("blocks.0.weight").data_ptr()
     assert torch.equal(net.blocks[0].weight.detach(), before)

@@ -3,15 +3,16 @@
 Only public module and tensor hooks are used (no framework internals):
 
 * ``param.register_post_accumulate_grad_hook``: a parameter's gradient is complete
-  (accumulated into ``.grad``) → :meth:`~dmuon.optim.OwnerExchange.grad_ready`,
+  (accumulated into ``.grad``) → ``exchange.reduction.grad_ready``
+  (:meth:`~dmuon.optim.engine.Reduction.grad_ready`),
   which starts the layer's reduction once the layer is complete and every earlier
   layer was started;
 * ``module.register_forward_pre_hook`` on each layer's module: before the layer
-  runs → ``exchange.forward_enter``, which waits for that layer's published
+  runs → ``exchange.publication.forward_enter``, which waits for that layer's published
   weights only (the later layers' broadcasts keep travelling meanwhile);
 * with ``reshard_after_forward`` (ZeRO-3-like) also ``register_forward_hook`` →
-  ``exchange.forward_exit`` (free the layer on non-owners) and
-  ``register_full_backward_pre_hook`` → ``exchange.backward_enter`` (bring it back
+  ``exchange.publication.forward_exit`` (free the layer on non-owners) and
+  ``register_full_backward_pre_hook`` → ``exchange.publication.backward_enter`` (bring it back
   for backward, prefetch the layer before it).
 """
 
@@ -77,7 +78,7 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     handles: list[RemovableHandle] = []
 
     def grad_hook(p: torch.Tensor) -> None:
-        exchange.grad_ready(p)
+        exchange.reduction.grad_ready(p)
 
     for name in [*exchange.names, *exchange.replicated_names]:
         p = exchange.param(name)
@@ -91,11 +92,17 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
 
     for key in exchange.layer_keys():
         module = module_of_layer(model, key)
-        handles.append(module.register_forward_pre_hook(call(exchange.forward_enter, key)))
+        handles.append(
+            module.register_forward_pre_hook(call(exchange.publication.forward_enter, key))
+        )
         if exchange.reshard_after_forward:
-            handles.append(module.register_forward_hook(call(exchange.forward_exit, key)))
             handles.append(
-                module.register_full_backward_pre_hook(call(exchange.backward_enter, key))
+                module.register_forward_hook(call(exchange.publication.forward_exit, key))
+            )
+            handles.append(
+                module.register_full_backward_pre_hook(
+                    call(exchange.publication.backward_enter, key)
+                )
             )
     if exchange.reshard_after_forward:
         handles.append(model.register_state_dict_pre_hook(_refuse_released(exchange)))
@@ -106,7 +113,7 @@ def _refuse_released(exchange: OwnerExchange) -> Callable[..., None]:
     """A state-dict pre-hook: freed weights (ZeRO-3-like) would be saved as NaN."""
 
     def hook(*_: Any) -> None:
-        released = exchange.released_names()
+        released = exchange.publication.released_names()
         if released:
             raise RuntimeError(
                 f"rank {exchange.rank}: {len(released)} dedicated weight(s) are freed on this "
