@@ -64,7 +64,8 @@ def test_ddp_dedicate_names_owners_all_reduced_and_hooks():
     assert ded.owned == ded.names and ded.rank == 0 and ded.owner_of("conv.weight") == 0
     assert "head.weight" in ded.all_reduced
     assert ded.params == {net.blocks[0].weight, net.blocks[1].weight, net.conv.weight}
-    assert len(ded.handles) == 3 + len(ded.all_reduced) + len(ded.exchange.layer_keys())
+    # + 1: the state-dict pre-hook that waits for broadcasts in flight
+    assert len(ded.handles) == 3 + len(ded.all_reduced) + len(ded.exchange.layer_keys()) + 1
     assert "blocks.0" in ded.summary() and "Dedication(kind='ddp'" in repr(ded)
     ded.remove()
     assert ded.handles == []

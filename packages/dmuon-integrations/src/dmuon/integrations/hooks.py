@@ -59,7 +59,9 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     after swapping modules). Per dedicated or all-reduced parameter: a
     post-accumulate-grad hook that hands the gradient to the exchange. Per layer: a
     forward pre-hook that waits for the layer's published weights (and, with
-    ``reshard_after_forward``, hooks that release and re-gather them).
+    ``reshard_after_forward``, hooks that release and re-gather them). On ``model``: a
+    state-dict pre-hook that waits for broadcasts still in flight (ZeRO-3-like: that
+    refuses freed weights).
 
     Returns:
         The hook handles (``handle.remove()`` undoes them).
@@ -72,8 +74,8 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
         >>> ded = dedicate(model)
         >>> ded.remove()  # take dedicate's hooks off ...
         >>> handles = install_hooks(model, ded.exchange)  # ... and put them back
-        >>> len(handles)  # 2 gradient hooks + 2 forward pre-hooks
-        4
+        >>> len(handles)  # 2 gradient hooks + 2 forward pre-hooks + 1 state-dict pre-hook
+        5
     """
     handles: list[RemovableHandle] = []
 
@@ -104,16 +106,26 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
                     call(exchange.publication.backward_enter, key)
                 )
             )
-    if exchange.reshard_after_forward:
-        handles.append(model.register_state_dict_pre_hook(_refuse_released(exchange)))
+    handles.append(model.register_state_dict_pre_hook(_current_weights(exchange)))
     return handles
 
 
-def _refuse_released(exchange: OwnerExchange) -> Callable[..., None]:
-    """A state-dict pre-hook: freed weights (ZeRO-3-like) would be saved as NaN."""
+def _current_weights(exchange: OwnerExchange) -> Callable[..., None]:
+    """A state-dict pre-hook: the state dict holds the owners' latest weights.
+
+    ZeRO-2-like (default): the last step's broadcasts may still be in flight, and a
+    weight this rank does not own would be saved one step old: wait for them (this
+    issues no collective the other ranks do not issue in their next forward anyway).
+    ZeRO-3-like: freed weights would be saved as NaN: refuse.
+    """
 
     def hook(*_: Any) -> None:
-        released = exchange.publication.released_names()
+        publication = exchange.publication
+        if not exchange.reshard_after_forward:
+            if publication.pending_publications():
+                publication.wait_all_published()
+            return
+        released = publication.released_names()
         if released:
             raise RuntimeError(
                 f"rank {exchange.rank}: {len(released)} dedicated weight(s) are freed on this "

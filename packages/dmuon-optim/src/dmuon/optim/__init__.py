@@ -24,6 +24,7 @@ from dmuon.optim.engine import (
     OwnerExchange,
     RankDivergenceError,
     StepReport,
+    UnsyncedGradientsError,
 )
 from dmuon.optim.groups import Assignment, ParamGroups, param_groups
 from dmuon.optim.layout import Block, MatrixLayout, matrix_layout
@@ -52,6 +53,7 @@ __all__ = [
     "Rule",
     "SignVote",
     "StepReport",
+    "UnsyncedGradientsError",
     "__version__",
     "adamw_step",
     "adjust_lr_factor",

@@ -19,7 +19,7 @@ from dmuon.optim.engine.owner import OwnerEngine
 from dmuon.optim.engine.params import EngineParam, collect_params, item_shape, subplan
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine
 from dmuon.optim.engine.publication import Publication
-from dmuon.optim.engine.reduction import Reduction
+from dmuon.optim.engine.reduction import Reduction, UnsyncedGradientsError
 from dmuon.optim.engine.replicated import ReplicatedEngine
 from dmuon.optim.engine.report import PHASES, StepReport
 from dmuon.optim.engine.sharded import ShardedEngine
@@ -47,6 +47,7 @@ __all__ = [
     "SingleEngine",
     "StepReport",
     "Stepper",
+    "UnsyncedGradientsError",
     "check_agreement",
     "check_model_consistency",
     "collect_params",

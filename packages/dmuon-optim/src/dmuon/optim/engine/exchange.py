@@ -257,7 +257,14 @@ class OwnerExchange:
 
 
 def format_description(description: dict[str, Any]) -> str:
-    """:meth:`OwnerExchange.describe` as text: the plan, then one line per layer."""
+    """:meth:`OwnerExchange.describe` as text: the plan, then one line per layer.
+
+    Examples:
+        >>> print(format_description({"plan": "OwnerPlan(2 items)", "layers": {
+        ...     "blocks.0": {"owners": {"blocks.0.w": 1}, "all_reduced": ["blocks.0.b"]}}}))
+        OwnerPlan(2 items)
+          blocks.0: blocks.0.w→1; all-reduced: blocks.0.b
+    """
     lines = [str(description["plan"])]
     for key, layer in description["layers"].items():
         owners = ", ".join(f"{n}→{o}" for n, o in layer["owners"].items())

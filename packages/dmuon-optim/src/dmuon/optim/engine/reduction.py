@@ -14,7 +14,9 @@ gradients are complete waits for its predecessors. :meth:`Reduction.flush` launc
 whatever is left, with zeros for parameters that got no gradient, so every rank
 issues the same collectives in the same order. Whether a parameter had a gradient
 on *any* rank is agreed by one small all-reduce of flags: a parameter no rank used
-is skipped by the step, as on one process.
+is skipped by the step, as on one process. The same all-reduce tells every rank
+when all gradients of the step were held back by :meth:`Reduction.no_sync`, a step
+that would otherwise silently move nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +32,32 @@ from dmuon.comm.groups import group_size
 from dmuon.optim.engine.layer_record import OwnerLayer
 from dmuon.optim.engine.publication import Publication
 
-__all__ = ["Reduction"]
+__all__ = ["Reduction", "UnsyncedGradientsError"]
+
+
+class UnsyncedGradientsError(RuntimeError):
+    """A step found only gradients that ``no_sync()`` kept from being reduced.
+
+    Raised on every rank (the ranks agree on it in the step's flag all-reduce):
+    stepping would move no dedicated or all-reduced parameter. The locally accumulated
+    gradients are kept: one more backward outside ``no_sync()`` and ``step()`` go on.
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.comm import MatrixItem, plan_owners
+        >>> from dmuon.optim import OwnerExchange, UnsyncedGradientsError
+        >>> w = torch.nn.Parameter(torch.ones(4, 4))
+        >>> item = MatrixItem("blocks.0.w", (4, 4), layer="blocks.0")
+        >>> ex = OwnerExchange([(item, w)], plan=plan_owners([item], 1))
+        >>> w.grad = torch.ones(4, 4)
+        >>> with ex.reduction.no_sync():
+        ...     ex.reduction.grad_ready(w)
+        >>> try:
+        ...     ex.reduction.flush()
+        ... except UnsyncedGradientsError as err:
+        ...     print(str(err)[:50])
+        every gradient of this step was accumulated inside
+    """
 
 
 class Reduction:
@@ -91,6 +118,7 @@ class Reduction:
         self.sync = True
         self.sync_condition: Callable[[], bool] | None = None
         self.present: set[str] = set()
+        self.held_back = 0
         self.global_present: dict[str, bool] = {}
         self.next_launch = 0
         self.flushed = False
@@ -123,7 +151,11 @@ class Reduction:
 
     def grad_ready(self, p: torch.Tensor) -> None:
         """A gradient of ``p`` has been accumulated (call from a post-accumulate hook)."""
-        if not self.sync or (self.sync_condition is not None and not self.sync_condition()):
+        if not self.sync:
+            if id(p) in self.name_by_id:
+                self.held_back += 1
+            return
+        if self.sync_condition is not None and not self.sync_condition():
             return
         name = self.name_by_id.get(id(p))
         if name is None:
@@ -147,7 +179,12 @@ class Reduction:
             self._launch(nxt)
 
     def flush(self) -> None:
-        """Launch every reduction not launched yet (zeros for missing gradients)."""
+        """Launch every reduction not launched yet (zeros for missing gradients).
+
+        Raises:
+            UnsyncedGradientsError: on every rank, when no rank reduced a gradient this
+                step but some rank accumulated gradients inside :meth:`no_sync`.
+        """
         if self.flushed:
             return
         if not self.publication.reshard_after_forward:
@@ -155,7 +192,9 @@ class Reduction:
         while self.next_launch < len(self.reduce_order):
             self._launch(self.reduce_order[self.next_launch])
         names = sorted(self.params)  # by name: one order on every rank
-        flags = torch.tensor([int(n in self.present) for n in names], dtype=torch.int32)
+        flags = torch.tensor(
+            [int(n in self.present) for n in names] + [self.held_back], dtype=torch.int32
+        )
         groups = (
             [self.group] if self.replicate_group is None else [self.group, self.replicate_group]
         )
@@ -169,8 +208,29 @@ class Reduction:
                 self.stats.record_collective(
                     "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=group_size(g)
                 )
-        self.global_present = {n: bool(f) for n, f in zip(names, flags.tolist(), strict=True)}
+        *present, held_back = flags.tolist()
+        self.global_present = {n: bool(f) for n, f in zip(names, present, strict=True)}
         self.flushed = True
+        if held_back and not any(present):
+            self._drain()
+            raise UnsyncedGradientsError(
+                f"every gradient of this step was accumulated inside no_sync() ({held_back} "
+                "gradient(s) over the ranks) and none was synchronised (reduced to its owner "
+                "or all-reduced), so step() would move no parameter; run the last "
+                "micro-batch of each accumulation step outside no_sync()"
+            )
+
+    def _drain(self) -> None:
+        """Wait for the launched reductions without touching ``p.grad``, then reset."""
+        for layer in self.layers:
+            if layer.reduce_handle is not None:
+                layer.reduce_handle.wait()
+            for w in layer.allreduce_works:
+                wait_work(
+                    w, f"all-reduce of layer {layer.key!r}'s replicated gradients", self.group
+                )
+            layer.reduce_handle, layer.allreduce_works = None, []
+        self.end_step()
 
     def _launch(self, layer: OwnerLayer) -> None:
         for b in layer.reduce_buckets + layer.allreduce_buckets:
@@ -244,6 +304,7 @@ class Reduction:
             layer.ready.clear()
             layer.launched = layer.reduced = False
         self.present.clear()
+        self.held_back = 0
         self.next_launch = 0
         self.flushed = False
         self.publication.end_step()
