@@ -5,7 +5,7 @@ Distributed Muon Training with Near-Adam Overhead*, 2026). Every *dedicated* par
 has one owner rank from an :class:`~dmuon.comm.OwnerPlan`:
 
 * its gradient is reduced (averaged) to the owner only, layer by layer, while backward
-  goes on — the reduction side, :class:`~dmuon.optim.engine.reduction.Reduction`
+  goes on — the reduction side, :class:`~dmuon.optim.engine.Reduction`
   (``reduction.py``), held as :attr:`OwnerExchange.reduction`;
 * only the owner steps it; the other ranks hold no gradient and no momentum for it;
 * the new weight is broadcast from the owner, one collective per owner per layer,

@@ -1,9 +1,12 @@
-"""The record owner mode keeps per layer, shared by its two halves.
+"""The record owner mode keeps per layer, shared by its two sides.
 
-:class:`~dmuon.optim.engine.OwnerExchange` (the reduction side, ``exchange.py``)
-fills and reads the reduction fields; :class:`~dmuon.optim.engine.Publication`
-(the broadcast side, ``publication.py``) the publication fields. Both hold the
-same :class:`OwnerLayer` objects, in natural (forward) layer order.
+:class:`~dmuon.optim.engine.OwnerExchange` (``exchange.py``) groups the parameters
+into layers (:func:`group_layers`) and builds each layer's buckets
+(:meth:`OwnerLayer.make_buckets`); :class:`~dmuon.optim.engine.Reduction` (the
+reduction side, ``reduction.py``) fills and reads the reduction fields,
+:class:`~dmuon.optim.engine.Publication` (the broadcast side, ``publication.py``)
+the publication fields. Both hold the same :class:`OwnerLayer` objects, in natural
+(forward) layer order.
 """
 
 from __future__ import annotations

@@ -230,6 +230,8 @@ class Reduction:
                     w, f"all-reduce of layer {layer.key!r}'s replicated gradients", self.group
                 )
             layer.reduce_handle, layer.allreduce_works = None, []
+        if self.publication.reshard_after_forward:
+            self.publication.release_all()  # what backward materialised, as a step would
         self.end_step()
 
     def _launch(self, layer: OwnerLayer) -> None:
