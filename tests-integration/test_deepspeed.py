@@ -66,7 +66,7 @@ REFUSED = [  # (stage, mode, extra config, what the message must say)
 LOOPS = [
     ("boundary set before backward", 2, 2),  # what Accelerate does: after the forward
     ("boundary set before backward", 0, 2),
-    ("DMuon's no_sync", 0, 1),  # the first half-batch's backward inside exchange.no_sync()
+    ("DMuon's no_sync", 0, 1),  # the first half-batch's backward inside reduction.no_sync()
     ("DeepSpeed's no_sync", 0, 1),  # ... inside engine.no_sync()
 ]
 ACCUMULATE = 2  # micro-batches per step in the accumulation cases (every case runs both)
@@ -125,7 +125,9 @@ def _train_and_refuse(rank: int, world: int):
                     engine.backward(loss)
                     engine.step()
                     continue
-                hold = exchange.no_sync() if name == "DMuon's no_sync" else engine.no_sync()
+                hold = (
+                    exchange.reduction.no_sync() if name == "DMuon's no_sync" else engine.no_sync()
+                )
                 with contextlib.nullcontext() if last else hold:
                     engine.backward(loss / 2)  # two halves, one step: their mean
             if name != "boundary set before backward":

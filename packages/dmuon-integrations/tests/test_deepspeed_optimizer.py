@@ -113,9 +113,9 @@ def test_load_state_dict_is_refused_alone_and_keeps_stepping_the_matrices_after(
 
     # dmuon.integrations.deepspeed.load_checkpoint loads DMuon's state next: allowed, and
     # the owner step still runs with the last group (torch replaced the group dicts).
-    opt._dmuon_state_loaded_separately = True
+    opt.dmuon_state_loaded_separately = True
     opt.load_state_dict(saved)
-    opt._dmuon_state_loaded_separately = False
+    opt.dmuon_state_loaded_separately = False
     steps = []
     dmuon.register_step_post_hook(lambda *_: steps.append(1))
     w = model[0].weight.detach().clone()

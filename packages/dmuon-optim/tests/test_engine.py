@@ -99,9 +99,8 @@ def test_owner_mode_on_one_rank_equals_single_and_is_found_from_the_parameters()
     opt = DMuon(param_groups(b), **kw)
     assert opt.mode == "owner" and opt.engine.exchange is exchange
     # without hooks, the caller reports the gradients (what the integrations' hooks do)
-    owned = train(
-        b, opt, x, y, before_step=lambda: [exchange.grad_ready(p) for p in exchange.params]
-    )
+    ready = exchange.reduction.grad_ready
+    owned = train(b, opt, x, y, before_step=lambda: [ready(p) for p in exchange.params])
     for p, q in zip(single, owned, strict=True):
         assert torch.equal(p, q)
     assert opt.last_step.groups == 3  # one pipeline group per layer (0, 2, 4)
@@ -115,7 +114,7 @@ def test_owner_mode_skips_a_matrix_no_rank_has_a_gradient_for():
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     model[2].weight.grad = None
-    exchange.grad_ready(model[0].weight)
+    exchange.reduction.grad_ready(model[0].weight)
     opt.step()
     assert torch.equal(model[2].weight.detach(), before)  # no decay, no momentum step
     assert opt.state[model[2].weight]["step"].item() == 0
@@ -127,11 +126,11 @@ def test_a_second_gradient_after_the_layer_was_reduced_is_an_error():
     exchange = dedicate_by_hand(model)
     for p in exchange.params:
         p.grad = torch.zeros_like(p)
-        exchange.grad_ready(p)
+        exchange.reduction.grad_ready(p)
     with pytest.raises(RuntimeError, match="no_sync"):
-        exchange.grad_ready(exchange.params[0])
-    with exchange.no_sync():
-        exchange.grad_ready(exchange.params[0])  # skipped: accumulation
+        exchange.reduction.grad_ready(exchange.params[0])
+    with exchange.reduction.no_sync():
+        exchange.reduction.grad_ready(exchange.params[0])  # skipped: accumulation
 
 
 def test_owner_mode_refuses_undedicated_matrices_and_later_groups():

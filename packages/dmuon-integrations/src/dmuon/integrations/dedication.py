@@ -16,6 +16,7 @@ from dmuon.comm.groups import group_size
 from dmuon.integrations.hooks import install_hooks
 from dmuon.integrations.selection import Predicate, mesh_groups, split_parameters
 from dmuon.optim import OwnerExchange
+from dmuon.optim.engine import format_description
 from dmuon.optim.engine.params import is_dtensor
 
 __all__ = ["Dedication", "build_dedication"]
@@ -107,7 +108,7 @@ class Dedication:
         for m in fsdp:
             m.set_requires_gradient_sync(False, recurse=False)
         try:
-            with self.exchange.no_sync():
+            with self.exchange.reduction.no_sync():
                 yield
         finally:
             for m in fsdp:
@@ -129,7 +130,7 @@ class Dedication:
 
     def summary(self) -> str:
         """The plan and, per layer, each parameter's owner."""
-        return self.exchange.describe()
+        return format_description(self.exchange.describe())
 
     def __repr__(self) -> str:
         return (

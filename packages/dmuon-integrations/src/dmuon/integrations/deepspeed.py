@@ -332,7 +332,7 @@ def _follow_accumulation_boundary(engine: Any, client: Any) -> None:
     exchange = getattr(dmuon.engine, "exchange", None)  # owner mode: the OwnerExchange
     if exchange is None:
         raise RuntimeError(f"DMuon in mode {dmuon.mode!r} has no owner exchange to follow")
-    exchange.set_sync_condition(at_boundary)
+    exchange.reduction.set_sync_condition(at_boundary)
 
 
 def _matrix_ids(groups: list[dict[str, Any]], defaults: Mapping[str, Any]) -> set[int]:

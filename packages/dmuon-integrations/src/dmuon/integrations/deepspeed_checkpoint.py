@@ -113,11 +113,11 @@ def _dmuon_state_loaded_after(engine: Any) -> Iterator[None]:
     if not isinstance(client, ZeroClientOptimizer):
         yield
         return
-    client._dmuon_state_loaded_separately = True
+    client.dmuon_state_loaded_separately = True
     try:
         yield
     finally:
-        client._dmuon_state_loaded_separately = False
+        client.dmuon_state_loaded_separately = False
 
 
 def load_checkpoint(

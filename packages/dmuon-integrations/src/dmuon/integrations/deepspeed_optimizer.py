@@ -47,6 +47,12 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
             AdamW, ``eps``.
         dmuon: the :class:`~dmuon.optim.DMuon` (owner mode) stepping the matrices.
 
+    Attributes:
+        dmuon_state_loaded_separately: set by
+            :func:`dmuon.integrations.deepspeed.load_checkpoint` while it loads ZeRO's
+            part, whose DMuon part it loads next (:meth:`load_state_dict` refuses
+            otherwise).
+
     Raises:
         ValueError: a group with no parameters, an unknown algorithm, a missing or
             bad hyperparameter (named).
@@ -79,7 +85,7 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
         # objects (ZeRO only swaps their "params"), so the last one marks the end of a step.
         self._last_group = self.param_groups[-1]
         # Set by dmuon.integrations.deepspeed.load_checkpoint, which loads DMuon's state next.
-        self._dmuon_state_loaded_separately = False
+        self.dmuon_state_loaded_separately = False
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -130,7 +136,7 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
         Raises:
             RuntimeError: called by ``engine.load_checkpoint`` directly.
         """
-        if not self._dmuon_state_loaded_separately:
+        if not self.dmuon_state_loaded_separately:
             raise RuntimeError(
                 "engine.load_checkpoint would restore ZeRO's scalar optimizer state but not "
                 "DMuon's matrix momentum (held by the owner ranks, outside ZeRO's files), and "

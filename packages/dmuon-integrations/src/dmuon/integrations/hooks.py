@@ -3,15 +3,16 @@
 Only public module and tensor hooks are used (no framework internals):
 
 * ``param.register_post_accumulate_grad_hook``: a parameter's gradient is complete
-  (accumulated into ``.grad``) → :meth:`~dmuon.optim.OwnerExchange.grad_ready`,
+  (accumulated into ``.grad``) → ``exchange.reduction.grad_ready``
+  (:meth:`~dmuon.optim.engine.Reduction.grad_ready`),
   which starts the layer's reduction once the layer is complete and every earlier
   layer was started;
 * ``module.register_forward_pre_hook`` on each layer's module: before the layer
-  runs → ``exchange.forward_enter``, which waits for that layer's published
+  runs → ``exchange.publication.forward_enter``, which waits for that layer's published
   weights only (the later layers' broadcasts keep travelling meanwhile);
 * with ``reshard_after_forward`` (ZeRO-3-like) also ``register_forward_hook`` →
-  ``exchange.forward_exit`` (free the layer on non-owners) and
-  ``register_full_backward_pre_hook`` → ``exchange.backward_enter`` (bring it back
+  ``exchange.publication.forward_exit`` (free the layer on non-owners) and
+  ``register_full_backward_pre_hook`` → ``exchange.publication.backward_enter`` (bring it back
   for backward, prefetch the layer before it).
 """
 
@@ -58,7 +59,9 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     after swapping modules). Per dedicated or all-reduced parameter: a
     post-accumulate-grad hook that hands the gradient to the exchange. Per layer: a
     forward pre-hook that waits for the layer's published weights (and, with
-    ``reshard_after_forward``, hooks that release and re-gather them).
+    ``reshard_after_forward``, hooks that release and re-gather them). On ``model``: a
+    state-dict pre-hook that waits for broadcasts still in flight (ZeRO-3-like: that
+    refuses freed weights).
 
     Returns:
         The hook handles (``handle.remove()`` undoes them).
@@ -71,13 +74,13 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
         >>> ded = dedicate(model)
         >>> ded.remove()  # take dedicate's hooks off ...
         >>> handles = install_hooks(model, ded.exchange)  # ... and put them back
-        >>> len(handles)  # 2 gradient hooks + 2 forward pre-hooks
-        4
+        >>> len(handles)  # 2 gradient hooks + 2 forward pre-hooks + 1 state-dict pre-hook
+        5
     """
     handles: list[RemovableHandle] = []
 
     def grad_hook(p: torch.Tensor) -> None:
-        exchange.grad_ready(p)
+        exchange.reduction.grad_ready(p)
 
     for name in [*exchange.names, *exchange.replicated_names]:
         p = exchange.param(name)
@@ -91,22 +94,38 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
 
     for key in exchange.layer_keys():
         module = module_of_layer(model, key)
-        handles.append(module.register_forward_pre_hook(call(exchange.forward_enter, key)))
+        handles.append(
+            module.register_forward_pre_hook(call(exchange.publication.forward_enter, key))
+        )
         if exchange.reshard_after_forward:
-            handles.append(module.register_forward_hook(call(exchange.forward_exit, key)))
             handles.append(
-                module.register_full_backward_pre_hook(call(exchange.backward_enter, key))
+                module.register_forward_hook(call(exchange.publication.forward_exit, key))
             )
-    if exchange.reshard_after_forward:
-        handles.append(model.register_state_dict_pre_hook(_refuse_released(exchange)))
+            handles.append(
+                module.register_full_backward_pre_hook(
+                    call(exchange.publication.backward_enter, key)
+                )
+            )
+    handles.append(model.register_state_dict_pre_hook(_current_weights(exchange)))
     return handles
 
 
-def _refuse_released(exchange: OwnerExchange) -> Callable[..., None]:
-    """A state-dict pre-hook: freed weights (ZeRO-3-like) would be saved as NaN."""
+def _current_weights(exchange: OwnerExchange) -> Callable[..., None]:
+    """A state-dict pre-hook: the state dict holds the owners' latest weights.
+
+    ZeRO-2-like (default): the last step's broadcasts may still be in flight, and a
+    weight this rank does not own would be saved one step old: wait for them (this
+    issues no collective the other ranks do not issue in their next forward anyway).
+    ZeRO-3-like: freed weights would be saved as NaN: refuse.
+    """
 
     def hook(*_: Any) -> None:
-        released = exchange.released_names()
+        publication = exchange.publication
+        if not exchange.reshard_after_forward:
+            if publication.pending_publications():
+                publication.wait_all_published()
+            return
+        released = publication.released_names()
         if released:
             raise RuntimeError(
                 f"rank {exchange.rank}: {len(released)} dedicated weight(s) are freed on this "

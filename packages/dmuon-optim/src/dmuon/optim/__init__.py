@@ -25,6 +25,7 @@ from dmuon.optim.engine import (
     RankDivergenceError,
     StepMismatchError,
     StepReport,
+    UnsyncedGradientsError,
 )
 from dmuon.optim.groups import Assignment, ParamGroups, param_groups
 from dmuon.optim.layout import Block, MatrixLayout, matrix_layout
@@ -63,6 +64,7 @@ __all__ = [
     "SignVote",
     "StepMismatchError",
     "StepReport",
+    "UnsyncedGradientsError",
     "__version__",
     "adamw_step",
     "adjust_lr_factor",

@@ -161,4 +161,4 @@ def release(optimizer: DMuon) -> None:
     """Undo :func:`settle`'s materialisation under ``reshard_after_forward``."""
     exchange = getattr(optimizer.engine, "exchange", None)
     if exchange is not None and exchange.reshard_after_forward:
-        exchange.release_all()
+        exchange.publication.release_all()

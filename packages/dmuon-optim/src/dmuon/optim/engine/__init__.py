@@ -5,7 +5,7 @@ See the Concepts page "Execution modes" for the modes and their traffic.
 
 from dmuon.optim.engine.base import Engine, SingleEngine, Stepper
 from dmuon.optim.engine.consistency import ModelMismatchError, check_model_consistency
-from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
+from dmuon.optim.engine.exchange import OwnerExchange, exchange_of, format_description
 from dmuon.optim.engine.guards import (
     NONFINITE_POLICIES,
     NonFiniteGradientError,
@@ -22,6 +22,7 @@ from dmuon.optim.engine.owner import OwnerEngine
 from dmuon.optim.engine.params import EngineParam, collect_params, item_shape, subplan
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine
 from dmuon.optim.engine.publication import Publication
+from dmuon.optim.engine.reduction import Reduction, UnsyncedGradientsError
 from dmuon.optim.engine.replicated import ReplicatedEngine
 from dmuon.optim.engine.report import PHASES, StepReport
 from dmuon.optim.engine.sharded import ShardedEngine
@@ -42,6 +43,7 @@ __all__ = [
     "PlannedEngine",
     "Publication",
     "RankDivergenceError",
+    "Reduction",
     "ReplicatedEngine",
     "ShardedEngine",
     "SignEngine",
@@ -49,11 +51,13 @@ __all__ = [
     "StepMismatchError",
     "StepReport",
     "Stepper",
+    "UnsyncedGradientsError",
     "agree_step",
     "check_agreement",
     "check_model_consistency",
     "collect_params",
     "exchange_of",
+    "format_description",
     "guard_groups",
     "item_shape",
     "make_engine",

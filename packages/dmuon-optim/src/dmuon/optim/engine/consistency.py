@@ -11,15 +11,21 @@ the ranks exchange their parameter lists to say *which* parameter differs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import OwnerPlan, PlanMismatchError, all_gather_objects, check_plan_consistency
+from dmuon.comm import (
+    MatrixItem,
+    OwnerPlan,
+    PlanMismatchError,
+    all_gather_objects,
+    check_plan_consistency,
+)
 from dmuon.comm.torch_compat import all_gather_single
 
-__all__ = ["ModelMismatchError", "check_model_consistency"]
+__all__ = ["ModelMismatchError", "check_model_consistency", "plan_with_replicated"]
 
 
 class ModelMismatchError(PlanMismatchError):
@@ -40,7 +46,7 @@ class ModelMismatchError(PlanMismatchError):
         self.differences = differences
 
 
-def _describe(plan: OwnerPlan) -> list[tuple[str, tuple[int, ...], str]]:
+def _parameter_list(plan: OwnerPlan) -> list[tuple[str, tuple[int, ...], str]]:
     return [(i.name, tuple(i.shape), str(i.dtype).removeprefix("torch.")) for i in plan.items]
 
 
@@ -82,7 +88,7 @@ def _check_group(plan: OwnerPlan, group: dist.ProcessGroup | None) -> ModelMisma
         # Every rank of the group raised the same error, so every rank is here: the
         # object all-gather below cannot hang on a rank that went on.
         n = dist.get_world_size(group)
-        gathered = all_gather_objects(_describe(plan), group=group)
+        gathered = all_gather_objects(_parameter_list(plan), group=group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
         lines = _differences([list(g) for g in gathered], ranks)
         text = "the ranks hold different models, so their collectives would not match:\n"
@@ -145,3 +151,22 @@ def check_model_consistency(
 def _folded(plan: OwnerPlan, size: int, fold: Callable[[int], int]) -> OwnerPlan:
     """The plan's items over one dimension of an HSDP mesh (owners folded onto it)."""
     return OwnerPlan(plan.items, tuple(fold(o) for o in plan.owners), (), (0.0,) * size, size)
+
+
+def plan_with_replicated(
+    plan: OwnerPlan, replicated: Sequence[tuple[str, str, torch.Tensor]]
+) -> OwnerPlan:
+    """``plan`` plus the all-reduced ``(name, layer, parameter)`` triples (owner 0).
+
+    For :func:`check_model_consistency` only: the model check then covers the
+    parameters a DDP replacement all-reduces as well as the dedicated ones.
+    """
+    if not replicated:
+        return plan
+    extra = tuple(
+        MatrixItem(f"[all-reduced] {n}", (1, max(1, p.numel())), p.dtype, key)
+        for n, key, p in replicated
+    )
+    items = plan.items + extra
+    owners = plan.owners + (0,) * len(extra)
+    return OwnerPlan(items, owners, (), plan.loads, plan.world_size, plan.replicate_size)

@@ -4,30 +4,21 @@ This is the communication of DMuon's owner-centric execution (Chen et al., *Effi
 Distributed Muon Training with Near-Adam Overhead*, 2026). Every *dedicated* parameter
 has one owner rank from an :class:`~dmuon.comm.OwnerPlan`:
 
-* its gradient is reduced (averaged) to the owner only, layer by layer, as soon as
-  backward has produced a layer's gradients (:meth:`OwnerExchange.grad_ready`,
-  called from a post-accumulate-grad hook), so the reductions overlap the rest of
-  backward;
+* its gradient is reduced (averaged) to the owner only, layer by layer, while backward
+  goes on — the reduction side, :class:`~dmuon.optim.engine.Reduction`
+  (``reduction.py``), held as :attr:`OwnerExchange.reduction`;
 * only the owner steps it; the other ranks hold no gradient and no momentum for it;
-* the new weight is broadcast from the owner (:meth:`OwnerExchange.publish`), one
-  collective per owner per layer, started as soon as that layer's step is done and
-  waited only where the weight is next needed (:meth:`OwnerExchange.wait_published`,
-  from the layer's forward pre-hook).
+* the new weight is broadcast from the owner, one collective per owner per layer,
+  started as soon as that layer's step is done and waited only where the weight is
+  next needed — the publication side, :class:`~dmuon.optim.engine.Publication`
+  (``publication.py``), held as :attr:`OwnerExchange.publication`.
 
 Per step and rank that is ``(N−1)/N·P`` bytes for the reductions and as much for
 the broadcasts: ``2(N−1)/N·P``, one ring all-reduce, with each matrix orthogonalised
-once. *Replicated* parameters (the scalar parameters when this replaces DDP) are
-all-reduced in the same layer buckets instead.
-
-**Hang freedom.** Hooks fire in backward order, which differs between ranks when a
-parameter is unused on one of them. Reductions are therefore launched in one fixed
-order — layers in reverse natural order (``blocks.10`` before ``blocks.2``), the
-usual backward order — and a layer only after every earlier one: a layer whose
-gradients are complete waits for its predecessors. :meth:`OwnerExchange.flush`
-launches whatever is left, with zeros for parameters that got no gradient, so every
-rank issues the same collectives in the same order. Whether a parameter had a
-gradient on *any* rank is agreed by one small all-reduce of flags: a parameter no
-rank used is skipped by the step, as on one process.
+once. :class:`OwnerExchange` builds the two sides over one
+:class:`~dmuon.optim.engine.layer_record.OwnerLayer` record per layer and answers
+the lookups (names, owners, layers); callers talk to the side they need
+(``exchange.reduction.grad_ready(p)``, ``exchange.publication.publish(key)``).
 
 The publication buckets *are* the weights: every dedicated parameter's ``.data`` is
 a view into its layer's broadcast buffer, so the owner's in-place step writes
@@ -37,30 +28,26 @@ parameters (no packing copies). Move the model to its device before dedicating i
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dmuon.comm import (
     CommStats,
-    FlatBucket,
     MatrixItem,
     OwnerPlan,
     default_stats,
-    make_buckets,
-    reduce_to_owners,
-    wait_work,
 )
 from dmuon.comm.groups import group_rank, group_size
-from dmuon.comm.owner_plan import natural_key
-from dmuon.optim.engine.consistency import check_model_consistency
-from dmuon.optim.engine.layer_record import OwnerLayer
+from dmuon.optim.engine.consistency import check_model_consistency, plan_with_replicated
+from dmuon.optim.engine.layer_record import OwnerLayer, group_layers
 from dmuon.optim.engine.publication import Publication
+from dmuon.optim.engine.reduction import Reduction
 
-__all__ = ["OwnerExchange", "exchange_of"]
+__all__ = ["OwnerExchange", "exchange_of", "format_description"]
 
 # id(parameter) → (weak reference to it, its exchange). Keyed by id: tensors compare
 # elementwise, so they cannot be dictionary keys by value.
@@ -77,7 +64,8 @@ def exchange_of(p: torch.Tensor) -> OwnerExchange | None:
 
 def _register(p: torch.Tensor, exchange: OwnerExchange) -> None:
     key = id(p)
-    _REGISTRY[key] = (weakref.ref(p, lambda _: _REGISTRY.pop(key, None)), exchange)
+    registry = _REGISTRY  # bound now: module globals are gone at interpreter exit
+    _REGISTRY[key] = (weakref.ref(p, lambda _: registry.pop(key, None)), exchange)
 
 
 class OwnerExchange:
@@ -101,6 +89,14 @@ class OwnerExchange:
         reshard_after_forward: ZeRO-3-like: ranks keep only the weights they own and
             materialise the others around each layer's forward and backward (see
             :mod:`dmuon.optim.engine.publication`); 1-D groups only.
+
+    Attributes:
+        reduction: the reduction side (:class:`~dmuon.optim.engine.Reduction`): the
+            backward hooks call its ``grad_ready``, the engine its ``wait_reduced``.
+        publication: the publication side (:class:`~dmuon.optim.engine.Publication`):
+            the engine calls its ``publish``, the forward hooks its ``forward_enter``.
+        layers: the :class:`~dmuon.optim.engine.OwnerLayer` records both sides share,
+            in natural (forward) order.
 
     Raises:
         ValueError: a parameter dedicated twice, a plan that does not cover the items,
@@ -150,47 +146,16 @@ class OwnerExchange:
                 "replicated (all-reduced) parameters are for the DDP replacement on a 1-D "
                 "group; under HSDP leave the scalar parameters to FSDP2"
             )
-        self._params: dict[str, torch.Tensor] = {}
-        self._items: dict[str, MatrixItem] = {}
-        self._layer_of: dict[str, str] = {}
-        layers: dict[str, OwnerLayer] = {}
         for item, p in dedicated:
-            if item.name in self._params or exchange_of(p) is not None:
+            if exchange_of(p) is not None:
                 raise ValueError(f"parameter {item.name!r} is dedicated twice")
-            if item.name not in plan:
-                raise ValueError(f"the plan has no item {item.name!r}; plan every dedicated item")
-            self._params[item.name], self._items[item.name] = p, item
-            key = item.layer if item.layer is not None else item.name
-            self._layer_of[item.name] = key
-            layers.setdefault(key, OwnerLayer(key)).dedicated.append(item.name)
-        if len(self._items) != len(plan):
-            raise ValueError(f"the plan has {len(plan)} items for {len(self._items)} parameters")
-        for name, key, p in replicated:
-            if name in self._params:
-                raise ValueError(f"parameter {name!r} is both dedicated and replicated")
-            self._params[name] = p
-            self._layer_of[name] = key
-            layers.setdefault(key, OwnerLayer(key)).replicated.append(name)
-        self.layers = [layers[k] for k in sorted(layers, key=natural_key)]
+        self.layers, self._params, self._layer_of = group_layers(dedicated, replicated, plan)
         self._by_key = {layer.key: layer for layer in self.layers}
         # One model check before anything else travels (no-op on one rank).
-        check_model_consistency(_with_replicated(plan, replicated), group, replicate_group)
-        self._name_by_id = {id(p): name for name, p in self._params.items()}
+        check_model_consistency(plan_with_replicated(plan, replicated), group, replicate_group)
         for layer in self.layers:
             layer.dedicated.sort(key=plan.index)
-            names = [*layer.dedicated, *layer.replicated]
-            device = self._params[names[0]].device
-            layer.reduce_buckets = make_buckets(plan, names=layer.dedicated, device=device)
-            layer.publish_buckets = make_buckets(plan, names=layer.dedicated, device=device)
-            by_dtype: dict[torch.dtype, list[str]] = {}
-            for name in layer.replicated:
-                by_dtype.setdefault(self._params[name].dtype, []).append(name)
-            layer.allreduce_buckets = [
-                FlatBucket(
-                    [(n, tuple(self._params[n].shape)) for n in names], dtype=dt, device=device
-                )
-                for dt, names in by_dtype.items()
-            ]
+            layer.make_buckets(plan, self._params)
         for _, p in dedicated:
             _register(p, self)
         self.publication = Publication(
@@ -204,13 +169,16 @@ class OwnerExchange:
             stats=self.stats,
             reshard_after_forward=reshard_after_forward,
         )
-        self._sync = True
-        self._sync_condition: Callable[[], bool] | None = None
-        self._present: set[str] = set()
-        self._global_present: dict[str, bool] = {}
-        self._next_launch = 0
-        self._flushed = False
-        self._reduce_order = list(reversed(self.layers))
+        self.reduction = Reduction(
+            self.layers,
+            self._params,
+            self._layer_of,
+            plan,
+            group=group,
+            replicate_group=replicate_group,
+            stats=self.stats,
+            publication=self.publication,
+        )
         self.publication.synchronize_parameters()
         self.publication.release_all()
 
@@ -246,7 +214,7 @@ class OwnerExchange:
 
     def name_of(self, p: torch.Tensor) -> str | None:
         """The name ``p`` was dedicated or replicated under (``None``: neither)."""
-        return self._name_by_id.get(id(p))
+        return self.reduction.name_by_id.get(id(p))
 
     def layer_of(self, name: str) -> str:
         """The layer key of the dedicated or replicated parameter called ``name``."""
@@ -261,249 +229,46 @@ class OwnerExchange:
         layer = self._by_key[key]
         return [*layer.dedicated, *layer.replicated]
 
-    # --------------------------------------------------------------- reductions
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Skip the reductions inside the block: gradients accumulate locally.
-
-        Use it for every micro-batch of a gradient-accumulation step but the last.
-        """
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    def set_sync_condition(self, condition: Callable[[], bool] | None) -> None:
-        """Reduce a backward's gradients only while ``condition()`` is true (``None``: always).
-
-        For training loops that decide per micro-batch, when the backward runs, whether
-        it ends a gradient-accumulation step (DeepSpeed's
-        ``engine.is_gradient_accumulation_boundary()``). It is asked as each gradient
-        arrives, so it must not change during a backward; it adds to :meth:`no_sync`,
-        which still keeps every reduction back inside its block.
-        """
-        if condition is not None and not callable(condition):
-            raise TypeError(f"condition must be callable or None, got {type(condition).__name__}")
-        self._sync_condition = condition
-
-    def grad_ready(self, p: torch.Tensor) -> None:
-        """A gradient of ``p`` has been accumulated (call from a post-accumulate hook)."""
-        if not self._sync or (self._sync_condition is not None and not self._sync_condition()):
-            return
-        name = self._name_by_id.get(id(p))
-        if name is None:
-            return
-        layer = self._by_key[self._layer_of[name]]
-        if layer.launched:
-            raise RuntimeError(
-                f"a second gradient of {name!r} arrived after its layer {layer.key!r} was "
-                "reduced; call backward once per optimizer step, or run the earlier "
-                "micro-batches inside no_sync()"
-            )
-        if not self._present and not self.reshard_after_forward:
-            # publications finish before this step's reductions
-            self.publication.wait_all_published()
-        self._present.add(name)
-        layer.ready.add(name)
-        while self._next_launch < len(self._reduce_order):
-            nxt = self._reduce_order[self._next_launch]
-            if len(nxt.ready) < nxt.expected:
-                break
-            self._launch(nxt)
-
-    def flush(self) -> None:
-        """Launch every reduction not launched yet (zeros for missing gradients)."""
-        if self._flushed:
-            return
-        if not self.reshard_after_forward:
-            self.publication.wait_all_published()
-        while self._next_launch < len(self._reduce_order):
-            self._launch(self._reduce_order[self._next_launch])
-        names = sorted(self._params)  # by name: one order on every rank
-        flags = torch.tensor([int(n in self._present) for n in names], dtype=torch.int32)
-        groups = (
-            [self.group] if self.replicate_group is None else [self.group, self.replicate_group]
-        )
-        for g in groups:
-            if group_size(g) > 1:
-                wait_work(
-                    dist.all_reduce(flags, group=g, async_op=True),
-                    "all-reduce of gradient-presence flags",
-                    g,
-                )
-                self.stats.record_collective(
-                    "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=group_size(g)
-                )
-        self._global_present = {n: bool(f) for n, f in zip(names, flags.tolist(), strict=True)}
-        self._flushed = True
-
-    def _launch(self, layer: OwnerLayer) -> None:
-        for b in layer.reduce_buckets + layer.allreduce_buckets:
-            for name in b.names:
-                g = self._params[name].grad
-                view = b.view(name)
-                if g is None:
-                    view.zero_()
-                else:
-                    view.copy_(g.reshape(view.shape))
-        if layer.reduce_buckets:
-            layer.reduce_handle = reduce_to_owners(
-                layer.reduce_buckets,
-                self.plan,
-                group=self.group,
-                replicate_group=self.replicate_group,
-                stats=self.stats,
-            )
-        n = group_size(self.group)
-        for b in layer.allreduce_buckets:
-            if n > 1:
-                layer.allreduce_works.append(
-                    dist.all_reduce(b.buffer, group=self.group, async_op=True)
-                )
-                self.stats.record_collective(
-                    "all_reduce_replicated", "all_reduce", nbytes=b.nbytes, world_size=n
-                )
-        layer.launched = True
-        self._next_launch += 1
-
-    def wait_reduced(self, key: str) -> None:
-        """Finish layer ``key``'s reductions and set its gradients.
-
-        Afterwards the owner's ``p.grad`` is the averaged gradient (a view into the
-        reduction buffer) for every parameter some rank had a gradient for; the other
-        ranks' ``p.grad`` is ``None``. Replicated parameters get the average on
-        every rank. Call :meth:`flush` first.
-        """
-        layer = self._by_key[key]
-        if layer.reduced:
-            return
-        if not self._flushed:
-            raise RuntimeError("flush() must run before the reductions are waited on")
-        owned = layer.reduce_handle.wait() if layer.reduce_handle is not None else {}
-        for name in layer.dedicated:
-            p = self._params[name]
-            if name in owned and self._global_present[name]:
-                p.grad = owned[name].view(p.shape)
-            else:
-                p.grad = None
-        for w in layer.allreduce_works:
-            wait_work(w, f"all-reduce of layer {key!r}'s replicated gradients", self.group)
-        n = group_size(self.group)
-        for b in layer.allreduce_buckets:
-            if n > 1:
-                b.buffer.div_(n)
-            for name in b.names:
-                p = self._params[name]
-                p.grad = b.view(name).view(p.shape) if self._global_present[name] else None
-        layer.reduce_handle, layer.allreduce_works, layer.reduced = None, [], True
-
-    def wait_all_reduced(self) -> None:
-        """:meth:`flush`, then :meth:`wait_reduced` for every layer in forward order."""
-        self.flush()
-        for layer in self.layers:
-            self.wait_reduced(layer.key)
-
-    def end_step(self) -> None:
-        """Forget this step's bookkeeping (the engine calls it after publishing)."""
-        for layer in self.layers:
-            layer.ready.clear()
-            layer.launched = layer.reduced = False
-        self._present.clear()
-        self._next_launch = 0
-        self._flushed = False
-        self.publication.end_step()
-
-    # ------------------------------------------------------------- publication
-
-    @property
-    def timeout(self) -> float | None:
-        """Seconds a wait for published weights may take (``None``: the group's timeout);
-        :class:`~dmuon.optim.DMuon` sets it from its ``timeout=``."""
-        return self.publication.timeout
-
-    @timeout.setter
-    def timeout(self, seconds: float | None) -> None:
-        self.publication.timeout = seconds
-
-    @property
-    def published_step(self) -> int:
-        """The DMuon step whose weights are in flight (named in timeout messages)."""
-        return self.publication.published_step
-
-    @published_step.setter
-    def published_step(self, number: int) -> None:
-        self.publication.published_step = number
-
-    def publish(self, key: str) -> None:
-        """See :meth:`Publication.publish`."""
-        self.publication.publish(key)
-
-    def wait_published(self, key: str) -> None:
-        """See :meth:`Publication.wait_published` (the forward pre-hook calls this)."""
-        self.publication.wait_published(key)
+    def layer(self, key: str) -> OwnerLayer:
+        """The record of layer ``key`` (its parameters, buckets and traffic in flight)."""
+        return self._by_key[key]
 
     def wait_all_published(self) -> None:
-        """See :meth:`Publication.wait_all_published`."""
+        """Every rank holds the owners' latest weights (``Dedication.wait()`` calls it).
+
+        Short for ``exchange.publication.wait_all_published()``; call it before reading
+        the weights outside a forward (ZeRO-3-like: it materialises every layer).
+        """
         self.publication.wait_all_published()
 
-    def pending_publications(self) -> list[str]:
-        """See :meth:`Publication.pending_publications`."""
-        return self.publication.pending_publications()
-
-    def materialize(self, key: str, wait: bool = True) -> None:
-        """See :meth:`Publication.materialize`."""
-        self.publication.materialize(key, wait)
-
-    def release(self, key: str) -> None:
-        """See :meth:`Publication.release`."""
-        self.publication.release(key)
-
-    def release_all(self) -> None:
-        """See :meth:`Publication.release_all`."""
-        self.publication.release_all()
-
-    def released_names(self) -> list[str]:
-        """See :meth:`Publication.released_names`."""
-        return self.publication.released_names()
-
-    def forward_enter(self, key: str) -> None:
-        """See :meth:`Publication.forward_enter` (forward pre-hook)."""
-        self.publication.forward_enter(key)
-
-    def forward_exit(self, key: str) -> None:
-        """See :meth:`Publication.forward_exit` (forward post-hook)."""
-        self.publication.forward_exit(key)
-
-    def backward_enter(self, key: str) -> None:
-        """See :meth:`Publication.backward_enter` (backward pre-hook)."""
-        self.publication.backward_enter(key)
-
-    def synchronize_parameters(self) -> None:
-        """See :meth:`Publication.synchronize_parameters`."""
-        self.publication.synchronize_parameters()
-
-    def describe(self) -> str:
-        """One line per layer: its parameters and owners."""
-        lines = [repr(self.plan)]
-        for layer in self.layers:
-            owners = ", ".join(f"{n}→{self.plan.owner(n)}" for n in layer.dedicated)
-            extra = f"; all-reduced: {', '.join(layer.replicated)}" if layer.replicated else ""
-            lines.append(f"  {layer.key}: {owners}{extra}")
-        return "\n".join(lines)
+    def describe(self) -> dict[str, Any]:
+        """The plan and, per layer, each parameter's owner (:func:`format_description`
+        turns it into text)."""
+        return {
+            "plan": repr(self.plan),
+            "layers": {
+                layer.key: {
+                    "owners": {n: self.plan.owner(n) for n in layer.dedicated},
+                    "all_reduced": list(layer.replicated),
+                }
+                for layer in self.layers
+            },
+        }
 
 
-def _with_replicated(
-    plan: OwnerPlan, replicated: Sequence[tuple[str, str, torch.Tensor]]
-) -> OwnerPlan:
-    """The plan plus the replicated parameters (owner 0), for the model check only."""
-    if not replicated:
-        return plan
-    extra = tuple(
-        MatrixItem(f"[all-reduced] {n}", (1, max(1, p.numel())), p.dtype, key)
-        for n, key, p in replicated
-    )
-    items = plan.items + extra
-    owners = plan.owners + (0,) * len(extra)
-    return OwnerPlan(items, owners, (), plan.loads, plan.world_size, plan.replicate_size)
+def format_description(description: dict[str, Any]) -> str:
+    """:meth:`OwnerExchange.describe` as text: the plan, then one line per layer.
+
+    Examples:
+        >>> print(format_description({"plan": "OwnerPlan(2 items)", "layers": {
+        ...     "blocks.0": {"owners": {"blocks.0.w": 1}, "all_reduced": ["blocks.0.b"]}}}))
+        OwnerPlan(2 items)
+          blocks.0: blocks.0.w→1; all-reduced: blocks.0.b
+    """
+    lines = [str(description["plan"])]
+    for key, layer in description["layers"].items():
+        owners = ", ".join(f"{n}→{o}" for n, o in layer["owners"].items())
+        replicated = layer["all_reduced"]
+        extra = f"; all-reduced: {', '.join(replicated)}" if replicated else ""
+        lines.append(f"  {key}: {owners}{extra}")
+    return "\n".join(lines)

@@ -1,18 +1,25 @@
-"""The record owner mode keeps per layer, shared by its two halves.
+"""The record owner mode keeps per layer, shared by its two sides.
 
-:class:`~dmuon.optim.engine.OwnerExchange` (the reduction side, ``exchange.py``)
-fills and reads the reduction fields; :class:`~dmuon.optim.engine.Publication`
-(the broadcast side, ``publication.py``) the publication fields. Both hold the
-same :class:`OwnerLayer` objects, in natural (forward) layer order.
+:class:`~dmuon.optim.engine.OwnerExchange` (``exchange.py``) groups the parameters
+into layers (:func:`group_layers`) and builds each layer's buckets
+(:meth:`OwnerLayer.make_buckets`); :class:`~dmuon.optim.engine.Reduction` (the
+reduction side, ``reduction.py``) fills and reads the reduction fields,
+:class:`~dmuon.optim.engine.Publication` (the broadcast side, ``publication.py``)
+the publication fields. Both hold the same :class:`OwnerLayer` objects, in natural
+(forward) layer order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dmuon.comm import CommHandle, FlatBucket
+import torch
 
-__all__ = ["OwnerLayer"]
+from dmuon.comm import CommHandle, FlatBucket, MatrixItem, OwnerPlan, make_buckets
+from dmuon.comm.owner_plan import natural_key
+
+__all__ = ["OwnerLayer", "group_layers"]
 
 
 @dataclass(eq=False)
@@ -54,3 +61,61 @@ class OwnerLayer:
     def expected(self) -> int:
         """How many gradients complete the layer (dedicated and replicated)."""
         return len(self.dedicated) + len(self.replicated)
+
+    def make_buckets(self, plan: OwnerPlan, params: Mapping[str, torch.Tensor]) -> None:
+        """Build the layer's flat buffers on its parameters' device: reduce and publish
+        buckets of the dedicated parameters (by the plan), one all-reduce bucket per
+        dtype of the replicated ones."""
+        device = params[[*self.dedicated, *self.replicated][0]].device
+        self.reduce_buckets = make_buckets(plan, names=self.dedicated, device=device)
+        self.publish_buckets = make_buckets(plan, names=self.dedicated, device=device)
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name in self.replicated:
+            by_dtype.setdefault(params[name].dtype, []).append(name)
+        self.allreduce_buckets = [
+            FlatBucket([(n, tuple(params[n].shape)) for n in names], dtype=dt, device=device)
+            for dt, names in by_dtype.items()
+        ]
+
+
+def group_layers(
+    dedicated: Sequence[tuple[MatrixItem, torch.Tensor]],
+    replicated: Sequence[tuple[str, str, torch.Tensor]],
+    plan: OwnerPlan,
+) -> tuple[list[OwnerLayer], dict[str, torch.Tensor], dict[str, str]]:
+    """Group the parameters of an owner-mode model by layer.
+
+    Args:
+        dedicated: ``(item, parameter)`` pairs; an item's layer (or, without one, its
+            name) is its layer key.
+        replicated: ``(name, layer key, parameter)`` triples of all-reduced parameters.
+        plan: the owner plan, which must cover exactly the dedicated items.
+
+    Returns:
+        The layer records in natural (forward) order (no buckets yet), every parameter
+        by name, and each name's layer key.
+
+    Raises:
+        ValueError: a name given twice, or a plan that does not cover the items.
+    """
+    params: dict[str, torch.Tensor] = {}
+    layer_of: dict[str, str] = {}
+    layers: dict[str, OwnerLayer] = {}
+    for item, p in dedicated:
+        if item.name in params:
+            raise ValueError(f"parameter {item.name!r} is dedicated twice")
+        if item.name not in plan:
+            raise ValueError(f"the plan has no item {item.name!r}; plan every dedicated item")
+        params[item.name] = p
+        key = item.layer if item.layer is not None else item.name
+        layer_of[item.name] = key
+        layers.setdefault(key, OwnerLayer(key)).dedicated.append(item.name)
+    if len(params) != len(plan):
+        raise ValueError(f"the plan has {len(plan)} items for {len(params)} parameters")
+    for name, key, p in replicated:
+        if name in params:
+            raise ValueError(f"parameter {name!r} is both dedicated and replicated")
+        params[name] = p
+        layer_of[name] = key
+        layers.setdefault(key, OwnerLayer(key)).replicated.append(name)
+    return [layers[k] for k in sorted(layers, key=natural_key)], params, layer_of

@@ -100,24 +100,24 @@ class OwnerEngine(Engine):
         return self.exchange.layer_of(name)
 
     def set_timeout(self, seconds: float | None) -> None:
-        self.exchange.timeout = seconds
+        self.exchange.publication.timeout = seconds
 
     def set_step_number(self, number: int) -> None:
-        self.exchange.published_step = number
+        self.exchange.publication.published_step = number
 
     def begin_step(self) -> None:
-        self.exchange.flush()
+        self.exchange.reduction.flush()
 
     def skip_step(self) -> None:
         ex = self.exchange
-        ex.wait_all_reduced()  # drain the reductions every rank launched
+        ex.reduction.wait_all_reduced()  # drain the reductions every rank launched
         if ex.reshard_after_forward:
-            ex.release_all()
-        ex.end_step()
+            ex.publication.release_all()
+        ex.reduction.end_step()
 
     def settle(self) -> None:
         if not self.exchange.reshard_after_forward:  # ZeRO-3-like: nothing compared to wait for
-            self.exchange.wait_all_published()
+            self.exchange.publication.wait_all_published()
 
     def agreement_groups(self) -> list[dist.ProcessGroup | None]:
         ex = self.exchange
@@ -135,17 +135,17 @@ class OwnerEngine(Engine):
         ]
 
     def prepare_grads(self) -> None:
-        self.exchange.wait_all_reduced()
+        self.exchange.reduction.wait_all_reduced()
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
         ex = self.exchange
         with report.phase("comm_wait"):
-            ex.flush()
+            ex.reduction.flush()
         scalar_groups = [(i, g) for i, g in enumerate(stepper.param_groups) if stepper.is_scalar(g)]
         matrix_groups = [i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)]
         for key in ex.layer_keys():
             with report.phase("comm_wait"):
-                ex.wait_reduced(key)
+                ex.reduction.wait_reduced(key)
             for index in matrix_groups:
                 stepper.step_matrices(index, key, report)
             owned_scalars = [
@@ -157,14 +157,14 @@ class OwnerEngine(Engine):
                     if ps:
                         stepper.step_scalars(g, ps)
             with report.phase("publish"):
-                ex.publish(key)
+                ex.publication.publish(key)
             report.groups += 1
         with report.phase("scalar"):
             for _, g in scalar_groups:
                 rest = [p for p in g["params"] if not self._dedicated(p)]
                 if rest:
                     stepper.step_scalars(g, rest)
-        ex.end_step()
+        ex.reduction.end_step()
 
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
         ex = self.exchange

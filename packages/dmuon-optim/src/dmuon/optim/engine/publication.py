@@ -24,7 +24,8 @@ forward and backward) never interleaves with the reductions' fixed order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -166,29 +167,39 @@ class Publication:
         if layer.publish_buckets and self.world_size > 1:
             self._broadcast(layer)
 
+    @contextlib.contextmanager
+    def _deadline(self, where: str) -> Iterator[None]:
+        """Every wait inside under DMuon's deadline; a :class:`CollectiveError` names the
+        ranks that did not answer the roll call, and where this rank was."""
+        try:
+            with collective_timeout(self.timeout):
+                yield
+        except CollectiveError as err:
+            raise err.after_roll_call().with_context(
+                f"rank {self.rank}, {where}: waiting for the weights published by DMuon step "
+                f"{self.published_step}"
+            ) from err
+
     def wait_published(self, key: str) -> None:
         """Make layer ``key`` hold the owners' weights (the forward pre-hook calls this).
 
         ZeRO-2-like: wait for its publication (and every earlier layer's, so that the
         second stage of HSDP broadcasts is issued in one order on every rank).
-        ZeRO-3-like: materialise it.
+        ZeRO-3-like: materialise it. Every wait is under :attr:`timeout`.
         """
-        try:
-            with collective_timeout(self.timeout):
-                if self.reshard_after_forward:
-                    self.materialize(key)
-                    return
-                for layer in self.layers:
-                    if layer.publish_handle is not None:
-                        layer.publish_handle.wait()
-                        layer.publish_handle = None
-                    if layer.key == key:
-                        return
-        except CollectiveError as err:
-            raise err.after_roll_call().with_context(
-                f"rank {self.rank}, before layer {key!r} runs: waiting for the weights "
-                f"published by DMuon step {self.published_step}"
-            ) from err
+        with self._deadline(f"before layer {key!r} runs"):
+            self._wait_published(key)
+
+    def _wait_published(self, key: str) -> None:
+        if self.reshard_after_forward:
+            self.materialize(key)
+            return
+        for layer in self.layers:
+            if layer.publish_handle is not None:
+                layer.publish_handle.wait()
+                layer.publish_handle = None
+            if layer.key == key:
+                return
 
     def wait_all_published(self) -> None:
         """Every layer holds the owners' weights (ZeRO-3-like: materialises them all)."""
@@ -253,30 +264,38 @@ class Publication:
     def forward_enter(self, key: str) -> None:
         """Forward pre-hook: layer ``key`` holds the owners' weights; under ZeRO-3-like,
         the next layer is prefetched."""
-        self.wait_published(key)
-        if self.reshard_after_forward:
-            nxt = self._neighbour(key, +1)
-            if nxt is not None:
-                self.materialize(nxt, wait=False)
+        with self._deadline(f"before layer {key!r} runs"):
+            self._wait_published(key)
+            if self.reshard_after_forward:
+                nxt = self._neighbour(key, +1)
+                if nxt is not None:
+                    self.materialize(nxt, wait=False)
 
     def forward_exit(self, key: str) -> None:
         """Forward post-hook: free layer ``key`` (ZeRO-3-like)."""
-        self.release(key)
+        with self._deadline(f"after the forward of layer {key!r}"):
+            self.release(key)
 
     def backward_enter(self, key: str) -> None:
         """Backward pre-hook: free the layers backward has finished, materialise ``key``,
-        prefetch the layer before it."""
+        prefetch the layer before it.
+
+        Every wait is under :attr:`timeout`: a rank that never runs this layer's
+        backward (a layer used on some ranks only) or stalls before it makes the others
+        raise :class:`~dmuon.comm.CollectiveError` naming it, instead of hanging.
+        """
         if not self.reshard_after_forward:
             return
-        for done in self._backward_resident:
-            if done != key:
-                self.release(done)
-        self._backward_resident = [key]
-        self.materialize(key)
-        prev = self._neighbour(key, -1)
-        if prev is not None:
-            self.materialize(prev, wait=False)
-            self._backward_resident.append(prev)
+        with self._deadline(f"before the backward of layer {key!r} (ZeRO-3-like re-gather)"):
+            for done in self._backward_resident:
+                if done != key:
+                    self.release(done)
+            self._backward_resident = [key]
+            self.materialize(key)
+            prev = self._neighbour(key, -1)
+            if prev is not None:
+                self.materialize(prev, wait=False)
+                self._backward_resident.append(prev)
 
     def _neighbour(self, key: str, offset: int) -> str | None:
         keys = [layer.key for layer in self.layers]

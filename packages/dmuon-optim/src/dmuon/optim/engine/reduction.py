@@ -1,0 +1,312 @@
+"""The reduction half of owner mode: gradients reduced to their owners, layer by layer.
+
+Every dedicated parameter's gradient is reduced (averaged) to its owner only, layer
+by layer, as soon as backward has produced a layer's gradients (:meth:`Reduction.
+grad_ready`, called from a post-accumulate-grad hook), so the reductions overlap the
+rest of backward. *Replicated* parameters (the scalar parameters when this replaces
+DDP) are all-reduced in the same layer buckets instead.
+
+**Hang freedom.** Hooks fire in backward order, which differs between ranks when a
+parameter is unused on one of them. Reductions are therefore launched in one fixed
+order — layers in reverse natural order (``blocks.10`` before ``blocks.2``), the
+usual backward order — and a layer only after every earlier one: a layer whose
+gradients are complete waits for its predecessors. :meth:`Reduction.flush` launches
+whatever is left, with zeros for parameters that got no gradient, so every rank
+issues the same collectives in the same order. Whether a parameter had a gradient
+on *any* rank is agreed by one small all-reduce of flags: a parameter no rank used
+is skipped by the step, as on one process. The same all-reduce tells every rank
+when all gradients of the step were held back by :meth:`Reduction.no_sync`, a step
+that would otherwise silently move nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dmuon.comm import CommStats, OwnerPlan, reduce_to_owners, wait_work
+from dmuon.comm.groups import group_size
+from dmuon.optim.engine.layer_record import OwnerLayer
+from dmuon.optim.engine.publication import Publication
+
+__all__ = ["Reduction", "UnsyncedGradientsError"]
+
+
+class UnsyncedGradientsError(RuntimeError):
+    """A step found only gradients that ``no_sync()`` kept from being reduced.
+
+    Raised on every rank (the ranks agree on it in the step's flag all-reduce):
+    stepping would move no dedicated or all-reduced parameter. The locally accumulated
+    gradients are kept: one more backward outside ``no_sync()`` and ``step()`` go on.
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.comm import MatrixItem, plan_owners
+        >>> from dmuon.optim import OwnerExchange, UnsyncedGradientsError
+        >>> w = torch.nn.Parameter(torch.ones(4, 4))
+        >>> item = MatrixItem("blocks.0.w", (4, 4), layer="blocks.0")
+        >>> ex = OwnerExchange([(item, w)], plan=plan_owners([item], 1))
+        >>> w.grad = torch.ones(4, 4)
+        >>> with ex.reduction.no_sync():
+        ...     ex.reduction.grad_ready(w)
+        >>> try:
+        ...     ex.reduction.flush()
+        ... except UnsyncedGradientsError as err:
+        ...     print(str(err)[:50])
+        every gradient of this step was accumulated inside
+    """
+
+
+class Reduction:
+    """The reduction side of owner mode: each layer's gradients to their owners.
+
+    :class:`~dmuon.optim.engine.OwnerExchange` builds one and holds it as
+    :attr:`OwnerExchange.reduction`, next to its :class:`Publication`; both share the
+    same :class:`~dmuon.optim.engine.layer_record.OwnerLayer` records.
+
+    Args:
+        layers: the layer records, in forward order (their reduce and all-reduce
+            buckets built).
+        params: every dedicated and replicated parameter by name.
+        layer_of: each of those names' layer key.
+        plan: the owner plan of the dedicated parameters.
+        group: the plan's process group (HSDP: the shard group); ``None``: the world.
+        replicate_group: HSDP only, this rank's replicate group.
+        stats: where the bytes are recorded.
+        publication: the publication side; its broadcasts finish before a step's
+            first reduction (ZeRO-2-like), so the two never interleave on a group.
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.comm import MatrixItem, plan_owners
+        >>> from dmuon.optim import OwnerExchange
+        >>> w = torch.nn.Parameter(torch.ones(4, 4))
+        >>> item = MatrixItem("blocks.0.w", (4, 4), layer="blocks.0")
+        >>> ex = OwnerExchange([(item, w)], plan=plan_owners([item], 1))
+        >>> w.grad = torch.ones(4, 4)
+        >>> ex.reduction.grad_ready(w)
+        >>> ex.reduction.wait_all_reduced()
+        >>> w.grad.sum().item()
+        16.0
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[OwnerLayer],
+        params: Mapping[str, torch.Tensor],
+        layer_of: Mapping[str, str],
+        plan: OwnerPlan,
+        *,
+        group: dist.ProcessGroup | None,
+        replicate_group: dist.ProcessGroup | None,
+        stats: CommStats,
+        publication: Publication,
+    ) -> None:
+        self.layers = list(layers)
+        self.by_key = {layer.key: layer for layer in self.layers}
+        self.params = params
+        self.layer_of = layer_of
+        self.plan = plan
+        self.group = group
+        self.replicate_group = replicate_group
+        self.stats = stats
+        self.publication = publication
+        self.name_by_id = {id(p): name for name, p in params.items()}
+        self.sync = True
+        self.sync_condition: Callable[[], bool] | None = None
+        self.present: set[str] = set()
+        self.held_back = 0
+        self.global_present: dict[str, bool] = {}
+        self.next_launch = 0
+        self.flushed = False
+        self.reduce_order = list(reversed(self.layers))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip the reductions inside the block: gradients accumulate locally.
+
+        Use it for every micro-batch of a gradient-accumulation step but the last.
+        """
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    def set_sync_condition(self, condition: Callable[[], bool] | None) -> None:
+        """Reduce a backward's gradients only while ``condition()`` is true (``None``: always).
+
+        For training loops that decide per micro-batch, when the backward runs, whether
+        it ends a gradient-accumulation step (DeepSpeed's
+        ``engine.is_gradient_accumulation_boundary()``). It is asked as each gradient
+        arrives, so it must not change during a backward; it adds to :meth:`no_sync`,
+        which still keeps every reduction back inside its block.
+        """
+        if condition is not None and not callable(condition):
+            raise TypeError(f"condition must be callable or None, got {type(condition).__name__}")
+        self.sync_condition = condition
+
+    def grad_ready(self, p: torch.Tensor) -> None:
+        """A gradient of ``p`` has been accumulated (call from a post-accumulate hook)."""
+        if not self.sync:
+            if id(p) in self.name_by_id:
+                self.held_back += 1
+            return
+        if self.sync_condition is not None and not self.sync_condition():
+            return
+        name = self.name_by_id.get(id(p))
+        if name is None:
+            return
+        layer = self.by_key[self.layer_of[name]]
+        if layer.launched:
+            raise RuntimeError(
+                f"a second gradient of {name!r} arrived after its layer {layer.key!r} was "
+                "reduced; call backward once per optimizer step, or run the earlier "
+                "micro-batches inside no_sync()"
+            )
+        if not self.present and not self.publication.reshard_after_forward:
+            # publications finish before this step's reductions
+            self.publication.wait_all_published()
+        self.present.add(name)
+        layer.ready.add(name)
+        while self.next_launch < len(self.reduce_order):
+            nxt = self.reduce_order[self.next_launch]
+            if len(nxt.ready) < nxt.expected:
+                break
+            self._launch(nxt)
+
+    def flush(self) -> None:
+        """Launch every reduction not launched yet (zeros for missing gradients).
+
+        Raises:
+            UnsyncedGradientsError: on every rank, when no rank reduced a gradient this
+                step but some rank accumulated gradients inside :meth:`no_sync`.
+        """
+        if self.flushed:
+            return
+        if not self.publication.reshard_after_forward:
+            self.publication.wait_all_published()
+        while self.next_launch < len(self.reduce_order):
+            self._launch(self.reduce_order[self.next_launch])
+        names = sorted(self.params)  # by name: one order on every rank
+        flags = torch.tensor(
+            [int(n in self.present) for n in names] + [self.held_back], dtype=torch.int32
+        )
+        groups = (
+            [self.group] if self.replicate_group is None else [self.group, self.replicate_group]
+        )
+        for g in groups:
+            if group_size(g) > 1:
+                wait_work(
+                    dist.all_reduce(flags, group=g, async_op=True),
+                    "all-reduce of gradient-presence flags",
+                    g,
+                )
+                self.stats.record_collective(
+                    "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=group_size(g)
+                )
+        *present, held_back = flags.tolist()
+        self.global_present = {n: bool(f) for n, f in zip(names, present, strict=True)}
+        self.flushed = True
+        if held_back and not any(present):
+            self._drain()
+            raise UnsyncedGradientsError(
+                f"every gradient of this step was accumulated inside no_sync() ({held_back} "
+                "gradient(s) over the ranks) and none was synchronised (reduced to its owner "
+                "or all-reduced), so step() would move no parameter; run the last "
+                "micro-batch of each accumulation step outside no_sync()"
+            )
+
+    def _drain(self) -> None:
+        """Wait for the launched reductions without touching ``p.grad``, then reset."""
+        for layer in self.layers:
+            if layer.reduce_handle is not None:
+                layer.reduce_handle.wait()
+            for w in layer.allreduce_works:
+                wait_work(
+                    w, f"all-reduce of layer {layer.key!r}'s replicated gradients", self.group
+                )
+            layer.reduce_handle, layer.allreduce_works = None, []
+        if self.publication.reshard_after_forward:
+            self.publication.release_all()  # what backward materialised, as a step would
+        self.end_step()
+
+    def _launch(self, layer: OwnerLayer) -> None:
+        for b in layer.reduce_buckets + layer.allreduce_buckets:
+            for name in b.names:
+                g = self.params[name].grad
+                view = b.view(name)
+                if g is None:
+                    view.zero_()
+                else:
+                    view.copy_(g.reshape(view.shape))
+        if layer.reduce_buckets:
+            layer.reduce_handle = reduce_to_owners(
+                layer.reduce_buckets,
+                self.plan,
+                group=self.group,
+                replicate_group=self.replicate_group,
+                stats=self.stats,
+            )
+        n = group_size(self.group)
+        for b in layer.allreduce_buckets:
+            if n > 1:
+                layer.allreduce_works.append(
+                    dist.all_reduce(b.buffer, group=self.group, async_op=True)
+                )
+                self.stats.record_collective(
+                    "all_reduce_replicated", "all_reduce", nbytes=b.nbytes, world_size=n
+                )
+        layer.launched = True
+        self.next_launch += 1
+
+    def wait_reduced(self, key: str) -> None:
+        """Finish layer ``key``'s reductions and set its gradients.
+
+        Afterwards the owner's ``p.grad`` is the averaged gradient (a view into the
+        reduction buffer) for every parameter some rank had a gradient for; the other
+        ranks' ``p.grad`` is ``None``. Replicated parameters get the average on
+        every rank. Call :meth:`flush` first.
+        """
+        layer = self.by_key[key]
+        if layer.reduced:
+            return
+        if not self.flushed:
+            raise RuntimeError("flush() must run before the reductions are waited on")
+        owned = layer.reduce_handle.wait() if layer.reduce_handle is not None else {}
+        for name in layer.dedicated:
+            p = self.params[name]
+            if name in owned and self.global_present[name]:
+                p.grad = owned[name].view(p.shape)
+            else:
+                p.grad = None
+        for w in layer.allreduce_works:
+            wait_work(w, f"all-reduce of layer {key!r}'s replicated gradients", self.group)
+        n = group_size(self.group)
+        for b in layer.allreduce_buckets:
+            if n > 1:
+                b.buffer.div_(n)
+            for name in b.names:
+                p = self.params[name]
+                p.grad = b.view(name).view(p.shape) if self.global_present[name] else None
+        layer.reduce_handle, layer.allreduce_works, layer.reduced = None, [], True
+
+    def wait_all_reduced(self) -> None:
+        """:meth:`flush`, then :meth:`wait_reduced` for every layer in forward order."""
+        self.flush()
+        for layer in self.layers:
+            self.wait_reduced(layer.key)
+
+    def end_step(self) -> None:
+        """Forget this step's bookkeeping (the engine calls it after publishing)."""
+        for layer in self.layers:
+            layer.ready.clear()
+            layer.launched = layer.reduced = False
+        self.present.clear()
+        self.held_back = 0
+        self.next_launch = 0
+        self.flushed = False
+        self.publication.end_step()
