@@ -9,8 +9,6 @@ real multi-process groups for tests.
 
 from dmuon.comm._version import __version__
 from dmuon.comm.all_gather_updates import all_gather_updates
-from dmuon.comm.buckets import BucketSlot, FlatBucket, make_buckets
-from dmuon.comm.consistency import PlanMismatchError, check_plan_consistency
 from dmuon.comm.cost import NSCost
 from dmuon.comm.cost_model import COLLECTIVES, CollectiveCost, cost_model
 from dmuon.comm.faults import (
@@ -19,15 +17,17 @@ from dmuon.comm.faults import (
     current_timeout,
     wait_work,
 )
+from dmuon.comm.flat_buffers import BucketSlot, FlatBucket, make_buckets
 from dmuon.comm.flops import ns_flops
-from dmuon.comm.groups import CollectiveInputError
 from dmuon.comm.handles import CommHandle
 from dmuon.comm.items import MatrixItem, layer_key, matrix_items
 from dmuon.comm.majority_vote import VOTE_METHODS, majority_vote
 from dmuon.comm.objects import all_gather_objects
 from dmuon.comm.owner_collectives import broadcast_from_owners, reduce_to_owners
 from dmuon.comm.owner_plan import OwnerPlan, OwnerUnit
+from dmuon.comm.plan_agreement import PlanMismatchError, check_plan_consistency
 from dmuon.comm.planning import DEFAULT_PACK_BELOW, STRATEGIES, plan_owners
+from dmuon.comm.process_groups import CollectiveInputError
 from dmuon.comm.roll_call import RollCall, call_roll, start_responder
 from dmuon.comm.shard_all_to_all import shard_all_to_all, shard_all_to_all_reverse, shard_range
 from dmuon.comm.signs import pack_signs, unpack_signs

@@ -7,10 +7,10 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from dmuon.comm.groups import group_rank, group_size
 from dmuon.comm.handles import CommHandle
 from dmuon.comm.owner_plan import OwnerPlan
 from dmuon.comm.plan_collective import begin, check_owned, items_by_dtype
+from dmuon.comm.process_groups import group_rank, group_size
 from dmuon.comm.stats import CommStats
 from dmuon.comm.torch_compat import all_gather_single
 

@@ -1,145 +1,16 @@
-"""Process-group checks shared by the wrappers, and the cross-rank agreement step.
+"""Deprecated alias of :mod:`dmuon.comm.process_groups`.
 
-A wrapper that rejects its input on one rank only would leave the other ranks
-waiting in a collective that never completes. Every wrapper therefore validates
-what all ranks can see alike (the plan, the group sizes, the layouts built from
-the plan) before it issues anything, and, with ``verify=True``, first exchanges a
-small fingerprint and an ok-flag with every rank of the group, so that an input
-that only one rank rejects (or a rank that calls with a different plan or
-layout) raises :class:`CollectiveInputError` on *every* rank instead of hanging.
+Renamed so that each module name means one thing in the repository; this alias
+is removed in the next release.
 """
 
-from __future__ import annotations
+import warnings
 
-import hashlib
-from collections.abc import Callable, Sequence
-from typing import TypeVar, cast
+from dmuon.comm.process_groups import *  # noqa: F403
+from dmuon.comm.process_groups import __all__  # noqa: F401
 
-import torch
-import torch.distributed as dist
-
-from dmuon.comm.objects import all_gather_objects
-from dmuon.comm.torch_compat import all_gather_single
-
-__all__ = ["CollectiveInputError", "agree", "group_rank", "group_size"]
-
-T = TypeVar("T")
-
-
-class CollectiveInputError(ValueError):
-    """Ranks disagreed on a collective's inputs; raised on every rank, before any transfer.
-
-    Attributes:
-        op: the wrapper that was called.
-        messages: global rank → the error that rank found in its own input.
-        mismatched: global ranks whose plan or layout fingerprint differs from the
-            one most ranks share.
-
-    Examples:
-        >>> err = CollectiveInputError("reduce_to_owners", {1: "ValueError: bad shape"}, [])
-        >>> err.bad_ranks
-        [1]
-    """
-
-    def __init__(self, op: str, messages: dict[int, str], mismatched: list[int]):
-        self.op = op
-        self.messages = dict(sorted(messages.items()))
-        self.mismatched = sorted(mismatched)
-        lines = [f"{op}: the ranks' inputs do not go together, so no rank started it:"]
-        for rank, msg in self.messages.items():
-            lines.append(f"  rank {rank}: {msg}")
-        if self.mismatched:
-            lines.append(
-                f"  ranks {self.mismatched} call it with a different plan, layout or "
-                "arguments than the other ranks"
-            )
-        super().__init__("\n".join(lines))
-
-    @property
-    def bad_ranks(self) -> list[int]:
-        """Global ranks that rejected their own input."""
-        return list(self.messages)
-
-
-def group_size(group: dist.ProcessGroup | None) -> int:
-    """Size of ``group``; 1 when torch.distributed is not initialised and no group is given."""
-    if not dist.is_available() or not dist.is_initialized():
-        if group is not None:
-            raise ValueError("group was given but torch.distributed is not initialised")
-        return 1
-    return dist.get_world_size(group)
-
-
-def group_rank(group: dist.ProcessGroup | None) -> int:
-    """This process's rank in ``group`` (0 without torch.distributed)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 0
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("this process is not a member of the process group it was given")
-    return rank
-
-
-def fingerprint(*parts: object) -> int:
-    """A 62-bit hash of ``repr(parts)`` (fits an int64 tensor)."""
-    digest = hashlib.sha256(repr(parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 2
-
-
-def agree(
-    op: str,
-    groups: Sequence[dist.ProcessGroup | None],
-    check: Callable[[], T],
-    fingerprint_value: int,
-) -> T:
-    """Run ``check`` (local validation) and make every rank of ``groups`` agree.
-
-    For each group in turn, every rank contributes ``[bad, fingerprint]`` to one small
-    all-gather, where ``bad`` already includes what earlier groups reported; with the
-    shard and replicate groups of an HSDP mesh this reaches every rank. If any rank's
-    ``check`` raised or the fingerprints differ, every rank raises
-    :class:`CollectiveInputError` (each rank's message is exchanged in a second step
-    that only runs on this error path). Otherwise returns ``check()``'s value.
-    """
-    local: Exception | None = None
-    value: T | None = None
-    try:
-        value = check()
-    except Exception as exc:  # any local failure must reach the other ranks
-        local = exc
-    active = [g for g in groups if group_size(g) > 1]
-    if not active:
-        if local is not None:
-            raise local
-        return value  # type: ignore[return-value]
-    bad = local is not None
-    mismatched: set[int] = set()
-    for g in active:
-        n = dist.get_world_size(g)
-        mine = torch.tensor([int(bad), fingerprint_value], dtype=torch.int64)
-        everyone = torch.empty(2 * n, dtype=torch.int64)
-        all_gather_single(everyone, mine, group=g)
-        flags, prints = everyone[0::2].tolist(), everyone[1::2].tolist()
-        ranks = dist.get_process_group_ranks(g) if g is not None else list(range(n))
-        # The odd ones out differ from the most common fingerprint (ties: the lowest rank's).
-        common = max(set(prints), key=lambda p: (prints.count(p), -prints.index(p)))
-        mismatched |= {ranks[r] for r in range(n) if prints[r] != common}
-        bad = bad or any(flags) or bool(mismatched)
-    if not bad:
-        return value  # type: ignore[return-value]
-    text = "" if local is None else f"{type(local).__name__}: {local}"
-    messages = {dist.get_rank(): text} if text else {}
-    known = (messages, sorted(mismatched))
-    for g in active:
-        gathered = all_gather_objects(known, group=g)
-        merged: dict[int, str] = {}
-        mism: set[int] = set()
-        for entry in gathered:
-            msgs, mm = cast(tuple[dict[int, str], list[int]], entry)
-            merged.update(msgs)
-            mism |= set(mm)
-        known = (merged, sorted(mism))
-    error = CollectiveInputError(op, known[0], known[1])
-    if local is not None:
-        raise error from local
-    raise error
+warnings.warn(
+    "dmuon.comm.groups was renamed dmuon.comm.process_groups; import from the new name",
+    DeprecationWarning,
+    stacklevel=2,
+)

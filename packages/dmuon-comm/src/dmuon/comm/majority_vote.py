@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm.faults import wait_work
-from dmuon.comm.groups import group_size
+from dmuon.comm.process_groups import group_size
 from dmuon.comm.signs import pack_bits, pack_signs, plus_minus, unpack_bits, unpack_signs
 from dmuon.comm.stats import CommStats, default_stats
 from dmuon.comm.torch_compat import all_gather_single

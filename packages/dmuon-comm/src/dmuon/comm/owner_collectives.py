@@ -15,11 +15,11 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from dmuon.comm.buckets import FlatBucket
 from dmuon.comm.faults import wait_work
-from dmuon.comm.groups import agree, fingerprint, group_rank, group_size
+from dmuon.comm.flat_buffers import FlatBucket
 from dmuon.comm.handles import CommHandle
 from dmuon.comm.owner_plan import OwnerPlan
+from dmuon.comm.process_groups import agree, fingerprint, group_rank, group_size
 from dmuon.comm.stats import CommStats, default_stats
 
 __all__ = ["broadcast_from_owners", "reduce_to_owners"]

@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from dmuon.comm.groups import agree, fingerprint
 from dmuon.comm.items import MatrixItem
 from dmuon.comm.owner_plan import OwnerPlan
+from dmuon.comm.process_groups import agree, fingerprint
 from dmuon.comm.stats import CommStats, default_stats
 
 __all__ = ["begin", "check_owned", "items_by_dtype"]

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon.comm import CommStats, layer_key
-from dmuon.comm.groups import group_size
+from dmuon.comm.process_groups import group_size
 from dmuon.integrations.dedication import Dedication, build_dedication
 from dmuon.integrations.selection import Predicate, mesh_groups
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dmuon.comm import CommStats, OwnerPlan, plan_owners
-from dmuon.comm.groups import group_size
+from dmuon.comm.process_groups import group_size
 from dmuon.integrations.hooks import install_hooks
 from dmuon.integrations.selection import Predicate, mesh_groups, split_parameters
 from dmuon.optim import OwnerExchange

@@ -8,7 +8,8 @@ same-shape matrices, written so that the distributed engine runs them unchanged.
 
 from dmuon.optim._version import __version__
 from dmuon.optim.apply import apply_update
-from dmuon.optim.buckets import (
+from dmuon.optim.assignment import Assignment, ParamGroups, param_groups
+from dmuon.optim.batches import (
     Bucket,
     Entry,
     build_buckets,
@@ -27,7 +28,6 @@ from dmuon.optim.engine import (
     StepReport,
     UnsyncedGradientsError,
 )
-from dmuon.optim.groups import Assignment, ParamGroups, param_groups
 from dmuon.optim.layout import Block, MatrixLayout, matrix_layout
 from dmuon.optim.optimizer import DMuon
 from dmuon.optim.rules import RULES, Rule, get_rule

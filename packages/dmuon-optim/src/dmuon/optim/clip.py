@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import wait_work
-from dmuon.comm.groups import group_size
+from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.params import is_dtensor
 
 if TYPE_CHECKING:

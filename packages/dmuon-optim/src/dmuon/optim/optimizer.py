@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from dmuon.comm.roll_call import start_responder
-from dmuon.optim.buckets import Bucket, Sink
+from dmuon.optim.batches import Bucket, Sink
 from dmuon.optim.deadline import Deadline, check_timeout
 from dmuon.optim.engine.base import Engine, SingleEngine
 from dmuon.optim.engine.modes import make_engine

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dmuon.optim.buckets import Bucket, build_buckets, state_shapes
+from dmuon.optim.batches import Bucket, build_buckets, state_shapes
 from dmuon.optim.engine.base import Engine
 from dmuon.optim.group_options import param_name
 from dmuon.optim.layout import matrix_layout

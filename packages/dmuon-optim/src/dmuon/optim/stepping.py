@@ -21,7 +21,7 @@ import torch
 
 from dmuon.comm import CollectiveError, collective_timeout
 from dmuon.comm.roll_call import note_phase
-from dmuon.optim.buckets import Bucket, Sink, step_bucket
+from dmuon.optim.batches import Bucket, Sink, step_bucket
 from dmuon.optim.deadline import check_timeout
 from dmuon.optim.engine.base import Engine, Stepper
 from dmuon.optim.engine.exchange import exchange_of

@@ -20,7 +20,7 @@ import torch
 
 from dmuon.integrations.checkpoint.holders import Holding
 from dmuon.optim import DMuon
-from dmuon.optim.buckets import state_shapes
+from dmuon.optim.batches import state_shapes
 from dmuon.optim.layout import matrix_layout
 from dmuon.optim.rules import RULES, get_rule
 from dmuon.optim.scalar import scalar_state_shapes

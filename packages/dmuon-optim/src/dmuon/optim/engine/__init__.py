@@ -4,7 +4,6 @@ See the Concepts page "Execution modes" for the modes and their traffic.
 """
 
 from dmuon.optim.engine.base import Engine, SingleEngine, Stepper
-from dmuon.optim.engine.consistency import ModelMismatchError, check_model_consistency
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of, format_description
 from dmuon.optim.engine.guards import (
     NONFINITE_POLICIES,
@@ -17,6 +16,7 @@ from dmuon.optim.engine.guards import (
     nonfinite_ranks,
 )
 from dmuon.optim.engine.layer_record import OwnerLayer
+from dmuon.optim.engine.model_agreement import ModelMismatchError, check_model_consistency
 from dmuon.optim.engine.modes import MODES, make_engine
 from dmuon.optim.engine.owner import OwnerEngine
 from dmuon.optim.engine.params import EngineParam, collect_params, item_shape, subplan

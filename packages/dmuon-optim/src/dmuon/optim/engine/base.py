@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from dmuon.comm.groups import group_size
+from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.params import EngineParam, collect_params, is_dtensor
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.vote import SignVote

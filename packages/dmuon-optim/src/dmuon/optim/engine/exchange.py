@@ -41,9 +41,9 @@ from dmuon.comm import (
     OwnerPlan,
     default_stats,
 )
-from dmuon.comm.groups import group_rank, group_size
-from dmuon.optim.engine.consistency import check_model_consistency, plan_with_replicated
+from dmuon.comm.process_groups import group_rank, group_size
 from dmuon.optim.engine.layer_record import OwnerLayer, group_layers
+from dmuon.optim.engine.model_agreement import check_model_consistency, plan_with_replicated
 from dmuon.optim.engine.publication import Publication
 from dmuon.optim.engine.reduction import Reduction
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dmuon.comm.groups import group_size
+from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.base import Engine, SingleEngine, Stepper
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
 from dmuon.optim.engine.owner import OwnerEngine

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import CommHandle, CommStats, OwnerPlan, default_stats, plan_owners, wait_work
-from dmuon.comm.groups import group_size
+from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.base import Engine, Stepper, world_of
-from dmuon.optim.engine.consistency import check_model_consistency
 from dmuon.optim.engine.guards import guard_groups
+from dmuon.optim.engine.model_agreement import check_model_consistency
 from dmuon.optim.engine.params import EngineParam, layers_in_order, subplan
 from dmuon.optim.engine.report import StepReport
 

@@ -38,7 +38,7 @@ from dmuon.comm import (
     broadcast_from_owners,
     collective_timeout,
 )
-from dmuon.comm.groups import group_size
+from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.layer_record import OwnerLayer
 
 __all__ = ["Publication"]

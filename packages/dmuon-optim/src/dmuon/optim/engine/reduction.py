@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import CommStats, OwnerPlan, reduce_to_owners, wait_work
-from dmuon.comm.groups import group_size
+from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.layer_record import OwnerLayer
 from dmuon.optim.engine.publication import Publication
 

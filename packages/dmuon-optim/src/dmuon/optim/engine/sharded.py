@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import shard_all_to_all, shard_all_to_all_reverse, shard_range
-from dmuon.optim.buckets import Entry
+from dmuon.optim.batches import Entry
 from dmuon.optim.engine.base import Stepper, local_norm_tensors
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine

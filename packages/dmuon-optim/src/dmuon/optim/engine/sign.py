@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import FlatBucket, majority_vote, wait_work
-from dmuon.comm.groups import group_size
+from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.base import Stepper
 from dmuon.optim.engine.params import EngineParam
 from dmuon.optim.engine.planned import PlannedEngine

@@ -315,8 +315,8 @@ def spec_from_module(model: torch.nn.Module, name: str = "module") -> ModelSpec:
         >>> [(i.name, i.shape) for i in spec.matrices], spec.scalar_params
         ([('0.weight', (16, 8)), ('1.weight', (4, 16))], 20)
     """
+    from dmuon.optim.assignment import param_groups
     from dmuon.optim.engine.params import item_shape
-    from dmuon.optim.groups import param_groups
 
     mats: list[MatrixItem] = []
     scalars: list[tuple[str, int]] = []

@@ -181,7 +181,7 @@ def _sharded(plan: OwnerPlan, n: int, params: int) -> list[Transfer]:
 def _chunks(counts: Sequence[int], per: int, limit: int) -> list[int]:
     """Matrices per batched call: consecutive runs of entries (``counts`` matrices each)
     holding at most ``limit`` matrix entries, at least one entry each
-    (:func:`dmuon.optim.buckets.step_bucket`'s batching)."""
+    (:func:`dmuon.optim.batches.step_bucket`'s batching)."""
     out: list[int] = []
     cur = size = 0
     for c in counts:
@@ -229,7 +229,7 @@ def dmuon_transfers(
             plan the engine makes: :func:`dmuon.comm.plan_owners` with its options).
         mode: one of :data:`DMUON_MODES`.
         batch_limit: matrix entries per batched rule call (sign mode's votes):
-            :func:`dmuon.optim.buckets.default_batch_elements` of the device.
+            :func:`dmuon.optim.batches.default_batch_elements` of the device.
 
     Examples:
         >>> from dmuon.comm import plan_owners

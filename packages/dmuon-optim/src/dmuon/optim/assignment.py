@@ -1,0 +1,320 @@
+"""``param_groups(model)``: which parameters go to the matrix rule and which to AdamW/Lion.
+
+Muon is for the hidden weight matrices of a network. Embeddings and the output
+head are lookups/read-outs whose rows are tokens, not a linear map to
+orthogonalise; norms, biases and scalars are not matrices at all. The rules below
+are those of Keller Jordan's Muon, Moonlight and microsoft/dion, made explicit and
+overridable.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Assignment", "ParamGroups", "param_groups"]
+
+_NORMS = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.modules.batchnorm._NormBase,
+    nn.RMSNorm,
+)
+_CONVS = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
+_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+DEFAULT_HEAD_NAMES = ("lm_head", "head", "output", "classifier")
+
+Predicate = Callable[[str, torch.Tensor], bool]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Where one parameter went and why.
+
+    Attributes:
+        name: the parameter's name in the model.
+        shape: its shape.
+        group: the name of its group (``None`` if it was left out).
+        reason: the rule that decided it.
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.optim import param_groups
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        >>> a = param_groups(model).assignments[0]
+        >>> a.name, a.shape, a.group
+        ('0.weight', (16, 8), 'matrix')
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    group: str | None
+    reason: str
+
+
+class ParamGroups(list):
+    """The parameter groups of a model (a plain list of dicts) plus where each parameter went.
+
+    Pass it to :class:`~dmuon.optim.DMuon` as is. ``assignments`` lists every
+    parameter with its group and the reason; :meth:`summary` formats them.
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.optim import param_groups
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        >>> groups = param_groups(model)
+        >>> [(g["name"], len(g["params"])) for g in groups]
+        [('matrix', 2), ('scalar: norms, biases and scalars', 2)]
+    """
+
+    def __init__(self, groups: Sequence[dict[str, Any]], assignments: Sequence[Assignment]):
+        super().__init__(groups)
+        self.assignments = list(assignments)
+
+    def summary(self) -> str:
+        """A readable table: one line per parameter, then one per group."""
+        width = max([len(a.name) for a in self.assignments] + [9])
+        lines = [f"{'parameter':<{width}}  {'shape':<18} {'group':<34} reason"]
+        for a in self.assignments:
+            shape = "x".join(map(str, a.shape)) or "scalar"
+            lines.append(f"{a.name:<{width}}  {shape:<18} {a.group or '(left out)':<34} {a.reason}")
+        lines.append("")
+        for g in self:
+            n = sum(p.numel() for p in g["params"])
+            algo = g.get("algorithm", "(the rule)")
+            lines.append(f"{g['name']}: {len(g['params'])} tensors, {n:,} elements, {algo}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _match(patterns: Mapping[str, Any] | None, name: str) -> Any:
+    if not patterns:
+        return None
+    for pattern, value in patterns.items():
+        if re.search(pattern, name):
+            return value
+    return None
+
+
+def _vocabulary_head(modules: Iterable[nn.Module]) -> nn.Linear | None:
+    """The last ``nn.Linear`` (in module order) that maps to an embedding's vocabulary.
+
+    A decoder's read-out ``h → logits`` follows its blocks, so of all the Linears as
+    wide as a vocabulary the last one is the head; earlier ones (an MLP whose width
+    happens to equal a small vocabulary) are hidden matrices.
+    """
+    modules = list(modules)
+    vocab_sizes = {m.num_embeddings for m in modules if isinstance(m, _EMBEDDINGS)}
+    wide = [m for m in modules if isinstance(m, nn.Linear) and m.out_features in vocab_sizes]
+    return wide[-1] if wide else None
+
+
+def param_groups(
+    model: nn.Module,
+    *,
+    matrix: Predicate | None = None,
+    scalar: Predicate | None = None,
+    split_sizes: Mapping[str, Sequence[int]] | None = None,
+    num_heads: Mapping[str, int | Sequence[int]] | None = None,
+    head_names: Sequence[str] = DEFAULT_HEAD_NAMES,
+    include_frozen: bool = False,
+    decay_norms_and_biases: bool = False,
+    verbose: bool = False,
+) -> ParamGroups:
+    """Build DMuon's parameter groups for ``model``.
+
+    Decisions, in order (the first that applies wins):
+
+    1. Frozen parameters (``requires_grad=False``) are left out unless
+       ``include_frozen``.
+    2. ``scalar(name, p)`` / ``matrix(name, p)`` predicates, when given, force a side.
+    3. 0-D and 1-D parameters (biases, norm gains, scalars) → scalar optimizer.
+    4. Embedding weights (``nn.Embedding``/``EmbeddingBag``), and an output head
+       tied to one → scalar optimizer.
+    5. The output head → scalar optimizer: an ``nn.Linear`` whose module name is in
+       ``head_names``, or else the *last* ``nn.Linear`` in module order whose
+       ``out_features`` equals an embedding's vocabulary size (the read-out to the
+       vocabulary comes after the blocks; an inner ``Linear`` that merely happens to
+       be as wide as the vocabulary stays a hidden matrix).
+    6. Any parameter of a norm layer → scalar optimizer.
+    7. Convolution weights → matrix rule with ``flatten=True``: each is one
+       ``(out, in·kernel)`` matrix, flattened per parameter, never across.
+    8. 2-D weights → matrix rule. ``nn.MultiheadAttention.in_proj_weight`` gets
+       ``split_sizes=(E, E, E)`` (q, k, v orthogonalised separately); names matching a
+       regular expression of ``split_sizes`` / ``num_heads`` get those. A 2-D
+       ``nn.Parameter`` held directly by a module (not a Linear) whose name contains
+       ``emb`` (positional embeddings) → scalar optimizer.
+    9. Parameters with more than 2 dims that are not conv weights (MoE expert stacks
+       ``(E, m, n)``) → matrix rule with ``flatten=False``: a batch of matrices.
+
+    Groups: one matrix group per distinct (``flatten``, ``split_sizes``,
+    ``num_heads``); a scalar group for embeddings and heads; a scalar group for
+    norms, biases and scalars with ``weight_decay=0.0`` (unless
+    ``decay_norms_and_biases``). Matrix groups name no ``algorithm`` (they take
+    DMuon's ``rule``); scalar groups say ``algorithm="scalar"`` (DMuon's
+    ``scalar_optimizer``). Every group has ``param_names`` and a ``name``.
+
+    Args:
+        model: the model.
+        matrix: predicate ``(name, param) → bool`` forcing the matrix rule.
+        scalar: predicate forcing the scalar optimizer.
+        split_sizes: ``{regex: sizes}`` for fused projections, e.g.
+            ``{r"attn\\.qkv\\.weight$": (d, d_kv, d_kv)}``.
+        num_heads: ``{regex: heads}`` for per-head orthogonalisation.
+        head_names: module names that mark an output head.
+        include_frozen: keep parameters with ``requires_grad=False``.
+        decay_norms_and_biases: let norms/biases take the scalar weight decay.
+        verbose: print :meth:`ParamGroups.summary`.
+
+    Returns:
+        The groups, with ``.assignments`` and ``.summary()``.
+
+    Raises:
+        ValueError: both predicates claim a parameter.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Embedding(100, 16), nn.Linear(16, 64), nn.LayerNorm(64),
+        ...                       nn.Linear(64, 100))
+        >>> groups = param_groups(model)
+        >>> [(g["name"], g["param_names"]) for g in groups]  # doctest: +NORMALIZE_WHITESPACE
+        [('matrix', ['1.weight']), ('scalar: embeddings and head', ['0.weight', '3.weight']),
+         ('scalar: norms, biases and scalars', ['1.bias', '2.weight', '2.bias', '3.bias'])]
+    """
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    order: list[tuple[str, torch.Tensor]] = []
+    modules = list(model.named_modules(remove_duplicate=False))
+    vocab_head = _vocabulary_head(m for _, m in modules)
+    for mod_name, module in modules:
+        for pname, p in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            if id(p) not in owners:
+                owners[id(p)] = []
+                order.append((full, p))
+            owners[id(p)].append((full, module))
+
+    specs: dict[tuple[Any, ...], dict[str, Any]] = {}
+    assignments: list[Assignment] = []
+
+    def put(key: tuple[Any, ...], extra: dict[str, Any], name: str, p: torch.Tensor) -> str:
+        if key not in specs:
+            specs[key] = {"params": [], "param_names": [], "name": key[0], **extra}
+        specs[key]["params"].append(p)
+        specs[key]["param_names"].append(name)
+        return str(key[0])
+
+    scalar_decay = {} if decay_norms_and_biases else {"weight_decay": 0.0}
+    for name, p in order:
+        mods = owners[id(p)]
+        shape = tuple(p.shape)
+        if not p.requires_grad and not include_frozen:
+            assignments.append(Assignment(name, shape, None, "frozen (requires_grad=False)"))
+            continue
+        force_scalar = scalar is not None and scalar(name, p)
+        force_matrix = matrix is not None and matrix(name, p)
+        if force_scalar and force_matrix:
+            raise ValueError(f"both the matrix and the scalar predicate claim parameter {name!r}")
+        local = [(n.rsplit(".", 1)[-1], m) for n, m in mods]
+        is_weight_of = [m for (pn, m) in local if pn == "weight"]
+        emb = [m for m in is_weight_of if isinstance(m, _EMBEDDINGS)]
+        heads = [
+            m
+            for (n, m) in mods
+            if isinstance(m, nn.Linear)
+            and n.rsplit(".", 1)[-1] == "weight"
+            and ((n.rsplit(".", 2)[-2] if n.count(".") else "") in head_names or m is vocab_head)
+        ]
+        scalar_key = ("scalar: embeddings and head",)
+        small_key = ("scalar: norms, biases and scalars",)
+        if force_scalar:
+            group = put(scalar_key, {"algorithm": "scalar"}, name, p)
+            reason = "scalar predicate"
+        elif force_matrix:
+            reason = "matrix predicate"
+            if p.ndim > 2:
+                conv = any(isinstance(m, _CONVS) for m in is_weight_of)
+                group = put(
+                    ("matrix: conv" if conv else "matrix: stacks", conv),
+                    {"flatten": conv},
+                    name,
+                    p,
+                )
+            else:
+                group = put(("matrix",), {}, name, p)
+        elif p.ndim < 2:
+            what = (
+                "bias"
+                if name.endswith("bias")
+                else "norm"
+                if any(isinstance(m, _NORMS) for _, m in mods)
+                else f"{p.ndim}-D"
+            )
+            group = put(small_key, {"algorithm": "scalar", **scalar_decay}, name, p)
+            reason = f"{what} parameter"
+        elif emb:
+            group = put(scalar_key, {"algorithm": "scalar"}, name, p)
+            reason = "embedding" + (" (tied with the output head)" if len(mods) > 1 else "")
+        elif heads:
+            group = put(scalar_key, {"algorithm": "scalar"}, name, p)
+            reason = "output head"
+        elif any(isinstance(m, _NORMS) for _, m in mods):
+            group = put(small_key, {"algorithm": "scalar", **scalar_decay}, name, p)
+            reason = "norm parameter"
+        elif any(isinstance(m, _CONVS) for m in is_weight_of):
+            group = put(("matrix: conv", True), {"flatten": True}, name, p)
+            reason = "conv weight, one flattened matrix (out, in·kernel)"
+        elif p.ndim == 2:
+            sizes = _match(split_sizes, name)
+            heads_n = _match(num_heads, name)
+            mha = [
+                m
+                for (pn, m) in local
+                if pn == "in_proj_weight" and isinstance(m, nn.MultiheadAttention)
+            ]
+            linear = any(isinstance(m, nn.Linear) for m in is_weight_of)
+            if sizes is None and mha:
+                e = mha[0].embed_dim
+                sizes = (e, e, e)
+            if sizes is None and heads_n is None and not linear and not mha and "emb" in name:
+                group = put(scalar_key, {"algorithm": "scalar"}, name, p)
+                reason = "2-D parameter named like an embedding"
+            elif sizes is not None or heads_n is not None:
+                sizes_t = tuple(sizes) if sizes is not None else None
+                heads_v = heads_n if isinstance(heads_n, int) or heads_n is None else tuple(heads_n)
+                label = "matrix: fused" if sizes_t else "matrix: per-head"
+                extra: dict[str, Any] = {}
+                if sizes_t is not None:
+                    extra["split_sizes"] = sizes_t
+                if heads_v is not None:
+                    extra["num_heads"] = heads_v
+                group = put((f"{label} {sizes_t or ''} {heads_v or ''}".strip(),), extra, name, p)
+                reason = "fused QKV (nn.MultiheadAttention)" if mha else "split_sizes/num_heads"
+            else:
+                group = put(("matrix",), {}, name, p)
+                reason = "2-D hidden weight"
+        else:
+            group = put(("matrix: stacks", False), {"flatten": False}, name, p)
+            reason = f"{p.ndim}-D stack of matrices (last two dims)"
+        assignments.append(Assignment(name, shape, group, reason))
+
+    groups = sorted(specs.values(), key=lambda g: (g.get("algorithm") == "scalar", g["name"]))
+    result = ParamGroups(groups, assignments)
+    if verbose:
+        print(result.summary())
+    return result
