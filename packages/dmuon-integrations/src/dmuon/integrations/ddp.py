@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
-from dmuon.comm import CommStats, layer_key
+from dmuon.comm import CommStats, collective_timeout, layer_key
 from dmuon.comm.process_groups import group_size
+from dmuon.integrations.buffers import broadcast_buffers as _broadcast_buffers
+from dmuon.integrations.buffers import install_buffer_broadcast
 from dmuon.integrations.dedication import Dedication, build_dedication
 from dmuon.integrations.selection import Predicate, mesh_groups
 
@@ -65,7 +65,9 @@ def dedicate(
         strategy: owner planning strategy (see :func:`dmuon.comm.plan_owners`).
         layer_of: name → layer key (the unit of reduction and publication).
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every
-            rank once, here.
+            rank here and before every forward run with gradients enabled, as DDP does
+            by default (:mod:`dmuon.integrations.buffers`); ``False``: each rank keeps
+            its own.
         stats: where bytes are recorded.
         **plan_options: more arguments of :func:`dmuon.comm.plan_owners`.
 
@@ -106,7 +108,9 @@ def dedicate(
         reshard_after_forward=reshard_after_forward,
     )
     if broadcast_buffers and group_size(pg) > 1:
-        with torch.no_grad():
-            for buf in model.buffers():
-                dist.broadcast(buf, group_src=0, group=pg)
+        with collective_timeout(ded.exchange.publication.timeout):
+            _broadcast_buffers(model, pg)
+        handle = install_buffer_broadcast(model, pg, lambda: ded.exchange.publication.timeout)
+        if handle is not None:
+            ded.handles.append(handle)
     return ded
