@@ -188,6 +188,7 @@ def rank_main(
     sampler = BatchSampler(data.to(torch.uint8), cfg.batch_per_rank * world, cfg.seq_len)
     built = {s: build(s, cfg, device) for s in setups}
     times: dict[str, dict[str, list[float]]] = {s: {p: [] for p in PHASES} for s in setups}
+    losses: dict[str, list[str]] = {s: [] for s in setups}  # exact (float.hex), every step
     for t in range(warmup + steps):
         x, y = sampler.batch(t, rank=rank, world_size=world, device=device)
         for setup in setups:
@@ -205,6 +206,7 @@ def rank_main(
             sync()
             t3 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
+            losses[setup].append(float(loss.detach()).hex())
             report = getattr(opt, "last_step", None)
             if t >= warmup:
                 rec = times[setup]
@@ -212,7 +214,7 @@ def rank_main(
                 rec["backward"].append(t2 - t1)
                 rec["optimizer"].append(t3 - t2)
                 rec["comm_wait"].append(report.seconds.get("comm_wait", 0.0) if report else 0.0)
-    info: dict[str, Any] = {"times": times, "imbalance": {}, "matrices": {}}
+    info: dict[str, Any] = {"times": times, "imbalance": {}, "matrices": {}, "losses": losses}
     for setup, (_, opt, ded) in built.items():
         if ded is not None:
             info["imbalance"][setup] = ded.plan.imbalance()
@@ -245,6 +247,9 @@ def aggregate(per_rank: list[dict[str, Any]], setups: list[str]) -> dict[str, An
             "all_totals": totals,
             "imbalance": per_rank[0]["imbalance"].get(setup),
             "matrices_per_rank": [r["matrices"].get(setup) for r in per_rank],
+            # rank 0's loss at every step (warm-up included), exact: a refactor that
+            # claims unchanged behaviour compares these bitwise
+            "losses": per_rank[0]["losses"][setup],
         }
     return out
 
