@@ -8,6 +8,8 @@
   (poisoned on rank 1), 2 ends equal to a single process trained on batches 0 and 2
   only, in owner (FSDP2 and DDP replacement), replicated and sharded mode.
 * A zero gradient gives a zero update in every rule and every float dtype (no 0/0).
+* A huge finite gradient (1e38 in fp32) keeps the momentum and every weight finite
+  in every rule (the sum-form momentum saturates instead of overflowing).
 * A gradient whose Frobenius norm underflows in the compute dtype (fp16 entries of
   1e-7, bf16 entries of 1e-38, fp32 entries of 1e-30 with fp16/bf16 Newton–Schulz)
   gives a finite update — for Muon the same as for the gradient scaled to O(1),
@@ -162,6 +164,38 @@ def test_a_gradient_whose_norm_underflows_gives_a_finite_update(rule, dtype, sca
     # (|w| < 4: 2⁻⁸ in fp16, 2⁻⁶ in bf16) or of bf16/fp16 Newton–Schulz for fp32.
     atol = {torch.float16: 2**-8, torch.bfloat16: 2**-6}.get(dtype, 2e-3)
     torch.testing.assert_close(moved, expected, atol=atol, rtol=0.0)
+
+
+HUGE = 1e38  # finite in fp32 (max 3.4e38); the sum-form momentum reaches |G|/(1 − μ) = 2e39
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_a_huge_finite_gradient_keeps_momentum_and_weights_finite(rule, nesterov):
+    # Before: the sum-form momentum overflowed on step 3 (step 4 for Dion2/Dion3's
+    # error feedback), the guard saw only finite gradients, and every weight became NaN.
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 10))
+    kw = {"nesterov": nesterov} if "nesterov" in RULES[rule].options else {}
+    opt = DMuon([w], rule=rule, lr=0.05, weight_decay=0.0, **kw)
+    direction = torch.randn(6, 10).sign()
+    for step in range(1, 6):
+        w.grad = direction * HUGE
+        opt.step()
+        assert torch.isfinite(w).all(), f"{rule}: a non-finite weight after step {step}"
+        momentum = opt.state[w]["momentum_buffer"]
+        assert torch.isfinite(momentum).all(), f"{rule}: non-finite momentum, step {step}"
+    if rule != "muon":
+        return
+    # Every entry of the momentum saturates alike, so its direction is the gradient's:
+    # Muon's step (scale-free) is the one of the O(1) gradient ``direction``.
+    torch.manual_seed(0)
+    v = torch.nn.Parameter(torch.randn(6, 10))
+    ref = DMuon([v], rule=rule, lr=0.05, weight_decay=0.0, **kw)
+    for _ in range(5):
+        v.grad = direction.clone()
+        ref.step()
+    torch.testing.assert_close(w.detach(), v.detach(), atol=1e-5, rtol=0.0)  # fp32 NS rounding
 
 
 def test_the_policy_and_its_count_survive_a_deep_copy():
