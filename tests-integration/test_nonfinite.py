@@ -211,3 +211,73 @@ def test_the_policy_and_its_count_survive_a_deep_copy():
     twin.param_groups[0]["params"][0].grad = torch.full((4, 4), float("inf"))
     twin.step()  # skipped, not raised: the copy kept the policy
     assert twin.skipped_steps == 2
+
+
+def _half_model(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)
+    ).to(dtype)
+
+
+def _half_tokens(step: int, rank: int) -> torch.Tensor:
+    # tokens 0..7 only: embedding rows 8..15 get an exactly zero gradient
+    return torch.randint(0, 8, (2, 5), generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def run_half_precision(rank: int, world: int, dtype: torch.dtype):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dmuon.integrations import ddp
+
+    out = {}
+    for mode in ("replicated", "owner_ddp_sharded_adamw"):
+        model = _half_model(dtype)
+        forward: torch.nn.Module = model
+        if mode == "replicated":
+            forward, kw = DDP(model), {"mode": "replicated"}
+        else:  # AdamW state sharded over the ranks: fp32 state and fp32 placeholders
+            kw = {"distributed": ddp.dedicate(model, scalars="owner")}
+        opt = DMuon(param_groups(model), lr=0.02, nonfinite="raise", **kw)
+        for t in range(3):  # before: NaN weights after step 1, NonFiniteGradientError at 2
+            forward(_half_tokens(t, rank)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if "distributed" in kw:
+            kw["distributed"].wait()  # the last publications, before reading the weights
+        out[mode] = {
+            "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+            "state_dtypes": sorted(  # of the scalar optimizer (matrices keep their dtype)
+                {
+                    str(v.dtype)
+                    for g in opt.param_groups
+                    if g["algorithm"] == "adamw"
+                    for p in g["params"]
+                    for k, v in opt.state[p].items()
+                    if k != "step"
+                }
+            ),
+        }
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_models_train_finite_on_two_ranks(dtype):
+    results = run_on_ranks(run_half_precision, 2, args=(dtype,), timeout=120)
+    # the reference: one process on both ranks' tokens
+    model = _half_model(dtype)
+    opt = DMuon(param_groups(model), lr=0.02, nonfinite="raise")
+    for t in range(3):
+        losses = [model(_half_tokens(t, r)).float().square().mean() for r in range(2)]
+        (sum(losses) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    for mode, r in results[0].items():
+        assert r["state_dtypes"] == ["torch.float32"], (mode, r["state_dtypes"])
+        for name, p in model.named_parameters():
+            got = r["params"][name]
+            assert torch.isfinite(got).all(), f"{mode}: {name} not finite"
+            assert torch.equal(got, results[1][mode]["params"][name]), f"{mode}: ranks differ"
+            # one ulp of |w| < 4 in the dtype: the ranks sum gradients in another order
+            atol = {torch.float16: 2**-8, torch.bfloat16: 2**-5}[dtype]
+            torch.testing.assert_close(got, p.detach().float(), atol=atol, rtol=0.0)
