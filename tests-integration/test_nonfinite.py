@@ -8,6 +8,8 @@
   (poisoned on rank 1), 2 ends equal to a single process trained on batches 0 and 2
   only, in owner (FSDP2 and DDP replacement), replicated and sharded mode.
 * A zero gradient gives a zero update in every rule and every float dtype (no 0/0).
+* A huge finite gradient (1e38 in fp32) keeps the momentum and every weight finite
+  in every rule (the sum-form momentum saturates instead of overflowing).
 * A gradient whose Frobenius norm underflows in the compute dtype (fp16 entries of
   1e-7, bf16 entries of 1e-38, fp32 entries of 1e-30 with fp16/bf16 Newton–Schulz)
   gives a finite update — for Muon the same as for the gradient scaled to O(1),
@@ -164,6 +166,38 @@ def test_a_gradient_whose_norm_underflows_gives_a_finite_update(rule, dtype, sca
     torch.testing.assert_close(moved, expected, atol=atol, rtol=0.0)
 
 
+HUGE = 1e38  # finite in fp32 (max 3.4e38); the sum-form momentum reaches |G|/(1 − μ) = 2e39
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_a_huge_finite_gradient_keeps_momentum_and_weights_finite(rule, nesterov):
+    # Before: the sum-form momentum overflowed on step 3 (step 4 for Dion2/Dion3's
+    # error feedback), the guard saw only finite gradients, and every weight became NaN.
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 10))
+    kw = {"nesterov": nesterov} if "nesterov" in RULES[rule].options else {}
+    opt = DMuon([w], rule=rule, lr=0.05, weight_decay=0.0, **kw)
+    direction = torch.randn(6, 10).sign()
+    for step in range(1, 6):
+        w.grad = direction * HUGE
+        opt.step()
+        assert torch.isfinite(w).all(), f"{rule}: a non-finite weight after step {step}"
+        momentum = opt.state[w]["momentum_buffer"]
+        assert torch.isfinite(momentum).all(), f"{rule}: non-finite momentum, step {step}"
+    if rule != "muon":
+        return
+    # Every entry of the momentum saturates alike, so its direction is the gradient's:
+    # Muon's step (scale-free) is the one of the O(1) gradient ``direction``.
+    torch.manual_seed(0)
+    v = torch.nn.Parameter(torch.randn(6, 10))
+    ref = DMuon([v], rule=rule, lr=0.05, weight_decay=0.0, **kw)
+    for _ in range(5):
+        v.grad = direction.clone()
+        ref.step()
+    torch.testing.assert_close(w.detach(), v.detach(), atol=1e-5, rtol=0.0)  # fp32 NS rounding
+
+
 def test_the_policy_and_its_count_survive_a_deep_copy():
     import copy
 
@@ -177,3 +211,73 @@ def test_the_policy_and_its_count_survive_a_deep_copy():
     twin.param_groups[0]["params"][0].grad = torch.full((4, 4), float("inf"))
     twin.step()  # skipped, not raised: the copy kept the policy
     assert twin.skipped_steps == 2
+
+
+def _half_model(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)
+    ).to(dtype)
+
+
+def _half_tokens(step: int, rank: int) -> torch.Tensor:
+    # tokens 0..7 only: embedding rows 8..15 get an exactly zero gradient
+    return torch.randint(0, 8, (2, 5), generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def run_half_precision(rank: int, world: int, dtype: torch.dtype):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dmuon.integrations import ddp
+
+    out = {}
+    for mode in ("replicated", "owner_ddp_sharded_adamw"):
+        model = _half_model(dtype)
+        forward: torch.nn.Module = model
+        if mode == "replicated":
+            forward, kw = DDP(model), {"mode": "replicated"}
+        else:  # AdamW state sharded over the ranks: fp32 state and fp32 placeholders
+            kw = {"distributed": ddp.dedicate(model, scalars="owner")}
+        opt = DMuon(param_groups(model), lr=0.02, nonfinite="raise", **kw)
+        for t in range(3):  # before: NaN weights after step 1, NonFiniteGradientError at 2
+            forward(_half_tokens(t, rank)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if "distributed" in kw:
+            kw["distributed"].wait()  # the last publications, before reading the weights
+        out[mode] = {
+            "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+            "state_dtypes": sorted(  # of the scalar optimizer (matrices keep their dtype)
+                {
+                    str(v.dtype)
+                    for g in opt.param_groups
+                    if g["algorithm"] == "adamw"
+                    for p in g["params"]
+                    for k, v in opt.state[p].items()
+                    if k != "step"
+                }
+            ),
+        }
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_models_train_finite_on_two_ranks(dtype):
+    results = run_on_ranks(run_half_precision, 2, args=(dtype,), timeout=120)
+    # the reference: one process on both ranks' tokens
+    model = _half_model(dtype)
+    opt = DMuon(param_groups(model), lr=0.02, nonfinite="raise")
+    for t in range(3):
+        losses = [model(_half_tokens(t, r)).float().square().mean() for r in range(2)]
+        (sum(losses) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    for mode, r in results[0].items():
+        assert r["state_dtypes"] == ["torch.float32"], (mode, r["state_dtypes"])
+        for name, p in model.named_parameters():
+            got = r["params"][name]
+            assert torch.isfinite(got).all(), f"{mode}: {name} not finite"
+            assert torch.equal(got, results[1][mode]["params"][name]), f"{mode}: ranks differ"
+            # one ulp of |w| < 4 in the dtype: the ranks sum gradients in another order
+            atol = {torch.float16: 2**-8, torch.bfloat16: 2**-5}[dtype]
+            torch.testing.assert_close(got, p.detach().float(), atol=atol, rtol=0.0)

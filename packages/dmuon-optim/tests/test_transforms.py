@@ -303,3 +303,34 @@ def test_every_key_a_rule_reads_is_a_key_its_groups_have():
     for name, rule in RULES.items():
         group = DMuon([torch.nn.Parameter(torch.ones(4, 4))], rule=name).param_groups[0]
         assert set(rule.reads) <= set(group), name
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_momentum_is_the_plain_sum_form_bit_for_bit_until_it_would_overflow(nesterov):
+    from dmuon.optim.transforms import Momentum, StepContext
+
+    g = torch.Generator().manual_seed(0)
+    M = torch.zeros(2, 4, 6)
+    plain = torch.zeros(2, 4, 6)
+    hp = {"momentum": 0.95, "nesterov": nesterov}
+    for t in range(5):
+        G = torch.randn(2, 4, 6, generator=g) * 10.0 ** (3 * t - 6)
+        out = Momentum()(G, {"momentum_buffer": M}, StepContext(grad=G, hp=hp))
+        plain = torch.add(G, plain, alpha=0.95)  # the sum form as it was, unclamped
+        assert torch.equal(M, plain)
+        assert torch.equal(out, torch.add(G, plain, alpha=0.95) if nesterov else plain)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_momentum_saturates_at_the_largest_finite_value_instead_of_overflowing(nesterov):
+    from dmuon.optim.transforms import Momentum, StepContext
+
+    big = torch.finfo(torch.float32).max
+    G = torch.tensor([[[1e38, -1e38, 1.0]]])
+    M = torch.zeros_like(G)
+    hp = {"momentum": 0.95, "nesterov": nesterov}
+    for _ in range(6):  # the plain sum overflows at step 3 (Nesterov) or 4
+        out = Momentum()(G, {"momentum_buffer": M}, StepContext(grad=G, hp=hp))
+    assert M[0, 0, :2].tolist() == [big, -big]
+    assert out[0, 0, :2].tolist() == [big, -big]
+    assert torch.isfinite(out).all() and out[0, 0, 2] > 1.0  # small entries go on summing

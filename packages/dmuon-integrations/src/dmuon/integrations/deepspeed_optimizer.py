@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from dmuon.optim import SCALAR_ALGORITHMS, DMuon, get_scalar_rule
+from dmuon.optim.optimizer_state import reload_scalar_state
+from dmuon.optim.scalar import scalar_state_dtype
 from dmuon.optim.stepping import step_scalars
 
 __all__ = ["ZeroClientOptimizer", "client_optimizer", "dmuon_of"]
@@ -121,7 +123,9 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32)
             for name in get_scalar_rule(algorithm).buffers:
-                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state[name] = torch.zeros_like(
+                    p, dtype=scalar_state_dtype(p), memory_format=torch.preserve_format
+                )  # fp32 for fp16/bf16 parameters, as in DMuon
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -146,6 +150,8 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
                 "weights, pass load_optimizer_states=False"
             )
         super().load_state_dict(state_dict)
+        # torch cast the fp32 state of fp16/bf16 parameters down to their dtype
+        reload_scalar_state(self.param_groups, self.state, state_dict)
         # torch's load_state_dict replaces the group dicts (same parameters, new dicts).
         self._last_group = self.param_groups[-1]
 

@@ -26,6 +26,7 @@ from dmuon.optim.optimizer_state import (
     check_loaded_state,
     check_state_dict_keys,
     refuse_foreign_placeholders,
+    reload_scalar_state,
 )
 from dmuon.optim.scalar import SCALAR_ALGORITHMS
 from dmuon.optim.stepping import check_guard_options, run_step, step_matrices, step_scalars
@@ -375,11 +376,18 @@ class DMuon(torch.optim.Optimizer):
         # Registered last, so it checks the dict the caller's own pre-hooks return,
         # and runs before torch's load changes anything.
         hook = refuse_foreign_placeholders(self._engine)
-        handle = self.register_load_state_dict_pre_hook(hook)
+        seen: list[dict[str, Any]] = []  # the dict torch loads, after the caller's hooks
+        handles = [
+            self.register_load_state_dict_pre_hook(hook),
+            self.register_load_state_dict_pre_hook(lambda _, sd: seen.append(sd)),
+        ]
         try:
             super().load_state_dict(state_dict)
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
+        # torch cast the fp32 scalar state of fp16/bf16 parameters down; undo it
+        reload_scalar_state(self.param_groups, self.state, seen[-1] if seen else state_dict)
 
     def state_dict(self) -> dict[str, Any]:
         """The state dict of ``torch.optim.Optimizer``, plus ``"distributed"``: the mode,

@@ -19,13 +19,14 @@ from dmuon.optim.engine.base import Engine
 from dmuon.optim.group_options import param_name
 from dmuon.optim.layout import matrix_layout
 from dmuon.optim.rules import get_rule
-from dmuon.optim.scalar import SCALAR_ALGORITHMS, scalar_state_shapes
+from dmuon.optim.scalar import SCALAR_ALGORITHMS, scalar_state_dtype, scalar_state_shapes
 
 __all__ = [
     "build_state",
     "check_loaded_state",
     "check_state_dict_keys",
     "refuse_foreign_placeholders",
+    "reload_scalar_state",
 ]
 
 
@@ -49,10 +50,11 @@ def build_state(
             for key in scalar_state_shapes(algorithm, p):
                 if key == "step":
                     t = torch.zeros((), dtype=torch.float32)
-                elif full:
-                    t = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif full:  # fp32 for fp16/bf16 parameters (ε underflows in fp16)
+                    dtype = scalar_state_dtype(p)
+                    t = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
                 else:
-                    t = _placeholder(p)
+                    t = _placeholder(p, scalar_state_dtype(p))
                 value = old.get(key)
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(t.shape):
                     t.copy_(value)
@@ -202,9 +204,45 @@ def _foreign_placeholder_message(
     )
 
 
-def _placeholder(p: torch.Tensor) -> torch.Tensor:
+def reload_scalar_state(
+    groups: list[dict[str, Any]], state: Mapping[Any, Any], state_dict: Mapping[str, Any]
+) -> None:
+    """Set the scalar rules' buffers of ``state`` again from ``state_dict``, in their own dtype.
+
+    ``torch.optim.Optimizer.load_state_dict`` casts every floating state tensor to its
+    parameter's dtype, so the fp32 ``exp_avg``/``exp_avg_sq`` of an fp16/bf16
+    parameter would come back through fp16 (small second moments flushed to 0).
+    Called after it, this copies each saved buffer of matching shape once more, into a
+    tensor of :func:`~dmuon.optim.scalar.scalar_state_dtype`: an fp32 dict loads
+    exactly, and a dict saved with fp16/bf16 state (before DMuon kept it in fp32) is
+    widened. Matrix state and entries it cannot match are left as they are.
+    """
+    saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
+    if not isinstance(saved_groups, list) or not isinstance(saved_state, Mapping):
+        return
+    for live, saved in zip(groups, saved_groups, strict=False):
+        if live.get("algorithm") not in SCALAR_ALGORITHMS or not isinstance(saved, Mapping):
+            continue
+        for p, pid in zip(live["params"], saved.get("params", ()), strict=False):
+            mine, theirs = state.get(p), saved_state.get(pid)
+            if not isinstance(mine, dict) or not isinstance(theirs, Mapping):
+                continue
+            dtype = scalar_state_dtype(p)
+            for key, value in list(mine.items()):
+                other = theirs.get(key)
+                if key == "step" or not isinstance(other, torch.Tensor):
+                    continue
+                if not other.is_floating_point() or other.shape != value.shape:
+                    continue
+                if value.dtype == dtype:
+                    value.copy_(other)
+                else:
+                    mine[key] = other.to(device=p.device, dtype=dtype, copy=True)
+
+
+def _placeholder(p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Empty state for a parameter another rank steps (same key, no memory)."""
-    return torch.zeros(0, dtype=p.dtype, device=p.device)
+    return torch.zeros(0, dtype=p.dtype if dtype is None else dtype, device=p.device)
 
 
 def _copy_step(step: torch.Tensor, old: Mapping[str, Any]) -> None:

@@ -5,6 +5,13 @@ sense; they take an elementwise optimizer in the same ``DMuon`` object. Each is 
 :class:`ScalarRule` of :data:`SCALAR_RULES`, declaring its hyperparameters and its
 state as a matrix rule's transforms do; whoever steps scalar parameters (DMuon's
 engines, DeepSpeed's client optimizer) calls ``get_scalar_rule(algorithm).update``.
+
+Mixed precision: the state of an fp16/bf16 parameter is fp32
+(:func:`scalar_state_dtype`), and its step is computed in fp32 on a widened copy of
+the parameter and gradient, then cast into the parameter once. In fp16, AdamW's
+ε = 1e-8 rounds to 0 and ``exp_avg_sq`` underflows, so a zero gradient (an unused
+embedding row, a bias) gave ``0/(√0 + 0)`` = NaN weights on the first step. fp32 and
+fp64 parameters take the plain path: AdamW is then bit for bit ``torch.optim.AdamW``.
 """
 
 from __future__ import annotations
@@ -25,8 +32,64 @@ __all__ = [
     "adamw_step",
     "get_scalar_rule",
     "lion_step",
+    "scalar_state_dtype",
     "scalar_state_shapes",
 ]
+
+_NARROW = (torch.float16, torch.bfloat16)
+
+
+def scalar_state_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype of a scalar rule's buffers for ``param``: fp32 for fp16/bf16, else its own.
+
+    Examples:
+        >>> import torch
+        >>> scalar_state_dtype(torch.zeros(2, dtype=torch.float16))
+        torch.float32
+        >>> scalar_state_dtype(torch.zeros(2, dtype=torch.float64))
+        torch.float64
+    """
+    return torch.float32 if param.dtype in _NARROW else param.dtype
+
+
+def _pick(items: Sequence[torch.Tensor], index: list[int]) -> list[torch.Tensor]:
+    return [items[i] for i in index]
+
+
+def _step_in_fp32(
+    step: Callable[
+        [list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]], list[torch.Tensor]],
+        None,
+    ],
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    buffers: Sequence[Sequence[torch.Tensor]],
+    steps: Sequence[torch.Tensor],
+) -> None:
+    """``step(params, grads, buffers, steps)``, with fp16/bf16 parameters computed in fp32.
+
+    Such a parameter's gradient and buffers are widened (an fp32 buffer is used in
+    place; a narrow one, e.g. cast down by a loader, is widened and written back), the
+    step runs on an fp32 copy of the parameter, and the result is cast back once.
+    Other parameters are stepped as they are.
+    """
+    narrow = [i for i, p in enumerate(params) if p.dtype in _NARROW]
+    if not narrow:
+        step(list(params), list(grads), [list(b) for b in buffers], list(steps))
+        return
+    taken = set(narrow)
+    rest = [i for i in range(len(params)) if i not in taken]
+    if rest:
+        step(_pick(params, rest), _pick(grads, rest), [_pick(b, rest) for b in buffers],
+             _pick(steps, rest))  # fmt: skip
+    wide_params = [params[i].float() for i in narrow]
+    wide_buffers = [[b[i].float() for i in narrow] for b in buffers]
+    step(wide_params, [grads[i].float() for i in narrow], wide_buffers, _pick(steps, narrow))
+    torch._foreach_copy_(_pick(params, narrow), wide_params)  # the one rounding
+    for b, wide in zip(buffers, wide_buffers, strict=True):
+        for i, w in zip(narrow, wide, strict=True):
+            if w is not b[i]:
+                b[i].copy_(w)
 
 
 def adamw_step(
@@ -45,7 +108,9 @@ def adamw_step(
 
     ``m ← β₁m + (1−β₁)g``, ``v ← β₂v + (1−β₂)g²``,
     ``W ← W(1 − lr·wd) − lr·m̂/(√v̂ + ε)`` with bias-corrected ``m̂``, ``v̂``:
-    exactly :class:`torch.optim.AdamW` (same code path, foreach where torch picks it).
+    exactly :class:`torch.optim.AdamW` (same code path, foreach where torch picks it)
+    for fp32/fp64 parameters; fp16/bf16 ones are computed in fp32 (fp32 ``exp_avg``,
+    ``exp_avg_sq``) and cast once, so ε = 1e-8 does not round to 0.
 
     Examples:
         >>> import torch
@@ -56,21 +121,30 @@ def adamw_step(
         >>> round(p[0].item(), 4)
         0.9
     """
-    _torch_adamw(
-        list(params),
-        list(grads),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        [],
-        list(steps),
-        amsgrad=False,
-        beta1=betas[0],
-        beta2=betas[1],
-        lr=lr,
-        weight_decay=weight_decay,
-        eps=eps,
-        maximize=False,
-    )
+
+    def step(
+        p: list[torch.Tensor],
+        g: list[torch.Tensor],
+        buffers: list[list[torch.Tensor]],
+        t: list[torch.Tensor],
+    ) -> None:
+        _torch_adamw(
+            p,
+            g,
+            buffers[0],
+            buffers[1],
+            [],
+            t,
+            amsgrad=False,
+            beta1=betas[0],
+            beta2=betas[1],
+            lr=lr,
+            weight_decay=weight_decay,
+            eps=eps,
+            maximize=False,
+        )
+
+    _step_in_fp32(step, params, grads, (exp_avgs, exp_avg_sqs), steps)
 
 
 def lion_step(
@@ -87,7 +161,8 @@ def lion_step(
 
     ``c = β₁m + (1−β₁)g``, ``W ← W(1 − lr·wd) − lr·sign(c)``, ``m ← β₂m + (1−β₂)g``.
     Source: arXiv 2302.06675. Lion's updates have RMS 1, so its learning rate is
-    typically 3–10× smaller than AdamW's.
+    typically 3–10× smaller than AdamW's. fp16/bf16 parameters are computed in fp32
+    (fp32 ``exp_avg``) and cast once.
 
     Examples:
         >>> import torch
@@ -96,17 +171,26 @@ def lion_step(
         >>> tuple(round(x, 6) for x in p.tolist())
         (-0.1, 0.1)
     """
-    params, grads, exp_avgs = list(params), list(grads), list(exp_avgs)
-    if not params:
-        return
     beta1, beta2 = betas
-    directions = torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1)
-    torch._foreach_sign_(directions)
-    if weight_decay != 0.0 and lr != 0.0:
-        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-    torch._foreach_add_(params, directions, alpha=-lr)
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)
-    torch._foreach_add_(list(steps), 1.0)
+
+    def step(
+        p: list[torch.Tensor],
+        g: list[torch.Tensor],
+        buffers: list[list[torch.Tensor]],
+        t: list[torch.Tensor],
+    ) -> None:
+        if not p:
+            return
+        (m,) = buffers
+        directions = torch._foreach_lerp(m, g, 1.0 - beta1)
+        torch._foreach_sign_(directions)
+        if weight_decay != 0.0 and lr != 0.0:
+            torch._foreach_mul_(p, 1.0 - lr * weight_decay)
+        torch._foreach_add_(p, directions, alpha=-lr)
+        torch._foreach_lerp_(m, g, 1.0 - beta2)
+        torch._foreach_add_(t, 1.0)
+
+    _step_in_fp32(step, params, grads, (exp_avgs,), steps)
 
 
 def _adamw_update(
@@ -153,8 +237,9 @@ class ScalarRule:
         name: the group's ``algorithm`` value.
         options: the group keys it reads (name → :class:`~dmuon.optim.hyperparameters.Option`);
             their defaults come from the ``DMuon`` constructor (``adamw_*``).
-        buffers: its state buffers, each shaped like the parameter; every scalar rule
-            also keeps ``step``, a 0-dim fp32 count.
+        buffers: its state buffers, each shaped like the parameter, of dtype
+            :func:`scalar_state_dtype` (fp32 for fp16/bf16 parameters); every scalar
+            rule also keeps ``step``, a 0-dim fp32 count.
         step_fn: ``step_fn(params, grads, states, group)``, one step of every listed
             parameter in place (:func:`adamw_step`, :func:`lion_step`).
         summary: one line.

@@ -14,6 +14,8 @@ from dmuon.optim.transforms.base import StepContext, Transform
 
 __all__ = ["MomentumSpectralClip"]
 
+_FP32_SAFE = 2.0**48  # below this ∞-norm, M Mᵀ of any practical width fits fp32
+
 
 @dataclass(frozen=True)
 class MomentumSpectralClip(Transform):
@@ -57,8 +59,14 @@ class MomentumSpectralClip(Transform):
     ) -> torch.Tensor:
         mu = float(ctx.hp["momentum"])
         work = torch.float64 if X.dtype == torch.float64 else torch.float32
+        Y = X * (1.0 - mu)
+        # M Mᵀ overflows fp32 for entries beyond ~2⁶⁴ (a saturated momentum, see
+        # Momentum): such a step clips in fp64, whose range holds σ² (the result, of
+        # spectral norm ≤ τ, fits any dtype). Ordinary momenta stay far below 2⁴⁸.
+        if work is torch.float32 and not bool(Y.abs().amax() < _FP32_SAFE):
+            work = torch.float64
         return spectral_clip(
-            X * (1.0 - mu),
+            Y,
             float(ctx.hp["clip_tau"]),
             mode=ctx.hp["clip_mode"],
             steps=ctx.hp["clip_steps"],

@@ -1,4 +1,4 @@
-"""Heavy-ball momentum in sum form, with optional Nesterov look-ahead."""
+"""Heavy-ball momentum in sum form (saturating, never ±inf), with optional Nesterov look-ahead."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from dmuon.optim.hyperparameters import Option, matrix_keys
 from dmuon.optim.transforms.base import StateSpec, StepContext, Transform
 
-__all__ = ["Momentum"]
+__all__ = ["Momentum", "saturate_"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,24 @@ class Momentum(Transform):
     normalisation in front of Newton–Schulz removes: every rule whose next step is
     scale-invariant (orthogonalisation, sign) gives the same update under either
     form. Rules that use the momentum's magnitude say how on their page.
+
+    **Saturation.** The sum form grows to ``|G|/(1 − μ)``: twenty times the gradient
+    at μ = 0.95, so a finite gradient of 1e38 overflowed fp32 (max 3.4e38) by step 3
+    and every weight became NaN, past the ``nonfinite=`` guard, which saw a finite
+    gradient. The buffer and the Nesterov output are therefore clamped to the
+    largest finite value ``F`` of their dtype:
+
+        M ← clamp(μ·M + G, −F, F),   output clamp(G + μ·M, −F, F) (Nesterov) or M.
+
+    A clamp changes nothing that did not overflow (bit for bit: every finite result
+    is left as it was), so results, state dicts, checkpoints and the parity with
+    ``torch.optim.Muon`` are those of the plain sum form; only a momentum that the
+    dtype cannot hold saturates at ``±F`` instead of becoming ``±inf`` (and NaN one
+    step later, in ``∞ − ∞`` or ``0·∞``). The EMA form would stay finite by itself,
+    but it weighs gradients differently when μ changes between steps (a momentum
+    warm-up) and would change every saved ``momentum_buffer`` by the factor ``1 − μ``.
+    The transforms after it accept such entries: the normalisation in front of
+    Newton–Schulz, the subspace iteration and the spectral clip are overflow-safe.
 
     Hyperparameters: ``momentum`` (μ ∈ [0, 1)), ``nesterov`` (bool).
     State: ``momentum_buffer`` (``matrix``), zero at the start.
@@ -51,6 +69,22 @@ class Momentum(Transform):
         mu = float(ctx.hp["momentum"])
         M = state["momentum_buffer"]
         torch.add(X, M, alpha=mu, out=M)  # one pass: M ← G + μM
+        saturate_(M)
         if ctx.hp["nesterov"]:
-            return X.add(M, alpha=mu)
+            return saturate_(X.add(M, alpha=mu))
         return M
+
+
+def saturate_(X: torch.Tensor) -> torch.Tensor:
+    """Clamp ``X`` in place to ``±`` the largest finite value of its dtype; return it.
+
+    An entry that overflowed to ``±inf`` becomes ``±max``; every finite entry is left
+    bit for bit as it was, and NaN stays NaN (the ``nonfinite=`` guard's business).
+
+    Examples:
+        >>> import torch
+        >>> saturate_(torch.tensor([float("inf"), -float("inf"), 1.5])).tolist()
+        [3.4028234663852886e+38, -3.4028234663852886e+38, 1.5]
+    """
+    big = torch.finfo(X.dtype).max
+    return X.clamp_(-big, big)

@@ -11,6 +11,7 @@ import torch
 
 from dmuon.optim.hyperparameters import Option, choice, matrix_keys, real
 from dmuon.optim.transforms.base import StateSpec, StepContext, Transform, run_chain
+from dmuon.optim.transforms.momentum import saturate_
 
 __all__ = ["ErrorFeedbackSelect", "selected_count"]
 
@@ -26,7 +27,8 @@ class ErrorFeedbackSelect(Transform):
 
     For each matrix of the batch:
 
-        M ← M + G                                  (no decay of the whole buffer)
+        M ← clamp(M + G, ±max)                     (no decay of the whole buffer;
+                                                    saturating, as in Momentum)
         S = the k = ⌈α·size⌉ rows (or columns) of M with the largest L1 norm
         U = M[S];   M[S] ← μ·M[S]                  (error feedback: the rest stays)
         O = inner(U)                               (orthogonalisation, NorMuon's …)
@@ -85,7 +87,7 @@ class ErrorFeedbackSelect(Transform):
     ) -> torch.Tensor:
         mu = float(ctx.hp["momentum"])
         M = state["momentum_buffer"]
-        M.add_(X)
+        saturate_(M.add_(X))  # finite for every finite gradient, see Momentum
         m, n = M.shape[-2], M.shape[-1]
         dim = ctx.hp.get("select_dim", "rows")
         cols = dim == "cols" or (dim == "auto" and n < m)

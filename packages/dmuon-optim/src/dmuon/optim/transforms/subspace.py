@@ -105,7 +105,12 @@ class TopKPolar(Transform):
         k = max(1, min(full, math.ceil(rank_fraction_at(hp, ctx.step) * full)))
         width = min(full, k + int(hp["oversample"]))
         work = torch.float64 if X.dtype == torch.float64 else torch.float32
+        # The factors returned do not depend on X's scale, but A @ Ω and the QR's norms
+        # overflow for entries near the dtype's max (a saturated momentum): shift each
+        # matrix's exponent by a power of two, which is exact, to an ∞-norm in [1/2, 1).
         A = X.to(work)
+        _, exponent = torch.frexp(A.abs().amax(dim=(-2, -1), keepdim=True))
+        A = torch.ldexp(A, -exponent)
         omega = sketch_matrix(n, width, int(hp["seed"]), ctx.step).to(work).to(X.device)
         Y = A @ omega
         for _ in range(int(hp["power_iters"])):
