@@ -64,6 +64,14 @@ def install_buffer_broadcast(
 
     Returns:
         The forward pre-hook's handle, or ``None`` when ``model`` has no buffers.
+
+    Examples:
+        >>> model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+        >>> handle = install_buffer_broadcast(model, None, lambda: 30.0)
+        >>> _ = model(torch.randn(3, 4))  # one process: the hook has nothing to copy
+        >>> handle.remove()
+        >>> install_buffer_broadcast(torch.nn.Linear(4, 2), None, lambda: 30.0) is None
+        True
     """
     if next(model.buffers(), None) is None:
         return None
