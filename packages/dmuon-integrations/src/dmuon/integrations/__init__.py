@@ -24,10 +24,12 @@ from dmuon.integrations import ddp, deepspeed, fsdp
 from dmuon.integrations._version import __version__
 from dmuon.integrations.dedication import Dedication
 from dmuon.integrations.hooks import install_hooks, module_of_layer
+from dmuon.integrations.partial_use import PartialUseError
 from dmuon.integrations.selection import mesh_groups, split_parameters
 
 __all__ = [
     "Dedication",
+    "PartialUseError",
     "__version__",
     "ddp",
     "deepspeed",

@@ -24,8 +24,11 @@ from typing import Any
 from torch import nn
 
 from dmuon.comm import CommStats, layer_key
+from dmuon.comm.process_groups import group_size
 from dmuon.integrations.dedication import Dedication, build_dedication
+from dmuon.integrations.partial_use import install_partial_use_check
 from dmuon.integrations.selection import Predicate
+from dmuon.optim.engine.guards import guard_groups
 
 __all__ = ["dedicate"]
 
@@ -87,7 +90,7 @@ def dedicate(
         ...     [model[1].weight, model[0].weight], key=lambda p: p.shape)
         True
     """
-    return build_dedication(
+    ded = build_dedication(
         model,
         mesh,
         predicate=predicate,
@@ -99,3 +102,17 @@ def dedicate(
         kind="fsdp",
         plan_options=plan_options,
     )
+    # FSDP2 synchronises the rest: each must be used on every rank (partial_use.py)
+    ex = ded.exchange
+    groups = [ex.group] if group_size(ex.group) > 1 else []
+    if ex.replicate_group is not None and group_size(ex.replicate_group) > 1:
+        groups.append(ex.replicate_group)
+    if groups:
+        dedicated = {id(p) for p in ded.params}
+        rest = [
+            n for n, p in model.named_parameters() if p.requires_grad and id(p) not in dedicated
+        ]
+        ded.handles += install_partial_use_check(
+            model, rest, guard_groups(groups), lambda: ex.publication.timeout
+        )
+    return ded

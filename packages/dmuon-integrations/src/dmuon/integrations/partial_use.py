@@ -1,0 +1,130 @@
+"""A parameter FSDP2 synchronises must be used on every rank, or FSDP2's backward hangs.
+
+FSDP2 reduce-scatters the gradients of the parameters of a ``fully_shard`` unit
+that *have* a gradient on this rank. A parameter that one rank's batch never
+reached — an expert no token of that rank was routed to, a branch taken on some
+ranks only — has none there, so the ranks enter reduce-scatters of different
+sizes: gloo hangs or aborts, NCCL may corrupt. DMuon's own owner reductions send
+zeros for an absent gradient, so dedicated matrices are safe; the parameters
+:func:`dmuon.integrations.fsdp.dedicate` leaves to FSDP2 (embeddings, head,
+norms, biases) are not.
+
+:func:`install_partial_use_check` finds the situation before backward starts:
+each module that holds such parameters notes, in a forward hook, that it ran;
+at the end of every forward with gradients enabled the ranks sum one flag per
+parameter (one small all-reduce over twins of the mesh's groups), and a parameter
+used on some ranks but not all raises :class:`PartialUseError` on every rank,
+naming it and the ranks, before any rank enters FSDP2's reduce-scatter.
+
+A module that is its own ``fully_shard`` unit and runs on some ranks only hangs
+earlier, in FSDP2's forward all-gather of that unit, which no check of DMuon's can
+precede: the ranks that reach the end of forward then wait in the check and raise
+:class:`dmuon.comm.CollectiveError` at DMuon's deadline, the roll call naming the
+rank that is elsewhere. Wrap such modules together with a module every rank runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from dmuon.comm import collective_timeout, wait_work
+
+__all__ = ["PartialUseError", "install_partial_use_check"]
+
+
+class PartialUseError(RuntimeError):
+    """A parameter FSDP2 synchronises was used on some ranks only (raised on every rank).
+
+    Attributes:
+        names: the parameters used on some ranks only.
+
+    Examples:
+        >>> PartialUseError("experts.1.bias", ["experts.1.bias"]).names
+        ['experts.1.bias']
+    """
+
+    def __init__(self, message: str, names: list[str]) -> None:
+        super().__init__(message)
+        self.names = names
+
+
+def install_partial_use_check(
+    model: nn.Module,
+    names: Sequence[str],
+    groups: Sequence[dist.ProcessGroup | None],
+    timeout: Any,
+) -> list[RemovableHandle]:
+    """Check, after every training forward of ``model``, that every rank used ``names``.
+
+    Args:
+        model: the root module (its forward ends the check).
+        names: the parameters FSDP2 synchronises (``model.named_parameters()`` names).
+        groups: the groups whose ranks must agree (twins of the mesh's groups).
+        timeout: returns the deadline of the check's all-reduce (DMuon's ``timeout=``).
+
+    Returns:
+        The hook handles (``handle.remove()`` undoes them).
+
+    Examples:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        >>> handles = install_partial_use_check(model, ["0.bias"], [], lambda: None)
+        >>> _ = model(torch.randn(3, 4))  # no group: nothing to compare
+        >>> len(handles)
+        3
+    """
+    watched = set(names)
+    order = sorted(watched)
+    owned: dict[nn.Module, list[str]] = {}
+    for mod_name, module in model.named_modules():
+        for p_name, _ in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            if full in watched:
+                owned.setdefault(module, []).append(full)
+    used: set[str] = set()
+    handles: list[RemovableHandle] = []
+
+    def start(module: nn.Module, args: Any) -> None:
+        if module is model and torch.is_grad_enabled():
+            used.clear()
+
+    def ran(names_here: list[str]) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if torch.is_grad_enabled():
+                used.update(names_here)
+
+        return hook
+
+    def agree(module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() or not groups:
+            return
+        flags = torch.tensor([int(n in used) for n in order], dtype=torch.int32)
+        sizes = 1
+        with collective_timeout(timeout()):
+            for g in groups:
+                work = dist.all_reduce(flags, group=g, async_op=True)
+                wait_work(work, "all-reduce of FSDP2 parameter-use flags", g)
+                sizes *= dist.get_world_size(g)
+        partial = [n for n, f in zip(order, flags.tolist(), strict=True) if 0 < f < sizes]
+        if partial:
+            mine = [n for n in partial if n in used]
+            raise PartialUseError(
+                f"parameter(s) {partial[:5]} (synchronised by FSDP2) were used in this "
+                f"forward on some ranks only (this rank used {mine[:5] or 'none of them'}). "
+                "FSDP2 leaves a parameter without a gradient out of its reduce-scatter, so "
+                "the ranks would hang in backward. Use them on every rank (e.g. run every "
+                "expert and multiply an unused one's output by zero), or give them to DMuon: "
+                "ddp.dedicate(model, scalars='owner') reduces absent gradients as zeros",
+                partial,
+            )
+
+    handles.append(model.register_forward_pre_hook(start))
+    for module, here in owned.items():
+        handles.append(module.register_forward_hook(ran(here)))
+    handles.append(model.register_forward_hook(agree))
+    return handles
