@@ -41,7 +41,7 @@ import torch
 
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 
-__all__ = ["MatrixPlacement", "check_placements", "placement_of"]
+__all__ = ["MatrixPlacement", "check_placements", "placement_of", "supported_by"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,13 @@ class MatrixPlacement:
             the tensor.
         partial: the mesh dimensions on which the tensor is a pending sum (``Partial``).
         unknown: the mesh dimensions of a placement this module does not know.
+
+    Examples:
+        >>> rowwise = MatrixPlacement("fc2.weight", ("Shard(dim=1)",), ("tp",), ((0, 1, False),))
+        >>> rowwise.describe(), rowwise.row_sharded
+        ("(Shard(dim=1),) on mesh dims ('tp',)", False)
+        >>> supported_by(rowwise), supported_by(MatrixPlacement("fc1.weight"))
+        ((), ('single', 'owner', 'replicated', 'sign'))
     """
 
     name: str
@@ -161,7 +168,13 @@ def _kind(pl: Any) -> str:
 
 
 def supported_by(pl: MatrixPlacement) -> tuple[str, ...]:
-    """The modes that step a matrix of layout ``pl`` correctly today."""
+    """The modes that step a matrix of layout ``pl`` correctly today.
+
+    Examples:
+        >>> fsdp = MatrixPlacement("w", ("Shard(dim=0)",), ("dp",), ((0, 0, False),))
+        >>> supported_by(fsdp)
+        ('sharded',)
+    """
     if not pl.distributed:
         return ("single", "owner", "replicated", "sign")
     if pl.row_sharded:
@@ -175,6 +188,17 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
     Raises:
         ValueError: naming the first such parameter, its placements, and the mode that
             takes it (or that none does yet).
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.optim import DMuon
+        >>> from dmuon.optim.engine import collect_params
+        >>> opt = DMuon([torch.nn.Parameter(torch.ones(4, 4))])
+        >>> check_placements(collect_params(opt.param_groups), "single")  # a plain matrix
+        >>> check_placements(collect_params(opt.param_groups), "sharded")
+        Traceback (most recent call last):
+            ...
+        ValueError: matrix parameter 'group0.param0' is a plain tensor, but mode='sharded' ...
     """
     for e in params:
         if not e.matrix:
