@@ -18,6 +18,7 @@ from dmuon.integrations.selection import Predicate, mesh_groups, split_parameter
 from dmuon.optim import OwnerExchange
 from dmuon.optim.engine import format_description
 from dmuon.optim.engine.params import is_dtensor
+from dmuon.optim.engine.placements import placement_of
 
 __all__ = ["Dedication", "build_dedication"]
 
@@ -184,12 +185,17 @@ def build_dedication(
             for n, k, p in rest
         ]
         rest = []
-    sharded = [item.name for item, p in dedicated if is_dtensor(p)]
+    sharded = [(item.name, p) for item, p in dedicated if is_dtensor(p)]
     if sharded:
+        name, p = sharded[0]
         raise ValueError(
-            f"parameter {sharded[0]!r} is already an FSDP2 DTensor: dedicate() was called after "
-            "fully_shard(). Call dedicate(model, mesh) first, then fully_shard(model, mesh=mesh, "
-            "ignored_params=ded.params), so FSDP2 leaves the dedicated matrices to their owners"
+            f"parameter {name!r} is already a DTensor with placements "
+            f"{placement_of(p, name).describe()}: owner mode dedicates whole, plain matrices. "
+            "If fully_shard() made it, dedicate() was called after fully_shard(): call "
+            "dedicate(model, mesh) first, then "
+            "fully_shard(model, mesh=mesh, ignored_params=ded.params), so FSDP2 leaves the "
+            "dedicated matrices to their owners; tensor-parallel matrices (parallelize_module) "
+            "are not stepped by owner mode: keep them out of the dedication (predicate=)"
         )
     if not dedicated:
         raise ValueError(

@@ -20,6 +20,12 @@ from dmuon.optim.engine.model_agreement import ModelMismatchError, check_model_c
 from dmuon.optim.engine.modes import MODES, make_engine
 from dmuon.optim.engine.owner import OwnerEngine
 from dmuon.optim.engine.params import EngineParam, collect_params, item_shape, subplan
+from dmuon.optim.engine.placements import (
+    MatrixPlacement,
+    check_placements,
+    placement_of,
+    supported_by,
+)
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine
 from dmuon.optim.engine.publication import Publication
 from dmuon.optim.engine.reduction import Reduction, UnsyncedGradientsError
@@ -34,6 +40,7 @@ __all__ = [
     "PHASES",
     "Engine",
     "EngineParam",
+    "MatrixPlacement",
     "ModelMismatchError",
     "NonFiniteGradientError",
     "OwnerEngine",
@@ -55,6 +62,7 @@ __all__ = [
     "agree_step",
     "check_agreement",
     "check_model_consistency",
+    "check_placements",
     "collect_params",
     "exchange_of",
     "format_description",
@@ -62,5 +70,7 @@ __all__ = [
     "item_shape",
     "make_engine",
     "nonfinite_ranks",
+    "placement_of",
     "subplan",
+    "supported_by",
 ]

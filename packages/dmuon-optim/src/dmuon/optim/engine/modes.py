@@ -26,6 +26,7 @@ from dmuon.optim.engine.base import Engine, SingleEngine, Stepper
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
 from dmuon.optim.engine.owner import OwnerEngine
 from dmuon.optim.engine.params import collect_params, is_dtensor
+from dmuon.optim.engine.placements import check_placements
 from dmuon.optim.engine.replicated import ReplicatedEngine
 from dmuon.optim.engine.sharded import ShardedEngine
 from dmuon.optim.engine.sign import SignEngine
@@ -61,7 +62,9 @@ def make_engine(
 
     Raises:
         ValueError: an unknown mode, a mode that contradicts the parameters (e.g.
-            ``sharded`` without DTensors), or a process group without a mode.
+            ``sharded`` without DTensors, or DTensor placements the mode does not step:
+            :func:`~dmuon.optim.engine.placements.check_placements`), or a process group
+            without a mode.
         dmuon.optim.engine.ModelMismatchError: the ranks' models differ.
     """
     if mode is not None and mode not in MODES:
@@ -106,12 +109,9 @@ def make_engine(
             f"the parameters are dedicated to owners, which is owner mode, but mode={mode!r} "
             "was asked for; drop mode= (or the dedicate() call)"
         )
-    if mode != "sharded" and dtensors:
-        raise ValueError(
-            f"matrix parameter {dtensors[0]!r} is an FSDP2 DTensor, which only mode='sharded' "
-            f"steps (got mode={mode!r}); leave mode unset, or dedicate the matrices and pass "
-            "them to fully_shard(..., ignored_params=...)"
-        )
+    # Every rank reads the same placements, so every rank refuses alike, before any
+    # collective: none is left waiting (placements.py).
+    check_placements(params, mode)
     engine: Engine
     if mode == "single":
         engine = SingleEngine()

@@ -28,6 +28,7 @@ from dmuon.comm import shard_all_to_all, shard_all_to_all_reverse, shard_range
 from dmuon.optim.batches import Entry
 from dmuon.optim.engine.base import Stepper, local_norm_tensors
 from dmuon.optim.engine.params import EngineParam, is_dtensor
+from dmuon.optim.engine.placements import placement_of
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine
 from dmuon.optim.engine.report import StepReport
 
@@ -41,30 +42,19 @@ def shard_group_of(p: torch.Tensor, name: str) -> tuple[Any, Any]:
         ValueError: not a DTensor, not sharded on dim 0, or sharded over several mesh
             dimensions (the other dimensions must be ``Replicate``, as in HSDP).
     """
-    from torch.distributed.tensor import Replicate, Shard
-
     if not is_dtensor(p):
         raise ValueError(
             f"parameter {name!r} is not a DTensor; sharded mode steps FSDP2's sharded "
             "matrices (call fully_shard on the model first, or pick another mode)"
         )
-    shard_dims = []
-    for d, pl in enumerate(p.placements):  # type: ignore[attr-defined]
-        if isinstance(pl, Shard):
-            if pl.dim != 0:
-                raise ValueError(
-                    f"parameter {name!r} is sharded on dim {pl.dim}; sharded mode needs "
-                    "Shard(0), FSDP2's default row sharding"
-                )
-            shard_dims.append(d)
-        elif not isinstance(pl, Replicate):
-            raise ValueError(f"parameter {name!r} has placement {pl}; expected Shard(0)/Replicate")
-    if len(shard_dims) != 1:
+    pl = placement_of(p, name)
+    if not pl.row_sharded:
         raise ValueError(
-            f"parameter {name!r} has placements {p.placements}; sharded mode needs exactly "  # type: ignore[attr-defined]
-            "one Shard(0) mesh dimension"
+            f"parameter {name!r} has placements {pl.describe()} ({pl.what()}); sharded mode "
+            "needs Shard(0) over exactly one mesh dimension and Replicate() over the others "
+            "(FSDP2's row sharding, HSDP)"
         )
-    return p.device_mesh, shard_dims[0]  # type: ignore[attr-defined]
+    return p.device_mesh, pl.shards[0][0]  # type: ignore[attr-defined]
 
 
 def _collector(

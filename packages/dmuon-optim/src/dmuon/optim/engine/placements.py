@@ -1,0 +1,230 @@
+"""How each matrix parameter is laid out over its device mesh, read from its DTensor placements.
+
+A model parallelised with torch's public APIs (``fully_shard`` on a ``dp`` mesh
+dimension, ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` on a
+``tp`` one) holds its matrices as DTensors. Their ``placements`` — one per mesh
+dimension — say which mesh dimension splits which tensor dimension. An engine that
+orthogonalised a shard as if it were the whole matrix would be silently wrong (the
+bug users report in other implementations), so every mode states what it steps
+correctly and refuses the rest, before any collective, with an error that names the
+parameter, its placements and the mode that does take it. Placements are the same
+on every rank, so every rank refuses alike and none waits for the others.
+
+What each mode takes today:
+
+=====================================  =======================================
+placements of a matrix                 mode
+=====================================  =======================================
+none (a plain tensor)                  ``single``, ``owner``, ``replicated``,
+                                       ``sign``
+``Shard(0)`` over one mesh dimension,  ``sharded`` (FSDP2; HSDP; a colwise
+``Replicate()`` over the others        layer's rows, whose gradient is complete)
+anything else: ``Shard(1)`` (rowwise   refused by every mode
+tensor parallel), two sharding mesh
+dimensions (FSDP2 over TP), strided
+shards, ``Partial``
+=====================================  =======================================
+
+torch's ``_StridedShard`` (what FSDP2 puts on ``dp`` over a tensor-parallel
+``Shard(0)``) is not a ``Shard`` subclass in every torch release and answers
+``is_shard()`` with False in some; it is counted as a shard of its ``dim`` all the
+same, and refused, since no engine reassembles a strided layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dmuon.optim.engine.params import EngineParam, is_dtensor
+
+__all__ = ["MatrixPlacement", "check_placements", "placement_of", "supported_by"]
+
+
+@dataclass(frozen=True)
+class MatrixPlacement:
+    """One parameter's layout over its device mesh.
+
+    Attributes:
+        name: the parameter's name.
+        placements: its placements as text, one per mesh dimension (``()`` for a plain
+            tensor), e.g. ``("Shard(dim=0)",)``.
+        mesh_dims: the names of the mesh dimensions (``"dim0"``… where unnamed).
+        shards: ``(mesh dim, tensor dim, strided)`` for each mesh dimension that splits
+            the tensor.
+        partial: the mesh dimensions on which the tensor is a pending sum (``Partial``).
+        unknown: the mesh dimensions of a placement this module does not know.
+
+    Examples:
+        >>> rowwise = MatrixPlacement("fc2.weight", ("Shard(dim=1)",), ("tp",), ((0, 1, False),))
+        >>> rowwise.describe(), rowwise.row_sharded
+        ("(Shard(dim=1),) on mesh dims ('tp',)", False)
+        >>> supported_by(rowwise), supported_by(MatrixPlacement("fc1.weight"))
+        ((), ('single', 'owner', 'replicated', 'sign'))
+    """
+
+    name: str
+    placements: tuple[str, ...] = ()
+    mesh_dims: tuple[str, ...] = ()
+    shards: tuple[tuple[int, int, bool], ...] = ()
+    partial: tuple[int, ...] = ()
+    unknown: tuple[int, ...] = ()
+
+    @property
+    def distributed(self) -> bool:
+        """True for a DTensor."""
+        return bool(self.placements)
+
+    @property
+    def row_sharded(self) -> bool:
+        """``Shard(0)`` over exactly one mesh dimension, ``Replicate()`` over the others:
+        each rank holds whole rows of the matrix (FSDP2, HSDP, a colwise TP layer)."""
+        return (
+            len(self.shards) == 1
+            and self.shards[0][1] == 0
+            and not self.shards[0][2]
+            and not self.partial
+            and not self.unknown
+        )
+
+    def describe(self) -> str:
+        """``(Shard(dim=0),) on mesh dims ('tp',)`` — what the errors print."""
+        if not self.distributed:
+            return "a plain tensor (no placements)"
+        inner = ", ".join(self.placements) + ("," if len(self.placements) == 1 else "")
+        return f"({inner}) on mesh dims {self.mesh_dims!r}"
+
+    def what(self) -> str:
+        """In words, how the matrix is laid out."""
+        if self.partial:
+            return "a pending sum (Partial) on some ranks"
+        if len(self.shards) > 1:
+            return "split over several mesh dimensions (e.g. FSDP2 over tensor parallelism)"
+        if any(strided for _, _, strided in self.shards):
+            return "a strided shard"
+        if self.shards and self.shards[0][1] != 0:
+            return (
+                f"split along tensor dim {self.shards[0][1]} (columns: a rowwise "
+                "tensor-parallel layer)"
+            )
+        if self.unknown:
+            return "laid out by a placement DMuon does not know"
+        return "split by rows over one mesh dimension"
+
+
+def placement_of(p: torch.Tensor, name: str) -> MatrixPlacement:
+    """The layout of ``p`` read from its public DTensor ``placements`` and ``device_mesh``.
+
+    Examples:
+        >>> import torch
+        >>> placement_of(torch.zeros(2, 2), "w").describe()
+        'a plain tensor (no placements)'
+    """
+    if not is_dtensor(p):
+        return MatrixPlacement(name)
+    mesh = p.device_mesh  # type: ignore[attr-defined]
+    placements = tuple(p.placements)  # type: ignore[attr-defined]
+    names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
+    shards: list[tuple[int, int, bool]] = []
+    partial: list[int] = []
+    unknown: list[int] = []
+    for d, pl in enumerate(placements):
+        kind = _kind(pl)
+        if kind == "shard":
+            shards.append((d, int(pl.dim) % p.dim(), False))
+        elif kind == "strided":
+            shards.append((d, int(pl.dim) % p.dim(), True))
+        elif kind == "partial":
+            partial.append(d)
+        elif kind != "replicate":
+            unknown.append(d)
+    return MatrixPlacement(
+        name,
+        tuple(repr(pl) for pl in placements),
+        tuple(str(n) for n in names),
+        tuple(shards),
+        tuple(partial),
+        tuple(unknown),
+    )
+
+
+def _kind(pl: Any) -> str:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if isinstance(pl, Shard) and type(pl) is Shard:
+        return "shard"
+    if isinstance(pl, Replicate) or (
+        callable(getattr(pl, "is_replicate", None)) and pl.is_replicate()
+    ):
+        return "replicate"
+    if callable(getattr(pl, "is_partial", None)) and pl.is_partial():
+        return "partial"
+    if isinstance(getattr(pl, "dim", None), int):  # a Shard subclass or _StridedShard
+        return "strided"
+    return "unknown"
+
+
+def supported_by(pl: MatrixPlacement) -> tuple[str, ...]:
+    """The modes that step a matrix of layout ``pl`` correctly today.
+
+    Examples:
+        >>> fsdp = MatrixPlacement("w", ("Shard(dim=0)",), ("dp",), ((0, 0, False),))
+        >>> supported_by(fsdp)
+        ('sharded',)
+    """
+    if not pl.distributed:
+        return ("single", "owner", "replicated", "sign")
+    if pl.row_sharded:
+        return ("sharded",)
+    return ()
+
+
+def check_placements(params: Iterable[EngineParam], mode: str) -> None:
+    """Refuse every matrix parameter ``mode`` does not step correctly.
+
+    Raises:
+        ValueError: naming the first such parameter, its placements, and the mode that
+            takes it (or that none does yet).
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.optim import DMuon
+        >>> from dmuon.optim.engine import collect_params
+        >>> opt = DMuon([torch.nn.Parameter(torch.ones(4, 4))])
+        >>> check_placements(collect_params(opt.param_groups), "single")  # a plain matrix
+        >>> check_placements(collect_params(opt.param_groups), "sharded")
+        Traceback (most recent call last):
+            ...
+        ValueError: matrix parameter 'group0.param0' is a plain tensor, but mode='sharded' ...
+    """
+    for e in params:
+        if not e.matrix:
+            continue
+        pl = placement_of(e.param, e.name)
+        modes = supported_by(pl)
+        if mode in modes:
+            continue
+        if not pl.distributed:
+            raise ValueError(
+                f"matrix parameter {e.name!r} is a plain tensor, but mode={mode!r} steps "
+                "DTensor shards; sharded mode steps FSDP2's sharded matrices (call fully_shard "
+                "on the model first, or pick another mode)"
+            )
+        if modes:
+            raise ValueError(
+                f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), "
+                f"which mode={mode!r} does not step; mode='sharded' does: leave mode unset, "
+                "or dedicate the matrices (dmuon.integrations.fsdp.dedicate) and pass them to "
+                "fully_shard(..., ignored_params=...)"
+            )
+        raise ValueError(
+            f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}); no "
+            f"execution mode of DMuon steps it yet (asked: mode={mode!r}), and orthogonalising "
+            "its shard as if it were the whole matrix would be silently wrong. Supported: "
+            "plain tensors (modes single, owner, replicated, sign) and Shard(0) over one mesh "
+            "dimension with Replicate() elsewhere (mode='sharded', FSDP2/HSDP). Keep this "
+            "matrix out of tensor parallelism, or out of DMuon (give it to another optimizer)"
+        )
