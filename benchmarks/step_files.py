@@ -3,7 +3,7 @@
 Two ranks (gloo on CPU processes), ``ddp.dedicate`` on the 2-layer byte-level GPT
 of :mod:`benchmarks.common.model` and ``DMuon(distributed=...)``. After one
 warm-up step, :func:`sys.setprofile` records every Python *call* event whose code
-lives under a ``dmuon`` package's ``src/`` during one full step (forward,
+lives in one of the ``dmuon`` packages during one full step (forward,
 backward with its hooks, ``opt.step()``, ``zero_grad``) and the next forward
 (whose pre-hooks wait for the published weights). Counted per rank:
 
@@ -44,13 +44,18 @@ PACKAGES = ("kernels", "comm", "optim", "integrations")
 
 
 def _source_path(filename: str) -> str | None:
-    """``dmuon/<package>/...`` for a file under a dmuon distribution's ``src/``, else None."""
+    """``dmuon/<package>/...`` for a file of one of the dmuon packages, else None.
+
+    Works for a checkout (``packages/dmuon-*/src/dmuon/...``) and for installed
+    distributions (``site-packages/dmuon/...``) alike.
+    """
     path = pathlib.PurePath(filename).as_posix()
-    marker = "/src/dmuon/"
-    i = path.find(marker)
-    if i < 0:
-        return None
-    return path[i + len("/src/") :]
+    for package in PACKAGES:
+        marker = f"/dmuon/{package}/"
+        i = path.rfind(marker)
+        if i >= 0:
+            return path[i + 1 :]
+    return None
 
 
 def _package(rel: str) -> str:
