@@ -11,14 +11,17 @@ the next collective, or silently train another model).
   launched but before their results are used, on the *local* gradients: a NaN on
   rank 1 is seen by every rank before it reaches any owner's momentum.
 * **Step agreement** (the same flag vector): each rank's slot also carries the number
-  of the step it is in. A rank that skipped ``opt.step()`` (or called it twice) is at
-  another number; every rank sees it and raises :class:`StepMismatchError` before any
-  collective of the step proper is entered. In the modes whose process group the
-  training framework also uses (``replicated``: DDP's, ``sharded``: FSDP2's, and
-  ``sign``), the vector is summed over a twin of each group (:func:`guard_groups`),
-  so it never meets a collective of another size that a skipping rank entered
-  instead: the rank that waits raises :class:`dmuon.comm.CollectiveError` at the
-  deadline, naming the rank that is elsewhere, and no backend aborts on a mismatch.
+  of the step its optimizer is at. Ranks whose optimizers counted differently (one
+  rebuilt or resumed apart from the others) see it and raise
+  :class:`StepMismatchError` before any collective of the step proper is entered. A
+  rank that merely skips ``opt.step()`` is not caught by the number (its next step
+  meets the others' current one, both counted alike) but by its absence: in the
+  modes whose process group the training framework also uses (``replicated``:
+  DDP's, ``sharded``: FSDP2's, and ``sign``), the vector is summed over a twin of
+  each group (:func:`guard_groups`), so it never meets a collective of another size
+  that a skipping rank entered instead; the rank that waits raises
+  :class:`dmuon.comm.CollectiveError` at the deadline, naming the rank that is
+  elsewhere, and no backend aborts on a mismatch.
 * **Rank agreement** (:func:`check_agreement`): a checksum per parameter — the
   integer sum of its bit patterns, so any flipped bit in one element changes it —
   all-gathered and compared. Parameters sharded by FSDP2 differ by design and are
@@ -87,7 +90,7 @@ class RankDivergenceError(RuntimeError):
 
 
 class StepMismatchError(RuntimeError):
-    """The ranks are at different steps: one skipped ``opt.step()`` or called it twice.
+    """The ranks' optimizers are at different step numbers (one rebuilt or resumed apart).
 
     Raised on every rank that took part, before anything of the step was updated.
 
@@ -173,9 +176,10 @@ def agree_step(
     if number is not None and len(set(steps.values())) > 1:
         at = ", ".join(f"rank {r} at step {n}" for r, n in steps.items())
         raise StepMismatchError(
-            f"the ranks are at different DMuon steps ({at}): a rank skipped opt.step() or "
-            "called it twice. Every rank must call opt.step() once per iteration; to skip "
-            "an iteration on every rank, let the ranks agree first (e.g. nonfinite="
+            f"the ranks are at different DMuon steps ({at}): their optimizers counted "
+            "different numbers of steps (one was rebuilt or resumed apart from the others, "
+            "or its steps_taken was changed). Build, resume and step the optimizer the same "
+            "way on every rank; to skip an iteration, skip it on every rank (e.g. nonfinite="
             "'skip_step' skips a step with a NaN/Inf gradient on any rank everywhere)",
             steps,
         )
