@@ -22,3 +22,11 @@ settings.register_profile("dev", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "aot_compile: Triton compiles for sm80/sm90 without a GPU (minutes on two cores); "
+        "CI runs them in nox -s compat only",
+    )

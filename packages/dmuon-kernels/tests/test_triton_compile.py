@@ -8,6 +8,10 @@ cubin with the bundled ptxas, :mod:`dmuon.kernels.triton.aot`). This runs in a
 subprocess because the test session defines the kernels for the interpreter. About
 60 compiles: 2–3 minutes on two cores. ``benchmarks/triton_compile.py`` runs the same
 compiles and writes the figures to ``benchmarks/results/triton-compile.json``.
+
+Marked ``aot_compile``: CI runs these once, in ``nox -s compat`` (triton 3.6, the GPU
+image's release); ``nox -s tests-kernels`` deselects them with ``-m "not aot_compile"``.
+A plain ``pytest`` runs them.
 """
 
 import json
@@ -19,6 +23,8 @@ import textwrap
 import pytest
 
 pytest.importorskip("triton")
+
+pytestmark = pytest.mark.aot_compile
 
 SCRIPT = textwrap.dedent(
     """
