@@ -1,10 +1,11 @@
-"""The training scripts of the FSDP2, DDP and HSDP guides run and train correctly.
+"""The training scripts of the FSDP2, DDP, HSDP and tensor-parallel guides train correctly.
 
-Each script of ``docs/guides/scripts/`` runs unchanged on gloo ranks (FSDP2 and
-DDP: 2, HSDP: 4 as 2 replicas × 2 shards) for a few steps; its final weights
+Each script of ``docs/guides/scripts/`` runs unchanged on gloo ranks (FSDP2, DDP
+and tensor parallelism: 2, HSDP: 4 as 2 replicas × 2 shards) for a few steps; its final weights
 must equal those of the same model trained in this process with DMuon in
 ``single`` mode on the same global batches (the mean of the ranks' losses is the
-global mean: every rank gets the same number of rows). Tolerance 1e-5: the
+global mean: every rank gets the same number of rows; under tensor parallelism every
+rank sees the whole batch). Tolerance 1e-5: the
 scripts run Newton–Schulz in fp32 on a CPU, so the runs differ only in the order
 of the gradient sums.
 """
@@ -50,7 +51,10 @@ def reference(script) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize(("name", "world"), [("fsdp2", 2), ("ddp", 2), ("hsdp", 4)])
+GUIDES = [("fsdp2", 2), ("ddp", 2), ("hsdp", 4), ("tensor_parallel", 2)]
+
+
+@pytest.mark.parametrize(("name", "world"), GUIDES)
 def test_guide_script_trains_like_one_process(name, world):
     script = load(name)
     expected = reference(script)

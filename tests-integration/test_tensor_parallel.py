@@ -1,4 +1,4 @@
-"""Tensor-parallel models (issue 14, part 1): placements read, refusals everywhere.
+"""Tensor-parallel models: placements read, shards stepped in ``single`` mode, refusals.
 
 A model parallelised with torch's public ``parallelize_module`` (``ColwiseParallel``:
 ``Shard(0)``, ``RowwiseParallel``: ``Shard(1)`` on the ``tp`` mesh dimension), alone
@@ -6,7 +6,9 @@ on 2 ranks or under FSDP2 on a ``dp`` × ``tp`` mesh of 4, is either stepped
 correctly by the mode asked for or refused — on every rank, with an error naming
 the parameter, its placements and the mode that takes it — and no rank hangs (the
 harness' timeout would fail the test). What sharded mode steps today (rows over one
-mesh dimension) still equals one process.
+mesh dimension) still equals one process, and so does ``single`` mode stepping every
+matrix on its shards with the tensor-parallel Gram Newton–Schulz (no gather), for
+every rule whose links all act on shards.
 """
 
 from __future__ import annotations
@@ -86,14 +88,15 @@ COLWISE = "(Shard(dim=0),) on mesh dims ('tp',)"
 ROWWISE = "(Shard(dim=1),) on mesh dims ('tp',)"
 
 
-def test_every_mode_refuses_a_tensor_parallel_mlp_on_every_rank():
+def test_every_mode_but_single_refuses_a_tensor_parallel_mlp_on_every_rank():
     for rank, out in enumerate(run_on_ranks(run_refusals_tp, 2, timeout=120)):
+        assert out["single"] is None, f"rank {rank}: single mode refused: {out['single']}"
         for mode in ("detected", "sharded"):
             msg = out[mode]
             assert msg is not None, f"rank {rank}, {mode}: no error"
             assert "'fc2.weight'" in msg and ROWWISE in msg, (rank, mode, msg)
-            assert "no execution mode" in msg, (rank, mode, msg)
-        for mode in ("single", "replicated", "sign"):
+            assert "mode='single' does, on the shards" in msg, (rank, mode, msg)
+        for mode in ("replicated", "sign"):
             msg = out[mode]
             assert msg is not None, f"rank {rank}, {mode}: no error"
             assert "'fc1.weight'" in msg and COLWISE in msg, (rank, mode, msg)
@@ -163,3 +166,202 @@ def test_colwise_rows_in_sharded_mode_equal_one_process():
         for name, want in expected.items():
             diff = (got[name] - want).abs().max().item()
             assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
+class DeepMLP(nn.Module):
+    """Four layers, alternately colwise and rowwise on 2 ranks, every split uneven:
+
+    ==========  ============  =============  ============================
+    layer       weight        split          Gram side (the unsplit one)
+    ==========  ============  =============  ============================
+    fc1 (col)   5 × 12        rows 3 + 2     12, the long side
+    fc2 (row)   6 × 5         columns 3 + 2  6, the long side
+    fc3 (col)   15 × 6        rows 8 + 7     6, the short side
+    fc4 (row)   6 × 15        columns 8 + 7  6, the short side
+    ==========  ============  =============  ============================
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            self.fc1 = nn.Linear(12, 5)
+            self.fc2 = nn.Linear(5, 6)
+            self.fc3 = nn.Linear(6, 15)
+            self.fc4 = nn.Linear(15, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc2(F.relu(self.fc1(x))))
+        return self.fc4(F.relu(self.fc3(h)))
+
+
+def deep_batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + t)
+    return torch.randn(16, 12, generator=g), torch.randn(16, 6, generator=g)
+
+
+# Rules whose every link acts on a shard (Rule.splits), each with a non-default option
+SPLIT_RULES = {"muon": {}, "scion": {"radius": 2.0}, "muon2": {}, "mona": {}}
+# The whole-matrix Gram iteration against the shard-wise one with a restart at every
+# step where the Gram side is the long one: same polar factor in exact arithmetic,
+# fp32 rounding apart: 4.5e-8 measured after 3 steps; a shard orthogonalised as if it
+# were the whole matrix is off by ~lr = 2e-2.
+SPLIT_TOLERANCE = 1e-6
+
+
+def deep_reference(rule: str, options: dict) -> dict[str, torch.Tensor]:
+    model = DeepMLP()
+    opt = DMuon(param_groups(model), rule=rule, **OPT, **options)
+    for t in range(STEPS):
+        x, y = deep_batch(t)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_single_on_shards(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    # Uneven splits: the activations between layers go replicated (torch's styles infer
+    # an uneven Shard(-1) activation's global size from the local one)
+    colwise = ColwiseParallel(output_layouts=Replicate())
+    rowwise = RowwiseParallel(input_layouts=Replicate())
+    out = {}
+    for rule, options in SPLIT_RULES.items():
+        model = DeepMLP()
+        plan = {"fc1": colwise, "fc2": rowwise, "fc3": colwise, "fc4": rowwise}
+        parallelize_module(model, mesh, plan)
+        shards = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
+        opt = DMuon(param_groups(model), mode="single", rule=rule, **OPT, **options)
+        for t in range(STEPS):
+            x, y = deep_batch(t)  # every TP rank sees the whole batch
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+        out[rule] = (full, shards)
+    return out
+
+
+def test_single_mode_steps_tensor_parallel_shards_like_one_process():
+    results = run_on_ranks(run_single_on_shards, 2, timeout=180)
+    initial = {n: p.detach().clone() for n, p in DeepMLP().named_parameters()}
+    for rule, options in SPLIT_RULES.items():
+        expected = deep_reference(rule, options)
+        moved = max((expected[n] - initial[n]).abs().max().item() for n in initial)
+        assert moved > 1e-3, f"{rule}: the reference barely moved; the test would prove nothing"
+        for rank, out in enumerate(results):
+            got, shards = out[rule]
+            # the splits are uneven: the ranks' shards differ
+            want_rows = (3, 2)[rank], (8, 7)[rank]
+            assert shards["fc1.weight"][0] == want_rows[0], shards
+            assert shards["fc3.weight"][0] == want_rows[1], shards
+            assert shards["fc2.weight"][1] == (3, 2)[rank], shards
+            for name, want in expected.items():
+                diff = (got[name] - want).abs().max().item()
+                assert diff <= SPLIT_TOLERANCE, f"{rule}, rank {rank}: {name} differs by {diff:.2e}"
+
+
+def run_unsplittable_rules(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    for rule in ("normuon", "dion3", "adamuon"):
+        out[rule] = error(lambda r=rule: DMuon(param_groups(tp_mlp(mesh)), mode="single", rule=r))
+    return out
+
+
+def test_rules_that_need_the_whole_matrix_are_refused_on_every_rank():
+    needs = {"normuon": "RowNormalize", "dion3": "ErrorFeedbackSelect"}
+    needs["adamuon"] = "ElementwiseNormalize"
+    for rank, out in enumerate(run_on_ranks(run_unsplittable_rules, 2, timeout=120)):
+        for rule, link in needs.items():
+            msg = out[rule]
+            assert msg is not None, f"rank {rank}: {rule} stepped shards it cannot"
+            assert "'fc1.weight'" in msg and COLWISE in msg, (rank, rule, msg)
+            assert f"rule {rule!r}" in msg and link in msg and "'muon'" in msg, (rank, msg)
+
+
+def tp_deep_mlp(mesh):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    colwise = ColwiseParallel(output_layouts=Replicate())
+    rowwise = RowwiseParallel(input_layouts=Replicate())
+    model = DeepMLP()
+    parallelize_module(
+        model, mesh, {"fc1": colwise, "fc2": rowwise, "fc3": colwise, "fc4": rowwise}
+    )
+    return model
+
+
+def train_steps(model, opt, steps) -> None:
+    for t in steps:
+        x, y = deep_batch(t)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def run_save_and_continue(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import checkpoint
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = tp_deep_mlp(mesh)
+    opt = DMuon(param_groups(model), mode="single", **OPT)
+    train_steps(model, opt, range(2))
+    checkpoint.save(path, model, opt)
+    train_steps(model, opt, range(2, 3))
+    return {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
+def run_load_and_continue(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import checkpoint
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = tp_deep_mlp(mesh)
+    opt = DMuon(param_groups(model), mode="single", **OPT)
+    checkpoint.load(path, model, opt)
+    train_steps(model, opt, range(2, 3))
+    return {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
+def test_dcp_checkpoint_of_shards_resumes_on_the_shards_and_in_one_process(tmp_path):
+    from dmuon.integrations import checkpoint
+
+    path = str(tmp_path / "tp")
+    continued = run_on_ranks(run_save_and_continue, 2, args=(path,), timeout=180)
+    resumed = run_on_ranks(run_load_and_continue, 2, args=(path,), timeout=180)
+    model = DeepMLP()  # one process, unsplit: DCP reassembles the shards' state
+    opt = DMuon(param_groups(model), **OPT)
+    checkpoint.load(path, model, opt)
+    train_steps(model, opt, range(2, 3))
+    single = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fresh = DeepMLP()  # the weights only, with a fresh optimizer: what lost state looks like
+    checkpoint.load(path, fresh, DMuon(param_groups(fresh), **OPT))
+    forgetful = DMuon(param_groups(fresh), **OPT)
+    train_steps(fresh, forgetful, range(2, 3))
+    want = continued[0]
+    lost = max((fresh.state_dict()[n] - w).abs().max().item() for n, w in want.items())
+    assert lost > 100 * SPLIT_TOLERANCE, "the optimizer state made no difference: void test"
+    for what, got in [("rank 0", resumed[0]), ("rank 1", resumed[1]), ("one process", single)]:
+        for name, w in want.items():
+            diff = (got[name] - w).abs().max().item()
+            assert diff <= SPLIT_TOLERANCE, f"resumed on {what}: {name} differs by {diff:.2e}"

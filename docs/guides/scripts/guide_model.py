@@ -1,4 +1,5 @@
-"""The model and data the guides' training scripts share (``ddp.py``, ``fsdp2.py``, ``hsdp.py``).
+"""The model and data the guides' training scripts share (``ddp.py``, ``fsdp2.py``, ``hsdp.py``,
+``tensor_parallel.py``).
 
 A two-block MLP language model over a 64-token vocabulary and a synthetic
 next-token task, small enough to train in seconds on CPU processes; the test

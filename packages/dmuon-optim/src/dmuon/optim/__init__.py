@@ -29,6 +29,7 @@ from dmuon.optim.engine import (
     UnsyncedGradientsError,
 )
 from dmuon.optim.layout import Block, MatrixLayout, matrix_layout
+from dmuon.optim.matrix_split import MatrixSplit, local_tensor
 from dmuon.optim.optimizer import DMuon
 from dmuon.optim.rules import RULES, Rule, get_rule
 from dmuon.optim.scalar import (
@@ -54,6 +55,7 @@ __all__ = [
     "DMuon",
     "Entry",
     "MatrixLayout",
+    "MatrixSplit",
     "ModelMismatchError",
     "NonFiniteGradientError",
     "OwnerExchange",
@@ -75,6 +77,7 @@ __all__ = [
     "get_rule",
     "get_scalar_rule",
     "lion_step",
+    "local_tensor",
     "local_vote",
     "matrix_layout",
     "param_groups",

@@ -32,6 +32,7 @@ import torch
 
 from dmuon.optim.apply import apply_update
 from dmuon.optim.layout import Block, MatrixLayout, matrix_layout
+from dmuon.optim.matrix_split import MatrixSplit, local_tensor
 from dmuon.optim.rules import Rule
 from dmuon.optim.transforms import StateSpec
 from dmuon.optim.vote import SignVote, local_vote
@@ -109,6 +110,9 @@ class Bucket:
         entries: the parameter blocks, in group order.
         size: number of matrices ``B``.
         buffers: the stacked state (``None`` when the bucket gathers per step).
+        split: how its matrices are split over a tensor-parallel group (``None``:
+            whole matrices). Then ``shape`` is this rank's shard's, the entries'
+            parameters are DTensors and the rule sees their local shards.
 
     Examples:
         >>> import torch
@@ -129,6 +133,13 @@ class Bucket:
     entries: list[Entry] = field(default_factory=list)
     size: int = 0
     buffers: dict[str, torch.Tensor] | None = None
+    split: MatrixSplit | None = None
+
+    @property
+    def elements(self) -> int:
+        """Entries of one whole matrix: what batches are cut by (the same on every rank of
+        a tensor-parallel group, whatever its shard)."""
+        return self.split.elements if self.split is not None else self.shape[0] * self.shape[1]
 
 
 def state_shapes(rule: Rule, layout: MatrixLayout) -> dict[str, tuple[int, ...]]:
@@ -161,6 +172,7 @@ def build_buckets(
     old_state: Callable[[torch.Tensor], Mapping[str, Any]],
     name_of: Callable[[int], str],
     include: Callable[[int, torch.Tensor], bool] | None = None,
+    split_of: Callable[[torch.Tensor], MatrixSplit | None] | None = None,
 ) -> tuple[list[Bucket], dict[torch.Tensor, dict[str, torch.Tensor]]]:
     """Bucket a matrix group and create its state, eagerly, keeping old values.
 
@@ -172,6 +184,11 @@ def build_buckets(
         name_of: how to name parameter ``i`` of the group in errors.
         include: which parameters to bucket (default all; the distributed engine
             passes "owned by this rank").
+        split_of: how a parameter is split over a tensor-parallel group (``None``, the
+            default: whole). A split parameter is laid out, and its state shaped, by
+            its local shard, and is batched only with matrices of the same whole
+            shape, split and group, so every rank of the group runs the same batches
+            in the same order, whatever the sizes of its shards.
 
     Returns:
         The buckets, in order of first appearance, and the new state per parameter.
@@ -194,12 +211,21 @@ def build_buckets(
     for i, p in enumerate(group["params"]):
         if include is not None and not include(i, p):
             continue
-        layout = matrix_layout(p, dict(group), name_of(i))
+        split = split_of(p) if split_of is not None else None
+        local = local_tensor(p) if split is not None else p
+        layout = matrix_layout(local, dict(group), name_of(i))
+        if split is not None and not layout.whole:
+            raise ValueError(
+                f"{name_of(i)}: split_sizes, num_heads and flatten cut a matrix into blocks, "
+                "which its tensor-parallel shards do not hold whole; drop them for this "
+                "parameter (give it its own param group)"
+            )
         layouts[i] = layout
         for block in layout.blocks:
-            key = (layout.matrix_shape(block), p.dtype, p.device)
+            shape = layout.matrix_shape(block)
+            key = (shape, p.dtype, p.device) if split is None else (split.key, p.dtype, p.device)
             if key not in buckets:
-                buckets[key] = Bucket(key[0], p.dtype, p.device)
+                buckets[key] = Bucket(shape, p.dtype, p.device, split=split)
             b = buckets[key]
             b.entries.append(Entry(i, p, layout, block, b.size))
             b.size += layout.count(block)
@@ -232,7 +258,7 @@ def build_buckets(
         shapes = state_shapes(rule, layout)
         for s in specs:
             if s.name not in new_state[p]:
-                t = torch.zeros(shapes[s.name], dtype=p.dtype, device=p.device)
+                t = torch.zeros(shapes[s.name], dtype=p.dtype, device=p.device)  # local
                 _copy_old(t, old_state(p), s.name)
                 new_state[p][s.name] = t
     return list(buckets.values()), new_state
@@ -352,10 +378,9 @@ def step_bucket(
     else:
         batches = [(int(state[active[0].param]["step"].item()), active)]
     limit = default_batch_elements(b.device) if max_batch_elements is None else max_batch_elements
-    m, n = b.shape
     ran = 0
     for step, part in batches:
-        for chunk in _chunks(part, m * n, limit):
+        for chunk in _chunks(part, b.elements, limit):
             _run_batch(b, chunk, group, rule, state, step, vote, grads, sink, timings)
             ran += sum(e.count for e in chunk)
     return ran
@@ -377,6 +402,8 @@ def _run_batch(
     specs = rule.state_specs()
     m, n = b.shape
     source = [e.param.grad if grads is None else grads[e.param] for e in part]
+    if b.split is not None:  # the rule sees this rank's shards (matrix_split.py)
+        source = [local_tensor(g) for g in source]  # type: ignore[arg-type]
     batch = [e.batch(g) for e, g in zip(part, source, strict=True)]  # type: ignore[arg-type]
     G = batch[0] if len(batch) == 1 else torch.cat(batch)
     consecutive = all(nxt.start == cur.start + cur.count for cur, nxt in itertools.pairwise(part))
@@ -396,7 +423,7 @@ def _run_batch(
             )
             for s in specs
         }
-    U, scale = rule.update(G, st, group, step=step, vote=vote)
+    U, scale = rule.update(G, st, group, step=step, vote=vote, split=b.split)
     counts = [e.count for e in part]
     for s in specs if views else ():
         chunks = st[s.name].split(counts)
@@ -409,7 +436,8 @@ def _run_batch(
         for e, u in zip(part, U.split(counts), strict=True):
             sink(e, u, scale)
     else:
-        targets = [e.tensor_block(e.param) for e in part]
+        weights = [e.param if b.split is None else local_tensor(e.param) for e in part]
+        targets = [e.tensor_block(w) for e, w in zip(part, weights, strict=True)]
         updates = [c.reshape(t.shape) for c, t in zip(U.split(counts), targets, strict=True)]
         apply_update(
             targets,

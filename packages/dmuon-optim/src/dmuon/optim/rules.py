@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from dmuon.optim.hyperparameters import MATRIX_KEYS, REQUIRED, Option
+from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.transforms import (
     AdamPrecondition,
     AdjustLR,
@@ -156,6 +157,17 @@ class Rule:
         vote): such a rule runs on every rank's own gradient, in ``sign`` mode only."""
         return any(t.collective for t in self.chain)
 
+    @property
+    def splits(self) -> bool:
+        """Whether the rule steps this rank's shard of a tensor-parallel matrix exactly as it
+        steps the whole (every link's :attr:`~dmuon.optim.transforms.Transform.splits`;
+        :mod:`dmuon.optim.matrix_split`)."""
+        return all(t.splits for t in self.chain)
+
+    def unsplittable(self) -> tuple[str, ...]:
+        """The links of the chain that need the whole matrix (what an error names)."""
+        return tuple(dict.fromkeys(type(t).__name__ for t in self.chain if not t.splits))
+
     def state_specs(self) -> tuple[StateSpec, ...]:
         """Every buffer of the chain, per matrix."""
         return tuple(s for t in self.chain for s in t.state_specs())
@@ -168,6 +180,7 @@ class Rule:
         *,
         step: int = 1,
         vote: SignVote = local_vote,
+        split: MatrixSplit | None = None,
     ) -> tuple[torch.Tensor, float]:
         """Run the chain on a stacked batch; return the update and its scale.
 
@@ -179,6 +192,9 @@ class Rule:
                 options).
             step: 1-based number of updates of these matrices, this one included.
             vote: Sign-Muon's majority vote (identity on one process).
+            split: how each matrix is split over a tensor-parallel group when ``G``
+                holds this rank's shards (:mod:`dmuon.optim.matrix_split`); only a rule
+                whose :attr:`splits` is true takes one.
 
         Returns:
             ``(U, scale)`` with ``W ← W·(1 − lr·wd) − lr·scale·U``.
@@ -196,7 +212,12 @@ class Rule:
             >>> U.shape, round(scale, 3)
             (torch.Size([4, 16, 64]), 1.6)
         """
-        ctx = StepContext(grad=G, hp=hp, step=step, vote=vote)
+        if split is not None and not self.splits:
+            raise ValueError(
+                f"rule {self.name!r} cannot step a shard of a tensor-parallel matrix: "
+                f"{', '.join(self.unsplittable())} need(s) the whole matrix"
+            )
+        ctx = StepContext(grad=G, hp=hp, step=step, vote=vote, split=split)
         U = run_chain(self.chain, G, state, ctx)
         return U, ctx.scale
 

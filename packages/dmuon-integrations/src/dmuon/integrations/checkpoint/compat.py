@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from dmuon.integrations.checkpoint.holders import Holding
+from dmuon.integrations.checkpoint.split_state import as_loaded
 from dmuon.optim import DMuon
 from dmuon.optim.batches import state_shapes
 from dmuon.optim.layout import matrix_layout
@@ -169,7 +170,7 @@ def load_into_optimizer(
             h = by_param[id(p)]
             mine = values.get(h.fqn, {})
             current = optimizer.state.get(p, {})
-            state[index] = {k: mine.get(k, v) for k, v in current.items()}
+            state[index] = {k: as_loaded(mine.get(k, v), v) for k, v in current.items()}
             ids.append(index)
             index += 1
         group = {k: v for k, v in groups[gi].items() if k not in _NOT_HYPER}

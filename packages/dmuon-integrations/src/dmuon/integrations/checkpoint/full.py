@@ -35,6 +35,7 @@ from dmuon.integrations.checkpoint.compat import (
 from dmuon.integrations.checkpoint.dcp import describe_optimizer
 from dmuon.integrations.checkpoint.holders import Holding, holdings, release, settle
 from dmuon.integrations.checkpoint.sharded_state import group_records, owner_steps
+from dmuon.integrations.checkpoint.split_state import as_saved
 from dmuon.optim import DMuon
 from dmuon.optim.engine.params import is_dtensor
 
@@ -118,12 +119,14 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
             entry: dict[str, torch.Tensor] = {}
             for key, value in current.items():
                 full: torch.Tensor | None
+                # a split matrix's shards as one DTensor (split_state.py)
+                stored: Any = as_saved(value, h.param) if h.owner is None else value
                 if key == "step" and h.owner is not None:
                     full = steps[h.fqn].cpu().clone()
                 elif h.owner is not None:
                     full = _gather_owned(h, value, shapes[key])
-                elif is_dtensor(value):
-                    full = value.full_tensor().cpu()
+                elif is_dtensor(stored):
+                    full = stored.full_tensor().cpu()
                 else:
                     full = value.detach().cpu().clone()
                 if full is not None:
@@ -210,18 +213,19 @@ def load_full_state_dict(model: nn.Module, optimizer: DMuon, state_dict: Mapping
             entry: dict[str, torch.Tensor] = {}
             for key, value in current.items():
                 full = saved[h.fqn][key]
+                form: Any = as_saved(value, h.param) if h.owner is None else value
                 if key == "step":
                     entry[key] = full.clone()
                 elif h.owner is not None:
                     if h.held_here():
                         entry[key] = full.to(value.device).clone()
-                elif is_dtensor(value):
+                elif is_dtensor(form):
                     from torch.distributed.tensor import distribute_tensor
 
                     entry[key] = distribute_tensor(
                         full.to(value.device),
-                        value.device_mesh,
-                        value.placements,
+                        form.device_mesh,
+                        form.placements,
                         src_data_rank=None,  # every rank has the whole: slice, no traffic
                     )
                 else:

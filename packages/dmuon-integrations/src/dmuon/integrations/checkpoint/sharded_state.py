@@ -32,6 +32,7 @@ from torch import nn
 
 from dmuon.integrations.checkpoint.compat import expected_state_shapes
 from dmuon.integrations.checkpoint.holders import Holding, holdings
+from dmuon.integrations.checkpoint.split_state import as_saved
 from dmuon.optim import DMuon
 
 __all__ = ["group_records", "optimizer_state_dict", "state_targets", "state_to_save"]
@@ -94,8 +95,8 @@ def state_to_save(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, Any]:
     meshes: dict[tuple[int, str], Any] = {}
     for h in held:
         current = optimizer.state[h.param]
-        if h.owner is None:
-            state[h.fqn] = dict(current)
+        if h.owner is None:  # a split matrix's shards as one DTensor (split_state.py)
+            state[h.fqn] = {k: as_saved(v, h.param) for k, v in current.items()}
             continue
         group = optimizer.param_groups[h.group_index]
         shapes = expected_state_shapes(h, group)
@@ -158,7 +159,7 @@ def state_targets(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, dict[s
     for h in held:
         current = optimizer.state[h.param]
         if h.owner is None:
-            out[h.fqn] = {k: torch.empty_like(v) for k, v in current.items()}
+            out[h.fqn] = {k: torch.empty_like(as_saved(v, h.param)) for k, v in current.items()}
             continue
         entry = {"step": torch.empty_like(current["step"])}
         if h.held_here():

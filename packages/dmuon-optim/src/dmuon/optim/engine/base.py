@@ -28,6 +28,8 @@ import torch.distributed as dist
 from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.params import EngineParam, collect_params, is_dtensor
 from dmuon.optim.engine.report import StepReport
+from dmuon.optim.engine.tensor_split import split_of
+from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.vote import SignVote
 
 __all__ = ["Engine", "SingleEngine", "Stepper", "local_norm_tensors"]
@@ -119,6 +121,11 @@ class Engine:
         """Pipeline groups, in the order the step processes them."""
         return [None]
 
+    def split_of(self, p: torch.Tensor) -> MatrixSplit | None:
+        """How ``p`` is split when this engine steps it on its tensor-parallel shards
+        (:mod:`dmuon.optim.matrix_split`); ``None``: it is stepped whole."""
+        return None
+
     def group_of(self, p: torch.Tensor) -> str | None:
         """The pipeline group of ``p``."""
         return None
@@ -177,10 +184,18 @@ class SingleEngine(Engine):
     """Everything on this process: the optimizer as it is without a process group.
 
     Also the right engine when every rank deliberately does all the work on the
-    same averaged gradients (DDP's ``vanilla distributed Muon`` baseline).
+    same averaged gradients (DDP's ``vanilla distributed Muon`` baseline), and for
+    tensor parallelism: a matrix split over a mesh dimension is stepped on its shards,
+    each rank of the group its own, with the tensor-parallel Gram Newton–Schulz
+    (:mod:`~dmuon.optim.engine.tensor_split`).
     """
 
     mode = "single"
+
+    def split_of(self, p: torch.Tensor) -> MatrixSplit | None:
+        """A tensor-parallel matrix is stepped on its shards (:mod:`.tensor_split`)."""
+        info = self.info(p)
+        return split_of(p, info.name if info is not None else "")
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
         for index, group in enumerate(stepper.param_groups):

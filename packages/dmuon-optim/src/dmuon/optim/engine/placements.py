@@ -18,9 +18,12 @@ placements of a matrix                 mode
 none (a plain tensor)                  ``single``, ``owner``, ``replicated``,
                                        ``sign``
 ``Shard(0)`` over one mesh dimension,  ``sharded`` (FSDP2; HSDP; a colwise
-``Replicate()`` over the others        layer's rows, whose gradient is complete)
-anything else: ``Shard(1)`` (rowwise   refused by every mode
-tensor parallel), two sharding mesh
+``Replicate()`` over the others        layer's rows, whose gradient is
+                                       complete); ``single`` on the shards
+                                       (:mod:`~dmuon.optim.engine.tensor_split`)
+``Shard(1)`` over one mesh dimension,  ``single`` on the shards (a rowwise
+``Replicate()`` over the others        tensor-parallel layer's columns)
+anything else: two sharding mesh       refused by every mode
 dimensions (FSDP2 over TP), strided
 shards, ``Partial``
 =====================================  =======================================
@@ -57,13 +60,15 @@ class MatrixPlacement:
             the tensor.
         partial: the mesh dimensions on which the tensor is a pending sum (``Partial``).
         unknown: the mesh dimensions of a placement this module does not know.
+        ndim: the tensor's number of dimensions (only a 2-D tensor is stepped on its
+            shards).
 
     Examples:
         >>> rowwise = MatrixPlacement("fc2.weight", ("Shard(dim=1)",), ("tp",), ((0, 1, False),))
         >>> rowwise.describe(), rowwise.row_sharded
         ("(Shard(dim=1),) on mesh dims ('tp',)", False)
         >>> supported_by(rowwise), supported_by(MatrixPlacement("fc1.weight"))
-        ((), ('single', 'owner', 'replicated', 'sign'))
+        (('single',), ('single', 'owner', 'replicated', 'sign'))
     """
 
     name: str
@@ -72,6 +77,7 @@ class MatrixPlacement:
     shards: tuple[tuple[int, int, bool], ...] = ()
     partial: tuple[int, ...] = ()
     unknown: tuple[int, ...] = ()
+    ndim: int = 2
 
     @property
     def distributed(self) -> bool:
@@ -85,6 +91,20 @@ class MatrixPlacement:
         return (
             len(self.shards) == 1
             and self.shards[0][1] == 0
+            and not self.shards[0][2]
+            and not self.partial
+            and not self.unknown
+        )
+
+    @property
+    def tensor_split(self) -> bool:
+        """One plain ``Shard(0)`` or ``Shard(1)`` over exactly one mesh dimension,
+        ``Replicate()`` over the others: each rank holds whole rows or whole columns,
+        which ``single`` mode steps on the shards (:mod:`~dmuon.optim.engine.tensor_split`)."""
+        return (
+            self.ndim == 2
+            and len(self.shards) == 1
+            and self.shards[0][1] in (0, 1)
             and not self.shards[0][2]
             and not self.partial
             and not self.unknown
@@ -148,6 +168,7 @@ def placement_of(p: torch.Tensor, name: str) -> MatrixPlacement:
         tuple(shards),
         tuple(partial),
         tuple(unknown),
+        p.dim(),
     )
 
 
@@ -173,12 +194,14 @@ def supported_by(pl: MatrixPlacement) -> tuple[str, ...]:
     Examples:
         >>> fsdp = MatrixPlacement("w", ("Shard(dim=0)",), ("dp",), ((0, 0, False),))
         >>> supported_by(fsdp)
-        ('sharded',)
+        ('sharded', 'single')
     """
     if not pl.distributed:
         return ("single", "owner", "replicated", "sign")
     if pl.row_sharded:
-        return ("sharded",)
+        return ("sharded", "single")
+    if pl.tensor_split:
+        return ("single",)
     return ()
 
 
@@ -213,18 +236,25 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
                 "DTensor shards; sharded mode steps FSDP2's sharded matrices (call fully_shard "
                 "on the model first, or pick another mode)"
             )
-        if modes:
+        if "sharded" in modes:
             raise ValueError(
                 f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), "
                 f"which mode={mode!r} does not step; mode='sharded' does: leave mode unset, "
                 "or dedicate the matrices (dmuon.integrations.fsdp.dedicate) and pass them to "
-                "fully_shard(..., ignored_params=...)"
+                "fully_shard(..., ignored_params=...); mode='single' steps it on its shards"
+            )
+        if modes:
+            raise ValueError(
+                f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), "
+                f"which mode={mode!r} does not step; mode='single' does, on the shards, with "
+                "the tensor-parallel Gram Newton–Schulz (no gather): pass mode='single'"
             )
         raise ValueError(
             f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}); no "
             f"execution mode of DMuon steps it yet (asked: mode={mode!r}), and orthogonalising "
             "its shard as if it were the whole matrix would be silently wrong. Supported: "
-            "plain tensors (modes single, owner, replicated, sign) and Shard(0) over one mesh "
-            "dimension with Replicate() elsewhere (mode='sharded', FSDP2/HSDP). Keep this "
-            "matrix out of tensor parallelism, or out of DMuon (give it to another optimizer)"
+            "plain tensors (modes single, owner, replicated, sign); a 2-D matrix with Shard(0) "
+            "or Shard(1) over one mesh dimension and Replicate() elsewhere (mode='single', on "
+            "the shards; Shard(0) also mode='sharded', FSDP2/HSDP). Keep this matrix out of "
+            "tensor parallelism, or out of DMuon (give it to another optimizer)"
         )

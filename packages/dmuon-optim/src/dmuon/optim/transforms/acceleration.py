@@ -52,6 +52,7 @@ class GradDiffAcceleration(Transform):
         "mona_gamma": Option(0.92, real(0.0), "weight of the acceleration term"),
         **matrix_keys("momentum"),
     }
+    splits: ClassVar[bool] = True  # elementwise
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

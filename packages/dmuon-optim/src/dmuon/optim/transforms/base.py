@@ -31,8 +31,9 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from dmuon.kernels import orthogonalize
+from dmuon.kernels import orthogonalize, tp_gram_newton_schulz
 from dmuon.optim.hyperparameters import COMPUTE_DTYPES, REQUIRED, Option, boolean
+from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.vote import SignVote, local_vote
 
 __all__ = [
@@ -79,6 +80,9 @@ class StepContext:
         vote: the sign vote (identity on one process).
         scale: multiplier the apply step puts on the final tensor; transforms
             multiply into it.
+        split: how each matrix is split over a tensor-parallel group when ``X`` holds
+            this rank's shards (``None``: whole matrices). Only transforms whose
+            :attr:`Transform.splits` is true run then.
     """
 
     grad: torch.Tensor
@@ -86,16 +90,42 @@ class StepContext:
     step: int = 1
     vote: SignVote = local_vote
     scale: float = 1.0
+    split: MatrixSplit | None = None
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """``(m, n)`` of the whole matrix: the split's, else the last two dims of ``grad``."""
+        if self.split is not None:
+            return self.split.shape
+        return int(self.grad.shape[-2]), int(self.grad.shape[-1])
 
     def orthogonalize(self, X: torch.Tensor, steps: int | None = None) -> torch.Tensor:
-        """Polar factor of each matrix of ``X`` with the group's Newton–Schulz settings."""
+        """Polar factor of each matrix of ``X`` with the group's Newton–Schulz settings.
+
+        On a split matrix (:attr:`split`), ``X`` holds this rank's shards and the
+        result is this rank's shards of the whole matrix's polar factor, by
+        :func:`dmuon.kernels.tp_gram_newton_schulz` (the Gram iteration whatever
+        ``ns_method`` says: it is the one that needs only the small Gram matrix summed
+        over the group).
+        """
         hp = self.hp
+        steps = hp["ns_steps"] if steps is None else steps
+        dtype = resolve_compute_dtype(hp["ns_compute_dtype"])
+        if self.split is not None:
+            return tp_gram_newton_schulz(
+                X,
+                split_dim=self.split.dim,
+                reduce=self.split.reduce,
+                coefficients=hp["ns_coefficients"],
+                steps=steps,
+                compute_dtype=dtype,
+            )
         return orthogonalize(
             X,
             method=hp["ns_method"],
             coefficients=hp["ns_coefficients"],
-            steps=hp["ns_steps"] if steps is None else steps,
-            compute_dtype=resolve_compute_dtype(hp["ns_compute_dtype"]),
+            steps=steps,
+            compute_dtype=dtype,
         )
 
 
@@ -125,6 +155,12 @@ class Transform(ABC):
             ranks in the middle of the chain (Sign-Muon's vote, through
             :attr:`StepContext.vote`); the engine asks the rule
             (:attr:`~dmuon.optim.Rule.needs_collective`), never the rule's name.
+        splits: class-level: ``True`` for a transform that computes on this rank's
+            shard of a tensor-parallel matrix exactly what it computes on the whole
+            (:mod:`dmuon.optim.matrix_split`): an elementwise map, or one that reaches
+            the whole matrix only through :meth:`StepContext.orthogonalize` and
+            :attr:`StepContext.matrix_shape`. Row or column statistics, norms and
+            selections of the whole matrix need the group and say ``False``.
 
     Examples:
         >>> import torch
@@ -144,6 +180,7 @@ class Transform(ABC):
     when_option: str | None = field(default=None, kw_only=True)
     hyperparameters: ClassVar[Mapping[str, Option]] = {}
     collective: ClassVar[bool] = False
+    splits: ClassVar[bool] = False
 
     def state_specs(self) -> tuple[StateSpec, ...]:
         """The buffers this transform owns (none unless a subclass says so)."""

@@ -62,6 +62,7 @@ class Momentum(Transform):
         return (StateSpec("momentum_buffer", "matrix"),)
 
     hyperparameters: ClassVar[Mapping[str, Option]] = matrix_keys("momentum", "nesterov")
+    splits: ClassVar[bool] = True  # elementwise
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

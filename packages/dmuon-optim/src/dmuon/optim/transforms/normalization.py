@@ -158,6 +158,7 @@ class AdamPrecondition(Transform):
         "beta2": _BETA2,
         "eps": Option(1e-16, real(0.0), "guard inside the root: X/√(V + ε)"),
     }
+    splits: ClassVar[bool] = True  # elementwise
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

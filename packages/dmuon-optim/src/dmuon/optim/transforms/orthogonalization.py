@@ -38,6 +38,7 @@ class Orthogonalize(Transform):
     hyperparameters: ClassVar[Mapping[str, Option]] = matrix_keys(
         "ns_method", "ns_coefficients", "ns_steps", "ns_compute_dtype"
     )
+    splits: ClassVar[bool] = True  # through ctx.orthogonalize: the TP-native Gram path
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

@@ -34,11 +34,12 @@ class AdjustLR(Transform):
     """
 
     hyperparameters: ClassVar[Mapping[str, Option]] = matrix_keys("adjust_lr")
+    splits: ClassVar[bool] = True  # the whole matrix's shape, from ctx.matrix_shape
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
-        m, n = X.shape[-2], X.shape[-1]
+        m, n = ctx.matrix_shape
         ctx.scale *= adjust_lr_factor(ctx.hp["adjust_lr"], m, n)
         return X
 
@@ -67,11 +68,12 @@ class SpectralRadius(Transform):
     hyperparameters: ClassVar[Mapping[str, Option]] = {
         "radius": Option(1.0, real(0.0, lo_open=True), "ρ, the spectral ball's radius"),
     }
+    splits: ClassVar[bool] = True  # the whole matrix's shape, from ctx.matrix_shape
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
-        m, n = X.shape[-2], X.shape[-1]
+        m, n = ctx.matrix_shape
         # √(m/n) is the "spectral" convention's factor: one definition of it
         ctx.scale *= float(ctx.hp["radius"]) * adjust_lr_factor("spectral", m, n)
         return X

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -26,6 +27,8 @@ class Sign(Transform):
         >>> Sign()(X, {}, StepContext(grad=X, hp={})).tolist()
         [[[-1.0, 0.0, 1.0]]]
     """
+
+    splits: ClassVar[bool] = True  # elementwise
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext

@@ -1,0 +1,77 @@
+"""The optimizer state of a matrix stepped on its tensor-parallel shards, as checkpoints see it.
+
+In ``single`` mode a matrix split by rows or columns over a mesh dimension is
+stepped on its shards (:mod:`dmuon.optim.engine.tensor_split`), and its matrix-shaped
+state (momentum, second moments) is this rank's shard: a plain tensor of the
+shard's shape. Saved as it is, every rank would write a different tensor under the
+same key, and DCP, which takes a plain tensor for a replicated one, would keep one
+of them. A checkpoint therefore sees such state as a DTensor laid out like its
+parameter (:func:`as_saved`): DCP writes every shard once and reshards on load (to
+another tensor-parallel degree, or to one process), and the optimizer gets back the
+local shard (:func:`as_loaded`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dmuon.optim.engine.params import is_dtensor
+
+__all__ = ["as_loaded", "as_saved"]
+
+
+def as_saved(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``value``, a state tensor of ``param``, in the form a checkpoint stores.
+
+    A plain tensor of the shape of a DTensor parameter's local shard becomes a
+    DTensor with the parameter's mesh, placements and global shape; anything else
+    (a scalar ``step``, a DTensor, the state of a plain parameter) is returned as it is.
+
+    Raises:
+        NotImplementedError: a plain, non-scalar state tensor of a DTensor parameter
+            whose shape is neither the parameter's local nor its global one (per-row
+            state of a split matrix: no rule that steps shards has one).
+
+    Examples:
+        >>> import torch
+        >>> m = torch.zeros(3, 4)
+        >>> as_saved(m, torch.nn.Parameter(torch.ones(3, 4))) is m
+        True
+    """
+    if is_dtensor(value) or not is_dtensor(param) or value.dim() == 0:
+        return value
+    local = param.to_local()  # type: ignore[attr-defined]
+    if tuple(value.shape) == tuple(param.shape) and tuple(local.shape) != tuple(param.shape):
+        return value  # whole (an owner's state; never the case in single mode)
+    if tuple(value.shape) != tuple(local.shape):
+        raise NotImplementedError(
+            f"optimizer state of shape {tuple(value.shape)} for a DTensor parameter of local "
+            f"shape {tuple(local.shape)} (global {tuple(param.shape)}, placements "
+            f"{tuple(param.placements)}): a checkpoint can store state shaped like the "  # type: ignore[attr-defined]
+            "parameter's shard only"
+        )
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        value,
+        param.device_mesh,  # type: ignore[attr-defined]
+        param.placements,  # type: ignore[attr-defined]
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
+def as_loaded(value: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """``value`` read from a checkpoint, in the form the optimizer holds ``current`` in:
+    the local shard of a DTensor the optimizer holds as a plain tensor.
+
+    Examples:
+        >>> import torch
+        >>> v = torch.ones(2)
+        >>> as_loaded(v, torch.zeros(2)) is v
+        True
+    """
+    if is_dtensor(value) and not is_dtensor(current):
+        return value.to_local()  # type: ignore[attr-defined]
+    return value

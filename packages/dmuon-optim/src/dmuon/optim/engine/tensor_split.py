@@ -1,0 +1,101 @@
+"""Tensor-parallel matrices stepped on their shards: the split read from DTensor placements.
+
+A 2-D parameter sharded along one of its dimensions over exactly one mesh dimension
+(``Shard(0)``: ``ColwiseParallel``'s rows, or FSDP2's; ``Shard(1)``:
+``RowwiseParallel``'s columns), ``Replicate()`` over any other, is *split*: each
+rank of that mesh dimension's process group holds a block of whole rows or whole
+columns, and its gradient is the same block of the whole gradient. A rule whose
+every link computes on a shard what it computes on the whole
+(:attr:`dmuon.optim.Rule.splits`) then steps the shard in place, with the polar
+factor from :func:`dmuon.kernels.tp_gram_newton_schulz`: one all-reduce of the small
+Gram matrix over the group at the start and at each restart, never a gather.
+
+Per matrix of shape ``m × n`` split ``t`` ways along ``n`` (columns; rows: swap),
+with ``r`` Gram restarts, in the compute dtype of ``b`` bytes: ``(r + 1)`` all-reduces
+of ``m² · b`` bytes plus two scalars, and ``2·m·n·(n/t)``-scale products on each rank
+instead of the whole ``m·n·n``.
+
+``single`` mode steps split matrices this way (every data-parallel replica repeats
+the work of its tensor-parallel group). The other modes refuse them
+(:mod:`~dmuon.optim.engine.placements`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dmuon.comm import wait_work
+from dmuon.optim.engine.params import EngineParam, is_dtensor
+from dmuon.optim.engine.placements import placement_of
+from dmuon.optim.matrix_split import MatrixSplit
+from dmuon.optim.rules import RULES
+
+__all__ = ["check_split_rules", "split_of"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def split_of(p: torch.Tensor, name: str = "") -> MatrixSplit | None:
+    """The :class:`~dmuon.optim.matrix_split.MatrixSplit` of ``p``, or ``None`` when it is not a
+    split matrix (a plain tensor, a tensor that is not 2-D, or a layout that is not
+    :attr:`~dmuon.optim.engine.placements.MatrixPlacement.tensor_split`).
+
+    Examples:
+        >>> import torch
+        >>> split_of(torch.zeros(4, 4)) is None
+        True
+    """
+    if not is_dtensor(p) or p.dim() != 2:
+        return None
+    pl = placement_of(p, name)
+    if not pl.tensor_split:
+        return None
+    mesh_dim, tensor_dim, _ = pl.shards[0]
+    mesh = p.device_mesh  # type: ignore[attr-defined]
+    group = mesh.get_group(mesh_dim)
+    ranks = tuple(dist.get_process_group_ranks(group))
+    dim_name = pl.mesh_dims[mesh_dim]
+    what = f"the Gram all-reduce of tensor-parallel matrices over mesh dim {dim_name!r}"
+
+    def reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+        buf = t if t.is_contiguous() else t.contiguous()
+        wait_work(dist.all_reduce(buf, op=_OPS[op], group=group, async_op=True), what, group)
+        if buf is not t:
+            t.copy_(buf)
+        return t
+
+    return MatrixSplit(
+        dim=-2 if tensor_dim == 0 else -1,
+        shape=(int(p.shape[0]), int(p.shape[1])),
+        reduce=reduce,
+        group=(dim_name, ranks),
+    )
+
+
+def check_split_rules(params: Iterable[EngineParam], groups: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse a split matrix whose group's rule cannot step a shard, naming the parameter,
+    its placements, the rule, the links that need the whole matrix and the rules that
+    can.
+
+    Every rank reads the same placements and groups, so every rank refuses alike.
+    """
+    able = sorted(n for n, r in RULES.items() if r.splits)
+    for e in params:
+        if not e.matrix or not is_dtensor(e.param):
+            continue
+        pl = placement_of(e.param, e.name)
+        if not pl.tensor_split:
+            continue
+        rule = RULES[groups[e.group_index]["algorithm"]]
+        if rule.splits:
+            continue
+        raise ValueError(
+            f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), which "
+            f"mode='single' steps on its shards, but its rule {rule.name!r} cannot: "
+            f"{', '.join(rule.unsplittable())} need(s) the whole matrix. Rules that step "
+            f"shards: {able}; or keep this matrix out of tensor parallelism"
+        )

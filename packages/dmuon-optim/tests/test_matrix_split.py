@@ -1,0 +1,142 @@
+"""Rules on the shards of a split matrix equal the rules on the whole matrix.
+
+The ranks of a tensor-parallel group are simulated by threads, one per shard, whose
+``reduce`` sums (or takes the maximum of) their tensors through a barrier: the
+chain runs on each shard with a :class:`~dmuon.optim.MatrixSplit`, and the shards'
+updates put side by side must equal the unsplit rule's update on the whole matrix
+(fp32: to rounding; the Gram iteration on shards is the same polynomial as the
+whole-matrix iteration). Uneven and empty shards, both split dimensions, and both
+Gram sides (the unsplit side short or long) are covered; the distributed version,
+with real DTensors on gloo ranks, is ``tests-integration/test_tensor_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from dmuon.optim import RULES, MatrixSplit, get_rule
+
+HP = dict(
+    momentum=0.9,
+    nesterov=True,
+    adjust_lr="match_rms_adamw",
+    ns_method="gram",
+    ns_coefficients="polar_express",
+    ns_steps=5,
+    ns_compute_dtype="float32",
+)
+
+
+def rule_hp(name: str) -> dict:
+    return HP | {k: o.default for k, o in get_rule(name).options.items()}
+
+
+class ThreadGroup:
+    """``reduce`` over ``n`` threads: every thread passes its tensor, all get the result."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.barrier = threading.Barrier(n, timeout=30)
+        self.slots: list[torch.Tensor | None] = [None] * n
+
+    def reduce_for(self, i: int):
+        def reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+            self.slots[i] = t.clone()
+            self.barrier.wait()
+            stacked = torch.stack([s for s in self.slots if s is not None])
+            total = stacked.sum(0) if op == "sum" else stacked.amax(0)
+            self.barrier.wait()  # every thread has read the slots
+            t.copy_(total)
+            return t
+
+        return reduce
+
+
+def run_split(name: str, G: torch.Tensor, sizes: list[int], dim: int, steps: int) -> torch.Tensor:
+    """The rule on the shards of each step's ``G[s]`` split into ``sizes`` along ``dim``."""
+    rule = get_rule(name)
+    group = ThreadGroup(len(sizes))
+    m, n = G.shape[-2], G.shape[-1]
+    out: list[list[torch.Tensor]] = [[] for _ in sizes]
+    errors: list[BaseException] = []
+
+    def rank(i: int) -> None:
+        try:
+            split = MatrixSplit(dim, (m, n), group.reduce_for(i), ("threads", len(sizes)))
+            shard0 = G[0].split(sizes, dim=dim)[i]
+            state = {s.name: torch.zeros_like(shard0) for s in rule.state_specs()}
+            for s in range(steps):
+                shard = G[s].split(sizes, dim=dim)[i]
+                U, scale = rule.update(shard, state, rule_hp(name), step=s + 1, split=split)
+                out[i].append(U * scale)
+        except BaseException as exc:  # reported below, after every thread stopped
+            errors.append(exc)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(sizes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    shards = range(len(sizes))
+    return torch.stack([torch.cat([out[i][s] for i in shards], dim=dim) for s in range(steps)])
+
+
+def run_whole(name: str, G: torch.Tensor, steps: int) -> torch.Tensor:
+    rule = get_rule(name)
+    state = {s.name: torch.zeros_like(G[0]) for s in rule.state_specs()}
+    outs = []
+    for s in range(steps):
+        U, scale = rule.update(G[s], state, rule_hp(name), step=s + 1)
+        outs.append(U * scale)
+    return torch.stack(outs)
+
+
+SPLITTING = sorted(n for n, r in RULES.items() if r.splits)
+
+
+@pytest.mark.parametrize("name", SPLITTING)
+@pytest.mark.parametrize(
+    ("shape", "dim", "sizes"),
+    [
+        ((24, 40), -1, [17, 23]),  # columns, uneven; Gram side 24 is the short one
+        ((24, 40), -2, [13, 0, 11]),  # rows, an empty shard; Gram side 40 is the long one
+        ((40, 24), -2, [20, 20]),  # rows; Gram side 24 short
+        ((40, 24), -1, [5, 7, 12]),  # columns, three ranks; Gram side 40 long
+    ],
+)
+def test_shards_put_together_equal_the_whole(name, shape, dim, sizes):
+    g = torch.Generator().manual_seed(sum(shape) + dim)
+    steps = 3
+    G = torch.randn(steps, 2, *shape, generator=g)  # a batch of two matrices per step
+    whole = run_whole(name, G, steps)
+    split = run_split(name, G, sizes, dim, steps)
+    assert split.shape == whole.shape
+    err = (split - whole).abs().max().item() / whole.abs().max().item()
+    # fp32 rounding: measured ≤ 9e-6 over these cases; shards orthogonalised each on its
+    # own (no reduce) are off by 0.69
+    assert err < 5e-5, f"{name} {shape} split {sizes} along {dim}: relative error {err:.2e}"
+
+
+def test_every_rule_says_whether_it_splits_and_which_links_need_the_whole():
+    assert SPLITTING == ["mona", "muon", "muon2", "scion"]
+    for name, rule in RULES.items():
+        assert rule.splits == (not rule.unsplittable()), name
+    assert get_rule("normuon").unsplittable() == ("RowNormalize",)
+
+
+def test_a_rule_that_needs_the_whole_matrix_refuses_a_split():
+    split = MatrixSplit(-1, (4, 8), lambda t, op: t, ("one",))
+    rule = get_rule("normuon")
+    state = {s.name: torch.zeros(s.batch_shape(1, 4, 4)) for s in rule.state_specs()}
+    with pytest.raises(ValueError, match=r"rule 'normuon' cannot step a shard.*RowNormalize"):
+        rule.update(torch.randn(1, 4, 4), state, rule_hp("normuon"), split=split)
+
+
+def test_matrix_split_checks_its_dimension():
+    with pytest.raises(ValueError, match="-2 \\(rows\\) or -1 \\(columns\\), got 0"):
+        MatrixSplit(0, (4, 8), lambda t, op: t, ("one",))
