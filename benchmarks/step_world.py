@@ -23,6 +23,14 @@ step by step so that background load hits every setup alike):
 ``replicated``      DMuon ``mode="replicated"`` under stock DDP
 ``sharded``         DMuon sharded mode under stock FSDP2 (DTensor matrices)
 ``sign``            Sign-Muon, ``mode="sign"``: local gradients, packed vote
+``adamw_tp``        tensor parallelism over all N ranks (each block's MLP: ``fc``
+                    colwise, ``proj`` rowwise; ``benchmarks/common/tensor_parallel.py``),
+                    ``torch.optim.AdamW``; every rank runs the whole global batch
+``muon_tp_gather``  the same model, vanilla Muon that knows no tensor parallelism:
+                    every rank all-gathers each split gradient and steps the whole
+                    matrix (``GatherMuon``)
+``tp_single``       the same model, DMuon ``mode="single"``: split matrices stepped
+                    on their shards, the tensor-parallel Gram path (no gather)
 =================== ==========================================================
 
 Phases per step (host wall-clock; on a GPU each phase ends with a synchronize):
@@ -47,6 +55,7 @@ import torch.distributed as dist
 
 from benchmarks.common.data import BatchSampler
 from benchmarks.common.model import GPT, GPTConfig
+from benchmarks.common.tensor_parallel import GatherMuon, parallelize_mlps
 
 SETUPS = (
     "adamw_ddp",
@@ -60,13 +69,22 @@ SETUPS = (
     "replicated",
     "sharded",
     "sign",
+    "adamw_tp",
+    "muon_tp_gather",
+    "tp_single",
 )
+# Tensor parallelism over all ranks: every rank steps on the whole global batch.
+TP_SETUPS = ("adamw_tp", "muon_tp_gather", "tp_single")
 # torch.optim.Muon runs Newton–Schulz in bf16, which on a CPU without AVX-512-BF16/AMX
 # takes ~40× the fp32 time (minutes per step here): opt in with --setups.
 # owner_ddp_zero1 differs from owner_ddp in the scalars only, owner_ddp_check1 in the
 # rank-agreement check only: opt in with --setups.
+# The tensor-parallel setups form their own comparison (the same model split over the
+# ranks, the whole batch on each): --setups adamw_tp,muon_tp_gather,tp_single.
 DEFAULT_SETUPS = tuple(
-    s for s in SETUPS if s not in ("torch_muon_ddp", "owner_ddp_zero1", "owner_ddp_check1")
+    s
+    for s in SETUPS
+    if s not in ("torch_muon_ddp", "owner_ddp_zero1", "owner_ddp_check1", *TP_SETUPS)
 )
 LABELS = {
     "adamw_ddp": "AdamW, DDP",
@@ -80,6 +98,9 @@ LABELS = {
     "replicated": "DMuon replicated + DDP",
     "sharded": "DMuon sharded + FSDP2",
     "sign": "DMuon Sign-Muon (sign)",
+    "adamw_tp": "AdamW, tensor-parallel MLPs",
+    "muon_tp_gather": "vanilla Muon, TP (gather every shard)",
+    "tp_single": "DMuon single, TP (Gram path on shards)",
 }
 PHASES = ("forward", "backward", "optimizer", "comm_wait")
 
@@ -142,14 +163,25 @@ def build(setup: str, cfg: WorldConfig, device: torch.device) -> tuple[Any, Any,
         fully_shard(model, mesh=mesh, ignored_params=ignored)
     elif setup in ("adamw_ddp", "muon_vanilla", "torch_muon_ddp", "replicated"):
         forward = DDP(model)
+    elif setup in TP_SETUPS:
+        parallelize_mlps(model, init_device_mesh(device.type, (world,), mesh_dim_names=("tp",)))
     elif setup in ("owner_ddp", "owner_ddp_check1"):
         ded = ddp.dedicate(model)
     elif setup == "owner_ddp_zero1":
         ded = ddp.dedicate(model, scalars="owner")
     elif setup != "sign":
         raise ValueError(f"unknown setup {setup!r}; expected one of {SETUPS}")
-    if setup.startswith("adamw"):
+    if setup == "adamw_tp":  # foreach refuses DTensors and tensors in one call: two groups
+        split = [p for p in model.parameters() if hasattr(p, "device_mesh")]
+        whole = [p for p in model.parameters() if not hasattr(p, "device_mesh")]
+        groups = [{"params": split}, {"params": whole}]
+        opt = torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1, foreach=True)
+    elif setup.startswith("adamw"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+    elif setup == "muon_tp_gather":
+        opt = GatherMuon(model, lambda groups: DMuon(groups, mode="single", **kw))
+    elif setup == "tp_single":
+        opt = DMuon(param_groups(model), mode="single", **kw)
     elif setup == "torch_muon_ddp":
         from benchmarks.common.optimizers import build_optimizer
 
@@ -190,9 +222,11 @@ def rank_main(
     times: dict[str, dict[str, list[float]]] = {s: {p: [] for p in PHASES} for s in setups}
     losses: dict[str, list[str]] = {s: [] for s in setups}  # exact (float.hex), every step
     for t in range(warmup + steps):
-        x, y = sampler.batch(t, rank=rank, world_size=world, device=device)
+        mine = sampler.batch(t, rank=rank, world_size=world, device=device)
+        whole = sampler.batch(t, device=device)  # tensor parallelism: the global batch
         for setup in setups:
             forward, opt, _ = built[setup]
+            x, y = whole if setup in TP_SETUPS else mine
             dist.barrier()
             t0 = time.perf_counter()
             logits = forward(x)
@@ -267,9 +301,8 @@ def summarise(rows: dict[str, Any]) -> dict[str, Any]:
     adamw = "adamw_fsdp" if "adamw_fsdp" in rows else "adamw_ddp"
     for setup, row in rows.items():
         row["over_adamw"] = ratio(setup, adamw)
-        row["over_adamw_same_stack"] = ratio(
-            setup, "adamw_fsdp" if "fsdp" in setup or setup == "sharded" else "adamw_ddp"
-        )
+        same = "adamw_fsdp" if "fsdp" in setup or setup == "sharded" else "adamw_ddp"
+        row["over_adamw_same_stack"] = ratio(setup, "adamw_tp" if setup in TP_SETUPS else same)
         row["over_vanilla"] = ratio(setup, "muon_vanilla")
         row["optimizer_over_vanilla"] = ratio(setup, "muon_vanilla", "optimizer")
     targets = {
@@ -287,6 +320,11 @@ def summarise(rows: dict[str, Any]) -> dict[str, Any]:
             "target": 1.15,
             "owner_fsdp_over_adamw_fsdp": ratio("owner_fsdp", "adamw_fsdp"),
             "owner_ddp_over_adamw_ddp": ratio("owner_ddp", "adamw_ddp"),
+        },
+        "tensor_parallel": {
+            "tp_single_over_gather_optimizer": ratio("tp_single", "muon_tp_gather", "optimizer"),
+            "tp_single_over_adamw_tp": ratio("tp_single", "adamw_tp"),
+            "gather_over_adamw_tp": ratio("muon_tp_gather", "adamw_tp"),
         },
         "plan_imbalance": {
             "target": 0.05,
@@ -379,7 +417,10 @@ def print_table(result: dict[str, Any]) -> None:
             _fmt(row["optimizer_over_vanilla"], ".2f"),
         )
     console.print(table)
-    console.print("× AdamW: against AdamW on the same stack (FSDP2 rows: FSDP2, others: DDP)")
+    console.print(
+        "× AdamW: against AdamW on the same stack (FSDP2 rows: FSDP2, TP rows: AdamW on the "
+        "tensor-parallel model, others: DDP)"
+    )
     for line in target_lines(result["targets"]):
         console.print(line)
 
@@ -411,6 +452,8 @@ def target_lines(t: dict[str, Any]) -> list[str]:
             if imb is None
             else f"{100 * imb:.1f}% ({'met' if imb <= 0.05 else 'NOT met'})"
         ),
+        "tensor parallelism, optimizer step of DMuon on the shards / vanilla Muon's that "
+        "gathers them: " + _fmt(t["tensor_parallel"]["tp_single_over_gather_optimizer"], ".2f"),
     ]
 
 

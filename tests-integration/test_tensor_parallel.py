@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dmuon.comm import default_stats
 from dmuon.comm.testing import run_on_ranks
 from dmuon.optim import DMuon, param_groups
+from dmuon.optim.engine.tensor_split import STATS_NAME
 
 OPT = dict(lr=0.02, weight_decay=0.01, momentum=0.9, ns_compute_dtype=torch.float32)
 STEPS = 3
@@ -244,11 +246,23 @@ def run_single_on_shards(rank, world):
         for t in range(STEPS):
             x, y = deep_batch(t)  # every TP rank sees the whole batch
             F.mse_loss(model(x), y).backward()
+            default_stats().reset()
             opt.step()
             opt.zero_grad()
+        gram = default_stats()[STATS_NAME].payload_bytes  # the last step's
         full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
-        out[rule] = (full, shards)
+        out[rule] = (full, shards, gram)
     return out
+
+
+def gram_bytes(m: int, n: int, split_dim: int, steps: int = 5) -> int:
+    """What the tensor-parallel Gram path all-reduces for one fp32 matrix (kernels docstring):
+    the Gram matrix of the unsplit side ``s`` at the start and at each restart — one
+    restart when ``s`` is the short side, one per step after the first when it is the
+    long one — one max, and one sum of the squared norm with the split size appended."""
+    s = n if split_dim == -2 else m
+    restarts = 1 if s <= min(m, n) else steps - 1
+    return (1 + restarts) * s * s * 4 + 4 + 2 * 4
 
 
 def test_single_mode_steps_tensor_parallel_shards_like_one_process():
@@ -258,8 +272,10 @@ def test_single_mode_steps_tensor_parallel_shards_like_one_process():
         expected = deep_reference(rule, options)
         moved = max((expected[n] - initial[n]).abs().max().item() for n in initial)
         assert moved > 1e-3, f"{rule}: the reference barely moved; the test would prove nothing"
+        layers = [(5, 12, -2), (6, 5, -1), (15, 6, -2), (6, 15, -1)]  # DeepMLP's table
         for rank, out in enumerate(results):
-            got, shards = out[rule]
+            got, shards, gram = out[rule]
+            assert gram == sum(gram_bytes(*layer) for layer in layers), (rule, rank, gram)
             # the splits are uneven: the ranks' shards differ
             want_rows = (3, 2)[rank], (8, 7)[rank]
             assert shards["fc1.weight"][0] == want_rows[0], shards

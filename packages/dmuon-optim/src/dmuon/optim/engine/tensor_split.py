@@ -28,21 +28,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import wait_work
+from dmuon.comm import CommStats, default_stats, wait_work
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.placements import placement_of
 from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.rules import RULES
 
-__all__ = ["check_split_rules", "split_of"]
+__all__ = ["STATS_NAME", "check_split_rules", "split_of"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-def split_of(p: torch.Tensor, name: str = "") -> MatrixSplit | None:
+STATS_NAME = "tensor_parallel_gram"
+"""The name the Gram all-reduces are counted under in :func:`dmuon.comm.default_stats`."""
+
+
+def split_of(p: torch.Tensor, name: str = "", stats: CommStats | None = None) -> MatrixSplit | None:
     """The :class:`~dmuon.optim.matrix_split.MatrixSplit` of ``p``, or ``None`` when it is not a
     split matrix (a plain tensor, a tensor that is not 2-D, or a layout that is not
-    :attr:`~dmuon.optim.engine.placements.MatrixPlacement.tensor_split`).
+    :attr:`~dmuon.optim.engine.placements.MatrixPlacement.tensor_split`). Its
+    ``reduce`` counts the bytes it moves in ``stats`` (default
+    :func:`dmuon.comm.default_stats`) under :data:`STATS_NAME`.
 
     Examples:
         >>> import torch
@@ -54,6 +60,7 @@ def split_of(p: torch.Tensor, name: str = "") -> MatrixSplit | None:
     pl = placement_of(p, name)
     if not pl.tensor_split:
         return None
+    stats = stats if stats is not None else default_stats()
     mesh_dim, tensor_dim, _ = pl.shards[0]
     mesh = p.device_mesh  # type: ignore[attr-defined]
     group = mesh.get_group(mesh_dim)
@@ -63,6 +70,8 @@ def split_of(p: torch.Tensor, name: str = "") -> MatrixSplit | None:
 
     def reduce(t: torch.Tensor, op: str) -> torch.Tensor:
         buf = t if t.is_contiguous() else t.contiguous()
+        nbytes = buf.numel() * buf.element_size()
+        stats.record_collective(STATS_NAME, "all_reduce", nbytes=nbytes, world_size=len(ranks))
         wait_work(dist.all_reduce(buf, op=_OPS[op], group=group, async_op=True), what, group)
         if buf is not t:
             t.copy_(buf)

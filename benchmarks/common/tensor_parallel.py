@@ -1,0 +1,85 @@
+"""Tensor parallelism for the benchmarks' GPT, and the vanilla Muon that gathers every shard.
+
+:func:`parallelize_mlps` splits each block's MLP over a ``tp`` mesh with torch's
+public styles: ``fc`` by rows (``ColwiseParallel``, ``Shard(0)``), ``proj`` by
+columns (``RowwiseParallel``, ``Shard(1)``). The attention stays replicated (the
+GPT reshapes by its configured head count, which a head split would change).
+
+:class:`GatherMuon` is the baseline the tensor-parallel Gram path is measured
+against: what an implementation that knows nothing of tensor parallelism has to do
+to be correct. Every rank all-gathers every split matrix's gradient
+(``DTensor.full_tensor``), runs the whole-matrix Muon step on a full copy of the
+weight (the same DMuon rule and kernels, ``mode="single"``, so only the distribution
+differs), and keeps its own shard of the result. Traffic per split ``m × n`` matrix
+and step: an all-gather of ``(t−1)/t · m·n`` elements; work: the whole matrix's
+Newton–Schulz on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["GatherMuon", "parallelize_mlps"]
+
+
+def parallelize_mlps(model: nn.Module, mesh: Any) -> nn.Module:
+    """Split ``model.blocks[i].mlp`` (``fc`` colwise, ``proj`` rowwise) over ``mesh``."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    for block in model.blocks:  # type: ignore[union-attr]
+        parallelize_module(block.mlp, mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+    return model
+
+
+class GatherMuon:
+    """Vanilla Muon on a tensor-parallel model: gather each split matrix, step it whole.
+
+    Args:
+        model: the parallelised model.
+        make: ``make(param_groups) → optimizer``, e.g. ``lambda g: DMuon(g, mode="single",
+            lr=...)``; it gets the model's groups with every split matrix replaced by a
+            full, plain copy.
+    """
+
+    def __init__(self, model: nn.Module, make: Any) -> None:
+        from dmuon.optim import param_groups
+        from dmuon.optim.engine import placement_of
+
+        self.pairs: list[tuple[torch.Tensor, nn.Parameter]] = []
+        groups = []
+        for g in param_groups(model):
+            g = dict(g)
+            params = []
+            for name, p in zip(g["param_names"], g["params"], strict=True):
+                if g.get("algorithm") != "scalar" and placement_of(p, name).tensor_split:
+                    full = nn.Parameter(p.detach().full_tensor().clone())
+                    self.pairs.append((p, full))
+                    params.append(full)
+                else:
+                    params.append(p)
+            g["params"] = params
+            groups.append(g)
+        self.opt = make(groups)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        for p, full in self.pairs:
+            full.grad = None if p.grad is None else p.grad.full_tensor()  # type: ignore[attr-defined]
+        self.opt.step()
+        for p, full in self.pairs:  # this rank's shard of the new whole weight
+            mine = distribute_tensor(full.detach(), p.device_mesh, p.placements, src_data_rank=None)  # type: ignore[attr-defined]
+            p.to_local().copy_(mine.to_local())  # type: ignore[attr-defined]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+        for p, _ in self.pairs:
+            p.grad = None
