@@ -66,8 +66,8 @@ def run_split(name: str, G: torch.Tensor, sizes: list[int], dim: int, steps: int
     def rank(i: int) -> None:
         try:
             split = MatrixSplit(dim, (m, n), group.reduce_for(i), ("threads", len(sizes)))
-            shard0 = G[0].split(sizes, dim=dim)[i]
-            state = {s.name: torch.zeros_like(shard0) for s in rule.state_specs()}
+            B, mi, ni = G[0].split(sizes, dim=dim)[i].shape
+            state = {s.name: torch.zeros(s.batch_shape(B, mi, ni)) for s in rule.state_specs()}
             for s in range(steps):
                 shard = G[s].split(sizes, dim=dim)[i]
                 U, scale = rule.update(shard, state, rule_hp(name), step=s + 1, split=split)
@@ -88,7 +88,7 @@ def run_split(name: str, G: torch.Tensor, sizes: list[int], dim: int, steps: int
 
 def run_whole(name: str, G: torch.Tensor, steps: int) -> torch.Tensor:
     rule = get_rule(name)
-    state = {s.name: torch.zeros_like(G[0]) for s in rule.state_specs()}
+    state = {s.name: torch.zeros(s.batch_shape(*G[0].shape)) for s in rule.state_specs()}
     outs = []
     for s in range(steps):
         U, scale = rule.update(G[s], state, rule_hp(name), step=s + 1)
@@ -117,24 +117,25 @@ def test_shards_put_together_equal_the_whole(name, shape, dim, sizes):
     split = run_split(name, G, sizes, dim, steps)
     assert split.shape == whole.shape
     err = (split - whole).abs().max().item() / whole.abs().max().item()
-    # fp32 rounding: measured ≤ 9e-6 over these cases; shards orthogonalised each on its
-    # own (no reduce) are off by 0.69
-    assert err < 5e-5, f"{name} {shape} split {sizes} along {dim}: relative error {err:.2e}"
+    # fp32 rounding: measured ≤ 9e-6 over these cases, ≤ 4e-5 for AdaMuon (its elementwise
+    # division amplifies the rounding of small entries); shards orthogonalised each on
+    # its own (no reduce) are off by 0.69
+    assert err < 1e-4, f"{name} {shape} split {sizes} along {dim}: relative error {err:.2e}"
 
 
 def test_every_rule_says_whether_it_splits_and_which_links_need_the_whole():
-    assert SPLITTING == ["mona", "muon", "muon2", "scion"]
+    assert SPLITTING == ["adamuon", "mona", "muon", "muon2", "normuon", "scion"]
     for name, rule in RULES.items():
         assert rule.splits == (not rule.unsplittable()), name
-    assert get_rule("normuon").unsplittable() == ("RowNormalize",)
+    assert get_rule("dion3").unsplittable() == ("ErrorFeedbackSelect",)
 
 
 def test_a_rule_that_needs_the_whole_matrix_refuses_a_split():
     split = MatrixSplit(-1, (4, 8), lambda t, op: t, ("one",))
-    rule = get_rule("normuon")
+    rule = get_rule("musec")
     state = {s.name: torch.zeros(s.batch_shape(1, 4, 4)) for s in rule.state_specs()}
-    with pytest.raises(ValueError, match=r"rule 'normuon' cannot step a shard.*RowNormalize"):
-        rule.update(torch.randn(1, 4, 4), state, rule_hp("normuon"), split=split)
+    with pytest.raises(ValueError, match=r"rule 'musec' cannot step a shard.*SpectralClip"):
+        rule.update(torch.randn(1, 4, 4), state, rule_hp("musec"), split=split)
 
 
 def test_matrix_split_checks_its_dimension():

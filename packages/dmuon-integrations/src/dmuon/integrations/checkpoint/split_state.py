@@ -24,13 +24,15 @@ def as_saved(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``value``, a state tensor of ``param``, in the form a checkpoint stores.
 
     A plain tensor of the shape of a DTensor parameter's local shard becomes a
-    DTensor with the parameter's mesh, placements and global shape; anything else
-    (a scalar ``step``, a DTensor, the state of a plain parameter) is returned as it is.
+    DTensor with the parameter's mesh, placements and global shape. Per-row state
+    (NorMuon's ``row_second_moment``) of a matrix split by rows becomes the DTensor of
+    the whole column of rows, split the same way; of a matrix split by columns it is
+    whole and the same on every rank, and stays as it is. Anything else (a scalar
+    ``step``, a DTensor, the state of a plain parameter) is returned as it is.
 
     Raises:
         NotImplementedError: a plain, non-scalar state tensor of a DTensor parameter
-            whose shape is neither the parameter's local nor its global one (per-row
-            state of a split matrix: no rule that steps shards has one).
+            of none of these shapes.
 
     Examples:
         >>> import torch
@@ -43,6 +45,21 @@ def as_saved(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     local = param.to_local()  # type: ignore[attr-defined]
     if tuple(value.shape) == tuple(param.shape) and tuple(local.shape) != tuple(param.shape):
         return value  # whole (an owner's state; never the case in single mode)
+    rows_split = tuple(local.shape[:1]) != tuple(param.shape[:1])
+    if value.dim() == 1 and param.dim() == 2:
+        if value.shape[0] == param.shape[0] and not rows_split:
+            return value  # per-row state of whole rows: the same on every rank
+        if value.shape[0] == local.shape[0] and rows_split:
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(
+                value,
+                param.device_mesh,  # type: ignore[attr-defined]
+                param.placements,  # type: ignore[attr-defined]
+                run_check=False,
+                shape=param.shape[:1],
+                stride=(1,),
+            )
     if tuple(value.shape) != tuple(local.shape):
         raise NotImplementedError(
             f"optimizer state of shape {tuple(value.shape)} for a DTensor parameter of local "

@@ -39,8 +39,11 @@ __all__ = ["STATS_NAME", "check_split_rules", "split_of"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-STATS_NAME = "tensor_parallel_gram"
-"""The name the Gram all-reduces are counted under in :func:`dmuon.comm.default_stats`."""
+STATS_NAME = "tensor_parallel_reduce"
+"""The name under which :func:`dmuon.comm.default_stats` counts every reduction a chain
+makes over the group of a split matrix: the Gram matrices and the normalisation's
+scalars of the polar factor, and the Frobenius norms and row sums of NorMuon's and
+AdaMuon's normalisations."""
 
 
 def split_of(p: torch.Tensor, name: str = "", stats: CommStats | None = None) -> MatrixSplit | None:

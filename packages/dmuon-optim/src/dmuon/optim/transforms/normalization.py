@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 
 from dmuon.optim.hyperparameters import Option, real
+from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.transforms.base import StateSpec, StepContext, Transform
 
 __all__ = [
@@ -43,12 +44,30 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-def match_frobenius(Y: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """``Y·‖X‖_F/‖Y‖_F`` per matrix of the batch; a zero ``Y`` stays zero."""
-    nx = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-    ny = torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True)
+def match_frobenius(
+    Y: torch.Tensor, X: torch.Tensor, split: MatrixSplit | None = None
+) -> torch.Tensor:
+    """``Y·‖X‖_F/‖Y‖_F`` per matrix of the batch; a zero ``Y`` stays zero.
+
+    On the shards of a split matrix (``split``), the norms are of the whole matrices:
+    the shards' squared norms, summed over the group in one reduction.
+    """
+    if split is None:
+        nx = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+        ny = torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True)
+    else:
+        squares = torch.stack([X.square().sum(dim=(-2, -1)), Y.square().sum(dim=(-2, -1))])
+        squares = _summed(squares, split)
+        nx, ny = (s.sqrt()[:, None, None] for s in squares)
     ratio = torch.where(ny > 0, nx / torch.where(ny > 0, ny, torch.ones_like(ny)), 0.0)
     return Y * ratio
+
+
+def _summed(t: torch.Tensor, split: MatrixSplit) -> torch.Tensor:
+    """``t`` summed over the ranks of ``split``'s group (a contiguous copy, reduced)."""
+    t = t.contiguous()
+    out = split.reduce(t, "sum")
+    return t if out is None else out
 
 
 @dataclass(frozen=True)
@@ -61,6 +80,11 @@ class RowNormalize(Transform):
     Chen, Zhao, *NorMuon*, arXiv 2510.05491; microsoft/dion ``dion/normuon.py``.
 
     Hyperparameters: ``beta2``, ``eps``. State: ``row_second_moment`` (``row``).
+
+    On the shards of a split matrix: split by rows, each rank's rows are whole and
+    ``v`` is its rows'; split by columns, each row's sum of squares is summed over
+    the group (divided by the whole width) and every rank keeps the same ``v``. The
+    Frobenius rescale uses the whole matrix's norms (:func:`match_frobenius`).
 
     Examples:
         >>> import torch
@@ -78,6 +102,7 @@ class RowNormalize(Transform):
         return (StateSpec(self.name, "row"),)
 
     hyperparameters: ClassVar[Mapping[str, Option]] = {"beta2": _BETA2, "eps": _EPS}
+    splits: ClassVar[bool] = True  # rows' sums and the rescale's norms over the group
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
@@ -85,11 +110,16 @@ class RowNormalize(Transform):
         beta2, eps = float(ctx.hp["beta2"]), float(ctx.hp["eps"])
         v, Xw = state[self.name], _wide(X)
         vw = _wide(v)
-        vw.mul_(beta2).add_(Xw.square().mean(dim=-1), alpha=1.0 - beta2)
+        split = ctx.split
+        if split is not None and split.dim == -1:  # a row's entries are on every rank
+            row_mean = _summed(Xw.square().sum(dim=-1), split) / split.shape[1]
+        else:
+            row_mean = Xw.square().mean(dim=-1)
+        vw.mul_(beta2).add_(row_mean, alpha=1.0 - beta2)
         if vw is not v:
             v.copy_(vw)
         Y = Xw / (vw.sqrt().unsqueeze(-1) + eps)
-        return match_frobenius(Y, Xw).to(X.dtype)
+        return match_frobenius(Y, Xw, split).to(X.dtype)
 
 
 @dataclass(frozen=True)
@@ -115,6 +145,7 @@ class ElementwiseNormalize(Transform):
         return (StateSpec("second_moment", "matrix"),)
 
     hyperparameters: ClassVar[Mapping[str, Option]] = {"beta2": _BETA2, "eps": _EPS}
+    splits: ClassVar[bool] = True  # elementwise, and the rescale's norms over the group
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
@@ -126,7 +157,7 @@ class ElementwiseNormalize(Transform):
         if Vw is not V:
             V.copy_(Vw)
         Y = Xw / (Vw.sqrt() + eps)
-        return match_frobenius(Y, Xw).to(X.dtype)
+        return match_frobenius(Y, Xw, ctx.split).to(X.dtype)
 
 
 @dataclass(frozen=True)
