@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dmuon.comm.faults import wait_work
 from dmuon.comm.torch_compat import all_gather_single
 
 __all__ = ["all_gather_objects"]
@@ -27,11 +28,15 @@ def _device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
+_WHAT = "all-gather of picklable objects"
+
+
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Every rank's ``obj``, in rank order of ``group`` (picklable objects only).
 
     Every rank of ``group`` must call it. Without a process group (or with a group
-    of one rank) it returns ``[obj]``.
+    of one rank) it returns ``[obj]``. Its waits run under the current
+    :func:`~dmuon.comm.collective_timeout`.
 
     Examples:
         >>> all_gather_objects({"rank": 0, "text": "fine"})  # one process
@@ -44,12 +49,12 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
     n = dist.get_world_size(group)
     sizes = torch.empty(n, dtype=torch.int64, device=device)
     mine = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    all_gather_single(sizes, mine, group=group)
+    wait_work(all_gather_single(sizes, mine, group=group, async_op=True), _WHAT, group)
     lengths = sizes.tolist()
     longest = max(lengths)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     everyone = torch.empty(n * longest, dtype=torch.uint8, device=device)
-    all_gather_single(everyone, padded, group=group)
+    wait_work(all_gather_single(everyone, padded, group=group, async_op=True), _WHAT, group)
     rows = everyone.view(n, longest).cpu()
     return [pickle.loads(bytes(rows[r, : lengths[r]].tolist())) for r in range(n)]

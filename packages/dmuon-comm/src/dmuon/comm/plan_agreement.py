@@ -8,6 +8,7 @@ import json
 import torch
 import torch.distributed as dist
 
+from dmuon.comm.faults import wait_work
 from dmuon.comm.owner_plan import OwnerPlan
 from dmuon.comm.process_groups import group_size
 from dmuon.comm.torch_compat import all_gather_single
@@ -78,7 +79,10 @@ def check_plan_consistency(plan: OwnerPlan, group: dist.ProcessGroup | None = No
     else:
         width = len(mine)
         gathered = torch.empty(n * width, dtype=torch.int64)
-        all_gather_single(gathered, torch.tensor(mine, dtype=torch.int64), group=group)
+        work = all_gather_single(
+            gathered, torch.tensor(mine, dtype=torch.int64), group=group, async_op=True
+        )
+        wait_work(work, "all-gather of the owner plan's digest", group)
         rows = [gathered[r * width : (r + 1) * width].tolist() for r in range(n)]
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
     wrong_size = [ranks[r] for r, row in enumerate(rows) if row[0] != n]

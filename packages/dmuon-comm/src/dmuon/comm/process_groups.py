@@ -18,6 +18,7 @@ from typing import TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from dmuon.comm.faults import wait_work
 from dmuon.comm.objects import all_gather_objects
 from dmuon.comm.torch_compat import all_gather_single
 
@@ -118,7 +119,8 @@ def agree(
         n = dist.get_world_size(g)
         mine = torch.tensor([int(bad), fingerprint_value], dtype=torch.int64)
         everyone = torch.empty(2 * n, dtype=torch.int64)
-        all_gather_single(everyone, mine, group=g)
+        work = all_gather_single(everyone, mine, group=g, async_op=True)
+        wait_work(work, f"all-gather of the {op!r} check's flags", g)
         flags, prints = everyone[0::2].tolist(), everyone[1::2].tolist()
         ranks = dist.get_process_group_ranks(g) if g is not None else list(range(n))
         # The odd ones out differ from the most common fingerprint (ties: the lowest rank's).

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dmuon.comm import collective_timeout
 from dmuon.comm.roll_call import start_responder
 from dmuon.optim.batches import Bucket, Sink
 from dmuon.optim.deadline import Deadline, check_timeout
@@ -202,13 +203,14 @@ class DMuon(torch.optim.Optimizer):
         self._reset()
         super().__init__(params, self._group_defaults.torch_defaults())
         self._group_defaults.check_options_used(self.param_groups)
-        self._engine: Engine = make_engine(
-            self,
-            mode=mode,
-            distributed=distributed,
-            process_group=process_group,
-            pipeline_depth=pipeline_depth,
-        )
+        with collective_timeout(self._deadline.seconds()):  # the plan's and model's checks
+            self._engine: Engine = make_engine(
+                self,
+                mode=mode,
+                distributed=distributed,
+                process_group=process_group,
+                pipeline_depth=pipeline_depth,
+            )
         self._engine.set_timeout(self._deadline.seconds())
         if self._engine.world_size > 1:
             start_responder(store)  # answers roll calls when a peer's collective fails

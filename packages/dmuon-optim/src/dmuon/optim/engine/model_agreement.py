@@ -22,6 +22,7 @@ from dmuon.comm import (
     PlanMismatchError,
     all_gather_objects,
     check_plan_consistency,
+    wait_work,
 )
 from dmuon.comm.torch_compat import all_gather_single
 
@@ -135,7 +136,10 @@ def check_model_consistency(
     # rank of every shard group, so if any shard group disagreed every rank learns
     # it (and its message) here, and no rank goes on alone.
     flags = torch.empty(R, dtype=torch.int64)
-    all_gather_single(flags, torch.tensor([int(err is not None)]), group=replicate_group)
+    work = all_gather_single(
+        flags, torch.tensor([int(err is not None)]), group=replicate_group, async_op=True
+    )
+    wait_work(work, "all-gather of the plan check's verdicts", replicate_group)
     if bool(flags.any()):
         texts = all_gather_objects(None if err is None else str(err), group=replicate_group)
         if err is not None:

@@ -37,6 +37,7 @@ from dmuon.comm import (
     OwnerPlan,
     broadcast_from_owners,
     collective_timeout,
+    wait_work,
 )
 from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.layer_record import OwnerLayer
@@ -330,6 +331,7 @@ class Publication:
         for names in by_dtype.values():
             tensors = {n: self._params[n].detach() for n in names}
             b = FlatBucket.from_tensors(tensors)
-            dist.broadcast(b.buffer, group_src=0, group=self.group)
+            work = dist.broadcast(b.buffer, group_src=0, group=self.group, async_op=True)
+            wait_work(work, "broadcast of rank 0's replicated parameters", self.group)
             with torch.no_grad():
                 b.unpack_into(tensors)
