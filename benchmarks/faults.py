@@ -3,7 +3,10 @@
 World of 3 CPU ranks (gloo), a 3-layer MLP, ``DMuon(timeout=T)``. In step 2, rank 2
 either kills itself with SIGKILL or sleeps, after stepping its first layer — while
 the others already wait for its results — or (``skip``) runs forward and backward
-and then skips ``opt.step()``, as a loop that catches an error and ``continue``s.
+and then skips ``opt.step()``, as a loop that catches an error and ``continue``s,
+or (``stall``) sleeps between its forward and its backward, while the others'
+backward waits for what it sends (owner mode with ``reshard_after_forward=True``:
+the re-broadcast of the freed weights its layers own).
 For each mode and fault, every survivor reports the error class, why
 (``peer_died``: gloo saw the connection close; ``timeout``: no answer within
 ``T``), which rank the error names (the one absent from the roll call after a
@@ -50,6 +53,8 @@ def _build(mode: str, world: int, timeout: float):
     kw: dict = {"timeout": timeout, "store": rank_store()}
     if mode == "owner":
         kw["distributed"] = ddp.dedicate(model)
+    elif mode == "owner_reshard":  # ZeRO-3-like: weights freed after forward, re-broadcast
+        kw["distributed"] = ddp.dedicate(model, reshard_after_forward=True)
     elif mode == "replicated":
         forward, kw["mode"] = DDP(model), "replicated"
     else:
@@ -80,11 +85,15 @@ def _rank(rank: int, world: int, mode: str, fault: str, timeout: float):
     forward, opt = _build(mode, world, timeout)
     g = torch.Generator().manual_seed(rank)
     for step in range(1, 4):
-        if rank == FAULTY and step == 2 and fault != "skip":
+        if rank == FAULTY and step == 2 and fault in ("kill", "hang"):
             opt.step_matrices = _faulty(opt.step_matrices, fault)
         t0 = time.monotonic()
         try:
-            F.mse_loss(forward(torch.randn(8, 32, generator=g)), torch.zeros(8, 32)).backward()
+            loss = F.mse_loss(forward(torch.randn(8, 32, generator=g)), torch.zeros(8, 32))
+            if rank == FAULTY and step == 2 and fault == "stall":
+                time.sleep(4 * timeout)  # stalls before its backward, then leaves
+                raise SystemExit("the stalled rank gives up")
+            loss.backward()
             if rank == FAULTY and step == 2 and fault == "skip":
                 continue  # the misuse: this rank skips opt.step()
             opt.step()
@@ -107,28 +116,29 @@ def main() -> None:
     args = parser.parse_args()
     _TIMEOUT[0] = args.timeout
     rows = []
-    for mode in ("owner", "replicated", "sharded"):
-        for fault in ("kill", "hang", "skip"):
-            # a skipping rank waits in DDP's/FSDP2's own collective: the harness ends it
-            limit = 30 if fault == "skip" else 90
-            try:
-                values = run_on_ranks(_rank, WORLD, args=(mode, fault, args.timeout), timeout=limit)
-                outcomes = [RankOutcome(r, "ok", value=v) for r, v in enumerate(values)]
-            except RankFailure as failure:
-                outcomes = failure.outcomes
-            for o in outcomes:
-                if o.rank == FAULTY:
-                    continue
-                v = (
-                    o.value
-                    if o.status == "ok"
-                    else {"reason": o.status, "named": [], "seconds": float("nan")}
-                )
-                rows.append({"mode": mode, "fault": fault, "rank": o.rank, **v})
-                print(
-                    f"{mode:10s} {fault:5s} rank {o.rank}: {v['reason']:9s} "
-                    f"names rank(s) {v['named']}  {v['seconds']:6.2f} s"
-                )
+    cases = [(m, f) for m in ("owner", "replicated", "sharded") for f in ("kill", "hang", "skip")]
+    cases += [("owner_reshard", "stall")]
+    for mode, fault in cases:
+        # a skipping rank waits in DDP's/FSDP2's own collective: the harness ends it
+        limit = 30 if fault == "skip" else 90
+        try:
+            values = run_on_ranks(_rank, WORLD, args=(mode, fault, args.timeout), timeout=limit)
+            outcomes = [RankOutcome(r, "ok", value=v) for r, v in enumerate(values)]
+        except RankFailure as failure:
+            outcomes = failure.outcomes
+        for o in outcomes:
+            if o.rank == FAULTY:
+                continue
+            v = (
+                o.value
+                if o.status == "ok"
+                else {"reason": o.status, "named": [], "seconds": float("nan")}
+            )
+            rows.append({"mode": mode, "fault": fault, "rank": o.rank, **v})
+            print(
+                f"{mode:10s} {fault:5s} rank {o.rank}: {v['reason']:9s} "
+                f"names rank(s) {v['named']}  {v['seconds']:6.2f} s"
+            )
     out = pathlib.Path(__file__).parent / "results" / "faults.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"timeout_s": args.timeout, "world": WORLD, "rows": rows}, indent=1))
