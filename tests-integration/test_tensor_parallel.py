@@ -403,3 +403,33 @@ def test_dcp_checkpoint_of_shards_resumes_on_the_shards_and_in_one_process(tmp_p
         for name, w in want.items():
             diff = (got[name] - w).abs().max().item()
             assert diff <= SPLIT_TOLERANCE, f"resumed on {what}: {name} differs by {diff:.2e}"
+
+
+def run_fsdp2_single(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = DeepMLP()
+    for layer in (model.fc1, model.fc2, model.fc3, model.fc4):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = DMuon(param_groups(model), mode="single", **OPT)
+    for t in range(STEPS):
+        x, y = deep_batch(t)
+        rows = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        F.mse_loss(model(x[rows]), y[rows]).backward()  # FSDP2 averages over the ranks
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
+def test_fsdp2_rows_stepped_on_their_shards_in_single_mode_equal_one_process():
+    """FSDP2's ``Shard(0)`` rows are a split like a colwise layer's: ``single`` mode steps
+    them where they are, the Gram matrix all-reduced over the FSDP2 group (sharded
+    mode would all-to-all the rows to one owner instead)."""
+    expected = deep_reference("muon", {})
+    for rank, got in enumerate(run_on_ranks(run_fsdp2_single, 2, timeout=120)):
+        for name, want in expected.items():
+            diff = (got[name] - want).abs().max().item()
+            assert diff <= SPLIT_TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
