@@ -433,3 +433,23 @@ def test_fsdp2_rows_stepped_on_their_shards_in_single_mode_equal_one_process():
         for name, want in expected.items():
             diff = (got[name] - want).abs().max().item()
             assert diff <= SPLIT_TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
+def run_conv_single(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.LazyLinear(2))
+    model(torch.randn(1, 3, 6, 6))  # materialise the lazy layer
+    fully_shard(model, mesh=mesh)
+    return error(lambda: DMuon(param_groups(model), mode="single"))
+
+
+def test_a_sharded_conv_weight_is_refused_in_single_mode_on_every_rank():
+    """Only a 2-D matrix is stepped on its shards: FSDP2's rows of a 4-D conv weight
+    (flattened to a matrix per group) would be orthogonalised as if whole."""
+    for rank, msg in enumerate(run_on_ranks(run_conv_single, 2, timeout=120)):
+        assert msg is not None, f"rank {rank}: the conv weight's shard was stepped as a matrix"
+        assert "'0.weight'" in msg and "mode='single'" in msg, (rank, msg)
+        assert "mode='sharded' does" in msg and "steps it on its shards" not in msg, (rank, msg)

@@ -20,6 +20,7 @@ none (a plain tensor)                  ``single``, ``owner``, ``replicated``,
 ``Shard(0)`` over one mesh dimension,  ``sharded`` (FSDP2; HSDP; a colwise
 ``Replicate()`` over the others        layer's rows, whose gradient is
                                        complete); ``single`` on the shards
+                                       of a 2-D matrix
                                        (:mod:`~dmuon.optim.engine.tensor_split`)
 ``Shard(1)`` over one mesh dimension,  ``single`` on the shards (a rowwise
 ``Replicate()`` over the others        tensor-parallel layer's columns)
@@ -85,30 +86,25 @@ class MatrixPlacement:
         return bool(self.placements)
 
     @property
+    def split_dim(self) -> int | None:
+        """The tensor dimension of the one plain ``Shard`` over exactly one mesh dimension,
+        with ``Replicate()`` over the others; ``None`` for any other layout."""
+        if len(self.shards) != 1 or self.shards[0][2] or self.partial or self.unknown:
+            return None
+        return self.shards[0][1]
+
+    @property
     def row_sharded(self) -> bool:
         """``Shard(0)`` over exactly one mesh dimension, ``Replicate()`` over the others:
         each rank holds whole rows of the matrix (FSDP2, HSDP, a colwise TP layer)."""
-        return (
-            len(self.shards) == 1
-            and self.shards[0][1] == 0
-            and not self.shards[0][2]
-            and not self.partial
-            and not self.unknown
-        )
+        return self.split_dim == 0
 
     @property
     def tensor_split(self) -> bool:
-        """One plain ``Shard(0)`` or ``Shard(1)`` over exactly one mesh dimension,
+        """A 2-D tensor with ``Shard(0)`` or ``Shard(1)`` over exactly one mesh dimension,
         ``Replicate()`` over the others: each rank holds whole rows or whole columns,
         which ``single`` mode steps on the shards (:mod:`~dmuon.optim.engine.tensor_split`)."""
-        return (
-            self.ndim == 2
-            and len(self.shards) == 1
-            and self.shards[0][1] in (0, 1)
-            and not self.shards[0][2]
-            and not self.partial
-            and not self.unknown
-        )
+        return self.ndim == 2 and self.split_dim in (0, 1)
 
     def describe(self) -> str:
         """``(Shard(dim=0),) on mesh dims ('tp',)`` — what the errors print."""
@@ -198,11 +194,8 @@ def supported_by(pl: MatrixPlacement) -> tuple[str, ...]:
     """
     if not pl.distributed:
         return ("single", "owner", "replicated", "sign")
-    if pl.row_sharded:
-        return ("sharded", "single")
-    if pl.tensor_split:
-        return ("single",)
-    return ()
+    modes = ("sharded",) if pl.row_sharded else ()
+    return modes + (("single",) if pl.tensor_split else ())
 
 
 def check_placements(params: Iterable[EngineParam], mode: str) -> None:
@@ -237,11 +230,12 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
                 "on the model first, or pick another mode)"
             )
         if "sharded" in modes:
+            also = "; mode='single' steps it on its shards" if "single" in modes else ""
             raise ValueError(
                 f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), "
                 f"which mode={mode!r} does not step; mode='sharded' does: leave mode unset, "
                 "or dedicate the matrices (dmuon.integrations.fsdp.dedicate) and pass them to "
-                "fully_shard(..., ignored_params=...); mode='single' steps it on its shards"
+                f"fully_shard(..., ignored_params=...){also}"
             )
         if modes:
             raise ValueError(
