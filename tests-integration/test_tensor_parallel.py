@@ -224,42 +224,22 @@ SPLIT_TOLERANCE = 1e-6
 
 def deep_reference(rule: str, options: dict) -> dict[str, torch.Tensor]:
     model = DeepMLP()
-    opt = DMuon(param_groups(model), rule=rule, **OPT, **options)
-    for t in range(STEPS):
-        x, y = deep_batch(t)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, DMuon(param_groups(model), rule=rule, **OPT, **options), range(STEPS))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def run_single_on_shards(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    # Uneven splits: the activations between layers go replicated (torch's styles infer
-    # an uneven Shard(-1) activation's global size from the local one)
-    colwise = ColwiseParallel(output_layouts=Replicate())
-    rowwise = RowwiseParallel(input_layouts=Replicate())
     out = {}
     for rule, options in SPLIT_RULES.items():
-        model = DeepMLP()
-        plan = {"fc1": colwise, "fc2": rowwise, "fc3": colwise, "fc4": rowwise}
-        parallelize_module(model, mesh, plan)
+        model = tp_deep_mlp(mesh)
         shards = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
         opt = DMuon(param_groups(model), mode="single", rule=rule, **OPT, **options)
-        for t in range(STEPS):
-            x, y = deep_batch(t)  # every TP rank sees the whole batch
-            F.mse_loss(model(x), y).backward()
-            default_stats().reset()
-            opt.step()
-            opt.zero_grad()
+        train_steps(model, opt, range(STEPS - 1))  # every TP rank sees the whole batch
+        default_stats().reset()
+        train_steps(model, opt, range(STEPS - 1, STEPS))
         gram = default_stats()[STATS_NAME].payload_bytes  # the last step's
         full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
         out[rule] = (full, shards, gram)
@@ -329,6 +309,9 @@ def test_rules_that_need_the_whole_matrix_are_refused_on_every_rank():
 
 
 def tp_deep_mlp(mesh):
+    """DeepMLP split over ``mesh``. The splits are uneven, so the activations between the
+    layers go replicated: torch's styles infer an uneven ``Shard(-1)`` activation's
+    global size from the local one."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,

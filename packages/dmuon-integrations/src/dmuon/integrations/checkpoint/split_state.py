@@ -42,30 +42,25 @@ def as_saved(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """
     if is_dtensor(value) or not is_dtensor(param) or value.dim() == 0:
         return value
-    local = param.to_local()  # type: ignore[attr-defined]
-    if tuple(value.shape) == tuple(param.shape) and tuple(local.shape) != tuple(param.shape):
+    shape, local = tuple(value.shape), tuple(param.to_local().shape)  # type: ignore[attr-defined]
+    whole = tuple(param.shape)
+    if shape == whole and local != whole:
         return value  # whole (an owner's state; never the case in single mode)
-    rows_split = tuple(local.shape[:1]) != tuple(param.shape[:1])
-    if value.dim() == 1 and param.dim() == 2:
-        if value.shape[0] == param.shape[0] and not rows_split:
-            return value  # per-row state of whole rows: the same on every rank
-        if value.shape[0] == local.shape[0] and rows_split:
-            from torch.distributed.tensor import DTensor
-
-            return DTensor.from_local(
-                value,
-                param.device_mesh,  # type: ignore[attr-defined]
-                param.placements,  # type: ignore[attr-defined]
-                run_check=False,
-                shape=param.shape[:1],
-                stride=(1,),
-            )
-    if tuple(value.shape) != tuple(local.shape):
+    rows_split = local[:1] != whole[:1]
+    per_row = value.dim() == 1 and param.dim() == 2
+    if per_row and not rows_split and shape == whole[:1]:
+        return value  # per-row state of whole rows: the same on every rank
+    target: tuple[int, ...]
+    stride: tuple[int, ...]
+    if per_row and rows_split and shape == local[:1]:
+        target, stride = whole[:1], (1,)  # split like the rows (the parameter's Shard(0))
+    elif shape == local:
+        target, stride = whole, param.stride()
+    else:
         raise NotImplementedError(
-            f"optimizer state of shape {tuple(value.shape)} for a DTensor parameter of local "
-            f"shape {tuple(local.shape)} (global {tuple(param.shape)}, placements "
-            f"{tuple(param.placements)}): a checkpoint can store state shaped like the "  # type: ignore[attr-defined]
-            "parameter's shard only"
+            f"optimizer state of shape {shape} for a DTensor parameter of local shape "
+            f"{local} (global {whole}, placements {tuple(param.placements)}): a "  # type: ignore[attr-defined]
+            "checkpoint can store state shaped like the parameter's shard, or per row, only"
         )
     from torch.distributed.tensor import DTensor
 
@@ -74,8 +69,8 @@ def as_saved(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         param.device_mesh,  # type: ignore[attr-defined]
         param.placements,  # type: ignore[attr-defined]
         run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
+        shape=torch.Size(target),
+        stride=stride,
     )
 
 
