@@ -40,6 +40,8 @@ COLLECTIVES = {
     "all_to_all",
     "send",
     "recv",
+    "isend",
+    "irecv",
     "barrier",
     "monitored_barrier",
     "all_gather_object",
@@ -90,27 +92,6 @@ UNTIMED = {
         "reduce_scatter_single",
         "reduce_scatter_tensor",
     ): ("the wrapper itself: its callers pass async_op=True (checked as wrapper calls)"),
-    ("dmuon-integrations/src/dmuon/integrations/checkpoint/full.py", "_gather_owned", "send"): (
-        "checkpointing, outside a training step: under the process group's timeout"
-    ),
-    ("dmuon-integrations/src/dmuon/integrations/checkpoint/full.py", "_gather_owned", "recv"): (
-        "checkpointing, outside a training step: under the process group's timeout"
-    ),
-    (
-        "dmuon-integrations/src/dmuon/integrations/checkpoint/sharded_state.py",
-        "state_to_save",
-        "broadcast",
-    ): "checkpointing, outside a training step: under the process group's timeout",
-    (
-        "dmuon-integrations/src/dmuon/integrations/checkpoint/sharded_state.py",
-        "owner_steps",
-        "all_reduce",
-    ): "checkpointing, outside a training step: under the process group's timeout",
-    (
-        "dmuon-integrations/src/dmuon/integrations/hf/state.py",
-        "gather_full_state_dict",
-        "broadcast",
-    ): ("checkpointing (Trainer's save), outside a training step: the process group's timeout"),
     ("dmuon-optim/src/dmuon/optim/planner/calibrate.py", "_link_rank", "barrier"): (
         "dmuon-plan --calibrate's timing of the links, a tool run of its own"
     ),
@@ -121,6 +102,9 @@ UNTIMED = {
 
 
 def _async(call: ast.Call) -> bool:
+    fn = call.func
+    if isinstance(fn, ast.Attribute) and fn.attr in ("isend", "irecv"):
+        return True  # always asynchronous: they return their work
     return any(
         k.arg == "async_op" and isinstance(k.value, ast.Constant) and k.value.value is True
         for k in call.keywords
@@ -184,6 +168,10 @@ def test_every_wait_site_is_timed_or_listed_with_its_reason():
         ("owner_collectives.py", "reduce_to_owners"),
         ("plan_agreement.py", "check_plan_consistency"),
         ("objects.py", "all_gather_objects"),
+        ("full.py", "_gather_owned"),  # checkpoints: checkpoint/deadline.py
+        ("sharded_state.py", "_gathered_state"),
+        ("sharded_state.py", "owner_steps"),
+        ("state.py", "gather_full_state_dict"),
     ]:
         assert expected in names, f"{expected} not found among the timed collectives: {names}"
 

@@ -312,6 +312,22 @@ class DMuon(torch.optim.Optimizer):
         self.last_step = report
         return loss
 
+    def collective_deadline(self) -> float | None:
+        """The deadline, in seconds, of DMuon's collectives now (``None``: the group's).
+
+        What ``timeout=`` gives at this point of training (for ``"auto"``, from the
+        iterations measured so far): the steps run under it, and so do the
+        collectives of DMuon's checkpoint functions
+        (:mod:`dmuon.integrations.checkpoint`).
+
+        Examples:
+            >>> import torch
+            >>> DMuon([torch.nn.Parameter(torch.zeros(4, 4))], timeout=5).collective_deadline()
+            5.0
+        """
+        self._deadline.setting = check_timeout(self.timeout)
+        return self._deadline.seconds()
+
     def _next_deadline(self) -> float | None:
         """The deadline of this step's collectives (and of the hooks' until the next)."""
         self._deadline.setting = check_timeout(self.timeout)

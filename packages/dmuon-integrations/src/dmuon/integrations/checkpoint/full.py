@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from dmuon.comm import wait_work
 from dmuon.integrations.checkpoint.compat import (
     CheckpointMismatchError,
     check_compatible,
@@ -33,6 +34,7 @@ from dmuon.integrations.checkpoint.compat import (
     saved_groups,
 )
 from dmuon.integrations.checkpoint.dcp import describe_optimizer
+from dmuon.integrations.checkpoint.deadline import checkpoint_deadline
 from dmuon.integrations.checkpoint.holders import Holding, holdings, release, settle
 from dmuon.integrations.checkpoint.sharded_state import group_records, owner_steps
 from dmuon.integrations.checkpoint.split_state import as_saved
@@ -59,11 +61,13 @@ def _gather_owned(h: Holding, value: torch.Tensor, shape: tuple[int, ...]) -> to
     if h.owner == first:
         return value.detach().cpu().clone() if me == first else None
     if me == h.owner:
-        dist.send(value.detach().contiguous(), group_dst=first, group=group)
+        work = dist.isend(value.detach().contiguous(), group_dst=first, group=group)
+        wait_work(work, "send of an owner's state to rank 0", group)
         return None
     if me == first:
         out = torch.empty(shape, dtype=value.dtype, device=value.device)
-        dist.recv(out, group_src=h.owner, group=group)
+        work = dist.irecv(out, group_src=h.owner, group=group)
+        wait_work(work, f"receive of rank {h.owner}'s state", group)
         return out.cpu()
     return None
 
@@ -102,36 +106,37 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
     held = holdings(model, optimizer)
     settle(optimizer)
     try:
-        model_sd: dict[str, Any] = get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        # On a CPU, DSD hands back plain parameters themselves: copy them here, before
-        # release() frees the weights this rank does not own (reshard_after_forward),
-        # and so that the dict does not follow the training that goes on.
-        model_sd = {k: v.detach().clone() for k, v in model_sd.items()} if _rank0() else {}
-        steps = owner_steps(optimizer, [h for h in held if h.owner is not None])
-        state: dict[str, dict[str, torch.Tensor]] = {}
-        from dmuon.integrations.checkpoint.compat import expected_state_shapes
+        with checkpoint_deadline(optimizer, "DMuon checkpoint save (full)"):
+            model_sd: dict[str, Any] = get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            # On a CPU, DSD hands back plain parameters themselves: copy them here, before
+            # release() frees the weights this rank does not own (reshard_after_forward),
+            # and so that the dict does not follow the training that goes on.
+            model_sd = {k: v.detach().clone() for k, v in model_sd.items()} if _rank0() else {}
+            steps = owner_steps(optimizer, [h for h in held if h.owner is not None])
+            state: dict[str, dict[str, torch.Tensor]] = {}
+            from dmuon.integrations.checkpoint.compat import expected_state_shapes
 
-        for h in held:
-            current = optimizer.state[h.param]
-            shapes = expected_state_shapes(h, optimizer.param_groups[h.group_index])
-            entry: dict[str, torch.Tensor] = {}
-            for key, value in current.items():
-                full: torch.Tensor | None
-                # a split matrix's shards as one DTensor (split_state.py)
-                stored: Any = as_saved(value, h.param) if h.owner is None else value
-                if key == "step" and h.owner is not None:
-                    full = steps[h.fqn].cpu().clone()
-                elif h.owner is not None:
-                    full = _gather_owned(h, value, shapes[key])
-                elif is_dtensor(stored):
-                    full = stored.full_tensor().cpu()
-                else:
-                    full = value.detach().cpu().clone()
-                if full is not None:
-                    entry[key] = full
-            state[h.fqn] = entry
+            for h in held:
+                current = optimizer.state[h.param]
+                shapes = expected_state_shapes(h, optimizer.param_groups[h.group_index])
+                entry: dict[str, torch.Tensor] = {}
+                for key, value in current.items():
+                    full: torch.Tensor | None
+                    # a split matrix's shards as one DTensor (split_state.py)
+                    stored: Any = as_saved(value, h.param) if h.owner is None else value
+                    if key == "step" and h.owner is not None:
+                        full = steps[h.fqn].cpu().clone()
+                    elif h.owner is not None:
+                        full = _gather_owned(h, value, shapes[key])
+                    elif is_dtensor(stored):
+                        full = stored.full_tensor().cpu()
+                    else:
+                        full = value.detach().cpu().clone()
+                    if full is not None:
+                        entry[key] = full
+                state[h.fqn] = entry
     finally:
         release(optimizer)
     if not _rank0():

@@ -30,7 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dmuon.comm import wait_work
 from dmuon.integrations.checkpoint.compat import expected_state_shapes
+from dmuon.integrations.checkpoint.deadline import checkpoint_deadline
 from dmuon.integrations.checkpoint.holders import Holding, holdings
 from dmuon.integrations.checkpoint.split_state import as_saved
 from dmuon.optim import DMuon
@@ -88,7 +90,13 @@ def optimizer_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
 
 @torch.no_grad()
 def state_to_save(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, Any]:
-    """:func:`optimizer_state_dict` for known holdings (collective)."""
+    """:func:`optimizer_state_dict` for known holdings (collective, under the
+    optimizer's deadline: :mod:`~dmuon.integrations.checkpoint.deadline`)."""
+    with checkpoint_deadline(optimizer, "DMuon checkpoint save"):
+        return _gathered_state(optimizer, held)
+
+
+def _gathered_state(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, Any]:
     owned = [h for h in held if h.owner is not None]
     steps = owner_steps(optimizer, owned)
     state: dict[str, dict[str, torch.Tensor]] = {}
@@ -111,7 +119,8 @@ def state_to_save(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, Any]:
                 else torch.empty(shape, dtype=value.dtype, device=value.device)
             )
             if len(shape) == 0:
-                dist.broadcast(full, group_src=h.owner, group=h.group)
+                work = dist.broadcast(full, group_src=h.owner, group=h.group, async_op=True)
+                wait_work(work, f"broadcast of rank {h.owner}'s {key!r} of {h.fqn}", h.group)
                 entry[key] = full
                 continue
             mk = (id(h.group), full.device.type)
@@ -125,7 +134,11 @@ def state_to_save(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, Any]:
 
 
 def owner_steps(optimizer: DMuon, owned: Sequence[Holding]) -> dict[str, torch.Tensor]:
-    """Each owned parameter's ``step`` as its owner counts it, on every rank."""
+    """Each owned parameter's ``step`` as its owner counts it, on every rank.
+
+    A collective; its waits run under the enclosing
+    :func:`~dmuon.integrations.checkpoint.deadline.checkpoint_deadline`.
+    """
     if not owned:
         return {}
     values = torch.stack(
@@ -141,7 +154,8 @@ def owner_steps(optimizer: DMuon, owned: Sequence[Holding]) -> dict[str, torch.T
         by_group.setdefault(id(h.group), []).append(i)
     for indices in by_group.values():
         part = values[indices].clone()
-        dist.all_reduce(part, group=owned[indices[0]].group)
+        group = owned[indices[0]].group
+        wait_work(dist.all_reduce(part, group=group, async_op=True), "all-reduce of steps", group)
         values[indices] = part
     return {
         h.fqn: values[i].to(optimizer.state[h.param]["step"].dtype) for i, h in enumerate(owned)

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dmuon.comm import wait_work
+from dmuon.integrations.checkpoint.deadline import checkpoint_deadline
 from dmuon.optim import DMuon, get_rule, matrix_layout, state_shapes
 from dmuon.optim.engine import PlannedEngine
 
@@ -151,12 +153,14 @@ def gather_full_state_dict(optimizer: Any) -> dict[str, Any]:
                 else:
                     value = torch.empty(shapes[key], dtype=dtype, device=p.device)
                 pending.setdefault((owner, dtype), []).append((st, key, value))
-    for (owner, _dtype), entries in pending.items():
-        flat = torch.cat([v.reshape(-1) for _, _, v in entries])
-        dist.broadcast(flat, group=engine.group, group_src=owner)
-        offset = 0
-        for st, key, value in entries:
-            n = value.numel()
-            st[key] = flat[offset : offset + n].view(value.shape).clone()
-            offset += n
+    with checkpoint_deadline(opt, "DMuon state gather (gather_full_state_dict)"):
+        for (owner, _dtype), entries in pending.items():
+            flat = torch.cat([v.reshape(-1) for _, _, v in entries])
+            work = dist.broadcast(flat, group=engine.group, group_src=owner, async_op=True)
+            wait_work(work, f"broadcast of rank {owner}'s optimizer state", engine.group)
+            offset = 0
+            for st, key, value in entries:
+                n = value.numel()
+                st[key] = flat[offset : offset + n].view(value.shape).clone()
+                offset += n
     return sd

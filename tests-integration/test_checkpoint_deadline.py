@@ -1,0 +1,91 @@
+"""A rank that does not join a checkpoint makes the others raise at DMuon's deadline.
+
+Saving is a collective. Each case trains one step on 2 gloo ranks, then rank 1 does
+not save (it sleeps for four deadlines, then leaves) while rank 0 saves with the
+optimizer's ``timeout=2``. Rank 0 must leave the save with a
+:class:`~dmuon.comm.CollectiveError` that names rank 1 as alive but outside any DMuon
+collective and says which save it was in — not wait for the process group's 30
+minutes (``run_on_ranks``' 60 s would turn that into a failure). Cases: the DCP save
+and the one-file ``full_state_dict`` in owner mode (the owners' ``step`` all-reduce,
+the broadcasts and sends of owned state), and ``gather_full_state_dict`` in
+replicated mode (the Hugging Face Trainer's path: the owners' broadcasts).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed_cases import OPT
+from torch import nn
+
+from dmuon.comm import CollectiveError
+from dmuon.comm.testing import RankFailure, rank_store, run_on_ranks
+from dmuon.optim import DMuon, param_groups
+
+DMUON_TIMEOUT = 2.0
+ABSENT = 1
+WHAT = {
+    "dcp": "DMuon checkpoint save",
+    "full": "DMuon checkpoint save (full)",
+    "hf": "DMuon state gather (gather_full_state_dict)",
+}
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def run_save(rank: int, world: int, how: str, directory: str):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dmuon.integrations import checkpoint, ddp
+    from dmuon.integrations.hf import gather_full_state_dict
+
+    model = _net()
+    kw = dict(OPT, timeout=DMUON_TIMEOUT, store=rank_store())
+    forward: nn.Module = model
+    ded = None
+    if how == "hf":
+        forward, kw["mode"] = DDP(model), "replicated"
+    else:
+        ded = kw["distributed"] = ddp.dedicate(model)
+    opt = DMuon(param_groups(model), **kw)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    F.mse_loss(forward(x), torch.zeros(4, 2)).backward()
+    opt.step()
+    if ded is not None:
+        ded.wait()
+    if rank == ABSENT:  # takes another branch: never saves, then leaves
+        time.sleep(4 * DMUON_TIMEOUT)
+        raise SystemExit("the absent rank gives up")
+    t0 = time.monotonic()
+    try:
+        if how == "dcp":
+            checkpoint.save(directory, model, opt)
+        elif how == "full":
+            checkpoint.full_state_dict(model, opt)
+        else:
+            gather_full_state_dict(opt)
+    except CollectiveError as err:
+        return {"error": str(err), "reason": err.reason, "seconds": time.monotonic() - t0}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("how", ["dcp", "full", "hf"])
+def test_a_rank_missing_from_a_save_is_named_at_the_deadline(tmp_path, how):
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(run_save, 2, args=(how, str(tmp_path / "ckpt")), timeout=60)
+    failure = info.value
+    assert not failure.timed_out, str(failure)
+    saver = failure.outcomes[0]
+    assert saver.status == "ok", f"rank 0: {saver.describe()}\n{saver.traceback}"
+    text = saver.value["error"]
+    assert text is not None, "rank 0 saved without the absent rank"
+    assert saver.value["reason"] == "timeout", text
+    assert text.startswith(WHAT[how]), text
+    assert f"no answer within {DMUON_TIMEOUT:g} s" in text, text
+    assert f"rank {ABSENT} (" in text and "alive but not in a DMuon collective" in text, text
