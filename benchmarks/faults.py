@@ -6,14 +6,19 @@ the others already wait for its results — or (``skip``) runs forward and backw
 and then skips ``opt.step()``, as a loop that catches an error and ``continue``s,
 or (``stall``) sleeps between its forward and its backward, while the others'
 backward waits for what it sends (owner mode with ``reshard_after_forward=True``:
-the re-broadcast of the freed weights its layers own).
+the re-broadcast of the freed weights its layers own), or (``partial``, owner mode
+under ``fsdp.dedicate``) leaves its last block out of the forward, so that block's
+bias, which FSDP2 synchronises, is used on some ranks only (an MoE expert no token
+reached), or (``nosave``) does not join the checkpoint the others save after the
+step (``checkpoint.full_state_dict``).
 For each mode and fault, every survivor reports the error class, why
 (``peer_died``: gloo saw the connection close; ``timeout``: no answer within
 ``T``), which rank the error names (the one absent from the roll call after a
 death, the one alive outside any DMuon collective after a hang or a skip; see
-:mod:`dmuon.comm.roll_call`) and the seconds from the start of the
-failing iteration to the raise. Prints a table and writes
-``benchmarks/results/faults.json``. Nothing here asserts on time.
+:mod:`dmuon.comm.roll_call`; for ``partial``, the parameters a
+:class:`~dmuon.integrations.PartialUseError` names, on every rank including the
+faulty one) and the seconds from the start of the failing iteration to the raise.
+Prints a table and writes ``benchmarks/results/faults.json``. Nothing here asserts on time.
 
     python benchmarks/faults.py               # T = 2 s
     python benchmarks/faults.py --timeout 5
@@ -40,26 +45,45 @@ WORLD, FAULTY = 3, 2
 _TIMEOUT = [2.0]  # set by main(); read by the forked ranks
 
 
+class Blocks(nn.Module):
+    """Three ``Linear(32, 32) → tanh`` blocks; ``partial=True`` leaves out the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        for block in self.blocks[:2] if partial else self.blocks:
+            x = block(x)
+        return x
+
+
 def _build(mode: str, world: int, timeout: float):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from dmuon.integrations import ddp
+    from dmuon.integrations import ddp, fsdp
 
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3)))
+    model = Blocks()
     forward: nn.Module = model
     kw: dict = {"timeout": timeout, "store": rank_store()}
     if mode == "owner":
         kw["distributed"] = ddp.dedicate(model)
     elif mode == "owner_reshard":  # ZeRO-3-like: weights freed after forward, re-broadcast
         kw["distributed"] = ddp.dedicate(model, reshard_after_forward=True)
+    elif mode == "owner_fsdp":  # the matrices dedicated, the biases FSDP2's (one unit)
+        mesh = init_device_mesh("cpu", (world,))
+        kw["distributed"] = ded = fsdp.dedicate(model, mesh)
+        fully_shard(model, mesh=mesh, ignored_params=ded.params)
     elif mode == "replicated":
         forward, kw["mode"] = DDP(model), "replicated"
+    elif mode == "sign":
+        kw["mode"], kw["rule"] = "sign", "sign_muon"
     else:
         mesh = init_device_mesh("cpu", (world,))
-        for block in model:
+        for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     return forward, DMuon(param_groups(model), **kw)
@@ -82,6 +106,8 @@ def _faulty(inner, fault: str):
 
 
 def _rank(rank: int, world: int, mode: str, fault: str, timeout: float):
+    from dmuon.integrations import PartialUseError, checkpoint
+
     forward, opt = _build(mode, world, timeout)
     g = torch.Generator().manual_seed(rank)
     for step in range(1, 4):
@@ -89,7 +115,9 @@ def _rank(rank: int, world: int, mode: str, fault: str, timeout: float):
             opt.step_matrices = _faulty(opt.step_matrices, fault)
         t0 = time.monotonic()
         try:
-            loss = F.mse_loss(forward(torch.randn(8, 32, generator=g)), torch.zeros(8, 32))
+            partial = rank == FAULTY and step == 2 and fault == "partial"
+            out = forward(torch.randn(8, 32, generator=g), partial=partial)
+            loss = F.mse_loss(out, torch.zeros(8, 32))
             if rank == FAULTY and step == 2 and fault == "stall":
                 time.sleep(4 * timeout)  # stalls before its backward, then leaves
                 raise SystemExit("the stalled rank gives up")
@@ -97,6 +125,18 @@ def _rank(rank: int, world: int, mode: str, fault: str, timeout: float):
             if rank == FAULTY and step == 2 and fault == "skip":
                 continue  # the misuse: this rank skips opt.step()
             opt.step()
+            if step == 2 and fault == "nosave":
+                if rank == FAULTY:  # takes another branch: never saves, then leaves
+                    time.sleep(4 * timeout)
+                    raise SystemExit("the rank that did not save gives up")
+                checkpoint.full_state_dict(forward, opt)
+        except PartialUseError as err:
+            return {
+                "reason": "partial_use",
+                "named": err.names,
+                "seconds": time.monotonic() - t0,
+                "message": str(err),
+            }
         except CollectiveError as err:
             roll = err.roll_call
             named = [err.dead_rank] if err.dead_rank is not None else (roll.stalled if roll else [])
@@ -117,7 +157,8 @@ def main() -> None:
     _TIMEOUT[0] = args.timeout
     rows = []
     cases = [(m, f) for m in ("owner", "replicated", "sharded") for f in ("kill", "hang", "skip")]
-    cases += [("owner_reshard", "stall")]
+    cases += [("sign", "skip"), ("owner_reshard", "stall"), ("owner_fsdp", "partial")]
+    cases += [("owner", "nosave")]
     for mode, fault in cases:
         # a skipping rank waits in DDP's/FSDP2's own collective: the harness ends it
         limit = 30 if fault == "skip" else 90
@@ -127,7 +168,7 @@ def main() -> None:
         except RankFailure as failure:
             outcomes = failure.outcomes
         for o in outcomes:
-            if o.rank == FAULTY:
+            if o.rank == FAULTY and fault != "partial":  # partial: every rank must raise
                 continue
             v = (
                 o.value
@@ -136,7 +177,7 @@ def main() -> None:
             )
             rows.append({"mode": mode, "fault": fault, "rank": o.rank, **v})
             print(
-                f"{mode:10s} {fault:5s} rank {o.rank}: {v['reason']:9s} "
+                f"{mode:13s} {fault:7s} rank {o.rank}: {v['reason']:9s} "
                 f"names rank(s) {v['named']}  {v['seconds']:6.2f} s"
             )
     out = pathlib.Path(__file__).parent / "results" / "faults.json"
