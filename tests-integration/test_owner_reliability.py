@@ -181,3 +181,34 @@ def test_state_dict_with_broadcasts_in_flight_holds_the_new_weights():
     for v in _ok_values(run_state_dict_right_after_step):
         assert v["stale"] == [], f"state_dict() returned weights one step old: {v['stale']}"
         assert v["pending"] == [], v
+
+
+def _dedicate_alone(rank: int, world: int):
+    import dmuon.optim.deadline as deadline
+    from dmuon.integrations import ddp
+
+    deadline.AUTO_FLOOR_SECONDS = DMUON_TIMEOUT  # the default deadline, lowered for the test
+    if rank == 1:  # never dedicates (another branch), then leaves
+        time.sleep(STALL)
+        raise SystemExit("the absent rank gives up")
+    try:
+        ddp.dedicate(Net())
+    except CollectiveError as err:
+        return {"error": str(err), "reason": err.reason}
+    return {"error": None}
+
+
+def test_dedicate_waits_for_the_other_ranks_under_the_default_deadline():
+    # dedicate() runs before any DMuon(timeout=) exists: its broadcasts wait under the
+    # floor of timeout="auto" (300 s; lowered here), not the process group's 30 minutes
+    from dmuon.comm.testing import RankFailure
+
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_dedicate_alone, WORLD, timeout=60)
+    failure = info.value
+    assert not failure.timed_out, str(failure)
+    alone = failure.outcomes[0]
+    assert alone.status == "ok", f"rank 0: {alone.describe()}\n{alone.traceback}"
+    text = alone.value["error"]
+    assert text is not None and alone.value["reason"] == "timeout", text
+    assert "dedicate()" in text and f"no answer within {DMUON_TIMEOUT:g} s" in text, text

@@ -11,11 +11,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from dmuon.comm import CommStats, OwnerPlan, plan_owners
+from dmuon.comm import CollectiveError, CommStats, OwnerPlan, collective_timeout, plan_owners
 from dmuon.comm.process_groups import group_size
 from dmuon.integrations.hooks import install_hooks
 from dmuon.integrations.selection import Predicate, mesh_groups, split_parameters
 from dmuon.optim import OwnerExchange
+from dmuon.optim import deadline as auto_deadline
 from dmuon.optim.engine import format_description
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.engine.placements import placement_of
@@ -207,15 +208,26 @@ def build_dedication(
     plan = plan_owners(
         [item for item, _ in dedicated], R * S, strategy=strategy, replicate_size=R, **plan_options
     )
-    exchange = OwnerExchange(
-        dedicated,
-        plan=plan,
-        replicated=rest if all_reduce_rest else (),
-        group=group,
-        replicate_group=replicate_group,
-        stats=stats,
-        reshard_after_forward=reshard_after_forward,
-    )
+    # The model check and the first broadcast of the weights: before DMuon(timeout=)
+    # exists, under the floor of timeout="auto" (a rank that never dedicates is an
+    # error within minutes, not the process group's half hour).
+    seconds = auto_deadline.AUTO_FLOOR_SECONDS
+    try:
+        with collective_timeout(seconds):
+            exchange = OwnerExchange(
+                dedicated,
+                plan=plan,
+                replicated=rest if all_reduce_rest else (),
+                group=group,
+                replicate_group=replicate_group,
+                stats=stats,
+                reshard_after_forward=reshard_after_forward,
+            )
+    except CollectiveError as err:
+        raise err.with_context(
+            f"{kind}.dedicate() (the model check and the owners' first broadcast, under "
+            f"the default deadline of {seconds:g} s: every rank must call dedicate())"
+        ) from err
     ded = Dedication(model, exchange, kind=kind)
     ded.handles = install_hooks(model, exchange)
     return ded

@@ -40,6 +40,7 @@ from dmuon.comm import (
     wait_work,
 )
 from dmuon.comm.process_groups import group_size
+from dmuon.optim import deadline
 from dmuon.optim.engine.layer_record import OwnerLayer
 
 __all__ = ["Publication"]
@@ -72,7 +73,8 @@ class Publication:
 
     Attributes:
         timeout: seconds a wait for weights may take (``None``: the group's timeout);
-            :class:`~dmuon.optim.DMuon` sets it through the exchange.
+            :class:`~dmuon.optim.DMuon` sets it through the exchange. Until then (at
+            ``dedicate()``) it is the floor of ``timeout="auto"``, 300 s.
         published_step: the DMuon step whose weights are in flight (for messages).
 
     Examples:
@@ -109,7 +111,7 @@ class Publication:
         self.replicate_group = replicate_group
         self.stats = stats
         self.reshard_after_forward = reshard_after_forward
-        self.timeout: float | None = None
+        self.timeout: float | None = deadline.AUTO_FLOOR_SECONDS  # until DMuon sets it
         self.published_step = 0
         self._backward_resident: list[str] = []
         self._alias_all()
