@@ -91,7 +91,7 @@ COLWISE = "(Shard(dim=0),) on mesh dims ('tp',)"
 ROWWISE = "(Shard(dim=1),) on mesh dims ('tp',)"
 
 
-def test_every_mode_but_single_refuses_a_tensor_parallel_mlp_on_every_rank():
+def test_every_mode_but_single_refuses_a_tensor_parallel_mlp_over_all_ranks_on_every_rank():
     for rank, out in enumerate(run_on_ranks(run_refusals_tp, 2, timeout=120)):
         assert out["single"] is None, f"rank {rank}: single mode refused: {out['single']}"
         for mode in ("detected", "sharded"):
@@ -99,11 +99,16 @@ def test_every_mode_but_single_refuses_a_tensor_parallel_mlp_on_every_rank():
             assert msg is not None, f"rank {rank}, {mode}: no error"
             assert "'fc2.weight'" in msg and ROWWISE in msg, (rank, mode, msg)
             assert "mode='single' does, on the shards" in msg, (rank, mode, msg)
-        for mode in ("replicated", "sign"):
-            msg = out[mode]
-            assert msg is not None, f"rank {rank}, {mode}: no error"
-            assert "'fc1.weight'" in msg and COLWISE in msg, (rank, mode, msg)
-            assert f"mode={mode!r}" in msg and "mode='sharded' does" in msg, (rank, mode, msg)
+        msg = out["sign"]
+        assert msg is not None, f"rank {rank}, sign: no error"
+        assert "'fc1.weight'" in msg and COLWISE in msg, (rank, msg)
+        assert "mode='sign'" in msg and "mode='sharded' does" in msg, (rank, msg)
+        # replicated mode steps shards with owners over *another* group (dp × tp): over
+        # the tp ranks themselves it is refused (more in the replicated tests below)
+        msg = out["replicated"]
+        assert msg is not None, f"rank {rank}, replicated: no error"
+        assert "'fc1.weight'" in msg and COLWISE in msg, (rank, msg)
+        assert "plans owners over ranks [0, 1]" in msg, (rank, msg)
         for how in ("ddp.dedicate", "fsdp.dedicate"):
             msg = out[how]
             assert msg is not None, f"rank {rank}, {how}: no error"
@@ -436,3 +441,123 @@ def test_a_sharded_conv_weight_is_refused_in_single_mode_on_every_rank():
         assert msg is not None, f"rank {rank}: the conv weight's shard was stepped as a matrix"
         assert "'0.weight'" in msg and "mode='single'" in msg, (rank, msg)
         assert "mode='sharded' does" in msg and "steps it on its shards" not in msg, (rank, msg)
+
+
+# ------------------------------------------------ replicated mode on a dp × tp mesh
+
+REPLICATED_RULES = {"muon": {}, "normuon": {"beta2": 0.9}}
+CLIP = 0.1  # below the gradients' norm (≈ 0.26 here): every step is clipped
+
+
+def clipped_reference(rule: str, options: dict) -> tuple[dict[str, torch.Tensor], list[float]]:
+    from dmuon.optim import clip_grad_norm_
+
+    model = DeepMLP()
+    opt = DMuon(param_groups(model), rule=rule, **OPT, **options)
+    norms = []
+    for t in range(STEPS):
+        x, y = deep_batch(t)
+        F.mse_loss(model(x), y).backward()
+        norms.append(float(clip_grad_norm_(opt, CLIP)))
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def run_replicated_dp_tp(rank, world):
+    """dp 2 × tp 2: each dp row takes half of each global batch, averages its gradients
+    over ``dp`` (what DDP would do), clips with DMuon and steps in replicated mode with
+    owners over ``dp``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import checkpoint
+    from dmuon.integrations.hf import gather_full_state_dict
+    from dmuon.optim import clip_grad_norm_
+    from dmuon.optim.matrix_split import local_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_group()
+    row = mesh.get_coordinate()[0]
+    out = {}
+    for rule, options in REPLICATED_RULES.items():
+        model = tp_deep_mlp(mesh["tp"])
+        opt = DMuon(
+            param_groups(model), mode="replicated", process_group=dp, rule=rule, **OPT, **options
+        )
+        norms = []
+        default_stats().reset()
+        for t in range(STEPS):
+            x, y = deep_batch(t)
+            half = slice(8 * row, 8 * row + 8)
+            F.mse_loss(model(x[half]), y[half]).backward()
+            for p in model.parameters():  # DDP's average over dp, shard by shard
+                g = local_tensor(p.grad)
+                dist.all_reduce(g, group=dp)
+                g.div_(2)
+            norms.append(float(clip_grad_norm_(opt, CLIP)))
+            opt.step()
+            opt.zero_grad()
+        owners = opt.engine.describe()["owners"]
+        gram = default_stats()[STATS_NAME].payload_bytes
+        full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+        out[rule] = (full, norms, owners, gram)
+    # not yet: a checkpoint of the shards' state held by each owner's tp row
+    out["dcp"] = error(lambda: checkpoint.optimizer_state_dict(model, opt))
+    out["hf"] = error(lambda: gather_full_state_dict(opt))
+    return out
+
+
+def test_replicated_mode_on_a_dp_by_tp_mesh_equals_one_process():
+    results = run_on_ranks(run_replicated_dp_tp, 4, timeout=240)
+    for rule, options in REPLICATED_RULES.items():
+        expected, norms = clipped_reference(rule, options)
+        assert min(norms) > CLIP, f"{rule}: clipping never engaged: {norms}"
+        owners = results[0][rule][2]
+        # the plan weighs whole matrices: the same owners on every rank, both dp ranks used
+        assert set(owners.values()) == {0, 1}, owners
+        for rank, out in enumerate(results):
+            got, got_norms, got_owners, gram = out[rule]
+            assert got_owners == owners, (rule, rank)
+            for a, b in zip(got_norms, norms, strict=True):
+                assert abs(a - b) <= 1e-5 * b, f"{rule}, rank {rank}: norm {a} vs {b}"
+            for name, want in expected.items():
+                diff = (got[name] - want).abs().max().item()
+                assert diff <= SPLIT_TOLERANCE, f"{rule}, rank {rank}: {name} differs by {diff:.2e}"
+            # the Gram matrices went over tp (some matrices are owned by every dp rank)
+            assert gram > 0, (rule, rank)
+    for rank, out in enumerate(results):
+        for how in ("dcp", "hf"):
+            msg = out[how]
+            assert msg is not None and "mode='replicated'" in msg, (rank, how, msg)
+            assert "not supported yet" in msg and "mode='single'" in msg, (rank, how, msg)
+
+
+def run_replicated_refusals(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    tp = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    # owners planned over the very ranks that hold the shards
+    out["tp over the world"] = error(
+        lambda: DMuon(param_groups(tp_mlp(tp)), mode="replicated", **OPT)
+    )
+    model = DeepMLP()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    out["FSDP2 rows"] = error(lambda: DMuon(param_groups(model), mode="replicated", **OPT))
+    out["dion3"] = error(
+        lambda: DMuon(param_groups(tp_mlp(tp)), mode="replicated", rule="dion3", **OPT)
+    )
+    return out
+
+
+def test_replicated_mode_refuses_shards_split_over_its_own_group_on_every_rank():
+    for rank, out in enumerate(run_on_ranks(run_replicated_refusals, 2, timeout=120)):
+        for case in ("tp over the world", "FSDP2 rows"):
+            msg = out[case]
+            assert msg is not None, f"rank {rank}: {case} was stepped"
+            assert "plans owners over ranks [0, 1]" in msg, (rank, case, msg)
+            assert "process_group=mesh['dp'].get_group()" in msg, (rank, case, msg)
+        msg = out["dion3"]
+        assert msg is not None and "mode='replicated' steps on its shards" in msg, (rank, msg)

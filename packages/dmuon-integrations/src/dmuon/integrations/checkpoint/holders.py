@@ -85,7 +85,8 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
         TypeError: ``optimizer`` is not a :class:`~dmuon.optim.DMuon`.
         ValueError: a parameter of the optimizer that is not in ``model``, a mode
             whose state cannot be checkpointed once (``sign``: every rank's momentum
-            is its own), or HSDP owner mode.
+            is its own), HSDP owner mode, or replicated mode with tensor-parallel
+            matrices.
 
     Examples:
         >>> import torch
@@ -112,6 +113,17 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
             "checkpointing HSDP owner mode (a 2-D mesh) is not supported yet: each "
             "owner slot spans a replicate group; checkpoint a 1-D FSDP2 or DDP run"
         )
+    if engine.mode == "replicated":
+        split = next(
+            (p for g in optimizer.param_groups for p in g["params"] if engine.split_of(p)), None
+        )
+        if split is not None:
+            raise ValueError(
+                f"checkpointing mode='replicated' with tensor-parallel matrices (a parameter of "
+                f"shape {tuple(split.shape)} is split over its tp group) is not supported yet: "
+                "each owner's tp row holds its shards of the state. Checkpoint a mode='single' "
+                "run (its split state saves and reshards with DCP), or the model only"
+            )
     names = model_fqns(model)
     out: list[Holding] = []
     for gi, group in enumerate(optimizer.param_groups):

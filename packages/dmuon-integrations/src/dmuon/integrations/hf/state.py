@@ -127,6 +127,15 @@ def gather_full_state_dict(optimizer: Any) -> dict[str, Any]:
                 else "save owner/sharded state with torch.distributed.checkpoint"
             )
         )
+    if engine.mode == "replicated" and any(
+        engine.split_of(p) is not None for g in opt.param_groups for p in g["params"]
+    ):
+        raise ValueError(
+            "gather_full_state_dict: tensor-parallel matrices in "
+            "mode='replicated' are not supported yet (each owner's tp row holds its shards of the "
+            "state); "
+            "checkpoint a mode='single' run with dmuon.integrations.checkpoint (DCP)"
+        )
     sd = opt.state_dict()
     # torch's state_dict() hands out the optimizer's own per-parameter dicts: copy them
     # before replacing entries, or the live state would change.

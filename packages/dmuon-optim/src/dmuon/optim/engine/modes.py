@@ -30,7 +30,7 @@ from dmuon.optim.engine.placements import check_placements
 from dmuon.optim.engine.replicated import ReplicatedEngine
 from dmuon.optim.engine.sharded import ShardedEngine
 from dmuon.optim.engine.sign import SignEngine
-from dmuon.optim.engine.tensor_split import check_split_rules
+from dmuon.optim.engine.tensor_split import check_split_groups, check_split_rules
 
 __all__ = ["MODES", "make_engine"]
 
@@ -113,8 +113,10 @@ def make_engine(
     # Every rank reads the same placements, so every rank refuses alike, before any
     # collective: none is left waiting (placements.py).
     check_placements(params, mode)
-    if mode == "single":
-        check_split_rules(params, opt.param_groups)
+    if mode in ("single", "replicated"):
+        check_split_rules(params, opt.param_groups, mode)
+    if mode == "replicated":
+        check_split_groups(params, process_group, mode)
     engine: Engine
     if mode == "single":
         engine = SingleEngine()

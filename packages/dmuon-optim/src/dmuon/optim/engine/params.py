@@ -12,6 +12,7 @@ on every rank alike; a tied weight appears once.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -122,10 +123,16 @@ def layers_in_order(params: Iterable[EngineParam]) -> list[str]:
     return sorted({p.layer for p in params}, key=natural_key)
 
 
-def subplan(plan: OwnerPlan, names: Iterable[str]) -> OwnerPlan:
+def subplan(
+    plan: OwnerPlan,
+    names: Iterable[str],
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> OwnerPlan:
     """The part of ``plan`` that covers ``names``: same owners, world and replicate sizes.
 
-    Used to run a collective on one pipeline group at a time.
+    Used to run a collective on one pipeline group at a time. ``shapes`` replaces the
+    shape of the items it names: what travels for a tensor-parallel matrix is this
+    rank's shard, while the plan balanced the whole matrix.
 
     Examples:
         >>> from dmuon.comm import MatrixItem, plan_owners
@@ -137,7 +144,13 @@ def subplan(plan: OwnerPlan, names: Iterable[str]) -> OwnerPlan:
     """
     wanted = set(names)
     keep = [k for k, item in enumerate(plan.items) if item.name in wanted]
-    items = tuple(plan.items[k] for k in keep)
+    shapes = shapes or {}
+    items = tuple(
+        dataclasses.replace(plan.items[k], shape=shapes[plan.items[k].name])
+        if plan.items[k].name in shapes
+        else plan.items[k]
+        for k in keep
+    )
     owners = tuple(plan.owners[k] for k in keep)
     units = tuple(
         OwnerUnit(i.name, (i.name,), i.layer, 0.0, o) for i, o in zip(items, owners, strict=True)

@@ -69,7 +69,7 @@ class MatrixPlacement:
         >>> rowwise.describe(), rowwise.row_sharded
         ("(Shard(dim=1),) on mesh dims ('tp',)", False)
         >>> supported_by(rowwise), supported_by(MatrixPlacement("fc1.weight"))
-        (('single',), ('single', 'owner', 'replicated', 'sign'))
+        (('single', 'replicated'), ('single', 'owner', 'replicated', 'sign'))
     """
 
     name: str
@@ -190,12 +190,12 @@ def supported_by(pl: MatrixPlacement) -> tuple[str, ...]:
     Examples:
         >>> fsdp = MatrixPlacement("w", ("Shard(dim=0)",), ("dp",), ((0, 0, False),))
         >>> supported_by(fsdp)
-        ('sharded', 'single')
+        ('sharded', 'single', 'replicated')
     """
     if not pl.distributed:
         return ("single", "owner", "replicated", "sign")
     modes = ("sharded",) if pl.row_sharded else ()
-    return modes + (("single",) if pl.tensor_split else ())
+    return modes + (("single", "replicated") if pl.tensor_split else ())
 
 
 def check_placements(params: Iterable[EngineParam], mode: str) -> None:
@@ -241,14 +241,17 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
             raise ValueError(
                 f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), "
                 f"which mode={mode!r} does not step; mode='single' does, on the shards, with "
-                "the tensor-parallel Gram Newton–Schulz (no gather): pass mode='single'"
+                "the tensor-parallel Gram Newton–Schulz (no gather): pass mode='single', or "
+                "mode='replicated' with process_group= the data-parallel group of a dp × tp "
+                "mesh (owners over dp, each owner's tp row steps the shards)"
             )
         raise ValueError(
             f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}); no "
             f"execution mode of DMuon steps it yet (asked: mode={mode!r}), and orthogonalising "
             "its shard as if it were the whole matrix would be silently wrong. Supported: "
             "plain tensors (modes single, owner, replicated, sign); a 2-D matrix with Shard(0) "
-            "or Shard(1) over one mesh dimension and Replicate() elsewhere (mode='single', on "
-            "the shards; Shard(0) also mode='sharded', FSDP2/HSDP). Keep this matrix out of "
+            "or Shard(1) over one mesh dimension and Replicate() elsewhere (mode='single' or, "
+            "owners over the other ranks, mode='replicated', on the shards; Shard(0) also "
+            "mode='sharded', FSDP2/HSDP). Keep this matrix out of "
             "tensor parallelism, or out of DMuon (give it to another optimizer)"
         )

@@ -6,6 +6,14 @@ all-gather per layer and dtype (:func:`dmuon.comm.all_gather_updates`) gives eve
 rank every owner's new weights. Gathering the new weights rather than the updates
 keeps every rank bit-identical to the owner. Traffic on top of DDP's all-reduce:
 one all-gather of the matrices, ``(N−1)/N·P``; Newton–Schulz work divided by ``N``.
+
+Tensor parallelism (a ``dp × tp`` mesh, ``process_group`` the ``dp`` group): a
+matrix split over ``tp`` (``ColwiseParallel``, ``RowwiseParallel``) is planned by its
+whole shape, so every ``tp`` column plans the same owners; the owner's ``tp`` row
+steps it together, each rank its shard, with the tensor-parallel Gram Newton–Schulz
+(:mod:`~dmuon.optim.engine.tensor_split`: all-reduces of the small Gram matrix over
+``tp``), and the all-gather over ``dp`` carries each rank's shard. No matrix is
+gathered over ``tp``; the work of each is divided by ``tp`` and spread over ``dp``.
 """
 
 from __future__ import annotations
@@ -14,9 +22,13 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import all_gather_updates
-from dmuon.optim.engine.base import Stepper
+from dmuon.optim.engine.base import Stepper, local_norm_tensors
+from dmuon.optim.engine.params import is_dtensor, subplan
+from dmuon.optim.engine.placements import placement_of
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine
 from dmuon.optim.engine.report import StepReport
+from dmuon.optim.engine.tensor_split import split_of
+from dmuon.optim.matrix_split import MatrixSplit, local_tensor
 
 __all__ = ["ReplicatedEngine"]
 
@@ -25,6 +37,25 @@ class ReplicatedEngine(PlannedEngine):
     """Owners step their matrices; the new weights are all-gathered layer by layer."""
 
     mode = "replicated"
+
+    def bind(self, stepper: Stepper) -> None:
+        super().bind(stepper)
+        # what travels for a split matrix is this rank's shard (the plan weighed the whole)
+        local = {
+            e.name: tuple(local_tensor(e.param).shape)
+            for e in self.matrices()
+            if self.split_of(e.param) is not None
+        }
+        if local:
+            assert self.plan is not None
+            for key in self.layers:
+                names = [e.name for e in self.matrices(key)]
+                self._subplans[key] = subplan(self.plan, names, local)
+
+    def split_of(self, p: torch.Tensor) -> MatrixSplit | None:
+        """A tensor-parallel matrix is stepped on its shards by its owner's ``tp`` row."""
+        info = self.info(p)
+        return split_of(p, info.name if info is not None else "")
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
         matrix_groups = [i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)]
@@ -36,7 +67,8 @@ class ReplicatedEngine(PlannedEngine):
                 mine: dict[str, torch.Tensor] = {}
                 others: dict[str, torch.Tensor] = {}
                 for e in self.matrices(key):
-                    view = e.param.detach().view(e.item.shape)
+                    shape = self.subplan(key).item(e.name).shape
+                    view = local_tensor(e.param.detach()).view(shape)
                     (mine if self.owner_of(e.param) == self.rank else others)[e.name] = view
                 handle = all_gather_updates(
                     mine, self.subplan(key), group=self.group, out=others, stats=self.stats
@@ -51,13 +83,40 @@ class ReplicatedEngine(PlannedEngine):
 
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
         # Every rank holds the same averaged gradients: each matrix counts on its owner,
-        # every other parameter on rank 0.
-        out = []
+        # every other parameter on rank 0. Under tensor parallelism the sum runs over the
+        # tensor-parallel group too: a split matrix counts its shard on each rank of its
+        # owner's row, a plain tensor (the same on every tp rank) on tp rank 0 only.
+        tp = self._split_group()
+        tp_first = tp is None or dist.get_rank(tp) == 0
+        out: list[torch.Tensor] = []
         for e in self.params:
             g = e.param.grad
             if g is None:
                 continue
             owner = self.owner_of(e.param)
-            if owner == self.rank or (owner is None and self.rank == 0):
-                out.append(g)
-        return out, [self.group]
+            if not (owner == self.rank or (owner is None and self.rank == 0)):
+                continue
+            if not is_dtensor(g):
+                if tp_first:
+                    out.append(g)
+            elif owner is not None:
+                out.append(local_tensor(g))  # a split matrix: this rank's shard
+            else:
+                out.extend(local_norm_tensors([e]))  # its shard, once over Replicate dims
+        return out, [self.group] + ([tp] if tp is not None else [])
+
+    def _split_group(self) -> dist.ProcessGroup | None:
+        """The tensor-parallel group of the split matrices (``None``: no split matrix)."""
+        found: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for e in self.matrices():
+            if self.split_of(e.param) is not None:
+                pl = placement_of(e.param, e.name)
+                group = e.param.device_mesh.get_group(pl.shards[0][0])  # type: ignore[attr-defined]
+                found.setdefault(tuple(dist.get_process_group_ranks(group)), group)
+        if len(found) > 1:
+            raise NotImplementedError(
+                f"clip_grad_norm_ in mode='replicated' with matrices split over different "
+                f"tensor-parallel groups ({sorted(found)}); clip the DTensor gradients with "
+                "torch.nn.utils.clip_grad_norm_ before opt.step()"
+            )
+        return next(iter(found.values()), None)

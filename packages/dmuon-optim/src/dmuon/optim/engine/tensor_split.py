@@ -16,7 +16,11 @@ of ``m² · b`` bytes plus two scalars, and ``2·m·n·(n/t)``-scale products on
 instead of the whole ``m·n·n``.
 
 ``single`` mode steps split matrices this way (every data-parallel replica repeats
-the work of its tensor-parallel group). The other modes refuse them
+the work of its tensor-parallel group). ``replicated`` mode plans owners over its
+data-parallel group, which must cross the split's group in this rank alone
+(:func:`check_split_groups`: a ``dp × tp`` mesh, owners over ``dp``): the owner's
+tensor-parallel row steps the matrix together, each rank its shard, and the
+all-gather over ``dp`` carries shards. The other modes refuse them
 (:mod:`~dmuon.optim.engine.placements`).
 """
 
@@ -34,7 +38,7 @@ from dmuon.optim.engine.placements import placement_of
 from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.rules import RULES
 
-__all__ = ["STATS_NAME", "check_split_rules", "split_of"]
+__all__ = ["STATS_NAME", "check_split_groups", "check_split_rules", "split_of"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -88,7 +92,9 @@ def split_of(p: torch.Tensor, name: str = "", stats: CommStats | None = None) ->
     )
 
 
-def check_split_rules(params: Iterable[EngineParam], groups: Sequence[Mapping[str, Any]]) -> None:
+def check_split_rules(
+    params: Iterable[EngineParam], groups: Sequence[Mapping[str, Any]], mode: str = "single"
+) -> None:
     """Refuse a split matrix whose group's rule cannot step a shard, naming the parameter,
     its placements, the rule, the links that need the whole matrix and the rules that
     can.
@@ -107,7 +113,40 @@ def check_split_rules(params: Iterable[EngineParam], groups: Sequence[Mapping[st
             continue
         raise ValueError(
             f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), which "
-            f"mode='single' steps on its shards, but its rule {rule.name!r} cannot: "
+            f"mode={mode!r} steps on its shards, but its rule {rule.name!r} cannot: "
             f"{', '.join(rule.unsplittable())} need(s) the whole matrix. Rules that step "
             f"shards: {able}; or keep this matrix out of tensor parallelism"
+        )
+
+
+def check_split_groups(params: Iterable[EngineParam], group: Any, mode: str) -> None:
+    """Refuse a split matrix whose split crosses the group ``mode`` plans owners over.
+
+    An owner's tensor-parallel row steps a split matrix together, so the ranks that
+    hold its shards must be outside the planning group but for this rank: owners over
+    ``dp``, shards over ``tp``. FSDP2's rows (split over the planning group itself)
+    are refused, naming the parameter, the two groups and what to pass. Every rank
+    reads the same placements and groups, so every rank refuses alike.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    me = dist.get_rank()
+    planning = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    for e in params:
+        if not e.matrix or not is_dtensor(e.param) or e.param.dim() != 2:
+            continue
+        pl = placement_of(e.param, e.name)
+        if not pl.tensor_split:
+            continue
+        mesh_dim = pl.shards[0][0]
+        split = set(dist.get_process_group_ranks(e.param.device_mesh.get_group(mesh_dim)))  # type: ignore[attr-defined]
+        if split & planning == {me}:
+            continue
+        raise ValueError(
+            f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), split "
+            f"over ranks {sorted(split)}; mode={mode!r} plans owners over ranks "
+            f"{sorted(planning)}, and the two must cross in this rank alone (owners over the "
+            "data-parallel ranks, shards over the tensor-parallel ones). Pass "
+            "process_group=mesh['dp'].get_group() for a dp × tp mesh; FSDP2's rows are "
+            "stepped by mode='sharded' (or mode='single', on the shards)"
         )
