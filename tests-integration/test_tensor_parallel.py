@@ -561,3 +561,70 @@ def test_replicated_mode_refuses_shards_split_over_its_own_group_on_every_rank()
             assert "process_group=mesh['dp'].get_group()" in msg, (rank, case, msg)
         msg = out["dion3"]
         assert msg is not None and "mode='replicated' steps on its shards" in msg, (rank, msg)
+
+
+# ------------------------------------------- a non-finite shard: every rank agrees
+
+
+def run_nonfinite_shard(rank, world, mode):
+    """A NaN in one rank's shard of ``fc1.weight``'s gradient in step 2 (of 3). The ranks
+    of its tp group must agree before any of them enters a Gram all-reduce: with
+    ``nonfinite="raise"`` every rank raises naming the rank; with ``"skip_step"`` every
+    rank skips, so the run equals one process that never saw that batch."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.optim import NonFiniteGradientError
+    from dmuon.optim.matrix_split import local_tensor
+
+    bad = world - 1
+    if mode == "single":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        dp, row, rows = None, 0, 1
+        kw = {"mode": "single"}
+    else:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        dp, row, rows = mesh["dp"].get_group(), mesh.get_coordinate()[0], 2
+        kw = {"mode": "replicated", "process_group": dp}
+    out = {}
+    for nonfinite in ("raise", "skip_step"):
+        model = tp_deep_mlp(mesh if mode == "single" else mesh["tp"])
+        opt = DMuon(param_groups(model), nonfinite=nonfinite, timeout=10, **kw, **OPT)
+        errors = []
+        for t in range(STEPS):
+            x, y = deep_batch(t)
+            n = 16 // rows
+            F.mse_loss(model(x[n * row : n * row + n]), y[n * row : n * row + n]).backward()
+            for p in model.parameters():
+                g = local_tensor(p.grad)
+                if dp is not None:  # DDP's average over dp
+                    dist.all_reduce(g, group=dp)
+                    g.div_(2)
+            if t == 1 and dist.get_rank() == bad:
+                local_tensor(model.fc1.weight.grad)[0, 0] = float("nan")
+            try:
+                opt.step()
+            except NonFiniteGradientError as err:
+                errors.append((t, err.ranks))
+            opt.zero_grad()
+        full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+        out[nonfinite] = (errors, full, opt.skipped_steps)
+    return out
+
+
+@pytest.mark.parametrize(("mode", "world"), [("single", 2), ("replicated", 4)])
+def test_a_non_finite_shard_is_agreed_on_by_its_tensor_parallel_group(mode, world):
+    results = run_on_ranks(run_nonfinite_shard, world, args=(mode,), timeout=240)
+    # the reference: one process that never saw batch 1
+    model = DeepMLP()
+    train_steps(model, DMuon(param_groups(model), **OPT), [0, 2])
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    bad = world - 1
+    for rank, out in enumerate(results):
+        errors, _, _ = out["raise"]
+        assert errors == [(1, [bad])], (rank, errors)  # the NaN came after the dp average
+        _, got, skipped = out["skip_step"]
+        assert skipped == 1, (rank, skipped)
+        for name, want in expected.items():
+            diff = (got[name] - want).abs().max().item()
+            assert diff <= SPLIT_TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"

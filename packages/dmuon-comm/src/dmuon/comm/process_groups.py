@@ -22,7 +22,7 @@ from dmuon.comm.faults import wait_work
 from dmuon.comm.objects import all_gather_objects
 from dmuon.comm.torch_compat import all_gather_single
 
-__all__ = ["CollectiveInputError", "agree", "group_rank", "group_size"]
+__all__ = ["CollectiveInputError", "agree", "group_rank", "group_size", "twin_groups"]
 
 T = TypeVar("T")
 
@@ -79,6 +79,22 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     if rank < 0:
         raise ValueError("this process is not a member of the process group it was given")
     return rank
+
+
+def twin_groups(groups: list[dist.ProcessGroup | None]) -> list[dist.ProcessGroup | None]:
+    """A twin of each group: the same ranks, a communicator of its own.
+
+    For a check that must not be matched with a collective another library issues on
+    the same group (a rank that skipped the check is then in DDP's, FSDP2's or tensor
+    parallelism's next collective). Only the members of a group create its twin
+    (``use_local_synchronization``), so every rank calls this once, at construction,
+    for its own groups.
+    """
+    twins: list[dist.ProcessGroup | None] = []
+    for g in groups:
+        ranks = dist.get_process_group_ranks(dist.group.WORLD if g is None else g)
+        twins.append(dist.new_group(ranks, use_local_synchronization=True))
+    return twins
 
 
 def fingerprint(*parts: object) -> int:

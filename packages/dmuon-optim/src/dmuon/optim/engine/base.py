@@ -25,10 +25,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from dmuon.comm.process_groups import group_size
+from dmuon.comm.process_groups import group_size, twin_groups
 from dmuon.optim.engine.params import EngineParam, collect_params, is_dtensor
 from dmuon.optim.engine.report import StepReport
-from dmuon.optim.engine.tensor_split import split_of
+from dmuon.optim.engine.tensor_split import split_groups, split_of
 from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.vote import SignVote
 
@@ -191,6 +191,24 @@ class SingleEngine(Engine):
     """
 
     mode = "single"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._split_groups: list[dist.ProcessGroup | None] = []
+        self._guard_groups: list[dist.ProcessGroup | None] = []
+
+    def bind(self, stepper: Stepper) -> None:
+        super().bind(stepper)
+        # the ranks of a tensor-parallel group step its matrices together: they agree on
+        # a skipped step (over twins of the groups, which tensor parallelism also uses)
+        self._split_groups = list(split_groups(self.params))
+        self._guard_groups = twin_groups(self._split_groups) if self._split_groups else []
+
+    def agreement_groups(self) -> list[dist.ProcessGroup | None]:
+        return list(self._split_groups)
+
+    def guard_groups(self) -> list[dist.ProcessGroup | None]:
+        return list(self._guard_groups)
 
     def split_of(self, p: torch.Tensor) -> MatrixSplit | None:
         """A tensor-parallel matrix is stepped on its shards (:mod:`.tensor_split`)."""

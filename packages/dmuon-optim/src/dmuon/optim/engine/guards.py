@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import wait_work
+from dmuon.comm.process_groups import twin_groups
 from dmuon.comm.torch_compat import all_gather_single
 from dmuon.optim.engine.base import Engine
 from dmuon.optim.engine.params import EngineParam, is_dtensor
@@ -113,11 +114,7 @@ def guard_groups(groups: list[dist.ProcessGroup | None]) -> list[dist.ProcessGro
     Only the members of a group create its twin (``use_local_synchronization``), so
     every rank calls this once, at construction, for its own groups.
     """
-    twins: list[dist.ProcessGroup | None] = []
-    for g in groups:
-        ranks = dist.get_process_group_ranks(dist.group.WORLD if g is None else g)
-        twins.append(dist.new_group(ranks, use_local_synchronization=True))
-    return twins
+    return twin_groups(groups)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

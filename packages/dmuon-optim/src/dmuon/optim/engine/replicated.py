@@ -27,7 +27,7 @@ from dmuon.optim.engine.params import is_dtensor, subplan
 from dmuon.optim.engine.placements import placement_of
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine
 from dmuon.optim.engine.report import StepReport
-from dmuon.optim.engine.tensor_split import split_of
+from dmuon.optim.engine.tensor_split import split_groups, split_of
 from dmuon.optim.matrix_split import MatrixSplit, local_tensor
 
 __all__ = ["ReplicatedEngine"]
@@ -51,6 +51,10 @@ class ReplicatedEngine(PlannedEngine):
             for key in self.layers:
                 names = [e.name for e in self.matrices(key)]
                 self._subplans[key] = subplan(self.plan, names, local)
+
+    def agreement_groups(self) -> list[dist.ProcessGroup | None]:
+        # the owner's tp row steps a split matrix together: tp agrees on a skip too
+        return super().agreement_groups() + list(split_groups(self.params))
 
     def split_of(self, p: torch.Tensor) -> MatrixSplit | None:
         """A tensor-parallel matrix is stepped on its shards by its owner's ``tp`` row."""

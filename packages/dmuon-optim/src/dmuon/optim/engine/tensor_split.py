@@ -38,7 +38,7 @@ from dmuon.optim.engine.placements import placement_of
 from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.rules import RULES
 
-__all__ = ["STATS_NAME", "check_split_groups", "check_split_rules", "split_of"]
+__all__ = ["STATS_NAME", "check_split_groups", "check_split_rules", "split_groups", "split_of"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -150,3 +150,20 @@ def check_split_groups(params: Iterable[EngineParam], group: Any, mode: str) -> 
             "process_group=mesh['dp'].get_group() for a dp × tp mesh; FSDP2's rows are "
             "stepped by mode='sharded' (or mode='single', on the shards)"
         )
+
+
+def split_groups(params: Iterable[EngineParam]) -> list[dist.ProcessGroup]:
+    """The distinct process groups the split matrices among ``params`` are split over.
+
+    Their ranks must agree on a skipped step (a non-finite gradient on one rank's
+    shard) before any of them enters a Gram all-reduce the others would not join.
+    """
+    found: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for e in params:
+        if not e.matrix or not is_dtensor(e.param) or e.param.dim() != 2:
+            continue
+        pl = placement_of(e.param, e.name)
+        if pl.tensor_split:
+            group = e.param.device_mesh.get_group(pl.shards[0][0])  # type: ignore[attr-defined]
+            found.setdefault(tuple(dist.get_process_group_ranks(group)), group)
+    return [found[k] for k in sorted(found)]
