@@ -424,6 +424,8 @@ def main_world(args: argparse.Namespace) -> int:
         stem += f"-b{args.batch_per_rank}"
     if set(setups) <= set(step_world.TP_SETUPS):  # the tensor-parallel comparison on its own
         stem += "-tp"
+    elif set(setups) <= set(step_world.DP_TP_SETUPS):  # the dp × tp comparison on its own
+        stem += "-dp-tp"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     step_world.plot(result, args.out / f"{stem}.png")
     step_world.print_table(result)
@@ -463,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="--world: the setups to run (default: all but torch_muon_ddp, whose bf16 "
         "Newton–Schulz takes minutes per step on a CPU without bf16 matmul units, and the "
-        "tensor-parallel ones, a comparison of their own: adamw_tp muon_tp_gather tp_single)",
+        "tensor-parallel ones, a comparison of their own: adamw_tp muon_tp_gather tp_single; "
+        "and adamw_dp_tp muon_dp_tp_gather dp_tp_single dp_tp_replicated on a dp × tp mesh)",
     )
     p.add_argument("--steps", type=int, default=None, help="--world: timed steps (default 6)")
     p.add_argument(

@@ -31,6 +31,16 @@ step by step so that background load hits every setup alike):
                     matrix (``GatherMuon``)
 ``tp_single``       the same model, DMuon ``mode="single"``: split matrices stepped
                     on their shards, the tensor-parallel Gram path (no gather)
+``adamw_dp_tp``     a ``dp × tp`` mesh (N/2 × 2): the MLPs split over ``tp`` as above,
+                    gradients averaged over ``dp`` (``average_over``, DDP's all-reduce),
+                    each dp row on its part of the global batch; ``torch.optim.AdamW``
+``muon_dp_tp_gather`` the same, vanilla Muon gathering every split matrix over ``tp``
+                    (every rank steps every matrix whole)
+``dp_tp_single``    the same, DMuon ``mode="single"``: every dp replica repeats the
+                    shard-wise step of its tp group
+``dp_tp_replicated`` the same, DMuon ``mode="replicated"`` with owners over ``dp``:
+                    the owner's tp row steps the shards, the all-gather over ``dp``
+                    carries shards
 =================== ==========================================================
 
 Phases per step (host wall-clock; on a GPU each phase ends with a synchronize):
@@ -55,7 +65,7 @@ import torch.distributed as dist
 
 from benchmarks.common.data import BatchSampler
 from benchmarks.common.model import GPT, GPTConfig
-from benchmarks.common.tensor_parallel import GatherMuon, parallelize_mlps
+from benchmarks.common.tensor_parallel import GatherMuon, average_over, parallelize_mlps
 
 SETUPS = (
     "adamw_ddp",
@@ -72,9 +82,15 @@ SETUPS = (
     "adamw_tp",
     "muon_tp_gather",
     "tp_single",
+    "adamw_dp_tp",
+    "muon_dp_tp_gather",
+    "dp_tp_single",
+    "dp_tp_replicated",
 )
 # Tensor parallelism over all ranks: every rank steps on the whole global batch.
 TP_SETUPS = ("adamw_tp", "muon_tp_gather", "tp_single")
+# A dp × tp mesh (N/2 × 2): each dp row on its part of the batch, averaged over dp.
+DP_TP_SETUPS = ("adamw_dp_tp", "muon_dp_tp_gather", "dp_tp_single", "dp_tp_replicated")
 # torch.optim.Muon runs Newton–Schulz in bf16, which on a CPU without AVX-512-BF16/AMX
 # takes ~40× the fp32 time (minutes per step here): opt in with --setups.
 # owner_ddp_zero1 differs from owner_ddp in the scalars only, owner_ddp_check1 in the
@@ -84,7 +100,7 @@ TP_SETUPS = ("adamw_tp", "muon_tp_gather", "tp_single")
 DEFAULT_SETUPS = tuple(
     s
     for s in SETUPS
-    if s not in ("torch_muon_ddp", "owner_ddp_zero1", "owner_ddp_check1", *TP_SETUPS)
+    if s not in ("torch_muon_ddp", "owner_ddp_zero1", "owner_ddp_check1", *TP_SETUPS, *DP_TP_SETUPS)
 )
 LABELS = {
     "adamw_ddp": "AdamW, DDP",
@@ -101,6 +117,10 @@ LABELS = {
     "adamw_tp": "AdamW, tensor-parallel MLPs",
     "muon_tp_gather": "vanilla Muon, TP (gather every shard)",
     "tp_single": "DMuon single, TP (Gram path on shards)",
+    "adamw_dp_tp": "AdamW, dp × tp",
+    "muon_dp_tp_gather": "vanilla Muon, dp × tp (gather over tp)",
+    "dp_tp_single": "DMuon single, dp × tp (every dp replica steps)",
+    "dp_tp_replicated": "DMuon replicated, dp × tp (owners over dp)",
 }
 PHASES = ("forward", "backward", "optimizer", "comm_wait")
 
@@ -137,7 +157,11 @@ QUICK = WorldConfig(n_layer=2, d_model=128, n_head=4, seq_len=32, batch_per_rank
 
 
 def build(setup: str, cfg: WorldConfig, device: torch.device) -> tuple[Any, Any, Any]:
-    """``(module to call, optimizer, dedication or None)`` for one setup on this rank."""
+    """``(module to call, optimizer, dedication or None)`` for one setup on this rank.
+
+    A ``dp × tp`` setup's optimizer carries ``dp_group`` (its gradients are averaged
+    over it after backward, in the backward phase, as DDP's are).
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -165,23 +189,31 @@ def build(setup: str, cfg: WorldConfig, device: torch.device) -> tuple[Any, Any,
         forward = DDP(model)
     elif setup in TP_SETUPS:
         parallelize_mlps(model, init_device_mesh(device.type, (world,), mesh_dim_names=("tp",)))
+    elif setup in DP_TP_SETUPS:
+        if world % 2:
+            raise SystemExit(f"the dp × tp setups need an even --world (tp = 2), got {world}")
+        mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_mlps(model, mesh["tp"])
     elif setup in ("owner_ddp", "owner_ddp_check1"):
         ded = ddp.dedicate(model)
     elif setup == "owner_ddp_zero1":
         ded = ddp.dedicate(model, scalars="owner")
     elif setup != "sign":
         raise ValueError(f"unknown setup {setup!r}; expected one of {SETUPS}")
-    if setup == "adamw_tp":  # foreach refuses DTensors and tensors in one call: two groups
+    if setup in ("adamw_tp", "adamw_dp_tp"):  # foreach refuses DTensors and tensors in one call
         split = [p for p in model.parameters() if hasattr(p, "device_mesh")]
         whole = [p for p in model.parameters() if not hasattr(p, "device_mesh")]
         groups = [{"params": split}, {"params": whole}]
         opt = torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1, foreach=True)
     elif setup.startswith("adamw"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
-    elif setup == "muon_tp_gather":
+    elif setup in ("muon_tp_gather", "muon_dp_tp_gather"):
         opt = GatherMuon(model, lambda groups: DMuon(groups, mode="single", **kw))
-    elif setup == "tp_single":
+    elif setup in ("tp_single", "dp_tp_single"):
         opt = DMuon(param_groups(model), mode="single", **kw)
+    elif setup == "dp_tp_replicated":
+        dp = mesh["dp"].get_group()
+        opt = DMuon(param_groups(model), mode="replicated", process_group=dp, **kw)
     elif setup == "torch_muon_ddp":
         from benchmarks.common.optimizers import build_optimizer
 
@@ -195,6 +227,8 @@ def build(setup: str, cfg: WorldConfig, device: torch.device) -> tuple[Any, Any,
     else:
         check = {"check_every": 1} if setup == "owner_ddp_check1" else {}
         opt = DMuon(param_groups(model), distributed=ded, **kw, **check)
+    if setup in DP_TP_SETUPS:
+        opt.dp_group, opt.dp_model = mesh["dp"].get_group(), model
     return forward, opt, ded
 
 
@@ -226,7 +260,13 @@ def rank_main(
         whole = sampler.batch(t, device=device)  # tensor parallelism: the global batch
         for setup in setups:
             forward, opt, _ = built[setup]
-            x, y = whole if setup in TP_SETUPS else mine
+            if setup in TP_SETUPS:
+                x, y = whole
+            elif setup in DP_TP_SETUPS:  # this dp row's part of the global batch
+                row = dist.get_rank() // 2
+                x, y = sampler.batch(t, rank=row, world_size=world // 2, device=device)
+            else:
+                x, y = mine
             dist.barrier()
             t0 = time.perf_counter()
             logits = forward(x)
@@ -234,6 +274,8 @@ def rank_main(
             sync()
             t1 = time.perf_counter()
             loss.backward()
+            if setup in DP_TP_SETUPS:
+                average_over(opt.dp_model, opt.dp_group)
             sync()
             t2 = time.perf_counter()
             opt.step()
@@ -302,7 +344,11 @@ def summarise(rows: dict[str, Any]) -> dict[str, Any]:
     for setup, row in rows.items():
         row["over_adamw"] = ratio(setup, adamw)
         same = "adamw_fsdp" if "fsdp" in setup or setup == "sharded" else "adamw_ddp"
-        row["over_adamw_same_stack"] = ratio(setup, "adamw_tp" if setup in TP_SETUPS else same)
+        if setup in TP_SETUPS:
+            same = "adamw_tp"
+        elif setup in DP_TP_SETUPS:
+            same = "adamw_dp_tp"
+        row["over_adamw_same_stack"] = ratio(setup, same)
         row["over_vanilla"] = ratio(setup, "muon_vanilla")
         row["optimizer_over_vanilla"] = ratio(setup, "muon_vanilla", "optimizer")
     targets = {
@@ -325,6 +371,13 @@ def summarise(rows: dict[str, Any]) -> dict[str, Any]:
             "tp_single_over_gather_optimizer": ratio("tp_single", "muon_tp_gather", "optimizer"),
             "tp_single_over_adamw_tp": ratio("tp_single", "adamw_tp"),
             "gather_over_adamw_tp": ratio("muon_tp_gather", "adamw_tp"),
+            "dp_tp_replicated_over_gather_optimizer": ratio(
+                "dp_tp_replicated", "muon_dp_tp_gather", "optimizer"
+            ),
+            "dp_tp_replicated_over_single_optimizer": ratio(
+                "dp_tp_replicated", "dp_tp_single", "optimizer"
+            ),
+            "dp_tp_replicated_over_adamw": ratio("dp_tp_replicated", "adamw_dp_tp"),
         },
         "plan_imbalance": {
             "target": 0.05,
@@ -454,6 +507,11 @@ def target_lines(t: dict[str, Any]) -> list[str]:
         ),
         "tensor parallelism, optimizer step of DMuon on the shards / vanilla Muon's that "
         "gathers them: " + _fmt(t["tensor_parallel"]["tp_single_over_gather_optimizer"], ".2f"),
+        "dp × tp, optimizer step of DMuon replicated (owners over dp, shards over tp) / "
+        "vanilla Muon's that gathers over tp: "
+        + _fmt(t["tensor_parallel"].get("dp_tp_replicated_over_gather_optimizer"), ".2f")
+        + "; / DMuon single's (every dp replica steps): "
+        + _fmt(t["tensor_parallel"].get("dp_tp_replicated_over_single_optimizer"), ".2f"),
     ]
 
 

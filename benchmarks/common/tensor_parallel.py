@@ -13,6 +13,10 @@ weight (the same DMuon rule and kernels, ``mode="single"``, so only the distribu
 differs), and keeps its own shard of the result. Traffic per split ``m × n`` matrix
 and step: an all-gather of ``(t−1)/t · m·n`` elements; work: the whole matrix's
 Newton–Schulz on every rank.
+
+:func:`average_over` averages the gradients' local parts over the data-parallel
+group of a ``dp × tp`` mesh (DDP's all-reduce, which DDP itself does not run on a
+tensor-parallel model here).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["GatherMuon", "parallelize_mlps"]
+__all__ = ["GatherMuon", "average_over", "parallelize_mlps"]
 
 
 def parallelize_mlps(model: nn.Module, mesh: Any) -> nn.Module:
@@ -36,6 +40,31 @@ def parallelize_mlps(model: nn.Module, mesh: Any) -> nn.Module:
     for block in model.blocks:  # type: ignore[union-attr]
         parallelize_module(block.mlp, mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
     return model
+
+
+def average_over(model: nn.Module, group: Any) -> None:
+    """Average every gradient's local part over ``group`` (what DDP does over ``dp``).
+
+    One flat all-reduce per dtype of the local tensors (a split matrix's shard, a
+    plain tensor whole): the data-parallel average of a ``dp × tp`` mesh, where DDP
+    itself does not take the tensor-parallel model.
+    """
+    import torch.distributed as dist
+
+    grads: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            grads.setdefault(g.dtype, []).append(g)
+    n = dist.get_world_size(group)
+    for tensors in grads.values():
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat, group=group)
+        flat.div_(n)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 class GatherMuon:
