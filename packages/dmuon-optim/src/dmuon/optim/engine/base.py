@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.params import EngineParam, collect_params, is_dtensor
+from dmuon.optim.engine.placements import placement_of_param
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.engine.tensor_split import split_of
 from dmuon.optim.matrix_split import MatrixSplit
@@ -126,6 +127,13 @@ class Engine:
         (:mod:`dmuon.optim.matrix_split`); ``None``: it is stepped whole."""
         return None
 
+    def on_shard(self, p: torch.Tensor) -> bool:
+        """Whether this engine steps ``p`` on this rank's local part of it (a DTensor's
+        ``to_local()``) rather than whole: a matrix split over a tensor-parallel group
+        (:meth:`split_of`), or a stack whose experts are split over a mesh dimension
+        (each rank steps its own, whole)."""
+        return self.split_of(p) is not None
+
     def group_of(self, p: torch.Tensor) -> str | None:
         """The pipeline group of ``p``."""
         return None
@@ -196,6 +204,16 @@ class SingleEngine(Engine):
         """A tensor-parallel matrix is stepped on its shards (:mod:`.tensor_split`)."""
         info = self.info(p)
         return split_of(p, info.name if info is not None else "")
+
+    def on_shard(self, p: torch.Tensor) -> bool:
+        """A tensor-parallel matrix, and an expert stack split over its expert dimension
+        (:attr:`~dmuon.optim.engine.placements.MatrixPlacement.expert_split`: each rank
+        steps the experts it holds, as one batch, with no collective)."""
+        info = self.info(p)
+        if info is None or not is_dtensor(p):
+            return self.split_of(p) is not None
+        pl = placement_of_param(info)
+        return pl.tensor_split or pl.expert_split
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
         for index, group in enumerate(stepper.param_groups):

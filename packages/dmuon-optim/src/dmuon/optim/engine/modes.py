@@ -32,7 +32,7 @@ from dmuon.optim.engine.sharded import ShardedEngine
 from dmuon.optim.engine.sign import SignEngine
 from dmuon.optim.engine.tensor_split import check_split_rules
 
-__all__ = ["MODES", "make_engine"]
+__all__ = ["MODES", "check_layouts", "make_engine"]
 
 MODES = ("single", "owner", "replicated", "sharded", "sign")
 """The execution modes of ``DMuon(mode=...)``, see the table above and the Concepts page
@@ -110,11 +110,7 @@ def make_engine(
             f"the parameters are dedicated to owners, which is owner mode, but mode={mode!r} "
             "was asked for; drop mode= (or the dedicate() call)"
         )
-    # Every rank reads the same placements, so every rank refuses alike, before any
-    # collective: none is left waiting (placements.py).
-    check_placements(params, mode)
-    if mode == "single":
-        check_split_rules(params, opt.param_groups)
+    check_layouts(opt.param_groups, mode)
     engine: Engine
     if mode == "single":
         engine = SingleEngine()
@@ -129,6 +125,20 @@ def make_engine(
         engine = SignEngine(process_group, pipeline_depth=pipeline_depth)
     engine.bind(opt)
     return engine
+
+
+def check_layouts(param_groups: list[dict[str, Any]], mode: str) -> None:
+    """Refuse a matrix whose DTensor layout ``mode`` does not step, or whose rule cannot step
+    the shards ``mode`` gives it (:func:`~dmuon.optim.engine.placements.check_placements`,
+    :func:`~dmuon.optim.engine.tensor_split.check_split_rules`).
+
+    Every rank reads the same placements, so every rank refuses alike, before any
+    collective: none is left waiting.
+    """
+    params = collect_params(param_groups)
+    check_placements(params, mode)
+    if mode == "single":
+        check_split_rules(params, param_groups)
 
 
 def _world(group: Any) -> int:
