@@ -235,9 +235,11 @@ def test_ep2_steps_each_ranks_experts_like_one_process():
 
 
 def test_ep4_one_expert_per_rank_like_one_process():
-    results = run_on_ranks(run_rules, 4, args=((4,), ("ep",), False), timeout=240)
+    """ep = 4 on 4 ranks, and 3 experts on 4 ranks: the last rank holds none."""
+    results = run_on_ranks(run_rules, 4, args=((4,), ("ep",), True), timeout=240)
     assert [r[("muon", 4)][1][0] for r in results] == [1, 1, 1, 1]
-    check(results, [(rule, 4) for rule in RULES])
+    assert [r[("muon", 3)][1][0] for r in results] == [1, 1, 1, 0]
+    check(results, [(rule, 4) for rule in RULES] + [("muon", 3)])
 
 
 def test_ep2_by_dp2_like_one_process():
