@@ -8,7 +8,8 @@ holds whole experts, and ``single`` mode steps them there, as one batch, with no
 gather — so a rule that needs whole matrices (Dion3's row selection) works too. Every
 run below equals one process trained on the same global batches; every other mode
 refuses the stacks on every rank, naming the parameter, its placements and
-``single``.
+``single``. FSDP2's ``Shard(0)`` rows of a stack are whole experts too, and a DCP
+checkpoint of the experts' state reshards (dp 2 × ep 2 → ep 2, and one process).
 
 The parallel forward is the usual expert-parallel dispatch, written with plain
 collectives: every rank embeds its own tokens, the ``ep`` group gathers them, each
@@ -305,7 +306,7 @@ def run_save_and_continue(rank, world, path, rule):
 
     from dmuon.integrations import checkpoint
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "ep"))
     model = expert_parallel(mesh)
     opt = DMuon(param_groups(model), mode="single", rule=rule, **OPT)
     train(model, opt, mesh, range(2))
@@ -334,11 +335,13 @@ def run_load_and_continue(rank, world, path, rule):
 
 
 @pytest.mark.parametrize("rule", ["normuon"])  # momentum and per-expert per-row state
-def test_dcp_checkpoint_of_expert_shards_resumes_on_ep_and_in_one_process(tmp_path, rule):
+def test_dcp_checkpoint_of_expert_shards_resumes_on_another_mesh_and_in_one_process(tmp_path, rule):
+    """Saved on dp 2 × ep 2 (4 ranks; each expert's state on two replicas), resumed on
+    ep 2 alone (2 ranks) and in one process: DCP reshards the stacks' state."""
     from dmuon.integrations import checkpoint
 
     path = str(tmp_path / "ep")
-    continued = run_on_ranks(run_save_and_continue, 2, args=(path, rule), timeout=180)
+    continued = run_on_ranks(run_save_and_continue, 4, args=(path, rule), timeout=240)
     resumed = run_on_ranks(run_load_and_continue, 2, args=(path, rule), timeout=180)
     model = MoE()  # one process, whole stacks: DCP reassembles the experts' state
     opt = DMuon(param_groups(model), rule=rule, **OPT)
@@ -360,3 +363,36 @@ def test_dcp_checkpoint_of_expert_shards_resumes_on_ep_and_in_one_process(tmp_pa
         for name, w in want.items():
             diff = (got[name] - w).abs().max().item()
             assert diff <= TOLERANCE, f"resumed on {what}: {name} differs by {diff:.2e}"
+
+
+def run_fsdp2_stacks(rank, world, rule):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = MoE()
+    fully_shard(model, mesh=mesh)
+    opt = DMuon(param_groups(model), mode="single", rule=rule, **OPT)
+    local = tuple(model.w_in.to_local().shape)
+    rows = BATCH // world
+    for t in range(STEPS):
+        x, y = batch(t)
+        mine = slice(rank * rows, (rank + 1) * rows)
+        F.mse_loss(model(x[mine]), y[mine]).backward()  # FSDP2 averages over the ranks
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().full_tensor() for n, p in model.named_parameters()}, local
+
+
+@pytest.mark.parametrize("rule", ["muon", "normuon"])
+def test_fsdp2_rows_of_a_stack_are_whole_experts_stepped_in_single_mode(rule):
+    """FSDP2's ``Shard(0)`` of an expert stack is an expert split too: ``single`` mode steps
+    each rank's experts where they are (and the 2-D matrices' rows with the
+    tensor-parallel Gram path); before, it refused them."""
+    expected = reference(rule)
+    results = run_on_ranks(run_fsdp2_stacks, 2, args=(rule,), timeout=120)
+    for rank, (got, local) in enumerate(results):
+        assert local == (2, H, D), local
+        for name, want in expected.items():
+            diff = (got[name] - want).abs().max().item()
+            assert diff <= TOLERANCE, f"{rule}, rank {rank}: {name} differs by {diff:.2e}"

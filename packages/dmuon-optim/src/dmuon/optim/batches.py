@@ -414,8 +414,11 @@ def _run_batch(
     specs = rule.state_specs()
     m, n = b.shape
     source = [e.param.grad if grads is None else grads[e.param] for e in part]
-    # the rule sees this rank's shards (matrix_split.py) or local experts
-    source = [local_tensor(g) if e.local else g for e, g in zip(part, source, strict=True)]  # type: ignore[arg-type]
+    # the rule sees this rank's shards (matrix_split.py) or its local experts
+    source = [
+        local_tensor(g) if e.local else g  # type: ignore[arg-type]
+        for e, g in zip(part, source, strict=True)
+    ]
     batch = [e.batch(g) for e, g in zip(part, source, strict=True)]  # type: ignore[arg-type]
     G = batch[0] if len(batch) == 1 else torch.cat(batch)
     consecutive = all(nxt.start == cur.start + cur.count for cur, nxt in itertools.pairwise(part))
