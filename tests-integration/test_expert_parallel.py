@@ -165,15 +165,19 @@ def expert_parallel(mesh, experts: int = 4) -> MoE:
     return model
 
 
-def train(model: MoE, opt: DMuon, mesh, steps) -> None:
+def train(model: MoE, opt: DMuon, mesh, steps, clip: float | None = None) -> list[float]:
     """Each rank trains on its slice of every global batch; gradients finished as DDP
     would: summed over the ranks that hold the same tensor, divided by the world (the
-    global loss is the mean of the ranks' means)."""
+    global loss is the mean of the ranks' means). With ``clip``, clipped by
+    :func:`dmuon.optim.clip_grad_norm_`; returns the norms."""
     from torch.distributed.tensor import DTensor
+
+    from dmuon.optim import clip_grad_norm_
 
     world, rank = dist.get_world_size(), dist.get_rank()
     rows = BATCH // world
     dp = mesh.get_group("dp") if "dp" in mesh.mesh_dim_names else None
+    norms: list[float] = []
     for t in steps:
         x, y = batch(t)
         mine = slice(rank * rows, (rank + 1) * rows)
@@ -187,8 +191,11 @@ def train(model: MoE, opt: DMuon, mesh, steps) -> None:
                 g = p.grad
                 dist.all_reduce(g)
             g.div_(world)
+        if clip is not None:
+            norms.append(clip_grad_norm_(opt, clip).item())
         opt.step()
         opt.zero_grad()
+    return norms
 
 
 def run_rules(rank, world, shape, names, uneven):
@@ -363,6 +370,45 @@ def test_dcp_checkpoint_of_expert_shards_resumes_on_another_mesh_and_in_one_proc
         for name, w in want.items():
             diff = (got[name] - w).abs().max().item()
             assert diff <= TOLERANCE, f"resumed on {what}: {name} differs by {diff:.2e}"
+
+
+CLIP = 0.5  # below the gradient norm of every step (≈ 1.5–3): clipping acts
+
+
+def run_clipped(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "ep"))
+    model = expert_parallel(mesh)
+    opt = DMuon(param_groups(model), mode="single", rule="muon", **OPT)
+    norms = train(model, opt, mesh, range(STEPS), clip=CLIP)
+    full = {
+        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        for n, p in model.named_parameters()
+    }
+    return norms, full
+
+
+def test_clip_grad_norm_counts_every_expert_once_on_dp2_by_ep2():
+    """The global norm over experts split on ep and replicated on dp, and dense matrices
+    on every rank, equals torch's ``clip_grad_norm_`` in one process, and the clipped
+    run equals the clipped one process (a wrong norm changes each step's scale, and
+    momentum mixes steps of different scales)."""
+    model = MoE()
+    opt = DMuon(param_groups(model), rule="muon", **OPT)
+    want_norms = []
+    for t in range(STEPS):
+        x, y = batch(t)
+        F.mse_loss(model(x), y).backward()
+        want_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    assert min(want_norms) > CLIP, want_norms
+    for rank, (norms, got) in enumerate(run_on_ranks(run_clipped, 4, timeout=240)):
+        assert norms == pytest.approx(want_norms, rel=1e-5), (rank, norms, want_norms)
+        for name, want in model.named_parameters():
+            diff = (got[name] - want.detach()).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
 
 
 def run_fsdp2_stacks(rank, world, rule):

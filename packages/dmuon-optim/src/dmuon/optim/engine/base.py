@@ -19,6 +19,7 @@ The rule never knows which mode runs it (DESIGN.md: same rules, same results).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
@@ -179,6 +180,15 @@ class Engine:
         groups to sum the per-rank partial norms over."""
         return [e.param.grad for e in self.params if e.param.grad is not None], []
 
+    def norm_parts(
+        self,
+    ) -> tuple[list[torch.Tensor], list[float], list[dist.ProcessGroup | None]]:
+        """:meth:`norm_tensors` with, for each tensor, the number of ranks that count a copy
+        of it (its ``‖·‖ᵖ`` is divided by that number before the sum): 1 wherever
+        :meth:`norm_tensors` counts every element on one rank."""
+        tensors, groups = self.norm_tensors()
+        return tensors, [1.0] * len(tensors), groups
+
     def local_grads(self) -> list[torch.Tensor]:
         """Every gradient this rank holds (what clipping scales)."""
         return [e.param.grad for e in self.params if e.param.grad is not None]
@@ -214,6 +224,37 @@ class SingleEngine(Engine):
             return self.split_of(p) is not None
         pl = placement_of_param(info)
         return pl.tensor_split or pl.expert_split
+
+    def norm_parts(
+        self,
+    ) -> tuple[list[torch.Tensor], list[float], list[dist.ProcessGroup | None]]:
+        """With DTensor gradients on several ranks (tensor- or expert-parallel matrices,
+        FSDP2 rows), every rank counts its local shards and its plain gradients, each
+        divided by the number of ranks that hold the same values — a plain gradient is
+        the same on every rank (``single`` mode's contract), a shard on every replica
+        of its mesh's ``Replicate()`` dimensions and on each copy of its mesh in the
+        world — and one all-reduce over the world sums them. Without DTensors each
+        rank computes the norm of what it holds alone, as one process does."""
+        grads = [e.param.grad for e in self.params if e.param.grad is not None]
+        world = group_size(None)
+        if world == 1 or not any(is_dtensor(g) for g in grads):
+            return grads, [1.0] * len(grads), []
+        out: list[torch.Tensor] = []
+        copies: list[float] = []
+        for g in grads:
+            if is_dtensor(g):
+                mesh = g.device_mesh  # type: ignore[attr-defined]
+                replicas = math.prod(
+                    mesh.size(d)
+                    for d, pl in enumerate(g.placements)  # type: ignore[attr-defined]
+                    if pl.is_replicate()
+                )
+                out.append(g.to_local())  # type: ignore[attr-defined]
+                copies.append(world / mesh.size() * replicas)
+            else:
+                out.append(g)
+                copies.append(float(world))
+        return out, copies, [None]
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
         for index, group in enumerate(stepper.param_groups):
