@@ -442,3 +442,51 @@ def test_fsdp2_rows_of_a_stack_are_whole_experts_stepped_in_single_mode(rule):
         for name, want in expected.items():
             diff = (got[name] - want).abs().max().item()
             assert diff <= TOLERANCE, f"{rule}, rank {rank}: {name} differs by {diff:.2e}"
+
+
+def run_nonfinite(rank, world, policy):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.optim.engine import NonFiniteGradientError
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    model = expert_parallel(mesh)
+    opt = DMuon(param_groups(model), mode="single", nonfinite=policy, **OPT)
+    local = {n: p for n, p in model.named_parameters()}
+    before = {
+        n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+        for n, p in local.items()
+    }
+    x, y = batch(0)
+    rows = BATCH // world
+    F.mse_loss(
+        model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
+    ).backward()
+    if rank == 0:  # one expert of rank 0 only: rank 1's gradients are all finite
+        model.w_in.grad.to_local()[0, 0, 0] = float("nan")
+    try:
+        opt.step()
+        outcome = "stepped"
+    except NonFiniteGradientError as err:
+        outcome = f"raised: {err}"
+    moved = [
+        n
+        for n, p in local.items()
+        if not torch.equal((p.to_local() if hasattr(p, "to_local") else p).detach(), before[n])
+    ]
+    return outcome, moved, opt.skipped_steps
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_a_nonfinite_expert_gradient_on_one_rank_stops_every_rank(policy):
+    """Experts differ between ranks, so a NaN in one rank's expert is seen by that rank
+    alone; single mode agrees over the world (one small all-reduce per step, only with
+    DTensor matrices on several ranks), so no rank steps while another does not."""
+    for rank, (outcome, moved, skipped) in enumerate(
+        run_on_ranks(run_nonfinite, 2, args=(policy,), timeout=120)
+    ):
+        assert moved == [], (rank, policy, moved)
+        if policy == "raise":
+            assert outcome.startswith("raised") and "rank" in outcome, (rank, outcome)
+        else:
+            assert outcome == "stepped" and skipped == 1, (rank, outcome, skipped)

@@ -210,6 +210,31 @@ class SingleEngine(Engine):
 
     mode = "single"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._guards: list[dist.ProcessGroup | None] = []
+
+    def bind(self, stepper: Stepper) -> None:
+        """Learn the parameters; with DTensor matrices on several ranks, make the twin of
+        the world the guards agree over (:meth:`agreement_groups`)."""
+        super().bind(stepper)
+        if self.agreement_groups() and not self._guards:
+            # what guards.guard_groups does (it imports this module): the training loop
+            # uses the world group too, so the guards' flags go over a twin of it
+            ranks = dist.get_process_group_ranks(dist.group.WORLD)
+            self._guards = [dist.new_group(ranks, use_local_synchronization=True)]
+
+    def agreement_groups(self) -> list[dist.ProcessGroup | None]:
+        """The world, when DTensor matrices (tensor- or expert-parallel) are stepped on
+        several ranks: a NaN on one rank then skips (or raises) on every rank, so none
+        enters a Gram all-reduce alone or steps weights the others do not. Nothing
+        otherwise: each rank's step is its own, as in one process."""
+        shared = group_size(None) > 1 and any(e.matrix and is_dtensor(e.param) for e in self.params)
+        return [None] if shared else []
+
+    def guard_groups(self) -> list[dist.ProcessGroup | None]:
+        return self._guards
+
     def split_of(self, p: torch.Tensor) -> MatrixSplit | None:
         """A tensor-parallel matrix is stepped on its shards (:mod:`.tensor_split`)."""
         info = self.info(p)
