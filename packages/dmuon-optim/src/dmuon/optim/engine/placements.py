@@ -291,11 +291,17 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
                 f"on the model first, or pick another mode){ep}"
             )
         if pl.expert_split:
+            sharded = (
+                "; if FSDP2 sharded it (every matrix of the model a DTensor), mode='sharded' "
+                "steps it too, through owners"
+                if "sharded" in modes
+                else ""
+            )
             raise ValueError(
                 f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), "
                 f"which mode={mode!r} does not step; mode='single' does: each rank steps the "
                 "experts it holds, as one batch of whole matrices, with no gather (expert "
-                "parallelism): pass mode='single'"
+                f"parallelism): pass mode='single'{sharded}"
             )
         if "sharded" in modes:
             also = "; mode='single' steps it on its shards" if "single" in modes else ""
