@@ -628,3 +628,41 @@ def test_a_non_finite_shard_is_agreed_on_by_its_tensor_parallel_group(mode, worl
         for name, want in expected.items():
             diff = (got[name] - want).abs().max().item()
             assert diff <= SPLIT_TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
+def run_clipped_tp(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.optim import clip_grad_norm_
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = tp_deep_mlp(mesh)
+    opt = DMuon(param_groups(model), mode="single", **OPT)
+    norms = []
+    for t in range(STEPS):
+        x, y = deep_batch(t)
+        F.mse_loss(model(x), y).backward()
+        norms.append(clip_grad_norm_(opt, 0.1).item())
+        opt.step()
+        opt.zero_grad()
+    return norms, {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
+def test_clip_grad_norm_in_single_mode_counts_each_shard_once():
+    """Split matrices' shards (and plain biases every rank holds) counted once over the
+    world: the norm and the clipped run equal torch's ``clip_grad_norm_`` in one process."""
+    model = DeepMLP()
+    opt = DMuon(param_groups(model), **OPT)
+    want = []
+    for t in range(STEPS):
+        x, y = deep_batch(t)
+        F.mse_loss(model(x), y).backward()
+        want.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).item())
+        opt.step()
+        opt.zero_grad()
+    assert min(want) > 0.1, want  # clipping acts at every step
+    for rank, (norms, got) in enumerate(run_on_ranks(run_clipped_tp, 2, timeout=120)):
+        assert norms == pytest.approx(want, rel=1e-5), (rank, norms, want)
+        for name, w in model.named_parameters():
+            diff = (got[name] - w.detach()).abs().max().item()
+            assert diff <= SPLIT_TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"

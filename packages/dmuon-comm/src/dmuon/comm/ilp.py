@@ -121,8 +121,13 @@ def solve_owner_ilp(
     costing: Costing,
     time_limit: float,
     gap: float,
+    base: Sequence[float] | None = None,
 ) -> tuple[list[int], str] | None:
-    """Owners per unit and a status word, or None if the solver found nothing."""
+    """Owners per unit and a status word, or None if the solver found nothing.
+
+    ``base[r]``: load rank ``r`` carries outside the plan (matrices it steps itself),
+    added to its load in the max-load constraint.
+    """
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
@@ -207,7 +212,7 @@ def solve_owner_ilp(
     loads = [{k: c / scale for k, c in load.items()} for load in raw_loads]
     L = new_var()
     for r in range(N):
-        rows.append(({**loads[r], L: -1.0}, -np.inf, 0.0))
+        rows.append(({**loads[r], L: -1.0}, -np.inf, -(base[r] if base else 0.0) / scale))
 
     data: list[float] = []
     ri: list[int] = []

@@ -73,7 +73,8 @@ class OwnerPlan:
         items: every item, in canonical order.
         owners: the owner (rank, or slot ``i·S + j`` for HSDP) of each item.
         units: the assignment units (single items and packed groups).
-        loads: each rank's load under the plan's cost model.
+        loads: each rank's load under the plan's cost model (with the matrices it holds
+            outside the plan, ``plan_owners(held=...)``).
         world_size: number of ranks ``R·S``.
         replicate_size: ``R``; 1 unless HSDP.
         strategy: the strategy asked for.

@@ -36,6 +36,7 @@ def plan_owners(
     replicate_size: int = 1,
     ilp_time_limit: float = 10.0,
     ilp_gap: float = 1e-3,
+    held: Sequence[Sequence[MatrixItem]] | None = None,
 ) -> OwnerPlan:
     """Assign every matrix to exactly one owner rank, balancing the owners' work.
 
@@ -75,6 +76,15 @@ def plan_owners(
     the layer's broadcasts run concurrently. ``round_robin`` and ``single`` ignore
     it.
 
+    **Load held outside the plan** (``held``): ``held[r]`` lists the matrices rank
+    ``r`` steps itself whatever the plan says — the experts of a stack split over an
+    expert-parallel mesh dimension, which each rank orthogonalises where they live.
+    They are costed like the items and start each rank's load, so LPT, its
+    refinement and the ILP place the planned matrices around them (a rank with more
+    experts gets fewer dense matrices), and :attr:`~dmuon.comm.OwnerPlan.loads`
+    includes them (batched with the rank's planned matrices of the same shape). The
+    plan's items and owners do not include them.
+
     **HSDP.** With ``replicate_size = R`` the ``world_size = R·S`` ranks are the
     slots ``i·S + j`` of an (replicate, shard) mesh; LPT breaks ties by the load of
     the shard column ``j`` so that the shard groups stay balanced too. The plan
@@ -100,6 +110,8 @@ def plan_owners(
         replicate_size: ``R`` for HSDP; 1 otherwise.
         ilp_time_limit: seconds the ILP solver may run.
         ilp_gap: relative optimality gap at which the ILP solver stops.
+        held: per rank, the matrices it steps outside the plan (``world_size`` lists;
+            names unique among them and the items).
 
     Returns:
         The :class:`~dmuon.comm.OwnerPlan`.
@@ -137,7 +149,9 @@ def plan_owners(
     if not ilp_time_limit > 0:
         raise ValueError(f"ilp_time_limit must be > 0 seconds, got {ilp_time_limit!r}")
 
-    costing = Costing(items, cost, batch_cost, max_batch)
+    kept = _check_held(held, world_size, items)
+    costing = Costing([*items, *(i for its in kept for i in its)], cost, batch_cost, max_batch)
+    base = [costing.rank_load(its) for its in kept]
     units = make_units(items, costing, pack_below)
     caps = layer_caps(units, world_size) if spread_layers else {}
     shard_size = world_size // replicate_size
@@ -151,15 +165,45 @@ def plan_owners(
         for position, u in enumerate(ordered):
             owners[u] = position % world_size
     else:
-        owners = _lpt(units, world_size, shard_size, caps)
+        owners = _lpt(units, world_size, shard_size, caps, base)
         if refine:
-            owners = _refine(units, owners, world_size, caps)
+            owners = _refine(units, owners, world_size, caps, base)
         solver = "lpt"
         if strategy == "ilp":
             owners, solver = _ilp_or_lpt(
-                units, owners, world_size, caps, costing, ilp_time_limit, ilp_gap
+                units, owners, world_size, caps, costing, ilp_time_limit, ilp_gap, kept
             )
-    return _build_plan(items, units, owners, costing, world_size, replicate_size, strategy, solver)
+    return _build_plan(
+        items, units, owners, costing, world_size, replicate_size, strategy, solver, kept
+    )
+
+
+def _check_held(
+    held: Sequence[Sequence[MatrixItem]] | None, world_size: int, items: Sequence[MatrixItem]
+) -> list[list[MatrixItem]]:
+    """``held`` as one sorted list per rank, checked: one list per rank, MatrixItems, names
+    unique among them and the items."""
+    if held is None:
+        return [[] for _ in range(world_size)]
+    kept = [list(its) for its in held]
+    if len(kept) != world_size:
+        raise ValueError(
+            f"held must give one list of matrices per rank ({world_size}), got {len(kept)}"
+        )
+    names = {i.name for i in items}
+    for r, its in enumerate(kept):
+        for item in its:
+            if not isinstance(item, MatrixItem):
+                raise ValueError(
+                    f"held[{r}] must hold MatrixItem objects, got {type(item).__name__}"
+                )
+            if item.name in names:
+                raise ValueError(
+                    f"held[{r}]: {item.name!r} is named twice (in the items or another "
+                    "rank's held matrices); a matrix is planned or held by one rank, once"
+                )
+            names.add(item.name)
+    return [sorted(its, key=lambda i: natural_key(i.name)) for its in kept]
 
 
 def _check_int(name: str, value: object, low: int) -> None:
@@ -182,11 +226,18 @@ def _check_items(items: Iterable[MatrixItem]) -> list[MatrixItem]:
 
 
 def _lpt(
-    units: Sequence[Unit], world_size: int, shard_size: int, caps: dict[str, int]
+    units: Sequence[Unit],
+    world_size: int,
+    shard_size: int,
+    caps: dict[str, int],
+    base: Sequence[float],
 ) -> list[int]:
-    """Greedy longest-processing-time assignment with deterministic tie-breaks."""
-    loads = [0.0] * world_size
+    """Greedy longest-processing-time assignment with deterministic tie-breaks, from the
+    loads ``base`` the ranks hold outside the plan."""
+    loads = list(base)
     column_loads = [0.0] * shard_size
+    for r, load in enumerate(base):
+        column_loads[r % shard_size] += load
     counts = [0] * world_size
     per_layer: dict[str, list[int]] = {}
     owners = [0] * len(units)
@@ -213,7 +264,11 @@ def _lpt(
 
 
 def _refine(
-    units: Sequence[Unit], owners: list[int], world_size: int, caps: dict[str, int]
+    units: Sequence[Unit],
+    owners: list[int],
+    world_size: int,
+    caps: dict[str, int],
+    base: Sequence[float],
 ) -> list[int]:
     """Local search after LPT: move or swap units off the most loaded rank.
 
@@ -225,7 +280,7 @@ def _refine(
     when nothing lowers the maximum. Deterministic, and never worse than its input.
     """
     owners = list(owners)
-    loads = [0.0] * world_size
+    loads = list(base)
     held: list[list[int]] = [[] for _ in range(world_size)]
     per_layer: dict[str, list[int]] = {}
     for u, r in enumerate(owners):
@@ -289,6 +344,7 @@ def _ilp_or_lpt(
     costing: Costing,
     time_limit: float,
     gap: float,
+    kept: Sequence[Sequence[MatrixItem]],
 ) -> tuple[list[int], str]:
     from dmuon.comm.ilp import scipy_milp_available, solve_owner_ilp
 
@@ -300,13 +356,14 @@ def _ilp_or_lpt(
             stacklevel=3,
         )
         return lpt_owners, "lpt (ilp fallback: scipy not installed)"
-    solution = solve_owner_ilp(units, world_size, caps, costing, time_limit, gap)
+    base = [costing.rank_load(its) for its in kept]
+    solution = solve_owner_ilp(units, world_size, caps, costing, time_limit, gap, base)
     if solution is None:
         return lpt_owners, "lpt (ilp found no solution in time)"
     owners, status = solution
 
     def score(assignment: list[int]) -> tuple[float, float]:
-        loads = _rank_loads(units, assignment, costing, world_size)
+        loads = _rank_loads(units, assignment, costing, world_size, kept)
         return max(loads), sum(loads)
 
     ilp_max, ilp_total = score(owners)
@@ -318,9 +375,13 @@ def _ilp_or_lpt(
 
 
 def _rank_loads(
-    units: Sequence[Unit], owners: Sequence[int], costing: Costing, world_size: int
+    units: Sequence[Unit],
+    owners: Sequence[int],
+    costing: Costing,
+    world_size: int,
+    kept: Sequence[Sequence[MatrixItem]],
 ) -> list[float]:
-    per_rank: list[list[MatrixItem]] = [[] for _ in range(world_size)]
+    per_rank: list[list[MatrixItem]] = [list(its) for its in kept]
     for unit, owner in zip(units, owners, strict=True):
         per_rank[owner].extend(unit.items)
     return [costing.rank_load(sorted(its, key=lambda i: natural_key(i.name))) for its in per_rank]
@@ -335,6 +396,7 @@ def _build_plan(
     replicate_size: int,
     strategy: str,
     solver: str,
+    kept: Sequence[Sequence[MatrixItem]],
 ) -> OwnerPlan:
     owner_of = {i.name: o for u, o in zip(units, owners, strict=True) for i in u.items}
     return OwnerPlan(
@@ -344,7 +406,7 @@ def _build_plan(
             OwnerUnit(u.name, tuple(i.name for i in u.items), u.layer, u.cost, o)
             for u, o in zip(units, owners, strict=True)
         ),
-        loads=tuple(_rank_loads(units, owners, costing, world_size)),
+        loads=tuple(_rank_loads(units, owners, costing, world_size, kept)),
         world_size=world_size,
         replicate_size=replicate_size,
         strategy=strategy,

@@ -186,17 +186,25 @@ def build_dedication(
             for n, k, p in rest
         ]
         rest = []
-    sharded = [(item.name, p) for item, p in dedicated if is_dtensor(p)]
+    sharded = [(item, p) for item, p in dedicated if is_dtensor(p)]
     if sharded:
-        name, p = sharded[0]
+        item, p = sharded[0]
+        name = item.name
+        pl = placement_of(p, name, stack=p.dim() > 2 and len(item.shape) > 2)
+        experts = (
+            "; an expert stack split over its expert dimension, as this one, is stepped by "
+            "DMuon(..., mode='single'), each rank its own experts as a batch"
+            if pl.expert_split
+            else ""
+        )
         raise ValueError(
             f"parameter {name!r} is already a DTensor with placements "
-            f"{placement_of(p, name).describe()}: owner mode dedicates whole, plain matrices. "
+            f"{pl.describe()}: owner mode dedicates whole, plain matrices. "
             "If fully_shard() made it, dedicate() was called after fully_shard(): call "
             "dedicate(model, mesh) first, then "
             "fully_shard(model, mesh=mesh, ignored_params=ded.params), so FSDP2 leaves the "
             "dedicated matrices to their owners; tensor-parallel matrices (parallelize_module) "
-            "are not stepped by owner mode: keep them out of the dedication (predicate=)"
+            f"are not stepped by owner mode: keep them out of the dedication (predicate=){experts}"
         )
     if not dedicated:
         raise ValueError(

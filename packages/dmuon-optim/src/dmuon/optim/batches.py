@@ -61,6 +61,9 @@ class Entry:
         layout: its matrix layout.
         block: which of its blocks.
         start: first matrix of this entry in the bucket's batch.
+        local: the rule steps this rank's local part of the parameter (a DTensor's
+            ``to_local()``): a tensor-parallel shard, or the whole experts of a stack
+            split over its expert dimension.
 
     Examples:
         >>> import torch
@@ -79,6 +82,7 @@ class Entry:
     layout: MatrixLayout
     block: Block
     start: int
+    local: bool = False
 
     @property
     def count(self) -> int:
@@ -173,6 +177,7 @@ def build_buckets(
     name_of: Callable[[int], str],
     include: Callable[[int, torch.Tensor], bool] | None = None,
     split_of: Callable[[torch.Tensor], MatrixSplit | None] | None = None,
+    on_shard: Callable[[torch.Tensor], bool] | None = None,
 ) -> tuple[list[Bucket], dict[torch.Tensor, dict[str, torch.Tensor]]]:
     """Bucket a matrix group and create its state, eagerly, keeping old values.
 
@@ -189,6 +194,12 @@ def build_buckets(
             its local shard, and is batched only with matrices of the same whole
             shape, split and group, so every rank of the group runs the same batches
             in the same order, whatever the sizes of its shards.
+        on_shard: whether a parameter is stepped on this rank's local part (default:
+            the split ones). An expert stack split over its expert dimension is, with no
+            ``split``: its local experts are whole matrices, laid out (and their state
+            shaped) by the local tensor and batched with any other matrices of their
+            shape; what each rank holds may differ (uneven shards), and no collective
+            runs on them.
 
     Returns:
         The buckets, in order of first appearance, and the new state per parameter.
@@ -212,7 +223,8 @@ def build_buckets(
         if include is not None and not include(i, p):
             continue
         split = split_of(p) if split_of is not None else None
-        local = local_tensor(p) if split is not None else p
+        shard = split is not None or (on_shard is not None and on_shard(p))
+        local = local_tensor(p) if shard else p
         layout = matrix_layout(local, dict(group), name_of(i))
         if split is not None and not layout.whole:
             raise ValueError(
@@ -227,7 +239,7 @@ def build_buckets(
             if key not in buckets:
                 buckets[key] = Bucket(shape, p.dtype, p.device, split=split)
             b = buckets[key]
-            b.entries.append(Entry(i, p, layout, block, b.size))
+            b.entries.append(Entry(i, p, layout, block, b.size, shard))
             b.size += layout.count(block)
 
     new_state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
@@ -402,8 +414,11 @@ def _run_batch(
     specs = rule.state_specs()
     m, n = b.shape
     source = [e.param.grad if grads is None else grads[e.param] for e in part]
-    if b.split is not None:  # the rule sees this rank's shards (matrix_split.py)
-        source = [local_tensor(g) for g in source]  # type: ignore[arg-type]
+    # the rule sees this rank's shards (matrix_split.py) or its local experts
+    source = [
+        local_tensor(g) if e.local else g  # type: ignore[arg-type]
+        for e, g in zip(part, source, strict=True)
+    ]
     batch = [e.batch(g) for e, g in zip(part, source, strict=True)]  # type: ignore[arg-type]
     G = batch[0] if len(batch) == 1 else torch.cat(batch)
     consecutive = all(nxt.start == cur.start + cur.count for cur, nxt in itertools.pairwise(part))
@@ -436,7 +451,7 @@ def _run_batch(
         for e, u in zip(part, U.split(counts), strict=True):
             sink(e, u, scale)
     else:
-        weights = [e.param if b.split is None else local_tensor(e.param) for e in part]
+        weights = [local_tensor(e.param) if e.local else e.param for e in part]
         targets = [e.tensor_block(w) for e, w in zip(part, weights, strict=True)]
         updates = [c.reshape(t.shape) for c, t in zip(U.split(counts), targets, strict=True)]
         apply_update(

@@ -9,9 +9,11 @@ same on every rank. The global norm counts every element exactly once:
 — each rank sums the gradients it is the one to count (the owner's matrices, its
 DTensor shards on the first replica, replicated gradients on rank 0 only), and
 one all-reduce of that partial sum (per mesh dimension) gives every rank the
-total. Every rank then scales every gradient it holds by
-``min(1, max_norm / (‖g‖ + 1e-6))``, exactly as ``torch.nn.utils.clip_grad_norm_``
-does on one process.
+total. In ``single`` mode with DTensor matrices (tensor or expert parallelism),
+every rank counts what it holds divided by the number of ranks holding the same
+values, and the partial sums are all-reduced over the world. Every rank then
+scales every gradient it holds by ``min(1, max_norm / (‖g‖ + 1e-6))``, exactly as
+``torch.nn.utils.clip_grad_norm_`` does on one process.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def clip_grad_norm_(
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
     engine = optimizer.engine
     engine.prepare_grads()
-    counted, groups = engine.norm_tensors()
+    counted, copies, groups = engine.norm_parts()
     device = counted[0].device if counted else torch.device("cpu")
     inf = math.isinf(norm_type)
     if counted:
@@ -87,7 +89,10 @@ def clip_grad_norm_(
             partial = torch.stack([g.detach().abs().max().float() for g in counted]).max()
         else:
             norms = torch._foreach_norm([g.detach() for g in counted], norm_type)
-            partial = torch.stack([n.float() for n in norms]).pow(norm_type).sum()
+            powers = torch.stack([n.float() for n in norms]).pow(norm_type)
+            # a tensor several ranks count (single mode's DTensor shards) is counted 1/copies
+            # times on each; copies are 1 in every other mode (x / 1.0 is exact)
+            partial = (powers / torch.tensor(copies, device=powers.device)).sum()
     else:
         partial = torch.zeros((), device=device)
     partial = partial.to(torch.float32)

@@ -18,7 +18,7 @@ from dmuon.comm.roll_call import start_responder
 from dmuon.optim.batches import Bucket, Sink
 from dmuon.optim.deadline import Deadline, check_timeout
 from dmuon.optim.engine.base import Engine, SingleEngine
-from dmuon.optim.engine.modes import make_engine
+from dmuon.optim.engine.modes import check_layouts, make_engine
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.group_options import GroupDefaults, check_distinct_params
 from dmuon.optim.group_record import GroupRecord
@@ -263,12 +263,17 @@ class DMuon(torch.optim.Optimizer):
             )
         group = self._group_defaults.normalize(param_group, len(self.param_groups))
         check_distinct_params(group, len(self.param_groups), self.param_groups)
+        if self._initialized:  # the new matrices' layouts, as the constructor checked them
+            check_layouts(
+                [*self.param_groups, group], self._engine.mode, getattr(self._engine, "group", None)
+            )
         defaults, self.defaults = self.defaults, {}
         try:
             super().add_param_group(group)
         finally:
             self.defaults = defaults
         if self._initialized:
+            self._engine.bind(self)  # the engine learns the new parameters' names and layouts
             self._rebuild(len(self.param_groups) - 1)
 
     def _rebuild(self, index: int) -> None:
@@ -446,7 +451,7 @@ class DMuon(torch.optim.Optimizer):
             groups = [
                 self._group_defaults.normalize(g, i) for i, g in enumerate(state["param_groups"])
             ]
-            check_loaded_state(state["state"], groups, self._engine.split_of)
+            check_loaded_state(state["state"], groups, self._engine.on_shard)
             state["param_groups"] = groups
         super().__setstate__(state)
         if config is not None:

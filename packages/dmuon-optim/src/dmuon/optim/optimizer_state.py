@@ -18,7 +18,7 @@ from dmuon.optim.batches import Bucket, build_buckets, state_shapes
 from dmuon.optim.engine.base import Engine
 from dmuon.optim.group_options import param_name
 from dmuon.optim.layout import matrix_layout
-from dmuon.optim.matrix_split import MatrixSplit, local_tensor
+from dmuon.optim.matrix_split import local_tensor
 from dmuon.optim.rules import get_rule
 from dmuon.optim.scalar import SCALAR_ALGORITHMS, scalar_state_dtype, scalar_state_shapes
 
@@ -77,6 +77,7 @@ def build_state(
             lambda i: param_name(names, i, index, group["params"][i]),
             include=include,
             split_of=engine.split_of,
+            on_shard=engine.on_shard,
         )
         out[pipeline_group] = buckets
         for p, st in new_state.items():
@@ -108,12 +109,13 @@ def check_state_dict_keys(state_dict: Any) -> None:
 def check_loaded_state(
     state: Mapping[Any, Any],
     groups: list[dict[str, Any]],
-    split_of: Callable[[torch.Tensor], MatrixSplit | None] | None = None,
+    on_shard: Callable[[torch.Tensor], bool] | None = None,
 ) -> None:
     """Raise unless ``state`` has exactly the keys and shapes ``groups`` need.
 
-    A matrix the engine steps on its tensor-parallel shards (``split_of``) has state
-    shaped like its local shard.
+    A matrix the engine steps on this rank's local part (``on_shard``: a tensor-parallel
+    shard, or the experts of a stack split over its expert dimension) has state shaped
+    like its local shard.
     """
     params = {p for g in groups for p in g["params"]}
     extra = [k for k in state if not (isinstance(k, torch.Tensor) and k in params)]
@@ -129,8 +131,8 @@ def check_loaded_state(
             if g["algorithm"] in SCALAR_ALGORITHMS:
                 expected = scalar_state_shapes(g["algorithm"], p)
             else:
-                split = split_of(p) if split_of is not None else None
-                layout = matrix_layout(local_tensor(p) if split else p, g, name)
+                shard = on_shard is not None and on_shard(p)
+                layout = matrix_layout(local_tensor(p) if shard else p, g, name)
                 expected = state_shapes(get_rule(g["algorithm"]), layout)
             st = state.get(p)
             if st is None:

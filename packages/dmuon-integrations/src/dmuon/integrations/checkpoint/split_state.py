@@ -9,6 +9,11 @@ of them. A checkpoint therefore sees such state as a DTensor laid out like its
 parameter (:func:`as_saved`): DCP writes every shard once and reshards on load (to
 another tensor-parallel degree, or to one process), and the optimizer gets back the
 local shard (:func:`as_loaded`).
+
+The same holds for an expert stack ``(E, m, n)`` whose experts are split over a mesh
+dimension (expert parallelism): each rank's state is that of its own experts,
+``(E_local, m, n)``, and per-row state ``(E_local, m)``; both are saved as DTensors of
+the whole stack's ``(E, m, n)`` and ``(E, m)``, split like the parameter.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ def as_saved(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     DTensor with the parameter's mesh, placements and global shape. Per-row state
     (NorMuon's ``row_second_moment``) of a matrix split by rows becomes the DTensor of
     the whole column of rows, split the same way; of a matrix split by columns it is
-    whole and the same on every rank, and stays as it is. Anything else (a scalar
+    whole and the same on every rank, and stays as it is. Per-row state of a stack
+    split over a leading (expert) dimension, shaped like its local shard without the
+    last dimension, becomes the DTensor of the whole stack's rows. Anything else (a scalar
     ``step``, a DTensor, the state of a plain parameter) is returned as it is.
 
     Raises:
@@ -52,10 +59,14 @@ def as_saved(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         return value  # per-row state of whole rows: the same on every rank
     target: tuple[int, ...]
     stride: tuple[int, ...]
+    per_expert_row = value.dim() == param.dim() - 1 > 1 and shape == local[:-1]
     if per_row and rows_split and shape == local[:1]:
         target, stride = whole[:1], (1,)  # split like the rows (the parameter's Shard(0))
     elif shape == local:
         target, stride = whole, param.stride()
+    elif per_expert_row and local[-1] == whole[-1]:  # the stack's rows, split like it
+        target = whole[:-1]
+        stride = torch.empty(target, device="meta").stride()
     else:
         raise NotImplementedError(
             f"optimizer state of shape {shape} for a DTensor parameter of local shape "

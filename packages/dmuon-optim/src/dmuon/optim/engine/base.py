@@ -19,6 +19,7 @@ The rule never knows which mode runs it (DESIGN.md: same rules, same results).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
@@ -27,8 +28,9 @@ import torch.distributed as dist
 
 from dmuon.comm.process_groups import group_size, twin_groups
 from dmuon.optim.engine.params import EngineParam, collect_params, is_dtensor
+from dmuon.optim.engine.placements import placement_of_param
 from dmuon.optim.engine.report import StepReport
-from dmuon.optim.engine.tensor_split import split_groups, split_of
+from dmuon.optim.engine.tensor_split import split_of
 from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.vote import SignVote
 
@@ -126,6 +128,13 @@ class Engine:
         (:mod:`dmuon.optim.matrix_split`); ``None``: it is stepped whole."""
         return None
 
+    def on_shard(self, p: torch.Tensor) -> bool:
+        """Whether this engine steps ``p`` on this rank's local part of it (a DTensor's
+        ``to_local()``) rather than whole: a matrix split over a tensor-parallel group
+        (:meth:`split_of`), or a stack whose experts are split over a mesh dimension
+        (each rank steps its own, whole)."""
+        return self.split_of(p) is not None
+
     def group_of(self, p: torch.Tensor) -> str | None:
         """The pipeline group of ``p``."""
         return None
@@ -171,6 +180,15 @@ class Engine:
         groups to sum the per-rank partial norms over."""
         return [e.param.grad for e in self.params if e.param.grad is not None], []
 
+    def norm_parts(
+        self,
+    ) -> tuple[list[torch.Tensor], list[float], list[dist.ProcessGroup | None]]:
+        """:meth:`norm_tensors` with, for each tensor, the number of ranks that count a copy
+        of it (its ``‖·‖ᵖ`` is divided by that number before the sum): 1 wherever
+        :meth:`norm_tensors` counts every element on one rank."""
+        tensors, groups = self.norm_tensors()
+        return tensors, [1.0] * len(tensors), groups
+
     def local_grads(self) -> list[torch.Tensor]:
         """Every gradient this rank holds (what clipping scales)."""
         return [e.param.grad for e in self.params if e.param.grad is not None]
@@ -194,26 +212,72 @@ class SingleEngine(Engine):
 
     def __init__(self) -> None:
         super().__init__()
-        self._split_groups: list[dist.ProcessGroup | None] = []
-        self._guard_groups: list[dist.ProcessGroup | None] = []
+        self._guards: list[dist.ProcessGroup | None] = []
 
     def bind(self, stepper: Stepper) -> None:
+        """Learn the parameters; with DTensor matrices on several ranks, make the twin of
+        the world the guards agree over (:meth:`agreement_groups`)."""
         super().bind(stepper)
-        # the ranks of a tensor-parallel group step its matrices together: they agree on
-        # a skipped step (over twins of the groups, which tensor parallelism also uses)
-        self._split_groups = list(split_groups(self.params))
-        self._guard_groups = twin_groups(self._split_groups) if self._split_groups else []
+        if self.agreement_groups() and not self._guards:
+            # the training loop uses the world group too: the guards' flags go over a twin
+            self._guards = twin_groups([None])
 
     def agreement_groups(self) -> list[dist.ProcessGroup | None]:
-        return list(self._split_groups)
+        """The world, when DTensor matrices (tensor- or expert-parallel) are stepped on
+        several ranks: a NaN on one rank then skips (or raises) on every rank, so none
+        enters a Gram all-reduce alone or steps weights the others do not. Nothing
+        otherwise: each rank's step is its own, as in one process."""
+        shared = group_size(None) > 1 and any(e.matrix and is_dtensor(e.param) for e in self.params)
+        return [None] if shared else []
 
     def guard_groups(self) -> list[dist.ProcessGroup | None]:
-        return list(self._guard_groups)
+        return self._guards
 
     def split_of(self, p: torch.Tensor) -> MatrixSplit | None:
         """A tensor-parallel matrix is stepped on its shards (:mod:`.tensor_split`)."""
         info = self.info(p)
         return split_of(p, info.name if info is not None else "")
+
+    def on_shard(self, p: torch.Tensor) -> bool:
+        """A tensor-parallel matrix, and an expert stack split over its expert dimension
+        (:attr:`~dmuon.optim.engine.placements.MatrixPlacement.expert_split`: each rank
+        steps the experts it holds, as one batch, with no collective)."""
+        info = self.info(p)
+        if info is None or not is_dtensor(p):
+            return self.split_of(p) is not None
+        pl = placement_of_param(info)
+        return pl.tensor_split or pl.expert_split
+
+    def norm_parts(
+        self,
+    ) -> tuple[list[torch.Tensor], list[float], list[dist.ProcessGroup | None]]:
+        """With DTensor gradients on several ranks (tensor- or expert-parallel matrices,
+        FSDP2 rows), every rank counts its local shards and its plain gradients, each
+        divided by the number of ranks that hold the same values — a plain gradient is
+        the same on every rank (``single`` mode's contract), a shard on every replica
+        of its mesh's ``Replicate()`` dimensions and on each copy of its mesh in the
+        world — and one all-reduce over the world sums them. Without DTensors each
+        rank computes the norm of what it holds alone, as one process does."""
+        grads = [e.param.grad for e in self.params if e.param.grad is not None]
+        world = group_size(None)
+        if world == 1 or not any(is_dtensor(g) for g in grads):
+            return grads, [1.0] * len(grads), []
+        out: list[torch.Tensor] = []
+        copies: list[float] = []
+        for g in grads:
+            if is_dtensor(g):
+                mesh = g.device_mesh  # type: ignore[attr-defined]
+                replicas = math.prod(
+                    mesh.size(d)
+                    for d, pl in enumerate(g.placements)  # type: ignore[attr-defined]
+                    if pl.is_replicate()
+                )
+                out.append(g.to_local())  # type: ignore[attr-defined]
+                copies.append(world / mesh.size() * replicas)
+            else:
+                out.append(g)
+                copies.append(float(world))
+        return out, copies, [None]
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
         for index, group in enumerate(stepper.param_groups):

@@ -32,7 +32,7 @@ from dmuon.optim.engine.sharded import ShardedEngine
 from dmuon.optim.engine.sign import SignEngine
 from dmuon.optim.engine.tensor_split import check_split_groups, check_split_rules
 
-__all__ = ["MODES", "make_engine"]
+__all__ = ["MODES", "check_layouts", "make_engine"]
 
 MODES = ("single", "owner", "replicated", "sharded", "sign")
 """The execution modes of ``DMuon(mode=...)``, see the table above and the Concepts page
@@ -110,13 +110,7 @@ def make_engine(
             f"the parameters are dedicated to owners, which is owner mode, but mode={mode!r} "
             "was asked for; drop mode= (or the dedicate() call)"
         )
-    # Every rank reads the same placements, so every rank refuses alike, before any
-    # collective: none is left waiting (placements.py).
-    check_placements(params, mode)
-    if mode in ("single", "replicated"):
-        check_split_rules(params, opt.param_groups, mode)
-    if mode == "replicated":
-        check_split_groups(params, process_group, mode)
+    check_layouts(opt.param_groups, mode, process_group)
     engine: Engine
     if mode == "single":
         engine = SingleEngine()
@@ -131,6 +125,24 @@ def make_engine(
         engine = SignEngine(process_group, pipeline_depth=pipeline_depth)
     engine.bind(opt)
     return engine
+
+
+def check_layouts(param_groups: list[dict[str, Any]], mode: str, process_group: Any = None) -> None:
+    """Refuse a matrix whose DTensor layout ``mode`` does not step, or whose rule cannot step
+    the shards ``mode`` gives it (:func:`~dmuon.optim.engine.placements.check_placements`,
+    :func:`~dmuon.optim.engine.tensor_split.check_split_rules`), or, in ``replicated``
+    mode, a split that crosses ``process_group``, the group it plans owners over
+    (:func:`~dmuon.optim.engine.tensor_split.check_split_groups`).
+
+    Every rank reads the same placements, so every rank refuses alike, before any
+    collective: none is left waiting.
+    """
+    params = collect_params(param_groups)
+    check_placements(params, mode)
+    if mode in ("single", "replicated"):
+        check_split_rules(params, param_groups, mode)
+    if mode == "replicated":
+        check_split_groups(params, process_group, mode)
 
 
 def _world(group: Any) -> int:

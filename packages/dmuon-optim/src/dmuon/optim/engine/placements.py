@@ -24,6 +24,12 @@ none (a plain tensor)                  ``single``, ``owner``, ``replicated``,
                                        (:mod:`~dmuon.optim.engine.tensor_split`)
 ``Shard(1)`` over one mesh dimension,  ``single`` on the shards (a rowwise
 ``Replicate()`` over the others        tensor-parallel layer's columns)
+a stack ``(E, m, n)`` (group key       ``single``, each rank its own whole
+``flatten=False``) with ``Shard(d)``,  matrices as a batch (expert
+``d`` a leading dimension, over one    parallelism: no gather, no
+mesh dimension, ``Replicate()`` over   collective); ``d = 0`` also
+the others                             ``sharded`` (FSDP2's rows of a stack
+                                       are whole experts)
 anything else: two sharding mesh       refused by every mode
 dimensions (FSDP2 over TP), strided
 shards, ``Partial``
@@ -45,7 +51,13 @@ import torch
 
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 
-__all__ = ["MatrixPlacement", "check_placements", "placement_of", "supported_by"]
+__all__ = [
+    "MatrixPlacement",
+    "check_placements",
+    "placement_of",
+    "placement_of_param",
+    "supported_by",
+]
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,8 @@ class MatrixPlacement:
         unknown: the mesh dimensions of a placement this module does not know.
         ndim: the tensor's number of dimensions (only a 2-D tensor is stepped on its
             shards).
+        stack: the tensor is a stack of matrices over its leading dimensions (an expert
+            stack ``(E, m, n)``, param group key ``flatten=False``), not one matrix.
 
     Examples:
         >>> rowwise = MatrixPlacement("fc2.weight", ("Shard(dim=1)",), ("tp",), ((0, 1, False),))
@@ -79,6 +93,7 @@ class MatrixPlacement:
     partial: tuple[int, ...] = ()
     unknown: tuple[int, ...] = ()
     ndim: int = 2
+    stack: bool = False
 
     @property
     def distributed(self) -> bool:
@@ -106,6 +121,22 @@ class MatrixPlacement:
         which ``single`` mode steps on the shards (:mod:`~dmuon.optim.engine.tensor_split`)."""
         return self.ndim == 2 and self.split_dim in (0, 1)
 
+    @property
+    def expert_split(self) -> bool:
+        """A stack of matrices (:attr:`stack`) with ``Shard(d)`` over exactly one mesh
+        dimension, ``d`` one of its leading (batch) dimensions, ``Replicate()`` over the
+        others: each rank holds whole matrices — its experts — which ``single`` mode steps
+        where they are, as a batch, with no collective.
+
+        Examples:
+            >>> ep = MatrixPlacement("w", ("Shard(dim=0)",), ("ep",), ((0, 0, False),), ndim=3,
+            ...                      stack=True)
+            >>> ep.expert_split, ep.tensor_split, supported_by(ep)
+            (True, False, ('sharded', 'single'))
+        """
+        d = self.split_dim
+        return self.stack and self.ndim > 2 and d is not None and d < self.ndim - 2
+
     def describe(self) -> str:
         """``(Shard(dim=0),) on mesh dims ('tp',)`` — what the errors print."""
         if not self.distributed:
@@ -121,6 +152,16 @@ class MatrixPlacement:
             return "split over several mesh dimensions (e.g. FSDP2 over tensor parallelism)"
         if any(strided for _, _, strided in self.shards):
             return "a strided shard"
+        if self.expert_split:
+            return (
+                f"a stack of matrices split along its leading dim {self.shards[0][1]}: each "
+                "rank holds whole experts"
+            )
+        if self.shards and self.stack and self.shards[0][1] >= self.ndim - 2:
+            return (
+                f"a stack of matrices split along matrix dim {self.shards[0][1]}: every "
+                "matrix of the stack is cut (tensor parallelism inside the experts)"
+            )
         if self.shards and self.shards[0][1] != 0:
             return (
                 f"split along tensor dim {self.shards[0][1]} (columns: a rowwise "
@@ -131,8 +172,10 @@ class MatrixPlacement:
         return "split by rows over one mesh dimension"
 
 
-def placement_of(p: torch.Tensor, name: str) -> MatrixPlacement:
-    """The layout of ``p`` read from its public DTensor ``placements`` and ``device_mesh``.
+def placement_of(p: torch.Tensor, name: str, stack: bool = False) -> MatrixPlacement:
+    """The layout of ``p`` read from its public DTensor ``placements`` and ``device_mesh``;
+    ``stack``: ``p`` is a stack of matrices over its leading dimensions (see
+    :attr:`MatrixPlacement.stack`; :func:`placement_of_param` reads it from the group).
 
     Examples:
         >>> import torch
@@ -140,7 +183,7 @@ def placement_of(p: torch.Tensor, name: str) -> MatrixPlacement:
         'a plain tensor (no placements)'
     """
     if not is_dtensor(p):
-        return MatrixPlacement(name)
+        return MatrixPlacement(name, ndim=p.dim(), stack=stack)
     mesh = p.device_mesh  # type: ignore[attr-defined]
     placements = tuple(p.placements)  # type: ignore[attr-defined]
     names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
@@ -165,7 +208,16 @@ def placement_of(p: torch.Tensor, name: str) -> MatrixPlacement:
         tuple(partial),
         tuple(unknown),
         p.dim(),
+        stack,
     )
+
+
+def placement_of_param(e: EngineParam) -> MatrixPlacement:
+    """:func:`placement_of` an optimizer parameter, a stack when its group says so
+    (``flatten=False`` on a tensor of more than 2 dimensions: its planned
+    :attr:`~dmuon.optim.engine.params.EngineParam.item` keeps every dimension).
+    """
+    return placement_of(e.param, e.name, stack=e.param.dim() > 2 and len(e.item.shape) > 2)
 
 
 def _kind(pl: Any) -> str:
@@ -195,7 +247,9 @@ def supported_by(pl: MatrixPlacement) -> tuple[str, ...]:
     if not pl.distributed:
         return ("single", "owner", "replicated", "sign")
     modes = ("sharded",) if pl.row_sharded else ()
-    return modes + (("single", "replicated") if pl.tensor_split else ())
+    return modes + (
+        ("single", "replicated") if pl.tensor_split else ("single",) if pl.expert_split else ()
+    )
 
 
 def check_placements(params: Iterable[EngineParam], mode: str) -> None:
@@ -216,18 +270,40 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
             ...
         ValueError: matrix parameter 'group0.param0' is a plain tensor, but mode='sharded' ...
     """
+    params = list(params)
+    experts = [e.name for e in params if e.matrix and placement_of_param(e).expert_split]
     for e in params:
         if not e.matrix:
             continue
-        pl = placement_of(e.param, e.name)
+        pl = placement_of_param(e)
         modes = supported_by(pl)
         if mode in modes:
             continue
         if not pl.distributed:
+            ep = (
+                f"; expert stacks split over a mesh dimension ({experts[0]!r}) beside plain "
+                "matrices are stepped by mode='single' (each rank its own experts; you "
+                "synchronise the replicated gradients, as DDP would)"
+                if experts
+                else ""
+            )
             raise ValueError(
                 f"matrix parameter {e.name!r} is a plain tensor, but mode={mode!r} steps "
                 "DTensor shards; sharded mode steps FSDP2's sharded matrices (call fully_shard "
-                "on the model first, or pick another mode)"
+                f"on the model first, or pick another mode){ep}"
+            )
+        if pl.expert_split:
+            sharded = (
+                "; if FSDP2 sharded it (every matrix of the model a DTensor), mode='sharded' "
+                "steps it too, through owners"
+                if "sharded" in modes
+                else ""
+            )
+            raise ValueError(
+                f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), "
+                f"which mode={mode!r} does not step; mode='single' does: each rank steps the "
+                "experts it holds, as one batch of whole matrices, with no gather (expert "
+                f"parallelism): pass mode='single'{sharded}"
             )
         if "sharded" in modes:
             also = "; mode='single' steps it on its shards" if "single" in modes else ""
@@ -252,6 +328,8 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
             "plain tensors (modes single, owner, replicated, sign); a 2-D matrix with Shard(0) "
             "or Shard(1) over one mesh dimension and Replicate() elsewhere (mode='single' or, "
             "owners over the other ranks, mode='replicated', on the shards; Shard(0) also "
-            "mode='sharded', FSDP2/HSDP). Keep this matrix out of "
-            "tensor parallelism, or out of DMuon (give it to another optimizer)"
+            "mode='sharded', FSDP2/HSDP); a stack of matrices (flatten=False) with Shard on a "
+            "leading (expert) dimension over one mesh dimension and Replicate() elsewhere "
+            "(mode='single', each rank its experts). Keep this matrix out of tensor "
+            "parallelism, or out of DMuon (give it to another optimizer)"
         )

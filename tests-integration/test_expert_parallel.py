@@ -1,0 +1,492 @@
+"""Expert parallelism: expert stacks split over an ``ep`` mesh dimension, stepped where they live.
+
+A small mixture-of-experts model holds its experts as stacks ``(E, m, n)`` (an
+``nn.Parameter`` per stack, the group key ``flatten=False``: a batch of ``E``
+matrices) beside dense matrices and scalars. Sharded over ``ep`` with the public
+``distribute_tensor`` (``Shard(0)`` on ``ep``, ``Replicate()`` on ``dp``), each rank
+holds whole experts, and ``single`` mode steps them there, as one batch, with no
+gather — so a rule that needs whole matrices (Dion3's row selection) works too. Every
+run below equals one process trained on the same global batches; every other mode
+refuses the stacks on every rank, naming the parameter, its placements and
+``single``. FSDP2's ``Shard(0)`` rows of a stack are whole experts too, and a DCP
+checkpoint of the experts' state reshards (dp 2 × ep 2 → ep 2, and one process).
+
+The parallel forward is the usual expert-parallel dispatch, written with plain
+collectives: every rank embeds its own tokens, the ``ep`` group gathers them, each
+rank runs its experts on all of them, and the partial outputs are summed back to
+the tokens' ranks (a reduce-scatter). Gradients then arrive as in a real EP run:
+an expert's is complete over its ``ep`` group, a dense matrix's is this rank's part.
+The test's own all-reduces finish them (dense over every rank, experts over
+``dp``), as DDP would.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dmuon.comm.testing import run_on_ranks
+from dmuon.optim import DMuon, param_groups
+
+OPT = dict(lr=0.02, weight_decay=0.01, momentum=0.9, ns_compute_dtype=torch.float32)
+RULES = ("muon", "normuon", "dion3")
+STEPS = 3
+BATCH = 16  # global tokens per step, split evenly over the ranks
+D, H = 6, 8  # model width, expert hidden width: w_in (E, 8, 6), w_out (E, 6, 8)
+# Both runs orthogonalise the same matrices in fp32; the gradients differ only in the
+# order of their sums (over the ranks' all-reduces, and over experts in the MoE
+# output), a few fp32 ulps. After 3 steps the parameters agree to 4.8e-7 at most
+# (measured over every rule, mesh and parameter here; entries are O(1)); an expert
+# stepped with another's gradient, or with a wrongly scaled one, is off by ~lr = 2e-2.
+TOLERANCE = 2e-6
+
+
+class MoE(nn.Module):
+    """in (5 → 6), a soft-routed MoE of ``experts`` experts (router 6 → E; experts
+    6 → 8 → 6 stored as two stacks), a LayerNorm, out (6 → 3).
+
+    Every token goes to every expert, weighted by its softmax gate: no top-k, so no
+    routing decision can flip between the runs on a rounding difference.
+    """
+
+    def __init__(self, experts: int = 4) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.inp = nn.Linear(5, D)
+            self.router = nn.Linear(D, experts, bias=False)
+            self.w_in = nn.Parameter(torch.randn(experts, H, D) / math.sqrt(D))
+            self.w_out = nn.Parameter(torch.randn(experts, D, H) / math.sqrt(H))
+            self.norm = nn.LayerNorm(D)
+            self.out = nn.Linear(D, 3)
+        self.ep: dist.ProcessGroup | None = None
+        self.local_experts = torch.arange(experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        gate = F.softmax(self.router(h), dim=-1)
+        if self.ep is None:
+            y = expert_mix(h, gate, self.w_in, self.w_out)
+        else:  # dispatch to the experts' ranks, combine back (see the module docstring)
+            tokens = GatherTokens.apply(h, self.ep)
+            gates = GatherTokens.apply(gate, self.ep)[:, self.local_experts]
+            part = expert_mix(tokens, gates, self.w_in.to_local(), self.w_out.to_local())
+            y = ScatterSum.apply(part, self.ep)
+        return self.out(self.norm(h + y))
+
+
+def expert_mix(h, gate, w_in, w_out) -> torch.Tensor:
+    """Σ_e gate[:, e] · w_out[e] · gelu(w_in[e] · h) over the experts given."""
+    a = F.gelu(torch.einsum("bd,ehd->ebh", h, w_in))
+    return torch.einsum("ebh,edh,be->bd", a, w_out, gate)
+
+
+class GatherTokens(torch.autograd.Function):
+    """Every rank's rows, concatenated in rank order; backward: the summed gradient's rows
+    of this rank (every rank's loss reached them)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        rows = grad.shape[0] // dist.get_world_size(ctx.group)
+        me = dist.get_rank(ctx.group)
+        return grad[me * rows : (me + 1) * rows], None
+
+
+class ScatterSum(torch.autograd.Function):
+    """This rank's rows of the sum over the group (a reduce-scatter); backward: gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        total = x.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        rows = total.shape[0] // dist.get_world_size(group)
+        me = dist.get_rank(group)
+        return total[me * rows : (me + 1) * rows].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts), None
+
+
+def batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + t)
+    return torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def error(fn) -> str | None:
+    try:
+        fn()
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return None
+
+
+def reference(rule: str, experts: int = 4, steps=range(STEPS)) -> dict[str, torch.Tensor]:
+    """One process, the whole global batch each step."""
+    model = MoE(experts)
+    opt = DMuon(param_groups(model), rule=rule, **OPT)
+    for t in steps:
+        x, y = batch(t)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def expert_parallel(mesh, experts: int = 4) -> MoE:
+    """MoE with its stacks ``Shard(0)`` on the mesh's ``ep`` dimension, ``Replicate()`` on
+    any other."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    model = MoE(experts)
+    placements = [Shard(0) if n == "ep" else Replicate() for n in mesh.mesh_dim_names]
+    for name in ("w_in", "w_out"):
+        whole = getattr(model, name).detach()
+        setattr(model, name, nn.Parameter(distribute_tensor(whole, mesh, placements)))
+    model.ep = mesh.get_group("ep")
+    model.local_experts = distribute_tensor(torch.arange(experts), mesh, placements).to_local()
+    return model
+
+
+def train(model: MoE, opt: DMuon, mesh, steps, clip: float | None = None) -> list[float]:
+    """Each rank trains on its slice of every global batch; gradients finished as DDP
+    would: summed over the ranks that hold the same tensor, divided by the world (the
+    global loss is the mean of the ranks' means). With ``clip``, clipped by
+    :func:`dmuon.optim.clip_grad_norm_`; returns the norms."""
+    from torch.distributed.tensor import DTensor
+
+    from dmuon.optim import clip_grad_norm_
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = BATCH // world
+    dp = mesh.get_group("dp") if "dp" in mesh.mesh_dim_names else None
+    norms: list[float] = []
+    for t in steps:
+        x, y = batch(t)
+        mine = slice(rank * rows, (rank + 1) * rows)
+        F.mse_loss(model(x[mine]), y[mine]).backward()
+        for p in model.parameters():
+            if isinstance(p, DTensor):  # an expert stack: complete over ep already
+                g = p.grad.to_local()
+                if dp is not None:
+                    dist.all_reduce(g, group=dp)
+            else:
+                g = p.grad
+                dist.all_reduce(g)
+            g.div_(world)
+        if clip is not None:
+            norms.append(clip_grad_norm_(opt, clip).item())
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def run_rules(rank, world, shape, names, uneven):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    out = {}
+    cases = [(rule, 4) for rule in RULES] + ([("muon", 3)] if uneven else [])
+    for rule, experts in cases:
+        model = expert_parallel(mesh, experts)
+        opt = DMuon(param_groups(model), mode="single", rule=rule, **OPT)
+        local = tuple(model.w_in.to_local().shape)
+        state = tuple(opt.state[model.w_in]["momentum_buffer"].shape)
+        train(model, opt, mesh, range(STEPS))
+        full = {
+            n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            for n, p in model.named_parameters()
+        }
+        out[(rule, experts)] = (full, local, state)
+    return out
+
+
+def check(results, cases) -> None:
+    for rule, experts in cases:
+        initial = {n: p.detach().clone() for n, p in MoE(experts).named_parameters()}
+        expected = reference(rule, experts)
+        moved = max((expected[n] - initial[n]).abs().max().item() for n in initial)
+        assert moved > 1e-3, f"{rule}: the reference barely moved; the test would prove nothing"
+        for rank, out in enumerate(results):
+            got, local, state = out[(rule, experts)]
+            assert state == local, f"{rule}, rank {rank}: state {state} is not per local expert"
+            for name, want in expected.items():
+                diff = (got[name] - want).abs().max().item()
+                assert diff <= TOLERANCE, (
+                    f"{rule}, E={experts}, rank {rank}: {name} off by {diff:.2e}"
+                )
+
+
+def test_ep2_steps_each_ranks_experts_like_one_process():
+    """ep = 2 on 2 ranks, and 3 experts split 2 + 1 (DTensor's uneven ``Shard(0)``)."""
+    results = run_on_ranks(run_rules, 2, args=((2,), ("ep",), True), timeout=180)
+    assert [r[("muon", 4)][1][0] for r in results] == [2, 2]
+    assert [r[("muon", 3)][1][0] for r in results] == [2, 1]
+    check(results, [(rule, 4) for rule in RULES] + [("muon", 3)])
+
+
+def test_ep4_one_expert_per_rank_like_one_process():
+    """ep = 4 on 4 ranks, and 3 experts on 4 ranks: the last rank holds none."""
+    results = run_on_ranks(run_rules, 4, args=((4,), ("ep",), True), timeout=240)
+    assert [r[("muon", 4)][1][0] for r in results] == [1, 1, 1, 1]
+    assert [r[("muon", 3)][1][0] for r in results] == [1, 1, 1, 0]
+    check(results, [(rule, 4) for rule in RULES] + [("muon", 3)])
+
+
+def test_ep2_by_dp2_like_one_process():
+    """Experts split over ep and replicated over dp; the test all-reduces over dp."""
+    results = run_on_ranks(run_rules, 4, args=((2, 2), ("dp", "ep"), False), timeout=240)
+    assert [r[("muon", 4)][1][0] for r in results] == [2, 2, 2, 2]
+    check(results, [(rule, 4) for rule in RULES])
+
+
+STACK = "(Shard(dim=0),) on mesh dims ('ep',)"
+
+
+def run_refusals(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    out = {}
+    for mode in ("replicated", "sharded", None):
+        out[mode] = error(
+            lambda mode=mode: DMuon(param_groups(expert_parallel(mesh)), mode=mode, **OPT)
+        )
+    model = expert_parallel(mesh)
+    out["sign"] = error(lambda: DMuon(param_groups(model), mode="sign", rule="sign_muon"))
+    out["ddp.dedicate"] = error(lambda: ddp.dedicate(expert_parallel(mesh)))
+    # a stack split along a matrix dimension is not an expert split
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    cut = MoE()
+    cut.w_in = nn.Parameter(distribute_tensor(cut.w_in.detach(), mesh, [Shard(1)]))
+    out["cut"] = error(lambda: DMuon(param_groups(cut), mode="single", **OPT))
+    opt = DMuon([MoE().inp.weight], mode="single", **OPT)  # checked when added later too
+    out["added"] = error(lambda: opt.add_param_group({"params": [cut.w_in], "flatten": False}))
+    return out
+
+
+def test_modes_without_expert_parallelism_refuse_it_on_every_rank():
+    for rank, out in enumerate(run_on_ranks(run_refusals, 2, timeout=120)):
+        for mode in ("replicated", "sign"):
+            msg = out[mode]
+            assert msg is not None, f"rank {rank}, {mode}: no error"
+            assert "'w_in'" in msg and STACK in msg, (rank, mode, msg)
+            assert f"mode={mode!r}" in msg and "mode='single' does" in msg, (rank, mode, msg)
+            assert "whole experts" in msg, (rank, mode, msg)
+        for mode in ("sharded", None):  # None: detected as sharded (DTensor matrices)
+            msg = out[mode]
+            assert msg is not None, f"rank {rank}, {mode}: no error"
+            assert "'inp.weight' is a plain tensor" in msg, (rank, mode, msg)
+            assert "'w_in'" in msg and "mode='single'" in msg, (rank, mode, msg)
+        msg = out["ddp.dedicate"]
+        assert msg is not None and "'w_in'" in msg and STACK in msg, (rank, msg)
+        assert "mode='single'" in msg and "own experts" in msg, (rank, msg)
+        msg = out["cut"]
+        assert msg is not None, f"rank {rank}: a stack cut along a matrix dim was stepped"
+        assert "'w_in'" in msg and "split along matrix dim 1" in msg, (rank, msg)
+        msg = out["added"]
+        assert msg is not None and "split along matrix dim 1" in msg, (rank, msg)
+
+
+def run_save_and_continue(rank, world, path, rule):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import checkpoint
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "ep"))
+    model = expert_parallel(mesh)
+    opt = DMuon(param_groups(model), mode="single", rule=rule, **OPT)
+    train(model, opt, mesh, range(2))
+    checkpoint.save(path, model, opt)
+    train(model, opt, mesh, range(2, 3))
+    return {
+        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        for n, p in model.named_parameters()
+    }
+
+
+def run_load_and_continue(rank, world, path, rule):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import checkpoint
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    model = expert_parallel(mesh)
+    opt = DMuon(param_groups(model), mode="single", rule=rule, **OPT)
+    checkpoint.load(path, model, opt)
+    train(model, opt, mesh, range(2, 3))
+    return {
+        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        for n, p in model.named_parameters()
+    }
+
+
+@pytest.mark.parametrize("rule", ["normuon"])  # momentum and per-expert per-row state
+def test_dcp_checkpoint_of_expert_shards_resumes_on_another_mesh_and_in_one_process(tmp_path, rule):
+    """Saved on dp 2 × ep 2 (4 ranks; each expert's state on two replicas), resumed on
+    ep 2 alone (2 ranks) and in one process: DCP reshards the stacks' state."""
+    from dmuon.integrations import checkpoint
+
+    path = str(tmp_path / "ep")
+    continued = run_on_ranks(run_save_and_continue, 4, args=(path, rule), timeout=240)
+    resumed = run_on_ranks(run_load_and_continue, 2, args=(path, rule), timeout=180)
+    model = MoE()  # one process, whole stacks: DCP reassembles the experts' state
+    opt = DMuon(param_groups(model), rule=rule, **OPT)
+    checkpoint.load(path, model, opt)
+    assert tuple(opt.state[model.w_in]["row_second_moment"].shape) == (4, H)
+    x, y = batch(2)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    single = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fresh = MoE()  # the weights only, with a fresh optimizer: what lost state looks like
+    checkpoint.load(path, fresh, DMuon(param_groups(fresh), rule=rule, **OPT))
+    forgetful = DMuon(param_groups(fresh), rule=rule, **OPT)
+    F.mse_loss(fresh(x), y).backward()
+    forgetful.step()
+    want = continued[0]
+    lost = max((fresh.state_dict()[n] - w).abs().max().item() for n, w in want.items())
+    assert lost > 100 * TOLERANCE, "the optimizer state made no difference: void test"
+    for what, got in [("rank 0", resumed[0]), ("rank 1", resumed[1]), ("one process", single)]:
+        for name, w in want.items():
+            diff = (got[name] - w).abs().max().item()
+            assert diff <= TOLERANCE, f"resumed on {what}: {name} differs by {diff:.2e}"
+
+
+CLIP = 0.5  # below the gradient norm of every step (≈ 1.5–3): clipping acts
+
+
+def run_clipped(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "ep"))
+    model = expert_parallel(mesh)
+    opt = DMuon(param_groups(model), mode="single", rule="muon", **OPT)
+    norms = train(model, opt, mesh, range(STEPS), clip=CLIP)
+    full = {
+        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        for n, p in model.named_parameters()
+    }
+    return norms, full
+
+
+def test_clip_grad_norm_counts_every_expert_once_on_dp2_by_ep2():
+    """The global norm over experts split on ep and replicated on dp, and dense matrices
+    on every rank, equals torch's ``clip_grad_norm_`` in one process, and the clipped
+    run equals the clipped one process (a wrong norm changes each step's scale, and
+    momentum mixes steps of different scales)."""
+    model = MoE()
+    opt = DMuon(param_groups(model), rule="muon", **OPT)
+    want_norms = []
+    for t in range(STEPS):
+        x, y = batch(t)
+        F.mse_loss(model(x), y).backward()
+        want_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    assert min(want_norms) > CLIP, want_norms
+    for rank, (norms, got) in enumerate(run_on_ranks(run_clipped, 4, timeout=240)):
+        assert norms == pytest.approx(want_norms, rel=1e-5), (rank, norms, want_norms)
+        for name, want in model.named_parameters():
+            diff = (got[name] - want.detach()).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
+def run_fsdp2_stacks(rank, world, rule):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = MoE()
+    fully_shard(model, mesh=mesh)
+    opt = DMuon(param_groups(model), mode="single", rule=rule, **OPT)
+    local = tuple(model.w_in.to_local().shape)
+    rows = BATCH // world
+    for t in range(STEPS):
+        x, y = batch(t)
+        mine = slice(rank * rows, (rank + 1) * rows)
+        F.mse_loss(model(x[mine]), y[mine]).backward()  # FSDP2 averages over the ranks
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().full_tensor() for n, p in model.named_parameters()}, local
+
+
+@pytest.mark.parametrize("rule", ["muon", "normuon"])
+def test_fsdp2_rows_of_a_stack_are_whole_experts_stepped_in_single_mode(rule):
+    """FSDP2's ``Shard(0)`` of an expert stack is an expert split too: ``single`` mode steps
+    each rank's experts where they are (and the 2-D matrices' rows with the
+    tensor-parallel Gram path); before, it refused them."""
+    expected = reference(rule)
+    results = run_on_ranks(run_fsdp2_stacks, 2, args=(rule,), timeout=120)
+    for rank, (got, local) in enumerate(results):
+        assert local == (2, H, D), local
+        for name, want in expected.items():
+            diff = (got[name] - want).abs().max().item()
+            assert diff <= TOLERANCE, f"{rule}, rank {rank}: {name} differs by {diff:.2e}"
+
+
+def run_nonfinite(rank, world, policy):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.optim.engine import NonFiniteGradientError
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    model = expert_parallel(mesh)
+    opt = DMuon(param_groups(model), mode="single", nonfinite=policy, **OPT)
+    local = {n: p for n, p in model.named_parameters()}
+    before = {
+        n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+        for n, p in local.items()
+    }
+    x, y = batch(0)
+    rows = BATCH // world
+    F.mse_loss(
+        model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
+    ).backward()
+    if rank == 0:  # one expert of rank 0 only: rank 1's gradients are all finite
+        model.w_in.grad.to_local()[0, 0, 0] = float("nan")
+    try:
+        opt.step()
+        outcome = "stepped"
+    except NonFiniteGradientError as err:
+        outcome = f"raised: {err}"
+    moved = [
+        n
+        for n, p in local.items()
+        if not torch.equal((p.to_local() if hasattr(p, "to_local") else p).detach(), before[n])
+    ]
+    return outcome, moved, opt.skipped_steps
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_a_nonfinite_expert_gradient_on_one_rank_stops_every_rank(policy):
+    """Experts differ between ranks, so a NaN in one rank's expert is seen by that rank
+    alone; single mode agrees over the world (one small all-reduce per step, only with
+    DTensor matrices on several ranks), so no rank steps while another does not."""
+    for rank, (outcome, moved, skipped) in enumerate(
+        run_on_ranks(run_nonfinite, 2, args=(policy,), timeout=120)
+    ):
+        assert moved == [], (rank, policy, moved)
+        if policy == "raise":
+            assert outcome.startswith("raised") and "rank" in outcome, (rank, outcome)
+        else:
+            assert outcome == "stepped" and skipped == 1, (rank, outcome, skipped)
