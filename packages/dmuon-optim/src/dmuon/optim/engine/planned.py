@@ -95,7 +95,8 @@ class PlannedEngine(Engine):
         self.rank, self.world_size = world_of(self.group)
         matrices = [e for e in self.params if e.matrix]
         self.plan = plan_owners([e.item for e in matrices], self.world_size, **self.plan_options)
-        check_model_consistency(self.plan, self.group if self.world_size > 1 else None)
+        if self.world_size > 1:  # a group of one (dp = 1 on a dp × tp mesh): nothing to agree
+            check_model_consistency(self.plan, self.group)
         self.layers = layers_in_order(matrices)
         for key in self.layers:
             self._subplans[key] = subplan(self.plan, [e.name for e in matrices if e.layer == key])
