@@ -24,7 +24,6 @@ import torch.distributed as dist
 from dmuon.comm import all_gather_updates
 from dmuon.optim.engine.base import Stepper, local_norm_tensors
 from dmuon.optim.engine.params import is_dtensor, subplan
-from dmuon.optim.engine.placements import placement_of
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.engine.tensor_split import split_groups, split_of
@@ -111,16 +110,12 @@ class ReplicatedEngine(PlannedEngine):
 
     def _split_group(self) -> dist.ProcessGroup | None:
         """The tensor-parallel group of the split matrices (``None``: no split matrix)."""
-        found: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for e in self.matrices():
-            if self.split_of(e.param) is not None:
-                pl = placement_of(e.param, e.name)
-                group = e.param.device_mesh.get_group(pl.shards[0][0])  # type: ignore[attr-defined]
-                found.setdefault(tuple(dist.get_process_group_ranks(group)), group)
+        found = split_groups(self.matrices())
         if len(found) > 1:
+            ranks = sorted(tuple(dist.get_process_group_ranks(g)) for g in found)
             raise NotImplementedError(
                 f"clip_grad_norm_ in mode='replicated' with matrices split over different "
-                f"tensor-parallel groups ({sorted(found)}); clip the DTensor gradients with "
+                f"tensor-parallel groups ({ranks}); clip the DTensor gradients with "
                 "torch.nn.utils.clip_grad_norm_ before opt.step()"
             )
-        return next(iter(found.values()), None)
+        return found[0] if found else None

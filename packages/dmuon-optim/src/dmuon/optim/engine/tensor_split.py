@@ -38,7 +38,14 @@ from dmuon.optim.engine.placements import placement_of
 from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.rules import RULES
 
-__all__ = ["STATS_NAME", "check_split_groups", "check_split_rules", "split_groups", "split_of"]
+__all__ = [
+    "STATS_NAME",
+    "check_split_groups",
+    "check_split_rules",
+    "split_group_of",
+    "split_groups",
+    "split_of",
+]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -48,6 +55,19 @@ STATS_NAME = "tensor_parallel_reduce"
 makes over the group of a split matrix: the Gram matrices and the normalisation's
 scalars of the polar factor, and the Frobenius norms and row sums of NorMuon's and
 AdaMuon's normalisations."""
+
+
+def split_group_of(p: torch.Tensor, name: str = "") -> tuple[int, dist.ProcessGroup] | None:
+    """The mesh dimension and process group a split matrix ``p`` is split over, or
+    ``None`` when ``p`` is not a split matrix (a plain tensor, not 2-D, or a layout that
+    is not :attr:`~dmuon.optim.engine.placements.MatrixPlacement.tensor_split`)."""
+    if not is_dtensor(p) or p.dim() != 2:
+        return None
+    pl = placement_of(p, name)
+    if not pl.tensor_split:
+        return None
+    mesh_dim = pl.shards[0][0]
+    return mesh_dim, p.device_mesh.get_group(mesh_dim)  # type: ignore[attr-defined]
 
 
 def split_of(p: torch.Tensor, name: str = "", stats: CommStats | None = None) -> MatrixSplit | None:
@@ -62,15 +82,13 @@ def split_of(p: torch.Tensor, name: str = "", stats: CommStats | None = None) ->
         >>> split_of(torch.zeros(4, 4)) is None
         True
     """
-    if not is_dtensor(p) or p.dim() != 2:
+    found = split_group_of(p, name)
+    if found is None:
         return None
+    mesh_dim, group = found
     pl = placement_of(p, name)
-    if not pl.tensor_split:
-        return None
+    tensor_dim = pl.shards[0][1]
     stats = stats if stats is not None else default_stats()
-    mesh_dim, tensor_dim, _ = pl.shards[0]
-    mesh = p.device_mesh  # type: ignore[attr-defined]
-    group = mesh.get_group(mesh_dim)
     ranks = tuple(dist.get_process_group_ranks(group))
     dim_name = pl.mesh_dims[mesh_dim]
     what = f"the Gram all-reduce of tensor-parallel matrices over mesh dim {dim_name!r}"
@@ -133,13 +151,11 @@ def check_split_groups(params: Iterable[EngineParam], group: Any, mode: str) -> 
     me = dist.get_rank()
     planning = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     for e in params:
-        if not e.matrix or not is_dtensor(e.param) or e.param.dim() != 2:
+        found = split_group_of(e.param, e.name) if e.matrix else None
+        if found is None:
             continue
         pl = placement_of(e.param, e.name)
-        if not pl.tensor_split:
-            continue
-        mesh_dim = pl.shards[0][0]
-        split = set(dist.get_process_group_ranks(e.param.device_mesh.get_group(mesh_dim)))  # type: ignore[attr-defined]
+        split = set(dist.get_process_group_ranks(found[1]))
         if split & planning == {me}:
             continue
         raise ValueError(
@@ -160,10 +176,7 @@ def split_groups(params: Iterable[EngineParam]) -> list[dist.ProcessGroup]:
     """
     found: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for e in params:
-        if not e.matrix or not is_dtensor(e.param) or e.param.dim() != 2:
-            continue
-        pl = placement_of(e.param, e.name)
-        if pl.tensor_split:
-            group = e.param.device_mesh.get_group(pl.shards[0][0])  # type: ignore[attr-defined]
-            found.setdefault(tuple(dist.get_process_group_ranks(group)), group)
+        split = split_group_of(e.param, e.name) if e.matrix else None
+        if split is not None:
+            found.setdefault(tuple(dist.get_process_group_ranks(split[1])), split[1])
     return [found[k] for k in sorted(found)]
