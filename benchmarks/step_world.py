@@ -41,6 +41,11 @@ step by step so that background load hits every setup alike):
 ``dp_tp_replicated`` the same, DMuon ``mode="replicated"`` with owners over ``dp``:
                     the owner's tp row steps the shards, the all-gather over ``dp``
                     carries shards
+``adamw_fsdp_tp``   FSDP2 over tensor parallelism (torchtitan's layout): the MLPs split
+                    over ``tp``, then ``fully_shard`` on ``dp`` (blocks and model);
+                    ``torch.optim.AdamW``
+``fsdp_tp_sharded`` the same, DMuon ``mode="sharded"``: rows over ``dp`` to the owner,
+                    whose tp row steps the shards (Gram path), rows back over ``dp``
 =================== ==========================================================
 
 Phases per step (host wall-clock; on a GPU each phase ends with a synchronize):
@@ -86,11 +91,22 @@ SETUPS = (
     "muon_dp_tp_gather",
     "dp_tp_single",
     "dp_tp_replicated",
+    "adamw_fsdp_tp",
+    "fsdp_tp_sharded",
 )
 # Tensor parallelism over all ranks: every rank steps on the whole global batch.
 TP_SETUPS = ("adamw_tp", "muon_tp_gather", "tp_single")
 # A dp × tp mesh (N/2 × 2): each dp row on its part of the batch, averaged over dp.
-DP_TP_SETUPS = ("adamw_dp_tp", "muon_dp_tp_gather", "dp_tp_single", "dp_tp_replicated")
+DP_TP_SETUPS = (
+    "adamw_dp_tp",
+    "muon_dp_tp_gather",
+    "dp_tp_single",
+    "dp_tp_replicated",
+    "adamw_fsdp_tp",
+    "fsdp_tp_sharded",
+)
+# ... of which FSDP2 averages the gradients over dp itself (the others: average_over).
+FSDP_TP_SETUPS = ("adamw_fsdp_tp", "fsdp_tp_sharded")
 # torch.optim.Muon runs Newton–Schulz in bf16, which on a CPU without AVX-512-BF16/AMX
 # takes ~40× the fp32 time (minutes per step here): opt in with --setups.
 # owner_ddp_zero1 differs from owner_ddp in the scalars only, owner_ddp_check1 in the
@@ -121,6 +137,8 @@ LABELS = {
     "muon_dp_tp_gather": "vanilla Muon, dp × tp (gather over tp)",
     "dp_tp_single": "DMuon single, dp × tp (every dp replica steps)",
     "dp_tp_replicated": "DMuon replicated, dp × tp (owners over dp)",
+    "adamw_fsdp_tp": "AdamW, FSDP2 over tp",
+    "fsdp_tp_sharded": "DMuon sharded, FSDP2 over tp (owners over dp)",
 }
 PHASES = ("forward", "backward", "optimizer", "comm_wait")
 
@@ -194,16 +212,23 @@ def build(setup: str, cfg: WorldConfig, device: torch.device) -> tuple[Any, Any,
             raise SystemExit(f"the dp × tp setups need an even --world (tp = 2), got {world}")
         mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "tp"))
         parallelize_mlps(model, mesh["tp"])
+        if setup in FSDP_TP_SETUPS:
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
     elif setup in ("owner_ddp", "owner_ddp_check1"):
         ded = ddp.dedicate(model)
     elif setup == "owner_ddp_zero1":
         ded = ddp.dedicate(model, scalars="owner")
     elif setup != "sign":
         raise ValueError(f"unknown setup {setup!r}; expected one of {SETUPS}")
-    if setup in ("adamw_tp", "adamw_dp_tp"):  # foreach refuses DTensors and tensors in one call
-        split = [p for p in model.parameters() if hasattr(p, "device_mesh")]
-        whole = [p for p in model.parameters() if not hasattr(p, "device_mesh")]
-        groups = [{"params": split}, {"params": whole}]
+    if setup in ("adamw_tp", "adamw_dp_tp", "adamw_fsdp_tp"):
+        # foreach refuses DTensors and tensors, or DTensors of different meshes, in one call
+        def mesh_of(p: torch.Tensor) -> int:
+            return p.device_mesh.ndim if hasattr(p, "device_mesh") else 0  # type: ignore[attr-defined]
+
+        kinds = sorted({mesh_of(p) for p in model.parameters()})
+        groups = [{"params": [p for p in model.parameters() if mesh_of(p) == k]} for k in kinds]
         opt = torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1, foreach=True)
     elif setup.startswith("adamw"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
@@ -211,6 +236,8 @@ def build(setup: str, cfg: WorldConfig, device: torch.device) -> tuple[Any, Any,
         opt = GatherMuon(model, lambda groups: DMuon(groups, mode="single", **kw))
     elif setup in ("tp_single", "dp_tp_single"):
         opt = DMuon(param_groups(model), mode="single", **kw)
+    elif setup == "fsdp_tp_sharded":
+        opt = DMuon(param_groups(model), mode="sharded", **kw)
     elif setup == "dp_tp_replicated":
         dp = mesh["dp"].get_group()
         opt = DMuon(param_groups(model), mode="replicated", process_group=dp, **kw)
@@ -274,7 +301,7 @@ def rank_main(
             sync()
             t1 = time.perf_counter()
             loss.backward()
-            if setup in DP_TP_SETUPS:
+            if setup in DP_TP_SETUPS and setup not in FSDP_TP_SETUPS:
                 average_over(opt.dp_model, opt.dp_group)
             sync()
             t2 = time.perf_counter()
@@ -346,6 +373,8 @@ def summarise(rows: dict[str, Any]) -> dict[str, Any]:
         same = "adamw_fsdp" if "fsdp" in setup or setup == "sharded" else "adamw_ddp"
         if setup in TP_SETUPS:
             same = "adamw_tp"
+        elif setup in FSDP_TP_SETUPS:
+            same = "adamw_fsdp_tp"
         elif setup in DP_TP_SETUPS:
             same = "adamw_dp_tp"
         row["over_adamw_same_stack"] = ratio(setup, same)
@@ -378,6 +407,10 @@ def summarise(rows: dict[str, Any]) -> dict[str, Any]:
                 "dp_tp_replicated", "dp_tp_single", "optimizer"
             ),
             "dp_tp_replicated_over_adamw": ratio("dp_tp_replicated", "adamw_dp_tp"),
+            "fsdp_tp_sharded_over_adamw_fsdp_tp": ratio("fsdp_tp_sharded", "adamw_fsdp_tp"),
+            "fsdp_tp_sharded_over_gather_optimizer": ratio(
+                "fsdp_tp_sharded", "muon_dp_tp_gather", "optimizer"
+            ),
         },
         "plan_imbalance": {
             "target": 0.05,
@@ -512,6 +545,10 @@ def target_lines(t: dict[str, Any]) -> list[str]:
         + _fmt(t["tensor_parallel"].get("dp_tp_replicated_over_gather_optimizer"), ".2f")
         + "; / DMuon single's (every dp replica steps): "
         + _fmt(t["tensor_parallel"].get("dp_tp_replicated_over_single_optimizer"), ".2f"),
+        "FSDP2 over tp, step of DMuon sharded (owners over dp, shards over tp) / AdamW's: "
+        + _fmt(t["tensor_parallel"].get("fsdp_tp_sharded_over_adamw_fsdp_tp"), ".2f")
+        + "; optimizer step / vanilla Muon's that gathers over tp (DDP × tp): "
+        + _fmt(t["tensor_parallel"].get("fsdp_tp_sharded_over_gather_optimizer"), ".2f"),
     ]
 
 

@@ -1,11 +1,11 @@
 """Tensor-parallel models: placements read, shards stepped in ``single`` mode, refusals.
 
 A model parallelised with torch's public ``parallelize_module`` (``ColwiseParallel``:
-``Shard(0)``, ``RowwiseParallel``: ``Shard(1)`` on the ``tp`` mesh dimension), alone
-on 2 ranks or under FSDP2 on a ``dp`` × ``tp`` mesh of 4, is either stepped
-correctly by the mode asked for or refused — on every rank, with an error naming
-the parameter, its placements and the mode that takes it — and no rank hangs (the
-harness' timeout would fail the test). What sharded mode steps today (rows over one
+``Shard(0)``, ``RowwiseParallel``: ``Shard(1)`` on the ``tp`` mesh dimension) is either
+stepped correctly by the mode asked for or refused — on every rank, with an error
+naming the parameter, its placements and the mode that takes it — and no rank hangs
+(the harness' timeout would fail the test). FSDP2 over tensor parallelism:
+``test_fsdp_tensor_parallel.py``. What sharded mode steps today (rows over one
 mesh dimension) still equals one process, and so does ``single`` mode stepping every
 matrix on its shards with the tensor-parallel Gram Newton–Schulz (no gather), for
 every rule whose links all act on shards.
@@ -16,6 +16,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tensor_parallel_cases import (
+    CLIP,
+    OPT,
+    SPLIT_TOLERANCE,
+    STEPS,
+    DeepMLP,
+    clipped_reference,
+    deep_batch,
+    tp_deep_mlp,
+    train_steps,
+)
 from torch import nn
 
 from dmuon.comm import default_stats
@@ -23,8 +34,6 @@ from dmuon.comm.testing import run_on_ranks
 from dmuon.optim import DMuon, param_groups
 from dmuon.optim.engine.tensor_split import STATS_NAME
 
-OPT = dict(lr=0.02, weight_decay=0.01, momentum=0.9, ns_compute_dtype=torch.float32)
-STEPS = 3
 # fp32 Newton–Schulz on the same global matrices in both runs; what differs is the
 # order of a few sums (the all-to-all reassembles the rows, the Gram products are the
 # same), so parameters agree to a few fp32 ulps per step after 3 steps.
@@ -115,29 +124,6 @@ def test_every_mode_but_single_refuses_a_tensor_parallel_mlp_over_all_ranks_on_e
             assert "'fc1.weight'" in msg and COLWISE in msg, (rank, how, msg)
 
 
-def run_refusals_dp_tp(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = tp_mlp(mesh["tp"])
-    fully_shard(model, mesh=mesh["dp"])
-    placements = {n: repr(tuple(p.placements)) for n, p in model.named_parameters()}
-    out = {"detected": error(lambda: DMuon(param_groups(model), **OPT))}
-    for mode in ("single", "replicated", "sharded"):
-        out[mode] = error(lambda mode=mode: DMuon(param_groups(model), mode=mode, **OPT))
-    return out, placements
-
-
-def test_fsdp2_over_tensor_parallel_is_refused_on_every_rank():
-    for rank, (out, placements) in enumerate(run_on_ranks(run_refusals_dp_tp, 4, timeout=180)):
-        for mode, msg in out.items():
-            assert msg is not None, f"rank {rank}, {mode}: no error ({placements})"
-            assert "'fc1.weight'" in msg, (rank, mode, msg)
-            assert "on mesh dims ('dp', 'tp')" in msg, (rank, mode, msg)
-            assert "several mesh dimensions" in msg, (rank, mode, msg)
-
-
 def reference() -> dict[str, torch.Tensor]:
     model = MLP()
     opt = DMuon(param_groups(model), **OPT)
@@ -176,43 +162,6 @@ def test_colwise_rows_in_sharded_mode_equal_one_process():
             assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
 
 
-class DeepMLP(nn.Module):
-    """Four layers, alternately colwise and rowwise on 2 ranks, every split uneven:
-
-    ==========  ============  =============  ============================
-    layer       weight        split          Gram side (the unsplit one)
-    ==========  ============  =============  ============================
-    fc1 (col)   5 × 12        rows 3 + 2     12, the long side
-    fc2 (row)   6 × 5         columns 3 + 2  6, the long side
-    fc3 (col)   15 × 6        rows 8 + 7     6, the short side
-    fc4 (row)   6 × 15        columns 8 + 7  6, the short side
-    ==========  ============  =============  ============================
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(1)
-            self.fc1 = nn.Linear(12, 5)
-            self.fc2 = nn.Linear(5, 6)
-            self.fc3 = nn.Linear(6, 15)
-            self.fc4 = nn.Linear(15, 6)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.fc2(F.relu(self.fc1(x))))
-        return self.fc4(F.relu(self.fc3(h)))
-
-
-def deep_batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(200 + t)
-    return torch.randn(16, 12, generator=g), torch.randn(16, 6, generator=g)
-
-
-# Rules whose every link acts on a shard (Rule.splits), some with a non-default option.
-# AdaMuon is not here: on this model its step is decided by rounding in one process
-# already (its first update is ≈ sign(O), and O = polar(sign(M)) has entries at the
-# rounding level: the Gram and the standard iteration differ by 6e-3 in fc3.weight
-# after 3 steps); tests/test_matrix_split.py checks it on generic matrices.
 SPLIT_RULES = {
     "muon": {},
     "scion": {"radius": 2.0},
@@ -220,11 +169,6 @@ SPLIT_RULES = {
     "mona": {},
     "normuon": {"beta2": 0.9},
 }
-# The whole-matrix Gram iteration against the shard-wise one with a restart at every
-# step where the Gram side is the long one: same polar factor in exact arithmetic,
-# fp32 rounding apart: 4.5e-8 measured after 3 steps; a shard orthogonalised as if it
-# were the whole matrix is off by ~lr = 2e-2.
-SPLIT_TOLERANCE = 1e-6
 
 
 def deep_reference(rule: str, options: dict) -> dict[str, torch.Tensor]:
@@ -311,34 +255,6 @@ def test_rules_that_need_the_whole_matrix_are_refused_on_every_rank():
             assert msg is not None, f"rank {rank}: {rule} stepped shards it cannot"
             assert "'fc1.weight'" in msg and COLWISE in msg, (rank, rule, msg)
             assert f"rule {rule!r}" in msg and link in msg and "'muon'" in msg, (rank, msg)
-
-
-def tp_deep_mlp(mesh):
-    """DeepMLP split over ``mesh``. The splits are uneven, so the activations between the
-    layers go replicated: torch's styles infer an uneven ``Shard(-1)`` activation's
-    global size from the local one."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    colwise = ColwiseParallel(output_layouts=Replicate())
-    rowwise = RowwiseParallel(input_layouts=Replicate())
-    model = DeepMLP()
-    parallelize_module(
-        model, mesh, {"fc1": colwise, "fc2": rowwise, "fc3": colwise, "fc4": rowwise}
-    )
-    return model
-
-
-def train_steps(model, opt, steps) -> None:
-    for t in steps:
-        x, y = deep_batch(t)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def run_save_and_continue(rank, world, path, rule):
@@ -446,22 +362,6 @@ def test_a_sharded_conv_weight_is_refused_in_single_mode_on_every_rank():
 # ------------------------------------------------ replicated mode on a dp × tp mesh
 
 REPLICATED_RULES = {"muon": {}, "normuon": {"beta2": 0.9}}
-CLIP = 0.1  # below the gradients' norm (≈ 0.26 here): every step is clipped
-
-
-def clipped_reference(rule: str, options: dict) -> tuple[dict[str, torch.Tensor], list[float]]:
-    from dmuon.optim import clip_grad_norm_
-
-    model = DeepMLP()
-    opt = DMuon(param_groups(model), rule=rule, **OPT, **options)
-    norms = []
-    for t in range(STEPS):
-        x, y = deep_batch(t)
-        F.mse_loss(model(x), y).backward()
-        norms.append(float(clip_grad_norm_(opt, CLIP)))
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
 def run_replicated_dp_tp(rank, world):

@@ -225,6 +225,8 @@ def build_buckets(
         split = split_of(p) if split_of is not None else None
         shard = split is not None or (on_shard is not None and on_shard(p))
         local = local_tensor(p) if shard else p
+        if split is not None and split.local_shape is not None:  # gathered over dp: no tensor
+            local = torch.empty(split.local_shape, dtype=p.dtype, device="meta")
         layout = matrix_layout(local, dict(group), name_of(i))
         if split is not None and not layout.whole:
             raise ValueError(

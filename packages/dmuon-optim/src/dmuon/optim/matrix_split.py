@@ -47,6 +47,10 @@ class MatrixSplit:
             return None), called in the same order on every rank of the group.
         group: what identifies the group (matrices of the same whole shape, split
             and group are batched together); e.g. ``("tp", (0, 1))``.
+        local_shape: the shape of this rank's part as the rule steps it, when that is
+            not the DTensor's local tensor: under FSDP2 over tensor parallelism,
+            ``sharded`` mode's owner steps the tensor-parallel shard that its all-to-all
+            over ``dp`` gathered (``None``: the local tensor's shape).
 
     Examples:
         >>> whole = MatrixSplit(-1, (64, 256), lambda t, op: t, ("tp", (0,)))
@@ -58,6 +62,7 @@ class MatrixSplit:
     shape: tuple[int, int]
     reduce: Callable[[torch.Tensor, str], torch.Tensor | None]
     group: Hashable
+    local_shape: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.dim not in (-1, -2):

@@ -113,13 +113,13 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
             "checkpointing HSDP owner mode (a 2-D mesh) is not supported yet: each "
             "owner slot spans a replicate group; checkpoint a 1-D FSDP2 or DDP run"
         )
-    if engine.mode == "replicated":
+    if engine.mode in ("replicated", "sharded"):
         split = next(
             (p for g in optimizer.param_groups for p in g["params"] if engine.split_of(p)), None
         )
         if split is not None:
             raise ValueError(
-                f"checkpointing mode='replicated' with tensor-parallel matrices (a parameter of "
+                f"checkpointing mode={engine.mode!r} with tensor-parallel matrices (a parameter of "
                 f"shape {tuple(split.shape)} is split over its tp group) is not supported yet: "
                 "each owner's tp row holds its shards of the state. Checkpoint a mode='single' "
                 "run (its split state saves and reshards with DCP), or the model only"

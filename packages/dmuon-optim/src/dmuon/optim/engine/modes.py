@@ -139,7 +139,7 @@ def check_layouts(param_groups: list[dict[str, Any]], mode: str, process_group: 
     """
     params = collect_params(param_groups)
     check_placements(params, mode)
-    if mode in ("single", "replicated"):
+    if mode in ("single", "replicated", "sharded"):
         check_split_rules(params, param_groups, mode)
     if mode == "replicated":
         check_split_groups(params, process_group, mode)

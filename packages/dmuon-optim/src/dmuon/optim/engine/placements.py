@@ -24,21 +24,30 @@ none (a plain tensor)                  ``single``, ``owner``, ``replicated``,
                                        (:mod:`~dmuon.optim.engine.tensor_split`)
 ``Shard(1)`` over one mesh dimension,  ``single`` on the shards (a rowwise
 ``Replicate()`` over the others        tensor-parallel layer's columns)
+FSDP2 over tensor parallelism: a 2-D   ``sharded``: the rows travel to an
+matrix with ``Shard(0)`` (or           owner over ``dp``, whose ``tp`` row
+``_StridedShard(0)`` over a ``tp``     steps the tensor-parallel shards
+``Shard(0)``) on ``dp`` and            together (:attr:`MatrixPlacement.
+``Shard(0)``/``Shard(1)`` on a later   sharded_split`)
+mesh dimension ``tp``
 a stack ``(E, m, n)`` (group key       ``single``, each rank its own whole
 ``flatten=False``) with ``Shard(d)``,  matrices as a batch (expert
 ``d`` a leading dimension, over one    parallelism: no gather, no
 mesh dimension, ``Replicate()`` over   collective); ``d = 0`` also
 the others                             ``sharded`` (FSDP2's rows of a stack
                                        are whole experts)
-anything else: two sharding mesh       refused by every mode
-dimensions (FSDP2 over TP), strided
-shards, ``Partial``
+anything else: other strided shards,   refused by every mode
+``Partial``, two shards of one
+matrix dimension in the wrong order
 =====================================  =======================================
 
 torch's ``_StridedShard`` (what FSDP2 puts on ``dp`` over a tensor-parallel
 ``Shard(0)``) is not a ``Shard`` subclass in every torch release and answers
 ``is_shard()`` with False in some; it is counted as a shard of its ``dim`` all the
-same, and refused, since no engine reassembles a strided layout.
+same. It is taken only where FSDP2 puts it: on the data-parallel mesh dimension, with
+a split factor equal to the size of the later mesh dimension that shards the same
+rows — then each ``dp`` rank holds a block of rows of its ``tp`` shard, and gathering
+the rows over ``dp`` gives that shard. Any other split factor is an unknown layout.
 """
 
 from __future__ import annotations
@@ -122,6 +131,42 @@ class MatrixPlacement:
         return self.ndim == 2 and self.split_dim in (0, 1)
 
     @property
+    def sharded_split(self) -> bool:
+        """FSDP2 over tensor parallelism: a 2-D tensor whose rows are sharded over one mesh
+        dimension (``dp``) and which is split by ``Shard(0)`` or ``Shard(1)`` over a later
+        one (``tp``), ``Replicate()`` over any other. Rows over ``dp`` of a row split are
+        FSDP2's ``_StridedShard(0)`` (each ``dp`` rank a block of its ``tp`` shard's rows),
+        of a column split a plain ``Shard(0)``: either way the rows gathered over ``dp``
+        are this rank's ``tp`` shard, which ``sharded`` mode's owner steps with its ``tp``
+        row (:mod:`~dmuon.optim.engine.tensor_split`).
+
+        Examples:
+            >>> colwise = MatrixPlacement("w", ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)"),
+            ...                           ("dp", "tp"), ((0, 0, True), (1, 0, False)))
+            >>> colwise.sharded_split, colwise.tensor_split, supported_by(colwise)
+            (True, False, ('sharded',))
+            >>> rows_twice = MatrixPlacement("w", ("Shard(dim=0)", "Shard(dim=0)"), ("dp", "tp"),
+            ...                              ((0, 0, False), (1, 0, False)))  # tp inside dp
+            >>> rows_twice.sharded_split, supported_by(rows_twice)
+            (False, ())
+        """
+        if self.ndim != 2 or self.partial or self.unknown or len(self.shards) != 2:
+            return False
+        (d_dp, rows, strided), (d_tp, split, tp_strided) = sorted(self.shards)
+        if rows != 0 or tp_strided or d_dp > d_tp:
+            return False
+        return (split == 0 and strided) or (split == 1 and not strided)
+
+    @property
+    def sharded_split_dims(self) -> tuple[int, int, int]:
+        """``(dp mesh dim, tp mesh dim, tensor dim split over tp)`` of a
+        :attr:`sharded_split` matrix."""
+        if not self.sharded_split:
+            raise ValueError(f"{self.name!r} is not FSDP2 over tensor parallelism")
+        (d_dp, _, _), (d_tp, split, _) = sorted(self.shards)
+        return d_dp, d_tp, split
+
+    @property
     def expert_split(self) -> bool:
         """A stack of matrices (:attr:`stack`) with ``Shard(d)`` over exactly one mesh
         dimension, ``d`` one of its leading (batch) dimensions, ``Replicate()`` over the
@@ -148,8 +193,17 @@ class MatrixPlacement:
         """In words, how the matrix is laid out."""
         if self.partial:
             return "a pending sum (Partial) on some ranks"
+        if self.sharded_split:
+            d_dp, d_tp, split = self.sharded_split_dims
+            return (
+                f"rows sharded over mesh dim {self.mesh_dims[d_dp]!r} (FSDP2) of a matrix split "
+                f"along tensor dim {split} over {self.mesh_dims[d_tp]!r} (tensor parallelism)"
+            )
         if len(self.shards) > 1:
-            return "split over several mesh dimensions (e.g. FSDP2 over tensor parallelism)"
+            return (
+                "split over several mesh dimensions in a layout no mode steps (FSDP2 over "
+                "tensor parallelism is rows on dp, then a Shard(0) or Shard(1) on tp)"
+            )
         if any(strided for _, _, strided in self.shards):
             return "a strided shard"
         if self.expert_split:
@@ -192,6 +246,8 @@ def placement_of(p: torch.Tensor, name: str, stack: bool = False) -> MatrixPlace
     unknown: list[int] = []
     for d, pl in enumerate(placements):
         kind = _kind(pl)
+        if kind == "strided" and not _fsdp_strided(d, pl, placements, mesh):
+            kind = "unknown"
         if kind == "shard":
             shards.append((d, int(pl.dim) % p.dim(), False))
         elif kind == "strided":
@@ -220,6 +276,22 @@ def placement_of_param(e: EngineParam) -> MatrixPlacement:
     return placement_of(e.param, e.name, stack=e.param.dim() > 2 and len(e.item.shape) > 2)
 
 
+def _fsdp_strided(d: int, pl: Any, placements: tuple[Any, ...], mesh: Any) -> bool:
+    """A strided shard on mesh dim ``d`` as FSDP2 lays it over tensor parallelism: its split
+    factor is the size of the later mesh dimensions that shard the same tensor dimension
+    (read from the placement's public ``split_factor`` field when it has one)."""
+    later = [
+        int(mesh.size(k))
+        for k in range(d + 1, len(placements))
+        if _kind(placements[k]) == "shard" and int(placements[k].dim) == int(pl.dim)
+    ]
+    factor = getattr(pl, "split_factor", None)
+    expected = 1
+    for size in later:
+        expected *= size
+    return bool(later) and (factor is None or int(factor) == expected)
+
+
 def _kind(pl: Any) -> str:
     from torch.distributed.tensor import Replicate, Shard
 
@@ -246,6 +318,8 @@ def supported_by(pl: MatrixPlacement) -> tuple[str, ...]:
     """
     if not pl.distributed:
         return ("single", "owner", "replicated", "sign")
+    if pl.sharded_split:
+        return ("sharded",)
     modes = ("sharded",) if pl.row_sharded else ()
     return modes + (
         ("single", "replicated") if pl.tensor_split else ("single",) if pl.expert_split else ()
@@ -305,6 +379,13 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
                 "experts it holds, as one batch of whole matrices, with no gather (expert "
                 f"parallelism): pass mode='single'{sharded}"
             )
+        if pl.sharded_split:
+            raise ValueError(
+                f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), "
+                f"which mode={mode!r} does not step; mode='sharded' does: its rows travel to "
+                "an owner over the data-parallel dimension, whose tensor-parallel row steps the "
+                "shards together (leave mode unset, or pass mode='sharded')"
+            )
         if "sharded" in modes:
             also = "; mode='single' steps it on its shards" if "single" in modes else ""
             raise ValueError(
@@ -325,7 +406,8 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
             f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}); no "
             f"execution mode of DMuon steps it yet (asked: mode={mode!r}), and orthogonalising "
             "its shard as if it were the whole matrix would be silently wrong. Supported: "
-            "plain tensors (modes single, owner, replicated, sign); a 2-D matrix with Shard(0) "
+            "plain tensors (modes single, owner, replicated, sign); FSDP2 over tensor "
+            "parallelism (mode='sharded'); a 2-D matrix with Shard(0) "
             "or Shard(1) over one mesh dimension and Replicate() elsewhere (mode='single' or, "
             "owners over the other ranks, mode='replicated', on the shards; Shard(0) also "
             "mode='sharded', FSDP2/HSDP); a stack of matrices (flatten=False) with Shard on a "

@@ -13,6 +13,18 @@ and layer *i*'s results travel back while layer *i + 1* is computed; at most
 ``pipeline_depth`` layers are in flight. Traffic: twice the shard volume, with each
 matrix orthogonalised once. Under HSDP (``Replicate``, ``Shard(0)``) each replica
 does this within its shard group.
+
+FSDP2 over tensor parallelism (a ``dp × tp`` mesh: ``_StridedShard(0)``/``Shard(0)``
+on ``dp``, ``Shard(0)``/``Shard(1)`` on ``tp``;
+:attr:`~dmuon.optim.engine.placements.MatrixPlacement.sharded_split`): the rows of a
+matrix gathered over ``dp`` are this rank's ``tp`` shard, so the all-to-all runs over
+``dp`` and carries ``tp`` shards. Owners are planned by whole shapes, so every ``tp``
+column plans the same ones; the owner's ``tp`` row steps each matrix together, each
+rank its shard, with the tensor-parallel Gram Newton–Schulz
+(:mod:`~dmuon.optim.engine.tensor_split`: all-reduces of the small Gram matrix over
+``tp``). No matrix is gathered over ``tp``; the work of each is divided by ``tp`` and
+spread over ``dp``. A matrix FSDP2 shards over ``dp`` alone (``Replicate`` or no
+``tp`` dimension) is stepped whole by its owner on every ``tp`` rank alike.
 """
 
 from __future__ import annotations
@@ -27,10 +39,12 @@ import torch.distributed as dist
 from dmuon.comm import shard_all_to_all, shard_all_to_all_reverse, shard_range
 from dmuon.optim.batches import Entry
 from dmuon.optim.engine.base import Stepper, local_norm_tensors
-from dmuon.optim.engine.params import EngineParam, is_dtensor
+from dmuon.optim.engine.params import EngineParam, is_dtensor, subplan
 from dmuon.optim.engine.placements import placement_of
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine
 from dmuon.optim.engine.report import StepReport
+from dmuon.optim.engine.tensor_split import sharded_split_of, tensor_parallel_shape
+from dmuon.optim.matrix_split import MatrixSplit
 
 __all__ = ["ShardedEngine", "shard_group_of"]
 
@@ -48,23 +62,27 @@ def shard_group_of(p: torch.Tensor, name: str) -> tuple[Any, Any]:
             "matrices (call fully_shard on the model first, or pick another mode)"
         )
     pl = placement_of(p, name)
+    if pl.sharded_split:  # FSDP2 over tensor parallelism: the rows over dp
+        return p.device_mesh, pl.sharded_split_dims[0]  # type: ignore[attr-defined]
     if not pl.row_sharded:
         raise ValueError(
             f"parameter {name!r} has placements {pl.describe()} ({pl.what()}); sharded mode "
             "needs Shard(0) over exactly one mesh dimension and Replicate() over the others "
-            "(FSDP2's row sharding, HSDP)"
+            "(FSDP2's row sharding, HSDP), or FSDP2 over tensor parallelism"
         )
     return p.device_mesh, pl.shards[0][0]  # type: ignore[attr-defined]
 
 
 def _collector(
-    by_param: dict[int, EngineParam], results: dict[str, torch.Tensor]
+    by_param: dict[int, EngineParam],
+    results: dict[str, torch.Tensor],
+    shape_of: Callable[[EngineParam], tuple[int, ...]],
 ) -> Callable[[Entry, torch.Tensor, float], None]:
     """A sink that writes ``scale · update`` into each owned matrix's full result."""
 
     def sink(entry: Entry, update: torch.Tensor, scale: float) -> None:
         e = by_param[id(entry.param)]
-        target = entry.tensor_block(results[e.name].view(e.param.shape))
+        target = entry.tensor_block(results[e.name].view(shape_of(e)))
         target.copy_(update.reshape(target.shape)).mul_(scale)
 
     return sink
@@ -79,32 +97,55 @@ class ShardedEngine(PlannedEngine):
         from dmuon.optim.engine.params import collect_params
 
         matrices = [e for e in collect_params(stepper.param_groups) if e.matrix]
-        # Meshes are compared by their ranks, not by identity: FSDP2 may hand equal
-        # DeviceMesh objects to different modules (seen with several models per process).
+        # Meshes are compared by the ranks of the group the rows are sharded over, not by
+        # identity: FSDP2 may hand equal DeviceMesh objects to different modules (seen
+        # with several models per process), and under tensor parallelism the matrices it
+        # shards over dp alone sit on the 1-D dp mesh, the split ones on the dp × tp mesh.
         meshes: dict[tuple[Any, ...], tuple[Any, Any]] = {}
         where: dict[tuple[Any, ...], str] = {}
         for e in matrices:
             m, d = shard_group_of(e.param, e.name)
-            key = (tuple(m.mesh.flatten().tolist()), tuple(m.mesh.shape), d)
+            key = (tuple(dist.get_process_group_ranks(m.get_group(d))), m.size(d))
             meshes.setdefault(key, (m, d))
             where.setdefault(key, e.name)
         if len(meshes) > 1:
-            found = "; ".join(
-                f"{where[k]!r} over ranks {list(k[0])} (dim {k[2]})" for k in list(meshes)[:3]
-            )
+            found = "; ".join(f"{where[k]!r} over ranks {list(k[0])}" for k in list(meshes)[:3])
             raise ValueError(
-                "sharded mode needs every matrix sharded over the same mesh dimension; "
+                "sharded mode needs every matrix's rows sharded over the same group of ranks; "
                 f"found {len(meshes)} different ones: {found}"
             )
         if meshes and self.group is None:
             mesh, dim = next(iter(meshes.values()))
             self.group = mesh.get_group(dim)
-        super().bind(stepper)
+        # what travels over dp for a matrix split over tp is this rank's tp shard
+        self._shapes = {
+            e.name: tensor_parallel_shape(e.param, e.name)
+            for e in matrices
+            if placement_of(e.param, e.name).sharded_split
+        }
+        self._mesh_groups, self._counted = _norm_layout(collect_params(stepper.param_groups))
+        super().bind(stepper)  # plans, and asks agreement_groups()
+        if self._shapes:
+            assert self.plan is not None
+            for layer in self.layers:
+                names = [e.name for e in self.matrices(layer)]
+                self._subplans[layer] = subplan(self.plan, names, self._shapes)
+
+    def shape_of(self, e: EngineParam) -> tuple[int, ...]:
+        """The shape of what travels and is stepped for ``e``: its ``tp`` shard under FSDP2
+        over tensor parallelism, else the whole matrix."""
+        return self._shapes.get(e.name, tuple(e.item.shape))
+
+    def split_of(self, p: torch.Tensor) -> MatrixSplit | None:
+        """A matrix under FSDP2 over tensor parallelism is stepped on its ``tp`` shards by its
+        owner's ``tp`` row."""
+        info = self.info(p)
+        return sharded_split_of(p, info.name if info is not None else "", self.stats)
 
     def _shard(self, e: EngineParam, t: torch.Tensor) -> torch.Tensor:
         """A DTensor's local rows, viewed with the item's trailing shape."""
         local = t.to_local()  # type: ignore[attr-defined]
-        return local.view(local.shape[0], *e.item.shape[1:])
+        return local.view(local.shape[0], *self.shape_of(e)[1:])
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
         with report.phase("comm_wait"):
@@ -117,9 +158,10 @@ class ShardedEngine(PlannedEngine):
             for e in self.matrices(key):
                 g = e.param.grad
                 if g is None:
-                    rows = shard_range(e.item.shape[0], n, self.rank)[1]
+                    shape = self.shape_of(e)
+                    rows = shard_range(shape[0], n, self.rank)[1]
                     shards[e.name] = torch.zeros(
-                        (rows, *e.item.shape[1:]), dtype=e.item.dtype, device=e.param.device
+                        (rows, *shape[1:]), dtype=e.item.dtype, device=e.param.device
                     )
                 else:
                     shards[e.name] = self._shard(e, g)
@@ -147,12 +189,12 @@ class ShardedEngine(PlannedEngine):
             if i + 1 < len(self.layers):
                 incoming[self.layers[i + 1]] = start(self.layers[i + 1])
             mine = [e for e in self.matrices(key) if self.owner_of(e.param) == self.rank]
-            grads = {e.param: full[e.name].view(e.param.shape) for e in mine if present[e.name]}
+            grads = {e.param: full[e.name].view(self.shape_of(e)) for e in mine if present[e.name]}
             results = {
-                e.name: torch.zeros(e.item.shape, dtype=e.item.dtype, device=e.param.device)
+                e.name: torch.zeros(self.shape_of(e), dtype=e.item.dtype, device=e.param.device)
                 for e in mine
             }
-            sink = _collector({id(e.param): e for e in mine}, results)
+            sink = _collector({id(e.param): e for e in mine}, results, self.shape_of)
             for index in matrix_groups:
                 stepper.step_matrices(index, key, report, grads=grads, sink=sink)
             with report.phase("publish"):
@@ -168,22 +210,47 @@ class ShardedEngine(PlannedEngine):
         pipe.drain()
 
     def agreement_groups(self) -> list[dist.ProcessGroup | None]:
-        return self.norm_tensors_groups() if self.world_size > 1 else []
+        # the owner's tp row steps a split matrix together: tp agrees on a skip too
+        return self.norm_tensors_groups() if self.world_size > 1 or self._shapes else []
 
     def norm_tensors_groups(self) -> list[dist.ProcessGroup | None]:
-        """Every mesh dimension of the sharded parameters (HSDP: shard and replicate)."""
-        for e in self.params:
-            if is_dtensor(e.param):
-                mesh = e.param.device_mesh  # type: ignore[attr-defined]
-                return [mesh.get_group(d) for d in range(mesh.ndim)]
-        return [self.group]
+        """Every mesh dimension of the widest mesh of the sharded parameters (HSDP: shard
+        and replicate; FSDP2 over tensor parallelism: dp and tp)."""
+        return list(self._mesh_groups) or [self.group]
 
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
-        out = local_norm_tensors(self.params)
-        groups: list[dist.ProcessGroup | None] = []
-        for e in self.params:
-            if is_dtensor(e.param):
-                mesh = e.param.device_mesh  # type: ignore[attr-defined]
-                groups = [mesh.get_group(d) for d in range(mesh.ndim)]
-                break
-        return out, groups or [self.group]
+        # each gradient element counted once over the widest mesh: a DTensor's shard on
+        # the first rank of its own Replicate dims, and on the first rank of the widest
+        # mesh's dims its own mesh does not span (FSDP2's dp-only parameters beside tp)
+        out = local_norm_tensors([e for e in self.params if self._counted.get(e.name, True)])
+        return out, self.norm_tensors_groups()
+
+
+def _norm_layout(
+    params: list[EngineParam],
+) -> tuple[list[dist.ProcessGroup], dict[str, bool]]:
+    """The groups of the widest mesh among ``params``' DTensors, and for each parameter
+    whether this rank counts it in a norm summed over them: not when the parameter is
+    the same on this rank as on a rank before it along a dimension its mesh does not
+    span (a plain tensor, or a matrix on the 1-D ``dp`` mesh beside a ``dp × tp`` one)."""
+    meshes = [e.param.device_mesh for e in params if is_dtensor(e.param)]  # type: ignore[attr-defined]
+    if not meshes:
+        return [], {}
+    widest = max(meshes, key=lambda m: m.ndim)
+    me = dist.get_rank()
+    dims = [
+        (d, set(dist.get_process_group_ranks(widest.get_group(d))))
+        for d in range(widest.ndim)
+        if widest.size(d) > 1
+    ]
+    counted: dict[str, bool] = {}
+    for e in params:
+        spans = (
+            set(e.param.device_mesh.mesh.flatten().tolist())  # type: ignore[attr-defined]
+            if is_dtensor(e.param)
+            else {me}
+        )
+        counted[e.name] = all(
+            widest.get_local_rank(d) == 0 for d, ranks in dims if ranks & spans == {me}
+        )
+    return [widest.get_group(d) for d in range(widest.ndim)], counted

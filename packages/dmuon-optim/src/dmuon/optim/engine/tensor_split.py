@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import CommStats, default_stats, wait_work
+from dmuon.comm import CommStats, default_stats, shard_range, wait_work
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.placements import placement_of
 from dmuon.optim.matrix_split import MatrixSplit
@@ -42,9 +42,11 @@ __all__ = [
     "STATS_NAME",
     "check_split_groups",
     "check_split_rules",
+    "sharded_split_of",
     "split_group_of",
     "split_groups",
     "split_of",
+    "tensor_parallel_shape",
 ]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -85,12 +87,63 @@ def split_of(p: torch.Tensor, name: str = "", stats: CommStats | None = None) ->
     found = split_group_of(p, name)
     if found is None:
         return None
-    mesh_dim, group = found
+    mesh_dim = found[0]
+    tensor_dim = placement_of(p, name).shards[0][1]
+    return _matrix_split(p, mesh_dim, tensor_dim, stats)
+
+
+def tensor_parallel_shape(p: torch.Tensor, name: str = "") -> tuple[int, int]:
+    """The shape of this rank's tensor-parallel shard of a
+    :attr:`~dmuon.optim.engine.placements.MatrixPlacement.sharded_split` matrix (FSDP2 over
+    tensor parallelism): what its rows gathered over ``dp`` make. The ``tp`` split follows
+    ``torch.chunk``, as DTensor's ``Shard`` does (uneven and empty shards included).
+
+    Examples:
+        >>> from dmuon.comm import shard_range
+        >>> [shard_range(15, 2, r)[1] for r in range(2)]  # a 15-row matrix over tp 2
+        [8, 7]
+    """
     pl = placement_of(p, name)
-    tensor_dim = pl.shards[0][1]
+    _, d_tp, split = pl.sharded_split_dims
+    mesh = p.device_mesh  # type: ignore[attr-defined]
+    shape = [int(p.shape[0]), int(p.shape[1])]
+    shape[split] = shard_range(shape[split], int(mesh.size(d_tp)), int(mesh.get_local_rank(d_tp)))[
+        1
+    ]
+    return shape[0], shape[1]
+
+
+def sharded_split_of(
+    p: torch.Tensor, name: str = "", stats: CommStats | None = None
+) -> MatrixSplit | None:
+    """The :class:`~dmuon.optim.matrix_split.MatrixSplit` over ``tp`` of a matrix under FSDP2
+    over tensor parallelism (``None`` for any other layout): ``sharded`` mode's owner over
+    ``dp`` holds this rank's whole ``tp`` shard (:func:`tensor_parallel_shape`, the split's
+    ``local_shape``) and steps it with the owner's ``tp`` row."""
+    if not is_dtensor(p) or p.dim() != 2:
+        return None
+    pl = placement_of(p, name)
+    if not pl.sharded_split:
+        return None
+    _, d_tp, split = pl.sharded_split_dims
+    return _matrix_split(p, d_tp, split, stats, local_shape=tensor_parallel_shape(p, name))
+
+
+def _matrix_split(
+    p: torch.Tensor,
+    mesh_dim: int,
+    tensor_dim: int,
+    stats: CommStats | None,
+    local_shape: tuple[int, int] | None = None,
+) -> MatrixSplit:
+    """``p`` split along ``tensor_dim`` over mesh dimension ``mesh_dim``: its ``reduce`` is an
+    all-reduce over that dimension's group, waited under the deadline and counted."""
     stats = stats if stats is not None else default_stats()
+    mesh = p.device_mesh  # type: ignore[attr-defined]
+    group = mesh.get_group(mesh_dim)
     ranks = tuple(dist.get_process_group_ranks(group))
-    dim_name = pl.mesh_dims[mesh_dim]
+    names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
+    dim_name = str(names[mesh_dim])
     what = f"the Gram all-reduce of tensor-parallel matrices over mesh dim {dim_name!r}"
 
     def reduce(t: torch.Tensor, op: str) -> torch.Tensor:
@@ -107,6 +160,7 @@ def split_of(p: torch.Tensor, name: str = "", stats: CommStats | None = None) ->
         shape=(int(p.shape[0]), int(p.shape[1])),
         reduce=reduce,
         group=(dim_name, ranks),
+        local_shape=local_shape,
     )
 
 
@@ -124,7 +178,9 @@ def check_split_rules(
         if not e.matrix or not is_dtensor(e.param):
             continue
         pl = placement_of(e.param, e.name)
-        if not pl.tensor_split:
+        # sharded mode steps FSDP2's rows whole (an all-to-all to the owner), and only
+        # the tensor-parallel split of FSDP2 over tensor parallelism on the shards
+        if not (pl.sharded_split if mode == "sharded" else pl.tensor_split):
             continue
         rule = RULES[groups[e.group_index]["algorithm"]]
         if rule.splits:
