@@ -164,7 +164,9 @@ def test_every_wait_site_is_timed_or_listed_with_its_reason():
     names = {(f.rsplit("/", 1)[-1], fn) for f, fn, _ in timed}
     for expected in [
         ("guards.py", "agree_step"),
-        ("tensor_split.py", "split_of"),
+        ("tensor_split.py", "_matrix_split"),
+        ("owned_split.py", "split_to_save"),
+        ("owned_split.py", "split_to_owner"),
         ("owner_collectives.py", "reduce_to_owners"),
         ("plan_agreement.py", "check_plan_consistency"),
         ("objects.py", "all_gather_objects"),

@@ -451,7 +451,7 @@ class DMuon(torch.optim.Optimizer):
             groups = [
                 self._group_defaults.normalize(g, i) for i, g in enumerate(state["param_groups"])
             ]
-            check_loaded_state(state["state"], groups, self._engine.on_shard)
+            check_loaded_state(state["state"], groups, self._engine.on_shard, self._engine.split_of)
             state["param_groups"] = groups
         super().__setstate__(state)
         if config is not None:

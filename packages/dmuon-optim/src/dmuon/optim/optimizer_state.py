@@ -18,7 +18,7 @@ from dmuon.optim.batches import Bucket, build_buckets, state_shapes
 from dmuon.optim.engine.base import Engine
 from dmuon.optim.group_options import param_name
 from dmuon.optim.layout import matrix_layout
-from dmuon.optim.matrix_split import local_tensor
+from dmuon.optim.matrix_split import MatrixSplit, local_tensor
 from dmuon.optim.rules import get_rule
 from dmuon.optim.scalar import SCALAR_ALGORITHMS, scalar_state_dtype, scalar_state_shapes
 
@@ -110,12 +110,15 @@ def check_loaded_state(
     state: Mapping[Any, Any],
     groups: list[dict[str, Any]],
     on_shard: Callable[[torch.Tensor], bool] | None = None,
+    split_of: Callable[[torch.Tensor], MatrixSplit | None] | None = None,
 ) -> None:
     """Raise unless ``state`` has exactly the keys and shapes ``groups`` need.
 
     A matrix the engine steps on this rank's local part (``on_shard``: a tensor-parallel
     shard, or the experts of a stack split over its expert dimension) has state shaped
-    like its local shard.
+    like its local shard, or like the split's ``local_shape`` when ``split_of`` gives
+    one (``sharded`` mode's owner under FSDP2 over tensor parallelism holds its whole
+    ``tp`` shard).
     """
     params = {p for g in groups for p in g["params"]}
     extra = [k for k in state if not (isinstance(k, torch.Tensor) and k in params)]
@@ -132,7 +135,11 @@ def check_loaded_state(
                 expected = scalar_state_shapes(g["algorithm"], p)
             else:
                 shard = on_shard is not None and on_shard(p)
-                layout = matrix_layout(local_tensor(p) if shard else p, g, name)
+                split = split_of(p) if split_of is not None and shard else None
+                local: torch.Tensor = local_tensor(p) if shard else p
+                if split is not None and split.local_shape is not None:
+                    local = torch.empty(split.local_shape, device="meta")
+                layout = matrix_layout(local, g, name)
                 expected = state_shapes(get_rule(g["algorithm"]), layout)
             st = state.get(p)
             if st is None:

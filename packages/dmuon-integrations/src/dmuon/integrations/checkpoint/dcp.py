@@ -35,7 +35,9 @@ from dmuon.integrations.checkpoint.compat import (
     check_compatible,
     load_into_optimizer,
 )
+from dmuon.integrations.checkpoint.deadline import checkpoint_deadline
 from dmuon.integrations.checkpoint.holders import holdings, release, settle
+from dmuon.integrations.checkpoint.owned_split import to_owners
 from dmuon.integrations.checkpoint.sharded_state import state_targets, state_to_save
 from dmuon.optim import DMuon
 
@@ -285,6 +287,8 @@ def load(
         targets = state_targets(optimizer, held)
         with _quiet_single_process():
             dcp.load({"model": model_sd, "optim": {"state": targets}}, checkpoint_id=path)
+        with checkpoint_deadline(optimizer, "DMuon checkpoint load"):
+            to_owners(optimizer, held, targets)  # tensor-parallel state: pieces to owners
         set_model_state_dict(model, model_sd)
         load_into_optimizer(optimizer, held, targets, groups)
     finally:

@@ -36,6 +36,7 @@ from dmuon.integrations.checkpoint.compat import (
 from dmuon.integrations.checkpoint.dcp import describe_optimizer
 from dmuon.integrations.checkpoint.deadline import checkpoint_deadline
 from dmuon.integrations.checkpoint.holders import Holding, holdings, release, settle
+from dmuon.integrations.checkpoint.owned_split import saved_entry, split_from_full
 from dmuon.integrations.checkpoint.sharded_state import group_records, owner_steps
 from dmuon.integrations.checkpoint.split_state import as_saved
 from dmuon.optim import DMuon
@@ -122,6 +123,12 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
                 current = optimizer.state[h.param]
                 shapes = expected_state_shapes(h, optimizer.param_groups[h.group_index])
                 entry: dict[str, torch.Tensor] = {}
+                if h.split:  # the owner's tp row holds it (owned_split.py): assemble it
+                    for key, saved in saved_entry(optimizer, h, steps[h.fqn]).items():
+                        whole = saved.full_tensor() if is_dtensor(saved) else saved  # type: ignore[attr-defined]
+                        entry[key] = whole.cpu().clone()
+                    state[h.fqn] = entry if _rank0() else {}
+                    continue
                 for key, value in current.items():
                     full: torch.Tensor | None
                     # a split matrix's shards as one DTensor (split_state.py)
@@ -131,7 +138,9 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
                     elif h.owner is not None:
                         full = _gather_owned(h, value, shapes[key])
                     elif is_dtensor(stored):
-                        full = stored.full_tensor().cpu()
+                        # a Replicate DTensor's full_tensor() on a CPU is the live state
+                        # itself: copy, so the dict does not follow the training
+                        full = stored.full_tensor().cpu().clone()
                     else:
                         full = value.detach().cpu().clone()
                     if full is not None:
@@ -221,6 +230,10 @@ def load_full_state_dict(model: nn.Module, optimizer: DMuon, state_dict: Mapping
                 form: Any = as_saved(value, h.param) if h.owner is None else value
                 if key == "step":
                     entry[key] = full.clone()
+                elif h.split:  # the owner's tp row: each its shard (owned_split.py)
+                    mine = split_from_full(optimizer, h, key, full.to(value.device))
+                    if mine is not None:
+                        entry[key] = mine
                 elif h.owner is not None:
                     if h.held_here():
                         entry[key] = full.to(value.device).clone()

@@ -41,6 +41,9 @@ class Holding:
             when every rank holds its own copy (plain or a DTensor shard).
         group: the process group :attr:`owner` counts in (``None``: the world or no
             process group).
+        split: the owner's ``tp`` row holds the state, each rank that of its
+            tensor-parallel shard (``replicated``/``sharded`` mode on a ``dp × tp`` mesh;
+            :mod:`~dmuon.integrations.checkpoint.owned_split`).
 
     Examples:
         >>> import torch
@@ -57,6 +60,7 @@ class Holding:
     group_index: int
     owner: int | None
     group: Any = None
+    split: bool = False
 
     def held_here(self) -> bool:
         """Whether this rank holds the whole state (always, when nobody owns it)."""
@@ -85,8 +89,7 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
         TypeError: ``optimizer`` is not a :class:`~dmuon.optim.DMuon`.
         ValueError: a parameter of the optimizer that is not in ``model``, a mode
             whose state cannot be checkpointed once (``sign``: every rank's momentum
-            is its own), HSDP owner mode, or replicated mode with tensor-parallel
-            matrices.
+            is its own), or HSDP owner mode.
 
     Examples:
         >>> import torch
@@ -113,17 +116,6 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
             "checkpointing HSDP owner mode (a 2-D mesh) is not supported yet: each "
             "owner slot spans a replicate group; checkpoint a 1-D FSDP2 or DDP run"
         )
-    if engine.mode in ("replicated", "sharded"):
-        split = next(
-            (p for g in optimizer.param_groups for p in g["params"] if engine.split_of(p)), None
-        )
-        if split is not None:
-            raise ValueError(
-                f"checkpointing mode={engine.mode!r} with tensor-parallel matrices (a parameter of "
-                f"shape {tuple(split.shape)} is split over its tp group) is not supported yet: "
-                "each owner's tp row holds its shards of the state. Checkpoint a mode='single' "
-                "run (its split state saves and reshards with DCP), or the model only"
-            )
     names = model_fqns(model)
     out: list[Holding] = []
     for gi, group in enumerate(optimizer.param_groups):
@@ -146,7 +138,8 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
             owner_of = getattr(engine, "owner_of", None)
             if owner_of is not None and engine.world_size > 1:
                 owner = owner_of(p)
-            out.append(Holding(fqn, p, gi, owner, getattr(engine, "group", None)))
+            split = owner is not None and engine.split_of(p) is not None
+            out.append(Holding(fqn, p, gi, owner, getattr(engine, "group", None), split))
     seen: dict[str, int] = {}
     for h in out:
         if h.fqn in seen:

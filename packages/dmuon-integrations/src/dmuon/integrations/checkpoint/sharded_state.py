@@ -34,6 +34,7 @@ from dmuon.comm import wait_work
 from dmuon.integrations.checkpoint.compat import expected_state_shapes
 from dmuon.integrations.checkpoint.deadline import checkpoint_deadline
 from dmuon.integrations.checkpoint.holders import Holding, holdings
+from dmuon.integrations.checkpoint.owned_split import owner_shapes, saved_entry, split_target
 from dmuon.integrations.checkpoint.split_state import as_saved
 from dmuon.optim import DMuon
 
@@ -106,6 +107,9 @@ def _gathered_state(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, Any]
         if h.owner is None:  # a split matrix's shards as one DTensor (split_state.py)
             state[h.fqn] = {k: as_saved(v, h.param) for k, v in current.items()}
             continue
+        if h.split:  # the owner's tp row holds it: laid out like the parameter (owned_split.py)
+            state[h.fqn] = saved_entry(optimizer, h, steps[h.fqn])
+            continue
         group = optimizer.param_groups[h.group_index]
         shapes = expected_state_shapes(h, group)
         entry: dict[str, torch.Tensor] = {"step": steps[h.fqn]}
@@ -167,7 +171,9 @@ def state_targets(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, dict[s
 
     An owned parameter's state is read whole by its owner and not at all by the
     others (its ``step`` by every rank); any other state has the form it has here
-    (a DTensor reads its shard).
+    (a DTensor reads its shard). A tensor-parallel matrix's state held by its owner's
+    ``tp`` row is read in pieces laid out like the parameter, which
+    :func:`~dmuon.integrations.checkpoint.owned_split.to_owners` gathers to the owners.
     """
     out: dict[str, dict[str, torch.Tensor]] = {}
     for h in held:
@@ -176,7 +182,11 @@ def state_targets(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, dict[s
             out[h.fqn] = {k: torch.empty_like(as_saved(v, h.param)) for k, v in current.items()}
             continue
         entry = {"step": torch.empty_like(current["step"])}
-        if h.held_here():
+        if h.split:  # every rank reads its piece; owned_split.to_owners gathers them
+            for key in owner_shapes(optimizer, h):
+                if key != "step":
+                    entry[key] = split_target(optimizer, h, key)
+        elif h.held_here():
             shapes = expected_state_shapes(h, optimizer.param_groups[h.group_index])
             for key, shape in shapes.items():
                 if key != "step":

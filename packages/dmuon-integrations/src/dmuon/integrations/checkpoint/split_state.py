@@ -73,12 +73,20 @@ def as_saved(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
             f"{local} (global {whole}, placements {tuple(param.placements)}): a "  # type: ignore[attr-defined]
             "checkpoint can store state shaped like the parameter's shard, or per row, only"
         )
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
+    placements = tuple(param.placements)  # type: ignore[attr-defined]
+    if len(target) < param.dim():  # per-row state: a split of the columns holds whole rows
+        placements = tuple(
+            Replicate()
+            if isinstance(getattr(pl, "dim", None), int) and pl.dim >= len(target)
+            else pl
+            for pl in placements
+        )
     return DTensor.from_local(
         value,
         param.device_mesh,  # type: ignore[attr-defined]
-        param.placements,  # type: ignore[attr-defined]
+        placements,
         run_check=False,
         shape=torch.Size(target),
         stride=stride,
