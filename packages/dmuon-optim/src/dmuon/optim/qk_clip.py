@@ -67,6 +67,13 @@ class QKClipReport:
         max_logits: per attention layer, ``S_max^h`` over the step's global batch
             (``-inf`` for a head nothing was recorded for).
         factors: per attention layer, ``η_h`` (1 where ``S_max^h ≤ τ``).
+
+    Examples:
+        >>> import torch
+        >>> r = QKClipReport({"attn": torch.tensor([50.0, 400.0])},
+        ...                  {"attn": torch.tensor([1.0, 0.25])})
+        >>> r.max_logit, r.clipped_heads
+        (400.0, 1)
     """
 
     max_logits: dict[str, torch.Tensor]

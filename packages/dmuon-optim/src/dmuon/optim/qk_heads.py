@@ -118,6 +118,16 @@ class AttentionHeads:
             key head ``h // (H / H_kv)``).
         parts: the query and key rows (:class:`HeadRows`). MLA's shared rotary key
             is simply not listed.
+
+    Examples:
+        >>> import torch
+        >>> q, k = torch.nn.Linear(8, 4 * 2), torch.nn.Linear(8, 2 * 2)  # GQA: 4 over 2
+        >>> heads = AttentionHeads(
+        ...     "attn", 4, 2, (HeadRows(q.weight, "query", 2), HeadRows(k.weight, "key", 2))
+        ... )
+        >>> eta = clip_factors(torch.tensor([50.0, 400.0, 90.0, 100.0]), 100.0)
+        >>> group_factors(eta, heads.kv_heads)  # key head 0 serves query heads 0 and 1
+        tensor([0.2500, 1.0000])
     """
 
     name: str
