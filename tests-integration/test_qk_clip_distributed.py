@@ -15,6 +15,9 @@ the weights live differently:
   owners' publications, then every rank scales its copy;
 * ``owner_fsdp``: ``fsdp.dedicate`` (matrices owned, biases FSDP2 DTensors).
 
+A tiny Hugging Face Llama (grouped-query attention, q/k biases, ``sdpa``) does the
+same under FSDP2 (``sharded``) and ``ddp.dedicate`` (owner mode).
+
 The reference trains the same model in this process on the mean of the ranks'
 losses, calling the same ``QKClip`` (its hooks see every rank's rows, so its
 ``S_max`` is the global one). Tolerance 1e-5, as the other mode tests: the runs differ
@@ -199,3 +202,102 @@ def test_every_layout_clips_as_one_process(world):
     for rank in range(world):
         assert "reshard_after_forward=True" in results[rank]["z3_error"]
     assert math.isfinite(teeth)
+
+
+# ------------------------------------------------- Hugging Face Llama (GQA, biases)
+
+HF_MODES = ["hf_sharded", "hf_owner_ddp"]
+
+
+def tiny_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA: a key head per 2 query heads
+        attention_bias=True,
+        max_position_embeddings=16,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                proj.weight.mul_(60.0)
+                proj.bias.normal_()
+    return model
+
+
+def tokens(step: int, rank: int, world: int) -> torch.Tensor:
+    ids = torch.randint(0, 32, (GLOBAL_BATCH, 6), generator=torch.Generator().manual_seed(step))
+    return ids[rank * GLOBAL_BATCH // world : (rank + 1) * GLOBAL_BATCH // world]
+
+
+def llama_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def llama_reference(world: int, clip: bool = True) -> dict[str, torch.Tensor]:
+    model = tiny_llama()
+    opt = DMuon(param_groups(model), **OPT)
+    qk = QKClip(model, tau=TAU) if clip else None
+    for t in range(STEPS):
+        (sum(llama_loss(model, tokens(t, r, world)) for r in range(world)) / world).backward()
+        opt.step()
+        opt.zero_grad()
+        if qk is not None:
+            qk.step()
+    return full(model)
+
+
+def run_llama(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon.integrations import ddp
+
+    out = {}
+    for mode in HF_MODES:
+        model = tiny_llama()
+        kw = {}
+        ded = None
+        if mode == "hf_sharded":
+            mesh = init_device_mesh("cpu", (world,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        else:
+            ded = ddp.dedicate(model)
+            kw["distributed"] = ded
+        opt = DMuon(param_groups(model), **{**OPT, **kw})
+        qk = QKClip(model, tau=TAU)
+        clipped = 0
+        for t in range(STEPS):
+            llama_loss(model, tokens(t, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+            clipped += qk.step().clipped_heads
+        if ded is not None:
+            ded.wait()
+        assert clipped > 0, f"{mode}: the clip never scaled a head"
+        out[mode] = full(model)
+        dist.barrier()
+    return out
+
+
+def test_hugging_face_llama_clips_as_one_process():
+    pytest.importorskip("transformers")
+    world = 2
+    expected = llama_reference(world)
+    teeth, where = max_diff(expected, llama_reference(world, clip=False))
+    assert teeth > 1e-2, f"the clip barely changed the run ({where}): the test would prove nothing"
+    results = run_on_ranks(run_llama, world, timeout=180)
+    for mode in HF_MODES:
+        for rank in range(world):
+            diff, where = max_diff(results[rank][mode], expected)
+            assert diff <= TOLERANCE, f"{mode}, rank {rank}: {where} differs by {diff:.2e}"
