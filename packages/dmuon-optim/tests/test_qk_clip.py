@@ -245,13 +245,30 @@ def test_mla_rows_follow_the_paper():
     assert float(after.max()) <= TAU * (1 + 1e-9)
 
 
+def test_half_precision_rows_are_rounded_once():
+    from dmuon.optim.row_scaling import scale_rows_
+
+    w = torch.randn(4, 3).bfloat16()
+    f = torch.tensor([1.0, 0.3, 0.7, 1 / 3], dtype=torch.float64)
+    expected = (w.float() * f.float()[:, None]).bfloat16()  # the exact product, rounded once
+    scale_rows_(w, f)
+    assert torch.equal(w, expected)
+
+
 # ------------------------------------------------------------------ Hugging Face
 
 transformers = pytest.importorskip("transformers")
 
 
 def tiny_hf(kind: str, bias: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     kw = dict(
         vocab_size=64,
@@ -266,6 +283,8 @@ def tiny_hf(kind: str, bias: bool):
     torch.manual_seed(7)
     if kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    elif kind == "mistral":  # a sliding window shorter than the sequence
+        model = MistralForCausalLM(MistralConfig(sliding_window=WINDOW, **kw))
     else:
         model = LlamaForCausalLM(LlamaConfig(attention_bias=bias, **kw))
     model = model.double()
@@ -279,7 +298,10 @@ def tiny_hf(kind: str, bias: bool):
     return model
 
 
-def reference_hf(model, captured, tau, pad_mask):
+WINDOW = 3
+
+
+def reference_hf(model, captured, tau, pad_mask, window=None):
     """The paper's equations with the model's own rotary code, head by head."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -295,6 +317,8 @@ def reference_hf(model, captured, tau, pad_mask):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         s = torch.empty(H, dtype=torch.float64)
         keep = torch.ones(L, L, dtype=torch.bool).tril()[None] & pad_mask[:, None, :]
+        if window is not None:  # Mistral's window: query i sees keys i − window < j ≤ i
+            keep &= torch.ones(L, L, dtype=torch.bool).triu(diagonal=1 - window)
         for h in range(H):
             logits = q[:, h] @ k[:, h // 2].transpose(1, 2) * attn.scaling
             s[h] = logits.masked_fill(~keep, -math.inf).max()
@@ -315,7 +339,12 @@ def reference_hf(model, captured, tau, pad_mask):
 
 @pytest.mark.parametrize(
     ("kind", "bias", "impl"),
-    [("llama", False, "eager"), ("llama", True, "sdpa"), ("qwen2", True, "eager")],
+    [
+        ("llama", False, "eager"),
+        ("llama", True, "sdpa"),
+        ("qwen2", True, "eager"),
+        ("mistral", False, "sdpa"),
+    ],
 )
 def test_hugging_face_attention_equals_the_paper_restated(kind, bias, impl):
     model = tiny_hf(kind, bias)
@@ -340,7 +369,7 @@ def test_hugging_face_attention_equals_the_paper_restated(kind, bias, impl):
     pad = torch.ones(2, 7, dtype=torch.bool)
     pad[1, :2] = False  # left padding of sample 1
     model(input_ids=ids, attention_mask=pad.long(), use_cache=False)
-    ref = reference_hf(model, captured, TAU, pad)
+    ref = reference_hf(model, captured, TAU, pad, WINDOW if kind == "mistral" else None)
     report = clip.step()
     for name, (s, new) in ref.items():
         torch.testing.assert_close(report.max_logits[name].double(), s, rtol=1e-9, atol=0)

@@ -45,7 +45,7 @@ def scale_rows_(tensor: torch.Tensor, factors: torch.Tensor) -> None:
             f"of a tensor of shape {tuple(tensor.shape)}"
         )
     if not is_dtensor(tensor):
-        tensor.mul_(factors.to(tensor.dtype).reshape(-1, *[1] * (tensor.dim() - 1)))
+        _mul_rows(tensor, factors)
         return
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -67,4 +67,13 @@ def scale_rows_(tensor: torch.Tensor, factors: torch.Tensor) -> None:
         placements,
         src_data_rank=None,  # every rank holds the whole vector: slice, no traffic
     ).to_local()
-    local.mul_(part.to(local.dtype).reshape(-1, *[1] * (local.dim() - 1)))
+    _mul_rows(local, part)
+
+
+def _mul_rows(t: torch.Tensor, factors: torch.Tensor) -> None:
+    f = factors.reshape(-1, *[1] * (t.dim() - 1))
+    if t.dtype in (torch.float16, torch.bfloat16):
+        # one rounding to the weight's dtype, not two (factor, then product)
+        t.copy_(t.float() * f.float())
+    else:
+        t.mul_(f.to(t.dtype))
