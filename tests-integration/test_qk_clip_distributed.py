@@ -15,6 +15,9 @@ the weights live differently:
   owners' publications, then every rank scales its copy;
 * ``owner_fsdp``: ``fsdp.dedicate`` (matrices owned, biases FSDP2 DTensors).
 
+In ``adamw_fsdp`` and ``owner_fsdp`` the ``QKClip`` is made before ``fully_shard``
+replaces the parameters: it must scale the ones the modules hold at the step.
+
 A tiny Hugging Face Llama (grouped-query attention, q/k biases, ``sdpa``) does the
 same under FSDP2 (``sharded``) and ``ddp.dedicate`` (owner mode).
 
@@ -44,6 +47,7 @@ GLOBAL_BATCH = 8
 TOLERANCE = 1e-5
 OPT = dict(lr=0.02, weight_decay=0.1, ns_compute_dtype="float32", adamw_lr=3e-3, adamw_eps=1e-3)
 MODES = ["replicated", "sharded", "adamw_fsdp", "owner_ddp", "owner_fsdp"]
+EARLY = ("adamw_fsdp", "owner_fsdp")  # QKClip made before the model is sharded/dedicated
 
 
 class Block(nn.Module):
@@ -123,6 +127,9 @@ def run_mode(mode: str, rank: int, world: int) -> dict[str, torch.Tensor]:
     forward: nn.Module = model
     kw = {}
     ded = None
+    # made before fully_shard/dedicate replace or re-alias the parameters: the clip must
+    # scale the parameters the modules hold at the step, not the ones they held here
+    early = QKClip(model, tau=TAU) if mode in EARLY else None
     if mode in ("sharded", "adamw_fsdp", "owner_fsdp"):
         mesh = init_device_mesh("cpu", (world,))
         ignored = None
@@ -140,7 +147,7 @@ def run_mode(mode: str, rank: int, world: int) -> dict[str, torch.Tensor]:
         forward = DDP(model)
         kw["mode"] = "replicated"
     opt = make_optimizer(mode, model, **kw)
-    qk = QKClip(model, tau=TAU)
+    qk = early or QKClip(model, tau=TAU)
     clipped = 0
     waited: list[str] = []
     for t in range(STEPS):

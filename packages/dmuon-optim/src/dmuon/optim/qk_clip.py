@@ -159,12 +159,13 @@ class QKClip:
         self.process_group = process_group
         self.handles: list[RemovableHandle] = []
         found = self._modules(model, modules)
-        self.attentions: list[AttentionHeads] = [attention_heads(n, m) for n, m in found]
+        self._found = found
         for h in heads:
             if not isinstance(h, AttentionHeads):
                 raise TypeError(f"heads must hold AttentionHeads, got {type(h).__name__}")
-        self.attentions += list(heads)
-        names = [a.name for a in self.attentions]
+        self._custom = list(heads)
+        attentions = self.attentions
+        names = [a.name for a in attentions]
         if not names:
             kinds = {type(m).__name__ for m in model.modules()}
             unknown = sorted(k for k in kinds if "attention" in k.lower())
@@ -177,12 +178,22 @@ class QKClip:
             )
         if len(set(names)) != len(names):
             raise ValueError(f"attention names must be unique, got {names}")
-        self._by_name = {a.name: a for a in self.attentions}
+        self._heads = {a.name: a.heads for a in attentions}
         self._maxima: dict[str, torch.Tensor | None] = dict.fromkeys(names)
-        self.exchanges = self._exchanges()
+        _exchanges(attentions)  # refuses ZeRO-3-like owner mode now rather than at the step
         self.max_elements = max_elements
-        for (n, m), a in zip(found, self.attentions[: len(found)], strict=True):
+        for (n, m), a in zip(found, attentions[: len(found)], strict=True):
             self.handles += install_hooks(n, m, a, self.record, max_elements)
+
+    @property
+    def attentions(self) -> list[AttentionHeads]:
+        """The attention layers clipped, in a fixed order (the same on every rank).
+
+        Those of recognised modules are read from the modules each time, so that the
+        parameters scaled are the modules' current ones: ``fully_shard`` or a
+        dedication applied after the ``QKClip`` was made replaces or re-aliases them.
+        """
+        return [attention_heads(n, m) for n, m in self._found] + self._custom
 
     @staticmethod
     def _modules(
@@ -212,22 +223,6 @@ class QKClip:
                 raise ValueError(f"modules: a {type(m).__name__} that is not part of the model")
         return out
 
-    def _exchanges(self) -> list[OwnerExchange]:
-        found: dict[int, OwnerExchange] = {}
-        for a in self.attentions:
-            for part in a.parts:
-                for t in (part.weight, part.bias):
-                    ex = None if t is None else exchange_of(t)
-                    if ex is not None:
-                        if ex.publication.reshard_after_forward:
-                            raise ValueError(
-                                f"attention {a.name!r}: owner mode with reshard_after_forward=True "
-                                "(ZeRO-3-like) keeps each weight on its owner only; QK-clip "
-                                "needs reshard_after_forward=False"
-                            )
-                        found[id(ex)] = ex
-        return list(found.values())
-
     def record(self, name: str, maxima: torch.Tensor) -> None:
         """Fold one forward's per-head maxima ``S^h`` of attention ``name`` into the step's.
 
@@ -239,9 +234,9 @@ class QKClip:
             KeyError: an unknown ``name``.
             ValueError: ``maxima`` is not ``(heads,)``.
         """
-        if name not in self._by_name:
-            raise KeyError(f"no attention named {name!r}; known: {sorted(self._by_name)}")
-        heads = self._by_name[name].heads
+        if name not in self._heads:
+            raise KeyError(f"no attention named {name!r}; known: {sorted(self._heads)}")
+        heads = self._heads[name]
         if tuple(maxima.shape) != (heads,):
             raise ValueError(
                 f"attention {name!r}: maxima must have shape ({heads},), got {tuple(maxima.shape)}"
@@ -250,9 +245,6 @@ class QKClip:
         prev = self._maxima[name]
         self._maxima[name] = m if prev is None else torch.maximum(prev, m.to(prev.device))
 
-    def _device(self) -> torch.device:
-        return self.attentions[0].parts[0].weight.device
-
     @torch.no_grad()
     def step(self) -> QKClipReport:
         """Reduce the step's maxima over the ranks, scale the heads over τ, start afresh.
@@ -260,28 +252,29 @@ class QKClip:
         Call it on every rank after ``optimizer.step()`` (a collective when the
         group has more than one rank).
         """
-        device = self._device()
+        attentions = self.attentions
+        device = attentions[0].parts[0].weight.device
         flat = torch.cat(
             [
                 torch.full((a.heads,), -math.inf, device=device, dtype=torch.float64)
                 if self._maxima[a.name] is None
                 else self._maxima[a.name].to(device)  # type: ignore[union-attr]
-                for a in self.attentions
+                for a in attentions
             ]
         )
         if group_size(self.process_group) > 1:
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.process_group)
-        pieces = flat.split([a.heads for a in self.attentions])
-        s_max = dict(zip(self._by_name, pieces, strict=True))
+        pieces = flat.split([a.heads for a in attentions])
+        s_max = {a.name: p for a, p in zip(attentions, pieces, strict=True)}
         etas = {n: clip_factors(s, self.tau) for n, s in s_max.items()}
         self._maxima = dict.fromkeys(self._maxima)
         report = QKClipReport(max_logits=s_max, factors=etas)
         if not bool((flat > self.tau).any()):  # one sync; nothing to scale (η = 1 everywhere)
             return report
-        for ex in self.exchanges:
+        for ex in _exchanges(attentions):
             ex.wait_all_published()  # every rank holds the owners' weights of this step
         for tensor, factors in scale_vectors(
-            self.attentions, [etas[a.name] for a in self.attentions], self.alpha
+            attentions, [etas[a.name] for a in attentions], self.alpha
         ):
             scale_rows_(tensor, factors)
         return report
@@ -291,3 +284,21 @@ class QKClip:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+def _exchanges(attentions: Sequence[AttentionHeads]) -> list[OwnerExchange]:
+    """The owner-mode exchanges the clipped tensors are dedicated to (none: not dedicated)."""
+    found: dict[int, OwnerExchange] = {}
+    for a in attentions:
+        for part in a.parts:
+            for t in (part.weight, part.bias):
+                ex = None if t is None else exchange_of(t)
+                if ex is not None:
+                    if ex.publication.reshard_after_forward:
+                        raise ValueError(
+                            f"attention {a.name!r}: owner mode with reshard_after_forward=True "
+                            "(ZeRO-3-like) keeps each weight on its owner only; QK-clip "
+                            "needs reshard_after_forward=False"
+                        )
+                    found[id(ex)] = ex
+    return list(found.values())
