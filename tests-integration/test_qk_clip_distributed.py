@@ -15,6 +15,9 @@ the weights live differently:
   owners' publications, then every rank scales its copy;
 * ``owner_fsdp``: ``fsdp.dedicate`` (matrices owned, biases FSDP2 DTensors).
 
+``scale_rows_`` itself is checked on DTensors of 5 rows (uneven shards, 3 + 2) placed
+``Shard(0)``, ``Shard(1)``, ``Replicate()`` and ``(Replicate(), Shard(0))`` (HSDP).
+
 In ``adamw_fsdp`` and ``owner_fsdp`` the ``QKClip`` is made before ``fully_shard``
 replaces the parameters: it must scale the ones the modules hold at the step.
 
@@ -29,8 +32,6 @@ weights end far from the clipped reference.
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -170,15 +171,43 @@ def run_mode(mode: str, rank: int, world: int) -> dict[str, torch.Tensor]:
     return full(model)
 
 
-def run_all(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
+def run_placements(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """``scale_rows_`` on DTensors placed every way it accepts, gathered whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from dmuon.optim.row_scaling import scale_rows_
+
+    w = torch.arange(15.0).reshape(5, 3) + 1  # 5 rows over 2 ranks: 3 + 2
+    f = torch.tensor([0.5, 1.0, 0.25, 2.0, 0.125], dtype=torch.float64)
+    mesh = init_device_mesh("cpu", (world,))
+    mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    cases = {
+        "shard0": (mesh, [Shard(0)]),
+        "shard1": (mesh, [Shard(1)]),
+        "replicate": (mesh, [Replicate()]),
+        "hsdp": (mesh2, [Replicate(), Shard(0)]),
+    }
     out = {}
+    for name, (m, placements) in cases.items():
+        d = distribute_tensor(w.clone(), m, placements)
+        scale_rows_(d, f)
+        out[name] = d.full_tensor()
+    bias = distribute_tensor(w[:, 0].clone(), mesh, [Shard(0)])
+    scale_rows_(bias, f)
+    out["bias"] = bias.full_tensor()
+    return out
+
+
+def run_all(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
+    out = {"placements": run_placements(rank, world)}
     for mode in MODES:
         out[mode] = run_mode(mode, rank, world)
         dist.barrier()
     from dmuon.integrations import ddp
 
+    out["z3_error"] = "not refused"  # type: ignore[assignment]
     try:  # the ZeRO-3-like owner mode keeps weights on owners only: refused
-        QKClip(Net(), tau=TAU)  # plain: fine
         model = Net()
         ddp.dedicate(model, reshard_after_forward=True)
         QKClip(model, tau=TAU)
@@ -208,7 +237,11 @@ def test_every_layout_clips_as_one_process(world):
             assert same == 0.0, f"{mode}: rank {rank} and rank 0 differ at {where}"
     for rank in range(world):
         assert "reshard_after_forward=True" in results[rank]["z3_error"]
-    assert math.isfinite(teeth)
+        w = torch.arange(15.0).reshape(5, 3) + 1
+        f = torch.tensor([0.5, 1.0, 0.25, 2.0, 0.125])
+        for name, got in results[rank]["placements"].items():  # uneven rows: 3 + 2
+            want = w[:, 0] * f if name == "bias" else w * f[:, None]
+            assert torch.equal(got, want), f"{name}: {got} != {want}"
 
 
 # ------------------------------------------------- Hugging Face Llama (GQA, biases)
