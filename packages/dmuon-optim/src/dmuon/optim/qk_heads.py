@@ -117,7 +117,8 @@ class AttentionHeads:
         kv_heads: key heads ``H_kv`` (``H`` a multiple of it; query head ``h`` reads
             key head ``h // (H / H_kv)``).
         parts: the query and key rows (:class:`HeadRows`). MLA's shared rotary key
-            is simply not listed.
+            is simply not listed. They hold the tensors themselves: build them
+            after ``fully_shard`` (which replaces a module's parameters).
 
     Examples:
         >>> import torch
