@@ -9,6 +9,7 @@ same-shape matrices, written so that the distributed engine runs them unchanged.
 from dmuon.optim._version import __version__
 from dmuon.optim.apply import apply_update
 from dmuon.optim.assignment import Assignment, ParamGroups, param_groups
+from dmuon.optim.attention_logits import head_max_logits
 from dmuon.optim.batches import (
     Bucket,
     Entry,
@@ -31,6 +32,8 @@ from dmuon.optim.engine import (
 from dmuon.optim.layout import Block, MatrixLayout, matrix_layout
 from dmuon.optim.matrix_split import MatrixSplit, local_tensor
 from dmuon.optim.optimizer import DMuon
+from dmuon.optim.qk_clip import QKClip, QKClipReport
+from dmuon.optim.qk_heads import AttentionHeads, HeadRows
 from dmuon.optim.rules import RULES, Rule, get_rule
 from dmuon.optim.scalar import (
     SCALAR_ALGORITHMS,
@@ -50,16 +53,20 @@ __all__ = [
     "SCALAR_ALGORITHMS",
     "SCALAR_RULES",
     "Assignment",
+    "AttentionHeads",
     "Block",
     "Bucket",
     "DMuon",
     "Entry",
+    "HeadRows",
     "MatrixLayout",
     "MatrixSplit",
     "ModelMismatchError",
     "NonFiniteGradientError",
     "OwnerExchange",
     "ParamGroups",
+    "QKClip",
+    "QKClipReport",
     "RankDivergenceError",
     "Rule",
     "ScalarRule",
@@ -76,6 +83,7 @@ __all__ = [
     "default_batch_elements",
     "get_rule",
     "get_scalar_rule",
+    "head_max_logits",
     "lion_step",
     "local_tensor",
     "local_vote",
