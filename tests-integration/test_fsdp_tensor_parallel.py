@@ -78,7 +78,8 @@ def run_sharded_dp_tp(rank, world, layers):
     out = {}
     for rule, options in RULES.items():
         model = fsdp_tp_model(mesh, layers)
-        opt = DMuon(param_groups(model), rule=rule, **OPT, **options)  # mode detected
+        # mode detected; the Gram path on the shards (auto picks gather for tiny matrices)
+        opt = DMuon(param_groups(model), rule=rule, tp_path="gram", **OPT, **options)
         placements = {n: repr(tuple(p.placements)) for n, p in model.named_parameters()}
         default_stats().reset()
         norms = []

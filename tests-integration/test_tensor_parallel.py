@@ -32,7 +32,7 @@ from torch import nn
 from dmuon.comm import default_stats
 from dmuon.comm.testing import run_on_ranks
 from dmuon.optim import DMuon, param_groups
-from dmuon.optim.engine.tensor_split import STATS_NAME
+from dmuon.optim.engine.tensor_split import GATHER_STATS_NAME, STATS_NAME
 
 # fp32 Newton–Schulz on the same global matrices in both runs; what differs is the
 # order of a few sums (the all-to-all reassembles the rows, the Gram products are the
@@ -177,21 +177,29 @@ def deep_reference(rule: str, options: dict) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+PATH_RULES = ("muon", "normuon")  # the gather and auto paths: the polar factor only changes
+
+
 def run_single_on_shards(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = {}
-    for rule, options in SPLIT_RULES.items():
+    runs = [(rule, "gram") for rule in SPLIT_RULES]
+    runs += [(rule, path) for path in ("gather", "auto") for rule in PATH_RULES]
+    for rule, path in runs:
         model = tp_deep_mlp(mesh)
         shards = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
-        opt = DMuon(param_groups(model), mode="single", rule=rule, **OPT, **options)
+        opt = DMuon(
+            param_groups(model), mode="single", rule=rule, tp_path=path, **OPT, **SPLIT_RULES[rule]
+        )
         train_steps(model, opt, range(STEPS - 1))  # every TP rank sees the whole batch
         default_stats().reset()
         train_steps(model, opt, range(STEPS - 1, STEPS))
         gram = default_stats()[STATS_NAME].payload_bytes  # the last step's
+        gathered = default_stats()[GATHER_STATS_NAME].payload_bytes
         full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
-        out[rule] = (full, shards, gram)
+        out[rule, path] = (full, shards, gram, gathered)
     return out
 
 
@@ -214,18 +222,37 @@ def normalisation_bytes(rule: str, m: int, n: int, split_dim: int) -> int:
     return 2 * 4 + rows
 
 
+def gather_bytes(m: int, n: int, split_dim: int, world: int = 2) -> int:
+    """What the gather path all-gathers for one fp32 matrix: every rank's shard padded to
+    the largest, ``world`` of them."""
+    split, g = (m, n) if split_dim == -2 else (n, m)
+    return world * -(-split // world) * g * 4
+
+
 def test_single_mode_steps_tensor_parallel_shards_like_one_process():
-    results = run_on_ranks(run_single_on_shards, 2, timeout=180)
+    """Every splitting rule on the Gram path; Muon and NorMuon also gathering every matrix
+    (``tp_path="gather"``) and by the cost model's choice (``"auto"``): all equal one
+    process, and what travels is what each path's formula says."""
+    from dmuon.comm import tensor_parallel_path
+
+    results = run_on_ranks(run_single_on_shards, 2, timeout=240)
     initial = {n: p.detach().clone() for n, p in DeepMLP().named_parameters()}
-    for rule, options in SPLIT_RULES.items():
-        expected = deep_reference(rule, options)
+    layers = [(5, 12, -2), (6, 5, -1), (15, 6, -2), (6, 15, -1)]  # DeepMLP's table
+    auto = {a: tensor_parallel_path(*a, 2).path for a in layers}
+    assert set(auto.values()) == {"gather"}, auto  # tiny matrices: one collective is cheaper
+    for (rule, path), _ in results[0].items():
+        expected = deep_reference(rule, SPLIT_RULES[rule])
         moved = max((expected[n] - initial[n]).abs().max().item() for n in initial)
         assert moved > 1e-3, f"{rule}: the reference barely moved; the test would prove nothing"
-        layers = [(5, 12, -2), (6, 5, -1), (15, 6, -2), (6, 15, -1)]  # DeepMLP's table
+        chosen = {a: path if path != "auto" else auto[a] for a in layers}
+        want_gram = sum(
+            normalisation_bytes(rule, *a) + (gram_bytes(*a) if chosen[a] == "gram" else 0)
+            for a in layers
+        )
+        want_gather = sum(gather_bytes(*a) for a in layers if chosen[a] == "gather")
         for rank, out in enumerate(results):
-            got, shards, gram = out[rule]
-            want = sum(gram_bytes(*a) + normalisation_bytes(rule, *a) for a in layers)
-            assert gram == want, (rule, rank, gram, want)
+            got, shards, gram, gathered = out[rule, path]
+            assert (gram, gathered) == (want_gram, want_gather), (rule, path, rank, gram, gathered)
             # the splits are uneven: the ranks' shards differ
             want_rows = (3, 2)[rank], (8, 7)[rank]
             assert shards["fc1.weight"][0] == want_rows[0], shards
@@ -233,7 +260,9 @@ def test_single_mode_steps_tensor_parallel_shards_like_one_process():
             assert shards["fc2.weight"][1] == (3, 2)[rank], shards
             for name, want in expected.items():
                 diff = (got[name] - want).abs().max().item()
-                assert diff <= SPLIT_TOLERANCE, f"{rule}, rank {rank}: {name} differs by {diff:.2e}"
+                assert diff <= SPLIT_TOLERANCE, (
+                    f"{rule} ({path}), rank {rank}: {name} differs by {diff:.2e}"
+                )
 
 
 def run_unsplittable_rules(rank, world):
@@ -382,7 +411,13 @@ def run_replicated_dp_tp(rank, world):
     for rule, options in REPLICATED_RULES.items():
         model = tp_deep_mlp(mesh["tp"])
         opt = DMuon(
-            param_groups(model), mode="replicated", process_group=dp, rule=rule, **OPT, **options
+            param_groups(model),
+            mode="replicated",
+            process_group=dp,
+            rule=rule,
+            tp_path="gram",  # the shards' path (the default picks gather for these tiny ones)
+            **OPT,
+            **options,
         )
         norms = []
         default_stats().reset()

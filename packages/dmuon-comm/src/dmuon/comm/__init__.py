@@ -32,6 +32,7 @@ from dmuon.comm.roll_call import RollCall, call_roll, start_responder
 from dmuon.comm.shard_all_to_all import shard_all_to_all, shard_all_to_all_reverse, shard_range
 from dmuon.comm.signs import pack_signs, unpack_signs
 from dmuon.comm.stats import CommStats, OpStats, default_stats
+from dmuon.comm.tensor_parallel_cost import TensorParallelPath, gram_restarts, tensor_parallel_path
 
 __all__ = [
     "COLLECTIVES",
@@ -52,6 +53,7 @@ __all__ = [
     "OwnerUnit",
     "PlanMismatchError",
     "RollCall",
+    "TensorParallelPath",
     "__version__",
     "all_gather_objects",
     "all_gather_updates",
@@ -62,6 +64,7 @@ __all__ = [
     "cost_model",
     "current_timeout",
     "default_stats",
+    "gram_restarts",
     "layer_key",
     "majority_vote",
     "make_buckets",
@@ -74,6 +77,7 @@ __all__ = [
     "shard_all_to_all_reverse",
     "shard_range",
     "start_responder",
+    "tensor_parallel_path",
     "unpack_signs",
     "wait_work",
 ]

@@ -229,6 +229,11 @@ def _heads(value: Any) -> int | tuple[int, ...] | None:
     return _sizes(value)
 
 
+TP_PATHS = ("auto", "gram", "gather")
+"""The values of the group key ``tp_path``: how a matrix split over a tensor-parallel
+group is orthogonalised (:meth:`StepContext.orthogonalize
+<dmuon.optim.transforms.StepContext.orthogonalize>`)."""
+
 # Keys every matrix group has, whatever its rule. Defaults of the first four come
 # from the DMuon constructor.
 MATRIX_KEYS: dict[str, Option] = {
@@ -255,6 +260,12 @@ MATRIX_KEYS: dict[str, Option] = {
         None, _sizes, "row blocks orthogonalised separately (fused QKV), summing to the rows"
     ),
     "num_heads": Option(None, _heads, "split each (block's) rows into this many per-head matrices"),
+    "tp_path": Option(
+        None,
+        choice(TP_PATHS),
+        "a tensor-parallel matrix's polar factor: 'gram' on the shards, 'gather' whole, "
+        "'auto' = the cheaper by dmuon.comm.tensor_parallel_path",
+    ),
 }
 
 

@@ -51,6 +51,13 @@ class MatrixSplit:
             not the DTensor's local tensor: under FSDP2 over tensor parallelism,
             ``sharded`` mode's owner steps the tensor-parallel shard that its all-to-all
             over ``dp`` gathered (``None``: the local tensor's shape).
+        gather: ``gather(shards)``: the whole matrices of a batch ``(B, ...)`` from every
+            rank's shards (an all-gather over the group along :attr:`dim`), for the
+            gather path of :meth:`StepContext.orthogonalize
+            <dmuon.optim.transforms.StepContext.orthogonalize>`; ``None``: the Gram path
+            only.
+        offset: where this rank's shard starts along :attr:`dim` of the whole matrix.
+        world_size: ranks in the group.
 
     Examples:
         >>> whole = MatrixSplit(-1, (64, 256), lambda t, op: t, ("tp", (0,)))
@@ -63,6 +70,9 @@ class MatrixSplit:
     reduce: Callable[[torch.Tensor, str], torch.Tensor | None]
     group: Hashable
     local_shape: tuple[int, int] | None = None
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    offset: int = 0
+    world_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dim not in (-1, -2):

@@ -85,6 +85,10 @@ class DMuon(torch.optim.Optimizer):
         ns_method: ``"gram"`` or ``"standard"`` Newton–Schulz.
         ns_coefficients: a coefficient-set name of :mod:`dmuon.kernels` or triples.
         ns_steps: Newton–Schulz steps.
+        tp_path: how a matrix split over a tensor-parallel group is orthogonalised:
+            ``"gram"`` on its shards (all-reduces of the small Gram matrix), ``"gather"``
+            whole after one all-gather, ``"auto"`` the cheaper by
+            :func:`dmuon.comm.tensor_parallel_path` (also a group key).
         scalar_optimizer: ``"adamw"`` or ``"lion"``, for groups with ``algorithm="scalar"``.
         adamw_lr: learning rate of the scalar groups (``None``: ``lr``).
         adamw_betas: their ``(β₁, β₂)``.
@@ -155,6 +159,7 @@ class DMuon(torch.optim.Optimizer):
         ns_method: str = "gram",
         ns_coefficients: Any = "polar_express",
         ns_steps: int = 5,
+        tp_path: str = "auto",
         scalar_optimizer: str = "adamw",
         adamw_lr: float | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
@@ -190,6 +195,7 @@ class DMuon(torch.optim.Optimizer):
             "flatten": None,
             "split_sizes": None,
             "num_heads": None,
+            "tp_path": tp_path,
         }
         scalar = {
             "lr": lr if adamw_lr is None else adamw_lr,

@@ -39,6 +39,7 @@ from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.rules import RULES
 
 __all__ = [
+    "GATHER_STATS_NAME",
     "STATS_NAME",
     "check_split_groups",
     "check_split_rules",
@@ -51,6 +52,10 @@ __all__ = [
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
+
+GATHER_STATS_NAME = "tensor_parallel_gather"
+"""The name under which :func:`dmuon.comm.default_stats` counts the all-gathers of the
+gather path (a split matrix orthogonalised whole; :func:`dmuon.comm.tensor_parallel_path`)."""
 
 STATS_NAME = "tensor_parallel_reduce"
 """The name under which :func:`dmuon.comm.default_stats` counts every reduction a chain
@@ -155,12 +160,39 @@ def _matrix_split(
             t.copy_(buf)
         return t
 
+    t = len(ranks)
+    whole = int(p.shape[tensor_dim])
+    sizes = [shard_range(whole, t, r)[1] for r in range(t)]
+    chunk = max(sizes) if sizes else 0
+    me = int(mesh.get_local_rank(mesh_dim))
+    gathered = f"the all-gather of tensor-parallel matrices over mesh dim {dim_name!r}"
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        """The whole matrices of the batch ``x`` (``(B, rows, cols)`` shards): every rank's
+        shard padded to the largest along the split dimension, one all-gather, the
+        padding cut off."""
+        d = x.dim() - 2 + tensor_dim
+        pad = list(x.shape)
+        pad[d] = chunk
+        send = x.new_zeros(pad)
+        send.narrow(d, 0, x.shape[d]).copy_(x)
+        out = x.new_empty((t * pad[0], *pad[1:]))  # the ranks' blocks one after another
+        nbytes = out.numel() * out.element_size()
+        stats.record_collective(GATHER_STATS_NAME, "all_gather", nbytes=nbytes, world_size=t)
+        work = dist.all_gather_into_tensor(out, send, group=group, async_op=True)
+        wait_work(work, gathered, group)
+        blocks = out.view(t, *pad)
+        return torch.cat([blocks[r].narrow(d, 0, sizes[r]) for r in range(t)], dim=d)
+
     return MatrixSplit(
         dim=-2 if tensor_dim == 0 else -1,
         shape=(int(p.shape[0]), int(p.shape[1])),
         reduce=reduce,
         group=(dim_name, ranks),
         local_shape=local_shape,
+        gather=gather,
+        offset=shard_range(whole, t, me)[0],
+        world_size=t,
     )
 
 

@@ -24,6 +24,7 @@ Rules of the game, which let the distributed engine run the same chains unchange
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from dmuon.comm import tensor_parallel_path
 from dmuon.kernels import orthogonalize, tp_gram_newton_schulz
 from dmuon.optim.hyperparameters import COMPUTE_DTYPES, REQUIRED, Option, boolean
 from dmuon.optim.matrix_split import MatrixSplit
@@ -103,14 +105,28 @@ class StepContext:
         """Polar factor of each matrix of ``X`` with the group's Newton–Schulz settings.
 
         On a split matrix (:attr:`split`), ``X`` holds this rank's shards and the
-        result is this rank's shards of the whole matrix's polar factor, by
+        result is this rank's shards of the whole matrix's polar factor, by the path
+        :func:`dmuon.comm.tensor_parallel_path` prices cheaper for the whole shape
+        (every rank of the group computes the same choice): the Gram path,
         :func:`dmuon.kernels.tp_gram_newton_schulz` (the Gram iteration whatever
         ``ns_method`` says: it is the one that needs only the small Gram matrix summed
-        over the group).
+        over the group), or the gather path, when the unsplit side is the long one:
+        one all-gather of the shards, ``ns_method`` on the whole matrix on every rank
+        of the group, each keeping its shard.
         """
         hp = self.hp
         steps = hp["ns_steps"] if steps is None else steps
         dtype = resolve_compute_dtype(hp["ns_compute_dtype"])
+        if self.split is not None and self._gathers(X, hp["ns_method"], steps):
+            assert self.split.gather is not None
+            whole = orthogonalize(
+                self.split.gather(X),
+                method=hp["ns_method"],
+                coefficients=hp["ns_coefficients"],
+                steps=steps,
+                compute_dtype=dtype,
+            )
+            return whole.narrow(self.split.dim, self.split.offset, X.shape[self.split.dim])
         if self.split is not None:
             return tp_gram_newton_schulz(
                 X,
@@ -127,6 +143,23 @@ class StepContext:
             steps=steps,
             compute_dtype=dtype,
         )
+
+    def _gathers(self, X: torch.Tensor, method: str, steps: int) -> bool:
+        """Whether a split batch takes the gather path: the group key ``tp_path``, or with
+        ``"auto"`` :func:`dmuon.comm.tensor_parallel_path` on the whole shape (the same
+        answer on every rank of the group)."""
+        split = self.split
+        if split is None or split.gather is None or split.world_size < 2:
+            return False
+        path = self.hp.get("tp_path", "auto")
+        if path != "auto":
+            return bool(path == "gather")
+        m, n = split.shape
+        batch = max(1, math.prod(X.shape[:-2]))  # the same on every rank, empty shards too
+        choice = tensor_parallel_path(
+            m, n, split.dim, split.world_size, batch=batch, method=method, steps=steps
+        )
+        return choice.path == "gather"
 
 
 @dataclass(frozen=True)
