@@ -23,15 +23,18 @@ step by step so that background load hits every setup alike):
 ``replicated``      DMuon ``mode="replicated"`` under stock DDP
 ``sharded``         DMuon sharded mode under stock FSDP2 (DTensor matrices)
 ``sign``            Sign-Muon, ``mode="sign"``: local gradients, packed vote
-``adamw_tp``        tensor parallelism over all N ranks (each block's MLP: ``fc``
-                    colwise, ``proj`` rowwise; ``benchmarks/common/tensor_parallel.py``),
+``adamw_tp``        tensor parallelism over all N ranks, the GPT with separate q/k/v
+                    (each block's MLP ``fc`` and attention ``q``/``k``/``v`` colwise,
+                    both ``proj`` rowwise, the attention only when N divides the
+                    heads; ``benchmarks/common/tensor_parallel.py``),
                     ``torch.optim.AdamW``; every rank runs the whole global batch
 ``muon_tp_gather``  the same model, vanilla Muon that knows no tensor parallelism:
                     every rank all-gathers each split gradient and steps the whole
                     matrix (``GatherMuon``)
 ``tp_single``       the same model, DMuon ``mode="single"``: split matrices stepped
-                    on their shards, the tensor-parallel Gram path (no gather)
-``adamw_dp_tp``     a ``dp × tp`` mesh (N/2 × 2): the MLPs split over ``tp`` as above,
+                    on their shards (``tp_path="auto"``: the Gram path or the
+                    gather, by the cost model)
+``adamw_dp_tp``     a ``dp × tp`` mesh (N/2 × 2): the blocks split over ``tp`` as above,
                     gradients averaged over ``dp`` (``average_over``, DDP's all-reduce),
                     each dp row on its part of the global batch; ``torch.optim.AdamW``
 ``muon_dp_tp_gather`` the same, vanilla Muon gathering every split matrix over ``tp``
@@ -41,7 +44,7 @@ step by step so that background load hits every setup alike):
 ``dp_tp_replicated`` the same, DMuon ``mode="replicated"`` with owners over ``dp``:
                     the owner's tp row steps the shards, the all-gather over ``dp``
                     carries shards
-``adamw_fsdp_tp``   FSDP2 over tensor parallelism (torchtitan's layout): the MLPs split
+``adamw_fsdp_tp``   FSDP2 over tensor parallelism (torchtitan's layout): the blocks split
                     over ``tp``, then ``fully_shard`` on ``dp`` (blocks and model);
                     ``torch.optim.AdamW``
 ``fsdp_tp_sharded`` the same, DMuon ``mode="sharded"``: rows over ``dp`` to the owner,
@@ -70,7 +73,14 @@ import torch.distributed as dist
 
 from benchmarks.common.data import BatchSampler
 from benchmarks.common.model import GPT, GPTConfig
-from benchmarks.common.tensor_parallel import GatherMuon, average_over, parallelize_mlps
+from benchmarks.common.tensor_parallel import (
+    GatherMuon,
+    average_over,
+    parallelize_blocks,
+    predicted_split_bytes,
+)
+from dmuon.comm import default_stats
+from dmuon.optim.engine.tensor_split import GATHER_STATS_NAME, STATS_NAME
 
 SETUPS = (
     "adamw_ddp",
@@ -130,9 +140,9 @@ LABELS = {
     "replicated": "DMuon replicated + DDP",
     "sharded": "DMuon sharded + FSDP2",
     "sign": "DMuon Sign-Muon (sign)",
-    "adamw_tp": "AdamW, tensor-parallel MLPs",
+    "adamw_tp": "AdamW, tensor-parallel blocks",
     "muon_tp_gather": "vanilla Muon, TP (gather every shard)",
-    "tp_single": "DMuon single, TP (Gram path on shards)",
+    "tp_single": "DMuon single, TP (on the shards, Gram or gather)",
     "adamw_dp_tp": "AdamW, dp × tp",
     "muon_dp_tp_gather": "vanilla Muon, dp × tp (gather over tp)",
     "dp_tp_single": "DMuon single, dp × tp (every dp replica steps)",
@@ -187,7 +197,10 @@ def build(setup: str, cfg: WorldConfig, device: torch.device) -> tuple[Any, Any,
     from dmuon.integrations import ddp, fsdp
     from dmuon.optim import DMuon, param_groups
 
-    model = GPT(cfg.gpt()).to(device)
+    gpt = cfg.gpt()
+    if setup in TP_SETUPS or setup in DP_TP_SETUPS:  # q/k/v separate: attention split too
+        gpt = dataclasses.replace(gpt, qkv="separate")
+    model = GPT(gpt).to(device)
     world = dist.get_world_size()
     kw: dict[str, Any] = dict(lr=1e-3, weight_decay=0.1)
     if cfg.ns_compute_dtype is not None and device.type == "cpu":
@@ -206,12 +219,12 @@ def build(setup: str, cfg: WorldConfig, device: torch.device) -> tuple[Any, Any,
     elif setup in ("adamw_ddp", "muon_vanilla", "torch_muon_ddp", "replicated"):
         forward = DDP(model)
     elif setup in TP_SETUPS:
-        parallelize_mlps(model, init_device_mesh(device.type, (world,), mesh_dim_names=("tp",)))
+        parallelize_blocks(model, init_device_mesh(device.type, (world,), mesh_dim_names=("tp",)))
     elif setup in DP_TP_SETUPS:
         if world % 2:
             raise SystemExit(f"the dp × tp setups need an even --world (tp = 2), got {world}")
         mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "tp"))
-        parallelize_mlps(model, mesh["tp"])
+        parallelize_blocks(model, mesh["tp"])
         if setup in FSDP_TP_SETUPS:
             for block in model.blocks:
                 fully_shard(block, mesh=mesh["dp"])
@@ -282,6 +295,7 @@ def rank_main(
     built = {s: build(s, cfg, device) for s in setups}
     times: dict[str, dict[str, list[float]]] = {s: {p: [] for p in PHASES} for s in setups}
     losses: dict[str, list[str]] = {s: [] for s in setups}  # exact (float.hex), every step
+    tp_bytes: dict[str, dict[str, float | None]] = {}  # the last step's, this rank
     for t in range(warmup + steps):
         mine = sampler.batch(t, rank=rank, world_size=world, device=device)
         whole = sampler.batch(t, device=device)  # tensor parallelism: the global batch
@@ -304,10 +318,19 @@ def rank_main(
             if setup in DP_TP_SETUPS and setup not in FSDP_TP_SETUPS:
                 average_over(opt.dp_model, opt.dp_group)
             sync()
+            if setup in TP_SETUPS or setup in DP_TP_SETUPS:
+                default_stats().reset()  # the step's tensor-parallel collectives alone
             t2 = time.perf_counter()
             opt.step()
             sync()
             t3 = time.perf_counter()
+            if (setup in TP_SETUPS or setup in DP_TP_SETUPS) and t == warmup + steps - 1:
+                measured = sum(
+                    default_stats()[name].bytes_sent
+                    for name in (STATS_NAME, GATHER_STATS_NAME)
+                    if name in default_stats()
+                )
+                tp_bytes[setup] = {"measured": measured, "predicted": predicted_split_bytes(opt)}
             opt.zero_grad(set_to_none=True)
             losses[setup].append(float(loss.detach()).hex())
             report = getattr(opt, "last_step", None)
@@ -317,7 +340,13 @@ def rank_main(
                 rec["backward"].append(t2 - t1)
                 rec["optimizer"].append(t3 - t2)
                 rec["comm_wait"].append(report.seconds.get("comm_wait", 0.0) if report else 0.0)
-    info: dict[str, Any] = {"times": times, "imbalance": {}, "matrices": {}, "losses": losses}
+    info: dict[str, Any] = {
+        "times": times,
+        "imbalance": {},
+        "matrices": {},
+        "losses": losses,
+        "tp_bytes": tp_bytes,
+    }
     for setup, (_, opt, ded) in built.items():
         if ded is not None:
             info["imbalance"][setup] = ded.plan.imbalance()
@@ -353,6 +382,9 @@ def aggregate(per_rank: list[dict[str, Any]], setups: list[str]) -> dict[str, An
             # rank 0's loss at every step (warm-up included), exact: a refactor that
             # claims unchanged behaviour compares these bitwise
             "losses": per_rank[0]["losses"][setup],
+            # bytes each rank sent in the tensor-parallel collectives of the last step
+            # (CommStats) beside the α–β prediction (dmuon.comm.tensor_parallel_path)
+            "tp_bytes_per_rank": [r.get("tp_bytes", {}).get(setup) for r in per_rank],
         }
     return out
 
@@ -509,6 +541,16 @@ def print_table(result: dict[str, Any]) -> None:
     )
     for line in target_lines(result["targets"]):
         console.print(line)
+    for row in result["rows"].values():
+        per_rank = [b for b in row.get("tp_bytes_per_rank", []) if b and b["predicted"] is not None]
+        if per_rank:
+            console.print(
+                f"{row['label']}: tensor-parallel bytes sent per rank, last step, measured "
+                "(CommStats) / predicted (α–β): "
+                + ", ".join(
+                    f"{b['measured'] / 1e6:.3f} / {b['predicted'] / 1e6:.3f} MB" for b in per_rank
+                )
+            )
 
 
 def target_lines(t: dict[str, Any]) -> list[str]:

@@ -18,7 +18,8 @@ from tensor_parallel_cases import OPT, SPLIT_TOLERANCE, DeepMLP, deep_batch, tp_
 from dmuon.comm.testing import run_on_ranks
 from dmuon.optim import DMuon, param_groups
 
-RULES = {"muon": {}, "normuon": {"beta2": 0.9}}  # NorMuon: per-row state, split or whole
+# NorMuon: per-row state, split or whole; Dion3: whole state on the owner's tp row
+RULES = {"muon": {}, "normuon": {"beta2": 0.9}, "dion3": {}}
 
 
 def build(layout: str, rule: str):
@@ -34,9 +35,24 @@ def build(layout: str, rule: str):
         opt = DMuon(param_groups(model), rule=rule, **OPT, **RULES[rule])
         return model, opt, (dist.get_rank(), world), None
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = tp_deep_mlp(mesh["tp"])
+    if layout == "fsdp_tp_half":  # fc3 and fc4 whole: FSDP2 shards them over dp alone
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        model = DeepMLP()
+        styles = {
+            "fc1": ColwiseParallel(output_layouts=Replicate()),
+            "fc2": RowwiseParallel(input_layouts=Replicate()),
+        }
+        parallelize_module(model, mesh["tp"], styles)
+    else:
+        model = tp_deep_mlp(mesh["tp"])
     row = (mesh.get_coordinate()[0], 2)
-    if layout == "fsdp_tp":
+    if layout.startswith("fsdp_tp"):
         for layer in (model.fc1, model.fc2, model.fc3, model.fc4):
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
@@ -116,8 +132,13 @@ def assert_close(got, want, what) -> None:
         assert diff <= SPLIT_TOLERANCE, f"{what}: {name} differs by {diff:.2e}"
 
 
-@pytest.mark.parametrize("rule", list(RULES))
-@pytest.mark.parametrize("layout", ["fsdp_tp", "replicated_tp"])
+CASES = [(layout, rule) for layout in ("fsdp_tp", "replicated_tp") for rule in RULES]
+# half of the matrices left out of tensor parallelism: owned whole over dp, one copy per
+# tp column (the full state dict takes rank 0's column)
+CASES += [("fsdp_tp_half", "muon"), ("fsdp_tp_half", "dion3")]
+
+
+@pytest.mark.parametrize(("layout", "rule"), CASES)
 def test_owner_held_tensor_parallel_state_resumes_anywhere(tmp_path, layout, rule):
     path = str(tmp_path / "ckpt")
     continued = run_on_ranks(run_save, 4, args=(path, layout, rule), timeout=240)[0]
@@ -126,7 +147,7 @@ def test_owner_held_tensor_parallel_state_resumes_anywhere(tmp_path, layout, rul
     assert gap > 100 * SPLIT_TOLERANCE, f"the optimizer state made no difference ({gap:.1e})"
     assert_close(one_process(path, rule, "dcp"), continued, f"{layout} → one process (DCP)")
     assert_close(one_process(path, rule, "full"), continued, f"{layout} → one process (full)")
-    for target in (layout, "fsdp_dp4"):
+    for target in (layout, "fsdp_dp4"):  # the same mesh; plain FSDP2 on 4 ranks
         resumed = run_on_ranks(run_load, 4, args=(path, target, rule), timeout=240)
         for rank, got in enumerate(resumed):
             assert_close(got, continued, f"{layout} → {target}, rank {rank}")

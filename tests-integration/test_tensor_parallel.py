@@ -223,10 +223,10 @@ def normalisation_bytes(rule: str, m: int, n: int, split_dim: int) -> int:
 
 
 def gather_bytes(m: int, n: int, split_dim: int, world: int = 2) -> int:
-    """What the gather path all-gathers for one fp32 matrix: every rank's shard padded to
-    the largest, ``world`` of them."""
+    """What the gather path hands to the all-gather for one fp32 matrix: this rank's shard
+    padded to the largest."""
     split, g = (m, n) if split_dim == -2 else (n, m)
-    return world * -(-split // world) * g * 4
+    return -(-split // world) * g * 4
 
 
 def test_single_mode_steps_tensor_parallel_shards_like_one_process():
@@ -265,25 +265,54 @@ def test_single_mode_steps_tensor_parallel_shards_like_one_process():
                 )
 
 
-def run_unsplittable_rules(rank, world):
+# Rules with a link that needs the whole matrix (Rule.splits false): the shards are
+# all-gathered over tp and every rank of the group runs the rule on the whole matrix.
+WHOLE_RULES = {"dion3": {}, "dion2": {}, "musec": {}, "numuon": {}, "muonbp": {}}
+
+
+def run_whole_matrix_rules(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = {}
-    for rule in ("dion3", "musec", "numuon"):
-        out[rule] = error(lambda r=rule: DMuon(param_groups(tp_mlp(mesh)), mode="single", rule=r))
+    for rule, options in WHOLE_RULES.items():
+        model = tp_deep_mlp(mesh)
+        opt = DMuon(param_groups(model), mode="single", rule=rule, **OPT, **options)
+        default_stats().reset()
+        train_steps(model, opt, range(STEPS))
+        state = {
+            n: tuple(opt.state[p]["momentum_buffer"].shape)
+            for n, p in model.named_parameters()
+            if "momentum_buffer" in opt.state[p]
+        }
+        gathered = default_stats()[GATHER_STATS_NAME].payload_bytes
+        out[rule] = (
+            {n: p.detach().full_tensor() for n, p in model.named_parameters()},
+            state,
+            gathered,
+        )
     return out
 
 
-def test_rules_that_need_the_whole_matrix_are_refused_on_every_rank():
-    needs = {"dion3": "ErrorFeedbackSelect", "musec": "MomentumSpectralClip"}
-    needs["numuon"] = "TopKPolar"
-    for rank, out in enumerate(run_on_ranks(run_unsplittable_rules, 2, timeout=120)):
-        for rule, link in needs.items():
-            msg = out[rule]
-            assert msg is not None, f"rank {rank}: {rule} stepped shards it cannot"
-            assert "'fc1.weight'" in msg and COLWISE in msg, (rank, rule, msg)
-            assert f"rule {rule!r}" in msg and link in msg and "'muon'" in msg, (rank, msg)
+def test_rules_that_need_the_whole_matrix_gather_the_shards_and_equal_one_process():
+    """Dion2/Dion3's row selection, Musec's spectral clip, NuMuon's subspace and MuonBP's
+    blocks need the whole matrix: each rank of the group gathers the shards of its
+    gradient, runs the rule on the whole matrix (whole state, the same on every rank) and
+    keeps its shard of the update. Never a shard treated as the whole matrix."""
+    layers = [(5, 12, -2), (6, 5, -1), (15, 6, -2), (6, 15, -1)]  # DeepMLP's table
+    results = run_on_ranks(run_whole_matrix_rules, 2, timeout=240)
+    initial = {n: p.detach().clone() for n, p in DeepMLP().named_parameters()}
+    for rule, options in WHOLE_RULES.items():
+        expected = deep_reference(rule, options)
+        moved = max((expected[n] - initial[n]).abs().max().item() for n in initial)
+        assert moved > 1e-3, f"{rule}: the reference barely moved; the test would prove nothing"
+        for rank, out in enumerate(results):
+            got, state, gathered = out[rule]
+            assert state["fc1.weight"] == (5, 12), (rule, state)  # whole state on each rank
+            assert gathered >= STEPS * sum(gather_bytes(*a) for a in layers), (rule, gathered)
+            for name, want in expected.items():
+                diff = (got[name] - want).abs().max().item()
+                assert diff <= SPLIT_TOLERANCE, f"{rule}, rank {rank}: {name} differs by {diff:.2e}"
 
 
 def run_save_and_continue(rank, world, path, rule):
@@ -313,7 +342,8 @@ def run_load_and_continue(rank, world, path, rule):
     return {n: p.detach().full_tensor() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("rule", ["muon", "normuon"])  # NorMuon: per-row state too
+# NorMuon: per-row state too; Dion3: whole state on every rank of the group
+@pytest.mark.parametrize("rule", ["muon", "normuon", "dion3"])
 def test_dcp_checkpoint_of_shards_resumes_on_the_shards_and_in_one_process(tmp_path, rule):
     from dmuon.integrations import checkpoint
 
@@ -390,7 +420,7 @@ def test_a_sharded_conv_weight_is_refused_in_single_mode_on_every_rank():
 
 # ------------------------------------------------ replicated mode on a dp × tp mesh
 
-REPLICATED_RULES = {"muon": {}, "normuon": {"beta2": 0.9}}
+REPLICATED_RULES = {"muon": {}, "normuon": {"beta2": 0.9}, "dion3": {}}
 
 
 def run_replicated_dp_tp(rank, world):
@@ -434,6 +464,7 @@ def run_replicated_dp_tp(rank, world):
             opt.zero_grad()
         owners = opt.engine.describe()["owners"]
         gram = default_stats()[STATS_NAME].payload_bytes
+        gram += default_stats()[GATHER_STATS_NAME].payload_bytes  # dion3 gathers its shards
         full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
         out[rule] = (full, norms, owners, gram)
     # not yet: the Trainer's full state dict of the shards' state held by each owner's
@@ -458,7 +489,7 @@ def test_replicated_mode_on_a_dp_by_tp_mesh_equals_one_process():
             for name, want in expected.items():
                 diff = (got[name] - want).abs().max().item()
                 assert diff <= SPLIT_TOLERANCE, f"{rule}, rank {rank}: {name} differs by {diff:.2e}"
-            # the Gram matrices went over tp (some matrices are owned by every dp rank)
+            # the Gram matrices (or dion3's shards) went over tp (every dp rank owns some)
             assert gram > 0, (rule, rank)
     for rank, out in enumerate(results):
         msg = out["hf"]
@@ -479,9 +510,6 @@ def run_replicated_refusals(rank, world):
     model = DeepMLP()
     fully_shard(model, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
     out["FSDP2 rows"] = error(lambda: DMuon(param_groups(model), mode="replicated", **OPT))
-    out["dion3"] = error(
-        lambda: DMuon(param_groups(tp_mlp(tp)), mode="replicated", rule="dion3", **OPT)
-    )
     return out
 
 
@@ -492,8 +520,6 @@ def test_replicated_mode_refuses_shards_split_over_its_own_group_on_every_rank()
             assert msg is not None, f"rank {rank}: {case} was stepped"
             assert "plans owners over ranks [0, 1]" in msg, (rank, case, msg)
             assert "process_group=mesh['dp'].get_group()" in msg, (rank, case, msg)
-        msg = out["dion3"]
-        assert msg is not None and "mode='replicated' steps on its shards" in msg, (rank, msg)
 
 
 # ------------------------------------------- a non-finite shard: every rank agrees

@@ -159,12 +159,15 @@ class CausalSelfAttention(nn.Module):
             q, k, v = self.qkv(x).split(d, dim=-1)
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)
-        q, k, v = (t.view(B, T, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # heads by their width, not their count: under tensor parallelism (colwise q/k/v)
+        # each rank holds n_head / tp of them
+        hd = d // self.n_head
+        q, k, v = (t.view(B, T, -1, hd).transpose(1, 2) for t in (q, k, v))
         if rope is not None:
             cos, sin = rope
             q, k = _rotate(q, cos[:T], sin[:T]), _rotate(k, cos[:T], sin[:T])
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, d))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):

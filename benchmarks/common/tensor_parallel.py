@@ -1,9 +1,11 @@
 """Tensor parallelism for the benchmarks' GPT, and the vanilla Muon that gathers every shard.
 
-:func:`parallelize_mlps` splits each block's MLP over a ``tp`` mesh with torch's
-public styles: ``fc`` by rows (``ColwiseParallel``, ``Shard(0)``), ``proj`` by
-columns (``RowwiseParallel``, ``Shard(1)``). The attention stays replicated (the
-GPT reshapes by its configured head count, which a head split would change).
+:func:`parallelize_blocks` splits each block over a ``tp`` mesh with torch's public
+styles, as Megatron does: the MLP's ``fc`` and, when the GPT has separate q/k/v
+projections (``qkv="separate"``), the attention's ``q``, ``k``, ``v`` by rows
+(``ColwiseParallel``, ``Shard(0)``: each rank a block of heads), the MLP's and the
+attention's ``proj`` by columns (``RowwiseParallel``, ``Shard(1)``). A fused
+``qkv`` projection stays whole (a row split would mix q, k and v).
 
 :class:`GatherMuon` is the baseline the tensor-parallel Gram path is measured
 against: what an implementation that knows nothing of tensor parallelism has to do
@@ -26,11 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["GatherMuon", "average_over", "parallelize_mlps"]
+__all__ = ["GatherMuon", "average_over", "parallelize_blocks", "predicted_split_bytes"]
 
 
-def parallelize_mlps(model: nn.Module, mesh: Any) -> nn.Module:
-    """Split ``model.blocks[i].mlp`` (``fc`` colwise, ``proj`` rowwise) over ``mesh``."""
+def parallelize_blocks(model: nn.Module, mesh: Any) -> nn.Module:
+    """Split every block's MLP over ``mesh``, and its attention when q/k/v are separate and
+    the ranks divide the heads."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -39,7 +42,49 @@ def parallelize_mlps(model: nn.Module, mesh: Any) -> nn.Module:
 
     for block in model.blocks:  # type: ignore[union-attr]
         parallelize_module(block.mlp, mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+        heads_split = block.attn.n_head % mesh.size() == 0
+        if hasattr(block.attn, "q") and heads_split:  # separate q/k/v: a block of heads each
+            styles = {n: ColwiseParallel() for n in ("q", "k", "v")}
+            parallelize_module(block.attn, mesh, {**styles, "proj": RowwiseParallel()})
     return model
+
+
+def predicted_split_bytes(opt: Any) -> float | None:
+    """Bytes this rank is predicted to send in one step's tensor-parallel collectives: for
+    every split matrix it steps, the path DMuon takes (``tp_path``; a rule that needs the
+    whole matrix gathers) priced by :func:`dmuon.comm.tensor_parallel_path`. ``None``
+    for an optimizer that is not DMuon. The engine chooses per batch of same-shape
+    matrices (the α terms grow with the batch), this per matrix: a borderline shape may
+    go the other way; the Gram path's two scalars are counted as 8 bytes each."""
+    from dmuon.comm import tensor_parallel_path
+    from dmuon.optim import DMuon, get_rule
+    from dmuon.optim.rules import RULES
+
+    if not isinstance(opt, DMuon):
+        return None
+    engine, total = opt.engine, 0.0
+    for group in opt.param_groups:
+        if group["algorithm"] not in RULES:
+            continue
+        rule = get_rule(group["algorithm"])
+        for p in group["params"]:
+            split = engine.split_of(p)
+            if split is None or split.world_size < 2 or not engine.steps(p):
+                continue
+            m, n = split.shape
+            choice = tensor_parallel_path(
+                m,
+                n,
+                split.dim,
+                split.world_size,
+                method=group["ns_method"],
+                steps=group["ns_steps"],
+            )
+            path = choice.path if group["tp_path"] == "auto" else group["tp_path"]
+            if not rule.splits:
+                path = "gather"
+            total += choice.gram_bytes if path == "gram" else choice.gather_bytes
+    return total
 
 
 def average_over(model: nn.Module, group: Any) -> None:

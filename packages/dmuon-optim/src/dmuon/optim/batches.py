@@ -117,6 +117,12 @@ class Bucket:
         split: how its matrices are split over a tensor-parallel group (``None``:
             whole matrices). Then ``shape`` is this rank's shard's, the entries'
             parameters are DTensors and the rule sees their local shards.
+        gathered: the matrices are split but the rule needs them whole (a link that is
+            not :attr:`~dmuon.optim.transforms.Transform.splits`): each batch of shards is
+            all-gathered over the group (``split.gather``), the rule runs on the whole
+            matrices with whole state (the same on every rank of the group, which all
+            compute alike), and each rank keeps its shard of the update. Then ``shape``
+            and the state are the whole matrix's.
 
     Examples:
         >>> import torch
@@ -138,6 +144,7 @@ class Bucket:
     size: int = 0
     buffers: dict[str, torch.Tensor] | None = None
     split: MatrixSplit | None = None
+    gathered: bool = False
 
     @property
     def elements(self) -> int:
@@ -227,6 +234,10 @@ def build_buckets(
         local = local_tensor(p) if shard else p
         if split is not None and split.local_shape is not None:  # gathered over dp: no tensor
             local = torch.empty(split.local_shape, dtype=p.dtype, device="meta")
+        gathered = split is not None and not rule.splits
+        if gathered:  # the rule runs on the whole matrix: laid out (and its state) whole
+            assert split is not None
+            local = torch.empty(split.shape, dtype=p.dtype, device="meta")
         layout = matrix_layout(local, dict(group), name_of(i))
         if split is not None and not layout.whole:
             raise ValueError(
@@ -239,7 +250,7 @@ def build_buckets(
             shape = layout.matrix_shape(block)
             key = (shape, p.dtype, p.device) if split is None else (split.key, p.dtype, p.device)
             if key not in buckets:
-                buckets[key] = Bucket(shape, p.dtype, p.device, split=split)
+                buckets[key] = Bucket(shape, p.dtype, p.device, split=split, gathered=gathered)
             b = buckets[key]
             b.entries.append(Entry(i, p, layout, block, b.size, shard))
             b.size += layout.count(block)
@@ -421,8 +432,13 @@ def _run_batch(
         local_tensor(g) if e.local else g  # type: ignore[arg-type]
         for e, g in zip(part, source, strict=True)
     ]
-    batch = [e.batch(g) for e, g in zip(part, source, strict=True)]  # type: ignore[arg-type]
-    G = batch[0] if len(batch) == 1 else torch.cat(batch)
+    if b.gathered:  # the whole matrices from every rank's shards (see Bucket.gathered)
+        assert b.split is not None and b.split.gather is not None
+        shards = torch.stack([g.reshape(g.shape[-2], g.shape[-1]) for g in source])  # type: ignore[union-attr]
+        G = b.split.gather(shards)
+    else:
+        batch = [e.batch(g) for e, g in zip(part, source, strict=True)]  # type: ignore[arg-type]
+        G = batch[0] if len(batch) == 1 else torch.cat(batch)
     consecutive = all(nxt.start == cur.start + cur.count for cur, nxt in itertools.pairwise(part))
     views: dict[str, list[torch.Tensor]] = {}
     if b.buffers is not None and consecutive:
@@ -440,7 +456,13 @@ def _run_batch(
             )
             for s in specs
         }
-    U, scale = rule.update(G, st, group, step=step, vote=vote, split=b.split)
+    U, scale = rule.update(
+        G, st, group, step=step, vote=vote, split=None if b.gathered else b.split
+    )
+    if b.gathered:  # this rank's shard of every whole update
+        assert b.split is not None
+        d = b.split.dim
+        U = U.narrow(d, b.split.offset, source[0].shape[d])  # type: ignore[union-attr]
     counts = [e.count for e in part]
     for s in specs if views else ():
         chunks = st[s.name].split(counts)

@@ -118,7 +118,8 @@ def check_loaded_state(
     shard, or the experts of a stack split over its expert dimension) has state shaped
     like its local shard, or like the split's ``local_shape`` when ``split_of`` gives
     one (``sharded`` mode's owner under FSDP2 over tensor parallelism holds its whole
-    ``tp`` shard).
+    ``tp`` shard); under a rule that needs whole matrices (which gathers the shards),
+    like the whole matrix.
     """
     params = {p for g in groups for p in g["params"]}
     extra = [k for k in state if not (isinstance(k, torch.Tensor) and k in params)]
@@ -139,6 +140,8 @@ def check_loaded_state(
                 local: torch.Tensor = local_tensor(p) if shard else p
                 if split is not None and split.local_shape is not None:
                     local = torch.empty(split.local_shape, device="meta")
+                if split is not None and not get_rule(g["algorithm"]).splits:
+                    local = p  # a rule that needs the whole matrix keeps whole state
                 layout = matrix_layout(local, g, name)
                 expected = state_shapes(get_rule(g["algorithm"]), layout)
             st = state.get(p)

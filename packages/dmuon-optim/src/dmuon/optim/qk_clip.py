@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from dmuon.comm import wait_work
 from dmuon.comm.process_groups import group_size
 from dmuon.optim.attention_hooks import attention_heads, attention_kind, install_hooks
 from dmuon.optim.attention_logits import DEFAULT_MAX_ELEMENTS
@@ -260,7 +261,10 @@ class QKClip:
             ]
         )
         if group_size(self.process_group) > 1:
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.process_group)
+            work = dist.all_reduce(
+                flat, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True
+            )
+            wait_work(work, "all-reduce MAX of QK-clip's per-head logits", self.process_group)
         pieces = flat.split([a.heads for a in attentions])
         s_max = {a.name: p for a, p in zip(attentions, pieces, strict=True)}
         etas = {n: clip_factors(s, self.tau) for n, s in s_max.items()}

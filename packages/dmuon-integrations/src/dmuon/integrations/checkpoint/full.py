@@ -58,6 +58,9 @@ def _gather_owned(h: Holding, value: torch.Tensor, shape: tuple[int, ...]) -> to
     group = h.group
     me = dist.get_rank(group)
     world: Any = dist.group.WORLD
+    if 0 not in dist.get_process_group_ranks(group if group is not None else world):
+        # owners over dp on a dp × tp mesh: this tp column's copy is the same as rank 0's
+        return None
     first = dist.get_group_rank(group if group is not None else world, 0)  # global rank 0 here
     if h.owner == first:
         return value.detach().cpu().clone() if me == first else None

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmuon.optim import DMuon
+from dmuon.optim import DMuon, get_rule
 from dmuon.optim.engine import exchange_of
 
 __all__ = ["Holding", "holdings", "model_fqns", "release", "settle"]
@@ -43,7 +43,8 @@ class Holding:
             process group).
         split: the owner's ``tp`` row holds the state, each rank that of its
             tensor-parallel shard (``replicated``/``sharded`` mode on a ``dp × tp`` mesh;
-            :mod:`~dmuon.integrations.checkpoint.owned_split`).
+            :mod:`~dmuon.integrations.checkpoint.owned_split`). Not under a rule that
+            needs whole matrices: its state is whole, the same on every rank of the row.
 
     Examples:
         >>> import torch
@@ -138,7 +139,13 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
             owner_of = getattr(engine, "owner_of", None)
             if owner_of is not None and engine.world_size > 1:
                 owner = owner_of(p)
-            split = owner is not None and engine.split_of(p) is not None
+            # a rule that needs whole matrices keeps whole state on the owner's tp row
+            # (the shards gathered): saved as any owner's, once per tp column alike
+            split = (
+                owner is not None
+                and engine.split_of(p) is not None
+                and get_rule(group["algorithm"]).splits
+            )
             out.append(Holding(fqn, p, gi, owner, getattr(engine, "group", None), split))
     seen: dict[str, int] = {}
     for h in out:

@@ -52,11 +52,13 @@ def as_saved(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     shape, local = tuple(value.shape), tuple(param.to_local().shape)  # type: ignore[attr-defined]
     whole = tuple(param.shape)
     if shape == whole and local != whole:
-        return value  # whole (an owner's state; never the case in single mode)
+        return value  # whole: an owner's state, or a rule that gathers the shards
     rows_split = local[:1] != whole[:1]
     per_row = value.dim() == 1 and param.dim() == 2
-    if per_row and not rows_split and shape == whole[:1]:
-        return value  # per-row state of whole rows: the same on every rank
+    if per_row and shape == whole[:1]:
+        # per-row state of whole rows (a split by columns), or whole state of a rule that
+        # gathers the shards: the same on every rank
+        return value
     target: tuple[int, ...]
     stride: tuple[int, ...]
     per_expert_row = value.dim() == param.dim() - 1 > 1 and shape == local[:-1]

@@ -30,7 +30,7 @@ from dmuon.optim.engine.placements import check_placements
 from dmuon.optim.engine.replicated import ReplicatedEngine
 from dmuon.optim.engine.sharded import ShardedEngine
 from dmuon.optim.engine.sign import SignEngine
-from dmuon.optim.engine.tensor_split import check_split_groups, check_split_rules
+from dmuon.optim.engine.tensor_split import check_split_groups
 
 __all__ = ["MODES", "check_layouts", "make_engine"]
 
@@ -128,9 +128,8 @@ def make_engine(
 
 
 def check_layouts(param_groups: list[dict[str, Any]], mode: str, process_group: Any = None) -> None:
-    """Refuse a matrix whose DTensor layout ``mode`` does not step, or whose rule cannot step
-    the shards ``mode`` gives it (:func:`~dmuon.optim.engine.placements.check_placements`,
-    :func:`~dmuon.optim.engine.tensor_split.check_split_rules`), or, in ``replicated``
+    """Refuse a matrix whose DTensor layout ``mode`` does not step
+    (:func:`~dmuon.optim.engine.placements.check_placements`), or, in ``replicated``
     mode, a split that crosses ``process_group``, the group it plans owners over
     (:func:`~dmuon.optim.engine.tensor_split.check_split_groups`).
 
@@ -139,8 +138,6 @@ def check_layouts(param_groups: list[dict[str, Any]], mode: str, process_group: 
     """
     params = collect_params(param_groups)
     check_placements(params, mode)
-    if mode in ("single", "replicated", "sharded"):
-        check_split_rules(params, param_groups, mode)
     if mode == "replicated":
         check_split_groups(params, process_group, mode)
 

@@ -20,13 +20,15 @@ the work of its tensor-parallel group). ``replicated`` mode plans owners over it
 data-parallel group, which must cross the split's group in this rank alone
 (:func:`check_split_groups`: a ``dp × tp`` mesh, owners over ``dp``): the owner's
 tensor-parallel row steps the matrix together, each rank its shard, and the
-all-gather over ``dp`` carries shards. The other modes refuse them
+all-gather over ``dp`` carries shards; ``sharded`` mode does the same on FSDP2 over
+tensor parallelism, owners over ``dp``. A rule that needs the whole matrix gathers the
+shards instead (``Bucket.gathered``). The other modes refuse them
 (:mod:`~dmuon.optim.engine.placements`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -36,13 +38,11 @@ from dmuon.comm import CommStats, default_stats, shard_range, wait_work
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.placements import placement_of
 from dmuon.optim.matrix_split import MatrixSplit
-from dmuon.optim.rules import RULES
 
 __all__ = [
     "GATHER_STATS_NAME",
     "STATS_NAME",
     "check_split_groups",
-    "check_split_rules",
     "sharded_split_of",
     "split_group_of",
     "split_groups",
@@ -177,7 +177,7 @@ def _matrix_split(
         send = x.new_zeros(pad)
         send.narrow(d, 0, x.shape[d]).copy_(x)
         out = x.new_empty((t * pad[0], *pad[1:]))  # the ranks' blocks one after another
-        nbytes = out.numel() * out.element_size()
+        nbytes = send.numel() * send.element_size()  # the input, as record_collective counts
         stats.record_collective(GATHER_STATS_NAME, "all_gather", nbytes=nbytes, world_size=t)
         work = dist.all_gather_into_tensor(out, send, group=group, async_op=True)
         wait_work(work, gathered, group)
@@ -194,35 +194,6 @@ def _matrix_split(
         offset=shard_range(whole, t, me)[0],
         world_size=t,
     )
-
-
-def check_split_rules(
-    params: Iterable[EngineParam], groups: Sequence[Mapping[str, Any]], mode: str = "single"
-) -> None:
-    """Refuse a split matrix whose group's rule cannot step a shard, naming the parameter,
-    its placements, the rule, the links that need the whole matrix and the rules that
-    can.
-
-    Every rank reads the same placements and groups, so every rank refuses alike.
-    """
-    able = sorted(n for n, r in RULES.items() if r.splits)
-    for e in params:
-        if not e.matrix or not is_dtensor(e.param):
-            continue
-        pl = placement_of(e.param, e.name)
-        # sharded mode steps FSDP2's rows whole (an all-to-all to the owner), and only
-        # the tensor-parallel split of FSDP2 over tensor parallelism on the shards
-        if not (pl.sharded_split if mode == "sharded" else pl.tensor_split):
-            continue
-        rule = RULES[groups[e.group_index]["algorithm"]]
-        if rule.splits:
-            continue
-        raise ValueError(
-            f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), which "
-            f"mode={mode!r} steps on its shards, but its rule {rule.name!r} cannot: "
-            f"{', '.join(rule.unsplittable())} need(s) the whole matrix. Rules that step "
-            f"shards: {able}; or keep this matrix out of tensor parallelism"
-        )
 
 
 def check_split_groups(params: Iterable[EngineParam], group: Any, mode: str) -> None:
