@@ -625,3 +625,92 @@ def test_clip_grad_norm_in_single_mode_counts_each_shard_once():
         for name, w in model.named_parameters():
             diff = (got[name] - w.detach()).abs().max().item()
             assert diff <= SPLIT_TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
+# ------------------------------------------- SequenceParallel norms: pending sums
+
+
+class SequenceParallelNet(nn.Module):
+    """A residual block with a ``SequenceParallel`` LayerNorm: its weight's gradient is a
+    pending sum (``Partial``) over tp, each rank's part of the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(3)
+            self.norm = nn.LayerNorm(8)
+            self.fc1 = nn.Linear(8, 16)
+            self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.relu(self.fc1(self.norm(x))))
+
+
+def sequence_batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + t)
+    return torch.randn(2, 6, 8, generator=g), torch.randn(2, 6, 8, generator=g)
+
+
+SP_OPT = dict(OPT, adamw_lr=0.05)
+SP_CLIP = 0.05  # below every step's norm (≈ 0.7–0.9)
+
+
+def run_sequence_parallel(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    from dmuon.optim import clip_grad_norm_
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = SequenceParallelNet()
+    styles = {
+        "norm": SequenceParallel(),
+        "fc1": ColwiseParallel(input_layouts=Shard(1)),
+        "fc2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    parallelize_module(model, mesh, styles)
+    opt = DMuon(param_groups(model), mode="single", **SP_OPT)
+    norms, partial = [], []
+    for t in range(STEPS):
+        x, y = (distribute_tensor(v, mesh, [Shard(1)]).to_local() for v in sequence_batch(t))
+        out = model(x)
+        F.mse_loss(out.to_local() if hasattr(out, "to_local") else out, y, reduction="sum").div(
+            2 * 6 * 8
+        ).backward()
+        partial = [n for n, p in model.named_parameters() if "Partial" in repr(p.grad.placements)]
+        norms.append(float(clip_grad_norm_(opt, SP_CLIP)))
+        opt.step()
+        opt.zero_grad()
+    return partial, norms, {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
+def test_sequence_parallel_norms_pending_sums_clip_and_step_like_one_process():
+    """``clip_grad_norm_`` carries out the pending sums of a ``SequenceParallel`` norm's
+    gradient before taking its norm (each rank's local part is only its share of the
+    sequence: counting it as a shard gave 0.9039 for 0.9079, and steps off by 1e-4)."""
+    from dmuon.optim import clip_grad_norm_
+
+    model = SequenceParallelNet()
+    opt = DMuon(param_groups(model), **SP_OPT)
+    want_norms = []
+    for t in range(STEPS):
+        x, y = sequence_batch(t)
+        F.mse_loss(model(x), y, reduction="sum").div(y.numel()).backward()
+        want_norms.append(float(clip_grad_norm_(opt, SP_CLIP)))
+        opt.step()
+        opt.zero_grad()
+    for rank, (partial, norms, got) in enumerate(
+        run_on_ranks(run_sequence_parallel, 2, timeout=120)
+    ):
+        assert partial == ["norm.weight", "norm.bias"], (rank, partial)  # the case under test
+        for a, b in zip(norms, want_norms, strict=True):
+            assert abs(a - b) <= 1e-5 * b, f"rank {rank}: norm {a} vs {b}"
+        for name, p in model.named_parameters():
+            diff = (got[name] - p.detach()).abs().max().item()
+            assert diff <= SPLIT_TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"

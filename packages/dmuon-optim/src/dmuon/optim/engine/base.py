@@ -266,6 +266,7 @@ class SingleEngine(Engine):
         copies: list[float] = []
         for g in grads:
             if is_dtensor(g):
+                g = summed(g)
                 mesh = g.device_mesh  # type: ignore[attr-defined]
                 replicas = math.prod(
                     mesh.size(d)
@@ -297,14 +298,33 @@ def world_of(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), n
 
 
+def summed(g: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient with its pending sums (``Partial``) carried out: what a
+    ``SequenceParallel`` norm's weight gets, each rank's sum over its part of the
+    sequence. Its local part is not a part of the gradient until the group has added
+    them (one all-reduce, by DTensor's ``redistribute``); other gradients are
+    returned as they are."""
+    if not is_dtensor(g):
+        return g
+    placements = tuple(g.placements)  # type: ignore[attr-defined]
+    if not any(pl.is_partial() for pl in placements):
+        return g
+    from torch.distributed.tensor import Replicate
+
+    settled = [Replicate() if pl.is_partial() else pl for pl in placements]
+    return g.redistribute(g.device_mesh, settled)  # type: ignore[attr-defined]
+
+
 def local_norm_tensors(params: Iterable[EngineParam]) -> list[torch.Tensor]:
-    """Local parts of DTensor gradients counted once: the shard on the first replica."""
+    """Local parts of DTensor gradients counted once: the shard on the first replica
+    (pending sums, ``Partial``, carried out first: :func:`summed`)."""
     out: list[torch.Tensor] = []
     for e in params:
         g = e.param.grad
         if g is None:
             continue
         if is_dtensor(g):
+            g = summed(g)
             from torch.distributed.tensor import Replicate
 
             mesh = g.device_mesh  # type: ignore[attr-defined]
