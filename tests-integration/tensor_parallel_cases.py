@@ -18,6 +18,15 @@ STEPS = 3
 SPLIT_TOLERANCE = 1e-6
 
 
+def error(fn) -> str | None:
+    """The message of the ``ValueError``/``TypeError`` ``fn()`` raises (``None``: none)."""
+    try:
+        fn()
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return None
+
+
 class DeepMLP(nn.Module):
     """Four layers, alternately colwise and rowwise on 2 ranks, every split uneven:
 

@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tensor_parallel_cases import error
 from torch import nn
 
 from dmuon.comm.testing import run_on_ranks
@@ -128,14 +129,6 @@ class ScatterSum(torch.autograd.Function):
 def batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(300 + t)
     return torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
-
-
-def error(fn) -> str | None:
-    try:
-        fn()
-    except (ValueError, TypeError) as err:
-        return str(err)
-    return None
 
 
 def reference(rule: str, experts: int = 4, steps=range(STEPS)) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ from tensor_parallel_cases import (
     DeepMLP,
     clipped_reference,
     deep_batch,
+    error,
     tp_deep_mlp,
     train_steps,
 )
@@ -165,14 +166,6 @@ def test_a_non_finite_shard_is_agreed_on_over_dp_and_tp():
         for name, want in expected.items():
             diff = (got[name] - want).abs().max().item()
             assert diff <= SPLIT_TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
-
-
-def error(fn) -> str | None:
-    try:
-        fn()
-    except (ValueError, TypeError) as err:
-        return str(err)
-    return None
 
 
 def run_refusals(rank, world):

@@ -24,6 +24,7 @@ from tensor_parallel_cases import (
     DeepMLP,
     clipped_reference,
     deep_batch,
+    error,
     tp_deep_mlp,
     train_steps,
 )
@@ -57,14 +58,6 @@ class MLP(nn.Module):
 def batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + t)
     return torch.randn(16, 8, generator=g), torch.randn(16, 6, generator=g)
-
-
-def error(fn) -> str | None:
-    try:
-        fn()
-    except (ValueError, TypeError) as err:
-        return str(err)
-    return None
 
 
 def tp_mlp(mesh):
