@@ -48,7 +48,9 @@ step by step so that background load hits every setup alike):
                     over ``tp``, then ``fully_shard`` on ``dp`` (blocks and model);
                     ``torch.optim.AdamW``
 ``fsdp_tp_sharded`` the same, DMuon ``mode="sharded"``: rows over ``dp`` to the owner,
-                    whose tp row steps the shards (Gram path), rows back over ``dp``
+                    whose tp row steps the shards (``tp_path="auto"``), rows back
+``fsdp_tp_sharded_gram`` / ``fsdp_tp_sharded_gather``: the same with the Gram path or
+                    the gather path forced (``tp_path=``)
 =================== ==========================================================
 
 Phases per step (host wall-clock; on a GPU each phase ends with a synchronize):
@@ -103,6 +105,8 @@ SETUPS = (
     "dp_tp_replicated",
     "adamw_fsdp_tp",
     "fsdp_tp_sharded",
+    "fsdp_tp_sharded_gram",
+    "fsdp_tp_sharded_gather",
 )
 # Tensor parallelism over all ranks: every rank steps on the whole global batch.
 TP_SETUPS = ("adamw_tp", "muon_tp_gather", "tp_single")
@@ -114,9 +118,16 @@ DP_TP_SETUPS = (
     "dp_tp_replicated",
     "adamw_fsdp_tp",
     "fsdp_tp_sharded",
+    "fsdp_tp_sharded_gram",
+    "fsdp_tp_sharded_gather",
 )
 # ... of which FSDP2 averages the gradients over dp itself (the others: average_over).
-FSDP_TP_SETUPS = ("adamw_fsdp_tp", "fsdp_tp_sharded")
+FSDP_TP_SETUPS = (
+    "adamw_fsdp_tp",
+    "fsdp_tp_sharded",
+    "fsdp_tp_sharded_gram",
+    "fsdp_tp_sharded_gather",
+)
 # torch.optim.Muon runs Newton–Schulz in bf16, which on a CPU without AVX-512-BF16/AMX
 # takes ~40× the fp32 time (minutes per step here): opt in with --setups.
 # owner_ddp_zero1 differs from owner_ddp in the scalars only, owner_ddp_check1 in the
@@ -149,6 +160,8 @@ LABELS = {
     "dp_tp_replicated": "DMuon replicated, dp × tp (owners over dp)",
     "adamw_fsdp_tp": "AdamW, FSDP2 over tp",
     "fsdp_tp_sharded": "DMuon sharded, FSDP2 over tp (owners over dp)",
+    "fsdp_tp_sharded_gram": "DMuon sharded, FSDP2 over tp, Gram path forced",
+    "fsdp_tp_sharded_gather": "DMuon sharded, FSDP2 over tp, gather path forced",
 }
 PHASES = ("forward", "backward", "optimizer", "comm_wait")
 
@@ -249,8 +262,9 @@ def build(setup: str, cfg: WorldConfig, device: torch.device) -> tuple[Any, Any,
         opt = GatherMuon(model, lambda groups: DMuon(groups, mode="single", **kw))
     elif setup in ("tp_single", "dp_tp_single"):
         opt = DMuon(param_groups(model), mode="single", **kw)
-    elif setup == "fsdp_tp_sharded":
-        opt = DMuon(param_groups(model), mode="sharded", **kw)
+    elif setup.startswith("fsdp_tp_sharded"):
+        path = {"fsdp_tp_sharded_gram": "gram", "fsdp_tp_sharded_gather": "gather"}
+        opt = DMuon(param_groups(model), mode="sharded", tp_path=path.get(setup, "auto"), **kw)
     elif setup == "dp_tp_replicated":
         dp = mesh["dp"].get_group()
         opt = DMuon(param_groups(model), mode="replicated", process_group=dp, **kw)
