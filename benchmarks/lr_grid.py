@@ -26,7 +26,8 @@ optimizers. PNGs: validation loss against step and against training time at each
 optimizer's best learning rate (seed 0), one line per optimizer, and loss against
 learning rate (the grid).
 
-    python benchmarks/lr_grid.py --layers 4 --d-model 128 --steps 150 --tag l4d128
+    python benchmarks/lr_grid.py --layers 4 --d-model 128 --seq-len 64 --steps 150 --tag l4d128
+    python benchmarks/lr_grid.py ...same configuration... --report --markdown   # summary only
     python benchmarks/lr_grid.py --quick --out /tmp/grid          # seconds
 """
 
@@ -337,6 +338,33 @@ def print_summary(result: dict[str, Any]) -> None:
     Console(width=170).print(table)
 
 
+def markdown_table(result: dict[str, Any]) -> str:
+    """The summary as a Markdown table (the docs' benchmarks page)."""
+    lines = [
+        "| optimizer | best lr | ÷ AdamW's | grid (seed 0) | final val, seeds 0 / 1 | mean "
+        "| steps to AdamW's final | ms/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for spec, r in result["summary"]["rows"].items():
+        pts = r["grid"]
+        span = f"{pts[0]['lr']:.2g}…{pts[-1]['lr']:.2g} ({len(pts)})"
+        if r["best_at_edge"]:
+            span += ", best at an edge"
+        at = r.get("steps_to_adamw_final")
+        lines.append(
+            f"| `{spec}` | {r['best_lr']:.2g} | "
+            + (f"{r['lr_ratio_to_adamw']:.3g}" if "lr_ratio_to_adamw" in r else "—")
+            + f" | {span} | "
+            + " / ".join(f"{v:.3f}" for v in r["final_val_loss_by_seed"])
+            + " | "
+            + ("—" if r["final_val_loss_mean"] is None else f"{r['final_val_loss_mean']:.3f}")
+            + f" | {'not reached' if at is None else f'{at:.0f}'} | "
+            + ("—" if r["ms_per_step"] is None else f"{r['ms_per_step']:.0f}")
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def write_plots(result: dict[str, Any], stem: pathlib.Path) -> list[pathlib.Path]:
     rows = result["summary"]["rows"]
     curves = {
@@ -381,6 +409,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", default="0,1", help="seeds of the best point (seed 0 runs the grid)")
     p.add_argument("--scalar-lr", type=float, default=3e-3, help="AdamW lr of non-matrix params")
     p.add_argument("--quick", action="store_true", help="tiny model and budget: seconds")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: summarise the JSON of this configuration, print, plot",
+    )
+    p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     g = p.add_argument_group("model and budget (as benchmarks/train.py)")
     for flag in (
         "--steps",
@@ -489,6 +523,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(result['runs'])} runs already in {path.name}"
     )
     t0 = time.perf_counter()
+    if args.report:
+        if not result["runs"]:
+            raise SystemExit(f"error: --report: no runs in {path}")
+        specs = []  # run nothing; the summary covers every optimizer in the file
+        ran = {r["optimizer"] for r in result["runs"].values()}
+        config["optimizers"] = [s for s in config["optimizers"] if s in ran]
     with progress() as bar:
         benches = {}
         for seed in seeds:
@@ -506,9 +546,12 @@ def main(argv: list[str] | None = None) -> int:
             result["summary"] = summarise(result, config["optimizers"], seeds)
             runner.grid.write()
     result["summary"] = summarise(result, config["optimizers"], seeds)
-    Grid(path, result).write()
+    if not args.report:  # a report never writes the file (a grid may be writing it)
+        Grid(path, result).write()
     print_summary(result)
-    written = [path] + ([] if args.no_plots else write_plots(result, stem))
+    if args.markdown:
+        print(markdown_table(result))
+    written = ([] if args.report else [path]) + ([] if args.no_plots else write_plots(result, stem))
     print(f"{time.perf_counter() - t0:.0f} s")
     for p in written:
         print(f"wrote {p}")
