@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from benchmarks.lr_grid import best_lr, grid, main, next_extension, parse_name
+from benchmarks.lr_grid import best_lr, fitted_lr, grid, main, next_extension, parse_name
 
 TINY = [
     "--quick",
@@ -61,6 +61,13 @@ def test_extension_goes_past_the_edge_holding_the_best():
     assert next_extension({1.0: 3.0, 2.0: 2.0}, 2.0) == 4.0
     assert next_extension({1.0: 3.0, 2.0: 2.0, 4.0: 2.5}, 2.0) is None
     assert best_lr({1.0: math.inf, 2.0: 2.5}) == 2.0  # a diverged run never wins
+
+
+def test_fitted_lr_is_the_vertex_of_a_parabola_in_log_lr():
+    # loss = (log lr − log 2e-2)² + 2 sampled on a √10 grid: the vertex is exactly 2e-2.
+    pts = {lr: (math.log(lr / 2e-2)) ** 2 + 2 for lr in grid(1e-2, 5, 10**0.5)}
+    assert fitted_lr(pts) == pytest.approx(2e-2, rel=1e-9)
+    assert fitted_lr({1e-3: 2.0, 1e-2: 3.0, 1e-1: 4.0}) is None  # best at an edge
 
 
 def test_rule_options_after_plus():
