@@ -8,7 +8,9 @@ of the hidden matrices differs. Each runs at its own learning rate, taken from
 for a fraction of the budget, the best validation loss wins, the grid is
 extended while the best sits at its edge), else from the committed table
 ``DEFAULT_LRS``. The embeddings, head and norms of the Muon-family runs use
-AdamW's learning rate (``--scalar-lr`` to change it).
+``--scalar-lr``, else the table's AdamW learning rate — the same whichever
+optimizers run. ``benchmarks/lr_grid.py`` runs a full-budget learning-rate grid
+over every rule with 2 seeds at the best point of each.
 
 The corpus is the running Python's standard library (``*.py``), held out by file
 (``--data`` for any text file or folder). Validation loss is measured every
@@ -206,7 +208,13 @@ class Bench:
     bar: Any
 
     def run(
-        self, name: str, lr: float, scalar_lr: float, steps: int, label: str
+        self,
+        name: str,
+        lr: float,
+        scalar_lr: float,
+        steps: int,
+        label: str,
+        rule_options: dict[str, Any] | None = None,
     ) -> tuple[Curve, list[str]]:
         s = self.settings
         model = GPT(s.model).to(s.device)
@@ -219,6 +227,7 @@ class Bench:
             betas=s.betas,
             eps=s.eps,
             momentum=s.momentum,
+            rule_options=rule_options,
         )
         opt.attach_schedule(s.schedule(steps))
         task = self.bar.add_task(label, total=steps, loss="", val="")
@@ -472,8 +481,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--scalar-lr",
         type=float,
         default=None,
-        help="AdamW lr of embeddings/head/norms in Muon-family runs "
-        "(default: AdamW's lr of this invocation)",
+        help="AdamW lr of embeddings/head/norms in Muon-family runs (default: the "
+        "table's AdamW lr, whichever optimizers this invocation runs)",
     )
     p.add_argument("--sweep", action="store_true", help="pick each lr by a short sweep first")
     p.add_argument(
@@ -552,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
     names = preflight(names, args.skip_unavailable)
-    # AdamW first: its lr is the scalar lr of the Muon-family runs.
+    # AdamW first: the summary measures every other run against its final loss.
     names.sort(key=lambda n: n != "adamw")
 
     t_load = time.perf_counter()
@@ -588,14 +597,13 @@ def main(argv: list[str] | None = None) -> int:
     stem = output_stem(args)
     with progress() as bar:
         bench = Bench(s, corpus, sampler, val, bar)
-        scalar_lr = args.scalar_lr
+        # The scalar lr of the Muon-family runs is fixed per invocation: --scalar-lr, else
+        # the table's AdamW entry, never AdamW's lr of this invocation (which made a rule's
+        # result depend on whether AdamW ran, or was swept, first).
+        scalar_lr = args.scalar_lr if args.scalar_lr is not None else DEFAULT_LRS["adamw"]
         for name in names:
-            # None: the run's own lr (AdamW); else AdamW's lr of this invocation.
-            fixed_scalar_lr = (
-                None
-                if name == "adamw"
-                else (scalar_lr if scalar_lr is not None else DEFAULT_LRS["adamw"])
-            )
+            # None: the run's own lr (AdamW trains every parameter at one lr).
+            fixed_scalar_lr = None if name == "adamw" else scalar_lr
             if name in overrides:
                 lr, source = overrides[name], "override"
             elif args.sweep:
@@ -605,8 +613,6 @@ def main(argv: list[str] | None = None) -> int:
                 source = "sweep"
             else:
                 lr, source = default_lr(name)
-            if name == "adamw" and scalar_lr is None:
-                scalar_lr = lr
             run_scalar_lr = lr if fixed_scalar_lr is None else fixed_scalar_lr
             curve, notes = bench.run(name, lr, run_scalar_lr, s.steps, f"{name} lr={lr:.2e}")
             result["runs"][name] = {

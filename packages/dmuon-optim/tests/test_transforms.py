@@ -95,11 +95,14 @@ def test_selected_count():
 
 @pytest.mark.parametrize("mode", ["hard", "soft"])
 def test_momentum_spectral_clip_against_the_svd(mode):
+    # Musec's convention (issue 17): B = √min(m, n)·X/‖X‖_F, then the clip at τ; the
+    # overall scale of X (here 1e-3) does not matter. test_musec.py has the wide-range case.
     sv = [6.0, 3.0, 0.5, 0.2]
-    X = with_singular_values(8, 4, sv)[None] / (1 - 0.5)  # sum-form scale for μ = 0.5
-    hp = dict(clip_mode=mode, clip_tau=1.0, clip_steps=None, momentum=0.5)
+    X = 1e-3 * with_singular_values(8, 4, sv)[None]
+    hp = dict(clip_mode=mode, clip_tau=1.0, clip_steps=None)
     Y = MomentumSpectralClip()(X, {}, StepContext(grad=X, hp=hp))[0]
     s = torch.tensor(sv, dtype=torch.float64)
+    s = s * (2.0 / s.norm())
     want = s.clamp(max=1.0) if mode == "hard" else s / torch.sqrt(1 + s**2)
     assert torch.allclose(torch.linalg.svdvals(Y), want, atol=1e-8)
 
