@@ -208,3 +208,35 @@ def test_a_tiny_model_trains_with_bf16_state_close_to_fp32_state():
         # measured: within 1.1 % (nearest) and 0.3 % (stochastic) of fp32 state; bf16
         # momentum carries ~3 significant digits, so allow a few percent
         assert abs(bf16 - fp32) <= 0.05 * fp32, (rounding, fp32, bf16)
+
+
+def test_state_dtype_of_the_parameters_own_dtype_changes_nothing():
+    a_model, b_model = Tiny(), Tiny()
+    a = DMuon(param_groups(a_model), **OPT)
+    b = DMuon(param_groups(b_model), state_dtype="float32", **OPT)
+    for t in range(3):
+        _step(a_model, a, t)
+        _step(b_model, b, t)
+    for p, q in zip(a_model.parameters(), b_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_fp32_state_for_a_bf16_model_computes_in_fp32():
+    # the re-statement: the fp32 model's step from the same bf16 weights, cast once
+    model = Tiny().to(torch.bfloat16)
+    ref_model = Tiny().to(torch.bfloat16).float()
+    opt = DMuon(param_groups(model), state_dtype="float32", **OPT)
+    ref = DMuon(param_groups(ref_model), **OPT)
+    x, y = _data(0)
+    torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        q.grad = p.grad.float()
+    opt.step()
+    ref.step()
+    assert _matrix_state(opt)[0].dtype == torch.float32
+    for a, b in zip(_matrix_state(opt), _matrix_state(ref), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # M = G, in fp32 on both sides
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        # the apply runs in the weights' dtype (W − lr·U with U rounded to bf16, in bf16):
+        # within a bf16 ulp or two of the fp32 step (2⁻⁹ for these |W| < 0.5)
+        torch.testing.assert_close(p.float(), q, rtol=2**-7, atol=4e-3)

@@ -448,7 +448,10 @@ def _run_batch(
             )
             for s in specs
         }
-    if group.get("state_dtype") is None:
+    # state_dtype None, or the parameters' own dtype and already wide: st updated in place
+    if group.get("state_dtype") is None or (
+        compute_dtype_for(b.dtype) == b.dtype == state_dtype_of(group, b.dtype)
+    ):
         U, scale = rule.update(G, st, group, step=step, vote=vote, split=b.split)
     else:  # low-precision state: upcast on read, math wide, round on write
         wide_dtype = compute_dtype_for(b.dtype)
