@@ -18,10 +18,14 @@ see hooks.py and the guide "torch.compile").
 
 Backend ``aot_eager``: dynamo and AOTAutograd (where breaks, guards and the hooks'
 interplay live) without inductor's C++ code generation, which took 43 s for one
-tiny MLP on the 2-core CI machine — over this file's budget by itself.
+tiny MLP on the 2-core CI machine — over this file's budget by itself. Set
+``DMUON_COMPILE_BACKEND=inductor`` to run the same check with inductor (minutes on
+a CPU).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +39,7 @@ GLOBAL_BATCH = 8
 TOLERANCE = 1e-5
 OPT = dict(lr=0.02, weight_decay=0.1, ns_compute_dtype="float32", adamw_lr=3e-3, adamw_eps=1e-3)
 MODES = ["owner_ddp", "owner_ddp_z3", "owner_fsdp", "owner_fsdp_z3", "replicated", "sharded"]
+BACKEND = os.environ.get("DMUON_COMPILE_BACKEND", "aot_eager")
 HOOK_BREAK = "torch.compiler.disable"  # the reason dynamo gives for DMuon's layer hooks
 
 
@@ -144,10 +149,10 @@ def run_compiled(rank: int, world: int) -> dict[str, dict]:
             # compile the module DDP wraps, in place: compiling the DDP wrapper traces
             # DDP's own forward, which breaks 3 times (its Logger, _inside_ddp_forward)
             # and recompiles at step 2 (DDP rebuilds its buckets after step 1)
-            model.compile(backend="aot_eager")
+            model.compile(backend=BACKEND)
             compiled = forward
         else:
-            compiled = torch.compile(forward, backend="aot_eager")
+            compiled = torch.compile(forward, backend=BACKEND)
         per_step = []
         for t in range(STEPS):
             x, y = batch(t, rank, world)
@@ -165,7 +170,7 @@ def run_compiled(rank: int, world: int) -> dict[str, dict]:
 
 def test_compiled_models_train_as_eager_without_recompiles():
     expected = reference(2)
-    results = run_on_ranks(run_compiled, 2, timeout=150)
+    results = run_on_ranks(run_compiled, 2, timeout=150 if BACKEND == "aot_eager" else 1200)
     for rank, res in enumerate(results):
         for mode in MODES:
             got = res[mode]
