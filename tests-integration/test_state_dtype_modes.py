@@ -3,9 +3,10 @@
 The small GPT (distributed_cases.py) trains 5 steps at 2 ranks in owner mode under
 FSDP2, owner mode as a DDP replacement, replicated mode under stock DDP and sharded
 mode under stock FSDP2, with bf16 state; the reference is one process with bf16
-state on the same global batches. With round-to-nearest and with stochastic
-rounding: the rounding seeds depend on the step and the matrix only, so an owner
-draws the bits the single process drew.
+state on the same global batches. With round-to-nearest (every mode) and with
+stochastic rounding (owner mode under FSDP2, sharded mode): the rounding seeds
+depend on the step and the matrix only, so an owner draws the bits the single
+process drew.
 
 Tolerance 1e-4 instead of the fp32 modes' 1e-5: the runs differ by the order of the
 gradient sums (~1e-7 relative), and where that moves an fp32 momentum entry across
@@ -39,6 +40,7 @@ SAVE_AT = 2
 BF16_TOLERANCE = 1e-4
 MODES = ["owner_fsdp", "owner_ddp", "replicated", "sharded"]
 SAVED = ["owner_ddp", "sharded"]
+STOCHASTIC_MODES = ["owner_fsdp", "sharded"]
 
 
 def _kw(rounding: str) -> dict:
@@ -63,9 +65,9 @@ def _matrix_state_dtypes(opt) -> set[torch.dtype]:
     }
 
 
-def run_bf16(rank, world, rounding, root):
+def run_bf16(rank, world, rounding, root, modes):
     out = {}
-    for mode in MODES:
+    for mode in modes:
         model, forward, opt, ded = setup(mode, NAME, world, _kw(rounding))
         assert _matrix_state_dtypes(opt) == {torch.bfloat16}, mode
         _train(forward, opt, rank, world, 0, SAVE_AT)
@@ -98,12 +100,13 @@ def run_resume(rank, world, root):
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_bf16_state_in_every_mode_equals_one_process(rounding, tmp_path):
     expected = reference(NAME, 2, STEPS, _kw(rounding))
-    fp32 = reference(NAME, 2, STEPS, OPT)
-    gap, _ = max_diff(expected, fp32)
-    assert gap > BF16_TOLERANCE, "bf16 state changed nothing: the comparison would prove nothing"
-    root = str(tmp_path) if rounding == "nearest" else None
-    results = run_on_ranks(run_bf16, 2, args=(rounding, root), timeout=180)
-    for mode in MODES:
+    if rounding == "nearest":  # stochastic moves them further (2.0e-3 measured)
+        gap, _ = max_diff(expected, reference(NAME, 2, STEPS, OPT))
+        assert gap > BF16_TOLERANCE, "bf16 state changed nothing: the test would prove nothing"
+    # stochastic: owner and sharded mode (its seeds are the only mode-dependent risk)
+    root, modes = (str(tmp_path), MODES) if rounding == "nearest" else (None, STOCHASTIC_MODES)
+    results = run_on_ranks(run_bf16, 2, args=(rounding, root, modes), timeout=180)
+    for mode in modes:
         for rank in range(2):
             diff, where = max_diff(results[rank][mode][0], expected)
             assert diff <= BF16_TOLERANCE, f"{mode}, rank {rank}: {where} differs by {diff:.2e}"
