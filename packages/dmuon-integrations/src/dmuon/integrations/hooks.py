@@ -87,6 +87,12 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
         handles.append(p.register_post_accumulate_grad_hook(grad_hook))
 
     def call(method: Callable[[str], None], key: str) -> Callable[..., None]:
+        # Under torch.compile the layer hooks run eagerly, between graphs: they wait on
+        # collectives (a deadline, a Work handle), which dynamo cannot trace, and the
+        # state they read changes every step, which would recompile. So one graph
+        # break per hooked layer, in the first step only, as FSDP2's own hooks
+        # (torch._dynamo.config.skip_fsdp_hooks); see the guide "torch.compile".
+        @torch.compiler.disable
         def hook(*_: Any) -> None:
             method(key)
 

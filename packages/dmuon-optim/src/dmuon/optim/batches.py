@@ -34,6 +34,12 @@ from dmuon.optim.apply import apply_update
 from dmuon.optim.layout import Block, MatrixLayout, matrix_layout
 from dmuon.optim.matrix_split import MatrixSplit, local_tensor
 from dmuon.optim.rules import Rule
+from dmuon.optim.state_precision import (
+    compute_dtype_for,
+    round_state_,
+    rounding_seed,
+    state_dtype_of,
+)
 from dmuon.optim.transforms import StateSpec
 from dmuon.optim.vote import SignVote, local_vote
 
@@ -267,8 +273,9 @@ def build_buckets(
         if not all(e.layout.whole for e in b.entries):
             continue
         m, n = b.shape
+        dtype = state_dtype_of(group, b.dtype)  # group["state_dtype"] or the parameters'
         b.buffers = {
-            s.name: torch.zeros(s.batch_shape(b.size, m, n), dtype=b.dtype, device=b.device)
+            s.name: torch.zeros(s.batch_shape(b.size, m, n), dtype=dtype, device=b.device)
             for s in specs
         }
         for e in b.entries:
@@ -283,7 +290,8 @@ def build_buckets(
         shapes = state_shapes(rule, layout)
         for s in specs:
             if s.name not in new_state[p]:
-                t = torch.zeros(shapes[s.name], dtype=p.dtype, device=p.device)  # local
+                dtype = state_dtype_of(group, p.dtype)
+                t = torch.zeros(shapes[s.name], dtype=dtype, device=p.device)  # local
                 _copy_old(t, old_state(p), s.name)
                 new_state[p][s.name] = t
     return list(buckets.values()), new_state
@@ -456,9 +464,22 @@ def _run_batch(
             )
             for s in specs
         }
-    U, scale = rule.update(
-        G, st, group, step=step, vote=vote, split=None if b.gathered else b.split
-    )
+    split = None if b.gathered else b.split
+    # state_dtype None, or the parameters' own dtype and already wide: st updated in place
+    if group.get("state_dtype") is None or (
+        compute_dtype_for(b.dtype) == b.dtype == state_dtype_of(group, b.dtype)
+    ):
+        U, scale = rule.update(G, st, group, step=step, vote=vote, split=split)
+    else:  # low-precision state: upcast on read, math wide, round on write
+        wide_dtype = compute_dtype_for(b.dtype)
+        wide = {k: v.to(wide_dtype) for k, v in st.items()}
+        U, scale = rule.update(G.to(wide_dtype), wide, group, step=step, vote=vote, split=split)
+        U = U.to(b.dtype)
+        rounding = group.get("state_rounding") or "nearest"
+        # by step, parameter and block: the same bits in every mode and batch cut
+        seeds = [(rounding_seed(step, e.index, e.block.row_start, b.shape), e.count) for e in part]
+        for k, v in st.items():
+            round_state_(v, wide[k], rounding, seeds)
     if b.gathered:  # this rank's shard of every whole update
         assert b.split is not None
         d = b.split.dim

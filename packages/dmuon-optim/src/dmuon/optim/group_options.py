@@ -36,7 +36,7 @@ __all__ = [
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # The structural keys a group's buckets depend on; changing them after construction
 # would silently mismatch the state, so step() refuses.
-STRUCTURE = ("algorithm", "flatten", "split_sizes", "num_heads")
+STRUCTURE = ("algorithm", "flatten", "split_sizes", "num_heads", "state_dtype")
 
 
 @dataclass
@@ -175,6 +175,11 @@ class GroupDefaults:
         for key, opt in keys.items():
             value = group[key] if key in group else defaults[key]
             group[key] = check_value(key, value, opt, where)
+        if group.get("state_rounding") == "stochastic" and group.get("state_dtype") != "bfloat16":
+            raise ValueError(
+                f"{where}: state_rounding 'stochastic' rounds fp32 state to bfloat16; it needs "
+                f"state_dtype='bfloat16', got state_dtype={group.get('state_dtype')!r}"
+            )
         names = group.get("param_names")
         for i, p in enumerate(params):
             check_param(p, algorithm, group, param_name(names, i, index, p))

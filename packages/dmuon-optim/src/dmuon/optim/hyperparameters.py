@@ -28,6 +28,7 @@ __all__ = [
     "MATRIX_KEYS",
     "REQUIRED",
     "SCALAR_OPTIONS",
+    "STATE_ROUNDING",
     "Option",
     "boolean",
     "choice",
@@ -45,6 +46,10 @@ COMPUTE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
 }
+
+
+STATE_ROUNDING = ("nearest", "stochastic")
+"""How low-precision matrix state is rounded on write (:mod:`dmuon.optim.state_precision`)."""
 
 
 class _Required:
@@ -205,6 +210,21 @@ def _compute_dtype(value: Any) -> str | None:
     raise ValueError(f"must be None or one of {sorted(COMPUTE_DTYPES)}, got {value!r}")
 
 
+def _state_dtype(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        names = {v: k for k, v in COMPUTE_DTYPES.items()}
+        if value in names:
+            return names[value]
+    elif isinstance(value, str) and value in COMPUTE_DTYPES:
+        return value
+    raise ValueError(
+        f"must be None (the parameter's dtype) or a floating-point dtype, one of "
+        f"{sorted(COMPUTE_DTYPES)} or the torch.dtype of one; got {value!r}"
+    )
+
+
 def _sizes(value: Any) -> tuple[int, ...] | None:
     if value is None:
         return None
@@ -249,6 +269,17 @@ MATRIX_KEYS: dict[str, Option] = {
         None,
         _compute_dtype,
         "dtype of the Newton–Schulz matmuls; None = per device (bf16 on CPU, fp16 Gram on CUDA)",
+    ),
+    "state_dtype": Option(
+        None,
+        _state_dtype,
+        "dtype the rule's state (momentum, second moments) is stored in, math in fp32; "
+        "None = the parameter's dtype",
+    ),
+    "state_rounding": Option(
+        None,
+        choice(STATE_ROUNDING),
+        "rounding of low-precision state on write: nearest (ties to even) or stochastic",
     ),
     "flatten": Option(
         None,

@@ -89,6 +89,13 @@ class DMuon(torch.optim.Optimizer):
             ``"gram"`` on its shards (all-reduces of the small Gram matrix), ``"gather"``
             whole after one all-gather, ``"auto"`` the cheaper by
             :func:`dmuon.comm.tensor_parallel_path` (also a group key).
+        state_dtype: dtype the matrix rules' state (momentum, second moments) is stored
+            in: ``"bfloat16"`` (or ``torch.bfloat16``) halves its bytes, every step's
+            arithmetic still in fp32 (upcast on read, rounded on write); ``None``: the
+            parameter's dtype. Scalar (AdamW/Lion) state stays fp32. See
+            :mod:`dmuon.optim.state_precision`.
+        state_rounding: how low-precision state is rounded on write: ``"nearest"``
+            (ties to even) or ``"stochastic"`` (unbiased, reproducible; bfloat16 only).
         scalar_optimizer: ``"adamw"`` or ``"lion"``, for groups with ``algorithm="scalar"``.
         adamw_lr: learning rate of the scalar groups (``None``: ``lr``).
         adamw_betas: their ``(β₁, β₂)``.
@@ -160,6 +167,8 @@ class DMuon(torch.optim.Optimizer):
         ns_coefficients: Any = "polar_express",
         ns_steps: int = 5,
         tp_path: str = "auto",
+        state_dtype: Any = None,
+        state_rounding: str = "nearest",
         scalar_optimizer: str = "adamw",
         adamw_lr: float | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
@@ -192,6 +201,8 @@ class DMuon(torch.optim.Optimizer):
             "ns_coefficients": ns_coefficients,
             "ns_steps": ns_steps,
             "ns_compute_dtype": None,
+            "state_dtype": state_dtype,
+            "state_rounding": state_rounding,
             "flatten": None,
             "split_sizes": None,
             "num_heads": None,

@@ -21,6 +21,7 @@ from dmuon.optim.layout import matrix_layout
 from dmuon.optim.matrix_split import MatrixSplit, local_tensor
 from dmuon.optim.rules import get_rule
 from dmuon.optim.scalar import SCALAR_ALGORITHMS, scalar_state_dtype, scalar_state_shapes
+from dmuon.optim.state_precision import state_dtype_of
 
 __all__ = [
     "build_state",
@@ -88,8 +89,8 @@ def build_state(
             step = torch.zeros((), dtype=torch.float32)
             _copy_step(step, state.get(p, {}))
             holder = {"step": step}
-            for spec in rule.state_specs():
-                holder[spec.name] = _placeholder(p)
+            for spec in rule.state_specs():  # the owner's dtype: checkpoints broadcast it
+                holder[spec.name] = _placeholder(p, state_dtype_of(group, p.dtype))
             state[p] = holder
     return out
 

@@ -1,0 +1,185 @@
+"""``torch.compile(model)`` after DMuon's ``dedicate`` trains as eager, without recompiles.
+
+A tiny residual MLP trains 5 steps at 2 gloo ranks with its forward compiled by
+``torch.compile`` in each way DMuon meets a model: owner mode after
+``ddp.dedicate`` and after ``fsdp.dedicate`` (+ ``fully_shard`` for the rest), each
+also ZeRO-3-like (``reshard_after_forward=True``), replicated mode under a compiled
+stock DDP (the module inside DDP compiled: ``model.compile()``) and sharded mode
+under compiled stock FSDP2. The reference is the same
+model trained eagerly in one process on the same global batch (tolerance 1e-5 as
+in test_modes_equal_single.py: fp32 Newton–Schulz, only the order of the gradient
+sums differs).
+
+Dynamo's counters (``torch._dynamo.utils.counters``) are read after every step:
+graph breaks, frames compiled (a recompile compiles a frame again) and graphs must
+not grow after the first step. The only graph breaks allowed are DMuon's layer
+hooks, which are ``torch.compiler.disable``-d on purpose (they wait on collectives;
+see hooks.py and the guide "torch.compile").
+
+Backend ``aot_eager``: dynamo and AOTAutograd (where breaks, guards and the hooks'
+interplay live) without inductor's C++ code generation, which took 43 s for one
+tiny MLP on the 2-core CI machine — over this file's budget by itself. Set
+``DMUON_COMPILE_BACKEND=inductor`` to run the same check with inductor (minutes on
+a CPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dmuon.comm.testing import run_on_ranks
+from dmuon.optim import DMuon, param_groups
+
+STEPS = 5
+GLOBAL_BATCH = 8
+TOLERANCE = 1e-5
+OPT = dict(lr=0.02, weight_decay=0.1, ns_compute_dtype="float32", adamw_lr=3e-3, adamw_eps=1e-3)
+MODES = ["owner_ddp", "owner_ddp_z3", "owner_fsdp", "owner_fsdp_z3", "replicated", "sharded"]
+BACKEND = os.environ.get("DMUON_COMPILE_BACKEND", "aot_eager")
+HOOK_BREAK = "torch.compiler.disable"  # the reason dynamo gives for DMuon's layer hooks
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    """Input matrix, two residual blocks (FSDP2 units), a head: 6 matrices, 8 scalars."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.inp = nn.Linear(8, d)
+            self.blocks = nn.ModuleList(Block(d) for _ in range(2))
+            self.head = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(GLOBAL_BATCH, 8, generator=g)
+    y = torch.randn(GLOBAL_BATCH, 4, generator=g)
+    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    return x[rows], y[rows]
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def reference(world: int) -> dict[str, torch.Tensor]:
+    """Eager, one process, the mean of the ranks' losses each step."""
+    model = Net()
+    opt = DMuon(param_groups(model), **OPT)
+    for t in range(STEPS):
+        losses = [F.mse_loss(model(x), y) for x, y in (batch(t, r, world) for r in range(world))]
+        (sum(losses) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    return params_of(model)
+
+
+def _setup(mode: str, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dmuon.integrations import ddp, fsdp
+
+    model, kw = Net(), dict(OPT)
+    forward: nn.Module = model
+    z3 = mode.endswith("_z3")
+    if mode.startswith("owner_fsdp") or mode == "sharded":
+        mesh = init_device_mesh("cpu", (world,))
+        ignored = None
+        if mode != "sharded":
+            ded = fsdp.dedicate(model, mesh, reshard_after_forward=z3)
+            kw["distributed"], ignored = ded, ded.params
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, ignored_params=ignored)
+    elif mode.startswith("owner_ddp"):
+        kw["distributed"] = ddp.dedicate(model, reshard_after_forward=z3)
+    else:  # replicated: the module inside DDP is compiled (see run_compiled)
+        forward = DDP(model)
+        kw["mode"] = "replicated"
+    return model, forward, DMuon(param_groups(model), **kw), kw.get("distributed")
+
+
+def _counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "frames": counters["frames"]["total"],
+        "graphs": counters["stats"]["unique_graphs"],
+    }
+
+
+def run_compiled(rank: int, world: int) -> dict[str, dict]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    out = {}
+    for mode in MODES:
+        torch._dynamo.reset()
+        counters.clear()
+        model, forward, opt, ded = _setup(mode, world)
+        if mode == "replicated":
+            # compile the module DDP wraps, in place: compiling the DDP wrapper traces
+            # DDP's own forward, which breaks 3 times (its Logger, _inside_ddp_forward)
+            # and recompiles at step 2 (DDP rebuilds its buckets after step 1)
+            model.compile(backend=BACKEND)
+            compiled = forward
+        else:
+            compiled = torch.compile(forward, backend=BACKEND)
+        per_step = []
+        for t in range(STEPS):
+            x, y = batch(t, rank, world)
+            F.mse_loss(compiled(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            per_step.append(_counts())
+        if ded is not None:
+            ded.wait()
+        reasons = sorted(str(r).splitlines()[0] for r in counters["graph_break"])
+        out[mode] = {"params": params_of(model), "counts": per_step, "reasons": reasons}
+        torch.distributed.barrier()
+    return out
+
+
+def test_compiled_models_train_as_eager_without_recompiles():
+    expected = reference(2)
+    results = run_on_ranks(run_compiled, 2, timeout=150 if BACKEND == "aot_eager" else 1200)
+    for rank, res in enumerate(results):
+        for mode in MODES:
+            got = res[mode]
+            first, last = got["counts"][0], got["counts"][-1]
+            assert first["graphs"] >= 1, f"{mode}: nothing was compiled"
+            # nothing new after the first step: no break, no recompile, no new graph
+            assert last == first, f"{mode}, rank {rank}: counters grew: {got['counts']}"
+            for reason in got["reasons"]:
+                assert HOOK_BREAK in reason, f"{mode}: unexpected graph break {reason!r}"
+            for name, want in expected.items():
+                diff = float((got["params"][name] - want).abs().max())
+                assert diff <= TOLERANCE, f"{mode}, rank {rank}: {name} differs by {diff:.2e}"
