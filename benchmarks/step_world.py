@@ -84,6 +84,24 @@ from benchmarks.common.tensor_parallel import (
 from dmuon.comm import default_stats
 from dmuon.optim.engine.tensor_split import GATHER_STATS_NAME, STATS_NAME
 
+# Tensor parallelism over all ranks: every rank steps on the whole global batch.
+TP_SETUPS = ("adamw_tp", "muon_tp_gather", "tp_single")
+# FSDP2 over tensor parallelism: FSDP2 averages the gradients over dp itself.
+FSDP_TP_SETUPS = (
+    "adamw_fsdp_tp",
+    "fsdp_tp_sharded",
+    "fsdp_tp_sharded_gram",
+    "fsdp_tp_sharded_gather",
+)
+# A dp × tp mesh (N/2 × 2): each dp row on its part of the batch, averaged over dp
+# (average_over, but for the FSDP2 ones).
+DP_TP_SETUPS = (
+    "adamw_dp_tp",
+    "muon_dp_tp_gather",
+    "dp_tp_single",
+    "dp_tp_replicated",
+    *FSDP_TP_SETUPS,
+)
 SETUPS = (
     "adamw_ddp",
     "adamw_fsdp",
@@ -96,37 +114,8 @@ SETUPS = (
     "replicated",
     "sharded",
     "sign",
-    "adamw_tp",
-    "muon_tp_gather",
-    "tp_single",
-    "adamw_dp_tp",
-    "muon_dp_tp_gather",
-    "dp_tp_single",
-    "dp_tp_replicated",
-    "adamw_fsdp_tp",
-    "fsdp_tp_sharded",
-    "fsdp_tp_sharded_gram",
-    "fsdp_tp_sharded_gather",
-)
-# Tensor parallelism over all ranks: every rank steps on the whole global batch.
-TP_SETUPS = ("adamw_tp", "muon_tp_gather", "tp_single")
-# A dp × tp mesh (N/2 × 2): each dp row on its part of the batch, averaged over dp.
-DP_TP_SETUPS = (
-    "adamw_dp_tp",
-    "muon_dp_tp_gather",
-    "dp_tp_single",
-    "dp_tp_replicated",
-    "adamw_fsdp_tp",
-    "fsdp_tp_sharded",
-    "fsdp_tp_sharded_gram",
-    "fsdp_tp_sharded_gather",
-)
-# ... of which FSDP2 averages the gradients over dp itself (the others: average_over).
-FSDP_TP_SETUPS = (
-    "adamw_fsdp_tp",
-    "fsdp_tp_sharded",
-    "fsdp_tp_sharded_gram",
-    "fsdp_tp_sharded_gather",
+    *TP_SETUPS,
+    *DP_TP_SETUPS,
 )
 # torch.optim.Muon runs Newton–Schulz in bf16, which on a CPU without AVX-512-BF16/AMX
 # takes ~40× the fp32 time (minutes per step here): opt in with --setups.

@@ -198,27 +198,28 @@ def _coefficients(value: Any) -> str | tuple[tuple[float, float, float], ...]:
         ) from None
 
 
+def _dtype_name(value: Any) -> str | None:
+    """The :data:`COMPUTE_DTYPES` name of ``value`` (a name or a ``torch.dtype``), else None."""
+    if isinstance(value, torch.dtype):
+        return {v: k for k, v in COMPUTE_DTYPES.items()}.get(value)
+    return value if isinstance(value, str) and value in COMPUTE_DTYPES else None
+
+
 def _compute_dtype(value: Any) -> str | None:
     if value is None:
         return None
-    if isinstance(value, torch.dtype):
-        names = {v: k for k, v in COMPUTE_DTYPES.items()}
-        if value in names:
-            return names[value]
-    elif value in COMPUTE_DTYPES:
-        return str(value)
+    name = _dtype_name(value)
+    if name is not None:
+        return name
     raise ValueError(f"must be None or one of {sorted(COMPUTE_DTYPES)}, got {value!r}")
 
 
 def _state_dtype(value: Any) -> str | None:
     if value is None:
         return None
-    if isinstance(value, torch.dtype):
-        names = {v: k for k, v in COMPUTE_DTYPES.items()}
-        if value in names:
-            return names[value]
-    elif isinstance(value, str) and value in COMPUTE_DTYPES:
-        return value
+    name = _dtype_name(value)
+    if name is not None:
+        return name
     raise ValueError(
         f"must be None (the parameter's dtype) or a floating-point dtype, one of "
         f"{sorted(COMPUTE_DTYPES)} or the torch.dtype of one; got {value!r}"
