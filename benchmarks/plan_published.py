@@ -17,11 +17,20 @@ AdamW step, so the fabric is at least NDR-class) and no per-row factor.
 ``FSDP-Z2`` maps to owner mode, ``HSDP-Z3`` to ``owner-z3`` (the planner has no HSDP
 hierarchy: it treats the 128 ranks as one flat group).
 
+Beside the datasheet's assumed 0.6, each row is predicted again with the Newton–Schulz
+efficiency measured on a GPU: ``--measured`` names a ``benchmarks/gpu_check.py`` result
+(default: the H200 run in ``benchmarks/results``, if present); its median achieved NS
+rate over the GPU's peak is carried over to the A800 as a fraction of peak (Hopper
+measured, Ampere predicted: a stated assumption, not a measurement of the A800).
+
     python benchmarks/plan_published.py            # prints the table, writes JSON
+    python benchmarks/plan_published.py --measured benchmarks/results/gpu-check-<gpu>.json
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -30,7 +39,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from dmuon.optim.planner.config import load_model
-from dmuon.optim.planner.profiles import DEVICES, INTERCONNECTS, ClusterProfile
+from dmuon.optim.planner.profiles import (
+    DEVICES,
+    INTERCONNECTS,
+    ClusterProfile,
+    load_device_profile,
+)
 from dmuon.optim.planner.step_model import TrainingShape, predict
 
 # model, runtime, AdamW ms, DMuon ms (p50 step-start interval, published)
@@ -45,7 +59,9 @@ PUBLISHED = [
     ("llama-3.1-8b", "HSDP-Z3", 1348, 1412),
 ]
 MODE = {"FSDP-Z2": "owner", "HSDP-Z3": "owner-z3"}
-OUT = pathlib.Path(__file__).parent / "results" / "plan-published-a800.json"
+RESULTS = pathlib.Path(__file__).parent / "results"
+OUT = RESULTS / "plan-published-a800.json"
+MEASURED = RESULTS / "gpu-check-nvidia-h200.json"
 
 
 def solve_fwd_bwd(spec, cluster, adamw_s: float) -> float:  # type: ignore[no-untyped-def]
@@ -65,14 +81,34 @@ def solve_fwd_bwd(spec, cluster, adamw_s: float) -> float:  # type: ignore[no-un
     return hi
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--measured",
+        type=pathlib.Path,
+        default=MEASURED if MEASURED.is_file() else None,
+        help="a benchmarks/gpu_check.py result: also predict with its measured NS efficiency",
+    )
+    args = parser.parse_args(argv)
     cluster = ClusterProfile(
         DEVICES["A800"], 128, 8, INTERCONNECTS["nvlink3-a800"], INTERCONNECTS["ib-ndr"]
     )
+    measured = None
+    if args.measured is not None:
+        gpu = load_device_profile(str(args.measured))
+        device = dataclasses.replace(
+            DEVICES["A800"],
+            ns_efficiency=gpu.ns_efficiency,
+            source=f"{DEVICES['A800'].source}; NS efficiency {gpu.ns_efficiency:.2f} "
+            f"measured on {gpu.name} ({args.measured.name})",
+        )
+        measured = dataclasses.replace(cluster, device=device)
+        print(f"measured NS efficiency: {gpu.ns_efficiency:.3f} of peak ({args.measured.name})")
     rows = []
     print(
         f"{'model':<14} {'runtime':<8} {'AdamW ms':>9} {'DMuon ms':>9} {'published':>10} "
         f"{'predicted':>10} {'fwd+bwd':>8} {'NS ms':>7} {'exposed ms':>11} {'imbalance':>10}"
+        + (f" {'pred. (measured NS)':>20}" if measured is not None else "")
     )
     for model, runtime, adamw_ms, dmuon_ms in PUBLISHED:
         spec = load_model(model)
@@ -99,16 +135,23 @@ def main() -> int:
             "imbalance": p.plan.imbalance(),
             "predicted_vanilla_ms": p.modes["vanilla"].step_s * 1e3,
         }
+        if measured is not None:
+            fb_m = solve_fwd_bwd(spec, measured, adamw_ms / 1e3)
+            pm = predict(spec, measured, TrainingShape(seq_len=4096, fwd_bwd_s=fb_m), modes=(mode,))
+            row["predicted_overhead_measured_ns"] = pm.modes[mode].overhead_vs_adamw
+            row["ns_ms_measured_ns"] = pm.modes[mode].ns_s * 1e3
         rows.append(row)
         print(
             f"{model:<14} {runtime:<8} {adamw_ms:>9} {dmuon_ms:>9} "
             f"{row['published_overhead']:>+10.1%} {row['predicted_overhead']:>+10.1%} "
             f"{fb * 1e3:>8.0f} {row['ns_ms']:>7.1f} {row['exposed_comm_ms']:>11.1f} "
             f"{row['imbalance']:>10.1%}"
+            + (f" {row['predicted_overhead_measured_ns']:>+20.1%}" if measured is not None else "")
         )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     out = {
         "cluster": "128 × A800 (datasheet profile), 8 per node, nvlink3-a800 / ib-ndr",
+        "measured_ns_profile": None if measured is None else measured.device.source,
         "assumptions": [{"what": w, "value": v} for w, v in p.assumptions],
         "rows": rows,
     }
