@@ -107,7 +107,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of the tensors in ``opt.state`` on this rank, each storage counted once."""
     kinds = {}
     for g in opt.param_groups:
-        kind = "scalar" if g.get("algorithm", "adamw") in ("adamw", "lion") else "matrix"
+        kind = "scalar" if g.get("rule", "adamw") in ("adamw", "lion") else "matrix"
         for p in g["params"]:
             kinds[id(p)] = kind
     seen: set[int] = set()

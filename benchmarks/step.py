@@ -71,7 +71,7 @@ class Config:
     def shapes(self) -> list[tuple[int, int]]:
         return [s for _ in range(self.layers) for _, s, c in self.matrices for _ in range(c)]
 
-    def describe(self) -> str:
+    def summary(self) -> str:
         per = ", ".join(f"{c}×{s[0]}x{s[1]} {n}" for n, s, c in self.matrices)
         return f"{self.name}: {self.layers} layers of [{per}]"
 
@@ -280,7 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "equal_math_dtype": str(ns_dtype(args.device)).removeprefix("torch."),
             "shared_machine": args.shared_machine,
         },
-        "configs": [c.describe() for c in cfgs],
+        "configs": [c.summary() for c in cfgs],
         "rounds": args.rounds,
         "rows": [dataclasses.asdict(r) for r in rows],
         "summary": summarise(rows, cfgs),

@@ -82,7 +82,7 @@ def test_a_rank_missing_from_a_save_is_named_at_the_deadline(tmp_path, how):
     failure = info.value
     assert not failure.timed_out, str(failure)
     saver = failure.outcomes[0]
-    assert saver.status == "ok", f"rank 0: {saver.describe()}\n{saver.traceback}"
+    assert saver.status == "ok", f"rank 0: {saver.summary()}\n{saver.traceback}"
     text = saver.value["error"]
     assert text is not None, "rank 0 saved without the absent rank"
     assert saver.value["reason"] == "timeout", text

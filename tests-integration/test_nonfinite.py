@@ -251,7 +251,7 @@ def run_half_precision(rank: int, world: int, dtype: torch.dtype):
                 {
                     str(v.dtype)
                     for g in opt.param_groups
-                    if g["algorithm"] == "adamw"
+                    if g["rule"] == "adamw"
                     for p in g["params"]
                     for k, v in opt.state[p].items()
                     if k != "step"

@@ -208,7 +208,7 @@ def test_dedicate_waits_for_the_other_ranks_under_the_default_deadline():
     failure = info.value
     assert not failure.timed_out, str(failure)
     alone = failure.outcomes[0]
-    assert alone.status == "ok", f"rank 0: {alone.describe()}\n{alone.traceback}"
+    assert alone.status == "ok", f"rank 0: {alone.summary()}\n{alone.traceback}"
     text = alone.value["error"]
     assert text is not None and alone.value["reason"] == "timeout", text
     assert "dedicate()" in text and f"no answer within {DMUON_TIMEOUT:g} s" in text, text

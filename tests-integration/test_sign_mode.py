@@ -36,9 +36,7 @@ def simulate(name, world):
     rule = get_rule("sign_muon")
     assert type(rule.chain[3]).__name__ == "MajorityVote"
     before, after = rule.chain[:3], rule.chain[4:]
-    matrices = [
-        (p, g) for g in opt.param_groups if g["algorithm"] == "sign_muon" for p in g["params"]
-    ]
+    matrices = [(p, g) for g in opt.param_groups if g["rule"] == "sign_muon" for p in g["params"]]
     momenta = [
         {p: torch.zeros(matrix_layout(p, g, "").flat) for p, g in matrices} for _ in range(world)
     ]

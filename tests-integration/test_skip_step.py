@@ -103,10 +103,10 @@ def test_a_rank_that_skips_a_step_is_named_at_the_deadline_without_an_abort(mode
         waiting = results[0]
     else:
         waiting = outcomes[0].value if outcomes[0].status == "ok" else None
-        assert waiting is not None, f"rank 0: {outcomes[0].describe()}\n{outcomes[0].traceback}"
+        assert waiting is not None, f"rank 0: {outcomes[0].summary()}\n{outcomes[0].traceback}"
         # the skipper is in DDP's/FSDP2's collective (or has returned), never aborted
         skipper = outcomes[SKIPPER]
-        assert skipper.status in ("ok", "killed", "raised"), skipper.describe()
+        assert skipper.status in ("ok", "killed", "raised"), skipper.summary()
         assert "EnforceNotMet" not in skipper.traceback + skipper.error
     text = waiting["error"]
     assert text is not None, "rank 0 finished without noticing the skipped step"

@@ -58,7 +58,7 @@ def _matrix_state_dtypes(opt) -> set[torch.dtype]:
     return {
         v.dtype
         for g in opt.param_groups
-        if g["algorithm"] == "muon"
+        if g["rule"] == "muon"
         for p in g["params"]
         for k, v in opt.state[p].items()
         if k != "step"

@@ -132,7 +132,7 @@ def test_a_rank_killed_mid_step_makes_every_other_rank_raise_naming_the_step(mod
     for o in failure.outcomes:
         if o.rank == FAULTY:
             continue
-        assert o.status == "ok", f"rank {o.rank}: {o.describe()}\n{o.traceback}"
+        assert o.status == "ok", f"rank {o.rank}: {o.summary()}\n{o.traceback}"
         text = o.value["error"]
         assert text is not None, f"rank {o.rank} finished its steps without noticing"
         assert "DMuon step 2" in text, text
@@ -156,7 +156,7 @@ def test_a_rank_that_stops_answering_makes_the_others_raise_at_the_deadline():
     for o in failure.outcomes:
         if o.rank == FAULTY:
             continue
-        assert o.status == "ok", f"rank {o.rank}: {o.describe()}\n{o.traceback}"
+        assert o.status == "ok", f"rank {o.rank}: {o.summary()}\n{o.traceback}"
         text = o.value["error"]
         assert text is not None and o.value["reason"] == "timeout", text
         assert "DMuon step 2" in text and f"no answer within {DMUON_TIMEOUT:g} s" in text, text

@@ -308,15 +308,15 @@ def build_optimizer(
 def grouping_differences(
     optimizer: torch.optim.Optimizer, model: nn.Module, matrix_names: Sequence[str]
 ) -> list[str]:
-    """Where an optimizer's ``algorithm`` groups disagree with the shared split.
+    """Where an optimizer's ``"rule"`` groups disagree with the shared split.
 
-    A group whose ``algorithm`` is not ``"adamw"``/``"lion"`` is a matrix-rule group.
+    A group whose ``"rule"`` is not ``"adamw"``/``"lion"`` is a matrix-rule group.
     Returns one readable line per disagreement (empty when they agree).
     """
     names = {id(p): n for n, p in model.named_parameters()}
     by_rule: set[str] = set()
     for group in optimizer.param_groups:
-        if group.get("algorithm", "adamw") not in SCALAR_ALGORITHMS:
+        if group.get("rule", "adamw") not in SCALAR_ALGORITHMS:
             by_rule.update(names.get(id(p), "<not in model>") for p in group["params"])
     expected = set(matrix_names)
     notes = []

@@ -64,9 +64,9 @@ def predicted_split_bytes(opt: Any) -> float | None:
         return None
     engine, total = opt.engine, 0.0
     for group in opt.param_groups:
-        if group["algorithm"] not in RULES:
+        if group["rule"] not in RULES:
             continue
-        rule = get_rule(group["algorithm"])
+        rule = get_rule(group["rule"])
         for p in group["params"]:
             split = engine.split_of(p)
             if split is None or split.world_size < 2 or not engine.steps(p):
@@ -132,7 +132,7 @@ class GatherMuon:
             g = dict(g)
             params = []
             for name, p in zip(g["param_names"], g["params"], strict=True):
-                if g.get("algorithm") != "scalar" and placement_of(p, name).tensor_split:
+                if g.get("rule") != "scalar" and placement_of(p, name).tensor_split:
                     full = nn.Parameter(p.detach().full_tensor().clone())
                     self.pairs.append((p, full))
                     params.append(full)

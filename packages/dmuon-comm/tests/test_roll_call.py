@@ -93,7 +93,7 @@ def test_the_store_is_found_from_the_environment_and_its_loss_is_said():
         run_on_ranks(_env_then_unavailable, 2, timeout=60)
     outcomes = info.value.outcomes
     assert outcomes[0].status == "died" and outcomes[0].exitcode == -signal.SIGKILL
-    assert outcomes[1].status == "ok", outcomes[1].describe() + outcomes[1].traceback
+    assert outcomes[1].status == "ok", outcomes[1].summary() + outcomes[1].traceback
     status, alive, after = outcomes[1].value
     assert "MASTER_ADDR:MASTER_PORT" in status
     assert alive == ([], [0, 1])

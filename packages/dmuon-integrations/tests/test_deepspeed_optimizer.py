@@ -34,7 +34,7 @@ def test_slices_step_like_whole_tensors_and_matrices_step_once_per_round():
     reference = DMuon(
         [{"params": [ref[0].weight, ref[2].weight]}]
         + [
-            {"params": g, "algorithm": "adamw", "weight_decay": wd}
+            {"params": g, "rule": "adamw", "weight_decay": wd}
             for g, wd in zip(groups, (0.1, 0.0), strict=True)
         ],
         lr=0.02,
@@ -50,7 +50,7 @@ def test_slices_step_like_whole_tensors_and_matrices_step_once_per_round():
     slices = [list(f.clone().tensor_split(2)) for f in flats]
     opt = ZeroClientOptimizer(
         [
-            {"params": s, "algorithm": "adamw", "weight_decay": wd, **HYPER}
+            {"params": s, "rule": "adamw", "weight_decay": wd, **HYPER}
             for s, wd in zip(slices, (0.1, 0.0), strict=True)
         ],
         dmuon,
@@ -98,7 +98,7 @@ def test_load_state_dict_is_refused_alone_and_keeps_stepping_the_matrices_after(
     model = _model()
     x, y = torch.randn(5, 6), torch.randn(5, 3)
     dmuon = DMuon([model[0].weight, model[2].weight], lr=0.02)
-    groups = [{"params": g, "algorithm": "adamw", "weight_decay": 0.0, **HYPER} for g in
+    groups = [{"params": g, "rule": "adamw", "weight_decay": 0.0, **HYPER} for g in
               _scalar_groups(model)]  # fmt: skip
     opt = ZeroClientOptimizer(groups, dmuon)
     nn.functional.mse_loss(model(x), y).backward()

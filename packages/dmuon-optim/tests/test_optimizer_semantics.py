@@ -1,5 +1,5 @@
 """DMuon behaves as a torch.optim.Optimizer: closures, zero_grad, hooks, schedulers,
-add_param_group, plain hyperparameters, the algorithm key — and the scalar
+add_param_group, plain hyperparameters, the rule key — and the scalar
 optimizers are exactly AdamW and Lion."""
 
 import copy
@@ -65,11 +65,11 @@ def test_step_and_state_dict_hooks_run():
     assert seen == ["pre", "post", "sd", "load-pre", "load-post"]
 
 
-def test_hyperparameters_are_plain_values_and_every_group_has_an_algorithm():
+def test_hyperparameters_are_plain_values_and_every_group_has_a_rule():
     m = model()
     groups = param_groups(m)
     opt = DMuon(groups, lr=1, momentum=0.9, adamw_lr=torch.tensor(0.5))
-    assert [g["algorithm"] for g in opt.param_groups] == ["muon", "adamw"]
+    assert [g["rule"] for g in opt.param_groups] == ["muon", "adamw"]
     for g in opt.param_groups:
         for k, v in g.items():
             if k not in ("params", "param_names"):
@@ -77,11 +77,40 @@ def test_hyperparameters_are_plain_values_and_every_group_has_an_algorithm():
     assert type(opt.param_groups[0]["lr"]) is float and opt.param_groups[1]["lr"] == 0.5
 
 
+def test_the_deprecated_algorithm_key_still_names_the_rule():
+    m = model()
+    groups = [{**g, "algorithm": g.pop("rule", "muon")} for g in param_groups(m)]
+    with pytest.warns(FutureWarning, match="param group 0: the key 'algorithm' is deprecated"):
+        opt = DMuon(groups, lr=0.02)
+    assert [g["rule"] for g in opt.param_groups] == ["muon", "adamw"]
+    assert all("algorithm" not in g for g in opt.param_groups)
+    with pytest.raises(ValueError, match=r"param group 0: 'rule'='muon' and the deprecated "):
+        DMuon([{"params": [m[0].weight], "rule": "muon", "algorithm": "normuon"}])
+
+
+def test_a_state_dict_saved_with_the_algorithm_key_loads():
+    torch.manual_seed(0)
+    m = model()
+    opt = DMuon(param_groups(m), lr=0.02)
+    loss_of(m).backward()
+    opt.step()
+    old = opt.state_dict()
+    for g in old["param_groups"]:  # as 0.1.0 pre-releases saved it
+        g["algorithm"] = g.pop("rule")
+    fresh = DMuon(param_groups(m), lr=0.02)
+    with pytest.warns(FutureWarning, match="'algorithm' is deprecated"):
+        fresh.load_state_dict(old)
+    assert [g["rule"] for g in fresh.param_groups] == ["muon", "adamw"]
+    for p in m.parameters():
+        for key, value in opt.state[p].items():
+            torch.testing.assert_close(fresh.state[p][key], value, rtol=0, atol=0)
+
+
 def test_scalar_placeholder_takes_the_scalar_optimizer():
     opt = DMuon(
-        [{"params": [nn.Parameter(torch.zeros(3))], "algorithm": "scalar"}], scalar_optimizer="lion"
+        [{"params": [nn.Parameter(torch.zeros(3))], "rule": "scalar"}], scalar_optimizer="lion"
     )
-    assert opt.param_groups[0]["algorithm"] == "lion"
+    assert opt.param_groups[0]["rule"] == "lion"
     assert (
         set(opt.param_groups[0]) >= {"lr", "betas", "weight_decay"}
         and "eps" not in opt.param_groups[0]
@@ -97,12 +126,12 @@ def test_named_parameters_give_param_names():
 def test_add_param_group_checks_keys_and_creates_state_at_once():
     m = model()
     opt = DMuon([m[0].weight])
-    opt.add_param_group({"params": [m[2].weight], "algorithm": "normuon", "beta2": 0.9})
+    opt.add_param_group({"params": [m[2].weight], "rule": "normuon", "beta2": 0.9})
     assert set(opt.state[m[2].weight]) == {"step", "momentum_buffer", "row_second_moment"}
     assert opt.param_groups[1]["lr"] == opt.param_groups[0]["lr"]
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['beta2'\]"):
-        opt.add_param_group({"params": [m[0].bias], "algorithm": "adamw", "beta2": 0.9})
-    opt.add_param_group({"params": [m[0].bias, m[2].bias], "algorithm": "scalar"})
+        opt.add_param_group({"params": [m[0].bias], "rule": "adamw", "beta2": 0.9})
+    opt.add_param_group({"params": [m[0].bias, m[2].bias], "rule": "scalar"})
     loss_of(m).backward()
     opt.step()
     assert opt.state[m[2].bias]["step"].item() == 1
@@ -200,7 +229,7 @@ def test_adamw_group_is_exactly_torch_adamw():
     a = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7))]
     b = [nn.Parameter(p.detach().clone()) for p in a]
     ours = DMuon(
-        [{"params": a, "algorithm": "adamw"}],
+        [{"params": a, "rule": "adamw"}],
         adamw_lr=0.01,
         adamw_betas=(0.8, 0.9),
         adamw_eps=1e-6,
@@ -225,7 +254,7 @@ def test_lion_group_matches_its_equations():
         [
             {
                 "params": [p],
-                "algorithm": "lion",
+                "rule": "lion",
                 "betas": (0.9, 0.99),
                 "weight_decay": 0.1,
                 "lr": 0.01,

@@ -80,8 +80,8 @@ def test_every_kind_of_parameter_goes_where_documented():
     assert "weight_decay" not in by_name["scalar: embeddings and head"]
     fused = [g for g in groups if g.get("split_sizes")]
     assert sorted(g["split_sizes"] for g in fused) == sorted([(D, D, D), (D, D // 2, D // 2)])
-    assert all(g["algorithm"] == "scalar" for g in groups if g["name"].startswith("scalar"))
-    assert all("algorithm" not in g for g in groups if g["name"].startswith("matrix"))
+    assert all(g["rule"] == "scalar" for g in groups if g["name"].startswith("scalar"))
+    assert all("rule" not in g for g in groups if g["name"].startswith("matrix"))
     text = groups.summary()
     assert all(a.name in text for a in groups.assignments)
 

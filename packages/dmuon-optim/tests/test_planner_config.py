@@ -154,7 +154,7 @@ def test_module_factory_is_built_on_meta_and_split_like_param_groups():
     matrices = {
         n: tuple(p.shape)
         for g in groups
-        if g.get("algorithm") != "scalar"
+        if g.get("rule") != "scalar"
         for n, p in zip(g["param_names"], g["params"], strict=True)
     }
     assert {i.name: i.shape for i in spec.matrices} == matrices

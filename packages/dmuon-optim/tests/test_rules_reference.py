@@ -68,7 +68,7 @@ def test_rule_matches_float64_restatement(rule, over):
     torch.manual_seed(0)
     weights = [torch.randn(m, n, dtype=torch.float64) for m, n in SHAPES]
     params = [torch.nn.Parameter(w.clone()) for w in weights]
-    opt = DMuon([{"params": params, "algorithm": rule, **hp}])
+    opt = DMuon([{"params": params, "rule": rule, **hp}])
     states = [init_state(rule, m, n) for m, n in SHAPES]
     ref = [w.clone() for w in weights]
     for t in range(1, STEPS + 1):

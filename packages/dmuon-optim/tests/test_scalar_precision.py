@@ -73,7 +73,7 @@ def test_a_half_precision_model_with_unused_embedding_rows_trains_finite(dtype, 
 def test_a_half_precision_adamw_step_is_the_fp32_step_cast_once(dtype):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(5, 3).to(dtype))
-    group = {"params": [p], "algorithm": "adamw", "lr": 0.01, "betas": (0.9, 0.95)}
+    group = {"params": [p], "rule": "adamw", "lr": 0.01, "betas": (0.9, 0.95)}
     opt = DMuon([{**group, "eps": 1e-8, "weight_decay": 0.1}])
     # reference: torch.optim.AdamW on an fp32 copy whose value is the narrow weight
     wide = torch.nn.Parameter(p.detach().float())
@@ -97,7 +97,7 @@ def test_a_half_precision_lion_step_is_the_fp32_step_cast_once(dtype):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(4, 3).to(dtype))
     wide = p.detach().float().clone()
-    group = {"params": [p], "algorithm": "lion", "lr": 1e-3, "betas": (0.9, 0.99)}
+    group = {"params": [p], "rule": "lion", "lr": 1e-3, "betas": (0.9, 0.99)}
     opt = DMuon([{**group, "weight_decay": 0.1}])
     m = torch.zeros(4, 3)
     for _ in range(3):
@@ -148,5 +148,5 @@ def test_a_state_dict_saved_with_half_precision_state_is_widened_on_load():
 
 def test_fp32_parameters_keep_fp32_state_in_their_own_tensors():
     b = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
-    opt = DMuon([{"params": [b], "algorithm": "adamw"}])
+    opt = DMuon([{"params": [b], "rule": "adamw"}])
     assert opt.state[b]["exp_avg"].dtype == torch.float64

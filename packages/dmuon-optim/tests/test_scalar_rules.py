@@ -22,17 +22,17 @@ def test_the_state_is_what_the_rule_declares():
     assert scalar_state_shapes("lion", p) == {"step": (), "exp_avg": (2, 3)}
     for name, rule in SCALAR_RULES.items():
         b = torch.nn.Parameter(torch.ones(5))
-        opt = DMuon([{"params": [b], "algorithm": name}])
+        opt = DMuon([{"params": [b], "rule": name}])
         assert set(opt.state[b]) == set(rule.state_shapes(b)), name
 
 
 def test_a_group_takes_exactly_the_keys_its_scalar_rule_declares():
     for name, rule in SCALAR_RULES.items():
         b = torch.nn.Parameter(torch.ones(5))
-        group = DMuon([{"params": [b], "algorithm": name}]).param_groups[0]
+        group = DMuon([{"params": [b], "rule": name}]).param_groups[0]
         assert set(rule.options) <= set(group), name
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['eps'\] for algorithm 'lion'"):
-        DMuon([{"params": [torch.nn.Parameter(torch.ones(5))], "algorithm": "lion", "eps": 1e-8}])
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['eps'\] for rule 'lion'"):
+        DMuon([{"params": [torch.nn.Parameter(torch.ones(5))], "rule": "lion", "eps": 1e-8}])
 
 
 def test_the_adamw_rule_is_bitwise_torch_adamw():

@@ -32,7 +32,7 @@ def test_scion_matches_the_papers_update(constrained):
     weights = [torch.randn(m, n, dtype=torch.float64) for m, n in shapes]
     params = [torch.nn.Parameter(w.clone()) for w in weights]
     opt = DMuon(
-        [{"params": params, "algorithm": "scion"}],
+        [{"params": params, "rule": "scion"}],
         lr=lr,
         momentum=beta,
         nesterov=False,

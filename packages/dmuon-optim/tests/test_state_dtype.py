@@ -51,7 +51,7 @@ def _matrix_state(opt: DMuon) -> list[torch.Tensor]:
     return [
         v
         for g in opt.param_groups
-        if g["algorithm"] not in ("adamw", "lion")
+        if g["rule"] not in ("adamw", "lion")
         for p in g["params"]
         for k, v in opt.state[p].items()
         if k != "step"
@@ -89,7 +89,7 @@ def test_bf16_state_halves_the_matrix_state_bytes_and_keeps_scalar_state_fp32():
         return sum(t.numel() * t.element_size() for t in tensors)
 
     assert nbytes(_matrix_state(bf16)) * 2 == nbytes(_matrix_state(fp32)) > 0
-    scalars = [g for g in bf16.param_groups if g["algorithm"] == "adamw"]
+    scalars = [g for g in bf16.param_groups if g["rule"] == "adamw"]
     for p in scalars[0]["params"]:
         assert bf16.state[p]["exp_avg"].dtype == torch.float32
 

@@ -47,7 +47,7 @@ def test_a_group_value_edited_after_construction_is_checked_at_the_next_step(key
 def test_a_scalar_group_value_edited_after_construction_is_checked():
     model = _model()
     opt = DMuon(param_groups(model))
-    scalar = next(i for i, g in enumerate(opt.param_groups) if g["algorithm"] == "adamw")
+    scalar = next(i for i, g in enumerate(opt.param_groups) if g["rule"] == "adamw")
     opt.param_groups[scalar]["betas"] = (0.9, 1.5)
     model(torch.randn(3, 6)).sum().backward()
     with pytest.raises(ValueError, match=rf"param group {scalar}: betas"):

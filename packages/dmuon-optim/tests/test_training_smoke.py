@@ -54,7 +54,7 @@ def loss_ratio(rule: str, matrix_lr: float | None = None, **options) -> float:
     opt = DMuon(param_groups(model), lr=LR, rule=rule, adamw_lr=SCALAR_LR, **options)
     if matrix_lr is not None:
         for group in opt.param_groups:
-            if group["algorithm"] != "scalar":
+            if group["rule"] != "scalar":
                 group["lr"] = matrix_lr
 
     def full_loss() -> float:

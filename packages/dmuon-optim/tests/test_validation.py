@@ -28,7 +28,7 @@ def test_non_float_parameter_names_dtype_and_allowed_ones():
     with pytest.raises(ValueError, match=r"dtype torch.int64.*torch.float32"):
         DMuon([mat(3, 3), torch.zeros(3, 3, dtype=torch.int64)])
     with pytest.raises(ValueError, match=r"dtype torch.complex64"):
-        DMuon([{"params": [torch.zeros(3, dtype=torch.complex64)], "algorithm": "adamw"}])
+        DMuon([{"params": [torch.zeros(3, dtype=torch.complex64)], "rule": "adamw"}])
 
 
 @pytest.mark.parametrize("lr", [-1.0, -1e-9, float("nan"), float("inf")])
@@ -51,22 +51,22 @@ def test_momentum_outside_unit_interval(momentum):
 def test_unknown_rule_lists_the_rules():
     with pytest.raises(ValueError, match=r"unknown rule 'muonx'.*'normuon'"):
         DMuon([mat(3, 3)], rule="muonx")
-    with pytest.raises(ValueError, match=r"unknown algorithm 'sgd'.*'adamw', 'lion', 'scalar'"):
-        DMuon([{"params": [mat(3, 3)], "algorithm": "sgd"}])
+    with pytest.raises(ValueError, match=r"unknown rule 'sgd'.*'adamw', 'lion', 'scalar'"):
+        DMuon([{"params": [mat(3, 3)], "rule": "sgd"}])
 
 
 def test_unknown_group_key_is_named_with_the_accepted_ones():
     # a silently ignored `betas` on a Muon group is the trap this guards against
     with pytest.raises(
-        ValueError, match=r"unknown key\(s\) \['betas'\] for algorithm 'muon'.*'momentum'"
+        ValueError, match=r"unknown key\(s\) \['betas'\] for rule 'muon'.*'momentum'"
     ):
         DMuon([{"params": [mat(3, 3)], "betas": (0.9, 0.95)}])
     with pytest.raises(
-        ValueError, match=r"unknown key\(s\) \['momentum'\] for algorithm 'adamw'.*'betas'"
+        ValueError, match=r"unknown key\(s\) \['momentum'\] for rule 'adamw'.*'betas'"
     ):
-        DMuon([{"params": [mat(3)], "algorithm": "adamw", "momentum": 0.9}])
-    with pytest.raises(ValueError, match=r"\['eps'\] for algorithm 'lion'"):
-        DMuon([{"params": [mat(3)], "algorithm": "lion", "eps": 1e-8}])
+        DMuon([{"params": [mat(3)], "rule": "adamw", "momentum": 0.9}])
+    with pytest.raises(ValueError, match=r"\['eps'\] for rule 'lion'"):
+        DMuon([{"params": [mat(3)], "rule": "lion", "eps": 1e-8}])
 
 
 def test_rule_option_of_another_rule_is_refused():
@@ -75,9 +75,7 @@ def test_rule_option_of_another_rule_is_refused():
     ):
         DMuon([mat(3, 3)], rule="muon", beta2=0.9)
     # but accepted when some group runs a rule that takes it
-    opt = DMuon(
-        [{"params": [mat(3, 3)]}, {"params": [mat(2, 2)], "algorithm": "normuon"}], beta2=0.9
-    )
+    opt = DMuon([{"params": [mat(3, 3)]}, {"params": [mat(2, 2)], "rule": "normuon"}], beta2=0.9)
     assert opt.param_groups[1]["beta2"] == 0.9 and "beta2" not in opt.param_groups[0]
 
 
@@ -144,7 +142,7 @@ def test_parameter_in_two_groups():
 def test_changing_a_group_structure_after_construction_is_refused_at_step():
     p = mat(4, 4)
     opt = DMuon([p])
-    opt.param_groups[0]["algorithm"] = "normuon"
+    opt.param_groups[0]["rule"] = "normuon"
     p.grad = torch.randn(4, 4)
     with pytest.raises(RuntimeError, match="changed its structure"):
         opt.step()

@@ -77,7 +77,7 @@ class RankOutcome:
         when: ``time.time()`` when the rank raised, or when its death was noticed.
 
     Examples:
-        >>> RankOutcome(rank=1, status="died", exitcode=3).describe()
+        >>> RankOutcome(rank=1, status="died", exitcode=3).summary()
         'rank 1 died with exit code 3 before returning'
     """
 
@@ -89,7 +89,7 @@ class RankOutcome:
     exitcode: int | None = None
     when: float = 0.0
 
-    def describe(self) -> str:
+    def summary(self) -> str:
         """One line saying what happened, for error messages."""
         if self.status == "ok":
             return f"rank {self.rank} returned"
@@ -390,7 +390,7 @@ def _failure_message(
             )
             lines.append(f"  rank {o.rank} did not finish: {why}; killed")
         elif o.status != "ok":
-            lines.append(f"  {o.describe()}")
+            lines.append(f"  {o.summary()}")
     finished = [o.rank for o in outcomes if o.status == "ok"]
     if finished:
         lines.append(f"  ranks that returned normally: {finished}")

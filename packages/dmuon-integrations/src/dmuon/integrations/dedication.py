@@ -199,7 +199,7 @@ def build_dedication(
         )
         raise ValueError(
             f"parameter {name!r} is already a DTensor with placements "
-            f"{pl.describe()}: owner mode dedicates whole, plain matrices. "
+            f"{pl.summary()}: owner mode dedicates whole, plain matrices. "
             "If fully_shard() made it, dedicate() was called after fully_shard(): call "
             "dedicate(model, mesh) first, then "
             "fully_shard(model, mesh=mesh, ignored_params=ded.params), so FSDP2 leaves the "

@@ -59,6 +59,7 @@ from dmuon.integrations.dedication import build_dedication
 from dmuon.integrations.deepspeed_checkpoint import load_checkpoint, save_checkpoint
 from dmuon.integrations.deepspeed_optimizer import ZeroClientOptimizer, dmuon_of
 from dmuon.optim import RULES, SCALAR_ALGORITHMS, DMuon, clip_grad_norm_, param_groups
+from dmuon.optim.group_options import renamed_rule_key
 
 __all__ = [
     "SUPPORTED",
@@ -235,7 +236,7 @@ def initialize(
         mode: ``"replicated"`` (stage 0) or ``"owner"`` (stages 0, 1, 2); ``None``: the
             stage's default (:data:`SUPPORTED`: the first listed).
         groups: parameter groups (default :func:`dmuon.optim.param_groups`); groups
-            whose algorithm is a matrix rule go to DMuon, ``"scalar"``/``"adamw"``/
+            whose rule is a matrix rule go to DMuon, ``"scalar"``/``"adamw"``/
             ``"lion"`` groups to the scalar optimizer.
         dedicate_options: more arguments for the owner plan (``strategy``,
             ``layer_of``, ``stats``, ...; see :func:`dmuon.integrations.fsdp.dedicate`).
@@ -335,16 +336,21 @@ def _follow_accumulation_boundary(engine: Any, client: Any) -> None:
     exchange.reduction.set_sync_condition(at_boundary)
 
 
+def _renamed_rule_keys(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of ``groups`` with a deprecated ``"algorithm"`` key moved to ``"rule"``."""
+    return [renamed_rule_key(dict(g), f"param group {i}") for i, g in enumerate(groups)]
+
+
 def _matrix_ids(groups: list[dict[str, Any]], defaults: Mapping[str, Any]) -> set[int]:
-    """ids of the parameters of the groups whose algorithm is a matrix rule."""
+    """ids of the parameters of the groups whose rule is a matrix rule."""
     ids = set()
     for g in groups:
-        algorithm = g.get("algorithm", defaults["rule"])
+        algorithm = g.get("rule", defaults["rule"])
         if algorithm in RULES:
             ids |= {id(p) for p in g["params"]}
         elif algorithm not in (*SCALAR_ALGORITHMS, "scalar"):
             raise ValueError(
-                f"param group {g.get('name', '?')!r}: unknown algorithm {algorithm!r}; expected "
+                f"param group {g.get('name', '?')!r}: unknown rule {algorithm!r}; expected "
                 f"one of {sorted(RULES) + list(SCALAR_ALGORITHMS) + ['scalar']}"
             )
     return ids
@@ -357,6 +363,7 @@ def _owner_dmuon(
     dedicate_options: dict[str, Any],
 ) -> DMuon:
     """Stage 0, owner mode: DMuon as a DDP replacement (matrices owned, rest all-reduced)."""
+    groups = _renamed_rule_keys(groups)
     matrices = _matrix_ids(groups, _dmuon_defaults(dmuon_options))
     ded = ddp.dedicate(model, predicate=lambda _name, p: id(p) in matrices, **dedicate_options)
     return DMuon(groups, distributed=ded, **dmuon_options)
@@ -369,13 +376,14 @@ def _owner_client(
     dedicate_options: dict[str, Any],
 ) -> ZeroClientOptimizer:
     defaults = _dmuon_defaults(dmuon_options)
+    groups = _renamed_rule_keys(groups)
     matrices = _matrix_ids(groups, defaults)
     matrix_groups, scalar_groups = [], []
     for g in groups:  # (no empty groups here)
         if id(g["params"][0]) in matrices:
             matrix_groups.append(g)
         else:
-            algorithm = g.get("algorithm", defaults["rule"])
+            algorithm = g.get("rule", defaults["rule"])
             if algorithm == "scalar":
                 algorithm = defaults["scalar_optimizer"]
             scalar_groups.append(_scalar_group(g, algorithm, defaults))
@@ -408,7 +416,7 @@ def _scalar_group(
     # The same resolution as DMuon's: a group's own value, else adamw_* (lr: adamw_lr or lr).
     lr = defaults["lr"] if defaults["adamw_lr"] is None else defaults["adamw_lr"]
     out = dict(group)
-    out["algorithm"] = algorithm
+    out["rule"] = algorithm
     out.setdefault("lr", lr)
     out.setdefault("betas", defaults["adamw_betas"])
     out.setdefault("weight_decay", defaults["adamw_weight_decay"])

@@ -44,7 +44,7 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
     ``zero_grad`` only reaches its own parameters).
 
     Args:
-        groups: the scalar parameter groups: dicts with ``params``, ``algorithm``
+        groups: the scalar parameter groups: dicts with ``params``, ``"rule"``
             (``"adamw"`` or ``"lion"``), ``lr``, ``betas``, ``weight_decay`` and, for
             AdamW, ``eps``.
         dmuon: the :class:`~dmuon.optim.DMuon` (owner mode) stepping the matrices.
@@ -56,7 +56,7 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
             otherwise).
 
     Raises:
-        ValueError: a group with no parameters, an unknown algorithm, a missing or
+        ValueError: a group with no parameters, an unknown rule, a missing or
             bad hyperparameter (named).
 
     Examples:
@@ -64,7 +64,7 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
         >>> from dmuon.optim import DMuon
         >>> w, b = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.zeros(4))
         >>> opt = ZeroClientOptimizer(
-        ...     [{"params": [b], "algorithm": "adamw", "lr": 0.1, "betas": (0.9, 0.95),
+        ...     [{"params": [b], "rule": "adamw", "lr": 0.1, "betas": (0.9, 0.95),
         ...       "eps": 1e-8, "weight_decay": 0.0}],
         ...     DMuon([w], lr=0.02),
         ... )
@@ -114,7 +114,7 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
         """The same scalar rule step as DMuon's scalar groups (``dmuon.optim.stepping``)."""
         for p in group["params"]:
             if p.grad is not None:
-                self._state_of(p, group["algorithm"])
+                self._state_of(p, group["rule"])
         step_scalars(group, self.state)
 
     def _state_of(self, p: torch.Tensor, algorithm: str) -> dict[str, torch.Tensor]:
@@ -163,15 +163,13 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
 
 def _check_group(group: Mapping[str, Any], index: int) -> dict[str, Any]:
     where = f"scalar group {index}"
-    algorithm = group.get("algorithm")
+    algorithm = group.get("rule")
     if algorithm not in SCALAR_ALGORITHMS:
-        raise ValueError(
-            f"{where}: algorithm must be one of {SCALAR_ALGORITHMS}, got {algorithm!r}"
-        )
+        raise ValueError(f"{where}: rule must be one of {SCALAR_ALGORITHMS}, got {algorithm!r}")
     params = list(group.get("params", ()))
     if not params:
         raise ValueError(f"{where} has no parameters (drop empty groups)")
-    out: dict[str, Any] = {"params": params, "algorithm": algorithm}
+    out: dict[str, Any] = {"params": params, "rule": algorithm}
     options = get_scalar_rule(algorithm).options
     for key, option in options.items():
         if key not in group:

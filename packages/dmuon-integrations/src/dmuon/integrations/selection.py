@@ -43,7 +43,7 @@ def split_parameters(
     order = {id(p): k for k, (_, p) in enumerate(model.named_parameters())}
     entries = []
     for group in param_groups(model):
-        matrix = group.get("algorithm") != "scalar"
+        matrix = group.get("rule") != "scalar"
         for name, p in zip(group["param_names"], group["params"], strict=True):
             entries.append((order[id(p)], name, p, group if matrix else {}, matrix))
     for _, name, p, group, matrix in sorted(entries, key=lambda e: e[0]):

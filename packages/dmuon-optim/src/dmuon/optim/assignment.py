@@ -94,7 +94,7 @@ class ParamGroups(list):
         lines.append("")
         for g in self:
             n = sum(p.numel() for p in g["params"])
-            algo = g.get("algorithm", "(the rule)")
+            algo = g.get("rule", "(the rule)")
             lines.append(f"{g['name']}: {len(g['params'])} tensors, {n:,} elements, {algo}")
         return "\n".join(lines)
 
@@ -165,8 +165,8 @@ def param_groups(
     Groups: one matrix group per distinct (``flatten``, ``split_sizes``,
     ``num_heads``); a scalar group for embeddings and heads; a scalar group for
     norms, biases and scalars with ``weight_decay=0.0`` (unless
-    ``decay_norms_and_biases``). Matrix groups name no ``algorithm`` (they take
-    DMuon's ``rule``); scalar groups say ``algorithm="scalar"`` (DMuon's
+    ``decay_norms_and_biases``). Matrix groups name no ``"rule"`` (they take
+    DMuon's ``rule``); scalar groups say ``rule="scalar"`` (DMuon's
     ``scalar_optimizer``). Every group has ``param_names`` and a ``name``.
 
     Args:
@@ -243,7 +243,7 @@ def param_groups(
         scalar_key = ("scalar: embeddings and head",)
         small_key = ("scalar: norms, biases and scalars",)
         if force_scalar:
-            group = put(scalar_key, {"algorithm": "scalar"}, name, p)
+            group = put(scalar_key, {"rule": "scalar"}, name, p)
             reason = "scalar predicate"
         elif force_matrix:
             reason = "matrix predicate"
@@ -265,16 +265,16 @@ def param_groups(
                 if any(isinstance(m, _NORMS) for _, m in mods)
                 else f"{p.ndim}-D"
             )
-            group = put(small_key, {"algorithm": "scalar", **scalar_decay}, name, p)
+            group = put(small_key, {"rule": "scalar", **scalar_decay}, name, p)
             reason = f"{what} parameter"
         elif emb:
-            group = put(scalar_key, {"algorithm": "scalar"}, name, p)
+            group = put(scalar_key, {"rule": "scalar"}, name, p)
             reason = "embedding" + (" (tied with the output head)" if len(mods) > 1 else "")
         elif heads:
-            group = put(scalar_key, {"algorithm": "scalar"}, name, p)
+            group = put(scalar_key, {"rule": "scalar"}, name, p)
             reason = "output head"
         elif any(isinstance(m, _NORMS) for _, m in mods):
-            group = put(small_key, {"algorithm": "scalar", **scalar_decay}, name, p)
+            group = put(small_key, {"rule": "scalar", **scalar_decay}, name, p)
             reason = "norm parameter"
         elif any(isinstance(m, _CONVS) for m in is_weight_of):
             group = put(("matrix: conv", True), {"flatten": True}, name, p)
@@ -292,7 +292,7 @@ def param_groups(
                 e = mha[0].embed_dim
                 sizes = (e, e, e)
             if sizes is None and heads_n is None and not linear and not mha and "emb" in name:
-                group = put(scalar_key, {"algorithm": "scalar"}, name, p)
+                group = put(scalar_key, {"rule": "scalar"}, name, p)
                 reason = "2-D parameter named like an embedding"
             elif sizes is not None or heads_n is not None:
                 sizes_t = tuple(sizes) if sizes is not None else None
@@ -313,7 +313,7 @@ def param_groups(
             reason = f"{p.ndim}-D stack of matrices (last two dims)"
         assignments.append(Assignment(name, shape, group, reason))
 
-    groups = sorted(specs.values(), key=lambda g: (g.get("algorithm") == "scalar", g["name"]))
+    groups = sorted(specs.values(), key=lambda g: (g.get("rule") == "scalar", g["name"]))
     result = ParamGroups(groups, assignments)
     if verbose:
         print(result.summary())

@@ -1,16 +1,17 @@
 """Parameter groups of :class:`~dmuon.optim.DMuon`: their defaults, normalisation and checks.
 
-A group names its ``algorithm`` (a matrix rule of :data:`~dmuon.optim.RULES` or a
+A group names its ``"rule"`` (a matrix rule of :data:`~dmuon.optim.RULES` or a
 scalar optimizer of :data:`~dmuon.optim.SCALAR_ALGORITHMS`); every key it leaves
 out is filled from the constructor's arguments — for a rule option, the value the
 caller passed to ``DMuon(**rule_options)`` if any, else the rule's own default (a
 rule's default never overrides a caller's value). Every value is checked by its
 :class:`~dmuon.optim.hyperparameters.Option`, every parameter against what the
-algorithm can take, each error naming the group, the key or the parameter.
+rule can take, each error naming the group, the key or the parameter.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +31,14 @@ __all__ = [
     "check_distinct_params",
     "check_value",
     "param_name",
+    "renamed_rule_key",
     "structure_of",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # The structural keys a group's buckets depend on; changing them after construction
 # would silently mismatch the state, so step() refuses.
-STRUCTURE = ("algorithm", "flatten", "split_sizes", "num_heads", "state_dtype")
+STRUCTURE = ("rule", "flatten", "split_sizes", "num_heads", "state_dtype")
 
 
 @dataclass
@@ -44,8 +46,8 @@ class GroupDefaults:
     """What a group that leaves keys out gets: the constructor's arguments, checked.
 
     Attributes:
-        rule: the matrix rule of groups that name no ``algorithm``.
-        scalar_optimizer: what ``algorithm="scalar"`` means (``"adamw"``/``"lion"``).
+        rule: the matrix rule of groups that name no ``"rule"``.
+        scalar_optimizer: what ``rule="scalar"`` means (``"adamw"``/``"lion"``).
         matrix: defaults of the keys every matrix rule takes (:data:`MATRIX_KEYS`).
         scalar: defaults of the scalar optimizers' keys (lr, betas, eps, weight_decay).
         rule_options: the caller's rule options (``DMuon(**rule_options)``).
@@ -111,7 +113,7 @@ class GroupDefaults:
 
     def torch_defaults(self) -> dict[str, Any]:
         """The ``defaults`` handed to ``torch.optim.Optimizer`` (the default rule's keys)."""
-        defaults = {"algorithm": self.rule, **self.matrix}
+        defaults = {"rule": self.rule, **self.matrix}
         for key, opt in get_rule(self.rule).options.items():
             defaults[key] = self.rule_options.get(key, opt.default)
         return defaults
@@ -120,11 +122,11 @@ class GroupDefaults:
         """Raise if a caller's rule option is taken by no rule of the groups."""
         used = set(MATRIX_KEYS) | set(get_rule(self.rule).options)
         for group in groups:
-            if group["algorithm"] in RULES:
-                used |= set(get_rule(group["algorithm"]).options)
+            if group["rule"] in RULES:
+                used |= set(get_rule(group["rule"]).options)
         unused = sorted(set(self.rule_options) - used)
         if unused:
-            rules_used = sorted({g["algorithm"] for g in groups} & set(RULES) | {self.rule})
+            rules_used = sorted({g["rule"] for g in groups} & set(RULES) | {self.rule})
             raise ValueError(
                 f"unknown option(s) {unused} for rule(s) {rules_used}; accepted options: "
                 f"{sorted(used)}"
@@ -146,30 +148,31 @@ class GroupDefaults:
             params = [p for _, p in params]
         group["params"] = params
         where = f"param group {index}"
-        algorithm = group.get("algorithm", self.rule)
-        if algorithm == "scalar":
-            algorithm = self.scalar_optimizer
-        accepted_algorithms = sorted(RULES) + list(SCALAR_ALGORITHMS) + ["scalar"]
-        if algorithm not in RULES and algorithm not in SCALAR_ALGORITHMS:
+        renamed_rule_key(group, where)
+        rule_name = group.get("rule", self.rule)
+        if rule_name == "scalar":
+            rule_name = self.scalar_optimizer
+        accepted_rules = sorted(RULES) + list(SCALAR_ALGORITHMS) + ["scalar"]
+        if rule_name not in RULES and rule_name not in SCALAR_ALGORITHMS:
             raise ValueError(
-                f"{where}: unknown algorithm {algorithm!r}; expected one of {accepted_algorithms}"
+                f"{where}: unknown rule {rule_name!r}; expected one of {accepted_rules}"
             )
-        group["algorithm"] = algorithm
-        keys = accepted_options(algorithm)
-        if algorithm in SCALAR_ALGORITHMS:
+        group["rule"] = rule_name
+        keys = accepted_options(rule_name)
+        if rule_name in SCALAR_ALGORITHMS:
             defaults = dict(self.scalar)
         else:
             defaults = dict(self.matrix)
-            for key, opt in get_rule(algorithm).options.items():
+            for key, opt in get_rule(rule_name).options.items():
                 defaults[key] = self.rule_options.get(key, opt.default)
         unknown = sorted(k for k in group if k not in keys and k not in BOOKKEEPING_KEYS)
-        if algorithm in SCALAR_ALGORITHMS and "max_momentum" in group and "momentum" in unknown:
+        if rule_name in SCALAR_ALGORITHMS and "max_momentum" in group and "momentum" in unknown:
             # OneCycleLR/CyclicLR(cycle_momentum=True) write "momentum" into every
             # group; it cycles the matrix groups' μ and is ignored by AdamW/Lion.
             unknown.remove("momentum")
         if unknown:
             raise ValueError(
-                f"{where}: unknown key(s) {unknown} for algorithm {algorithm!r}; accepted keys: "
+                f"{where}: unknown key(s) {unknown} for rule {rule_name!r}; accepted keys: "
                 f"{sorted(keys)} (and {sorted(BOOKKEEPING_KEYS)})"
             )
         for key, opt in keys.items():
@@ -182,12 +185,12 @@ class GroupDefaults:
             )
         names = group.get("param_names")
         for i, p in enumerate(params):
-            check_param(p, algorithm, group, param_name(names, i, index, p))
+            check_param(p, rule_name, group, param_name(names, i, index, p))
         return group
 
 
-def check_param(p: Any, algorithm: str, group: Mapping[str, Any], name: str) -> None:
-    """Raise unless ``algorithm`` can step ``p`` (a real float tensor; a rule: a matrix)."""
+def check_param(p: Any, rule_name: str, group: Mapping[str, Any], name: str) -> None:
+    """Raise unless ``"rule"`` can step ``p`` (a real float tensor; a rule: a matrix)."""
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{name} is a {type(p).__name__}; DMuon optimizes torch.Tensors")
     if p.dtype not in FLOAT_DTYPES:
@@ -195,7 +198,7 @@ def check_param(p: Any, algorithm: str, group: Mapping[str, Any], name: str) -> 
             f"{name} has dtype {p.dtype}; DMuon optimizes real floating-point parameters "
             f"({', '.join(str(d) for d in FLOAT_DTYPES)})"
         )
-    if algorithm in RULES:
+    if rule_name in RULES:
         matrix_layout(p, dict(group), name)
         # a dedicated weight freed on this rank (ZeRO-3-like) is one broadcast NaN;
         # another rank owns it, this one never updates it
@@ -228,11 +231,11 @@ def structure_of(group: Mapping[str, Any]) -> tuple[Any, ...]:
     return (*(group.get(k) for k in STRUCTURE), tuple(id(p) for p in group["params"]))
 
 
-def accepted_options(algorithm: str) -> Mapping[str, Any]:
-    """The keys a group of ``algorithm`` takes, each with its :class:`Option`."""
-    if algorithm in SCALAR_ALGORITHMS:
-        return dict(get_scalar_rule(algorithm).options)
-    return {**MATRIX_KEYS, **get_rule(algorithm).options}
+def accepted_options(rule_name: str) -> Mapping[str, Any]:
+    """The keys a group of ``"rule"`` takes, each with its :class:`Option`."""
+    if rule_name in SCALAR_ALGORITHMS:
+        return dict(get_scalar_rule(rule_name).options)
+    return {**MATRIX_KEYS, **get_rule(rule_name).options}
 
 
 def check_distinct_params(
@@ -255,3 +258,35 @@ def check_distinct_params(
                 f"{name} appears in more than one parameter group (it is already in "
                 f"param group {seen[id(p)]}); param_groups(model) assigns each parameter once"
             )
+
+
+def renamed_rule_key(group: dict[str, Any], where: str) -> dict[str, Any]:
+    """Move a group's deprecated ``"algorithm"`` key to ``"rule"`` in place (with a
+    ``FutureWarning``; the key is removed in 0.2) and return the group.
+
+    Raises:
+        ValueError: both keys are given and disagree (named).
+
+    Examples:
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     renamed_rule_key({"params": [], "algorithm": "scalar"}, "param group 0")
+        {'params': [], 'rule': 'scalar'}
+    """
+    if "algorithm" not in group:
+        return group
+    legacy = group.pop("algorithm")
+    if "rule" in group and group["rule"] != legacy:
+        raise ValueError(
+            f"{where}: 'rule'={group['rule']!r} and the deprecated 'algorithm'={legacy!r} "
+            "disagree; give 'rule' only"
+        )
+    warnings.warn(
+        f"{where}: the key 'algorithm' is deprecated and will be removed in 0.2; name the "
+        "group's rule with 'rule' (as the constructor's rule=)",
+        FutureWarning,
+        stacklevel=6,  # DMuon(...) → Optimizer.__init__ → add_param_group → normalize
+    )
+    group["rule"] = legacy
+    return group

@@ -52,7 +52,7 @@ class GroupRecord:
     @classmethod
     def of(cls, group: Mapping[str, Any], index: int) -> GroupRecord:
         """The record of a group just normalised (its values are checked)."""
-        options = accepted_options(group["algorithm"])
+        options = accepted_options(group["rule"])
         return cls(
             index,
             structure_of(group),
@@ -97,5 +97,5 @@ class GroupRecord:
                 continue
             if now is _MISSING:
                 raise ValueError(f"{where}: key {key!r} was removed after construction")
-            option = accepted_options(group["algorithm"])[key]
+            option = accepted_options(group["rule"])[key]
             group[key] = self.values[key] = check_value(key, now, option, where)

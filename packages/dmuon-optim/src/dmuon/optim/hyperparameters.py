@@ -327,7 +327,7 @@ BOOKKEEPING_KEYS = frozenset(
     {
         "params",
         "param_names",
-        "algorithm",
+        "rule",
         "name",
         "initial_lr",
         "max_lr",

@@ -122,7 +122,7 @@ def _flat_shape(shape: tuple[int, ...], flatten: bool | None, where: str) -> tup
         raise ValueError(
             f"{where} has shape {shape} ({len(shape)}-D); matrix rules take parameters with "
             "at least 2 dimensions. Put 0-D and 1-D parameters (biases, norms, scalars) in a "
-            "group with algorithm 'adamw' or 'lion' — dmuon.optim.param_groups(model) does this"
+            "group with rule 'adamw' or 'lion' — dmuon.optim.param_groups(model) does this"
         )
     if len(shape) == 2:
         return (1, shape[0], shape[1])

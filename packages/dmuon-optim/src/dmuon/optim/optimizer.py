@@ -39,7 +39,7 @@ __all__ = ["DMuon"]
 class DMuon(torch.optim.Optimizer):
     """Muon and its family of update rules, with AdamW or Lion for the scalar parameters.
 
-    Each parameter group carries an ``algorithm``: a matrix rule
+    Each parameter group carries an ``"rule"``: a matrix rule
     (``"muon"``, ``"normuon"``, ``"adamuon"``, ``"muon2"``, ``"mona"``, ``"musec"``,
     ``"sign_muon"``, ``"dion2"``, ``"dion3"``, ``"muonbp"``, ``"numuon"``, ``"scion"``; the
     default is ``rule``) or a scalar optimizer (``"adamw"``, ``"lion"``; the
@@ -77,7 +77,7 @@ class DMuon(torch.optim.Optimizer):
     Args:
         params: parameters, named parameters, or parameter groups (dicts).
         lr: learning rate of the matrix groups.
-        rule: the matrix rule of groups that name no ``algorithm``.
+        rule: the matrix rule of groups that name no ``"rule"``.
         momentum: μ ∈ [0, 1) (sum form, see :class:`~dmuon.optim.transforms.Momentum`).
         nesterov: use ``G + μM`` instead of ``M``.
         weight_decay: decoupled weight decay of the matrix groups (with the base lr).
@@ -96,7 +96,7 @@ class DMuon(torch.optim.Optimizer):
             :mod:`dmuon.optim.state_precision`.
         state_rounding: how low-precision state is rounded on write: ``"nearest"``
             (ties to even) or ``"stochastic"`` (unbiased, reproducible; bfloat16 only).
-        scalar_optimizer: ``"adamw"`` or ``"lion"``, for groups with ``algorithm="scalar"``.
+        scalar_optimizer: ``"adamw"`` or ``"lion"``, for groups with ``rule="scalar"``.
         adamw_lr: learning rate of the scalar groups (``None``: ``lr``).
         adamw_betas: their ``(β₁, β₂)``.
         adamw_eps: their ε (AdamW).
@@ -126,11 +126,11 @@ class DMuon(torch.optim.Optimizer):
             without either, errors name the step and the collective but not the rank.
         **rule_options: defaults of rule hyperparameters (e.g. ``beta2=0.9`` for
             NorMuon, ``fraction=0.5`` for Dion2, ``ns_compute_dtype="float32"``);
-            each must be accepted by ``rule`` or by a group's algorithm.
+            each must be accepted by ``rule`` or by a group's rule.
 
     Raises:
         ValueError: a bad hyperparameter, an unknown group key or rule, or a
-            parameter the group's algorithm cannot take (each error names it and
+            parameter the group's rule cannot take (each error names it and
             says what would be right).
 
     Attributes:
@@ -268,7 +268,7 @@ class DMuon(torch.optim.Optimizer):
 
         Raises:
             ValueError: unknown key (named, with the accepted ones), bad value, or a
-                parameter the group's algorithm cannot take.
+                parameter the group's rule cannot take.
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
@@ -366,7 +366,7 @@ class DMuon(torch.optim.Optimizer):
 
     def is_scalar(self, group: Mapping[str, Any]) -> bool:
         """Whether ``group`` is stepped by a scalar optimizer (AdamW/Lion), not a rule."""
-        return group["algorithm"] in SCALAR_ALGORITHMS
+        return group["rule"] in SCALAR_ALGORITHMS
 
     def step_matrices(
         self,

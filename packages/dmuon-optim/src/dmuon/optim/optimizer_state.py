@@ -43,7 +43,7 @@ def build_state(
     (none for a scalar group).
     """
     names = group.get("param_names")
-    algorithm = group["algorithm"]
+    algorithm = group["rule"]
     if algorithm in SCALAR_ALGORITHMS:
         for p in group["params"]:
             old = state.get(p, {})
@@ -133,18 +133,18 @@ def check_loaded_state(
         names = g.get("param_names")
         for i, p in enumerate(g["params"]):
             name = param_name(names, i, gi, p)
-            if g["algorithm"] in SCALAR_ALGORITHMS:
-                expected = scalar_state_shapes(g["algorithm"], p)
+            if g["rule"] in SCALAR_ALGORITHMS:
+                expected = scalar_state_shapes(g["rule"], p)
             else:
                 shard = on_shard is not None and on_shard(p)
                 split = split_of(p) if split_of is not None and shard else None
                 local: torch.Tensor = local_tensor(p) if shard else p
                 if split is not None and split.local_shape is not None:
                     local = torch.empty(split.local_shape, device="meta")
-                if split is not None and not get_rule(g["algorithm"]).splits:
+                if split is not None and not get_rule(g["rule"]).splits:
                     local = p  # a rule that needs the whole matrix keeps whole state
                 layout = matrix_layout(local, g, name)
-                expected = state_shapes(get_rule(g["algorithm"]), layout)
+                expected = state_shapes(get_rule(g["rule"]), layout)
             st = state.get(p)
             if st is None:
                 raise ValueError(
@@ -154,7 +154,7 @@ def check_loaded_state(
             surplus = sorted(set(st) - set(expected))
             if missing or surplus:
                 raise ValueError(
-                    f"state of {name} (algorithm {g['algorithm']!r}): missing key(s) "
+                    f"state of {name} (rule {g['rule']!r}): missing key(s) "
                     f"{missing}, unexpected key(s) {surplus}; expected {sorted(expected)}"
                 )
             for key, shape in expected.items():
@@ -245,7 +245,7 @@ def reload_scalar_state(
     if not isinstance(saved_groups, list) or not isinstance(saved_state, Mapping):
         return
     for live, saved in zip(groups, saved_groups, strict=False):
-        if live.get("algorithm") not in SCALAR_ALGORITHMS or not isinstance(saved, Mapping):
+        if live.get("rule") not in SCALAR_ALGORITHMS or not isinstance(saved, Mapping):
             continue
         for p, pid in zip(live["params"], saved.get("params", ()), strict=False):
             mine, theirs = state.get(p), saved_state.get(pid)

@@ -55,7 +55,7 @@ class Rule:
     """An update rule: a chain of transforms, and the hyperparameters the chain declares.
 
     Attributes:
-        name: the ``rule=`` / ``algorithm`` value.
+        name: the ``rule=`` value (a group's ``"rule"`` key).
         chain: the transforms, in order.
         defaults: this rule's own default for a key its chain declares (Muon²'s
             ``eps``, AdaMuon's ``sign`` switch); checked like any value. A caller's
@@ -322,9 +322,10 @@ RULES: dict[str, Rule] = {
         ),
     )
 }
-"""Every update rule by name (the ``rule=`` / ``algorithm`` values): ``muon``, ``normuon``,
-``adamuon``, ``muon2``, ``mona``, ``musec``, ``sign_muon``, ``dion2``, ``dion3``, ``muonbp``,
-``numuon``, ``scion``. Each is a :class:`Rule`; the Algorithms pages give their equations."""
+"""Every update rule by name (the values of ``rule=`` and of a group's ``"rule"`` key):
+``muon``, ``normuon``, ``adamuon``, ``muon2``, ``mona``, ``musec``, ``sign_muon``,
+``dion2``, ``dion3``, ``muonbp``, ``numuon``, ``scion``. Each is a :class:`Rule`; the
+Algorithms pages give their equations."""
 
 
 def get_rule(name: str) -> Rule:

@@ -234,7 +234,7 @@ class ScalarRule:
     """An elementwise optimizer for scalar parameters: its keys, its state, its step.
 
     Attributes:
-        name: the group's ``algorithm`` value.
+        name: the group's ``"rule"`` value.
         options: the group keys it reads (name → :class:`~dmuon.optim.hyperparameters.Option`);
             their defaults come from the ``DMuon`` constructor (``adamw_*``).
         buffers: its state buffers, each shaped like the parameter, of dtype
@@ -312,11 +312,11 @@ SCALAR_RULES: dict[str, ScalarRule] = {
         ),
     )
 }
-"""The scalar optimizers by name (the ``algorithm`` values of scalar groups): ``adamw``
+"""The scalar optimizers by name (the ``"rule"`` values of scalar groups): ``adamw``
 and ``lion``, each a :class:`ScalarRule`."""
 
 SCALAR_ALGORITHMS = tuple(SCALAR_RULES)
-"""The ``algorithm`` values a scalar group (embeddings, head, norms, biases) may take:
+"""The ``"rule"`` values a scalar group (embeddings, head, norms, biases) may take:
 AdamW (decoupled weight decay, Loshchilov & Hutter 2019) or Lion (Chen et al. 2023)."""
 
 
@@ -339,7 +339,7 @@ def get_scalar_rule(name: str) -> ScalarRule:
 
 
 def scalar_state_shapes(algorithm: str, param: torch.Tensor) -> dict[str, tuple[int, ...]]:
-    """The state keys of one parameter under ``algorithm`` and their shapes (declared by
+    """The state keys of one parameter under ``"rule"`` and their shapes (declared by
     its :class:`ScalarRule`).
 
     Examples:

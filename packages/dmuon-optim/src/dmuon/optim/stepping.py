@@ -140,7 +140,7 @@ def step_matrices(
     if not active:
         return
     torch._foreach_add_([state[p]["step"] for p in active.values()], 1.0)
-    rule = get_rule(group["algorithm"])
+    rule = get_rule(group["rule"])
     names = group.get("param_names")
     timings: dict[str, float] = {}
     for b in buckets:
@@ -180,7 +180,7 @@ def step_scalars(
     grads = [p.grad for p in params]
     if any(g.is_sparse for g in grads):  # type: ignore[union-attr]
         raise RuntimeError("DMuon does not support sparse gradients")
-    get_scalar_rule(group["algorithm"]).update(
+    get_scalar_rule(group["rule"]).update(
         params,
         grads,  # type: ignore[arg-type]
         [state[p] for p in params],

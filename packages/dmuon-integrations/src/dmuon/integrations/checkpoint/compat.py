@@ -42,7 +42,7 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint does not fit the model or optimizer it is loaded into.
 
     Raised on every rank before anything is changed. The message lists each
-    problem: a missing key, a shape that differs, a group whose rule (algorithm)
+    problem: a missing key, a shape that differs, a group whose rule
     or parameters differ.
 
     Attributes:
@@ -67,7 +67,7 @@ class CheckpointMismatchError(ValueError):
 
 def expected_state_shapes(h: Holding, group: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """The whole (global) shape of each optimizer state tensor of ``h``'s parameter."""
-    algorithm = group["algorithm"]
+    algorithm = group["rule"]
     if algorithm in RULES:
         layout = matrix_layout(h.param, dict(group), h.fqn)
         return state_shapes(get_rule(algorithm), layout)
@@ -125,10 +125,10 @@ def check_compatible(
         for h in holdings:
             by_group.setdefault(h.group_index, []).append(h.fqn)
         for gi, (saved, live) in enumerate(zip(groups, current, strict=True)):
-            if saved.get("algorithm") != live["algorithm"]:
+            if saved.get("rule") != live["rule"]:
                 problems.append(
-                    f"param group {gi} was saved with rule {saved.get('algorithm')!r}, the "
-                    f"optimizer runs {live['algorithm']!r}; build the optimizer with the rule "
+                    f"param group {gi} was saved with rule {saved.get('rule')!r}, the "
+                    f"optimizer runs {live['rule']!r}; build the optimizer with the rule "
                     "the checkpoint was trained with"
                 )
             names = list(saved.get("params") or [])

@@ -144,7 +144,7 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
             split = (
                 owner is not None
                 and engine.split_of(p) is not None
-                and get_rule(group["algorithm"]).splits
+                and get_rule(group["rule"]).splits
             )
             out.append(Holding(fqn, p, gi, owner, getattr(engine, "group", None), split))
     seen: dict[str, int] = {}

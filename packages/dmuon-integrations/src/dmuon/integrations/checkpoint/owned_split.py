@@ -53,7 +53,7 @@ def owner_shapes(optimizer: DMuon, h: Holding) -> dict[str, tuple[int, ...]]:
     shape = split.local_shape or tuple(local_tensor(h.param).shape)
     group = optimizer.param_groups[h.group_index]
     layout = matrix_layout(torch.empty(shape, device="meta"), dict(group), h.fqn)
-    return state_shapes(get_rule(group["algorithm"]), layout)
+    return state_shapes(get_rule(group["rule"]), layout)
 
 
 def _rows_here(h: Holding, rows: int) -> slice:

@@ -4,7 +4,7 @@
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``::
 
     {"state": {fqn: {"step": tensor, "momentum_buffer": tensor, ...}},
-     "param_groups": [{"lr": ..., "algorithm": "muon", ..., "params": [fqn, ...]}]}
+     "param_groups": [{"lr": ..., "rule": "muon", ..., "params": [fqn, ...]}]}
 
 with the same keys on every rank (DCP plans the save collectively). A tensor an
 owner holds whole is scattered from the owner into a ``Shard(0)`` DTensor over the

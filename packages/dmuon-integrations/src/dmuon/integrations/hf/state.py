@@ -153,7 +153,7 @@ def gather_full_state_dict(optimizer: Any) -> dict[str, Any]:
             if owner is None or idx not in sd["state"]:
                 continue  # stepped on every rank alike (AdamW on all-reduced gradients)
             name = names[i] if names is not None and i < len(names) else f"group{gi}.param{i}"
-            shapes = state_shapes(get_rule(group["algorithm"]), matrix_layout(p, group, name))
+            shapes = state_shapes(get_rule(group["rule"]), matrix_layout(p, group, name))
             st = sd["state"][idx]
             for key in sorted(shapes):
                 dtype = torch.float32 if key == "step" else p.dtype

@@ -41,7 +41,7 @@ class Stepper(Protocol):
     """What an engine needs from the optimizer it drives; :class:`~dmuon.optim.DMuon` is one.
 
     Attributes:
-        param_groups: the optimizer's parameter groups (each with its ``algorithm``).
+        param_groups: the optimizer's parameter groups (each with its ``"rule"``).
         sign_vote: the collective Sign-Muon's chain calls mid-step; an engine that
             votes across ranks (``sign`` mode) sets it when it binds.
 

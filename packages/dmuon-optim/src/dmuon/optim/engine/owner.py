@@ -42,9 +42,9 @@ class OwnerEngine(Engine):
         super().bind(stepper)
         ex = self.exchange
         for index, group in enumerate(stepper.param_groups):
-            if not stepper.is_scalar(group) and get_rule(group["algorithm"]).needs_collective:
+            if not stepper.is_scalar(group) and get_rule(group["rule"]).needs_collective:
                 raise ValueError(
-                    f"param group {index} uses rule {group['algorithm']!r}, which votes across "
+                    f"param group {index} uses rule {group['rule']!r}, which votes across "
                     "ranks on each rank's local gradient; a dedication reduces the gradients to "
                     "their owners, so there would be nothing to vote on. Drop the dedication and "
                     "use mode='sign' (train without DDP), or pick another rule for owner mode"

@@ -100,7 +100,7 @@ def collect_params(
     seen: dict[str, int] = {}
     for gi, group in enumerate(param_groups):
         names = group.get("param_names")
-        matrix = group["algorithm"] in RULES
+        matrix = group["rule"] in RULES
         for i, p in enumerate(group["params"]):
             if not p.requires_grad:
                 continue

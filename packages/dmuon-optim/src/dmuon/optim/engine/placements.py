@@ -89,7 +89,7 @@ class MatrixPlacement:
 
     Examples:
         >>> rowwise = MatrixPlacement("fc2.weight", ("Shard(dim=1)",), ("tp",), ((0, 1, False),))
-        >>> rowwise.describe(), rowwise.row_sharded
+        >>> rowwise.summary(), rowwise.row_sharded
         ("(Shard(dim=1),) on mesh dims ('tp',)", False)
         >>> supported_by(rowwise), supported_by(MatrixPlacement("fc1.weight"))
         (('single', 'replicated'), ('single', 'owner', 'replicated', 'sign'))
@@ -182,7 +182,7 @@ class MatrixPlacement:
         d = self.split_dim
         return self.stack and self.ndim > 2 and d is not None and d < self.ndim - 2
 
-    def describe(self) -> str:
+    def summary(self) -> str:
         """``(Shard(dim=0),) on mesh dims ('tp',)`` — what the errors print."""
         if not self.distributed:
             return "a plain tensor (no placements)"
@@ -233,7 +233,7 @@ def placement_of(p: torch.Tensor, name: str, stack: bool = False) -> MatrixPlace
 
     Examples:
         >>> import torch
-        >>> placement_of(torch.zeros(2, 2), "w").describe()
+        >>> placement_of(torch.zeros(2, 2), "w").summary()
         'a plain tensor (no placements)'
     """
     if not is_dtensor(p):
@@ -374,14 +374,14 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
                 else ""
             )
             raise ValueError(
-                f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), "
+                f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), "
                 f"which mode={mode!r} does not step; mode='single' does: each rank steps the "
                 "experts it holds, as one batch of whole matrices, with no gather (expert "
                 f"parallelism): pass mode='single'{sharded}"
             )
         if pl.sharded_split:
             raise ValueError(
-                f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), "
+                f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), "
                 f"which mode={mode!r} does not step; mode='sharded' does: its rows travel to "
                 "an owner over the data-parallel dimension, whose tensor-parallel row steps the "
                 "shards together (leave mode unset, or pass mode='sharded')"
@@ -389,21 +389,21 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
         if "sharded" in modes:
             also = "; mode='single' steps it on its shards" if "single" in modes else ""
             raise ValueError(
-                f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), "
+                f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), "
                 f"which mode={mode!r} does not step; mode='sharded' does: leave mode unset, "
                 "or dedicate the matrices (dmuon.integrations.fsdp.dedicate) and pass them to "
                 f"fully_shard(..., ignored_params=...){also}"
             )
         if modes:
             raise ValueError(
-                f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), "
+                f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), "
                 f"which mode={mode!r} does not step; mode='single' does, on the shards, with "
                 "the tensor-parallel Gram Newton–Schulz (no gather): pass mode='single', or "
                 "mode='replicated' with process_group= the data-parallel group of a dp × tp "
                 "mesh (owners over dp, each owner's tp row steps the shards)"
             )
         raise ValueError(
-            f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}); no "
+            f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}); no "
             f"execution mode of DMuon steps it yet (asked: mode={mode!r}), and orthogonalising "
             "its shard as if it were the whole matrix would be silently wrong. Supported: "
             "plain tensors (modes single, owner, replicated, sign); FSDP2 over tensor "

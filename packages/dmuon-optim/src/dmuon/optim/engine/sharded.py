@@ -66,7 +66,7 @@ def shard_group_of(p: torch.Tensor, name: str) -> tuple[Any, Any]:
         return p.device_mesh, pl.sharded_split_dims[0]  # type: ignore[attr-defined]
     if not pl.row_sharded:
         raise ValueError(
-            f"parameter {name!r} has placements {pl.describe()} ({pl.what()}); sharded mode "
+            f"parameter {name!r} has placements {pl.summary()} ({pl.what()}); sharded mode "
             "needs Shard(0) over exactly one mesh dimension and Replicate() over the others "
             "(FSDP2's row sharding, HSDP), or FSDP2 over tensor parallelism"
         )

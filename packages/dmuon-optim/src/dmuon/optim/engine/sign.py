@@ -37,11 +37,11 @@ class SignEngine(PlannedEngine):
     def bind(self, stepper: Stepper) -> None:
         super().bind(stepper)
         for g in stepper.param_groups:
-            if not stepper.is_scalar(g) and not get_rule(g["algorithm"]).needs_collective:
+            if not stepper.is_scalar(g) and not get_rule(g["rule"]).needs_collective:
                 raise ValueError(
                     f"mode='sign' needs a rule that votes across ranks (such as 'sign_muon') for "
                     f"every matrix group; param group {stepper.param_groups.index(g)} has "
-                    f"{g['algorithm']!r}. Use mode='owner' or 'replicated' for the other rules"
+                    f"{g['rule']!r}. Use mode='owner' or 'replicated' for the other rules"
                 )
 
         def vote(signs: torch.Tensor) -> torch.Tensor:

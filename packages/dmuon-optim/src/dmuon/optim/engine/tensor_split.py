@@ -218,7 +218,7 @@ def check_split_groups(params: Iterable[EngineParam], group: Any, mode: str) -> 
         if split & planning == {me}:
             continue
         raise ValueError(
-            f"matrix parameter {e.name!r} has placements {pl.describe()} ({pl.what()}), split "
+            f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), split "
             f"over ranks {sorted(split)}; mode={mode!r} plans owners over ranks "
             f"{sorted(planning)}, and the two must cross in this rank alone (owners over the "
             "data-parallel ranks, shards over the tensor-parallel ones). Pass "

@@ -322,7 +322,7 @@ def spec_from_module(model: torch.nn.Module, name: str = "module") -> ModelSpec:
     scalars: list[tuple[str, int]] = []
     for group in param_groups(model):
         names = group["param_names"]
-        scalar = group.get("algorithm") == "scalar"
+        scalar = group.get("rule") == "scalar"
         for n, p in zip(names, group["params"], strict=True):
             if scalar:
                 scalars.append((n, p.numel()))
