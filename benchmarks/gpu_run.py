@@ -14,16 +14,21 @@ own time limit:
 3. ``benchmarks/kernels.py``: each ``orthogonalize`` call at the CUDA shapes, standard
    vs Gram, against the dense GEMM rate;
 4. ``benchmarks/tp_gram.py``: Newton–Schulz of a tensor-parallel matrix per rank, the
-   Gram iteration on the shards against gather + Gram, at 4096×14336 split 2 and 4 ways.
+   Gram iteration on the shards against gather + Gram, at 4096×14336 split 2 and 4 ways;
+5. ``benchmarks/profile_ns.py --device cuda`` (full mode): where the GPU time of a
+   Newton–Schulz call and of the optimizer step at Llama-1B shapes goes, by operator
+   group, DMuon against ``torch.optim.Muon``;
+6. ``dmuon-plan --calibrate`` on CUDA (full mode): the GPU's device profile for the
+   planner (GEMM, Newton–Schulz on Llama-3.1-8B's shapes, AdamW's bandwidth).
 
 Everything lands in ``--out`` (default ``$OUT``, the folder the GPU tool returns, else
-``benchmarks/results/gpu-run``): the JSON and PNG of steps 1–3, the JSON of step 4 and
-``gpu-run.json`` (versions, each step's status, seconds and the tail of its output) —
-8 files, the GPU tool's limit. Full mode fits in 8.5 minutes, ``--quick`` in 3, so one rerun fits in
-a session's 15 minutes of device time.
+``benchmarks/results/gpu-run``): ``gpu-run.json`` (versions, each step's command,
+status, seconds and the tail of its output) and ``gpu-run-results.tar.gz`` holding every
+JSON and PNG the steps wrote (the GPU tool returns at most 8 files). Full mode fits in
+9 minutes, ``--quick`` in 3, so a quick rerun fits in a session's 15 minutes of device time.
 
     python benchmarks/gpu_run.py --prepare-wheels   # on the CPU machine, with network
-    python3 benchmarks/gpu_run.py                    # on the GPU machine (< 8.5 min)
+    python3 benchmarks/gpu_run.py                    # on the GPU machine (< 9 min)
     python3 benchmarks/gpu_run.py --quick            # < 3 min
     python benchmarks/gpu_run.py --dry-run           # on a CPU: tiny shapes, Triton
                                                      # interpreter; catches import/API errors
@@ -46,6 +51,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from typing import Any
@@ -57,6 +63,7 @@ SOURCES = [ROOT / "packages" / f"dmuon-{p}" / "src" for p in ("kernels", "comm",
 WHEELS = ROOT / "benchmarks" / "gpu-wheels"
 WHEELS_LIMIT = 60 * 2**20  # the GPU tool carries 64 MiB in all
 TAIL = 4000  # characters of each step's output kept in gpu-run.json
+BUNDLE = "gpu-run-results.tar.gz"  # every step's JSON and PNG, in one file
 # (import name, distribution): what the steps need beyond torch and triton. Missing ones
 # come from the wheels folder; matplotlib only draws the PNGs, rich only the tables.
 NEEDED = [
@@ -76,14 +83,19 @@ IMAGE_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2
 def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
     """(name, command, time limit in seconds) of each step for ``mode``.
 
-    The limits add up to 505 s (full) and 175 s (quick): under the 8 and 3 minutes the
+    The limits add up to 520 s (full) and 175 s (quick): under the 8 and 3 minutes the
     GPU tool's budget leaves for one rerun. ``dry-run`` runs the same steps on a CPU at
     tiny sizes.
     """
     py = sys.executable
     b = ROOT / "benchmarks"
     o = ["--out", str(out)]
-    tp = [*o, "--no-plot"]  # 8 files in all: the GPU tool's limit
+    tp = [*o, "--no-plot"]
+    # the planner calibrates Newton–Schulz on a model's shapes: Llama-3.1-8B's on the GPU,
+    # GPT-2's in the dry run (8B's 4096×14336 takes minutes per call on a CPU)
+    model = "gpt2" if mode == "dry-run" else "llama-3.1-8b"
+    plan = [py, "-m", "dmuon.optim.planner", model, "--calibrate-world", "0"]
+    cpu, gpu = ("--calibrate-device", "cpu"), ("--calibrate-device", "cuda")
     if mode == "dry-run":
         return [
             ("gpu_check", [py, str(b / "gpu_check.py"), "--dry-run", "--budget", "240", *o], 300),
@@ -94,6 +106,12 @@ def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
             ),
             ("kernels", [py, str(b / "kernels.py"), "--dry-run", "--device", "cpu", *o], 120),
             ("tp_gram", [py, str(b / "tp_gram.py"), "--dry-run", "--device", "cpu", *tp], 60),
+            ("profile", [py, str(b / "profile_ns.py"), "--dry-run", *o], 120),
+            (
+                "calibrate",
+                [*plan, "--calibrate", str(out / "plan-profile-cpu.json"), *cpu, "--json"],
+                120,
+            ),
         ]
     if mode == "quick":
         return [
@@ -103,10 +121,16 @@ def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
             ("tp_gram", [py, str(b / "tp_gram.py"), "--min-run-time", "0.1", *tp], 20),
         ]
     return [
-        ("gpu_check", [py, str(b / "gpu_check.py"), "--budget", "270", *o], 300),
-        ("step_single", [py, str(b / "step.py"), "--single", *o], 120),
+        ("gpu_check", [py, str(b / "gpu_check.py"), "--budget", "220", *o], 250),
+        ("step_single", [py, str(b / "step.py"), "--single", *o], 100),
         ("kernels", [py, str(b / "kernels.py"), "--min-run-time", "0.3", *o], 60),
         ("tp_gram", [py, str(b / "tp_gram.py"), "--min-run-time", "0.3", *tp], 25),
+        ("profile", [py, str(b / "profile_ns.py"), "--device", "cuda", "--repeats", "3", *o], 45),
+        (
+            "calibrate",
+            [*plan, "--calibrate", str(out / "plan-profile-cuda.json"), *gpu, "--json"],
+            40,
+        ),
     ]
 
 
@@ -198,13 +222,28 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     summary["seconds"] = round(time.monotonic() - started, 1)
+    summary["bundle"] = bundle(out)
     (out / "gpu-run.json").write_text(json.dumps(summary, indent=1))
     print(f"\n{mode}: {summary['seconds']} s")
     for s in summary["steps"]:
         print(f"  {s['name']:<12} {s['status']:<24} {s['seconds']:>7.1f} s")
-    files = sorted(p.name for p in out.iterdir() if p.is_file())
-    print(f"{len(files)} files in {out}: {', '.join(files)}")
+    print(f"{BUNDLE} in {out}: {', '.join(summary['bundle'])}")
     return 0 if all(s["status"] == "ok" for s in summary["steps"]) else 1
+
+
+def bundle(out: pathlib.Path) -> list[str]:
+    """Pack every result file in ``out`` into one ``BUNDLE`` tarball (and remove the
+    files): the GPU tool returns at most 8 files, and the steps write more. Returns the
+    names packed."""
+    files = sorted(p for p in out.iterdir() if p.is_file() and p.name != BUNDLE)
+    if not files:
+        return []
+    with tarfile.open(out / BUNDLE, "w:gz") as tar:
+        for f in files:
+            tar.add(f, arcname=f.name)
+    for f in files:
+        f.unlink()
+    return [f.name for f in files]
 
 
 def run_step(

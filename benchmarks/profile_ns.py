@@ -17,8 +17,16 @@ Prints one table per case and writes ``benchmarks/results/profile-<device>.json`
 Times are medians of interleaved repeats with one torch thread; nothing asserts on
 them.
 
+``--device cuda`` profiles on the GPU: operator groups are summed from the CUDA
+kernels' self time (``self_device_time_total``), the optimizer steps run on the
+Llama-3.2-1B weight shapes of ``benchmarks/step.py`` (16 layers, 112 matrices, bf16
+Newton–Schulz), one optimizer at a time, and each case also records how many kernels
+it launched. That is the breakdown of the gap between DMuon and ``torch.optim.Muon``
+on large matrices (``benchmarks/gpu_run.py`` runs it).
+
     python benchmarks/profile_ns.py              # ~5 minutes on 2 shared cores
     python benchmarks/profile_ns.py --quick
+    python benchmarks/profile_ns.py --device cuda   # on a GPU, < 1 minute
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.*` importable
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.metrics import machine_info  # noqa: E402
-from benchmarks.step import TorchMuonFP32, ns_dtype  # noqa: E402
+from benchmarks.step import LLAMA1B, TINY, Config, TorchMuonFP32, ns_dtype  # noqa: E402
 from dmuon.kernels import orthogonalize  # noqa: E402
 from dmuon.optim import DMuon  # noqa: E402
 
@@ -87,55 +95,79 @@ def group_of(name: str) -> str:
     return "other"
 
 
-def breakdown(fn: Callable[[], Any], repeats: int) -> dict[str, Any]:
-    """Median wall time of ``fn`` and the profiled self-time of its operators by group."""
-    fn()
+def breakdown(fn: Callable[[], Any], repeats: int, device: str = "cpu") -> dict[str, Any]:
+    """Median wall time of ``fn`` and the profiled self-time of its operators by group
+    (CPU operators' self time on a CPU; CUDA kernels' self time, by the operator that
+    launched them, on a GPU)."""
+    cuda = device == "cuda"
+
+    def run() -> None:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+
+    run()
     walls = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
+        run()
         walls.append(time.perf_counter() - t0)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        run()
     groups: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     for event in prof.key_averages():
         if not event.key.startswith("aten::"):
             continue
         g = group_of(event.key)
-        groups[g] += event.self_cpu_time_total / 1e3  # ms
+        self_us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        groups[g] += self_us / 1e3  # ms
         calls[event.key.removeprefix("aten::")] += event.count
     total = sum(groups.values())
-    return {
+    out: dict[str, Any] = {
         "wall_ms": statistics.median(walls) * 1e3,
         "profiled_ms": total,
         "groups_ms": dict(groups),
         "calls": dict(sorted(calls.items(), key=lambda kv: -kv[1])),
     }
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        out["cuda_kernels"] = len(kernels)
+        out["device_ms"] = sum(e.self_device_time_total for e in kernels) / 1e3
+    return out
 
 
-def ns_cases(shapes, dtype: torch.dtype, repeats: int) -> list[dict[str, Any]]:
+def ns_cases(shapes, dtype: torch.dtype, repeats: int, device: str = "cpu") -> list[dict[str, Any]]:
     out = []
     for m, n in shapes:
-        G = torch.randn(m, n, generator=torch.Generator().manual_seed(0))
+        G = torch.randn(m, n, generator=torch.Generator().manual_seed(0)).to(device)
         for method in ("standard", "gram"):
             r = breakdown(
                 lambda G=G, method=method: orthogonalize(
                     G, method=method, compute_dtype=dtype, backend="torch"
                 ),
                 repeats,
+                device,
             )
             out.append({"case": f"orthogonalize {method} {m}x{n}", **r})
     return out
 
 
-def step_cases(dtype: torch.dtype, repeats: int, quick: bool) -> list[dict[str, Any]]:
-    width = 192 if quick else 384  # the issue's GPT of width 384, 4 layers: 16 matrices
-    shapes = [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * 4
+def step_cases(
+    dtype: torch.dtype, repeats: int, quick: bool, device: str = "cpu", dry_run: bool = False
+) -> list[dict[str, Any]]:
+    if device == "cuda" or dry_run:
+        cfg = Config("tiny", 2, TINY) if dry_run else Config("llama-1b", 16, LLAMA1B)
+        shapes, label = cfg.shapes(), f"{len(cfg.shapes())} matrices of {cfg.name}"
+    else:
+        width = 192 if quick else 384  # the issue's GPT of width 384, 4 layers: 16 matrices
+        shapes = [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * 4
+        label = f"{len(shapes)} matrices of width {width}"
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in shapes]
+    params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(device)) for s in shapes]
     for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
+        p.grad = torch.randn(p.shape, generator=gen).to(device)
     name = str(dtype).removeprefix("torch.")
     makers: dict[str, Callable[[], torch.optim.Optimizer]] = {
         "torch.optim.Muon": lambda: torch.optim.Muon(params, lr=0.02, adjust_lr_fn="original"),
@@ -151,43 +183,57 @@ def step_cases(dtype: torch.dtype, repeats: int, quick: bool) -> list[dict[str, 
     if dtype == torch.float32:
         makers["torch.optim.Muon"] = lambda: TorchMuonFP32(params, lr=0.02, adjust_lr_fn="original")
     out = []
-    for label, make in makers.items():
+    for case, make in makers.items():
         opt = make()
-        r = breakdown(opt.step, repeats)
-        out.append({"case": f"step {label}, {len(shapes)} matrices of width {width}", **r})
+        r = breakdown(opt.step, repeats, device)
+        out.append({"case": f"step {case}, {label}", **r})
+        del opt
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     cols = ["products", "norms", "casts/copies", "stack/unstack", "elementwise", "other"]
-    print(f"{'case':<62} {'wall ms':>8} " + " ".join(f"{c[:12]:>12}" for c in cols))
+    print(f"{'case':<62} {'wall ms':>8} " + " ".join(f"{c[:12]:>12}" for c in cols) + " kernels")
     for r in rows:
         total = r["profiled_ms"] or 1.0
         shares = " ".join(f"{100 * r['groups_ms'].get(c, 0.0) / total:>11.1f}%" for c in cols)
-        print(f"{r['case']:<62} {r['wall_ms']:>8.1f} {shares}")
+        print(f"{r['case']:<62} {r['wall_ms']:>8.1f} {shares} {r.get('cuda_kernels', '')}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes, one repeat (CI)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--shared-machine", action="store_true", help="record a shared machine")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    dtype = ns_dtype("cpu")
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    elif not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device")
+    dtype = ns_dtype(args.device)
+    repeats = 1 if args.dry_run else args.repeats
+    shapes = QUICK_SHAPES if args.quick or args.dry_run else SHAPES
+    if args.device == "cuda" and not args.dry_run:
+        shapes = [(2048, 8192), (4096, 14336)]
     load_before = os.getloadavg()[0]
-    rows = ns_cases(QUICK_SHAPES if args.quick else SHAPES, dtype, args.repeats)
-    rows += step_cases(dtype, args.repeats, args.quick)
+    rows = ns_cases(shapes, dtype, repeats, args.device)
+    rows += step_cases(dtype, repeats, args.quick, args.device, args.dry_run)
     print_table(rows)
     meta = {
-        **machine_info("cpu"),
+        **machine_info(args.device),
         "dtype": str(dtype).removeprefix("torch."),
         "shared_machine": args.shared_machine,
         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / ("profile-cpu" + ("-quick" if args.quick else "") + ".json")
+    stem = f"profile-{args.device}" + ("-quick" if args.quick else "")
+    stem += "-dry-run" if args.dry_run else ""
+    path = args.out / f"{stem}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"wrote {path}")
     return 0
