@@ -9,7 +9,8 @@ CPU is:
 * the container built on a model with torchtitan's layout and FQNs (token
   embedding, fused ``wqkv``, SwiGLU ``w1/w2/w3``, RMSNorms, ``lm_head``), the
   feed-forward split over ``tp`` and every layer sharded by FSDP2 over ``dp``, on
-  4 gloo ranks (dp 2 × tp 2): three clipped steps equal one process;
+  4 gloo ranks (dp 2 × tp 2): three steps clipped by the container's
+  ``clip_grad_norm_`` equal one process clipped by its ``max_norm``;
 * a DCP round trip through the container, as torchtitan's checkpointer does it (the
   container is a ``Stateful`` in the state dict): saved on dp 2 × tp 2, loaded on
   plain FSDP2 at world 2, the next step equals one process's;
@@ -123,9 +124,17 @@ def train(model, container, steps, rows=slice(None)):
 
 
 def one_process() -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The reference, clipped by the container's own ``max_norm`` in ``step``."""
     model = TitanShaped()
-    container = dmuon_optimizer(mode="single", split_sizes=SPLIT, **OPT).build(model_parts=[model])
-    norms = train(model, container, range(STEPS))
+    config = dmuon_optimizer(mode="single", split_sizes=SPLIT, **OPT)
+    config.max_norm = CLIP
+    container = config.build(model_parts=[model])
+    norms = []
+    for t in range(STEPS):
+        loss_of(model, *batch(t)).backward()
+        container.step()
+        container.zero_grad()
+        norms.append(float(container.last_grad_norm))
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 

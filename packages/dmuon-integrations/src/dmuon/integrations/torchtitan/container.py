@@ -18,7 +18,8 @@ container class itself is the extension point, chosen by its ``Config`` in a
 * saves and loads through DMuon's sharded state
   (:mod:`~dmuon.integrations.torchtitan.state`), so torchtitan's DCP checkpointer
   reshards it;
-* clips with :func:`dmuon.optim.clip_grad_norm_` (:meth:`clip_grad_norm_`).
+* clips with :func:`dmuon.optim.clip_grad_norm_` (:meth:`clip_grad_norm_`, or in
+  :meth:`step` when ``Config.max_norm`` is set).
 """
 
 from __future__ import annotations
@@ -82,7 +83,16 @@ class DMuonOptimizersContainer(OptimizersContainer):
         """With no ``param_groups``: ``{regex: sizes}`` for fused projections, passed to
         :func:`dmuon.optim.param_groups` (torchtitan's fused ``wqkv``: q, k, v sizes)."""
 
+        max_norm: float | None = None
+        """Clip the gradients to this global norm with :func:`dmuon.optim.clip_grad_norm_`
+        at the start of every :meth:`step` (``None``: no clipping here). torchtitan's
+        trainer clips with its own function first (``training.max_norm``), which is
+        right for DTensor gradients (``sharded``); for a mode whose gradients are not
+        complete DTensors, set ``training.max_norm`` to ``inf`` and this instead."""
+
     dmuon: DMuon
+    last_grad_norm: torch.Tensor | None
+    """The norm :attr:`Config.max_norm` clipping measured at the last :meth:`step`."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         if len(model_parts) != 1:
@@ -100,6 +110,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
         except (TypeError, ValueError) as err:
             raise type(err)(f"torchtitan optimizer config for DMuon: {err}") from err
         self.dmuon = optimizer
+        self.max_norm = config.max_norm
+        self.last_grad_norm = None
         self.optimizers = [optimizer]
         self.model_parts = model_parts
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -137,6 +149,14 @@ class DMuonOptimizersContainer(OptimizersContainer):
         gradients, which a trainer may keep using).
         """
         return clip_grad_norm_(self.dmuon, max_norm, norm_type)
+
+    def step(self, closure: Any = None) -> None:
+        """Clip (when :attr:`Config.max_norm` is set), then step DMuon."""
+        if closure is not None:
+            raise ValueError("closure: DMuonOptimizersContainer.step takes no closure")
+        if self.max_norm is not None:
+            self.last_grad_norm = self.clip_grad_norm_(self.max_norm)
+        self.dmuon.step()
 
     def state_dict(self) -> dict[str, Any]:
         """DMuon's sharded state (``{"state": {fqn: …}, "param_groups": […]}``), the
