@@ -240,6 +240,10 @@ def test_container_on_torchtitans_llama3_debug_model():
     assert groups["norm.weight"] == "adamw"
     assert groups["layers.0.attention.qkv_linear.wqkv.weight"] == "muon"
     assert groups["layers.1.feed_forward.w2.weight"] == "muon"
+    split = {
+        n: g.get("split_sizes") for g in container.dmuon.param_groups for n in g["param_names"]
+    }
+    assert tuple(split["layers.1.attention.qkv_linear.wqkv.weight"]) == (256, 256, 256)
     state = container.state_dict()
     assert set(state["state"]) == set(groups), sorted(set(groups) ^ set(state["state"]))
     assert sorted(state["state"]["layers.0.feed_forward.w1.weight"]) == [
@@ -265,6 +269,9 @@ def test_bad_torchtitan_config_keys_are_named():
     assert "'AdamW'" in message and "param_groups[0]" in message, message
     typo = [ParamGroupConfig(pattern=".*", optimizer_name="DMuon", optimizer_kwargs={"lrr": 1})]
     assert "'lrr'" in error(build(param_groups=typo))
+    assert "max_norm" in error(build(max_norm=0.0))
+    container = DMuonOptimizersContainer.Config(mode="single").build(model_parts=[model])
+    assert "closure" in error(lambda: container.step(lambda: 0.0))
     assert "model_parts" in error(
         lambda: DMuonOptimizersContainer.Config().build(model_parts=[model, model])
     )

@@ -56,7 +56,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
     Raises:
         ValueError: several model parts, a ``ParamGroupConfig`` naming another
-            optimizer, or a key DMuon does not accept (the error names it).
+            optimizer, a key DMuon does not accept (the error names it), or
+            ``max_norm`` ≤ 0.
 
     Examples:
         >>> import torch
@@ -102,6 +103,11 @@ class DMuonOptimizersContainer(OptimizersContainer):
                 "not supported)"
             )
         check_constructor_kwargs(config.dmuon, "DMuonOptimizersContainer.Config.dmuon")
+        if config.max_norm is not None and not config.max_norm > 0:
+            raise ValueError(
+                f"DMuonOptimizersContainer.Config.max_norm must be > 0 (or None: no "
+                f"clipping), got {config.max_norm!r}"
+            )
         model = model_parts[0]
         groups = self._dmuon_groups(config, model)
         kwargs = {"mode": config.mode, **config.dmuon}
