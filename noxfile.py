@@ -53,6 +53,10 @@ LOCAL_DEPS = {
     "integrations": ("kernels", "comm", "optim", "integrations"),
 }
 TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
+# The [torchtitan] extra pulls torchtitan's trainer dependencies; CI installs the package
+# alone and what `torchtitan.components.optimizer` and `torchtitan.models` import.
+TORCHTITAN_NO_DEPS = ("torchtitan==0.3.0", "spmd_types==0.2.3")
+TORCHTITAN_IMPORT_DEPS = ("tyro>=1.0.17",)
 
 nox.options.sessions = [
     "lint",
@@ -114,6 +118,11 @@ def integration(session: nox.Session) -> None:
     # [hf]: transformers and accelerate for test_hf_trainer; [deepspeed,lightning]:
     # test_deepspeed.py and test_lightning.py (real clients, installed through the extras).
     install_local(session, PACKAGES, {"integrations": "hf,deepspeed,lightning"})
+    # torchtitan for test_torchtitan.py, without its trainer's dependencies (datasets,
+    # wandb, tensorboard, ...: hundreds of MB): its optimizer container and models import
+    # with spmd_types and tyro alone (checked with torchtitan 0.3.0, torch 2.13).
+    session.install(*CONSTRAINTS, "--no-deps", *TORCHTITAN_NO_DEPS)
+    session.install(*CONSTRAINTS, *TORCHTITAN_IMPORT_DEPS)
     # matplotlib and rich: test_train_harness runs benchmarks/train.py end to end.
     session.install(*CONSTRAINTS, *TEST_TOOLS, "matplotlib>=3.8", "rich>=13")
     session.run(

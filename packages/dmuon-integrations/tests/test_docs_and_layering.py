@@ -26,8 +26,18 @@ MODULES += sorted(
     else "dmuon.integrations." + ".".join(path.relative_to(_ROOT).with_suffix("").parts)
     for path in _ROOT.glob("*/**/*.py")
 )
-# Optional dependencies of the extras ([hf], [deepspeed], [lightning]).
-OPTIONAL = {"transformers", "accelerate", "deepspeed", "lightning"}
+# Optional dependencies of the extras ([hf], [deepspeed], [lightning], [torchtitan]); the
+# torchtitan recipes also need its trainer's (datasets, tensorboard, ...), not in the extra.
+OPTIONAL = {
+    "transformers",
+    "accelerate",
+    "deepspeed",
+    "lightning",
+    "torchtitan",
+    "torchdata",
+    "tensorboard",
+    "datasets",
+}
 
 
 @pytest.mark.parametrize("name", MODULES)

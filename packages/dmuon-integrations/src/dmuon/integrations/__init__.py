@@ -15,6 +15,8 @@
   it explicitly, it needs ``transformers`` (``pip install "dmuon-optim[hf]"``).
 * :mod:`dmuon.integrations.lightning` — Lightning: ``DMuonStrategy`` (owner mode instead of
   the DDP wrapper, whole checkpoints); import it explicitly, it needs ``lightning``.
+* :mod:`dmuon.integrations.torchtitan` — torchtitan: ``DMuonOptimizersContainer`` (its
+  optimizer container with DMuon inside); import it explicitly, it needs ``torchtitan``.
 
 Stock DDP and stock FSDP2 need nothing from here: ``DMuon(..., mode="replicated")``
 and DTensor parameters (``sharded`` mode) are handled by :mod:`dmuon.optim`.

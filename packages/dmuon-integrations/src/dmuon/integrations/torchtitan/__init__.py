@@ -1,0 +1,18 @@
+"""torchtitan: DMuon as a torchtitan optimizer container (extra ``[torchtitan]``).
+
+* :class:`DMuonOptimizersContainer` — a subclass of torchtitan's
+  ``OptimizersContainer`` with its own ``Config``: DMuon built from the model part
+  torchtitan parallelised, its state saved and resharded by torchtitan's DCP
+  checkpointer, clipping by :func:`dmuon.optim.clip_grad_norm_`.
+* :func:`dmuon_optimizer` — a ``DMuonOptimizersContainer.Config`` for a
+  ``Trainer.Config``.
+* :mod:`dmuon.integrations.torchtitan.recipes` — debug-size Llama 3 and DeepSeek-V3
+  (MoE) trainer configs with DMuon, for ``--module dmuon.integrations.torchtitan.recipes``
+  (import it explicitly: it needs torchtitan's trainer dependencies).
+"""
+
+from dmuon.integrations.torchtitan.config import dmuon_optimizer
+from dmuon.integrations.torchtitan.container import DMuonOptimizersContainer
+from dmuon.integrations.torchtitan.options import IMPLEMENTATION_KEYS, OPTIMIZER_NAME
+
+__all__ = ["IMPLEMENTATION_KEYS", "OPTIMIZER_NAME", "DMuonOptimizersContainer", "dmuon_optimizer"]

@@ -1,0 +1,174 @@
+"""DMuon as a torchtitan optimizer: a subclass of torchtitan's ``OptimizersContainer``.
+
+torchtitan resolves ``ParamGroupConfig.optimizer_name`` through a closed table
+(``OptimizersContainer._resolve_optimizer_factory``: Adam, AdamW, DistMuon); the
+container class itself is the extension point, chosen by its ``Config`` in a
+``Trainer.Config`` (``optimizer=DMuonOptimizersContainer.Config(...)``). This one
+
+* builds one :class:`~dmuon.optim.DMuon` over the model part, from DMuon's own
+  grouping (:func:`dmuon.optim.param_groups`: matrices to the rule, embeddings, the
+  output head, norms and biases to DMuon's AdamW) or from torchtitan
+  ``ParamGroupConfig`` patterns whose ``optimizer_name`` is ``"DMuon"``;
+* takes the layout from the parameters themselves: after torchtitan's
+  ``parallelize_module`` on ``tp`` and FSDP2's ``fully_shard`` on ``dp`` they are
+  DTensors, and ``mode="sharded"`` (the default) steps them where they live;
+* drops the ``fused``/``foreach`` keys torchtitan adds to every group
+  (:mod:`~dmuon.integrations.torchtitan.options`) and refuses any key DMuon does
+  not take, naming it;
+* saves and loads through DMuon's sharded state
+  (:mod:`~dmuon.integrations.torchtitan.state`), so torchtitan's DCP checkpointer
+  reshards it;
+* clips with :func:`dmuon.optim.clip_grad_norm_` (:meth:`clip_grad_norm_`, or in
+  :meth:`step` when ``Config.max_norm`` is set).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torchtitan.components.optimizer import OptimizersContainer
+
+from dmuon.integrations.torchtitan.options import (
+    OPTIMIZER_NAME,
+    check_constructor_kwargs,
+    strip_implementation_keys,
+)
+from dmuon.integrations.torchtitan.state import container_state, load_container_state
+from dmuon.optim import DMuon, clip_grad_norm_, param_groups
+
+__all__ = ["DMuonOptimizersContainer"]
+
+
+class DMuonOptimizersContainer(OptimizersContainer):
+    """torchtitan's optimizer container holding one :class:`~dmuon.optim.DMuon`.
+
+    Build it as torchtitan does, ``config.build(model_parts=[model])``, after the
+    model has been parallelised (tensor parallel, FSDP2). ``step``, ``zero_grad``
+    and the step hooks are torchtitan's; the state dict is DMuon's sharded one.
+
+    Args:
+        config: :class:`DMuonOptimizersContainer.Config`.
+        model_parts: the model parts; exactly one (pipeline parallelism, several
+            parts per rank, is not supported).
+
+    Raises:
+        ValueError: several model parts, a ``ParamGroupConfig`` naming another
+            optimizer, a key DMuon does not accept (the error names it), or
+            ``max_norm`` ≤ 0.
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.integrations.torchtitan import DMuonOptimizersContainer
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> config = DMuonOptimizersContainer.Config(mode="single", dmuon={"lr": 0.02})
+        >>> opt = config.build(model_parts=[model])
+        >>> type(opt.dmuon).__name__, opt.dmuon.engine.mode
+        ('DMuon', 'single')
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        mode: str = "sharded"
+        """DMuon's execution mode (``sharded``: FSDP2 / tensor-parallel DTensor
+        parameters stepped where they live; ``single``: one process, or expert stacks
+        that live whole on their ranks; ``replicated``: DDP-replicated parameters)."""
+
+        dmuon: dict[str, Any] = field(default_factory=dict)
+        """Keyword arguments of :class:`~dmuon.optim.DMuon` (``lr``, ``rule``,
+        ``weight_decay``, ``adamw_lr``, rule options, …)."""
+
+        split_sizes: dict[str, list[int]] = field(default_factory=dict)
+        """With no ``param_groups``: ``{regex: sizes}`` for fused projections, passed to
+        :func:`dmuon.optim.param_groups` (torchtitan's fused ``wqkv``: q, k, v sizes)."""
+
+        max_norm: float | None = None
+        """Clip the gradients to this global norm with :func:`dmuon.optim.clip_grad_norm_`
+        at the start of every :meth:`step` (``None``: no clipping here). torchtitan's
+        trainer clips with its own function first (``training.max_norm``), which is
+        right for DTensor gradients (``sharded``); for a mode whose gradients are not
+        complete DTensors, set ``training.max_norm`` to ``inf`` and this instead."""
+
+    dmuon: DMuon
+    last_grad_norm: torch.Tensor | None
+    """The norm :attr:`Config.max_norm` clipping measured at the last :meth:`step`."""
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        if len(model_parts) != 1:
+            raise ValueError(
+                f"model_parts: DMuonOptimizersContainer takes one model part, got "
+                f"{len(model_parts)} (pipeline parallelism with several stages per rank is "
+                "not supported)"
+            )
+        check_constructor_kwargs(config.dmuon, "DMuonOptimizersContainer.Config.dmuon")
+        if config.max_norm is not None and not config.max_norm > 0:
+            raise ValueError(
+                f"DMuonOptimizersContainer.Config.max_norm must be > 0 (or None: no "
+                f"clipping), got {config.max_norm!r}"
+            )
+        model = model_parts[0]
+        groups = self._dmuon_groups(config, model)
+        kwargs = {"mode": config.mode, **config.dmuon}
+        try:
+            optimizer = DMuon(groups, **kwargs)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"torchtitan optimizer config for DMuon: {err}") from err
+        self.dmuon = optimizer
+        self.max_norm = config.max_norm
+        self.last_grad_norm = None
+        self.optimizers = [optimizer]
+        self.model_parts = model_parts
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._validate_params(params)
+        self._post_init(params)
+
+    def _dmuon_groups(self, config: Config, model: nn.Module) -> list[dict[str, Any]]:
+        """DMuon's groups: its own grouping, or the config's patterns (all ``"DMuon"``)."""
+        if not config.param_groups:
+            return list(param_groups(model, split_sizes=config.split_sizes or None))
+        if config.split_sizes:
+            raise ValueError(
+                "DMuonOptimizersContainer.Config.split_sizes applies to DMuon's own grouping; "
+                "with param_groups, put 'split_sizes' in that group's optimizer_kwargs"
+            )
+        for i, pg in enumerate(config.param_groups):
+            if pg.optimizer_name != OPTIMIZER_NAME:
+                raise ValueError(
+                    f"param_groups[{i}] (pattern {pg.pattern!r}): optimizer_name "
+                    f"{pg.optimizer_name!r}; DMuonOptimizersContainer steps every group "
+                    f"with DMuon: use {OPTIMIZER_NAME!r} (scalar parameters: "
+                    "optimizer_kwargs={'rule': 'scalar'})"
+                )
+            check_constructor_kwargs(pg.optimizer_kwargs, f"param_groups[{i}].optimizer_kwargs")
+        by_name, _ = self._build_param_groups(
+            model, config.param_groups, self._build_impl_kwargs(config)
+        )
+        return strip_implementation_keys(by_name[OPTIMIZER_NAME])
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by their global norm, DMuon's way; return the norm.
+
+        :func:`dmuon.optim.clip_grad_norm_` over the one DMuon: correct in every mode
+        (in ``sharded`` mode it equals torchtitan's own clipping of the DTensor
+        gradients, which a trainer may keep using).
+        """
+        return clip_grad_norm_(self.dmuon, max_norm, norm_type)
+
+    def step(self, closure: Any = None) -> None:
+        """Clip (when :attr:`Config.max_norm` is set), then step DMuon."""
+        if closure is not None:
+            raise ValueError("closure: DMuonOptimizersContainer.step takes no closure")
+        if self.max_norm is not None:
+            self.last_grad_norm = self.clip_grad_norm_(self.max_norm)
+        self.dmuon.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """DMuon's sharded state (``{"state": {fqn: …}, "param_groups": […]}``), the
+        same keys on every rank; collective. See :mod:`~dmuon.integrations.torchtitan.state`."""
+        return container_state(self.model_parts[0], self.dmuon)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what DCP read into :meth:`state_dict`'s tensors (at any world size)."""
+        load_container_state(self.model_parts[0], self.dmuon, state_dict)

@@ -1,0 +1,69 @@
+"""torchtitan trainer configs with DMuon, for ``--module dmuon.integrations.torchtitan.recipes``.
+
+torchtitan's ``ConfigManager`` imports ``--module`` (a fully qualified module path
+when it is not one of torchtitan's own) and calls the function named by
+``--config``::
+
+    torchrun --nproc_per_node 8 -m torchtitan.train \\
+        --module dmuon.integrations.torchtitan.recipes --config llama3_debugmodel_dmuon
+
+Each function is torchtitan's own debug recipe with the optimizer replaced by
+:func:`~dmuon.integrations.torchtitan.dmuon_optimizer` (``sharded`` mode; Muon on
+the matrices, DMuon's AdamW on embeddings, the output head and norms); every other
+setting (data, schedule, parallelism, checkpointing) is torchtitan's and is
+overridden on the command line as usual. Importing this module needs torchtitan's
+trainer and its dependencies (``datasets``, ``tensorboard``, ``torchdata``, …),
+which the ``[torchtitan]`` extra does not install: install torchtitan with its
+dependencies to train.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+from torchtitan.models.llama3.config_registry import llama3_debugmodel
+from torchtitan.trainer import Trainer
+
+from dmuon.integrations.torchtitan.config import dmuon_optimizer
+
+__all__ = ["deepseek_v3_debugmodel_dmuon", "llama3_debugmodel_dmuon", "qkv_split_sizes"]
+
+LR = 8e-4
+"""torchtitan's debug AdamW learning rate: DMuon's default ``adjust_lr="match_rms_adamw"``
+scales Muon's update to AdamW's RMS, so the same value serves both."""
+WEIGHT_DECAY = 0.1  # torchtitan's default_adamw
+
+
+def qkv_split_sizes(model_config: Any) -> dict[str, list[int]]:
+    """``{wqkv regex: [q, k, v] rows}`` of a Llama 3 config's fused ``wqkv`` (first
+    block's attention: ``n_heads``, ``n_kv_heads`` (default ``n_heads``), ``head_dim``
+    (default ``dim // n_heads``)), so Muon orthogonalises q, k and v separately."""
+    attention = model_config.layers[0].attention
+    heads = attention.n_heads
+    kv_heads = attention.n_kv_heads or heads
+    head_dim = attention.head_dim or attention.dim // heads
+    return {r"wqkv\.weight$": [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]}
+
+
+def llama3_debugmodel_dmuon() -> Trainer.Config:
+    """torchtitan's ``llama3_debugmodel`` trained with DMuon (Muon, sharded mode)."""
+    config = llama3_debugmodel()
+    assert config.model_spec is not None
+    config.optimizer = dmuon_optimizer(
+        LR,
+        weight_decay=WEIGHT_DECAY,
+        adamw_weight_decay=WEIGHT_DECAY,
+        split_sizes=qkv_split_sizes(config.model_spec.model),
+    )
+    return config
+
+
+def deepseek_v3_debugmodel_dmuon() -> Trainer.Config:
+    """torchtitan's ``deepseek_v3_debugmodel`` (MoE) trained with DMuon (sharded mode):
+    expert stacks ``(E, m, n)`` are batches of matrices, the router gate a matrix."""
+    config = deepseek_v3_debugmodel()
+    config.optimizer = dmuon_optimizer(
+        LR, weight_decay=WEIGHT_DECAY, adamw_weight_decay=WEIGHT_DECAY
+    )
+    return config

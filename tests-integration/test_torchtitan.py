@@ -1,0 +1,275 @@
+"""DMuon in torchtitan: ``DMuonOptimizersContainer`` on torchtitan's parallel layout.
+
+torchtitan parallelises a model with ``parallelize_module`` on the ``tp`` mesh
+dimension and FSDP2's ``fully_shard`` on ``dp``, then builds its optimizer container
+from the model part. Its trainer needs CUDA (flex attention has no CPU backward, its
+meshes are built for ``cuda``), so the trainer itself is not run here; what runs on
+CPU is:
+
+* the container built on a model with torchtitan's layout and FQNs (token
+  embedding, fused ``wqkv``, SwiGLU ``w1/w2/w3``, RMSNorms, ``lm_head``), the
+  feed-forward split over ``tp`` and every layer sharded by FSDP2 over ``dp``, on
+  4 gloo ranks (dp 2 × tp 2): three steps clipped by the container's
+  ``clip_grad_norm_`` equal one process clipped by its ``max_norm``;
+* a DCP round trip through the container, as torchtitan's checkpointer does it (the
+  container is a ``Stateful`` in the state dict): saved on dp 2 × tp 2, loaded on
+  plain FSDP2 at world 2, the next step equals one process's;
+* the container built on torchtitan's own Llama 3 debug model (groups, state keys);
+* the errors for keys DMuon does not accept, and the ``fused``/``foreach`` keys
+  torchtitan adds to every group dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from tensor_parallel_cases import error
+from torch import nn
+from torchtitan.components.optimizer import ParamGroupConfig
+
+from dmuon.comm.testing import run_on_ranks
+from dmuon.integrations.torchtitan import DMuonOptimizersContainer, dmuon_optimizer
+
+D, VOCAB, SEQ, BATCH, STEPS, CLIP = 16, 32, 8, 4, 3, 0.5
+SPLIT = {r"wqkv\.weight$": [D, D, D]}
+OPT = dict(lr=0.02, weight_decay=0.01, momentum=0.9, ns_compute_dtype=torch.float32)
+# sharded over dp 2 × tp 2 (Gram Newton–Schulz on the tp shards) against the whole
+# matrices in one process: fp32 rounding apart, 1e-6 as in test_fsdp_tensor_parallel.
+TOLERANCE = 1e-6
+
+
+class Block(nn.Module):
+    """One torchtitan Llama 3 block's parameters, by torchtitan's names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(D)
+        self.attention = nn.Module()
+        self.attention.wqkv = nn.Linear(D, 3 * D, bias=False)
+        self.attention.wo = nn.Linear(D, D, bias=False)
+        self.ffn_norm = nn.RMSNorm(D)
+        self.feed_forward = nn.Module()
+        self.feed_forward.w1 = nn.Linear(D, 2 * D, bias=False)
+        self.feed_forward.w2 = nn.Linear(2 * D, D, bias=False)
+        self.feed_forward.w3 = nn.Linear(D, 2 * D, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        a = self.attention
+        q, k, v = a.wqkv(self.attention_norm(h)).split(D, dim=-1)
+        heads = [t.unflatten(-1, (2, D // 2)).transpose(1, 2) for t in (q, k, v)]
+        o = F.scaled_dot_product_attention(*heads, is_causal=True).transpose(1, 2).flatten(2)
+        h = h + a.wo(o)
+        f = self.feed_forward
+        x = self.ffn_norm(h)
+        return h + f.w2(F.silu(f.w1(x)) * f.w3(x))
+
+
+class TitanShaped(nn.Module):
+    """A two-block decoder laid out like torchtitan's ``Llama3Model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(3)
+            self.tok_embeddings = nn.Embedding(VOCAB, D)
+            self.layers = nn.ModuleDict({str(i): Block() for i in range(2)})
+            self.norm = nn.RMSNorm(D)
+            self.lm_head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.lm_head(self.norm(h))
+
+
+def batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + t)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten())
+
+
+def parallelize(model: TitanShaped, mesh, tp: bool) -> TitanShaped:
+    """torchtitan's order: tensor parallel on ``tp`` (the feed-forward), then FSDP2 on ``dp``."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    if tp:
+        plan = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+        for layer in model.layers.values():
+            parallelize_module(layer.feed_forward, mesh["tp"], plan)
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def train(model, container, steps, rows=slice(None)):
+    norms = []
+    for t in steps:
+        tokens, labels = batch(t)
+        loss_of(model, tokens[rows], labels[rows]).backward()
+        norms.append(float(container.clip_grad_norm_(CLIP)))
+        container.step()
+        container.zero_grad()
+    return norms
+
+
+def one_process() -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The reference, clipped by the container's own ``max_norm`` in ``step``."""
+    model = TitanShaped()
+    config = dmuon_optimizer(mode="single", split_sizes=SPLIT, **OPT)
+    config.max_norm = CLIP
+    container = config.build(model_parts=[model])
+    norms = []
+    for t in range(STEPS):
+        loss_of(model, *batch(t)).backward()
+        container.step()
+        container.zero_grad()
+        norms.append(float(container.last_grad_norm))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def full(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
+def patterned() -> DMuonOptimizersContainer.Config:
+    """torchtitan-style patterns, the catch-all last (torchtitan adds ``foreach`` to each)."""
+    return DMuonOptimizersContainer.Config(
+        implementation="foreach",
+        param_groups=[
+            ParamGroupConfig(
+                pattern=r"wqkv\.weight$",
+                optimizer_name="DMuon",
+                optimizer_kwargs={"split_sizes": [D, D, D]},
+            ),
+            ParamGroupConfig(
+                pattern=r"(embeddings|lm_head|norm)",
+                optimizer_name="DMuon",
+                optimizer_kwargs={"rule": "scalar", "lr": OPT["lr"]},
+            ),
+            ParamGroupConfig(pattern=r".*", optimizer_name="DMuon"),
+        ],
+        dmuon={**OPT, "tp_path": "gram"},
+    )
+
+
+def run_save(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rows = slice(2 * mesh.get_coordinate()[0], 2 * mesh.get_coordinate()[0] + 2)
+    model = parallelize(TitanShaped(), mesh, tp=True)
+    container = patterned().build(model_parts=[model])
+    keys = sorted({k for g in container.dmuon.param_groups for k in g})
+    norms = train(model, container, range(STEPS - 1), rows)
+    # torchtitan's checkpointer: the container is a Stateful beside the model's tensors
+    dcp.save({"model": get_model_state_dict(model), "optimizer": container}, checkpoint_id=path)
+    norms += train(model, container, [STEPS - 1], rows)
+    placements = {n: str(tuple(p.placements)) for n, p in model.named_parameters()}
+    return container.dmuon.engine.mode, full(model), norms, keys, placements
+
+
+def run_load(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = parallelize(TitanShaped(), {"dp": mesh}, tp=False)
+    container = patterned().build(model_parts=[model])
+    state = {"model": get_model_state_dict(model), "optimizer": container}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    rows = slice(2 * rank, 2 * rank + 2)
+    norms = train(model, container, [STEPS - 1], rows)
+    return container.dmuon.engine.mode, full(model), norms
+
+
+def test_container_on_fsdp2_over_tensor_parallel_equals_one_process_and_reshards(tmp_path):
+    expected, norms = one_process()
+    assert min(norms) > CLIP, f"clipping never engaged: {norms}"
+    path = str(tmp_path / "step-2")
+    saved = run_on_ranks(run_save, 4, args=(path,), timeout=120)
+    loaded = run_on_ranks(run_load, 2, args=(path,), timeout=120)
+    place = saved[0][4]
+    assert place["layers.0.feed_forward.w1.weight"].count("Shard") == 2, place  # dp and tp
+    for rank, (mode, got, got_norms, keys, _) in enumerate(saved):
+        assert mode == "sharded", (rank, mode)
+        assert not {"fused", "foreach"} & set(keys), keys
+        for a, b in zip(got_norms, norms, strict=True):
+            assert abs(a - b) <= 1e-5 * b, f"rank {rank}: norm {a} vs {b}"
+        for name, want in expected.items():
+            diff = (got[name] - want).abs().max().item()
+            assert diff <= TOLERANCE, f"dp×tp rank {rank}: {name} differs by {diff:.2e}"
+    for rank, (mode, got, got_norms) in enumerate(loaded):
+        assert mode == "sharded", (rank, mode)
+        assert abs(got_norms[0] - norms[-1]) <= 1e-5 * norms[-1], (rank, got_norms, norms)
+        for name, want in expected.items():
+            diff = (got[name] - want).abs().max().item()
+            assert diff <= TOLERANCE, f"resumed rank {rank}: {name} differs by {diff:.2e}"
+
+
+def test_container_on_torchtitans_llama3_debug_model():
+    from torchtitan.models.llama3 import model_registry
+
+    config = model_registry("debugmodel").model
+    config.layers = config.layers[:2]
+    model = config.build()
+    container = dmuon_optimizer(mode="single", split_sizes={r"wqkv\.weight$": [256] * 3}).build(
+        model_parts=[model]
+    )
+    groups = {
+        n: g.get("rule", "muon") for g in container.dmuon.param_groups for n in g["param_names"]
+    }
+    assert groups["tok_embeddings.weight"] == "adamw"
+    assert groups["lm_head.weight"] == "adamw"
+    assert groups["norm.weight"] == "adamw"
+    assert groups["layers.0.attention.qkv_linear.wqkv.weight"] == "muon"
+    assert groups["layers.1.feed_forward.w2.weight"] == "muon"
+    split = {
+        n: g.get("split_sizes") for g in container.dmuon.param_groups for n in g["param_names"]
+    }
+    assert tuple(split["layers.1.attention.qkv_linear.wqkv.weight"]) == (256, 256, 256)
+    state = container.state_dict()
+    assert set(state["state"]) == set(groups), sorted(set(groups) ^ set(state["state"]))
+    assert sorted(state["state"]["layers.0.feed_forward.w1.weight"]) == [
+        "momentum_buffer",
+        "step",
+    ]
+    container.load_state_dict(state)
+
+
+def test_bad_torchtitan_config_keys_are_named():
+    model = TitanShaped()
+
+    def build(**config):
+        return lambda: DMuonOptimizersContainer.Config(mode="single", **config).build(
+            model_parts=[model]
+        )
+
+    assert "'fused'" in error(build(dmuon={"fused": True}))
+    assert "'bogus'" in error(build(dmuon={"bogus": 1}))
+    assert "'params'" in error(build(dmuon={"params": []}))
+    other = [ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={})]
+    message = error(build(param_groups=other))
+    assert "'AdamW'" in message and "param_groups[0]" in message, message
+    typo = [ParamGroupConfig(pattern=".*", optimizer_name="DMuon", optimizer_kwargs={"lrr": 1})]
+    assert "'lrr'" in error(build(param_groups=typo))
+    assert "max_norm" in error(build(max_norm=0.0))
+    container = DMuonOptimizersContainer.Config(mode="single").build(model_parts=[model])
+    assert "closure" in error(lambda: container.step(lambda: 0.0))
+    assert "model_parts" in error(
+        lambda: DMuonOptimizersContainer.Config().build(model_parts=[model, model])
+    )
