@@ -140,3 +140,23 @@ def test_the_guides_example_prints_what_the_guide_shows():
         assert line in text, line
     owner = next(x for x in lines if x.strip().startswith("owner "))
     assert " ".join(owner.split()[:5]) in " ".join(text.split())
+
+
+def test_the_guides_tensor_parallel_example_prints_what_the_guide_shows():
+    guide = HERE.parents[2] / "docs" / "guides" / "planning.md"
+    if not guide.is_file():  # an installed package's tests, without the repository
+        pytest.skip("docs/guides/planning.md is not next to these tests")
+    done = run(
+        "llama-3.1-8b", "--gpus", "64", "--gpus-per-node", "8", "--device", "H100",
+        "--inter", "ib-ndr", "--tokens", "4194304", "--seq-len", "4096", "--mfu", "0.4",
+        "--tp", "8",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text = guide.read_text()
+    lines = done.stdout.splitlines()
+    for line in lines[:3]:
+        assert line in text, line
+    flat = " ".join(text.split())
+    for mode in ("owner", "sharded", "vanilla"):
+        row = next(x for x in lines if x.strip().startswith(mode + " "))
+        assert " ".join(row.split()[:12]) in flat, row  # up to the TP MB/rank column

@@ -289,7 +289,8 @@ def _summary(p: Prediction) -> list[str]:
         + (f", experts on ep {p.shape.ep}" if p.shape.ep > 1 else "")
         + f", imbalance {plan.imbalance():.1%} "
         f"(max load {plan.max_load * 1e3:.2f} ms, mean "
-        f"{plan.total_load / plan.world_size * 1e3:.2f} ms of Newton–Schulz per rank)",
+        f"{plan.total_load / plan.world_size * 1e3:.2f} ms of Newton–Schulz per rank"
+        + (", whole shapes; the tp row's share: NS ms, TP ms)" if p.shape.tp > 1 else ")"),
         "memory excludes activations; "
         + (
             f"over the device's {fits / 2**30:.0f} GiB already: {', '.join(too_big)}"
