@@ -6,9 +6,11 @@ import pytest
 
 from dmuon.comm import NSCost, ns_flops, plan_owners, tensor_parallel_path
 from dmuon.optim.planner.config import load_model
+from dmuon.optim.planner.memory import memory_per_rank
 from dmuon.optim.planner.parallel import layout, tp_split_dim
 from dmuon.optim.planner.profiles import DEVICES, INTERCONNECTS, ClusterProfile
 from dmuon.optim.planner.step_model import TrainingShape, predict
+from dmuon.optim.planner.traffic import dmuon_transfers, framework_transfers
 
 MODES = ("owner", "owner-z3", "replicated", "sharded", "sign")
 
@@ -40,6 +42,13 @@ def test_tp_1_and_ep_1_change_nothing(llama):
     for m in plain.modes.values():
         assert m.tp_s == 0 and m.bytes_tp == 0
         assert all(not t.inside_ns and t.stride == 1 for t in m.transfers)
+    # the data-parallel terms, each from the function that computes it alone
+    for mode in ("owner", "owner-z3", "replicated", "sharded"):
+        m = plain.modes[mode]
+        assert m.ns_s == plain.plan.max_load
+        assert m.bytes_dmuon == sum(max(t.sent) for t in dmuon_transfers(llama, plain.plan, mode))
+        assert m.bytes_framework == sum(max(t.sent) for t in framework_transfers(llama, mode, 16))
+        assert m.memory == memory_per_rank(llama, plain.plan, mode)
     # a forced tp path is moot without tensor parallelism: the same prediction
     forced = predict(llama, cluster(16), TrainingShape(global_tokens=2**20, tp_path="gram"),
                      modes=MODES)  # fmt: skip
