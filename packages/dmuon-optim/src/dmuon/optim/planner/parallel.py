@@ -31,13 +31,27 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from dmuon.comm import MatrixItem, NSCost, OwnerPlan, plan_owners, tensor_parallel_path
+from dmuon.kernels import ns_flops
+from dmuon.optim.engine.tensor_split import GATHER_STATS_NAME, STATS_NAME
 from dmuon.optim.planner.config import ModelSpec
 from dmuon.optim.planner.profiles import ClusterProfile
+from dmuon.optim.planner.traffic import Transfer, dmuon_transfers, ring_transfer
 
-__all__ = ["Layout", "SplitChoice", "layout", "tp_choices", "tp_split_dim"]
+__all__ = [
+    "Layout",
+    "SplitChoice",
+    "expert_transfers",
+    "layout",
+    "rank_work",
+    "tp_choices",
+    "tp_split_dim",
+    "tp_transfers",
+    "vanilla_tp_gather",
+]
 
 # (pattern on the parameter name, dimension of the stored weight that tensor
 # parallelism splits): nn.Linear stores (out, in), so colwise splits rows (-2) and
@@ -287,4 +301,88 @@ def tp_choices(
             seconds, flops = priced.gather_seconds, counted.gather_seconds
             sent = priced.gather_bytes
         out[item.name] = SplitChoice(path, seconds, flops, sent, seconds - flops / rate)
+    return out
+
+
+def rank_work(
+    items: Sequence[MatrixItem],
+    choices: dict[str, SplitChoice],
+    cost: NSCost,
+    *,
+    method: str,
+    steps: int,
+    restarts: tuple[int, ...],
+) -> tuple[float, float, float]:
+    """(Newton–Schulz seconds, tp collective seconds, FLOPs) of stepping ``items`` on one
+    rank: a split matrix by its tp path, any other alone at the profile's cost."""
+    seconds = tp = split_flops = 0.0
+    flops = 0  # exact integers while no split matrix is counted
+    for i in items:
+        c = choices.get(i.name)
+        if c is not None:
+            seconds += c.seconds - c.comm_seconds
+            tp += c.comm_seconds
+            split_flops += c.flops
+        else:
+            seconds += cost(i)
+            flops += ns_flops(
+                i.rows,
+                i.cols,
+                method=method,
+                steps=steps,
+                restarts=restarts,
+                batch=i.batch,
+            )
+    return seconds, tp, (flops + split_flops if split_flops else flops)
+
+
+def tp_transfers(
+    choices: dict[str, SplitChoice],
+    plan: OwnerPlan,
+    held: Sequence[Sequence[MatrixItem]],
+    mode: str,
+    dp: int,
+) -> list[Transfer]:
+    """The tp collectives of each dp rank's tp row (every rank of the row alike), as the
+    engine's ``CommStats`` names them; their time is in ``tp_s``, not in a phase."""
+    if mode in ("adamw", "adamw-ddp", "vanilla", "vanilla-ddp"):
+        return []
+    out = []
+    for path, op, collective in (
+        ("gram", STATS_NAME, "all_reduce"),
+        ("gather", GATHER_STATS_NAME, "all_gather"),
+    ):
+        t = Transfer(op, collective, "step", [0.0] * dp, [0.0] * dp, inside_ns=True)
+        for r in range(dp):
+            mine = (
+                list(choices.values())
+                if mode == "sign"
+                else [choices[i.name] for i in (*plan.items_of(r), *held[r]) if i.name in choices]
+            )
+            for c in mine:
+                if c.path == path:
+                    t.sent[r] += c.bytes_sent
+                    t.received[r] += c.bytes_sent
+                    t.collectives += r == 0
+        if any(t.sent):
+            out.append(t)
+    return out
+
+
+def vanilla_tp_gather(spec: ModelSpec, lay: Layout, layers: int) -> Transfer:
+    """Vanilla Muon on a tensor-parallel model: every rank all-gathers every split
+    gradient over ``tp`` and orthogonalises the whole matrix."""
+    nbytes = sum(i.nbytes for i in spec.matrices if i.name in lay.splits)
+    return ring_transfer("tp_gather_gradients", "all_gather", "step", nbytes, lay.tp, layers)
+
+
+def expert_transfers(lay: Layout, mode: str) -> list[Transfer]:
+    """The experts' reduce to their owner among the ``R`` replicas and the broadcast back
+    (owner mode's collectives over the replica group, whatever the dense mode)."""
+    assert lay.expert_plan is not None
+    experts = replace(lay.local, matrices=lay.expert_plan.items, scalars=())
+    out = dmuon_transfers(experts, lay.expert_plan, "owner-z3" if mode == "owner-z3" else "owner")
+    for t in out:
+        t.op = f"{t.op}[experts]"
+        t.stride = lay.ep  # the replicas of an expert group are ep dp ranks apart
     return out

@@ -36,28 +36,38 @@ of peak rate ``F`` (FLOP/s) and memory bandwidth ``B_mem``:
   profile with ``overlap=False`` (a calibrated CPU) exposes all communication.
 * **Step** ``t = t_fb + exposed_forward + exposed_backward + t_opt``; overhead vs
   AdamW ``t/t_AdamW − 1``; speedup vs vanilla ``t_vanilla/t``.
+* **Tensor and expert parallelism** (``TrainingShape.tp``/``ep``): the model as one
+  rank holds it, owners over ``dp = N/T``, each split matrix by its tensor-parallel
+  path, whose collectives add ``t_tp`` to Newton–Schulz (never hidden), experts held
+  where they live (:mod:`~dmuon.optim.planner.parallel`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from dmuon.comm import MatrixItem, NSCost, OwnerPlan, plan_owners
 from dmuon.kernels import ns_flops
 from dmuon.optim.engine.params import subplan
-from dmuon.optim.engine.tensor_split import GATHER_STATS_NAME, STATS_NAME
 from dmuon.optim.planner.config import ModelSpec
 from dmuon.optim.planner.memory import memory_per_rank
-from dmuon.optim.planner.parallel import Layout, SplitChoice, layout, tp_choices
+from dmuon.optim.planner.parallel import (
+    Layout,
+    SplitChoice,
+    expert_transfers,
+    layout,
+    rank_work,
+    tp_choices,
+    tp_transfers,
+    vanilla_tp_gather,
+)
 from dmuon.optim.planner.profiles import ClusterProfile, Link
 from dmuon.optim.planner.traffic import (
     DMUON_MODES,
     Transfer,
     dmuon_transfers,
     framework_transfers,
-    ring_transfer,
 )
 
 __all__ = ["ALL_MODES", "ModePrediction", "Prediction", "TrainingShape", "predict"]
@@ -296,16 +306,24 @@ def predict(
         t_fb = 6 * spec.active_params * shape.global_tokens / (N * shape.mfu * d.peak_flops)
     t_f, t_b = t_fb / 3, 2 * t_fb / 3
     adam_rate = (3 * e + 16) / d.bytes_per_second
+
     # Newton–Schulz of each dp rank (its owned and held matrices): seconds, tp seconds, FLOPs
-    work = [_work((*plan.items_of(r), *held[r]), choices, cost, shape) for r in range(D)]
+    def work_of(
+        items: tuple[MatrixItem, ...], ch: dict[str, SplitChoice]
+    ) -> tuple[float, float, float]:
+        return rank_work(
+            items, ch, cost, method=shape.method, steps=shape.ns_steps, restarts=shape.restarts
+        )
+
+    work = [work_of((*plan.items_of(r), *held[r]), choices) for r in range(D)]
     if not choices:
         work = [(plan.loads[r], 0.0, w[2]) for r, w in enumerate(work)]
     flops = [w[2] for w in work]
     if choices:  # every rank steps its shards of every matrix (sign mode)
-        every = _work(single.items, choices, cost, shape)
+        every = work_of(single.items, choices)
     else:
-        every = (single.max_load, 0.0, _work(single.items, {}, cost, shape)[2])
-    all_flops = int(_work(single.items, {}, cost, shape)[2])
+        every = (single.max_load, 0.0, work_of(single.items, {})[2])
+    all_flops = int(work_of(single.items, {})[2])
     # per-matrix optimizer work beyond NS (calibrated; 0 for datasheet profiles)
     per_matrix = d.matrix_overhead
     busiest = max(sum(i.batch for i in (*plan.items_of(r), *held[r])) for r in range(D))
@@ -335,7 +353,7 @@ def predict(
         else:
             dm = dmuon_transfers(local, local_plan, mode)
             if lay.expert_plan is not None and lay.replicas > 1:
-                dm += _expert_transfers(lay, mode)
+                dm += expert_transfers(lay, mode)
             t_ns, t_tp = work[top][0] + busiest_s, work[top][1]
             f_max, f_mean = int(max(flops)), sum(flops) / D
             scalars = local.scalar_params if mode == "replicated" else local.scalar_params / D
@@ -344,8 +362,8 @@ def predict(
         for t in dm + fw:  # a dp group's ranks are T apart (tp innermost)
             t.stride *= T
         if T > 1 and mode in ("vanilla", "vanilla-ddp"):
-            fw.append(_tp_gather(spec, lay, layers))
-        tp_moved = _tp_transfers(choices, local_plan, held, mode, D) if choices else []
+            fw.append(vanilla_tp_gather(spec, lay, layers))
+        tp_moved = tp_transfers(choices, local_plan, held, mode, D) if choices else []
         transfers = dm + fw + tp_moved
         comm = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         for t in dm + fw:
@@ -406,87 +424,6 @@ def predict(
     return Prediction(
         spec, cluster, shape, plan, out, assumptions(spec, cluster, shape, lay, choices), lay
     )
-
-
-def _work(
-    items: Sequence[MatrixItem],
-    choices: dict[str, SplitChoice],
-    cost: NSCost,
-    shape: TrainingShape,
-) -> tuple[float, float, float]:
-    """(Newton–Schulz seconds, tp collective seconds, FLOPs) of stepping ``items`` on one
-    rank: a split matrix by its tp path, any other alone at the profile's cost."""
-    seconds = tp = split_flops = 0.0
-    flops = 0  # exact integers while no split matrix is counted
-    for i in items:
-        c = choices.get(i.name)
-        if c is not None:
-            seconds += c.seconds - c.comm_seconds
-            tp += c.comm_seconds
-            split_flops += c.flops
-        else:
-            seconds += cost(i)
-            flops += ns_flops(
-                i.rows,
-                i.cols,
-                method=shape.method,
-                steps=shape.ns_steps,
-                restarts=shape.restarts,
-                batch=i.batch,
-            )
-    return seconds, tp, (flops + split_flops if split_flops else flops)
-
-
-def _tp_transfers(
-    choices: dict[str, SplitChoice],
-    plan: OwnerPlan,
-    held: Sequence[Sequence[MatrixItem]],
-    mode: str,
-    dp: int,
-) -> list[Transfer]:
-    """The tp collectives of each dp rank's tp row (every rank of the row alike), as the
-    engine's ``CommStats`` names them; their time is in ``tp_s``, not in a phase."""
-    if mode in ("adamw", "adamw-ddp", "vanilla", "vanilla-ddp"):
-        return []
-    out = []
-    for path, op, collective in (
-        ("gram", STATS_NAME, "all_reduce"),
-        ("gather", GATHER_STATS_NAME, "all_gather"),
-    ):
-        t = Transfer(op, collective, "step", [0.0] * dp, [0.0] * dp, inside_ns=True)
-        for r in range(dp):
-            mine = (
-                [c for c in choices.values()]
-                if mode == "sign"
-                else [choices[i.name] for i in (*plan.items_of(r), *held[r]) if i.name in choices]
-            )
-            for c in mine:
-                if c.path == path:
-                    t.sent[r] += c.bytes_sent
-                    t.received[r] += c.bytes_sent
-                    t.collectives += r == 0
-        if any(t.sent):
-            out.append(t)
-    return out
-
-
-def _tp_gather(spec: ModelSpec, lay: Layout, layers: int) -> Transfer:
-    """Vanilla Muon on a tensor-parallel model: every rank all-gathers every split
-    gradient over ``tp`` and orthogonalises the whole matrix."""
-    nbytes = sum(i.nbytes for i in spec.matrices if i.name in lay.splits)
-    return ring_transfer("tp_gather_gradients", "all_gather", "step", nbytes, lay.tp, layers)
-
-
-def _expert_transfers(lay: Layout, mode: str) -> list[Transfer]:
-    """The experts' reduce to their owner among the ``R`` replicas and the broadcast back
-    (owner mode's collectives over the replica group, whatever the dense mode)."""
-    assert lay.expert_plan is not None
-    experts = replace(lay.local, matrices=lay.expert_plan.items, scalars=())
-    out = dmuon_transfers(experts, lay.expert_plan, "owner-z3" if mode == "owner-z3" else "owner")
-    for t in out:
-        t.op = f"{t.op}[experts]"
-        t.stride = lay.ep  # the replicas of an expert group are ep dp ranks apart
-    return out
 
 
 def assumptions(
