@@ -34,10 +34,26 @@ def test_json_output_validates_against_the_documented_schema():
     assert set(out["modes"]) == {
         "adamw", "vanilla", "owner", "owner-z3", "replicated", "sharded", "sign",
     }  # fmt: skip
+    assert out["modes"]["owner"]["tp_ms"] == 0 and out["cluster"]["tp"] == 1
     assert out["model"]["total_params"] == 8_030_261_248
     assert out["plan"]["world_size"] == 64
     assert out["modes"]["owner"]["ns_ms"] < out["modes"]["vanilla"]["ns_ms"]
     assert any(a["what"] == "NS kernel efficiency" for a in out["assumptions"])
+
+
+def test_tensor_parallel_json_validates_and_reports_the_tp_terms():
+    done = run("llama-3.2-3b", "--gpus", "16", "--tp", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    validate(out)
+    assert (out["cluster"]["dp"], out["cluster"]["tp"], out["plan"]["world_size"]) == (8, 2, 8)
+    for mode in ("owner", "owner-z3", "replicated", "sharded", "sign"):
+        assert out["modes"][mode]["bytes_per_rank_tp"] > 0, mode
+        assert out["modes"][mode]["tp_ms"] > 0, mode
+    assert out["modes"]["adamw"]["bytes_per_rank_tp"] == 0
+    gathers = [t for t in out["modes"]["vanilla"]["transfers"] if t["op"] == "tp_gather_gradients"]
+    assert len(gathers) == 1 and gathers[0]["bytes_per_rank_max"] > 0
+    assert any(a["what"] == "tensor-parallel path" for a in out["assumptions"])
 
 
 def test_the_schema_validator_rejects_what_does_not_fit():
@@ -76,7 +92,12 @@ def test_module_factory_model():
         (["gpt2", "--intra", "fast"], "--intra 'fast': give a preset"),
         (["gpt2", "--mode", "zero"], "--mode must be 'all' or among"),
         (["gpt2", "--gpus", "0"], "gpus must be an int ≥ 1"),
-        (["gpt2", "--tp", "2"], "models data parallelism only"),
+        (["gpt2", "--tp", "3"], "--tp 3 must divide --gpus 8"),
+        (
+            ["mixtral-8x7b", "--gpus", "8", "--tp", "2", "--ep", "8"],
+            "--ep 8 must divide the data-parallel ranks gpus/tp = 8/2 = 4",
+        ),
+        (["llama-3.2-3b", "--ep", "2"], "--ep 2: llama-3.2-3b is a dense model"),
         (["gpt2", "--device", "TPU"], "neither a preset"),
         (["bert-base"], "neither a preset"),
     ],
@@ -119,3 +140,23 @@ def test_the_guides_example_prints_what_the_guide_shows():
         assert line in text, line
     owner = next(x for x in lines if x.strip().startswith("owner "))
     assert " ".join(owner.split()[:5]) in " ".join(text.split())
+
+
+def test_the_guides_tensor_parallel_example_prints_what_the_guide_shows():
+    guide = HERE.parents[2] / "docs" / "guides" / "planning.md"
+    if not guide.is_file():  # an installed package's tests, without the repository
+        pytest.skip("docs/guides/planning.md is not next to these tests")
+    done = run(
+        "llama-3.1-8b", "--gpus", "64", "--gpus-per-node", "8", "--device", "H100",
+        "--inter", "ib-ndr", "--tokens", "4194304", "--seq-len", "4096", "--mfu", "0.4",
+        "--tp", "8",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text = guide.read_text()
+    lines = done.stdout.splitlines()
+    for line in lines[:3]:
+        assert line in text, line
+    flat = " ".join(text.split())
+    for mode in ("owner", "sharded", "vanilla"):
+        row = next(x for x in lines if x.strip().startswith(mode + " "))
+        assert " ".join(row.split()[:12]) in flat, row  # up to the TP MB/rank column

@@ -57,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
         "model",
         help=f"config.json path, 'module:factory', or a preset: {', '.join(PRESETS)}",
     )
-    p.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs (default 8)")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs in all (default 8): dp × tp")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument(
         "--device",
@@ -80,8 +80,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ns-method", choices=("gram", "standard"), default="gram")
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (1 only, for now)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (1 only, for now)")
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel degree T: a dp × tp mesh, dp = gpus/T"
+    )
+    p.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel degree: expert stacks split over ep"
+    )
+    p.add_argument(
+        "--tp-path",
+        choices=("auto", "gram", "gather"),
+        default="auto",
+        help="how a split matrix is orthogonalised (auto: the cheaper by the cost model)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON (schema in the docs)")
     p.add_argument("--plot", metavar="PNG", help="write overhead vs GPUs (8 → 1024)")
     p.add_argument(
@@ -118,11 +128,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.tp != 1 or args.ep != 1:
-        raise ValueError(
-            f"--tp {args.tp} --ep {args.ep}: the planner models data parallelism only so far "
-            "(TP/EP need the Gram all-reduce and expert placement terms); use 1"
-        )
     spec = load_model(args.model, dtype=_DTYPES[args.dtype])
     if args.calibrate:
         from dmuon.optim.planner.calibrate import calibrate
@@ -159,12 +164,16 @@ def _run(args: argparse.Namespace) -> int:
         fwd_bwd_s=None if args.fwd_bwd_ms is None else args.fwd_bwd_ms / 1e3,
         method=args.ns_method,
         ns_steps=args.ns_steps,
+        tp=args.tp,
+        ep=args.ep,
+        tp_path=args.tp_path,
     )
     prediction = predict(spec, cluster, shape, modes=("adamw", "vanilla", *_modes(args.mode)))
     if args.plot:
-        curves = plot_overhead(prediction, args.plot)
+        drawn = plot_overhead(prediction, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
         prediction = replace(prediction)
+        curves = {m: [None if v != v else v for v in ys] for m, ys in drawn.items()}  # NaN
         plot_note = {"gpus": [8, 16, 32, 64, 128, 256, 512, 1024], "overhead": curves}
     else:
         plot_note = None

@@ -53,6 +53,8 @@ class ModelSpec:
             (1 for dense models; for MoE, ``k/E`` of the expert stacks), for
             ``6·active·tokens``.
         source: where the description came from.
+        heads: attention heads (0: unknown, e.g. a ``module:factory`` model).
+        kv_heads: key/value heads (0: unknown); tensor parallelism splits both.
     """
 
     name: str
@@ -61,6 +63,8 @@ class ModelSpec:
     active_params: int
     source: str = ""
     notes: tuple[str, ...] = field(default=())
+    heads: int = 0
+    kv_heads: int = 0
 
     @property
     def matrix_params(self) -> int:
@@ -76,6 +80,11 @@ class ModelSpec:
     def total_params(self) -> int:
         """Every trainable parameter."""
         return self.matrix_params + self.scalar_params
+
+    @property
+    def experts(self) -> int:
+        """Experts per stack (the leading size of the ``(E, m, n)`` items); 0 if dense."""
+        return max((i.shape[0] for i in self.matrices if len(i.shape) > 2), default=0)
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -162,7 +171,15 @@ def _gpt2(cfg: Mapping[str, Any], name: str, dtype: torch.dtype) -> ModelSpec:
     if not cfg.get("tie_word_embeddings", True):
         scalars.append(("lm_head.weight", V * H))
     active = sum(i.numel for i in mats) + sum(n for _, n in scalars)
-    return ModelSpec(name, tuple(mats), tuple(scalars), active, source=f"HF config ({name})")
+    return ModelSpec(
+        name,
+        tuple(mats),
+        tuple(scalars),
+        active,
+        source=f"HF config ({name})",
+        heads=f("n_head"),
+        kv_heads=f("n_head"),
+    )
 
 
 def _llama_like(cfg: Mapping[str, Any], name: str, dtype: torch.dtype) -> ModelSpec:
@@ -252,6 +269,8 @@ def _llama_like(cfg: Mapping[str, Any], name: str, dtype: torch.dtype) -> ModelS
         tuple(scalars),
         total - expert_params + active_expert,
         source=f"HF config ({name})",
+        heads=nh,
+        kv_heads=nkv,
     )
 
 

@@ -19,6 +19,15 @@ owner mode); the busiest rank (largest ``O_r``) is reported:
   ``O_r e + 8Φ_S/N``, all-to-all buffers ``2ℓe``;
 * ``sign``: weights and gradients ``Φe``, state ``Φ_M e + 8Φ_S``, packed signs ``ℓ/8``.
 
+With tensor parallelism (``T``) the spec is the one a rank holds (each split matrix
+its ``⌈L/T⌉ × g`` shard, :class:`~dmuon.optim.planner.parallel.Layout`) and ``N`` the
+``dp = N_gpus/T`` ranks: weights, gradients and state of split matrices divide by ``T``;
+vanilla Muon's buffer is the largest *whole* split matrix, gathered over ``tp``. With
+expert parallelism the spec holds ``E/E_p`` experts per stack (``x`` elements); the
+FSDP2 modes shard them over their ``R = dp/E_p`` replicas (``x/R`` instead of
+``x/N``), and a mode with owners keeps the momentum of the experts a rank owns
+(``held``) beside ``O_r``.
+
 Owner mode (ZeRO-2-like) keeps every matrix on every rank: the owners broadcast
 into the parameters, and backward produces every matrix's gradient locally before
 it is reduced. Muon's momentum is a ``zeros_like`` of the parameter (same dtype),
@@ -42,9 +51,27 @@ def _largest_layer(spec: ModelSpec) -> tuple[int, int]:
     return max(by_layer.values(), default=0), max((i.numel for i in spec.matrices), default=0)
 
 
-def memory_per_rank(spec: ModelSpec, plan: OwnerPlan, mode: str) -> dict[str, float]:
+def memory_per_rank(
+    spec: ModelSpec,
+    plan: OwnerPlan,
+    mode: str,
+    *,
+    held: list[int] | None = None,
+    experts: int = 0,
+    replicas: int = 1,
+    gathered: int = 0,
+) -> dict[str, float]:
     """Bytes per rank in ``mode``: ``weights``, ``gradients``, ``optimizer_state``,
     ``buffers`` and their ``total`` (activations excluded).
+
+    Args:
+        spec: the model as one rank holds it.
+        plan: the owner plan over the data-parallel ranks.
+        mode: the mode.
+        held: per rank, the expert elements it steps outside the plan.
+        experts: ``x``, the expert-stack elements a rank holds (expert parallelism).
+        replicas: ``R``, the ranks holding the same experts.
+        gathered: elements of the largest matrix vanilla Muon gathers whole (over tp).
 
     Examples:
         >>> from dmuon.comm import plan_owners
@@ -58,16 +85,23 @@ def memory_per_rank(spec: ModelSpec, plan: OwnerPlan, mode: str) -> dict[str, fl
     e = spec.matrices[0].dtype.itemsize if spec.matrices else 2
     phi, pm, ps = spec.total_params, spec.matrix_params, spec.scalar_params
     layer, biggest = _largest_layer(spec)
-    owned = max(sum(i.numel for i in plan.items_of(r)) for r in range(N))
+    biggest = max(biggest, gathered)
+    extra = held or [0] * N
+    owned = max(sum(i.numel for i in plan.items_of(r)) + extra[r] for r in range(N))
+
+    def sh(v: int, k: float) -> float:
+        """``v·k/N``, FSDP2's share, with the experts sharded over their replicas."""
+        return v * k / N if not experts else ((v - experts) / N + experts / replicas) * k
+
     m: tuple[float, float, float, float]
     if mode == "adamw-ddp":
         m = (phi * e, phi * e, 8 * phi, phi * e)
     elif mode == "vanilla-ddp":
         m = (phi * e, phi * e, pm * e + 8 * ps, phi * e)
     elif mode == "adamw":
-        m = (phi * e / N + 2 * layer * e, phi * e / N + layer * e, 8 * phi / N, 0.0)
+        m = (sh(phi, e) + 2 * layer * e, sh(phi, e) + layer * e, sh(phi, 8), 0.0)
     elif mode == "vanilla":
-        m = (phi * e / N + 2 * layer * e, phi * e / N + layer * e, pm * e / N + 8 * ps / N,
+        m = (sh(phi, e) + 2 * layer * e, sh(phi, e) + layer * e, sh(pm, e) + 8 * ps / N,
              biggest * e)  # fmt: skip
     elif mode == "owner":
         m = (pm * e + ps * e / N, pm * e + ps * e / N, owned * e + 8 * ps / N, pm * e)
@@ -77,7 +111,7 @@ def memory_per_rank(spec: ModelSpec, plan: OwnerPlan, mode: str) -> dict[str, fl
     elif mode == "replicated":
         m = (phi * e, phi * e, owned * e + 8 * ps, phi * e + layer * N * e)
     elif mode == "sharded":
-        m = (phi * e / N + 2 * layer * e, phi * e / N + layer * e, owned * e + 8 * ps / N,
+        m = (sh(phi, e) + 2 * layer * e, sh(phi, e) + layer * e, owned * e + 8 * ps / N,
              2 * layer * e)  # fmt: skip
     elif mode == "sign":
         m = (phi * e, phi * e, pm * e + 8 * ps, layer / 8)

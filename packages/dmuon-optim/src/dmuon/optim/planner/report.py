@@ -28,6 +28,8 @@ _MODE = {
         "ns_flops_per_rank_mean",
         "bytes_per_rank_dmuon",
         "bytes_per_rank_framework",
+        "tp_ms",
+        "bytes_per_rank_tp",
         "memory_bytes",
         "overhead_vs_adamw",
         "speedup_vs_vanilla",
@@ -44,6 +46,8 @@ _MODE = {
         "ns_flops_per_rank_mean": _NUM,
         "bytes_per_rank_dmuon": _NUM,
         "bytes_per_rank_framework": _NUM,
+        "tp_ms": _NUM,
+        "bytes_per_rank_tp": _NUM,
         "overhead_vs_adamw": _NUM,
         "speedup_vs_vanilla": _NUM,
         "comm_ms": {
@@ -101,8 +105,11 @@ SCHEMA: dict[str, Any] = {
                                  "active_params": {"type": "integer"},
                                  "matrices": {"type": "integer"}, "source": {"type": "string"}}},
         "cluster": {"type": "object",
-                    "required": ["device", "gpus", "gpus_per_node", "intra", "inter"],
+                    "required": ["device", "gpus", "gpus_per_node", "intra", "inter", "dp",
+                                 "tp", "ep"],
                     "properties": {"device": {"type": "object"}, "gpus": {"type": "integer"},
+                                   "dp": {"type": "integer"}, "tp": {"type": "integer"},
+                                   "ep": {"type": "integer"},
                                    "gpus_per_node": {"type": "integer"},
                                    "intra": {"type": "object"}, "inter": {"type": "object"}}},
         "shape": {"type": "object", "required": ["global_tokens", "seq_len", "mfu", "method"]},
@@ -119,7 +126,10 @@ SCHEMA: dict[str, Any] = {
             "properties": {"what": {"type": "string"}, "value": {"type": "string"}}}},
     },
 }  # fmt: skip
-"""JSON Schema (2020-12 subset) of ``dmuon-plan --json``; times in ms, sizes in bytes."""
+"""JSON Schema (2020-12 subset) of ``dmuon-plan --json``; times in ms, sizes in bytes.
+
+Per mode, ``tp_ms`` and ``bytes_per_rank_tp`` are the tensor-parallel collectives of
+the busiest rank's tp row (0 with ``--tp 1``); the ``plan`` is over the ``dp`` ranks."""
 
 
 def to_json(p: Prediction) -> dict[str, Any]:
@@ -142,6 +152,9 @@ def to_json(p: Prediction) -> dict[str, Any]:
             "gpus_per_node": c.gpus_per_node,
             "intra": vars(c.intra),
             "inter": vars(c.inter),
+            "dp": c.gpus // s.tp,
+            "tp": s.tp,
+            "ep": s.ep,
         },
         "shape": {
             "global_tokens": s.global_tokens,
@@ -151,6 +164,7 @@ def to_json(p: Prediction) -> dict[str, Any]:
             "method": s.method,
             "ns_steps": s.ns_steps,
             "restarts": list(s.restarts),
+            "tp_path": s.tp_path,
         },
         "plan": {
             "world_size": plan.world_size,
@@ -226,26 +240,32 @@ def _rows(p: Prediction) -> tuple[list[str], list[list[str]]]:
         "exposed comm ms", "DMuon MB/rank", "framework MB/rank", "NS GFLOP/rank",
         "memory GiB (w/g/s/buf = total)",
     ]  # fmt: skip
+    tp = p.shape.tp > 1
+    if tp:
+        head[7:7] = ["TP ms"]
+        head[11:11] = ["TP MB/rank"]
     rows = []
     for m in p.modes.values():
         mem = m.memory
-        rows.append(
-            [
-                m.mode,
-                f"{m.step_s * 1e3:.1f}",
-                f"{m.overhead_vs_adamw:+.1%}",
-                f"{m.speedup_vs_vanilla:.2f}×",
-                f"{m.fwd_bwd_s * 1e3:.1f}",
-                f"{m.ns_s * 1e3:.2f}",
-                f"{m.optimizer_s * 1e3:.2f}",
-                f"{sum(m.exposed_s.values()) * 1e3:.2f}",
-                f"{m.bytes_dmuon / 1e6:.1f}",
-                f"{m.bytes_framework / 1e6:.1f}",
-                f"{m.ns_flops_max / 1e9:.1f}",
-                f"{_gib(mem['weights'])}/{_gib(mem['gradients'])}/"
-                f"{_gib(mem['optimizer_state'])}/{_gib(mem['buffers'])} = {_gib(mem['total'])}",
-            ]
-        )
+        row = [
+            m.mode,
+            f"{m.step_s * 1e3:.1f}",
+            f"{m.overhead_vs_adamw:+.1%}",
+            f"{m.speedup_vs_vanilla:.2f}×",
+            f"{m.fwd_bwd_s * 1e3:.1f}",
+            f"{m.ns_s * 1e3:.2f}",
+            f"{m.optimizer_s * 1e3:.2f}",
+            f"{sum(m.exposed_s.values()) * 1e3:.2f}",
+            f"{m.bytes_dmuon / 1e6:.1f}",
+            f"{m.bytes_framework / 1e6:.1f}",
+            f"{m.ns_flops_max / 1e9:.1f}",
+            f"{_gib(mem['weights'])}/{_gib(mem['gradients'])}/"
+            f"{_gib(mem['optimizer_state'])}/{_gib(mem['buffers'])} = {_gib(mem['total'])}",
+        ]
+        if tp:
+            row[7:7] = [f"{m.tp_s * 1e3:.2f}"]
+            row[11:11] = [f"{m.bytes_tp / 1e6:.1f}"]
+        rows.append(row)
     return head, rows
 
 
@@ -264,9 +284,13 @@ def _summary(p: Prediction) -> list[str]:
         f"({p.spec.matrix_params / 1e9:.3f} B in {len(p.spec.matrices)} Muon matrices)",
         f"cluster: {c.gpus} × {c.device.name}, {c.gpus_per_node} per node, "
         f"{c.intra.name} inside a node, {c.inter.name} between nodes",
-        f"owner plan: {plan.world_size} ranks, imbalance {plan.imbalance():.1%} "
+        f"owner plan: {plan.world_size} {'dp ' if p.shape.tp > 1 else ''}ranks"
+        + (f" (× tp {p.shape.tp})" if p.shape.tp > 1 else "")
+        + (f", experts on ep {p.shape.ep}" if p.shape.ep > 1 else "")
+        + f", imbalance {plan.imbalance():.1%} "
         f"(max load {plan.max_load * 1e3:.2f} ms, mean "
-        f"{plan.total_load / plan.world_size * 1e3:.2f} ms of Newton–Schulz per rank)",
+        f"{plan.total_load / plan.world_size * 1e3:.2f} ms of Newton–Schulz per rank"
+        + (", whole shapes; the tp row's share: NS ms, TP ms)" if p.shape.tp > 1 else ")"),
         "memory excludes activations; "
         + (
             f"over the device's {fits / 2**30:.0f} GiB already: {', '.join(too_big)}"
@@ -311,10 +335,15 @@ def format_report(p: Prediction, *, pretty: bool | None = None) -> str:
 def overhead_curve(
     p: Prediction, gpus: Sequence[int] = (8, 16, 32, 64, 128, 256, 512, 1024)
 ) -> dict[str, list[float]]:
-    """Overhead vs AdamW of each mode of ``p`` at each GPU count (same global batch)."""
+    """Overhead vs AdamW of each mode of ``p`` at each GPU count (same global batch);
+    NaN where the GPUs cannot take the ``tp``/``ep`` layout."""
     curves: dict[str, list[float]] = {m: [] for m in p.modes}
     shape: TrainingShape = p.shape
     for n in gpus:
+        if n % shape.tp or (n // shape.tp) % shape.ep:  # the mesh does not fit n GPUs
+            for m in curves:
+                curves[m].append(float("nan"))
+            continue
         q = predict(p.spec, p.cluster.with_gpus(n), replace(shape), modes=tuple(p.modes))
         for m in curves:
             curves[m].append(q.modes[m].overhead_vs_adamw)

@@ -36,6 +36,10 @@ of peak rate ``F`` (FLOP/s) and memory bandwidth ``B_mem``:
   profile with ``overlap=False`` (a calibrated CPU) exposes all communication.
 * **Step** ``t = t_fb + exposed_forward + exposed_backward + t_opt``; overhead vs
   AdamW ``t/t_AdamW − 1``; speedup vs vanilla ``t_vanilla/t``.
+* **Tensor and expert parallelism** (``TrainingShape.tp``/``ep``): the model as one
+  rank holds it, owners over ``dp = N/T``, each split matrix by its tensor-parallel
+  path, whose collectives add ``t_tp`` to Newton–Schulz (never hidden), experts held
+  where they live (:mod:`~dmuon.optim.planner.parallel`).
 """
 
 from __future__ import annotations
@@ -43,10 +47,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dmuon.comm import NSCost, OwnerPlan, plan_owners
+from dmuon.comm import MatrixItem, NSCost, OwnerPlan, plan_owners
 from dmuon.kernels import ns_flops
+from dmuon.optim.engine.params import subplan
 from dmuon.optim.planner.config import ModelSpec
 from dmuon.optim.planner.memory import memory_per_rank
+from dmuon.optim.planner.parallel import (
+    Layout,
+    SplitChoice,
+    expert_transfers,
+    layout,
+    rank_work,
+    tp_choices,
+    tp_transfers,
+    vanilla_tp_gather,
+)
 from dmuon.optim.planner.profiles import ClusterProfile, Link
 from dmuon.optim.planner.traffic import (
     DMUON_MODES,
@@ -77,6 +92,10 @@ class TrainingShape:
         method: Newton–Schulz method (``"gram"`` or ``"standard"``).
         ns_steps: Newton–Schulz steps.
         restarts: Gram restart iterations.
+        tp: tensor-parallel degree ``T`` (a ``dp × tp`` mesh, ``dp = N/T``).
+        ep: expert-parallel degree ``E_p`` (expert stacks split over ``E_p`` dp ranks).
+        tp_path: how a split matrix is orthogonalised: ``"auto"`` (the cheaper by
+            :func:`dmuon.comm.tensor_parallel_path`), ``"gram"`` or ``"gather"``.
     """
 
     global_tokens: int = 4 * 1024 * 1024
@@ -86,6 +105,9 @@ class TrainingShape:
     method: str = "gram"
     ns_steps: int = 5
     restarts: tuple[int, ...] = (2,)
+    tp: int = 1
+    ep: int = 1
+    tp_path: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.global_tokens, bool) or not isinstance(self.global_tokens, int):
@@ -100,6 +122,11 @@ class TrainingShape:
             raise ValueError(f"fwd_bwd_s (--fwd-bwd-ms) must be > 0, got {self.fwd_bwd_s!r}")
         if self.method not in ("gram", "standard"):
             raise ValueError(f"method must be 'gram' or 'standard', got {self.method!r}")
+        for flag, value in (("--tp", self.tp), ("--ep", self.ep)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be an integer ≥ 1, got {value!r}")
+        if self.tp_path not in ("auto", "gram", "gather"):
+            raise ValueError(f"--tp-path must be auto, gram or gather, got {self.tp_path!r}")
 
 
 @dataclass
@@ -122,6 +149,8 @@ class ModePrediction:
     transfers: list[Transfer] = field(default_factory=list)
     overhead_vs_adamw: float = 0.0
     speedup_vs_vanilla: float = 1.0
+    tp_s: float = 0.0
+    bytes_tp: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (see the schema in :mod:`~dmuon.optim.planner.report`)."""
@@ -138,6 +167,8 @@ class ModePrediction:
             "ns_flops_per_rank_mean": self.ns_flops_mean,
             "bytes_per_rank_dmuon": self.bytes_dmuon,
             "bytes_per_rank_framework": self.bytes_framework,
+            "tp_ms": self.tp_s * 1e3,
+            "bytes_per_rank_tp": self.bytes_tp,
             "memory_bytes": self.memory,
             "overhead_vs_adamw": self.overhead_vs_adamw,
             "speedup_vs_vanilla": self.speedup_vs_vanilla,
@@ -165,6 +196,7 @@ class Prediction:
     plan: OwnerPlan
     modes: dict[str, ModePrediction]
     assumptions: list[tuple[str, str]]
+    layout: Layout | None = None
 
 
 def ns_cost(cluster: ClusterProfile, shape: TrainingShape) -> NSCost:
@@ -205,7 +237,7 @@ def collective_seconds(t: Transfer, cluster: ClusterProfile) -> float:
     otherwise, :func:`dmuon.comm.cost_model`); ``rounds`` the times they are paid in
     sequence (once per layer for collectives a layer issues together).
     """
-    link = cluster.link(t.group_size)
+    link = cluster.link(t.group_size * t.stride)
     n = t.group_size
     steps_per = 2 * (n - 1) if t.collective == "all_reduce" else n - 1
     return t.rounds * steps_per * link.alpha + t.max_bytes / link.effective_bandwidth
@@ -225,8 +257,13 @@ def predict(
 ) -> Prediction:
     """Predict the step of every mode in ``modes`` (``adamw`` and ``vanilla`` always).
 
+    With ``shape.tp = T > 1`` or ``shape.ep > 1`` the model is laid out by
+    :func:`~dmuon.optim.planner.parallel.layout`: owners over the ``dp = N/T``
+    data-parallel ranks, shards over ``tp``, experts held where they live.
+
     Raises:
-        ValueError: an unknown mode, or a model without Muon matrices.
+        ValueError: an unknown mode, a model without Muon matrices, or a ``tp``/``ep``
+            the model or the cluster cannot take (naming ``--tp``/``--ep``).
 
     Examples:
         >>> from dmuon.optim.planner.config import load_model
@@ -245,9 +282,22 @@ def predict(
     N = cluster.gpus
     d = cluster.device
     cost = ns_cost(cluster, shape)
+    lay = layout(spec, N, shape.tp, shape.ep, cost=cost)
+    D, T = lay.dp, lay.tp
+    local = lay.local
+    held = lay.held or tuple(() for _ in range(D))
     if plan is None:
-        plan = plan_owners(spec.matrices, N, cost=cost)
-    single = plan_owners(spec.matrices, 1, cost=cost)
+        plan = plan_owners(lay.dense, D, cost=cost, held=lay.held)
+    # vanilla: every dense matrix whole (a split one gathered over tp) and its own experts
+    mine = (*lay.dense, *(i for i in local.matrices if len(i.shape) > 2 and lay.ep > 1))
+    single = plan_owners(mine, 1, cost=cost)
+    choices = tp_choices(
+        spec, lay, cluster, method=shape.method, steps=shape.ns_steps, tp_path=shape.tp_path
+    )
+    # what travels over dp is each rank's shard of a split matrix
+    local_plan = plan
+    if T > 1:
+        local_plan = subplan(plan, plan.names, {n: lay.shard_shape(plan.item(n)) for n in choices})
     layers = max(1, len(spec.layers))
     e = spec.matrices[0].dtype.itemsize
     if shape.fwd_bwd_s is not None:
@@ -256,36 +306,67 @@ def predict(
         t_fb = 6 * spec.active_params * shape.global_tokens / (N * shape.mfu * d.peak_flops)
     t_f, t_b = t_fb / 3, 2 * t_fb / 3
     adam_rate = (3 * e + 16) / d.bytes_per_second
-    flops = plan_flops(plan, shape)
-    all_flops = plan_flops(single, shape)[0]
+
+    # Newton–Schulz of each dp rank (its owned and held matrices): seconds, tp seconds, FLOPs
+    def work_of(
+        items: tuple[MatrixItem, ...], ch: dict[str, SplitChoice]
+    ) -> tuple[float, float, float]:
+        return rank_work(
+            items, ch, cost, method=shape.method, steps=shape.ns_steps, restarts=shape.restarts
+        )
+
+    work = [work_of((*plan.items_of(r), *held[r]), choices) for r in range(D)]
+    if not choices:
+        work = [(plan.loads[r], 0.0, w[2]) for r, w in enumerate(work)]
+    flops = [w[2] for w in work]
+    if choices:  # every rank steps its shards of every matrix (sign mode)
+        every = work_of(single.items, choices)
+    else:
+        every = (single.max_load, 0.0, work_of(single.items, {})[2])
+    all_flops = int(work_of(single.items, {})[2])
     # per-matrix optimizer work beyond NS (calibrated; 0 for datasheet profiles)
     per_matrix = d.matrix_overhead
-    busiest = max(sum(i.batch for i in plan.items_of(r)) for r in range(N)) * per_matrix
-    everything = sum(i.batch for i in spec.matrices) * per_matrix
+    busiest = max(sum(i.batch for i in (*plan.items_of(r), *held[r])) for r in range(D))
+    busiest_s = busiest * per_matrix
+    everything = sum(i.batch for i in single.items) * per_matrix
+    top = max(range(D), key=lambda r: work[r][0] + work[r][1])
+    held_numel = [sum(i.numel for i in h) for h in held]
+    experts_local = sum(i.numel for i in local.matrices if len(i.shape) > 2) if lay.ep > 1 else 0
     out: dict[str, ModePrediction] = {}
     for mode in dict.fromkeys(("adamw", "vanilla", *modes)):
+        t_tp = 0.0
+        dm: list[Transfer] = []
         if mode in ("adamw", "adamw-ddp"):
-            dm: list[Transfer] = []
             t_ns, f_max, f_mean = 0.0, 0, 0.0
-            t_adam = spec.total_params / (N if mode == "adamw" else 1) * adam_rate
+            t_adam = local.total_params / (D if mode == "adamw" else 1) * adam_rate
         elif mode == "vanilla-ddp":
-            dm = []
             t_ns, f_max, f_mean = single.max_load + everything, all_flops, float(all_flops)
-            t_adam = spec.scalar_params * adam_rate
-        elif mode in ("vanilla", "sign"):
-            dm = [] if mode == "vanilla" else dmuon_transfers(spec, plan, mode)
+            t_adam = local.scalar_params * adam_rate
+        elif mode == "vanilla":
             t_ns, f_max, f_mean = single.max_load + everything, all_flops, float(all_flops)
-            scalars = spec.scalar_params / N if mode == "vanilla" else spec.scalar_params
-            t_adam = scalars * adam_rate
+            t_adam = local.scalar_params / D * adam_rate
+        elif mode == "sign":
+            dm = dmuon_transfers(local, local_plan, mode)
+            t_ns, t_tp = every[0] + everything, every[1]
+            f_max, f_mean = int(every[2]), float(every[2])
+            t_adam = local.scalar_params * adam_rate
         else:
-            dm = dmuon_transfers(spec, plan, mode)
-            t_ns, f_max, f_mean = plan.max_load + busiest, max(flops), sum(flops) / N
-            scalars = spec.scalar_params if mode == "replicated" else spec.scalar_params / N
+            dm = dmuon_transfers(local, local_plan, mode)
+            if lay.expert_plan is not None and lay.replicas > 1:
+                dm += expert_transfers(lay, mode)
+            t_ns, t_tp = work[top][0] + busiest_s, work[top][1]
+            f_max, f_mean = int(max(flops)), sum(flops) / D
+            scalars = local.scalar_params if mode == "replicated" else local.scalar_params / D
             t_adam = scalars * adam_rate
-        fw = framework_transfers(spec, mode, N)
-        transfers = dm + fw
+        fw = framework_transfers(local, mode, D)
+        for t in dm + fw:  # a dp group's ranks are T apart (tp innermost)
+            t.stride *= T
+        if T > 1 and mode in ("vanilla", "vanilla-ddp"):
+            fw.append(vanilla_tp_gather(spec, lay, layers))
+        tp_moved = tp_transfers(choices, local_plan, held, mode, D) if choices else []
+        transfers = dm + fw + tp_moved
         comm = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        for t in transfers:
+        for t in dm + fw:
             comm[t.phase] += collective_seconds(t, cluster)
         if d.overlap:
             exposed = {
@@ -295,13 +376,19 @@ def predict(
         else:  # nothing hides behind compute (a calibrated CPU profile)
             exposed = {"forward": comm["forward"], "backward": comm["backward"]}
         c = comm["step"]
+        # the tp collectives sit inside Newton–Schulz (the Gram all-reduces between its
+        # products, the gather before it): synchronous with it, never hidden
+        t_work = t_ns + t_tp
         if mode in ("sign", "vanilla", "vanilla-ddp") or not d.overlap:
-            t_opt_ns = t_ns + c  # synchronous: votes / gradient gathers before NS
+            t_opt_ns = t_work + c  # synchronous: votes / gradient gathers before NS
         else:
-            t_opt_ns = max(c, t_ns) + min(c, t_ns) / layers
-        exposed["step"] = t_opt_ns - t_ns
+            t_opt_ns = max(c, t_work) + min(c, t_work) / layers
+        exposed["step"] = t_opt_ns - t_work
+        if t_tp:
+            comm["tensor_parallel"] = exposed["tensor_parallel"] = t_tp
         t_opt = t_opt_ns + t_adam
         step = t_fb + exposed["forward"] + exposed["backward"] + t_opt
+        owns = mode in ("owner", "owner-z3", "replicated", "sharded")
         out[mode] = ModePrediction(
             mode=mode,
             fwd_bwd_s=t_fb,
@@ -315,18 +402,36 @@ def predict(
             ns_flops_mean=f_mean,
             bytes_dmuon=sum(max(t.sent) for t in dm),
             bytes_framework=sum(max(t.sent) for t in fw),
-            memory=memory_per_rank(spec, plan, mode),
+            memory=memory_per_rank(
+                local,
+                local_plan,
+                mode,
+                held=held_numel if owns else None,
+                experts=experts_local,
+                replicas=lay.replicas,
+                gathered=max((i.numel for i in spec.matrices if i.name in lay.splits), default=0)
+                if mode in ("vanilla", "vanilla-ddp")
+                else 0,
+            ),
             transfers=transfers,
+            tp_s=t_tp,
+            bytes_tp=sum(max(t.sent) for t in tp_moved),
         )
     base, vanilla = out["adamw"].step_s, out["vanilla"].step_s
     for m in out.values():
         m.overhead_vs_adamw = m.step_s / base - 1
         m.speedup_vs_vanilla = vanilla / m.step_s
-    return Prediction(spec, cluster, shape, plan, out, assumptions(spec, cluster, shape))
+    return Prediction(
+        spec, cluster, shape, plan, out, assumptions(spec, cluster, shape, lay, choices), lay
+    )
 
 
 def assumptions(
-    spec: ModelSpec, cluster: ClusterProfile, shape: TrainingShape
+    spec: ModelSpec,
+    cluster: ClusterProfile,
+    shape: TrainingShape,
+    lay: Layout | None = None,
+    choices: dict[str, SplitChoice] | None = None,
 ) -> list[tuple[str, str]]:
     """Every assumption the prediction rests on, with where it came from."""
     d = cluster.device
@@ -374,4 +479,41 @@ def assumptions(
         ("not modelled", "activations memory, TP/EP, stragglers, kernel-launch jitter; "
          "a group spanning nodes runs entirely at the inter-node link"),
     ]  # fmt: skip
+    if lay is None or (lay.tp == 1 and lay.ep == 1):
+        return rows
+    rows[-1] = (
+        "not modelled",
+        "activations memory and their tensor-parallel collectives in forward/backward "
+        "(inside the stated MFU), expert dispatch all-to-alls, stragglers, kernel-launch "
+        "jitter; a group spanning nodes runs entirely at the inter-node link",
+    )
+    if lay.tp > 1:
+        paths = [c.path for c in (choices or {}).values()]
+        tp_link = cluster.link(lay.tp)
+        rows.append(("tensor parallelism", (
+            f"dp {lay.dp} × tp {lay.tp}, tp innermost ({tp_link.name} link); "
+            f"{len(lay.splits)} matrices split (q/k/v, gate/up by rows; o, down by columns), "
+            "embeddings, head, routers and experts whole; owners planned over dp by whole "
+            "shapes, dp traffic carries shards")))  # fmt: skip
+        rows.append(("tensor-parallel path", (
+            f"{paths.count('gram')} Gram, {paths.count('gather')} gather "
+            f"(--tp-path {shape.tp_path}: dmuon.comm.tensor_parallel_path at the profile's "
+            "NS rate and the tp link); the tp collectives are synchronous with NS")))  # fmt: skip
+        rows.append(("baselines with tp", (
+            "AdamW = FSDP2 over dp on 1/T shards; vanilla = the same, and every rank "
+            "all-gathers every split matrix over tp and orthogonalises it whole")))  # fmt: skip
+    if lay.ep > 1:
+        rows.append(("expert parallelism", (
+            f"ep {lay.ep}: {spec.experts // lay.ep} experts per stack per rank, "
+            f"stepped where they live as one batch; {lay.replicas} replica(s) of each: "
+            + ("no dp traffic for experts" if lay.replicas == 1 else
+               "each expert reduced to an owner among its replicas and broadcast back")
+            + "; dense matrices planned around each rank's experts "
+            "(dmuon.comm.plan_owners(held=...)); FSDP2 collectives of expert stacks "
+            "priced over the whole dp group")))  # fmt: skip
+    rows.append(("engine support", (
+        "tensor parallelism runs today in single, replicated and sharded mode and "
+        "experts in single mode; owner mode (dedicate) over dp × tp and with experts, "
+        "and sign mode with either, are predicted as designed (docs: Tensor and "
+        "expert parallelism)")))  # fmt: skip
     return rows

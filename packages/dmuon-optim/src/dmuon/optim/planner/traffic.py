@@ -42,7 +42,14 @@ from dmuon.comm.cost_model import cost_model
 from dmuon.optim.engine.params import subplan
 from dmuon.optim.planner.config import ModelSpec
 
-__all__ = ["DMUON_MODES", "Transfer", "dmuon_transfers", "framework_transfers", "per_rank_ops"]
+__all__ = [
+    "DMUON_MODES",
+    "Transfer",
+    "dmuon_transfers",
+    "framework_transfers",
+    "per_rank_ops",
+    "ring_transfer",
+]
 
 DMUON_MODES = ("owner", "owner-z3", "replicated", "sharded", "sign")
 """The DMuon execution modes the planner predicts (``owner-z3``: owner mode with
@@ -67,6 +74,11 @@ class Transfer:
             (Sign-Muon's votes) once per collective.
         group_size: ranks in each collective.
         recorded: whether DMuon's ``CommStats`` records it.
+        stride: rank distance between the members of a group (``T`` for a data-parallel
+            group of a ``dp × tp`` mesh): the group spans ``group_size · stride``
+            consecutive ranks, which decides its link.
+        inside_ns: a tensor-parallel collective inside Newton–Schulz; its time is the
+            prediction's ``tp_s``, not a phase's.
     """
 
     op: str
@@ -79,6 +91,8 @@ class Transfer:
     recorded: bool = True
     rounds: int = 0
     notes: list[str] = field(default_factory=list)
+    stride: int = 1
+    inside_ns: bool = False
 
     @property
     def max_bytes(self) -> float:
@@ -258,7 +272,11 @@ def dmuon_transfers(
     return _sign(spec, n, batch_limit)
 
 
-def _ring(op: str, collective: str, phase: str, nbytes: float, n: int, rounds: int = 1) -> Transfer:
+def ring_transfer(
+    op: str, collective: str, phase: str, nbytes: float, n: int, rounds: int = 1
+) -> Transfer:
+    """A framework collective of ``nbytes`` over ``n`` ranks, priced by the ring formulas
+    of :func:`~dmuon.comm.cost_model` (not recorded by ``CommStats``)."""
     t = Transfer(op, collective, phase, [0.0] * n, [0.0] * n, group_size=n, recorded=False)
     c = cost_model(collective, int(nbytes), n)
     t.sent = [c.bytes_sent] * n
@@ -294,9 +312,9 @@ def framework_transfers(spec: ModelSpec, mode: str, n: int) -> list[Transfer]:
 
     def fsdp(nbytes: float) -> list[Transfer]:
         return [
-            _ring("fsdp_all_gather", "all_gather", "forward", nbytes, n, layers),
-            _ring("fsdp_all_gather_backward", "all_gather", "backward", nbytes, n, layers),
-            _ring("fsdp_reduce_scatter", "reduce_scatter", "backward", nbytes, n, layers),
+            ring_transfer("fsdp_all_gather", "all_gather", "forward", nbytes, n, layers),
+            ring_transfer("fsdp_all_gather_backward", "all_gather", "backward", nbytes, n, layers),
+            ring_transfer("fsdp_reduce_scatter", "reduce_scatter", "backward", nbytes, n, layers),
         ]
 
     ddp_rounds = -(-int(everything) // DDP_BUCKET_BYTES)
@@ -304,12 +322,14 @@ def framework_transfers(spec: ModelSpec, mode: str, n: int) -> list[Transfer]:
     if mode == "adamw" or mode == "sharded":
         return fsdp(everything)
     if mode == "vanilla":
-        gather = _ring("gather_gradients", "all_gather", "step", matrices, n, layers)
+        gather = ring_transfer("gather_gradients", "all_gather", "step", matrices, n, layers)
         return [*fsdp(everything), gather]
     if mode in ("owner", "owner-z3"):
         return fsdp(scalars)
     if mode in ("replicated", "adamw-ddp", "vanilla-ddp"):
-        return [_ring("ddp_all_reduce", "all_reduce", "backward", everything, n, ddp_rounds)]
+        return [
+            ring_transfer("ddp_all_reduce", "all_reduce", "backward", everything, n, ddp_rounds)
+        ]
     if mode == "sign":
         return []
     raise ValueError(f"mode must be adamw, vanilla or one of {DMUON_MODES}, got {mode!r}")
