@@ -118,6 +118,52 @@ def test_memory_modes_order(llama):
     assert p.modes["replicated"].memory["weights"] == llama.total_params * 2
 
 
+def test_matrix_state_follows_the_rule_and_the_state_dtype(llama):
+    """The state of the matrix rule, counted from the rule's declared state, equals the
+    bytes of a real DMuon's state tensors for the same matrices (the sign mode holds
+    every matrix's state on every rank)."""
+    import torch
+
+    from dmuon.optim import DMuon, get_rule
+
+    def state_bytes(rule, state_dtype):
+        shape = TrainingShape(global_tokens=2**22, rule=rule, state_dtype=state_dtype)
+        p = predict(llama, cluster(8), shape, modes=("sign",))
+        return p.modes["sign"].memory["optimizer_state"] - 8 * llama.scalar_params
+
+    def measured(rule, state_dtype):
+        # two matrices of each of the model's shapes, bf16 like the planner's default
+        shapes = sorted({(i.rows, i.cols) for i in llama.matrices})[:2]
+        ws = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in shapes]
+        opt = DMuon(ws, rule=rule, state_dtype=state_dtype)
+        for w in ws:
+            w.grad = torch.ones_like(w)
+        opt.step()
+        per_element = sum(
+            v.numel() * v.element_size() for w in ws for k, v in opt.state[w].items() if k != "step"
+        )
+        return per_element, shapes
+
+    muon = state_bytes("muon", None)
+    assert muon == llama.matrix_params * 2  # the momentum, bf16 like the weights
+    assert state_bytes("muon", "float32") == 2 * muon
+    assert state_bytes("adamuon", None) == 2 * muon  # momentum + full second moment
+    rows = sum(i.batch * i.rows for i in llama.matrices)
+    assert state_bytes("normuon", "float32") == 4 * (llama.matrix_params + rows)
+    for rule, dtype in (("muon", None), ("adamuon", "float32"), ("normuon", "bfloat16")):
+        got, shapes = measured(rule, dtype)
+        specs = [x.kind for x in get_rule(rule).state_specs()]
+        size = 2 if dtype in (None, "bfloat16") else 4
+        want = sum(
+            size * (specs.count("matrix") * m * n + specs.count("row") * m) for m, n in shapes
+        )
+        assert got == want, (rule, dtype)
+    with pytest.raises(ValueError, match="--state-dtype must be float32 or bfloat16"):
+        TrainingShape(state_dtype="float16")
+    with pytest.raises(ValueError, match="--rule must be one of"):
+        TrainingShape(rule="adam")
+
+
 def test_framework_traffic_formulas(llama):
     n, b = 8, 2
     fsdp = framework_transfers(llama, "adamw", n)

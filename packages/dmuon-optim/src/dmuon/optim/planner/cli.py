@@ -92,6 +92,17 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="how a split matrix is orthogonalised (auto: the cheaper by the cost model)",
     )
+    p.add_argument(
+        "--rule",
+        default="muon",
+        help="DMuon's matrix rule, for its optimizer state in the memory table (default muon)",
+    )
+    p.add_argument(
+        "--state-dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="dtype of the matrix rule's state (DMuon's state_dtype; default: the parameter's)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON (schema in the docs)")
     p.add_argument("--plot", metavar="PNG", help="write overhead vs GPUs (8 → 1024)")
     p.add_argument(
@@ -167,6 +178,8 @@ def _run(args: argparse.Namespace) -> int:
         tp=args.tp,
         ep=args.ep,
         tp_path=args.tp_path,
+        rule=args.rule,
+        state_dtype=args.state_dtype,
     )
     prediction = predict(spec, cluster, shape, modes=("adamw", "vanilla", *_modes(args.mode)))
     if args.plot:

@@ -28,6 +28,14 @@ FSDP2 modes shard them over their ``R = dp/E_p`` replicas (``x/R`` instead of
 ``x/N``), and a mode with owners keeps the momentum of the experts a rank owns
 (``held``) beside ``O_r``.
 
+The matrix rule's state is counted from the rule's declared state
+(:meth:`~dmuon.optim.Rule.state_specs`): ``k_m`` tensors of the matrix's shape (the
+momentum; AdaMuon's second moment) and ``k_r`` of one value per row (NorMuon's), in
+``s`` bytes per element — the parameter's ``e`` by default, 4 or 2 with DMuon's
+``state_dtype="float32"``/``"bfloat16"``. Above, ``O_r e`` of state stands for
+``Σ (k_m·numel + k_r·rows)·s`` over the matrices rank ``r`` owns, and ``Φ_M e`` of
+state for the same sum over every matrix. AdamW's scalar moments stay fp32 (8 bytes).
+
 Owner mode (ZeRO-2-like) keeps every matrix on every rank: the owners broadcast
 into the parameters, and backward produces every matrix's gradient locally before
 it is reduced. Muon's momentum is a ``zeros_like`` of the parameter (same dtype),
@@ -37,8 +45,13 @@ mode and depend on the micro-batch and checkpointing).
 
 from __future__ import annotations
 
-from dmuon.comm import OwnerPlan
+from collections.abc import Sequence
+
+from dmuon.comm import MatrixItem, OwnerPlan
 from dmuon.optim.planner.config import ModelSpec
+from dmuon.optim.rules import get_rule
+
+STATE_BYTES = {"float32": 4, "bfloat16": 2}
 
 __all__ = ["memory_per_rank"]
 
@@ -60,6 +73,8 @@ def memory_per_rank(
     experts: int = 0,
     replicas: int = 1,
     gathered: int = 0,
+    rule: str = "muon",
+    state_dtype: str | None = None,
 ) -> dict[str, float]:
     """Bytes per rank in ``mode``: ``weights``, ``gradients``, ``optimizer_state``,
     ``buffers`` and their ``total`` (activations excluded).
@@ -72,6 +87,8 @@ def memory_per_rank(
         experts: ``x``, the expert-stack elements a rank holds (expert parallelism).
         replicas: ``R``, the ranks holding the same experts.
         gathered: elements of the largest matrix vanilla Muon gathers whole (over tp).
+        rule: DMuon's matrix rule, whose declared state is counted.
+        state_dtype: the matrix state's dtype (``None``: the parameter's).
 
     Examples:
         >>> from dmuon.comm import plan_owners
@@ -88,6 +105,19 @@ def memory_per_rank(
     biggest = max(biggest, gathered)
     extra = held or [0] * N
     owned = max(sum(i.numel for i in plan.items_of(r)) + extra[r] for r in range(N))
+    specs = get_rule(rule).state_specs()
+    k_m = sum(1 for x in specs if x.kind == "matrix")
+    k_r = len(specs) - k_m
+    s = STATE_BYTES[state_dtype] if state_dtype is not None else e
+
+    def state(items: Sequence[MatrixItem], held_elements: int = 0) -> float:
+        """Bytes of the matrix rule's state for ``items`` (plus held expert elements)."""
+        return (
+            sum(k_m * i.numel + k_r * i.batch * i.rows for i in items) + k_m * held_elements
+        ) * s
+
+    owned_state = max(state(plan.items_of(r), extra[r]) for r in range(N))
+    all_state = state(spec.matrices)
 
     def sh(v: int, k: float) -> float:
         """``v·k/N``, FSDP2's share, with the experts sharded over their replicas."""
@@ -104,17 +134,17 @@ def memory_per_rank(
         m = (sh(phi, e) + 2 * layer * e, sh(phi, e) + layer * e, sh(pm, e) + 8 * ps / N,
              biggest * e)  # fmt: skip
     elif mode == "owner":
-        m = (pm * e + ps * e / N, pm * e + ps * e / N, owned * e + 8 * ps / N, pm * e)
+        m = (pm * e + ps * e / N, pm * e + ps * e / N, owned_state + 8 * ps / N, pm * e)
     elif mode == "owner-z3":
         m = (owned * e + ps * e / N + 2 * layer * e, owned * e + ps * e / N + layer * e,
-             owned * e + 8 * ps / N, layer * e)  # fmt: skip
+             owned_state + 8 * ps / N, layer * e)  # fmt: skip
     elif mode == "replicated":
-        m = (phi * e, phi * e, owned * e + 8 * ps, phi * e + layer * N * e)
+        m = (phi * e, phi * e, owned_state + 8 * ps, phi * e + layer * N * e)
     elif mode == "sharded":
-        m = (sh(phi, e) + 2 * layer * e, sh(phi, e) + layer * e, owned * e + 8 * ps / N,
+        m = (sh(phi, e) + 2 * layer * e, sh(phi, e) + layer * e, owned_state + 8 * ps / N,
              2 * layer * e)  # fmt: skip
     elif mode == "sign":
-        m = (phi * e, phi * e, pm * e + 8 * ps, layer / 8)
+        m = (phi * e, phi * e, all_state + 8 * ps, layer / 8)
     else:
         raise ValueError(f"unknown mode {mode!r}")
     keys = ("weights", "gradients", "optimizer_state", "buffers")

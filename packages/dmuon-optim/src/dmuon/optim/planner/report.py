@@ -165,6 +165,8 @@ def to_json(p: Prediction) -> dict[str, Any]:
             "ns_steps": s.ns_steps,
             "restarts": list(s.restarts),
             "tp_path": s.tp_path,
+            "rule": s.rule,
+            "state_dtype": s.state_dtype,
         },
         "plan": {
             "world_size": plan.world_size,

@@ -69,6 +69,7 @@ from dmuon.optim.planner.traffic import (
     dmuon_transfers,
     framework_transfers,
 )
+from dmuon.optim.rules import RULES
 
 __all__ = ["ALL_MODES", "ModePrediction", "Prediction", "TrainingShape", "predict"]
 
@@ -96,6 +97,11 @@ class TrainingShape:
         ep: expert-parallel degree ``E_p`` (expert stacks split over ``E_p`` dp ranks).
         tp_path: how a split matrix is orthogonalised: ``"auto"`` (the cheaper by
             :func:`dmuon.comm.tensor_parallel_path`), ``"gram"`` or ``"gather"``.
+        rule: DMuon's matrix rule (:data:`~dmuon.optim.RULES`): which state each matrix
+            keeps (``muon``: the momentum; ``adamuon``: also a full second moment;
+            ``normuon``: also one value per row).
+        state_dtype: the dtype of the matrix rule's state (DMuon's ``state_dtype``):
+            ``None`` (the parameter's), ``"float32"`` or ``"bfloat16"``.
     """
 
     global_tokens: int = 4 * 1024 * 1024
@@ -108,6 +114,8 @@ class TrainingShape:
     tp: int = 1
     ep: int = 1
     tp_path: str = "auto"
+    rule: str = "muon"
+    state_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.global_tokens, bool) or not isinstance(self.global_tokens, int):
@@ -127,6 +135,13 @@ class TrainingShape:
                 raise ValueError(f"{flag} must be an integer ≥ 1, got {value!r}")
         if self.tp_path not in ("auto", "gram", "gather"):
             raise ValueError(f"--tp-path must be auto, gram or gather, got {self.tp_path!r}")
+        if self.rule not in RULES:
+            raise ValueError(f"--rule must be one of {sorted(RULES)}, got {self.rule!r}")
+        if self.state_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(
+                f"--state-dtype must be float32 or bfloat16 (or unset: the parameter's dtype), "
+                f"got {self.state_dtype!r}"
+            )
 
 
 @dataclass
@@ -412,6 +427,8 @@ def predict(
                 gathered=max((i.numel for i in spec.matrices if i.name in lay.splits), default=0)
                 if mode in ("vanilla", "vanilla-ddp")
                 else 0,
+                rule=shape.rule,
+                state_dtype=shape.state_dtype,
             ),
             transfers=transfers,
             tp_s=t_tp,
@@ -475,8 +492,9 @@ def assumptions(
         ("baselines", "AdamW = FSDP2 (ZeRO-3) + AdamW; vanilla = FSDP2 + Muon gathering every "
          "gradient and orthogonalising every matrix on every rank"),
         ("precision", f"parameters, gradients and traffic in {spec.matrices[0].dtype}; AdamW "
-         "moments fp32; Muon momentum in the parameter dtype"),
-        ("not modelled", "activations memory, TP/EP, stragglers, kernel-launch jitter; "
+         f"moments fp32; the state rule {shape.rule!r} declares, in "
+         f"{shape.state_dtype or 'the parameter dtype'}"),
+        ("not modelled", "activations memory, stragglers, kernel-launch jitter; "
          "a group spanning nodes runs entirely at the inter-node link"),
     ]  # fmt: skip
     if lay is None or (lay.tp == 1 and lay.ep == 1):
