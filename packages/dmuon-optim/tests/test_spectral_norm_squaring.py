@@ -64,6 +64,16 @@ def test_no_overflow_for_huge_entries():
     torch.testing.assert_close(got, spectral_norm(X), rtol=1e-5, atol=0)
 
 
+def test_a_nan_matrix_gives_nan_and_does_not_hold_back_the_others():
+    X = signs(2, 8, 20)
+    X[0, 1, 2] = float("nan")
+    G = X @ X.mT
+    lam = lambda_max_by_squaring(G, max_squarings=64)
+    assert torch.isnan(lam[0]).all()
+    sigma = lam[1].double().sqrt().reshape(-1)
+    torch.testing.assert_close(sigma, spectral_norm(X[1:]), rtol=1e-5, atol=0)
+
+
 def test_both_methods_agree_and_auto_uses_eigvalsh_on_the_cpu():
     X = signs(2, 24, 64)
     a = inverse_spectral_norm(X, "squaring")

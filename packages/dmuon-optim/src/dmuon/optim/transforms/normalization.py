@@ -297,11 +297,12 @@ def lambda_max_by_squaring(G: torch.Tensor, max_squarings: int = 64) -> torch.Te
     tol = 64 * torch.finfo(G.dtype).eps
     p = 1.0
     for _ in range(max_squarings):
-        if bool((upper <= lower * (1 + tol)).all()):
+        # a non-finite G (NaN momentum) has nothing to converge to: stop, return NaN
+        if bool(((upper <= lower * (1 + tol)) | ~torch.isfinite(lower)).all()):
             break
         t = (A * A).sum(dim=(-2, -1), keepdim=True)  # tr(A²) = ‖A‖_F², A symmetric
         A = (A @ A) / torch.where(t > 0, t, torch.ones_like(t))
         upper = upper * torch.where(t > 0, t, torch.ones_like(t)).pow(1 / (2 * p))
         p *= 2
         lower = (A * G).sum(dim=(-2, -1), keepdim=True)
-    return torch.where(tr > 0, lower, 0.0)
+    return lower  # 0 for a zero G: A_0 = G/1 = 0
