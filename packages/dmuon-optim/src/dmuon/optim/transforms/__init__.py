@@ -33,6 +33,7 @@ from dmuon.optim.transforms.subspace import (
     TopKPolar,
     rank_fraction_at,
     sketch_matrix,
+    sketch_seed,
 )
 
 __all__ = [
@@ -63,4 +64,5 @@ __all__ = [
     "run_chain",
     "selected_count",
     "sketch_matrix",
+    "sketch_seed",
 ]

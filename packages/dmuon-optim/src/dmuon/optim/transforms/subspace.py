@@ -12,7 +12,7 @@ import torch
 from dmuon.optim.hyperparameters import Option, choice, integer, real
 from dmuon.optim.transforms.base import StepContext, Transform
 
-__all__ = ["RANK_SCHEDULES", "TopKPolar", "rank_fraction_at", "sketch_matrix"]
+__all__ = ["RANK_SCHEDULES", "TopKPolar", "rank_fraction_at", "sketch_matrix", "sketch_seed"]
 
 RANK_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -40,15 +40,34 @@ def rank_fraction_at(hp: Mapping[str, object], step: int) -> float:
     return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def sketch_matrix(n: int, width: int, seed: int, step: int) -> torch.Tensor:
-    """The Gaussian test matrix ``Ω`` (``n × width``, float64, CPU) of a step.
+def sketch_seed(seed: int, step: int, n: int, width: int) -> int:
+    """A 63-bit generator seed from ``(seed, step, n, width)`` (a fixed polynomial hash)."""
+    h = 0
+    for part in (seed, step, n, width):
+        h = (h * 1_000_003 + int(part)) % (1 << 63)
+    return h
 
-    It depends only on ``(n, width, seed, step)`` — not on which matrices share the
-    batch — so a batched step equals the per-matrix step, and a restored
-    checkpoint (which restores ``step``) replays the same sketches.
+
+def sketch_matrix(
+    n: int,
+    width: int,
+    seed: int,
+    step: int,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """The Gaussian test matrix ``Ω`` (``n × width``) of a step, drawn on ``device``.
+
+    It depends only on ``(n, width, seed, step)``, the device type and ``dtype`` — not
+    on which matrices share the batch — so a batched step equals the per-matrix step,
+    and a restored checkpoint (which restores ``step``) replays the same sketches.
+    It is drawn by a generator of ``device`` (no host-side random numbers and no copy
+    to the device each step); CPU and CUDA generators are different algorithms, so a
+    run on a CPU and the same run on a GPU draw different sketches (both Gaussian).
     """
-    gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(step))
-    return torch.randn(n, width, generator=gen, dtype=torch.float64)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(sketch_seed(seed, step, n, width))
+    return torch.randn(n, width, generator=gen, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -65,9 +84,12 @@ class TopKPolar(Transform):
     ``U_k V_kᵀ`` is the linear minimisation oracle of the Ky-Fan-k (for k = 1, the
     nuclear) norm ball; ``k = min(m, n)`` is Muon's exact polar factor. Directions
     with a zero singular value are dropped, so a zero matrix stays zero. Runs in
-    fp32 (fp64 for fp64 input). Source: Dolatabadi et al., *NuMuon:
-    Nuclear-Norm-Constrained Muon*, arXiv 2603.03597 (which uses block Krylov;
-    subspace iteration is the simpler member of the same family).
+    fp32 (fp64 for fp64 input). ``Ω`` is drawn on the matrix's device
+    (:func:`sketch_matrix`); the small factorisation is an eigendecomposition of the
+    ``l × l`` Gram matrix ``BBᵀ`` in float64 (an SVD of ``B`` for fp64 input).
+    Source: Dolatabadi et al., *NuMuon: Nuclear-Norm-Constrained Muon*, arXiv
+    2603.03597 (which uses block Krylov; subspace iteration is the simpler member of
+    the same family).
 
     Hyperparameters: ``rank_fraction``, ``rank_schedule``, ``rank_start``,
     ``rank_steps``, ``power_iters``, ``oversample``, ``seed``.
@@ -111,14 +133,41 @@ class TopKPolar(Transform):
         A = X.to(work)
         _, exponent = torch.frexp(A.abs().amax(dim=(-2, -1), keepdim=True))
         A = torch.ldexp(A, -exponent)
-        omega = sketch_matrix(n, width, int(hp["seed"]), ctx.step).to(work).to(X.device)
+        omega = sketch_matrix(n, width, int(hp["seed"]), ctx.step, X.device, work)
         Y = A @ omega
         for _ in range(int(hp["power_iters"])):
             Q = torch.linalg.qr(Y).Q
             Y = A @ torch.linalg.qr(A.mT @ Q).Q
         Q = torch.linalg.qr(Y).Q
-        Ub, S, Vh = torch.linalg.svd(Q.mT @ A, full_matrices=False)
-        tol = S[..., :1] * (torch.finfo(work).eps * max(m, n))
-        keep = (S[..., :k] > tol).to(work)
-        out = (Q @ Ub[..., :k]) @ (Vh[..., :k, :] * keep.unsqueeze(-1))
+        out = _top_k_of_range(Q, Q.mT @ A, k, max(m, n))
         return out.to(X.dtype)
+
+
+def _top_k_of_range(Q: torch.Tensor, C: torch.Tensor, k: int, big: int) -> torch.Tensor:
+    """``U_k V_kᵀ`` of ``Q C`` (``Q`` orthonormal ``m × l``, ``C = QᵀA`` ``l × n``), dropping
+    directions with ``σ ≤ σ_1·ε·max(m, n)`` (a zero matrix gives zero).
+
+    fp64: the SVD of ``C``. Otherwise without the SVD of a wide matrix (slow on GPUs):
+    the eigendecomposition of the small Gram matrix ``C Cᵀ = Ũ Σ² Ũᵀ`` in float64, then
+
+        V_k = Cᵀ Ũ_k Σ_k^{-1},    U_k V_kᵀ = Q · (Ũ_k Σ_k^{-1} Ũ_kᵀ) · C.
+
+    Squaring costs precision only for σ below ``√ε₆₄·σ_1 ≈ 1.5e-8·σ_1``; in fp32 every
+    kept σ is above ``ε₃₂·σ_1·max(m, n) ≥ 1.2e-7·σ_1``, where the float64 eigenvectors
+    give ``V_k`` to ``ε₆₄·σ_1²/σ_k² ≤ 2e-2·ε₃₂`` — below fp32's rounding.
+    """
+    work = C.dtype
+    if work == torch.float64:
+        Ub, S, Vh = torch.linalg.svd(C, full_matrices=False)
+        tol = S[..., :1] * (torch.finfo(work).eps * big)
+        keep = (S[..., :k] > tol).to(work)
+        return (Q @ Ub[..., :k]) @ (Vh[..., :k, :] * keep.unsqueeze(-1))
+    C64 = C.double()
+    lam, Ub = torch.linalg.eigh(C64 @ C64.mT)  # ascending
+    lam, Ub = lam.flip(-1)[..., :k].clamp_min(0.0), Ub.flip(-1)[..., :k]
+    sv = lam.sqrt()
+    tol = sv[..., :1] * (torch.finfo(work).eps * big)
+    kept = sv > tol
+    inv = torch.where(kept, 1.0 / torch.where(kept, sv, torch.ones_like(sv)), 0.0)
+    P = (Ub * inv.unsqueeze(-2)) @ Ub.mT
+    return (Q @ P.to(work)) @ C
