@@ -56,7 +56,8 @@ TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
 # The [torchtitan] extra pulls torchtitan's trainer dependencies; CI installs the package
 # alone and what `torchtitan.components.optimizer` and `torchtitan.models` import.
 TORCHTITAN_NO_DEPS = ("torchtitan==0.3.0", "spmd_types==0.2.3")
-TORCHTITAN_IMPORT_DEPS = ("tyro>=1.0.17",)
+# triton: torchtitan.models imports its MoE kernels' module at import time.
+TORCHTITAN_IMPORT_DEPS = ("tyro>=1.0.17", "triton")
 
 nox.options.sessions = [
     "lint",
