@@ -270,3 +270,38 @@ def test_gather_full_state_dict_collects_every_owner_and_reloads_on_any_world():
     # refused in one process: loading it would restart that momentum from zero.
     with pytest.raises(ValueError, match="empty placeholder in this state dict, saved by rank 0"):
         _resume(0, 1, out[0]["local"], params)
+
+
+def _gather_bf16_state(rank, world):
+    from dmuon.integrations.hf import gather_full_state_dict
+    from dmuon.optim import DMuon, param_groups
+
+    model = _blocks_model()
+    opt = DMuon(param_groups(model), lr=0.02, mode="replicated", ns_compute_dtype="float32",
+                state_dtype="bfloat16")  # fmt: skip
+    _train(model, opt, GATHER_STEPS)
+    return gather_full_state_dict(opt)["state"]
+
+
+def test_gather_full_state_dict_keeps_the_state_dtype():
+    """bf16 matrix state (state_dtype="bfloat16" on fp32 weights) is gathered as bf16,
+    equal to one process's, not widened to the weights' dtype."""
+    import torch
+
+    from dmuon.comm.testing import run_on_ranks
+    from dmuon.optim import DMuon, param_groups
+
+    model = _blocks_model()
+    ref = DMuon(param_groups(model), lr=0.02, ns_compute_dtype="float32", state_dtype="bfloat16")
+    _train(model, ref, GATHER_STEPS)
+    ref_state = ref.state_dict()["state"]
+    out = run_on_ranks(_gather_bf16_state, 2, timeout=120)
+    for state in out:
+        bf16 = 0
+        for idx, st in state.items():
+            for key, value in st.items():
+                want = ref_state[idx][key]
+                assert value.dtype == want.dtype, (idx, key, value.dtype, want.dtype)
+                bf16 += value.dtype == torch.bfloat16
+                torch.testing.assert_close(value, want, rtol=8e-3, atol=1e-6)
+        assert bf16 == 6  # the six matrices' momentum

@@ -24,6 +24,7 @@ from dmuon.comm import wait_work
 from dmuon.integrations.checkpoint.deadline import checkpoint_deadline
 from dmuon.optim import DMuon, get_rule, matrix_layout, state_shapes
 from dmuon.optim.engine import PlannedEngine
+from dmuon.optim.state_precision import state_dtype_of
 
 __all__ = ["gather_full_state_dict", "missing_state", "unwrap_optimizer"]
 
@@ -156,7 +157,8 @@ def gather_full_state_dict(optimizer: Any) -> dict[str, Any]:
             shapes = state_shapes(get_rule(group["rule"]), matrix_layout(p, group, name))
             st = sd["state"][idx]
             for key in sorted(shapes):
-                dtype = torch.float32 if key == "step" else p.dtype
+                # the state's own dtype (bf16 with state_dtype="bfloat16"), not the weight's
+                dtype = torch.float32 if key == "step" else state_dtype_of(group, p.dtype)
                 if owner == engine.rank:
                     value = st[key].detach().to(dtype).reshape(shapes[key])
                 else:
