@@ -423,7 +423,7 @@ def run_replicated_dp_tp(rank, world):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dmuon.integrations.hf import gather_full_state_dict
+    from dmuon.integrations.hf import gather_full_state_dict, missing_state
     from dmuon.optim import clip_grad_norm_
     from dmuon.optim.matrix_split import local_tensor
 
@@ -460,9 +460,16 @@ def run_replicated_dp_tp(rank, world):
         gram += default_stats()[GATHER_STATS_NAME].payload_bytes  # dion3 gathers its shards
         full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
         out[rule] = (full, norms, owners, gram)
-    # not yet: the Trainer's full state dict of the shards' state held by each owner's
-    # tp row (DCP and dmuon's full state dict: test_checkpoint_tensor_parallel.py)
-    out["hf"] = error(lambda: gather_full_state_dict(opt))
+
+    # The Trainer's full state dict: each owner's tp row holds the state of a split
+    # matrix shard by shard; every rank gathers its tp column's shards from the owners.
+    def plain(state):  # DTensor state (AdamW's of tp-sharded vectors) as its local part
+        return {i: {k: local_tensor(v).clone() for k, v in st.items()} for i, st in state.items()}
+
+    local = plain(opt.state_dict()["state"])
+    full = gather_full_state_dict(opt)
+    opt.load_state_dict(full)  # a rank's full dict loads back: its shapes are the shards'
+    out["hf"] = (mesh.get_coordinate(), local, plain(full["state"]), missing_state(full))
     return out
 
 
@@ -484,10 +491,25 @@ def test_replicated_mode_on_a_dp_by_tp_mesh_equals_one_process():
                 assert diff <= SPLIT_TOLERANCE, f"{rule}, rank {rank}: {name} differs by {diff:.2e}"
             # the Gram matrices (or dion3's shards) went over tp (every dp rank owns some)
             assert gram > 0, (rule, rank)
-    for rank, out in enumerate(results):
-        msg = out["hf"]
-        assert msg is not None and "mode='replicated'" in msg, (rank, msg)
-        assert "not supported yet" in msg and "mode='single'" in msg, (rank, msg)
+
+    # gather_full_state_dict: in a tp column, a matrix's state is held by one dp rank (its
+    # owner; the others hold placeholders) and every rank of the column gathers exactly
+    # the owner's shard; AdamW's state, held everywhere, stays each rank's own.
+    def holds(st):
+        return any(v.numel() for k, v in st.items() if k != "step")
+
+    gathered = 0
+    for coord, own, full, missing in (out["hf"] for out in results):
+        assert missing == [], (coord, missing)
+        column = [o["hf"][1] for o in results if o["hf"][0][1] == coord[1]]
+        for idx, st in full.items():
+            holders = [loc for loc in column if holds(loc[idx])]
+            source = holders[0] if len(holders) == 1 else own
+            assert len(holders) in (1, len(column)), (coord, idx, len(holders))
+            gathered += len(holders) == 1 and not holds(own[idx])
+            for key, value in st.items():
+                assert torch.equal(value, source[idx][key]), (coord, idx, key)
+    assert gathered > 0  # some matrices' state came from another rank
 
 
 def run_replicated_refusals(rank, world):

@@ -27,6 +27,7 @@ __all__ = [
     "build_state",
     "check_loaded_state",
     "check_state_dict_keys",
+    "expected_state_shapes",
     "refuse_foreign_placeholders",
     "reload_scalar_state",
 ]
@@ -107,6 +108,34 @@ def check_state_dict_keys(state_dict: Any) -> None:
         )
 
 
+def expected_state_shapes(
+    group: Mapping[str, Any],
+    p: torch.Tensor,
+    name: str,
+    on_shard: Callable[[torch.Tensor], bool] | None = None,
+    split_of: Callable[[torch.Tensor], MatrixSplit | None] | None = None,
+) -> dict[str, tuple[int, ...]]:
+    """The state keys of ``p`` on this rank and their shapes (see
+    :func:`check_loaded_state` for a split matrix's and a shard's).
+
+    Examples:
+        >>> import torch
+        >>> w = torch.zeros(4, 6)
+        >>> expected_state_shapes({"rule": "muon"}, w, "w")
+        {'step': (), 'momentum_buffer': (4, 6)}
+    """
+    if group["rule"] in SCALAR_ALGORITHMS:
+        return scalar_state_shapes(group["rule"], p)
+    shard = on_shard is not None and on_shard(p)
+    split = split_of(p) if split_of is not None and shard else None
+    local: torch.Tensor = local_tensor(p) if shard else p
+    if split is not None and split.local_shape is not None:
+        local = torch.empty(split.local_shape, device="meta")
+    if split is not None and not get_rule(group["rule"]).splits:
+        local = p  # a rule that needs the whole matrix keeps whole state
+    return state_shapes(get_rule(group["rule"]), matrix_layout(local, dict(group), name))
+
+
 def check_loaded_state(
     state: Mapping[Any, Any],
     groups: list[dict[str, Any]],
@@ -133,18 +162,7 @@ def check_loaded_state(
         names = g.get("param_names")
         for i, p in enumerate(g["params"]):
             name = param_name(names, i, gi, p)
-            if g["rule"] in SCALAR_ALGORITHMS:
-                expected = scalar_state_shapes(g["rule"], p)
-            else:
-                shard = on_shard is not None and on_shard(p)
-                split = split_of(p) if split_of is not None and shard else None
-                local: torch.Tensor = local_tensor(p) if shard else p
-                if split is not None and split.local_shape is not None:
-                    local = torch.empty(split.local_shape, device="meta")
-                if split is not None and not get_rule(g["rule"]).splits:
-                    local = p  # a rule that needs the whole matrix keeps whole state
-                layout = matrix_layout(local, g, name)
-                expected = state_shapes(get_rule(g["rule"]), layout)
+            expected = expected_state_shapes(g, p, name, on_shard, split_of)
             st = state.get(p)
             if st is None:
                 raise ValueError(

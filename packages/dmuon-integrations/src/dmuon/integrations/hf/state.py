@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from dmuon.comm import wait_work
 from dmuon.integrations.checkpoint.deadline import checkpoint_deadline
-from dmuon.optim import DMuon, get_rule, matrix_layout, state_shapes
+from dmuon.optim import DMuon
 from dmuon.optim.engine import PlannedEngine
+from dmuon.optim.optimizer_state import expected_state_shapes
 from dmuon.optim.state_precision import state_dtype_of
 
 __all__ = ["gather_full_state_dict", "missing_state", "unwrap_optimizer"]
@@ -128,15 +129,6 @@ def gather_full_state_dict(optimizer: Any) -> dict[str, Any]:
                 else "save owner/sharded state with torch.distributed.checkpoint"
             )
         )
-    if engine.mode == "replicated" and any(
-        engine.split_of(p) is not None for g in opt.param_groups for p in g["params"]
-    ):
-        raise ValueError(
-            "gather_full_state_dict: tensor-parallel matrices in "
-            "mode='replicated' are not supported yet (each owner's tp row holds its shards of the "
-            "state); "
-            "checkpoint a mode='single' run with dmuon.integrations.checkpoint (DCP)"
-        )
     sd = opt.state_dict()
     # torch's state_dict() hands out the optimizer's own per-parameter dicts: copy them
     # before replacing entries, or the live state would change.
@@ -154,7 +146,9 @@ def gather_full_state_dict(optimizer: Any) -> dict[str, Any]:
             if owner is None or idx not in sd["state"]:
                 continue  # stepped on every rank alike (AdamW on all-reduced gradients)
             name = names[i] if names is not None and i < len(names) else f"group{gi}.param{i}"
-            shapes = state_shapes(get_rule(group["rule"]), matrix_layout(p, group, name))
+            # a tensor-parallel matrix: this rank's shard of the state (the owner's tp row
+            # holds it shard by shard; the broadcast runs over this tp column's dp group)
+            shapes = expected_state_shapes(group, p, name, engine.on_shard, engine.split_of)
             st = sd["state"][idx]
             for key in sorted(shapes):
                 # the state's own dtype (bf16 with state_dtype="bfloat16"), not the weight's
