@@ -341,6 +341,11 @@ EXTRA_IMPORTS: dict[str, tuple[str, ...]] = {
     "dmuon-optim[hf]": ("transformers", "accelerate", "dmuon.integrations.hf"),
     "dmuon-optim[plan]": ("rich", "matplotlib"),
     "dmuon-integrations[lightning]": ("lightning", "dmuon.integrations.lightning"),
+    "dmuon-integrations[torchtitan]": (
+        "torchtitan",
+        "dmuon.integrations.torchtitan",
+        "dmuon.integrations.torchtitan.recipes",
+    ),
 }
 # The build backend every pyproject.toml names; `python -m build --no-isolation` checks that
 # it satisfies each package's [build-system] requires (and fails if not).
