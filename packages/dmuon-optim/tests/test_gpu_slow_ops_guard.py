@@ -51,12 +51,7 @@ def one_step(rule: str, **kw) -> OpLog:
     return log
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_musec_hard_clip_multiplies_by_the_m_by_n_matrix_twice():

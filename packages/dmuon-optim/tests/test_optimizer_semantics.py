@@ -80,8 +80,9 @@ def test_hyperparameters_are_plain_values_and_every_group_has_a_rule():
 def test_the_deprecated_algorithm_key_still_names_the_rule():
     m = model()
     groups = [{**g, "algorithm": g.pop("rule", "muon")} for g in param_groups(m)]
-    with pytest.warns(FutureWarning, match="param group 0: the key 'algorithm' is deprecated"):
+    with pytest.warns(FutureWarning, match="param group 0: the key 'algorithm' is deprecated") as w:
         opt = DMuon(groups, lr=0.02)
+    assert w[0].filename == __file__  # points at the caller's line, not into dmuon or torch
     assert [g["rule"] for g in opt.param_groups] == ["muon", "adamw"]
     assert all("algorithm" not in g for g in opt.param_groups)
     with pytest.raises(ValueError, match=r"param group 0: 'rule'='muon' and the deprecated "):
@@ -98,8 +99,9 @@ def test_a_state_dict_saved_with_the_algorithm_key_loads():
     for g in old["param_groups"]:  # as 0.1.0 pre-releases saved it
         g["algorithm"] = g.pop("rule")
     fresh = DMuon(param_groups(m), lr=0.02)
-    with pytest.warns(FutureWarning, match="'algorithm' is deprecated"):
+    with pytest.warns(FutureWarning, match="'algorithm' is deprecated") as w:
         fresh.load_state_dict(old)
+    assert w[0].filename == __file__
     assert [g["rule"] for g in fresh.param_groups] == ["muon", "adamw"]
     for p in m.parameters():
         for key, value in opt.state[p].items():

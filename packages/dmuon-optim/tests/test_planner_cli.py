@@ -125,38 +125,34 @@ def test_calibrate_writes_a_profile_that_later_runs_load(tmp_path):
     assert json.loads(again.stdout)["cluster"]["device"]["name"].startswith("cpu")
 
 
-def test_the_guides_example_prints_what_the_guide_shows():
+def guide_example(*extra: str) -> tuple[list[str], str]:
+    """The planning guide's Llama-3.1-8B command (with ``extra`` flags) run, its output
+    lines, and the guide's text with whitespace collapsed; checks its first three lines
+    (model, cluster and plan summary) appear in the guide verbatim."""
     guide = HERE.parents[2] / "docs" / "guides" / "planning.md"
     if not guide.is_file():  # an installed package's tests, without the repository
         pytest.skip("docs/guides/planning.md is not next to these tests")
     done = run(
         "llama-3.1-8b", "--gpus", "64", "--gpus-per-node", "8", "--device", "H100",
         "--inter", "ib-ndr", "--tokens", "4194304", "--seq-len", "4096", "--mfu", "0.4",
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    text = guide.read_text()
-    lines = done.stdout.splitlines()
-    for line in lines[:3]:  # model, cluster and plan summary lines, verbatim
-        assert line in text, line
-    owner = next(x for x in lines if x.strip().startswith("owner "))
-    assert " ".join(owner.split()[:5]) in " ".join(text.split())
-
-
-def test_the_guides_tensor_parallel_example_prints_what_the_guide_shows():
-    guide = HERE.parents[2] / "docs" / "guides" / "planning.md"
-    if not guide.is_file():  # an installed package's tests, without the repository
-        pytest.skip("docs/guides/planning.md is not next to these tests")
-    done = run(
-        "llama-3.1-8b", "--gpus", "64", "--gpus-per-node", "8", "--device", "H100",
-        "--inter", "ib-ndr", "--tokens", "4194304", "--seq-len", "4096", "--mfu", "0.4",
-        "--tp", "8",
+        *extra,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     text = guide.read_text()
     lines = done.stdout.splitlines()
     for line in lines[:3]:
         assert line in text, line
-    flat = " ".join(text.split())
+    return lines, " ".join(text.split())
+
+
+def test_the_guides_example_prints_what_the_guide_shows():
+    lines, flat = guide_example()
+    owner = next(x for x in lines if x.strip().startswith("owner "))
+    assert " ".join(owner.split()[:5]) in flat
+
+
+def test_the_guides_tensor_parallel_example_prints_what_the_guide_shows():
+    lines, flat = guide_example("--tp", "8")
     for mode in ("owner", "sharded", "vanilla"):
         row = next(x for x in lines if x.strip().startswith(mode + " "))
         assert " ".join(row.split()[:12]) in flat, row  # up to the TP MB/rank column

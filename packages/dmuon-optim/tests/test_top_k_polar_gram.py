@@ -9,16 +9,9 @@ is left is the small factorisation's accuracy and fp32 rounding.
 
 import pytest
 import torch
+from spectra import with_singular_values
 
 from dmuon.optim.transforms import StepContext, TopKPolar, sketch_matrix
-
-
-def with_singular_values(m, n, sv, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    k = min(m, n)
-    U, _ = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))
-    V, _ = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))
-    return U @ torch.diag(torch.as_tensor(sv, dtype=torch.float64)) @ V.T
 
 
 def top_k(X, k):

@@ -26,14 +26,7 @@ MARGIN = 0.7
 STEPS, BATCH, LR, SCALAR_LR = 60, 64, 1e-2, 1e-2
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matrices: a second intra-op thread only adds contention (and on a busy
-    # machine, minutes); restored after each test.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def teacher_data() -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from spectra import with_singular_values
 
 from dmuon.optim import adjust_lr_factor, get_rule
 from dmuon.optim.hyperparameters import MATRIX_KEYS
@@ -20,14 +21,6 @@ from dmuon.optim.transforms import (
     rank_fraction_at,
     selected_count,
 )
-
-
-def with_singular_values(m, n, sv, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    k = min(m, n)
-    U, _ = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))
-    V, _ = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))
-    return U @ torch.diag(torch.as_tensor(sv, dtype=torch.float64)) @ V.T
 
 
 def test_adjust_lr_conventions():

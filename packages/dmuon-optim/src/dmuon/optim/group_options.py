@@ -11,6 +11,7 @@ rule can take, each error naming the group, the key or the parameter.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -286,7 +287,22 @@ def renamed_rule_key(group: dict[str, Any], where: str) -> dict[str, Any]:
         f"{where}: the key 'algorithm' is deprecated and will be removed in 0.2; name the "
         "group's rule with 'rule' (as the constructor's rule=)",
         FutureWarning,
-        stacklevel=6,  # DMuon(...) → Optimizer.__init__ → add_param_group → normalize
+        stacklevel=_caller_stacklevel(),
     )
     group["rule"] = legacy
     return group
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning raised by this module's caller at the
+    first frame outside dmuon and torch: the user's ``DMuon(...)`` or the integration
+    call that built it, however many library frames lie between (they differ per entry
+    point and per Python release)."""
+    frame = sys._getframe(2)  # the caller of the function that warns: stacklevel 2
+    level = 2
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith(
+        ("dmuon.", "torch.")
+    ):
+        frame = frame.f_back
+        level += 1
+    return level
