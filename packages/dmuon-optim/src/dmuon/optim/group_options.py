@@ -15,6 +15,7 @@ import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -298,7 +299,7 @@ def _caller_stacklevel() -> int:
     first frame outside dmuon and torch: the user's ``DMuon(...)`` or the integration
     call that built it, however many library frames lie between (they differ per entry
     point and per Python release)."""
-    frame = sys._getframe(2)  # the caller of the function that warns: stacklevel 2
+    frame: FrameType | None = sys._getframe(2)  # the caller of the warning function: level 2
     level = 2
     while frame is not None and str(frame.f_globals.get("__name__", "")).startswith(
         ("dmuon.", "torch.")
