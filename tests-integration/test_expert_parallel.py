@@ -191,7 +191,14 @@ def train(model: MoE, opt: DMuon, mesh, steps, clip: float | None = None) -> lis
     return norms
 
 
-def run_rules(rank, world, shape, names, uneven):
+def dmuon_for(model: MoE, mesh, mode: str, **options) -> DMuon:
+    """DMuon in ``mode``; ``replicated`` plans owners over the mesh's ``dp`` group (the
+    replicas of each rank's experts)."""
+    group = {"process_group": mesh.get_group("dp")} if mode == "replicated" else {}
+    return DMuon(param_groups(model), mode=mode, **group, **{**OPT, **options})
+
+
+def run_rules(rank, world, shape, names, uneven, mode="single"):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -199,10 +206,13 @@ def run_rules(rank, world, shape, names, uneven):
     cases = [(rule, 4) for rule in RULES] + ([("muon", 3)] if uneven else [])
     for rule, experts in cases:
         model = expert_parallel(mesh, experts)
-        opt = DMuon(param_groups(model), mode="single", rule=rule, **OPT)
+        opt = dmuon_for(model, mesh, mode, rule=rule)
         local = tuple(model.w_in.to_local().shape)
-        state = tuple(opt.state[model.w_in]["momentum_buffer"].shape)
         train(model, opt, mesh, range(STEPS))
+        # replicated: the state lives on the stack's owner among its replicas alone (the
+        # other replica keeps an empty placeholder under the same key)
+        held = opt.state[model.w_in]["momentum_buffer"]
+        state = tuple(held.shape) if held.numel() else None
         full = {
             n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
             for n, p in model.named_parameters()
@@ -219,7 +229,7 @@ def check(results, cases) -> None:
         assert moved > 1e-3, f"{rule}: the reference barely moved; the test would prove nothing"
         for rank, out in enumerate(results):
             got, local, state = out[(rule, experts)]
-            assert state == local, f"{rule}, rank {rank}: state {state} is not per local expert"
+            assert state in (local, None), f"{rule}, rank {rank}: state {state} not per expert"
             for name, want in expected.items():
                 diff = (got[name] - want).abs().max().item()
                 assert diff <= TOLERANCE, (
@@ -248,6 +258,23 @@ def test_ep2_by_dp2_like_one_process():
     results = run_on_ranks(run_rules, 4, args=((2, 2), ("dp", "ep"), False), timeout=240)
     assert [r[("muon", 4)][1][0] for r in results] == [2, 2, 2, 2]
     check(results, [(rule, 4) for rule in RULES])
+
+
+@pytest.mark.parametrize("uneven", [False, True], ids=["4-experts", "3-experts"])
+def test_replicated_owners_among_the_replicas_step_the_experts_like_one_process(uneven):
+    """dp 2 × ep 2, ``mode="replicated"`` over ``dp``: each stack is stepped by one of the
+    two replicas that hold its experts and all-gathered to the other; equal to one
+    process for every rule (3 experts: split 2 + 1 over ep)."""
+    results = run_on_ranks(
+        run_rules, 4, args=((2, 2), ("dp", "ep"), uneven, "replicated"), timeout=300
+    )
+    cases = [("muon", 3)] if uneven else [(rule, 4) for rule in RULES]
+    for rule, experts in cases:
+        held = [r[(rule, experts)][2] is not None for r in results]
+        # ranks 0, 1 hold experts of ep 0 and 1 at dp 0; ranks 2, 3 the same at dp 1:
+        # each stack's state is on exactly one of its two replicas
+        assert held[0] != held[2] and held[1] != held[3], (rule, held)
+    check(results, cases)
 
 
 STACK = "(Shard(dim=0),) on mesh dims ('ep',)"
@@ -286,6 +313,9 @@ def test_modes_without_expert_parallelism_refuse_it_on_every_rank():
             assert "'w_in'" in msg and STACK in msg, (rank, mode, msg)
             assert f"mode={mode!r}" in msg and "mode='single' does" in msg, (rank, mode, msg)
             assert "whole experts" in msg, (rank, mode, msg)
+        # replicated takes experts only with owners over replicas (dp) outside ep
+        assert "split over ranks [0, 1]" in out["replicated"], (rank, out["replicated"])
+        assert "plans owners over ranks [0, 1]" in out["replicated"], (rank, out["replicated"])
         for mode in ("sharded", None):  # None: detected as sharded (DTensor matrices)
             msg = out[mode]
             assert msg is not None, f"rank {rank}, {mode}: no error"
@@ -368,12 +398,12 @@ def test_dcp_checkpoint_of_expert_shards_resumes_on_another_mesh_and_in_one_proc
 CLIP = 0.5  # below the gradient norm of every step (≈ 1.5–3): clipping acts
 
 
-def run_clipped(rank, world):
+def run_clipped(rank, world, mode="single"):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "ep"))
     model = expert_parallel(mesh)
-    opt = DMuon(param_groups(model), mode="single", rule="muon", **OPT)
+    opt = dmuon_for(model, mesh, mode, rule="muon")
     norms = train(model, opt, mesh, range(STEPS), clip=CLIP)
     full = {
         n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
@@ -382,7 +412,8 @@ def run_clipped(rank, world):
     return norms, full
 
 
-def test_clip_grad_norm_counts_every_expert_once_on_dp2_by_ep2():
+@pytest.mark.parametrize("mode", ["single", "replicated"])
+def test_clip_grad_norm_counts_every_expert_once_on_dp2_by_ep2(mode):
     """The global norm over experts split on ep and replicated on dp, and dense matrices
     on every rank, equals torch's ``clip_grad_norm_`` in one process, and the clipped
     run equals the clipped one process (a wrong norm changes each step's scale, and
@@ -397,7 +428,7 @@ def test_clip_grad_norm_counts_every_expert_once_on_dp2_by_ep2():
         opt.step()
         opt.zero_grad()
     assert min(want_norms) > CLIP, want_norms
-    for rank, (norms, got) in enumerate(run_on_ranks(run_clipped, 4, timeout=240)):
+    for rank, (norms, got) in enumerate(run_on_ranks(run_clipped, 4, args=(mode,), timeout=240)):
         assert norms == pytest.approx(want_norms, rel=1e-5), (rank, norms, want_norms)
         for name, want in model.named_parameters():
             diff = (got[name] - want.detach()).abs().max().item()

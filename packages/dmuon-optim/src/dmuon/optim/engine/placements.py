@@ -33,9 +33,13 @@ mesh dimension ``tp``
 a stack ``(E, m, n)`` (group key       ``single``, each rank its own whole
 ``flatten=False``) with ``Shard(d)``,  matrices as a batch (expert
 ``d`` a leading dimension, over one    parallelism: no gather, no
-mesh dimension, ``Replicate()`` over   collective); ``d = 0`` also
-the others                             ``sharded`` (FSDP2's rows of a stack
-                                       are whole experts)
+mesh dimension, ``Replicate()`` over   collective); ``replicated`` with
+the others                             ``process_group`` the ``dp`` group of a
+                                       ``dp × ep`` mesh (one owner among the
+                                       replicas steps them,
+                                       :mod:`~dmuon.optim.engine.expert_split`);
+                                       ``d = 0`` also ``sharded`` (FSDP2's
+                                       rows of a stack are whole experts)
 anything else: other strided shards,   refused by every mode
 ``Partial``, two shards of one
 matrix dimension in the wrong order
@@ -177,7 +181,7 @@ class MatrixPlacement:
             >>> ep = MatrixPlacement("w", ("Shard(dim=0)",), ("ep",), ((0, 0, False),), ndim=3,
             ...                      stack=True)
             >>> ep.expert_split, ep.tensor_split, supported_by(ep)
-            (True, False, ('sharded', 'single'))
+            (True, False, ('sharded', 'single', 'replicated'))
         """
         d = self.split_dim
         return self.stack and self.ndim > 2 and d is not None and d < self.ndim - 2
@@ -321,9 +325,7 @@ def supported_by(pl: MatrixPlacement) -> tuple[str, ...]:
     if pl.sharded_split:
         return ("sharded",)
     modes = ("sharded",) if pl.row_sharded else ()
-    return modes + (
-        ("single", "replicated") if pl.tensor_split else ("single",) if pl.expert_split else ()
-    )
+    return modes + (("single", "replicated") if pl.tensor_split or pl.expert_split else ())
 
 
 def check_placements(params: Iterable[EngineParam], mode: str) -> None:
@@ -377,7 +379,9 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
                 f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), "
                 f"which mode={mode!r} does not step; mode='single' does: each rank steps the "
                 "experts it holds, as one batch of whole matrices, with no gather (expert "
-                f"parallelism): pass mode='single'{sharded}"
+                "parallelism): pass mode='single', or mode='replicated' with process_group= "
+                "the data-parallel group of a dp × ep mesh (one owner among the replicas "
+                f"steps them){sharded}"
             )
         if pl.sharded_split:
             raise ValueError(
@@ -412,6 +416,6 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
             "owners over the other ranks, mode='replicated', on the shards; Shard(0) also "
             "mode='sharded', FSDP2/HSDP); a stack of matrices (flatten=False) with Shard on a "
             "leading (expert) dimension over one mesh dimension and Replicate() elsewhere "
-            "(mode='single', each rank its experts). Keep this matrix out of tensor "
-            "parallelism, or out of DMuon (give it to another optimizer)"
+            "(mode='single', each rank its experts, or mode='replicated' over dp). Keep this "
+            "matrix out of tensor parallelism, or out of DMuon (give it to another optimizer)"
         )

@@ -14,6 +14,13 @@ steps it together, each rank its shard, with the tensor-parallel Gram Newton–S
 (:mod:`~dmuon.optim.engine.tensor_split`: all-reduces of the small Gram matrix over
 ``tp``), and the all-gather over ``dp`` carries each rank's shard. No matrix is
 gathered over ``tp``; the work of each is divided by ``tp`` and spread over ``dp``.
+
+Expert parallelism (a ``dp × ep`` mesh, ``process_group`` the ``dp`` group): an expert
+stack split over ``ep`` (:mod:`~dmuon.optim.engine.expert_split`) is planned by its
+whole shape, owned by one of the replicas that hold the same experts, stepped there as
+a batch of whole matrices, and its new experts all-gathered over ``dp`` — instead of
+every replica repeating the experts' Newton–Schulz. A skipped step and the gradient
+norm agree over ``ep`` too (every ``ep`` rank holds other experts).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import torch.distributed as dist
 
 from dmuon.comm import all_gather_updates
 from dmuon.optim.engine.base import Stepper, local_norm_tensors
+from dmuon.optim.engine.expert_split import expert_group_of, expert_groups
 from dmuon.optim.engine.params import is_dtensor, subplan
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine
 from dmuon.optim.engine.report import StepReport
@@ -39,11 +47,12 @@ class ReplicatedEngine(PlannedEngine):
 
     def bind(self, stepper: Stepper) -> None:
         super().bind(stepper)
-        # what travels for a split matrix is this rank's shard (the plan weighed the whole)
+        # what travels for a split matrix or an expert stack is this rank's part (the
+        # plan weighed the whole)
         local = {
             e.name: tuple(local_tensor(e.param).shape)
             for e in self.matrices()
-            if self.split_of(e.param) is not None
+            if self.split_of(e.param) is not None or expert_group_of(e) is not None
         }
         if local:
             assert self.plan is not None
@@ -52,13 +61,26 @@ class ReplicatedEngine(PlannedEngine):
                 self._subplans[key] = subplan(self.plan, names, local)
 
     def agreement_groups(self) -> list[dist.ProcessGroup | None]:
-        # the owner's tp row steps a split matrix together: tp agrees on a skip too
-        return super().agreement_groups() + list(split_groups(self.params))
+        # the owner's tp row steps a split matrix together: tp agrees on a skip too; the
+        # ep ranks hold other experts beside the same dense matrices: they agree as well
+        return (
+            super().agreement_groups()
+            + list(split_groups(self.params))
+            + list(expert_groups(self.params))
+        )
 
     def split_of(self, p: torch.Tensor) -> MatrixSplit | None:
         """A tensor-parallel matrix is stepped on its shards by its owner's ``tp`` row."""
         info = self.info(p)
         return split_of(p, info.name if info is not None else "")
+
+    def on_shard(self, p: torch.Tensor) -> bool:
+        """A tensor-parallel matrix, and an expert stack split over ``ep`` (its owner steps
+        the experts this rank's replicas hold)."""
+        info = self.info(p)
+        return self.split_of(p) is not None or (
+            info is not None and expert_group_of(info) is not None
+        )
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
         matrix_groups = [i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)]
@@ -86,9 +108,10 @@ class ReplicatedEngine(PlannedEngine):
 
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
         # Every rank holds the same averaged gradients: each matrix counts on its owner,
-        # every other parameter on rank 0. Under tensor parallelism the sum runs over the
-        # tensor-parallel group too: a split matrix counts its shard on each rank of its
-        # owner's row, a plain tensor (the same on every tp rank) on tp rank 0 only.
+        # every other parameter on rank 0. Under tensor (expert) parallelism the sum runs
+        # over the tensor-parallel (expert-parallel) group too: a split matrix (an expert
+        # stack) counts its shard (its experts) on each rank of its owner's row, a plain
+        # tensor (the same on every tp/ep rank) on tp/ep rank 0 only.
         tp = self._split_group()
         tp_first = tp is None or dist.get_rank(tp) == 0
         out: list[torch.Tensor] = []
@@ -109,13 +132,14 @@ class ReplicatedEngine(PlannedEngine):
         return out, [self.group] + ([tp] if tp is not None else [])
 
     def _split_group(self) -> dist.ProcessGroup | None:
-        """The tensor-parallel group of the split matrices (``None``: no split matrix)."""
-        found = split_groups(self.matrices())
+        """The tensor-parallel group of the split matrices, or the expert-parallel group of
+        the expert stacks (``None``: neither)."""
+        found = split_groups(self.matrices()) + expert_groups(self.matrices())
         if len(found) > 1:
             ranks = sorted(tuple(dist.get_process_group_ranks(g)) for g in found)
             raise NotImplementedError(
                 f"clip_grad_norm_ in mode='replicated' with matrices split over different "
-                f"tensor-parallel groups ({ranks}); clip the DTensor gradients with "
-                "torch.nn.utils.clip_grad_norm_ before opt.step()"
+                f"tensor- or expert-parallel groups ({ranks}); clip the DTensor gradients "
+                "with torch.nn.utils.clip_grad_norm_ before opt.step()"
             )
         return found[0] if found else None

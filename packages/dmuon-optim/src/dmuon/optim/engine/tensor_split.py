@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import CommStats, default_stats, shard_range, wait_work
+from dmuon.optim.engine.expert_split import expert_group_of
 from dmuon.optim.engine.params import EngineParam, is_dtensor
-from dmuon.optim.engine.placements import placement_of
+from dmuon.optim.engine.placements import placement_of, placement_of_param
 from dmuon.optim.matrix_split import MatrixSplit
 
 __all__ = [
@@ -197,11 +198,13 @@ def _matrix_split(
 
 
 def check_split_groups(params: Iterable[EngineParam], group: Any, mode: str) -> None:
-    """Refuse a split matrix whose split crosses the group ``mode`` plans owners over.
+    """Refuse a split matrix (or expert stack) whose split crosses the group ``mode`` plans
+    owners over.
 
     An owner's tensor-parallel row steps a split matrix together, so the ranks that
     hold its shards must be outside the planning group but for this rank: owners over
-    ``dp``, shards over ``tp``. FSDP2's rows (split over the planning group itself)
+    ``dp``, shards over ``tp``; the same for experts, held over ``ep``
+    (:mod:`~dmuon.optim.engine.expert_split`). FSDP2's rows (split over the planning group itself)
     are refused, naming the parameter, the two groups and what to pass. Every rank
     reads the same placements and groups, so every rank refuses alike.
     """
@@ -210,10 +213,11 @@ def check_split_groups(params: Iterable[EngineParam], group: Any, mode: str) -> 
     me = dist.get_rank()
     planning = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     for e in params:
-        found = split_group_of(e.param, e.name) if e.matrix else None
+        experts = expert_group_of(e)
+        found = (split_group_of(e.param, e.name) or experts) if e.matrix else None
         if found is None:
             continue
-        pl = placement_of(e.param, e.name)
+        pl = placement_of_param(e)
         split = set(dist.get_process_group_ranks(found[1]))
         if split & planning == {me}:
             continue
@@ -221,9 +225,14 @@ def check_split_groups(params: Iterable[EngineParam], group: Any, mode: str) -> 
             f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), split "
             f"over ranks {sorted(split)}; mode={mode!r} plans owners over ranks "
             f"{sorted(planning)}, and the two must cross in this rank alone (owners over the "
-            "data-parallel ranks, shards over the tensor-parallel ones). Pass "
-            "process_group=mesh['dp'].get_group() for a dp × tp mesh; FSDP2's rows are "
-            "stepped by mode='sharded' (or mode='single', on the shards)"
+            "data-parallel ranks, shards over the tensor- or expert-parallel ones). Pass "
+            "process_group=mesh['dp'].get_group() for a dp × tp (dp × ep) mesh; "
+            + (
+                "without data-parallel replicas of the experts, mode='single' does: each rank "
+                "steps the experts it holds"
+                if experts is not None
+                else "FSDP2's rows are stepped by mode='sharded' (or mode='single', on the shards)"
+            )
         )
 
 

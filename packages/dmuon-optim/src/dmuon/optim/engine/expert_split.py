@@ -1,0 +1,54 @@
+"""Expert stacks split over an expert-parallel mesh dimension: the group each is split over.
+
+An expert stack ``(E, m, n)`` (group key ``flatten=False``) with ``Shard(0)`` over one
+mesh dimension (``ep``) and ``Replicate()`` over the others
+(:attr:`~dmuon.optim.engine.placements.MatrixPlacement.expert_split`) is held as whole
+experts: rank ``r`` of the ``ep`` group holds its block of ``E``. No collective is needed
+to step them; what the modes need to know is which ranks hold *other* experts (the
+``ep`` group: a skipped step and the gradient norm must agree over it) and which hold
+*the same* ones (the other mesh dimensions: the data-parallel replicas).
+
+``single`` mode steps every rank's experts where they are. ``replicated`` mode plans
+owners over its data-parallel group, which must cross the ``ep`` group in this rank
+alone (a ``dp × ep`` mesh, ``process_group`` the ``dp`` group; checked with the
+tensor-parallel splits by :func:`~dmuon.optim.engine.tensor_split.check_split_groups`):
+each stack has one owner among its replicas, which steps its experts as a batch, and
+the all-gather over ``dp`` gives the other replicas the new experts — the Newton–Schulz
+work of the experts divided by the data-parallel degree instead of repeated on every
+replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch.distributed as dist
+
+from dmuon.optim.engine.params import EngineParam, is_dtensor
+from dmuon.optim.engine.placements import placement_of_param
+
+__all__ = ["expert_group_of", "expert_groups"]
+
+
+def expert_group_of(e: EngineParam) -> tuple[int, dist.ProcessGroup] | None:
+    """The mesh dimension and process group the expert stack ``e`` is split over along its
+    expert dimension, or ``None`` when ``e`` is not such a stack (a plain tensor, a 2-D
+    matrix, another layout)."""
+    if not e.matrix or not is_dtensor(e.param):
+        return None
+    pl = placement_of_param(e)
+    if not pl.expert_split:
+        return None
+    mesh_dim = pl.shards[0][0]
+    return mesh_dim, e.param.device_mesh.get_group(mesh_dim)  # type: ignore[attr-defined]
+
+
+def expert_groups(params: Iterable[EngineParam]) -> list[dist.ProcessGroup]:
+    """The distinct process groups the expert stacks among ``params`` are split over, in
+    the order of their ranks (the same list on every rank of a group)."""
+    found: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for e in params:
+        split = expert_group_of(e)
+        if split is not None:
+            found.setdefault(tuple(dist.get_process_group_ranks(split[1])), split[1])
+    return [found[k] for k in sorted(found)]
