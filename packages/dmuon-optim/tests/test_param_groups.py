@@ -152,3 +152,45 @@ def test_a_real_model_trains_a_step_with_every_rule(rule):
             assert not torch.equal(p, before[n]), n
         else:
             assert torch.equal(p, before[n]), n
+
+
+class FusedExperts(nn.Module):
+    """Hugging Face's layout of a MoE block's experts: a fused gate/up stack (E, 2I, H) and
+    a down stack (E, H, I)."""
+
+    def __init__(self, experts=3, hidden=8, inner=6):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inner))
+
+
+def test_split_sizes_cut_an_expert_stack_like_separate_gate_and_up_matrices():
+    """``split_sizes`` on a stack's name orthogonalises each expert's gate and up rows apart:
+    the same as DMuon on every expert's gate and up as separate 2-D parameters."""
+    torch.manual_seed(0)
+    fused = FusedExperts()
+    groups = param_groups(fused, split_sizes={r"gate_up_proj$": (6, 6)})
+    stacks = [g for g in groups if "gate_up_proj" in g["param_names"]]
+    assert stacks and stacks[0]["split_sizes"] == (6, 6) and stacks[0]["flatten"] is False
+    assert "split_sizes" not in next(g for g in groups if "down_proj" in g["param_names"])
+    parts = [
+        nn.Parameter(fused.gate_up_proj.detach()[e, rows].clone())
+        for e in range(3)
+        for rows in (slice(0, 6), slice(6, 12))
+    ]
+    kw = dict(lr=0.05, weight_decay=0.01, ns_compute_dtype=torch.float32)
+    opt_fused = DMuon([stacks[0]], **kw)
+    opt_parts = DMuon([{"params": parts}], **kw)
+    unsplit = nn.Parameter(fused.gate_up_proj.detach().clone())
+    opt_unsplit = DMuon([{"params": [unsplit], "flatten": False}], **kw)
+    for step in range(2):
+        g = torch.randn(3, 12, 8, generator=torch.Generator().manual_seed(step))
+        fused.gate_up_proj.grad = g.clone()
+        unsplit.grad = g.clone()
+        for k, p in enumerate(parts):
+            p.grad = g[k // 2, (k % 2) * 6 : (k % 2 + 1) * 6].clone()
+        for opt in (opt_fused, opt_parts, opt_unsplit):
+            opt.step()
+    want = torch.stack([torch.cat(parts[2 * e : 2 * e + 2]) for e in range(3)]).detach()
+    torch.testing.assert_close(fused.gate_up_proj.detach(), want, rtol=0, atol=1e-6)
+    assert (unsplit.detach() - want).abs().max() > 1e-3  # the cut changes the step

@@ -160,7 +160,10 @@ def param_groups(
        ``nn.Parameter`` held directly by a module (not a Linear) whose name contains
        ``emb`` (positional embeddings) → scalar optimizer.
     9. Parameters with more than 2 dims that are not conv weights (MoE expert stacks
-       ``(E, m, n)``) → matrix rule with ``flatten=False``: a batch of matrices.
+       ``(E, m, n)``) → matrix rule with ``flatten=False``: a batch of matrices; names
+       matching ``split_sizes`` / ``num_heads`` cut each matrix's rows as in 8 (e.g.
+       Hugging Face's fused ``gate_up_proj`` ``(E, 2I, H)``: ``{r"gate_up_proj$": (I, I)}``
+       orthogonalises gate and up separately).
 
     Groups: one matrix group per distinct (``flatten``, ``split_sizes``,
     ``num_heads``); a scalar group for embeddings and heads; a scalar group for
@@ -309,8 +312,20 @@ def param_groups(
                 group = put(("matrix",), {}, name, p)
                 reason = "2-D hidden weight"
         else:
-            group = put(("matrix: stacks", False), {"flatten": False}, name, p)
-            reason = f"{p.ndim}-D stack of matrices (last two dims)"
+            sizes = _match(split_sizes, name)
+            heads_n = _match(num_heads, name)
+            extra = {"flatten": False}
+            if sizes is not None:
+                extra["split_sizes"] = tuple(sizes)
+            if heads_n is not None:
+                extra["num_heads"] = heads_n if isinstance(heads_n, int) else tuple(heads_n)
+            label = "matrix: stacks"
+            if len(extra) > 1:
+                label += f" {extra.get('split_sizes') or ''} {extra.get('num_heads') or ''}"
+            group = put((label.strip(), False), extra, name, p)
+            reason = f"{p.ndim}-D stack of matrices (last two dims)" + (
+                ", each cut by split_sizes/num_heads" if len(extra) > 1 else ""
+            )
         assignments.append(Assignment(name, shape, group, reason))
 
     groups = sorted(specs.values(), key=lambda g: (g.get("rule") == "scalar", g["name"]))

@@ -39,7 +39,14 @@ the others                             ``process_group`` the ``dp`` group of a
                                        replicas steps them,
                                        :mod:`~dmuon.optim.engine.expert_split`);
                                        ``d = 0`` also ``sharded`` (FSDP2's
-                                       rows of a stack are whole experts)
+                                       rows of a stack are whole experts,
+                                       stepped where they are)
+a stack sharded along leading          ``single`` and ``sharded``, each rank
+dimensions over several mesh           its own whole experts as a batch
+dimensions (Hugging Face's expert      (:attr:`MatrixPlacement.whole_experts`)
+parallelism under FSDP2:
+``_StridedShard(0)`` on ``efsdp``,
+``Shard(0)`` on ``ep``)
 anything else: other strided shards,   refused by every mode
 ``Partial``, two shards of one
 matrix dimension in the wrong order
@@ -52,6 +59,11 @@ same. It is taken only where FSDP2 puts it: on the data-parallel mesh dimension,
 a split factor equal to the size of the later mesh dimension that shards the same
 rows — then each ``dp`` rank holds a block of rows of its ``tp`` shard, and gathering
 the rows over ``dp`` gives that shard. Any other split factor is an unknown layout.
+
+A shard over a mesh dimension of one rank beside a shard over a larger one splits
+nothing: it is read as ``Replicate()`` (Hugging Face's expert parallelism puts FSDP2's
+``_StridedShard(0)`` on an ``efsdp`` dimension of size 1 when ``ep`` spans every
+data-parallel rank). Alone (FSDP2 on one rank) it keeps its meaning.
 """
 
 from __future__ import annotations
@@ -186,6 +198,32 @@ class MatrixPlacement:
         d = self.split_dim
         return self.stack and self.ndim > 2 and d is not None and d < self.ndim - 2
 
+    @property
+    def whole_experts(self) -> bool:
+        """A stack of matrices (:attr:`stack`) sharded only along its leading (expert)
+        dimensions, over any number of mesh dimensions (:attr:`expert_split` over one;
+        Hugging Face's expert parallelism with FSDP2 on top puts FSDP2's
+        ``_StridedShard(0)`` on ``efsdp`` and ``Shard(0)`` on ``ep``), ``Replicate()`` over
+        the others: every rank holds whole experts, with their whole gradients once FSDP2
+        or the expert dispatch has run, so ``single`` and ``sharded`` mode step them where
+        they are, as one batch, with no collective.
+
+        Examples:
+            >>> hf = MatrixPlacement("w", ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)"),
+            ...                      ("efsdp", "ep"), ((0, 0, True), (1, 0, False)), ndim=3,
+            ...                      stack=True)
+            >>> hf.whole_experts, hf.expert_split, supported_by(hf)
+            (True, False, ('sharded', 'single'))
+        """
+        return (
+            self.stack
+            and self.ndim > 2
+            and bool(self.shards)
+            and not self.partial
+            and not self.unknown
+            and all(dim < self.ndim - 2 for _, dim, _ in self.shards)
+        )
+
     def summary(self) -> str:
         """``(Shard(dim=0),) on mesh dims ('tp',)`` — what the errors print."""
         if not self.distributed:
@@ -202,6 +240,11 @@ class MatrixPlacement:
             return (
                 f"rows sharded over mesh dim {self.mesh_dims[d_dp]!r} (FSDP2) of a matrix split "
                 f"along tensor dim {split} over {self.mesh_dims[d_tp]!r} (tensor parallelism)"
+            )
+        if self.whole_experts and len(self.shards) > 1:
+            return (
+                "a stack of matrices split along its leading dim over several mesh "
+                "dimensions: each rank holds whole experts"
             )
         if len(self.shards) > 1:
             return (
@@ -248,8 +291,16 @@ def placement_of(p: torch.Tensor, name: str, stack: bool = False) -> MatrixPlace
     shards: list[tuple[int, int, bool]] = []
     partial: list[int] = []
     unknown: list[int] = []
+    # a shard over one rank beside a real split is the whole (HF's efsdp of size 1);
+    # alone (FSDP2 on one rank) it keeps its meaning, the mode's layout on one rank
+    real_split = any(
+        _kind(pl) in ("shard", "strided") and int(mesh.size(d)) > 1
+        for d, pl in enumerate(placements)
+    )
     for d, pl in enumerate(placements):
         kind = _kind(pl)
+        if kind in ("shard", "strided") and int(mesh.size(d)) == 1 and real_split:
+            kind = "replicate"
         if kind == "strided" and not _fsdp_strided(d, pl, placements, mesh):
             kind = "unknown"
         if kind == "shard":
@@ -324,6 +375,8 @@ def supported_by(pl: MatrixPlacement) -> tuple[str, ...]:
         return ("single", "owner", "replicated", "sign")
     if pl.sharded_split:
         return ("sharded",)
+    if pl.whole_experts and not pl.expert_split:  # over several mesh dims
+        return ("sharded", "single")
     modes = ("sharded",) if pl.row_sharded else ()
     return modes + (("single", "replicated") if pl.tensor_split or pl.expert_split else ())
 
@@ -368,20 +421,24 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
                 "DTensor shards; sharded mode steps FSDP2's sharded matrices (call fully_shard "
                 f"on the model first, or pick another mode){ep}"
             )
-        if pl.expert_split:
+        if pl.whole_experts:
             sharded = (
                 "; if FSDP2 sharded it (every matrix of the model a DTensor), mode='sharded' "
-                "steps it too, through owners"
+                "steps it too, where it is"
                 if "sharded" in modes
+                else ""
+            )
+            replicated = (
+                ", or mode='replicated' with process_group= the data-parallel group of a "
+                "dp × ep mesh (one owner among the replicas steps them)"
+                if pl.expert_split
                 else ""
             )
             raise ValueError(
                 f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), "
                 f"which mode={mode!r} does not step; mode='single' does: each rank steps the "
                 "experts it holds, as one batch of whole matrices, with no gather (expert "
-                "parallelism): pass mode='single', or mode='replicated' with process_group= "
-                "the data-parallel group of a dp × ep mesh (one owner among the replicas "
-                f"steps them){sharded}"
+                f"parallelism): pass mode='single'{replicated}{sharded}"
             )
         if pl.sharded_split:
             raise ValueError(

@@ -93,7 +93,7 @@ class PlannedEngine(Engine):
     def bind(self, stepper: Stepper) -> None:
         super().bind(stepper)
         self.rank, self.world_size = world_of(self.group)
-        matrices = [e for e in self.params if e.matrix]
+        matrices = [e for e in self.params if self.planned(e)]
         self.plan = plan_owners([e.item for e in matrices], self.world_size, **self.plan_options)
         if self.world_size > 1:  # a group of one (dp = 1 on a dp × tp mesh): nothing to agree
             check_model_consistency(self.plan, self.group)
@@ -108,9 +108,14 @@ class PlannedEngine(Engine):
     def guard_groups(self) -> list[dist.ProcessGroup | None]:
         return self._guard_groups
 
+    def planned(self, e: EngineParam) -> bool:
+        """Whether ``e`` is given an owner: every matrix parameter (an engine may step some
+        where they are instead, e.g. ``sharded`` mode's whole experts)."""
+        return e.matrix
+
     def matrices(self, key: str | None = None) -> list[EngineParam]:
-        """The matrix parameters (of layer ``key``)."""
-        return [e for e in self.params if e.matrix and (key is None or e.layer == key)]
+        """The planned matrix parameters (of layer ``key``)."""
+        return [e for e in self.params if self.planned(e) and (key is None or e.layer == key)]
 
     def owner_of(self, p: torch.Tensor) -> int | None:
         """The owner of matrix parameter ``p`` (``None``: not a planned matrix)."""

@@ -25,6 +25,13 @@ rank its shard, with the tensor-parallel Gram Newton–Schulz
 ``tp``). No matrix is gathered over ``tp``; the work of each is divided by ``tp`` and
 spread over ``dp``. A matrix FSDP2 shards over ``dp`` alone (``Replicate`` or no
 ``tp`` dimension) is stepped whole by its owner on every ``tp`` rank alike.
+
+Expert stacks sharded along their expert dimension
+(:attr:`~dmuon.optim.engine.placements.MatrixPlacement.whole_experts`: FSDP2's
+``Shard(0)`` rows of a stack, an ``ep`` split, or both, as Hugging Face's expert
+parallelism lays them out) are whole matrices on every rank, with whole gradients:
+each rank steps its own as one batch where they are, after the layers, with no
+collective and no owner (they are left out of the plan).
 """
 
 from __future__ import annotations
@@ -40,13 +47,16 @@ from dmuon.comm import shard_all_to_all, shard_all_to_all_reverse, shard_range
 from dmuon.optim.batches import Entry
 from dmuon.optim.engine.base import Stepper, local_norm_tensors
 from dmuon.optim.engine.params import EngineParam, is_dtensor, subplan
-from dmuon.optim.engine.placements import placement_of
+from dmuon.optim.engine.placements import placement_of, placement_of_param
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.engine.tensor_split import sharded_split_of, tensor_parallel_shape
 from dmuon.optim.matrix_split import MatrixSplit
 
-__all__ = ["ShardedEngine", "shard_group_of"]
+__all__ = ["LOCAL_EXPERTS", "ShardedEngine", "shard_group_of"]
+
+LOCAL_EXPERTS = "<local experts>"
+"""The pipeline group of the expert stacks each rank steps where they are."""
 
 
 def shard_group_of(p: torch.Tensor, name: str) -> tuple[Any, Any]:
@@ -92,11 +102,14 @@ class ShardedEngine(PlannedEngine):
     """All-to-all to owners, batched rule there, all-to-all back, apply on shards."""
 
     mode = "sharded"
+    _local_experts: frozenset[str] | set[str] = frozenset()
 
     def bind(self, stepper: Stepper) -> None:
         from dmuon.optim.engine.params import collect_params
 
         matrices = [e for e in collect_params(stepper.param_groups) if e.matrix]
+        self._local_experts = {e.name for e in matrices if placement_of_param(e).whole_experts}
+        matrices = [e for e in matrices if e.name not in self._local_experts]
         # Meshes are compared by the ranks of the group the rows are sharded over, not by
         # identity: FSDP2 may hand equal DeviceMesh objects to different modules (seen
         # with several models per process), and under tensor parallelism the matrices it
@@ -130,6 +143,23 @@ class ShardedEngine(PlannedEngine):
             for layer in self.layers:
                 names = [e.name for e in self.matrices(layer)]
                 self._subplans[layer] = subplan(self.plan, names, self._shapes)
+
+    def planned(self, e: EngineParam) -> bool:
+        return e.matrix and e.name not in self._local_experts
+
+    def step_groups(self) -> list[str | None]:
+        return [*self.layers, LOCAL_EXPERTS, None]
+
+    def group_of(self, p: torch.Tensor) -> str | None:
+        e = self.info(p)
+        if e is not None and e.name in self._local_experts:
+            return LOCAL_EXPERTS
+        return super().group_of(p)
+
+    def on_shard(self, p: torch.Tensor) -> bool:
+        """A stack of whole experts is stepped on this rank's local experts."""
+        e = self.info(p)
+        return (e is not None and e.name in self._local_experts) or super().on_shard(p)
 
     def shape_of(self, e: EngineParam) -> tuple[int, ...]:
         """The shape of what travels and is stepped for ``e``: its ``tp`` shard under FSDP2
@@ -203,6 +233,9 @@ class ShardedEngine(PlannedEngine):
                 )
             pipe.push(back, functools.partial(apply, key))
             report.groups += 1
+        if self._local_experts:  # each rank its own whole experts, where they are
+            for index in matrix_groups:
+                stepper.step_matrices(index, LOCAL_EXPERTS, report)
         with report.phase("scalar"):
             for g in stepper.param_groups:
                 if stepper.is_scalar(g):
