@@ -22,16 +22,20 @@ import torch.nn.functional as F
 from tensor_parallel_cases import (
     CLIP,
     OPT,
+    SP_CLIP,
+    SP_OPT,
     SPLIT_TOLERANCE,
     STEPS,
     DeepMLP,
+    SequenceParallelNet,
     clipped_reference,
     deep_batch,
     error,
+    sequence_batch,
     tp_deep_mlp,
 )
 
-from dmuon.comm import default_stats
+from dmuon.comm import CommStats
 from dmuon.comm.testing import run_on_ranks
 from dmuon.optim import DMuon, param_groups
 from dmuon.optim.engine.tensor_split import GATHER_STATS_NAME, STATS_NAME
@@ -41,6 +45,21 @@ RULES = {"muon": {}, "normuon": {"beta2": 0.9}, "dion3": {}}
 # matrix, so its owner row gathers the shards whatever the path.
 RUNS = [("muon", "gram"), ("muon", "gather"), ("normuon", "gram"), ("normuon", "gather")]
 RUNS += [("dion3", "gram")]
+
+
+class Recording(CommStats):
+    """Byte counts, and the sequence of the collectives over ``tp``: the ranks of an owner's
+    ``tp`` row must issue the same ones in the same order (or they would deadlock or pair a
+    Gram matrix with another matrix's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequence: list[tuple[str, str, int]] = []
+
+    def record_collective(self, name: str, op: str, *, nbytes: int, world_size: int) -> None:
+        if name in (STATS_NAME, GATHER_STATS_NAME):
+            self.sequence.append((name, op, nbytes))
+        super().record_collective(name, op, nbytes=nbytes, world_size=world_size)
 
 
 def half_of(t: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,19 +99,26 @@ def run_owner_dp_tp(rank, world):
     out = {}
     for rule, path in RUNS:
         model = tp_deep_mlp(mesh["tp"])
-        ded = ddp.dedicate(model, mesh)
+        stats = Recording()
+        ded = ddp.dedicate(model, mesh, stats=stats)
         opt = DMuon(
             param_groups(model), rule=rule, tp_path=path, distributed=ded, **OPT, **RULES[rule]
         )
         assert opt.mode == "owner"
-        default_stats().reset()
         norms: list[float] = []
         train(model, opt, ded, range(STEPS), row, norms)
-        gram = default_stats()[STATS_NAME].payload_bytes
-        gathered = default_stats()[GATHER_STATS_NAME].payload_bytes
+        gram = stats[STATS_NAME].payload_bytes
+        gathered = stats[GATHER_STATS_NAME].payload_bytes
         shards = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
         owners = {n: ded.owner_of(n) for n in ded.names}
-        out[rule, path] = (full(model), norms, owners, gram, gathered, shards, ded.all_reduced)
+        out[rule, path] = (
+            full(model),
+            norms,
+            owners,
+            (gram, gathered, stats.sequence),
+            shards,
+            ded.all_reduced,
+        )
     return out
 
 
@@ -110,7 +136,13 @@ def test_owner_mode_on_a_dp_by_tp_mesh_equals_one_process():
         assert set(owners) == {"fc1.weight", "fc2.weight", "fc3.weight", "fc4.weight"}
         assert set(owners.values()) == {0, 1}, owners
         for rank, out in enumerate(results):
-            got, norms, got_owners, gram, gathered, shards, all_reduced = out[rule, path]
+            got, norms, got_owners, (gram, gathered, sequence), shards, all_reduced = out[
+                rule, path
+            ]
+            # the owner's tp row (this rank and its tp partner, rank ^ 1) issued the same
+            # collectives over tp in the same order
+            assert sequence, (rule, path, rank)
+            assert sequence == results[rank ^ 1][rule, path][3][2], (rule, path, rank)
             assert got_owners == owners, (rule, path, rank, got_owners, owners)
             # the tensor-parallel biases are all-reduced over dp by their local parts
             assert set(all_reduced) == {f"fc{i}.bias" for i in range(1, 5)}, all_reduced
@@ -218,3 +250,97 @@ def test_owner_mode_refuses_what_it_cannot_take_on_every_rank():
     # the same message on every rank
     for case in ("reshard_after_forward", "fsdp first"):
         assert len({out[case] for out in results}) == 1, case
+
+
+# ------------------------------ tensor-parallel scalars: SequenceParallel norms, FSDP2
+
+
+def sp_model(mesh):
+    """SequenceParallelNet over ``mesh``: the norm's weight and bias are ``Replicate()``
+    DTensors whose gradients are pending sums (``Partial``) over tp; fc1's bias is split."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    model = SequenceParallelNet()
+    styles = {
+        "norm": SequenceParallel(),
+        "fc1": ColwiseParallel(input_layouts=Shard(1)),
+        "fc2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    parallelize_module(model, mesh, styles)
+    return model
+
+
+def run_sequence_parallel_owner(rank, world):
+    """dp row ``r`` takes batch element ``r``, each tp rank its half of the sequence; the
+    scalars are all-reduced over dp (``ddp``), dedicated to owners (``ddp``,
+    ``scalars="owner"``) or sharded by FSDP2 over dp (``fsdp``)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dmuon.integrations import ddp, fsdp
+    from dmuon.optim import clip_grad_norm_
+
+    mesh = dp_tp_mesh()
+    row = mesh.get_coordinate()[0]
+    out = {}
+    for how in ("ddp", "ddp owner scalars", "fsdp"):
+        model = sp_model(mesh["tp"])
+        if how == "fsdp":
+            ded = fsdp.dedicate(model, mesh)
+            fully_shard(model, mesh=mesh["dp"], ignored_params=ded.params)
+        else:
+            scalars = "owner" if "owner" in how else "all_reduce"
+            ded = ddp.dedicate(model, mesh, scalars=scalars)
+        opt = DMuon(param_groups(model), distributed=ded, tp_path="gram", **SP_OPT)
+        norms = []
+        for t in range(STEPS):
+            x, y = (
+                distribute_tensor(v[row : row + 1], mesh["tp"], [Shard(1)]).to_local()
+                for v in sequence_batch(t)
+            )
+            got = model(x)
+            got = got.to_local() if hasattr(got, "to_local") else got
+            # this row's half of the global mean: the reductions average the two rows
+            F.mse_loss(got, y, reduction="sum").div(6 * 8).backward()
+            norms.append(float(clip_grad_norm_(opt, SP_CLIP)))
+            opt.step()
+            opt.zero_grad()
+        ded.wait()
+        out[how] = (norms, full(model), sorted(ded.names))
+    return out
+
+
+def test_tensor_parallel_scalars_all_reduced_owned_or_fsdp_sharded_equal_one_process():
+    """The norm's gradient is a pending sum over tp on each rank: reduced over dp by its
+    local part, it keeps its ``Partial`` placement and the step carries the sum out, as in
+    one process; clipping counts every shard once over dp × tp."""
+    from dmuon.optim import clip_grad_norm_
+
+    model = SequenceParallelNet()
+    opt = DMuon(param_groups(model), **SP_OPT)
+    want_norms = []
+    for t in range(STEPS):
+        x, y = sequence_batch(t)
+        F.mse_loss(model(x), y, reduction="sum").div(y.numel()).backward()
+        want_norms.append(float(clip_grad_norm_(opt, SP_CLIP)))
+        opt.step()
+        opt.zero_grad()
+    assert min(want_norms) > SP_CLIP, want_norms
+    expected = {n: p.detach() for n, p in model.named_parameters()}
+    for rank, out in enumerate(run_on_ranks(run_sequence_parallel_owner, 4, timeout=300)):
+        for how, (norms, got, dedicated) in out.items():
+            if how == "ddp owner scalars":
+                assert dedicated == sorted(expected), (how, dedicated)
+            else:
+                assert dedicated == ["fc1.weight", "fc2.weight"], (how, dedicated)
+            for a, b in zip(norms, want_norms, strict=True):
+                assert abs(a - b) <= 1e-5 * b, f"{how}, rank {rank}: norm {a} vs {b}"
+            for name, want in expected.items():
+                diff = (got[name] - want).abs().max().item()
+                assert diff <= SPLIT_TOLERANCE, f"{how}, rank {rank}: {name} differs by {diff:.2e}"
