@@ -344,3 +344,85 @@ def test_tensor_parallel_scalars_all_reduced_owned_or_fsdp_sharded_equal_one_pro
             for name, want in expected.items():
                 diff = (got[name] - want).abs().max().item()
                 assert diff <= SPLIT_TOLERANCE, f"{how}, rank {rank}: {name} differs by {diff:.2e}"
+
+
+# ------------------------------------------------ agreement: non-finite shards, models
+
+
+def run_nonfinite(rank, world):
+    """Rank 3's input holds a NaN in step 1 (of 3): its row's activations (the tp
+    collectives of the forward) and its column's reductions carry it to owners on both
+    dp rows. The ranks agree over dp and tp before any Gram all-reduce: with
+    ``nonfinite="raise"`` every rank raises naming the ranks that saw it; with
+    ``"skip_step"`` every rank skips, so the run equals one process without batch 1."""
+    from dmuon.integrations import ddp
+    from dmuon.optim import NonFiniteGradientError
+
+    mesh = dp_tp_mesh()
+    row = mesh.get_coordinate()[0]
+    out = {}
+    for nonfinite in ("raise", "skip_step"):
+        model = tp_deep_mlp(mesh["tp"])
+        ded = ddp.dedicate(model, mesh)
+        opt = DMuon(param_groups(model), distributed=ded, nonfinite=nonfinite, timeout=30, **OPT)
+        errors = []
+        for t in range(STEPS):
+            x, y = half_of(t, row)
+            if t == 1 and rank == 3:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            F.mse_loss(model(x), y).backward()
+            try:
+                opt.step()
+            except NonFiniteGradientError as err:
+                errors.append((t, sorted(err.ranks)))
+                break  # a raise ends this run
+            opt.zero_grad()
+        ded.wait()
+        out[nonfinite] = (errors, full(model), opt.skipped_steps)
+    return out
+
+
+def test_a_non_finite_shard_is_agreed_on_over_dp_and_tp():
+    model = DeepMLP()
+    opt = DMuon(param_groups(model), **OPT)
+    for t in (0, 2):  # one process that never saw batch 1
+        x, y = deep_batch(t)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    expected = {n: p.detach() for n, p in model.named_parameters()}
+    for rank, out in enumerate(run_on_ranks(run_nonfinite, 4, timeout=240)):
+        errors, _, _ = out["raise"]
+        assert len(errors) == 1 and errors[0][0] == 1, (rank, errors)
+        assert errors[0][1], (rank, errors)  # the ranks holding it are named
+        _, got, skipped = out["skip_step"]
+        assert skipped == 1, (rank, skipped)
+        for name, want in expected.items():
+            diff = (got[name] - want).abs().max().item()
+            assert diff <= SPLIT_TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
+def run_mismatch(rank, world):
+    from torch import nn
+
+    from dmuon.integrations import ddp
+    from dmuon.optim import ModelMismatchError
+
+    mesh = dp_tp_mesh()
+    model = tp_deep_mlp(mesh["tp"])
+    if rank == 3:
+        model.extra = nn.Linear(4, 4)  # one rank's model has one more matrix
+    try:
+        ddp.dedicate(model, mesh)
+    except ModelMismatchError as err:
+        return str(err)
+    return None
+
+
+def test_a_model_that_differs_on_one_rank_is_refused_on_every_rank():
+    """The plans are compared over the whole dp × tp mesh at once: the ranks of the other
+    column (which plan over a dp group without rank 3) raise too, no rank hangs."""
+    for rank, msg in enumerate(run_on_ranks(run_mismatch, 4, timeout=180)):
+        assert msg is not None, f"rank {rank}: the mismatch went unnoticed"
+        assert "'extra.weight" in msg and "rank 3" in msg, (rank, msg)

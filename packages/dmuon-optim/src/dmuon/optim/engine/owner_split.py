@@ -35,7 +35,6 @@ each tensor-parallel shard per step, and its bucket's memory.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -122,14 +121,13 @@ def check_split_model(
     Raises:
         ModelMismatchError: on every rank, naming the parameters that differ.
     """
-    # The owners travel in the names: the plan of a tp group has its own world size.
-    named = tuple(
-        dataclasses.replace(item, name=f"{item.name} (owner {owner})")
-        for item, owner in zip(plan.items, plan.owners, strict=True)
-    )
 
     def over(size: int) -> OwnerPlan:
-        return OwnerPlan(named, (0,) * len(named), (), (0.0,) * size, size)
+        # the same items and owners, as a plan over ``size`` ranks (what the comparison
+        # checks the group against); over the world (d·t ranks) the owners, dp indices,
+        # stay exact, over a tp group of t < d ranks they are folded onto it
+        owners = tuple(o % size for o in plan.owners)
+        return OwnerPlan(plan.items, owners, (), (0.0,) * size, size)
 
     world = group_size(None)
     tp = tensor_groups[0] if len(tensor_groups) == 1 else None
