@@ -102,7 +102,13 @@ def run_owner_dp_tp(rank, world):
         stats = Recording()
         ded = ddp.dedicate(model, mesh, stats=stats)
         opt = DMuon(
-            param_groups(model), rule=rule, tp_path=path, distributed=ded, **OPT, **RULES[rule]
+            param_groups(model),
+            rule=rule,
+            tp_path=path,
+            distributed=ded,
+            check_every=1,  # the rank-agreement checksum, over dp and tp, every step
+            **OPT,
+            **RULES[rule],
         )
         assert opt.mode == "owner"
         norms: list[float] = []

@@ -97,12 +97,6 @@ class OwnerExchange:
             materialise the others around each layer's forward and backward (see
             :mod:`dmuon.optim.engine.publication`); 1-D groups of plain tensors only.
 
-    Attributes (more):
-        plan: the owner plan, by the whole shapes.
-        local_plan: the plan the buckets and collectives use: ``plan`` with this rank's
-            local shape of every tensor-parallel DTensor (``plan`` itself without them).
-        tensor_groups: the ``tp`` groups the dedicated matrices are split over.
-
     Attributes:
         reduction: the reduction side (:class:`~dmuon.optim.engine.Reduction`): the
             backward hooks call its ``grad_ready``, the engine its ``wait_reduced``.
@@ -110,6 +104,11 @@ class OwnerExchange:
             the engine calls its ``publish``, the forward hooks its ``forward_enter``.
         layers: the :class:`~dmuon.optim.engine.OwnerLayer` records both sides share,
             in natural (forward) order.
+        plan: the owner plan, by the whole shapes.
+        local_plan: the plan the buckets and collectives use: ``plan`` with this rank's
+            local shape of every tensor-parallel DTensor (``plan`` itself without them).
+        tensor_groups: the ``tp`` groups the dedicated matrices are split over (none
+            without tensor parallelism).
 
     Raises:
         ValueError: a parameter dedicated twice, a plan that does not cover the items,
