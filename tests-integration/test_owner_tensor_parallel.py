@@ -236,6 +236,8 @@ def run_refusals(rank, world):
     out["reshard_after_forward"] = error(
         lambda: ddp.dedicate(tp_deep_mlp(mesh["tp"]), mesh, reshard_after_forward=True)
     )
+    # the dp slice of the mesh instead of the mesh: a 1-D group keeps plain owner mode
+    out["dp slice"] = error(lambda: ddp.dedicate(tp_deep_mlp(mesh["tp"]), mesh["dp"]))
     model = tp_deep_mlp(mesh["tp"])
     fully_shard(model, mesh=mesh["dp"])  # FSDP2 over TP first: the wrong order
     out["fsdp first"] = error(lambda: fsdp.dedicate(model, mesh))
@@ -253,8 +255,11 @@ def test_owner_mode_refuses_what_it_cannot_take_on_every_rank():
         assert msg is not None, f"rank {rank}: an FSDP2-sharded model was dedicated"
         assert "'fc1.weight'" in msg and "('dp', 'tp')" in msg, (rank, msg)
         assert "dedicate() was called after fully_shard()" in msg, (rank, msg)
+        msg = out["dp slice"]
+        assert msg is not None, f"rank {rank}: a tensor-parallel model dedicated over dp alone"
+        assert "'fc1.weight'" in msg and "not one of its dimensions" in msg, (rank, msg)
     # the same message on every rank
-    for case in ("reshard_after_forward", "fsdp first"):
+    for case in ("reshard_after_forward", "fsdp first", "dp slice"):
         assert len({out[case] for out in results}) == 1, case
 
 

@@ -300,10 +300,10 @@ def _check_dtensors(
         if pl.tensor_split and not tensor_parallel:
             how = (
                 "tensor-parallel matrices (parallelize_module on a 'tp' mesh dimension) are "
-                "stepped by owner mode over a 2-D dp × tp mesh: pass that DeviceMesh, "
-                "dedicate(model, mesh) (owners over the dimension the placements do not "
-                "use); over the tensor-parallel ranks themselves there is no data-parallel "
-                "group to plan owners over"
+                "stepped by owner mode over a 2-D dp × tp mesh: pass the whole 2-D "
+                "DeviceMesh, not one of its dimensions, to dedicate(model, mesh) (owners over "
+                "the dimension the placements do not use); a 1-D group plans owners over plain "
+                "matrices only"
             )
         else:
             how = (
