@@ -297,7 +297,7 @@ def _check_dtensors(
             if pl.expert_split
             else ""
         )
-        if pl.tensor_split and not tensor_parallel:
+        if pl.tensor_split and not tensor_parallel and not crosses(p):  # TP beside a 1-D group
             how = (
                 "tensor-parallel matrices (parallelize_module on a 'tp' mesh dimension) are "
                 "stepped by owner mode over a 2-D dp × tp mesh: pass the whole 2-D "
