@@ -159,7 +159,10 @@ def test_owner_held_tensor_parallel_state_resumes_anywhere(tmp_path, layout, rul
     assert gap > 100 * SPLIT_TOLERANCE, f"the optimizer state made no difference ({gap:.1e})"
     assert_close(one_process(path, rule, "dcp"), continued, f"{layout} → one process (DCP)")
     assert_close(one_process(path, rule, "full"), continued, f"{layout} → one process (full)")
-    for target in (layout, "fsdp_dp4"):  # the same mesh; plain FSDP2 on 4 ranks
+    targets = [layout, "fsdp_dp4"]  # the same mesh; plain FSDP2 on 4 ranks
+    if layout == "fsdp_tp":  # FSDP2 over tp's state into owner mode over the same mesh
+        targets.append("owner_tp")
+    for target in targets:
         resumed = run_on_ranks(run_load, 4, args=(path, target, rule), timeout=240)
         for rank, got in enumerate(resumed):
             assert_close(got, continued, f"{layout} → {target}, rank {rank}")
