@@ -481,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         "Newton–Schulz takes minutes per step on a CPU without bf16 matmul units, and the "
         "tensor-parallel ones, a comparison of their own: adamw_tp muon_tp_gather tp_single; "
         "and adamw_dp_tp muon_dp_tp_gather dp_tp_single dp_tp_replicated adamw_fsdp_tp "
-        "fsdp_tp_sharded fsdp_tp_sharded_gram fsdp_tp_sharded_gather on a dp × tp mesh)",
+        "fsdp_tp_sharded fsdp_tp_sharded_gram fsdp_tp_sharded_gather owner_dp_tp_gram "
+        "owner_dp_tp_gather on a dp × tp mesh)",
     )
     p.add_argument("--steps", type=int, default=None, help="--world: timed steps (default 6)")
     p.add_argument(

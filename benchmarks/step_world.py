@@ -51,6 +51,12 @@ step by step so that background load hits every setup alike):
                     whose tp row steps the shards (``tp_path="auto"``), rows back
 ``fsdp_tp_sharded_gram`` / ``fsdp_tp_sharded_gather``: the same with the Gram path or
                     the gather path forced (``tp_path=``)
+``owner_dp_tp_gram`` / ``owner_dp_tp_gather``: the ``dp × tp`` model without DDP,
+                    DMuon owner mode: ``ddp.dedicate(model, mesh)`` on the 2-D mesh,
+                    each shard's gradient reduced over ``dp`` to its owner, whose tp
+                    row steps the matrix (Gram path or gather path forced), the new
+                    shards broadcast over ``dp``; the tensor-parallel scalars
+                    all-reduced over ``dp``
 =================== ==========================================================
 
 Phases per step (host wall-clock; on a GPU each phase ends with a synchronize):
@@ -93,14 +99,17 @@ FSDP_TP_SETUPS = (
     "fsdp_tp_sharded_gram",
     "fsdp_tp_sharded_gather",
 )
+# Owner mode over dp × tp: the dedication reduces the gradients over dp itself.
+OWNER_TP_SETUPS = ("owner_dp_tp_gram", "owner_dp_tp_gather")
 # A dp × tp mesh (N/2 × 2): each dp row on its part of the batch, averaged over dp
-# (average_over, but for the FSDP2 ones).
+# (average_over, but for the FSDP2 and owner-mode ones).
 DP_TP_SETUPS = (
     "adamw_dp_tp",
     "muon_dp_tp_gather",
     "dp_tp_single",
     "dp_tp_replicated",
     *FSDP_TP_SETUPS,
+    *OWNER_TP_SETUPS,
 )
 SETUPS = (
     "adamw_ddp",
@@ -151,6 +160,8 @@ LABELS = {
     "fsdp_tp_sharded": "DMuon sharded, FSDP2 over tp (owners over dp)",
     "fsdp_tp_sharded_gram": "DMuon sharded, FSDP2 over tp, Gram path forced",
     "fsdp_tp_sharded_gather": "DMuon sharded, FSDP2 over tp, gather path forced",
+    "owner_dp_tp_gram": "DMuon owner, dp × tp (owners over dp), Gram path forced",
+    "owner_dp_tp_gather": "DMuon owner, dp × tp (owners over dp), gather path forced",
 }
 PHASES = ("forward", "backward", "optimizer", "comm_wait")
 
@@ -231,6 +242,8 @@ def build(setup: str, cfg: WorldConfig, device: torch.device) -> tuple[Any, Any,
             for block in model.blocks:
                 fully_shard(block, mesh=mesh["dp"])
             fully_shard(model, mesh=mesh["dp"])
+        elif setup in OWNER_TP_SETUPS:
+            ded = ddp.dedicate(model, mesh)
     elif setup in ("owner_ddp", "owner_ddp_check1"):
         ded = ddp.dedicate(model)
     elif setup == "owner_ddp_zero1":
@@ -257,6 +270,9 @@ def build(setup: str, cfg: WorldConfig, device: torch.device) -> tuple[Any, Any,
     elif setup == "dp_tp_replicated":
         dp = mesh["dp"].get_group()
         opt = DMuon(param_groups(model), mode="replicated", process_group=dp, **kw)
+    elif setup in OWNER_TP_SETUPS:
+        path = setup.removeprefix("owner_dp_tp_")
+        opt = DMuon(param_groups(model), distributed=ded, tp_path=path, **kw)
     elif setup == "torch_muon_ddp":
         from benchmarks.common.optimizers import build_optimizer
 
@@ -318,7 +334,7 @@ def rank_main(
             sync()
             t1 = time.perf_counter()
             loss.backward()
-            if setup in DP_TP_SETUPS and setup not in FSDP_TP_SETUPS:
+            if setup in DP_TP_SETUPS and setup not in (*FSDP_TP_SETUPS, *OWNER_TP_SETUPS):
                 average_over(opt.dp_model, opt.dp_group)
             sync()
             if setup in TP_SETUPS or setup in DP_TP_SETUPS:
@@ -445,6 +461,13 @@ def summarise(rows: dict[str, Any]) -> dict[str, Any]:
             "fsdp_tp_sharded_over_adamw_fsdp_tp": ratio("fsdp_tp_sharded", "adamw_fsdp_tp"),
             "fsdp_tp_sharded_over_gather_optimizer": ratio(
                 "fsdp_tp_sharded", "muon_dp_tp_gather", "optimizer"
+            ),
+            "owner_dp_tp_gram_over_adamw": ratio("owner_dp_tp_gram", "adamw_dp_tp"),
+            "owner_dp_tp_gram_over_gather_optimizer": ratio(
+                "owner_dp_tp_gram", "muon_dp_tp_gather", "optimizer"
+            ),
+            "owner_dp_tp_gather_over_gather_optimizer": ratio(
+                "owner_dp_tp_gather", "muon_dp_tp_gather", "optimizer"
             ),
         },
         "plan_imbalance": {
@@ -594,6 +617,13 @@ def target_lines(t: dict[str, Any]) -> list[str]:
         + _fmt(t["tensor_parallel"].get("fsdp_tp_sharded_over_adamw_fsdp_tp"), ".2f")
         + "; optimizer step / vanilla Muon's that gathers over tp (DDP × tp): "
         + _fmt(t["tensor_parallel"].get("fsdp_tp_sharded_over_gather_optimizer"), ".2f"),
+        "dp × tp, step of DMuon owner mode (dedicate over the mesh) / AdamW's: Gram path "
+        + _fmt(t["tensor_parallel"].get("owner_dp_tp_gram_over_adamw"), ".2f")
+        + "; optimizer step (its reductions' wait included) / vanilla Muon's that gathers "
+        "over tp: Gram path "
+        + _fmt(t["tensor_parallel"].get("owner_dp_tp_gram_over_gather_optimizer"), ".2f")
+        + ", gather path "
+        + _fmt(t["tensor_parallel"].get("owner_dp_tp_gather_over_gather_optimizer"), ".2f"),
     ]
 
 

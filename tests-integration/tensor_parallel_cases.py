@@ -110,3 +110,28 @@ def clipped_reference(rule: str, options: dict) -> tuple[dict[str, torch.Tensor]
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+class SequenceParallelNet(nn.Module):
+    """A residual block with a ``SequenceParallel`` LayerNorm: its weight's gradient is a
+    pending sum (``Partial``) over tp, each rank's part of the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(3)
+            self.norm = nn.LayerNorm(8)
+            self.fc1 = nn.Linear(8, 16)
+            self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.relu(self.fc1(self.norm(x))))
+
+
+def sequence_batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + t)
+    return torch.randn(2, 6, 8, generator=g), torch.randn(2, 6, 8, generator=g)
+
+
+SP_OPT = dict(OPT, adamw_lr=0.05)
+SP_CLIP = 0.05  # below every step's norm (≈ 0.7–0.9)

@@ -1,7 +1,8 @@
 """Checkpoints of owner-held tensor-parallel state: saved on ``dp 2 × tp 2``, resumed anywhere.
 
-In ``sharded`` mode on FSDP2 over tensor parallelism and in ``replicated`` mode on
-a ``dp × tp`` mesh, each split matrix's state lives on its owner's ``tp`` row, each
+In ``sharded`` mode on FSDP2 over tensor parallelism, and in ``replicated`` and owner
+mode (``ddp.dedicate(model, mesh)``) on a ``dp × tp`` mesh, each split matrix's state
+lives on its owner's ``tp`` row, each
 rank holding its shard's. A DCP checkpoint stores it laid out like the parameter,
 so it must resume: on the same mesh, in one process (unsplit, ``single``), and on
 ``dp 4`` with plain FSDP2 (no tensor parallelism, other owners) — each equal to
@@ -52,6 +53,12 @@ def build(layout: str, rule: str):
     else:
         model = tp_deep_mlp(mesh["tp"])
     row = (mesh.get_coordinate()[0], 2)
+    if layout == "owner_tp":  # owner mode over the mesh: ddp.dedicate reduces over dp
+        from dmuon.integrations import ddp
+
+        ded = ddp.dedicate(model, mesh)
+        opt = DMuon(param_groups(model), distributed=ded, rule=rule, **OPT, **RULES[rule])
+        return model, opt, row, None
     if layout.startswith("fsdp_tp"):
         for layer in (model.fc1, model.fc2, model.fc3, model.fc4):
             fully_shard(layer, mesh=mesh["dp"])
@@ -82,6 +89,9 @@ def train(model, opt, rows, dp, steps) -> None:
                 g.div_(2)
         opt.step()
         opt.zero_grad()
+    exchange = getattr(opt.engine, "exchange", None)
+    if exchange is not None:  # owner mode: the last step's shards have arrived
+        exchange.wait_all_published()
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
@@ -136,6 +146,8 @@ CASES = [(layout, rule) for layout in ("fsdp_tp", "replicated_tp") for rule in R
 # half of the matrices left out of tensor parallelism: owned whole over dp, one copy per
 # tp column (the full state dict takes rank 0's column)
 CASES += [("fsdp_tp_half", "muon"), ("fsdp_tp_half", "dion3")]
+# owner mode over dp × tp (ddp.dedicate on the mesh): the owner's tp row holds the state
+CASES += [("owner_tp", rule) for rule in RULES]
 
 
 @pytest.mark.parametrize(("layout", "rule"), CASES)
@@ -147,7 +159,10 @@ def test_owner_held_tensor_parallel_state_resumes_anywhere(tmp_path, layout, rul
     assert gap > 100 * SPLIT_TOLERANCE, f"the optimizer state made no difference ({gap:.1e})"
     assert_close(one_process(path, rule, "dcp"), continued, f"{layout} → one process (DCP)")
     assert_close(one_process(path, rule, "full"), continued, f"{layout} → one process (full)")
-    for target in (layout, "fsdp_dp4"):  # the same mesh; plain FSDP2 on 4 ranks
+    targets = [layout, "fsdp_dp4"]  # the same mesh; plain FSDP2 on 4 ranks
+    if layout == "fsdp_tp":  # FSDP2 over tp's state into owner mode over the same mesh
+        targets.append("owner_tp")
+    for target in targets:
         resumed = run_on_ranks(run_load, 4, args=(path, target, rule), timeout=240)
         for rank, got in enumerate(resumed):
             assert_close(got, continued, f"{layout} → {target}, rank {rank}")

@@ -9,7 +9,8 @@ optimizer (``predicted``) in ``benchmarks/results/step-world4-cpu-dp-tp.json``. 
 planner, given the same model (built on the meta device from the stored config) and
 the rates the engine's ``tp_path="auto"`` prices with, must predict the same bytes
 for the same path without running a process: its owners over ``dp`` are planned by
-whole shapes and each owner's ``tp`` row sends the collectives of its matrices.
+whole shapes and each owner's ``tp`` row sends the collectives of its matrices. Owner mode
+over ``dp × tp`` is checked the same way on a quick run made by the test.
 """
 
 from __future__ import annotations
@@ -78,3 +79,24 @@ def test_planner_tp_bytes_equal_the_engines_at_dp2_tp2(run, setup):
         # all-reduces per matrix as 8 bytes each; CommStats recorded 64 bytes fewer in
         # 14.2 MB on the Gram path, and exactly the same bytes on the gather path
         assert mine == pytest.approx(rec["measured"], rel=1e-5), (setup, rank, mine, rec)
+
+
+# owner mode over dp × tp (ddp.dedicate on the mesh): not in the stored run, so a quick
+# one is made here (the GPT at --quick size, 4 gloo ranks, one step)
+OWNER_SETUPS = {"owner_dp_tp_gram": ("owner", "gram"), "owner_dp_tp_gather": ("owner", "gather")}
+
+
+def test_planner_tp_bytes_of_owner_mode_equal_the_engines_at_dp2_tp2(tmp_path):
+    from benchmarks import step
+
+    argv = ["--world", "4", "--quick", "--steps", "1", "--out", str(tmp_path), "--setups"]
+    assert step.main([*argv, *OWNER_SETUPS]) == 0
+    quick = json.loads((tmp_path / "step-world4-cpu-quick-dp-tp.json").read_text())
+    for setup, (mode, tp_path) in OWNER_SETUPS.items():
+        recorded = quick["rows"][setup]["tp_bytes_per_rank"]
+        got = predicted(quick, mode, tp_path)
+        assert min(got) > 0, (setup, got)  # every dp row owns split matrices
+        for rank, (mine, rec) in enumerate(zip(got, recorded, strict=True)):
+            assert mine == rec["predicted"], (setup, rank, mine, rec)
+            # the Gram path's two scalars per matrix: 8 bytes each in the prediction
+            assert mine == pytest.approx(rec["measured"], rel=1e-4), (setup, rank, mine, rec)

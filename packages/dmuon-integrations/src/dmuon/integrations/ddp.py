@@ -26,7 +26,7 @@ from dmuon.comm.process_groups import group_size
 from dmuon.integrations.buffers import broadcast_buffers as _broadcast_buffers
 from dmuon.integrations.buffers import install_buffer_broadcast
 from dmuon.integrations.dedication import Dedication, build_dedication
-from dmuon.integrations.selection import Predicate, mesh_groups
+from dmuon.integrations.selection import Predicate, mesh_groups, tensor_parallel_dim
 
 __all__ = ["SCALAR_MODES", "dedicate"]
 
@@ -55,7 +55,13 @@ def dedicate(
 
     Args:
         model: the model (the same on every rank).
-        group: a ``ProcessGroup`` or 1-D ``DeviceMesh``; default the world.
+        group: a ``ProcessGroup`` or 1-D ``DeviceMesh``; default the world. Or, for a
+            model parallelised with ``parallelize_module`` on one dimension of it, the
+            2-D ``dp × tp`` ``DeviceMesh``: owners are planned over the other dimension
+            (the rule: :func:`~dmuon.integrations.selection.tensor_parallel_dim`), by
+            the whole matrices' shapes, and each owner's ``tp`` row steps the shards
+            together (:mod:`dmuon.optim.engine.owner_split`). The tensor-parallel
+            scalars (biases, norms) are all-reduced over ``dp`` by their local parts.
         predicate: ``(name, param) → bool`` choosing the dedicated matrices
             (default: the matrices of :func:`dmuon.optim.param_groups`).
         scalars: ``"all_reduce"`` (bucketed all-reduce from the hooks; every rank
@@ -88,15 +94,18 @@ def dedicate(
     """
     if scalars not in SCALAR_MODES:
         raise ValueError(f"scalars must be one of {SCALAR_MODES}, got {scalars!r}")
-    pg, replicate = mesh_groups(group)
+    tp_dim = tensor_parallel_dim(group, model)
+    pg, replicate = mesh_groups(group) if tp_dim is None else (group.get_group(1 - tp_dim), None)
     if replicate is not None:
         raise ValueError(
-            "ddp.dedicate takes a 1-D group; for HSDP use dmuon.integrations.fsdp.dedicate "
-            "with the 2-D mesh and FSDP2 for the scalar parameters"
+            "ddp.dedicate takes a 1-D group, or the 2-D dp × tp mesh of a tensor-parallel model "
+            "(its DTensors split over one dimension of it); for HSDP use "
+            "dmuon.integrations.fsdp.dedicate with the 2-D mesh and FSDP2 for the scalar "
+            "parameters"
         )
     ded = build_dedication(
         model,
-        pg,
+        group if tp_dim is not None else pg,
         predicate=predicate,
         strategy=strategy,
         layer_of=layer_of,

@@ -14,7 +14,12 @@ from torch.utils.hooks import RemovableHandle
 from dmuon.comm import CollectiveError, CommStats, OwnerPlan, collective_timeout, plan_owners
 from dmuon.comm.process_groups import group_size
 from dmuon.integrations.hooks import install_hooks
-from dmuon.integrations.selection import Predicate, mesh_groups, split_parameters
+from dmuon.integrations.selection import (
+    Predicate,
+    mesh_groups,
+    split_parameters,
+    tensor_parallel_dim,
+)
 from dmuon.optim import OwnerExchange
 from dmuon.optim import deadline as auto_deadline
 from dmuon.optim.engine import format_description
@@ -173,10 +178,20 @@ def build_dedication(
     ``all_reduce_rest``, or dedicated too when ``dedicate_rest``) and install its
     hooks (:func:`~dmuon.integrations.install_hooks`).
 
+    On a 2-D ``dp × tp`` mesh whose ``tp`` dimension the model's tensor-parallel
+    DTensors use (:func:`~dmuon.integrations.selection.tensor_parallel_dim`), owners are
+    planned over ``dp`` by the whole matrices' shapes and each owner's ``tp`` row steps
+    the shards (:mod:`dmuon.optim.engine.owner_split`).
+
     Raises:
-        ValueError: a parameter already sharded by FSDP2, or nothing to dedicate.
+        ValueError: a parameter already sharded by FSDP2, a DTensor owner mode does not
+            take (named with its placements), or nothing to dedicate.
     """
-    group, replicate_group = mesh_groups(mesh)
+    tp_dim = tensor_parallel_dim(mesh, model)
+    if tp_dim is None:
+        group, replicate_group = mesh_groups(mesh)
+    else:  # dp × tp: owners over the dimension the tensor-parallel placements do not use
+        group, replicate_group = mesh.get_group(1 - tp_dim), None
     dedicated, rest = split_parameters(model, predicate, layer_of=layer_of)
     if dedicate_rest:
         from dmuon.comm import MatrixItem
@@ -186,26 +201,13 @@ def build_dedication(
             for n, k, p in rest
         ]
         rest = []
-    sharded = [(item, p) for item, p in dedicated if is_dtensor(p)]
-    if sharded:
-        item, p = sharded[0]
-        name = item.name
-        pl = placement_of(p, name, stack=p.dim() > 2 and len(item.shape) > 2)
-        experts = (
-            "; an expert stack split over its expert dimension, as this one, is stepped by "
-            "DMuon(..., mode='single'), each rank its own experts as a batch"
-            if pl.expert_split
-            else ""
-        )
-        raise ValueError(
-            f"parameter {name!r} is already a DTensor with placements "
-            f"{pl.summary()}: owner mode dedicates whole, plain matrices. "
-            "If fully_shard() made it, dedicate() was called after fully_shard(): call "
-            "dedicate(model, mesh) first, then "
-            "fully_shard(model, mesh=mesh, ignored_params=ded.params), so FSDP2 leaves the "
-            "dedicated matrices to their owners; tensor-parallel matrices (parallelize_module) "
-            f"are not stepped by owner mode: keep them out of the dedication (predicate=){experts}"
-        )
+    _check_dtensors(
+        dedicated,
+        rest if all_reduce_rest else [],
+        group,
+        tensor_parallel=tp_dim is not None,
+        reshard_after_forward=reshard_after_forward,
+    )
     if not dedicated:
         raise ValueError(
             "no parameter to dedicate: the model has no matrix parameters (or the predicate "
@@ -239,3 +241,92 @@ def build_dedication(
     ded = Dedication(model, exchange, kind=kind)
     ded.handles = install_hooks(model, exchange)
     return ded
+
+
+def _check_dtensors(
+    dedicated: list[tuple[Any, Any]],
+    all_reduced: list[tuple[str, str, Any]],
+    group: dist.ProcessGroup | None,
+    *,
+    tensor_parallel: bool,
+    reshard_after_forward: bool,
+) -> None:
+    """Refuse every DTensor parameter owner mode does not take, on every rank alike (the
+    placements and groups are the same everywhere), before any collective.
+
+    Taken on a ``dp × tp`` mesh: a dedicated 2-D matrix split over ``tp`` alone
+    (:attr:`~dmuon.optim.engine.placements.MatrixPlacement.tensor_split`), a dedicated or
+    all-reduced scalar laid out over ``tp`` alone. Refused: anything sharded over the
+    planning group itself (FSDP2's rows: dedicate before ``fully_shard``), expert splits,
+    other layouts, and tensor parallelism with ``reshard_after_forward``.
+    """
+    planning: set[int] = set()
+    me = -1
+    if dist.is_available() and dist.is_initialized():
+        me = dist.get_rank()
+        everyone = group if group is not None else dist.group.WORLD
+        planning = set(dist.get_process_group_ranks(everyone))
+
+    def crosses(p: Any) -> bool:
+        """``p``'s mesh splits or replicates it over more of the planning group than me."""
+        mesh = p.device_mesh
+        return group_size(group) > 1 and any(
+            len(set(dist.get_process_group_ranks(mesh.get_group(d))) & planning - {me}) > 0
+            for d in range(mesh.ndim)
+        )
+
+    for item, p in dedicated:
+        if not is_dtensor(p):
+            continue
+        name = item.name
+        pl = placement_of(p, name, stack=p.dim() > 2 and len(item.shape) > 2)
+        matrix = p.dim() >= 2
+        taken = tensor_parallel and not crosses(p) and (pl.tensor_split or not matrix)
+        if taken and reshard_after_forward:
+            raise ValueError(
+                f"parameter {name!r} is tensor-parallel ({pl.summary()}): owner mode over a "
+                "dp × tp mesh keeps the dedicated weights resident; reshard_after_forward "
+                "(ZeRO-3-like) is for plain tensors on a 1-D group. Drop "
+                "reshard_after_forward=True"
+            )
+        if taken:
+            continue
+        experts = (
+            "; an expert stack split over its expert dimension, as this one, is stepped by "
+            "DMuon(..., mode='single'), each rank its own experts as a batch"
+            if pl.expert_split
+            else ""
+        )
+        if pl.tensor_split and not tensor_parallel and not crosses(p):  # TP beside a 1-D group
+            how = (
+                "tensor-parallel matrices (parallelize_module on a 'tp' mesh dimension) are "
+                "stepped by owner mode over a 2-D dp × tp mesh: pass the whole 2-D "
+                "DeviceMesh, not one of its dimensions, to dedicate(model, mesh) (owners over "
+                "the dimension the placements do not use); a 1-D group plans owners over plain "
+                "matrices only"
+            )
+        else:
+            how = (
+                "If fully_shard() made it, dedicate() was called after fully_shard(): call "
+                "dedicate(model, mesh) first, then "
+                "fully_shard(model, mesh=mesh, ignored_params=ded.params), so FSDP2 leaves the "
+                "dedicated matrices to their owners; owner mode takes tensor-parallel "
+                "matrices split over the tp dimension of a dp × tp mesh (Shard(0) or "
+                "Shard(1) there, Replicate() elsewhere): keep this one out of the "
+                "dedication (predicate=)"
+            )
+        raise ValueError(
+            f"parameter {name!r} is already a DTensor with placements "
+            f"{pl.summary()} ({pl.what()}): owner mode dedicates whole, plain matrices "
+            f"and tensor-parallel shards over a dp × tp mesh. {how}{experts}"
+        )
+    for name, _, p in all_reduced:
+        if is_dtensor(p) and crosses(p):
+            pl = placement_of(p, name)
+            raise ValueError(
+                f"parameter {name!r} is a DTensor with placements {pl.summary()} laid out over "
+                "the data-parallel ranks the dedication all-reduces over; all-reducing its "
+                "local parts would mix different pieces of it. Dedicate the model before "
+                "sharding it (fully_shard after dedicate, with fsdp.dedicate), or over a "
+                "dp × tp mesh keep its placements on tp"
+            )

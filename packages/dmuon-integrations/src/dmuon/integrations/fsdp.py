@@ -59,14 +59,19 @@ def dedicate(
     Args:
         model: the model (the same on every rank).
         mesh: a 1-D ``DeviceMesh`` (FSDP), a 2-D one (HSDP: replicate × shard), a
-            ``ProcessGroup``, or ``None`` (the world).
+            ``ProcessGroup``, or ``None`` (the world). A 2-D ``dp × tp`` mesh of a model
+            parallelised with ``parallelize_module`` on one of its dimensions is not
+            HSDP: owners are planned over the other one (the rule:
+            :func:`~dmuon.integrations.selection.tensor_parallel_dim`) and each owner's
+            ``tp`` row steps the shards (:mod:`dmuon.optim.engine.owner_split`); shard
+            the rest with ``fully_shard(model, mesh=mesh["dp"], ignored_params=...)``.
         predicate: ``(name, param) → bool`` choosing the dedicated parameters;
             default the matrices of :func:`dmuon.optim.param_groups` (hidden weights,
             conv weights, expert stacks).
         reshard_after_forward: ZeRO-3-like: a rank keeps only the matrices it owns
             and the others are broadcast around each layer's forward and backward
             (3(N−1)/N·P bytes per step instead of 2(N−1)/N·P); default ZeRO-2-like,
-            every matrix resident. 1-D meshes only.
+            every matrix resident. 1-D meshes of plain tensors only.
         strategy: owner planning strategy (``"lpt"`` or ``"ilp"``; see
             :func:`dmuon.comm.plan_owners`).
         layer_of: name → layer key; a layer is the unit of reduction, publication and

@@ -12,8 +12,9 @@ from torch import nn
 from dmuon.comm import MatrixItem, layer_key
 from dmuon.optim import param_groups
 from dmuon.optim.engine import item_shape
+from dmuon.optim.engine.params import is_dtensor
 
-__all__ = ["Predicate", "mesh_groups", "split_parameters"]
+__all__ = ["Predicate", "mesh_groups", "split_parameters", "tensor_parallel_dim"]
 
 Predicate = Callable[[str, torch.Tensor], bool]
 
@@ -99,3 +100,36 @@ def mesh_groups(mesh: Any) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup 
         f"mesh has {mesh.ndim} dimensions; pass the 1-D data-parallel mesh, or the 2-D "
         "(replicate, shard) mesh of HSDP"
     )
+
+
+def tensor_parallel_dim(mesh: Any, model: nn.Module) -> int | None:
+    """The dimension of a 2-D ``mesh`` that ``model``'s DTensor parameters are split over
+    (``parallelize_module`` on ``mesh["tp"]``), or ``None``.
+
+    **The rule**: a dimension of ``mesh`` is *used* when the process group of one of its
+    slices (this rank's) is the group of some mesh dimension of some DTensor parameter of
+    ``model``. When exactly one dimension is used, it is the tensor-parallel dimension and
+    the other one is the data-parallel dimension owner mode plans its owners over
+    (``dedicate(model, mesh)`` on a ``dp × tp`` mesh). ``None`` when ``mesh`` is not a 2-D
+    ``DeviceMesh``, when no parameter is a DTensor on one of its dimensions (a 2-D mesh
+    is then HSDP's, replicate × shard), or when both are used (FSDP2 already sharded the
+    model over ``dp``: the dedication refuses its DTensors, naming one). Every rank reads
+    the same placements and meshes, so every rank decides alike, without a collective.
+
+    Examples:
+        >>> from torch import nn
+        >>> tensor_parallel_dim(None, nn.Linear(2, 2)) is None
+        True
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2:
+        return None
+    groups: set[tuple[int, ...]] = set()
+    for p in model.parameters():
+        if is_dtensor(p):
+            pm = p.device_mesh  # type: ignore[attr-defined]
+            for d in range(pm.ndim):
+                groups.add(tuple(dist.get_process_group_ranks(pm.get_group(d))))
+    used = [d for d in range(2) if tuple(dist.get_process_group_ranks(mesh.get_group(d))) in groups]
+    return used[0] if len(used) == 1 else None

@@ -42,7 +42,7 @@ class Holding:
         group: the process group :attr:`owner` counts in (``None``: the world or no
             process group).
         split: the owner's ``tp`` row holds the state, each rank that of its
-            tensor-parallel shard (``replicated``/``sharded`` mode on a ``dp × tp`` mesh;
+            tensor-parallel shard (``replicated``/``sharded``/``owner`` mode on a ``dp × tp`` mesh;
             :mod:`~dmuon.integrations.checkpoint.owned_split`). Not under a rule that
             needs whole matrices: its state is whole, the same on every rank of the row.
 
@@ -129,23 +129,21 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
                     "(after fully_shard, if FSDP2 is used)"
                 )
             owner: int | None = None
-            if exchange is not None:
+            # a rule that needs whole matrices keeps whole state on the owner's tp row
+            # (the shards gathered): saved as any owner's, once per tp column alike
+            splits = engine.split_of(p) is not None and get_rule(group["rule"]).splits
+            if exchange is not None:  # owner mode (over dp × tp: the owner's tp row)
                 dedicated = exchange_of(p)
                 if dedicated is not None and dedicated is exchange:
                     name = dedicated.name_of(p)
                     owner = dedicated.owner(name) if name is not None else None
-                out.append(Holding(fqn, p, gi, owner, exchange.group))
+                split = owner is not None and splits
+                out.append(Holding(fqn, p, gi, owner, exchange.group, split))
                 continue
             owner_of = getattr(engine, "owner_of", None)
             if owner_of is not None and engine.world_size > 1:
                 owner = owner_of(p)
-            # a rule that needs whole matrices keeps whole state on the owner's tp row
-            # (the shards gathered): saved as any owner's, once per tp column alike
-            split = (
-                owner is not None
-                and engine.split_of(p) is not None
-                and get_rule(group["rule"]).splits
-            )
+            split = owner is not None and splits
             out.append(Holding(fqn, p, gi, owner, getattr(engine, "group", None), split))
     seen: dict[str, int] = {}
     for h in out:

@@ -20,6 +20,10 @@ once. :class:`OwnerExchange` builds the two sides over one
 the lookups (names, owners, layers); callers talk to the side they need
 (``exchange.reduction.grad_ready(p)``, ``exchange.publication.publish(key)``).
 
+Over a ``dp × tp`` mesh (``group`` the ``dp`` group; tensor-parallel DTensor
+parameters), the plan weighs the whole matrices and the buckets carry each rank's
+shard: :mod:`~dmuon.optim.engine.owner_split`.
+
 The publication buckets *are* the weights: every dedicated parameter's ``.data`` is
 a view into its layer's broadcast buffer, so the owner's in-place step writes
 straight into what it broadcasts and the other ranks receive straight into their
@@ -44,8 +48,11 @@ from dmuon.comm import (
 from dmuon.comm.process_groups import group_rank, group_size
 from dmuon.optim.engine.layer_record import OwnerLayer, group_layers
 from dmuon.optim.engine.model_agreement import check_model_consistency, plan_with_replicated
+from dmuon.optim.engine.owner_split import check_split_model, local_plan
+from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.publication import Publication
 from dmuon.optim.engine.reduction import Reduction
+from dmuon.optim.engine.tensor_split import split_groups
 
 __all__ = ["OwnerExchange", "exchange_of", "format_description"]
 
@@ -88,7 +95,7 @@ class OwnerExchange:
         stats: where the bytes are recorded; default :func:`dmuon.comm.default_stats`.
         reshard_after_forward: ZeRO-3-like: ranks keep only the weights they own and
             materialise the others around each layer's forward and backward (see
-            :mod:`dmuon.optim.engine.publication`); 1-D groups only.
+            :mod:`dmuon.optim.engine.publication`); 1-D groups of plain tensors only.
 
     Attributes:
         reduction: the reduction side (:class:`~dmuon.optim.engine.Reduction`): the
@@ -97,6 +104,11 @@ class OwnerExchange:
             the engine calls its ``publish``, the forward hooks its ``forward_enter``.
         layers: the :class:`~dmuon.optim.engine.OwnerLayer` records both sides share,
             in natural (forward) order.
+        plan: the owner plan, by the whole shapes.
+        local_plan: the plan the buckets and collectives use: ``plan`` with this rank's
+            local shape of every tensor-parallel DTensor (``plan`` itself without them).
+        tensor_groups: the ``tp`` groups the dedicated matrices are split over (none
+            without tensor parallelism).
 
     Raises:
         ValueError: a parameter dedicated twice, a plan that does not cover the items,
@@ -141,6 +153,14 @@ class OwnerExchange:
                 "keep the dedicated weights resident"
             )
         self.reshard_after_forward = reshard_after_forward
+        split = [name for name, p in ((i.name, p) for i, p in dedicated) if is_dtensor(p)]
+        split += [name for name, _, p in replicated if is_dtensor(p)]
+        if split and (reshard_after_forward or replicate_group is not None):
+            raise ValueError(
+                f"parameter {split[0]!r} is a tensor-parallel DTensor: owner mode steps those "
+                "on a dp × tp mesh with the dedicated weights resident (no "
+                "reshard_after_forward) and without HSDP"
+            )
         if replicated and replicate_group is not None:
             raise ValueError(
                 "replicated (all-reduced) parameters are for the DDP replacement on a 1-D "
@@ -151,17 +171,24 @@ class OwnerExchange:
                 raise ValueError(f"parameter {item.name!r} is dedicated twice")
         self.layers, self._params, self._layer_of = group_layers(dedicated, replicated, plan)
         self._by_key = {layer.key: layer for layer in self.layers}
+        self.tensor_groups = split_groups(
+            EngineParam(i.name, p, 0, 0, True, "", i) for i, p in dedicated
+        )
         # One model check before anything else travels (no-op on one rank).
-        check_model_consistency(plan_with_replicated(plan, replicated), group, replicate_group)
+        if self.tensor_groups:
+            check_split_model(plan_with_replicated(plan, replicated), group, self.tensor_groups)
+        else:
+            check_model_consistency(plan_with_replicated(plan, replicated), group, replicate_group)
+        self.local_plan = local_plan(plan, self._params)
         for layer in self.layers:
             layer.dedicated.sort(key=plan.index)
-            layer.make_buckets(plan, self._params)
+            layer.make_buckets(self.local_plan, self._params)
         for _, p in dedicated:
             _register(p, self)
         self.publication = Publication(
             self.layers,
             self._params,
-            plan,
+            self.local_plan,
             rank=self.rank,
             world_size=self.world_size,
             group=group,
@@ -173,7 +200,7 @@ class OwnerExchange:
             self.layers,
             self._params,
             self._layer_of,
-            plan,
+            self.local_plan,
             group=group,
             replicate_group=replicate_group,
             stats=self.stats,

@@ -18,6 +18,7 @@ import torch
 
 from dmuon.comm import CommHandle, FlatBucket, MatrixItem, OwnerPlan, make_buckets
 from dmuon.comm.owner_plan import natural_key
+from dmuon.optim.matrix_split import local_tensor
 
 __all__ = ["OwnerLayer", "group_layers"]
 
@@ -64,8 +65,9 @@ class OwnerLayer:
 
     def make_buckets(self, plan: OwnerPlan, params: Mapping[str, torch.Tensor]) -> None:
         """Build the layer's flat buffers on its parameters' device: reduce and publish
-        buckets of the dedicated parameters (by the plan), one all-reduce bucket per
-        dtype of the replicated ones."""
+        buckets of the dedicated parameters (by the plan: over ``dp × tp``, the plan of
+        the local shapes), one all-reduce bucket per dtype of the replicated ones (a
+        DTensor by its local part)."""
         device = params[[*self.dedicated, *self.replicated][0]].device
         self.reduce_buckets = make_buckets(plan, names=self.dedicated, device=device)
         self.publish_buckets = make_buckets(plan, names=self.dedicated, device=device)
@@ -73,7 +75,9 @@ class OwnerLayer:
         for name in self.replicated:
             by_dtype.setdefault(params[name].dtype, []).append(name)
         self.allreduce_buckets = [
-            FlatBucket([(n, tuple(params[n].shape)) for n in names], dtype=dt, device=device)
+            FlatBucket(
+                [(n, tuple(local_tensor(params[n]).shape)) for n in names], dtype=dt, device=device
+            )
             for dt, names in by_dtype.items()
         ]
 

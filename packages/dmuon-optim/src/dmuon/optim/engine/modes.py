@@ -110,7 +110,7 @@ def make_engine(
             f"the parameters are dedicated to owners, which is owner mode, but mode={mode!r} "
             "was asked for; drop mode= (or the dedicate() call)"
         )
-    check_layouts(opt.param_groups, mode, process_group)
+    check_layouts(opt.param_groups, mode, exchange.group if exchange else process_group)
     engine: Engine
     if mode == "single":
         engine = SingleEngine()
@@ -130,7 +130,8 @@ def make_engine(
 def check_layouts(param_groups: list[dict[str, Any]], mode: str, process_group: Any = None) -> None:
     """Refuse a matrix whose DTensor layout ``mode`` does not step
     (:func:`~dmuon.optim.engine.placements.check_placements`), or, in ``replicated``
-    mode, a split that crosses ``process_group``, the group it plans owners over
+    and ``owner`` mode, a split that crosses ``process_group``, the group it plans owners
+    over (owner mode: the dedication's)
     (:func:`~dmuon.optim.engine.tensor_split.check_split_groups`).
 
     Every rank reads the same placements, so every rank refuses alike, before any
@@ -138,7 +139,7 @@ def check_layouts(param_groups: list[dict[str, Any]], mode: str, process_group: 
     """
     params = collect_params(param_groups)
     check_placements(params, mode)
-    if mode == "replicated":
+    if mode in ("replicated", "owner"):
         check_split_groups(params, process_group, mode)
 
 

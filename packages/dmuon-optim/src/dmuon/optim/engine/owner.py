@@ -9,6 +9,12 @@ layers' weights travel while the last layers are still being orthogonalised, and
 the next forward only waits, layer by layer, for what it needs. Every publication
 lands in the parameters' own storage, so the number of layers in flight costs no
 memory.
+
+Over a ``dp × tp`` mesh (:mod:`~dmuon.optim.engine.owner_split`) the exchange's
+group is ``dp``: a tensor-parallel matrix is stepped by its owner's ``tp`` row, each
+rank its shard, with the :class:`~dmuon.optim.matrix_split.MatrixSplit` that
+:meth:`OwnerEngine.split_of` hands out — the same machinery as ``single`` and
+``replicated`` mode (:mod:`~dmuon.optim.engine.tensor_split`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from dmuon.optim.engine.base import Engine, Stepper, local_norm_tensors
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.report import StepReport
+from dmuon.optim.engine.tensor_split import split_of
+from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.rules import get_rule
 
 __all__ = ["OwnerEngine"]
@@ -64,7 +72,7 @@ class OwnerEngine(Engine):
                     "of dedicate() takes the matrices of param_groups(model)) or put it in a "
                     "scalar group"
                 )
-            synced = dedicated or ex.name_of(e.param) is not None or is_dtensor(e.param)
+            synced = dedicated or ex.name_of(e.param) is not None or self._sharded_over(e.param)
             if not synced and self.world_size > 1:
                 raise ValueError(
                     f"parameter {e.name!r} is neither dedicated, nor all-reduced by the "
@@ -82,6 +90,29 @@ class OwnerEngine(Engine):
 
     def _dedicated(self, p: torch.Tensor) -> bool:
         return exchange_of(p) is self.exchange
+
+    def _sharded_over(self, p: torch.Tensor) -> bool:
+        """A DTensor whose mesh spans more of the exchange's group than this rank (FSDP2
+        over ``dp`` synchronises it); a tensor-parallel DTensor over ``tp`` alone is not."""
+        if not is_dtensor(p):
+            return False
+        if self.world_size == 1:
+            return True
+        mesh = p.device_mesh  # type: ignore[attr-defined]
+        group = self.exchange.group
+        mine = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        return any(
+            len(set(dist.get_process_group_ranks(mesh.get_group(d))) & mine) > 1
+            for d in range(mesh.ndim)
+        )
+
+    def split_of(self, p: torch.Tensor) -> MatrixSplit | None:
+        """A dedicated tensor-parallel matrix is stepped on its shards by its owner's
+        ``tp`` row (:mod:`~dmuon.optim.engine.owner_split`)."""
+        if not self._dedicated(p) or not is_dtensor(p):
+            return None
+        name = self.exchange.name_of(p)
+        return split_of(p, name or "", self.exchange.stats)
 
     def steps(self, p: torch.Tensor) -> bool:
         if not self._dedicated(p):
@@ -121,9 +152,12 @@ class OwnerEngine(Engine):
 
     def agreement_groups(self) -> list[dist.ProcessGroup | None]:
         ex = self.exchange
+        # the owner's tp row steps a split matrix together: tp agrees on a skip too
+        tp: list[dist.ProcessGroup | None] = list(ex.tensor_groups)
         if self.world_size == 1:
-            return []
-        return [ex.group] if ex.replicate_group is None else [ex.group, ex.replicate_group]
+            return tp
+        dp = [ex.group] if ex.replicate_group is None else [ex.group, ex.replicate_group]
+        return dp + tp
 
     def replicated_params(self) -> list[EngineParam]:
         # Under ZeRO-3-like resharding a dedicated matrix lives on its owner only.
@@ -169,19 +203,27 @@ class OwnerEngine(Engine):
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
         ex = self.exchange
         out: list[torch.Tensor] = []
+        # Over dp × tp the partial norms are summed over tp too: a shard counts on each rank
+        # of its row, a plain tensor (the same on every tp rank) on tp rank 0 only.
+        tp = ex.tensor_groups[0] if len(ex.tensor_groups) == 1 else None
+        if len(ex.tensor_groups) > 1:
+            raise NotImplementedError(
+                "clip_grad_norm_ in owner mode with matrices split over different "
+                "tensor-parallel groups; clip the gradients before opt.step() yourself"
+            )
+        tp_first = tp is None or dist.get_rank(tp) == 0
         for e in self.params:
             g = e.param.grad
             if g is None:
                 continue
-            if self._dedicated(e.param):
-                out.append(g)  # only the owner still holds it
-            elif ex.name_of(e.param) is not None:
-                if self.rank == 0:  # all-reduced: the same on every rank, count it once
-                    out.append(g)
-            else:
-                out.extend(local_norm_tensors([e]))
+            if not self._dedicated(e.param) and ex.name_of(e.param) is not None and self.rank:
+                continue  # all-reduced: the same on every dp rank, counted on dp rank 0
+            if is_dtensor(g):
+                out.extend(local_norm_tensors([e]))  # its shard, once over Replicate dims
+            elif tp_first:
+                out.append(g)  # dedicated: only the owner still holds it
         groups = [ex.group] if ex.replicate_group is None else [ex.group, ex.replicate_group]
-        return out, groups
+        return out, groups + ([tp] if tp is not None else [])
 
     def describe(self) -> dict[str, Any]:
         ex = self.exchange

@@ -21,9 +21,16 @@ none (a plain tensor)                  ``single``, ``owner``, ``replicated``,
 ``Replicate()`` over the others        layer's rows, whose gradient is
                                        complete); ``single`` on the shards
                                        of a 2-D matrix
-                                       (:mod:`~dmuon.optim.engine.tensor_split`)
+                                       (:mod:`~dmuon.optim.engine.tensor_split`);
+                                       ``replicated`` and ``owner`` with
+                                       owners over the *other* dimension
+                                       of a ``dp × tp`` mesh, the owner's
+                                       ``tp`` row stepping the shards
+                                       (:mod:`~dmuon.optim.engine.owner_split`)
 ``Shard(1)`` over one mesh dimension,  ``single`` on the shards (a rowwise
-``Replicate()`` over the others        tensor-parallel layer's columns)
+``Replicate()`` over the others        tensor-parallel layer's columns);
+                                       ``replicated`` and ``owner`` over
+                                       ``dp × tp`` as above
 FSDP2 over tensor parallelism: a 2-D   ``sharded``: the rows travel to an
 matrix with ``Shard(0)`` (or           owner over ``dp``, whose ``tp`` row
 ``_StridedShard(0)`` over a ``tp``     steps the tensor-parallel shards
@@ -108,7 +115,7 @@ class MatrixPlacement:
         >>> rowwise.summary(), rowwise.row_sharded
         ("(Shard(dim=1),) on mesh dims ('tp',)", False)
         >>> supported_by(rowwise), supported_by(MatrixPlacement("fc1.weight"))
-        (('single', 'replicated'), ('single', 'owner', 'replicated', 'sign'))
+        (('single', 'replicated', 'owner'), ('single', 'owner', 'replicated', 'sign'))
     """
 
     name: str
@@ -369,7 +376,7 @@ def supported_by(pl: MatrixPlacement) -> tuple[str, ...]:
     Examples:
         >>> fsdp = MatrixPlacement("w", ("Shard(dim=0)",), ("dp",), ((0, 0, False),))
         >>> supported_by(fsdp)
-        ('sharded', 'single', 'replicated')
+        ('sharded', 'single', 'replicated', 'owner')
     """
     if not pl.distributed:
         return ("single", "owner", "replicated", "sign")
@@ -378,7 +385,13 @@ def supported_by(pl: MatrixPlacement) -> tuple[str, ...]:
     if pl.whole_experts and not pl.expert_split:  # over several mesh dims
         return ("sharded", "single")
     modes = ("sharded",) if pl.row_sharded else ()
-    return modes + (("single", "replicated") if pl.tensor_split or pl.expert_split else ())
+    return modes + (
+        ("single", "replicated", "owner")
+        if pl.tensor_split
+        else ("single", "replicated")
+        if pl.expert_split
+        else ()
+    )
 
 
 def check_placements(params: Iterable[EngineParam], mode: str) -> None:
@@ -461,7 +474,9 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
                 f"which mode={mode!r} does not step; mode='single' does, on the shards, with "
                 "the tensor-parallel Gram Newton–Schulz (no gather): pass mode='single', or "
                 "mode='replicated' with process_group= the data-parallel group of a dp × tp "
-                "mesh (owners over dp, each owner's tp row steps the shards)"
+                "mesh (owners over dp, each owner's tp row steps the shards), or dedicate the "
+                "model over the dp × tp mesh (dmuon.integrations.ddp.dedicate(model, mesh): "
+                "owner mode)"
             )
         raise ValueError(
             f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}); no "

@@ -20,6 +20,11 @@ raises, and the model's ``state_dict`` refuses it
 per step: ``3(N−1)/N·P`` (broadcast, re-broadcast, reduce) instead of ``2(N−1)/N·P``.
 These broadcasts run on a process group of their own, so their order (set by
 forward and backward) never interleaves with the reductions' fixed order.
+
+A tensor-parallel DTensor parameter (owner mode over ``dp × tp``,
+:mod:`~dmuon.optim.engine.owner_split`) cannot be a view of its bucket: its owner
+copies its shard into the bucket before the broadcast, the other ranks copy it out
+once the broadcast is waited on.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from dmuon.comm import (
 from dmuon.comm.process_groups import group_size
 from dmuon.optim import deadline
 from dmuon.optim.engine.layer_record import OwnerLayer
+from dmuon.optim.engine.params import is_dtensor
+from dmuon.optim.matrix_split import local_tensor
 
 __all__ = ["Publication"]
 
@@ -114,6 +121,8 @@ class Publication:
         self.timeout: float | None = deadline.AUTO_FLOOR_SECONDS  # until DMuon sets it
         self.published_step = 0
         self._backward_resident: list[str] = []
+        # DTensor shards travel by copies (see the module docstring)
+        self._copied = {n for n, p in params.items() if is_dtensor(p)}
         self._alias_all()
         # ZeRO-3-like broadcasts follow forward and backward, the reductions a fixed
         # order: separate process groups keep the two sequences from interleaving.
@@ -131,6 +140,8 @@ class Publication:
 
     def _alias(self, b: FlatBucket, name: str) -> None:
         """Make parameter ``name`` a view of its slot in broadcast bucket ``b``."""
+        if name in self._copied:
+            return
         p = self._params[name]
         view = b.view(name)
         if p.data_ptr() == view.data_ptr() and p.dtype == view.dtype:
@@ -146,7 +157,37 @@ class Publication:
             view.copy_(p.detach().reshape(view.shape))
         p.data = view.view(p.shape)
 
+    def _copy_in(self, layer: OwnerLayer) -> None:
+        """The owner's DTensor shards into their slots, before the broadcast."""
+        with torch.no_grad():
+            for b in layer.publish_buckets:
+                if b.owner != self.rank:
+                    continue
+                for name in b.names:
+                    if name in self._copied:
+                        view = b.view(name)
+                        view.copy_(local_tensor(self._params[name]).reshape(view.shape))
+
+    def _copy_out(self, layer: OwnerLayer) -> None:
+        """The received DTensor shards out of their slots, once the broadcast is waited."""
+        with torch.no_grad():
+            for b in layer.publish_buckets:
+                if b.owner == self.rank:
+                    continue
+                for name in b.names:
+                    if name in self._copied:
+                        shard = local_tensor(self._params[name])
+                        shard.copy_(b.view(name).view(shard.shape))
+
+    def _finish(self, layer: OwnerLayer) -> None:
+        """Wait for ``layer``'s broadcast in flight (if any) and land its copies."""
+        if layer.publish_handle is not None:
+            layer.publish_handle.wait()
+            layer.publish_handle = None
+            self._copy_out(layer)
+
     def _broadcast(self, layer: OwnerLayer) -> None:
+        self._copy_in(layer)
         layer.publish_handle = broadcast_from_owners(
             layer.publish_buckets,
             self.plan,
@@ -198,9 +239,7 @@ class Publication:
             self.materialize(key)
             return
         for layer in self.layers:
-            if layer.publish_handle is not None:
-                layer.publish_handle.wait()
-                layer.publish_handle = None
+            self._finish(layer)
             if layer.key == key:
                 return
 
@@ -323,15 +362,14 @@ class Publication:
             if layer.publish_buckets:
                 self._broadcast(layer)
         for layer in self.layers:
-            if layer.publish_handle is not None:
-                layer.publish_handle.wait()
-                layer.publish_handle = None
+            self._finish(layer)
         by_dtype: dict[torch.dtype, list[str]] = {}
         for layer in self.layers:
             for n in layer.replicated:
                 by_dtype.setdefault(self._params[n].dtype, []).append(n)
         for names in by_dtype.values():
-            tensors = {n: self._params[n].detach() for n in names}
+            # a DTensor's local part: the dp ranks of one tp column hold the same shard
+            tensors = {n: local_tensor(self._params[n]).detach() for n in names}
             b = FlatBucket.from_tensors(tensors)
             work = dist.broadcast(b.buffer, group_src=0, group=self.group, async_op=True)
             wait_work(work, "broadcast of rank 0's replicated parameters", self.group)

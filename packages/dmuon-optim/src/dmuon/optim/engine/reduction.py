@@ -17,6 +17,10 @@ on *any* rank is agreed by one small all-reduce of flags: a parameter no rank us
 is skipped by the step, as on one process. The same all-reduce tells every rank
 when all gradients of the step were held back by :meth:`Reduction.no_sync`, a step
 that would otherwise silently move nothing.
+
+A tensor-parallel DTensor gradient (owner mode over ``dp × tp``) travels as its local
+part, ``p.grad.to_local()``, and comes back as a DTensor with the placements it had
+(:func:`~dmuon.optim.engine.owner_split.as_gradient`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ import torch.distributed as dist
 from dmuon.comm import CommStats, OwnerPlan, reduce_to_owners, wait_work
 from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.layer_record import OwnerLayer
+from dmuon.optim.engine.owner_split import as_gradient
+from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.engine.publication import Publication
+from dmuon.optim.matrix_split import local_tensor
 
 __all__ = ["Reduction", "UnsyncedGradientsError"]
 
@@ -123,6 +130,8 @@ class Reduction:
         self.next_launch = 0
         self.flushed = False
         self.reduce_order = list(reversed(self.layers))
+        # the placements of each DTensor gradient as it arrived (Partial stays Partial)
+        self.grad_placements: dict[str, tuple[object, ...]] = {}
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -242,6 +251,9 @@ class Reduction:
                 if g is None:
                     view.zero_()
                 else:
+                    if is_dtensor(g):
+                        self.grad_placements[name] = tuple(g.placements)  # type: ignore[attr-defined]
+                        g = local_tensor(g)
                     view.copy_(g.reshape(view.shape))
         if layer.reduce_buckets:
             layer.reduce_handle = reduce_to_owners(
@@ -280,7 +292,7 @@ class Reduction:
         for name in layer.dedicated:
             p = self.params[name]
             if name in owned and self.global_present[name]:
-                p.grad = owned[name].view(p.shape)
+                p.grad = as_gradient(p, owned[name], self.grad_placements.get(name))
             else:
                 p.grad = None
         for w in layer.allreduce_works:
@@ -291,7 +303,11 @@ class Reduction:
                 b.buffer.div_(n)
             for name in b.names:
                 p = self.params[name]
-                p.grad = b.view(name).view(p.shape) if self.global_present[name] else None
+                p.grad = (
+                    as_gradient(p, b.view(name), self.grad_placements.get(name))
+                    if self.global_present[name]
+                    else None
+                )
         layer.reduce_handle, layer.allreduce_works, layer.reduced = None, [], True
 
     def wait_all_reduced(self) -> None:

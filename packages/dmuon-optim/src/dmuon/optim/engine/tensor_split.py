@@ -203,7 +203,8 @@ def check_split_groups(params: Iterable[EngineParam], group: Any, mode: str) -> 
 
     An owner's tensor-parallel row steps a split matrix together, so the ranks that
     hold its shards must be outside the planning group but for this rank: owners over
-    ``dp``, shards over ``tp``; the same for experts, held over ``ep``
+    ``dp``, shards over ``tp`` (``replicated`` mode; ``owner`` mode, whose planning group
+    is its dedication's); the same for experts, held over ``ep``
     (:mod:`~dmuon.optim.engine.expert_split`). FSDP2's rows (split over the planning group itself)
     are refused, naming the parameter, the two groups and what to pass. Every rank
     reads the same placements and groups, so every rank refuses alike.
@@ -221,6 +222,16 @@ def check_split_groups(params: Iterable[EngineParam], group: Any, mode: str) -> 
         split = set(dist.get_process_group_ranks(found[1]))
         if split & planning == {me}:
             continue
+        if mode == "owner":
+            raise ValueError(
+                f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), "
+                f"split over ranks {sorted(split)}; owner mode plans owners over ranks "
+                f"{sorted(planning)} (the dedication's data-parallel group), and the two must "
+                "cross in this rank alone. FSDP2's rows are stepped by mode='sharded' (no "
+                "dedication); to have their owners step them, dedicate the model before "
+                "fully_shard and pass ded.params to fully_shard(..., ignored_params=...); "
+                "tensor-parallel matrices are dedicated over the 2-D dp × tp mesh"
+            )
         raise ValueError(
             f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), split "
             f"over ranks {sorted(split)}; mode={mode!r} plans owners over ranks "

@@ -530,8 +530,9 @@ def assumptions(
             "(dmuon.comm.plan_owners(held=...)); FSDP2 collectives of expert stacks "
             "priced over the whole dp group")))  # fmt: skip
     rows.append(("engine support", (
-        "tensor parallelism runs today in single, replicated and sharded mode and "
-        "experts in single mode; owner mode (dedicate) over dp × tp and with experts, "
-        "and sign mode with either, are predicted as designed (docs: Tensor and "
-        "expert parallelism)")))  # fmt: skip
+        "tensor parallelism runs today in single, replicated, sharded and owner mode "
+        "(dedicate over dp × tp); experts in single mode, in replicated mode over dp "
+        "(all-reduced, then one owner among the replicas) and in sharded mode (stepped "
+        "where they are); owner mode with experts, and sign mode with either, are "
+        "predicted as designed (docs: Tensor and expert parallelism)")))  # fmt: skip
     return rows
