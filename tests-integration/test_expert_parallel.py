@@ -435,15 +435,18 @@ def test_clip_grad_norm_counts_every_expert_once_on_dp2_by_ep2(mode):
             assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
 
 
-def run_fsdp2_stacks(rank, world, rule):
+def run_fsdp2_stacks(rank, world, rule, mode="single", experts=4):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    model = MoE()
+    model = MoE(experts)
     fully_shard(model, mesh=mesh)
-    opt = DMuon(param_groups(model), mode="single", rule=rule, **OPT)
+    opt = DMuon(param_groups(model), mode=mode, rule=rule, **OPT)
     local = tuple(model.w_in.to_local().shape)
+    if mode == "sharded":  # the owners the engine planned, for the check below
+        plan = opt.engine.plan
+        local = (local, dict(zip(plan.names, plan.owners, strict=True)), plan.items, plan.loads)
     rows = BATCH // world
     for t in range(STEPS):
         x, y = batch(t)
@@ -466,6 +469,35 @@ def test_fsdp2_rows_of_a_stack_are_whole_experts_stepped_in_single_mode(rule):
         for name, want in expected.items():
             diff = (got[name] - want).abs().max().item()
             assert diff <= TOLERANCE, f"{rule}, rank {rank}: {name} differs by {diff:.2e}"
+
+
+def test_fsdp2_stacks_in_sharded_mode_stay_where_they_are_and_weigh_in_the_plan():
+    """``sharded`` mode steps FSDP2's rows of a stack (whole experts) on their ranks; 3
+    experts on 2 ranks are held 2 + 1, and the dense matrices' owners are planned around
+    that load: the plan equals ``plan_owners(..., held=...)`` with the experts each rank
+    holds (computed here from ``torch.chunk``), whose loads count them. Equal to one
+    process."""
+    from dmuon.comm import MatrixItem, layer_key, plan_owners
+
+    expected = reference("muon", experts=3)
+    results = run_on_ranks(run_fsdp2_stacks, 2, args=("muon", "sharded", 3), timeout=120)
+    stacks = [("w_in", (H, D)), ("w_out", (D, H))]
+    held = [  # torch.chunk(3 experts, 2) = 2 + 1
+        [MatrixItem(f"{n}[rank {r}]", (k, *shape), layer=layer_key(n)) for n, shape in stacks]
+        for r, k in enumerate([2, 1])
+    ]
+    for rank, (got, (local, owners, items, loads)) in enumerate(results):
+        assert local == ((2, H, D), (1, H, D))[rank], local
+        assert "w_in" not in owners and "w_out" not in owners, owners  # not planned
+        want = plan_owners(items, 2, held=held)
+        ignoring = plan_owners(items, 2)
+        assert owners == dict(zip(want.names, want.owners, strict=True)), (owners, held)
+        # the loads the plan balanced count each rank's experts (rank 0 holds more)
+        assert loads == pytest.approx(want.loads), (loads, want.loads)
+        assert want.loads[0] - ignoring.loads[0] > want.loads[1] - ignoring.loads[1] > 0
+        for name, w in expected.items():
+            diff = (got[name] - w).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
 
 
 def run_nonfinite(rank, world, policy):

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import shard_range, wait_work
+from dmuon.comm.torch_compat import all_gather_single
 from dmuon.integrations.checkpoint.holders import Holding
 from dmuon.integrations.checkpoint.split_state import as_saved
 from dmuon.optim import DMuon, get_rule
@@ -106,7 +107,7 @@ def split_to_owner(
     send = torch.zeros((chunk, *shape[1:]), dtype=local.dtype, device=local.device)
     send[: local.shape[0]] = local
     out = torch.empty((n * chunk, *shape[1:]), dtype=local.dtype, device=local.device)
-    work = dist.all_gather_into_tensor(out, send, group=h.group, async_op=True)
+    work = all_gather_single(out, send, group=h.group, async_op=True)
     wait_work(work, f"all-gather of {h.fqn}'s {key!r} to its owner", h.group)
     if not h.held_here():
         return None

@@ -31,27 +31,30 @@ Expert stacks sharded along their expert dimension
 ``Shard(0)`` rows of a stack, an ``ep`` split, or both, as Hugging Face's expert
 parallelism lays them out) are whole matrices on every rank, with whole gradients:
 each rank steps its own as one batch where they are, after the layers, with no
-collective and no owner (they are left out of the plan).
+collective and no owner (they are left out of the plan, which balances the other
+matrices around each rank's experts: ``plan_owners(held=...)``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import shard_all_to_all, shard_all_to_all_reverse, shard_range
+from dmuon.comm import MatrixItem, shard_all_to_all, shard_all_to_all_reverse, shard_range
+from dmuon.comm.torch_compat import all_gather_single
 from dmuon.optim.batches import Entry
-from dmuon.optim.engine.base import Stepper, local_norm_tensors
+from dmuon.optim.engine.base import Stepper, local_norm_tensors, world_of
 from dmuon.optim.engine.params import EngineParam, is_dtensor, subplan
 from dmuon.optim.engine.placements import placement_of, placement_of_param
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.engine.tensor_split import sharded_split_of, tensor_parallel_shape
-from dmuon.optim.matrix_split import MatrixSplit
+from dmuon.optim.matrix_split import MatrixSplit, local_tensor
 
 __all__ = ["LOCAL_EXPERTS", "ShardedEngine", "shard_group_of"]
 
@@ -137,6 +140,9 @@ class ShardedEngine(PlannedEngine):
             if placement_of(e.param, e.name).sharded_split
         }
         self._mesh_groups, self._counted = _norm_layout(collect_params(stepper.param_groups))
+        experts = [e for e in collect_params(stepper.param_groups) if e.name in self._local_experts]
+        if experts and "held" not in self.plan_options:
+            self.plan_options = {**self.plan_options, "held": _held_experts(experts, self.group)}
         super().bind(stepper)  # plans, and asks agreement_groups()
         if self._shapes:
             assert self.plan is not None
@@ -257,6 +263,44 @@ class ShardedEngine(PlannedEngine):
         # mesh's dims its own mesh does not span (FSDP2's dp-only parameters beside tp)
         out = local_norm_tensors([e for e in self.params if self._counted.get(e.name, True)])
         return out, self.norm_tensors_groups()
+
+
+def _held_experts(
+    experts: list[EngineParam], group: dist.ProcessGroup | None
+) -> list[list[MatrixItem]]:
+    """Per rank of ``group``, the experts it steps where they are, as the planner's
+    ``held`` load (:func:`dmuon.comm.plan_owners`): the dense matrices' owners are then
+    balanced around each rank's experts (uneven splits, e.g. 3 experts on 2 ranks, give
+    ranks different loads). The counts are all-gathered once, at bind: every rank then
+    plans with the same numbers.
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.comm import MatrixItem
+        >>> from dmuon.optim.engine.params import EngineParam
+        >>> w = torch.zeros(3, 4, 5)  # one process: it holds all three experts
+        >>> e = EngineParam("w", w, 0, 0, True, "l0", MatrixItem("w", (3, 4, 5), layer="l0"))
+        >>> _held_experts([e], None)
+        [[MatrixItem(name='w[rank 0]', shape=(3, 4, 5), dtype=torch.float32, layer='l0')]]
+    """
+    experts = sorted(experts, key=lambda e: e.name)
+    mine = torch.tensor(
+        [math.prod(local_tensor(e.param).shape[:-2]) for e in experts], dtype=torch.int64
+    )
+    _, n = world_of(group)
+    counts = mine.unsqueeze(0)
+    if n > 1:
+        counts = torch.empty(n * len(experts), dtype=torch.int64)  # flat: what gloo takes
+        all_gather_single(counts, mine, group=group)
+        counts = counts.view(n, len(experts))
+    return [
+        [
+            MatrixItem(f"{e.name}[rank {r}]", (int(c), *e.item.shape[-2:]), e.item.dtype, e.layer)
+            for e, c in zip(experts, counts[r].tolist(), strict=True)
+            if c > 0
+        ]
+        for r in range(n)
+    ]
 
 
 def _norm_layout(

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import CommStats, default_stats, shard_range, wait_work
+from dmuon.comm.torch_compat import all_gather_single
 from dmuon.optim.engine.expert_split import expert_group_of
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.placements import placement_of, placement_of_param
@@ -180,7 +181,7 @@ def _matrix_split(
         out = x.new_empty((t * pad[0], *pad[1:]))  # the ranks' blocks one after another
         nbytes = send.numel() * send.element_size()  # the input, as record_collective counts
         stats.record_collective(GATHER_STATS_NAME, "all_gather", nbytes=nbytes, world_size=t)
-        work = dist.all_gather_into_tensor(out, send, group=group, async_op=True)
+        work = all_gather_single(out, send, group=group, async_op=True)
         wait_work(work, gathered, group)
         blocks = out.view(t, *pad)
         return torch.cat([blocks[r].narrow(d, 0, sizes[r]) for r in range(t)], dim=d)
