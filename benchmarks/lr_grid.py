@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(s) for s in args.seeds.split(",")]
         centers = {}
         for item in args.center:
-            name, _, value = item.partition("=")
+            name, _, value = item.rpartition("=")  # a name may hold "=": musec+clip_tau=0.5
             centers[name] = float(value)
         grid(1.0, args.points, args.ratio)
     except ValueError as exc:

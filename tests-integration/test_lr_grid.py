@@ -205,3 +205,13 @@ def test_plots_one_line_per_optimizer(tmp_path, text):
     assert main([*args, "--optimizers", "adamw,dmuon:muon"]) == 0
     for suffix in ("val-vs-step", "val-vs-time", "lr"):
         assert (tmp_path / f"train-grid-cpu-quick-{suffix}.png").stat().st_size > 1000
+
+
+def test_center_of_an_optimizer_with_options(tmp_path, text):
+    args = [*TINY, "--data", str(text), "--out", str(tmp_path), "--no-plots", "--seeds", "0"]
+    spec = "dmuon:musec+clip_tau=0.5"
+    assert main([*args, "--optimizers", spec, "--center", f"{spec}=0.005"]) == 0
+    result = json.loads((tmp_path / "train-grid-cpu-quick.json").read_text())
+    lrs = sorted({r["lr"] for r in result["runs"].values()})
+    assert any(lr == pytest.approx(0.005) for lr in lrs)  # not in the default grid
+    assert all(r["rule_options"] == {"clip_tau": 0.5} for r in result["runs"].values())
