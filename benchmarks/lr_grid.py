@@ -50,6 +50,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.common` impor
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.data import BatchSampler, load_corpus, validation_batches  # noqa: E402
+from benchmarks.common.grid_runs import Grid, open_grid, run_key  # noqa: E402
 from benchmarks.common.metrics import machine_info, steps_to_reach  # noqa: E402
 from benchmarks.common.model import GPT  # noqa: E402
 from benchmarks.common.optimizers import parse_optimizer_name  # noqa: E402
@@ -159,6 +160,36 @@ def next_extension(points: dict[float, float], ratio: float) -> float | None:
     return None
 
 
+def grid_gap(
+    points: dict[float, float], n_points: int, max_extensions: int, seeds_at_best: int, seeds: int
+) -> str | None:
+    """What an optimizer's grid still lacks, or ``None`` when it is complete.
+
+    Complete means what :func:`search` and the seed reruns leave behind: at least
+    ``n_points`` seed-0 points; the best inside them unless ``max_extensions``
+    extensions were already spent at an edge; every seed run at the best lr. The best
+    point of an incomplete grid is not final (a later point may beat it).
+
+    Examples:
+        >>> grid_gap({1.0: 3.0, 2.0: 2.0}, 5, 2, 1, 2)
+        '2 of 5 points'
+        >>> grid_gap({1.0: 3.0, 2.0: 2.0, 4.0: 2.5}, 3, 2, 1, 2)
+        'seeds 1 of 2 at the best lr'
+        >>> grid_gap({1.0: 3.0, 2.0: 2.0, 4.0: 1.5}, 3, 2, 2, 2)
+        'best at the edge, 0 of 2 extensions run'
+        >>> grid_gap({1.0: 3.0, 2.0: 2.0, 4.0: 2.5}, 3, 2, 2, 2) is None
+        True
+    """
+    if len(points) < n_points:
+        return f"{len(points)} of {n_points} points"
+    extensions = len(points) - n_points
+    if next_extension(points, 10.0) is not None and extensions < max_extensions:
+        return f"best at the edge, {extensions} of {max_extensions} extensions run"
+    if seeds_at_best < seeds:
+        return f"seeds {seeds_at_best} of {seeds} at the best lr"
+    return None
+
+
 def fitted_lr(points: dict[float, float]) -> float | None:
     """The vertex of the parabola through the best point and its two neighbours, in
     log lr — a sharper estimate of the optimum than the grid's spacing; ``None`` when
@@ -185,48 +216,6 @@ def fitted_lr(points: dict[float, float]) -> float | None:
         return None
     b = (y1 - y0) / (x1 - x0) - c * (x0 + x1)
     return math.exp(-b / (2 * c))
-
-
-def _key(name: str, lr: float, seed: int) -> str:
-    return f"{name}|{lr:.6g}|{seed}"
-
-
-@dataclasses.dataclass
-class Grid:
-    """The runs of one configuration, keyed by ``(optimizer, lr, seed)``; a JSON file."""
-
-    path: pathlib.Path
-    result: dict[str, Any]
-
-    def done(self, name: str, lr: float, seed: int) -> dict[str, Any] | None:
-        return self.result["runs"].get(_key(name, lr, seed))
-
-    def add(self, name: str, lr: float, seed: int, run: dict[str, Any]) -> None:
-        self.result["runs"][_key(name, lr, seed)] = {
-            "optimizer": name,
-            "lr": lr,
-            "seed": seed,
-            **run,
-        }
-        self.write()
-
-    def write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.result, indent=1))
-        tmp.replace(self.path)  # a reader never sees half a file
-
-    def points(self, name: str, seed: int = 0) -> dict[float, float]:
-        return {
-            r["lr"]: r["curve"]["final_val_loss"]
-            for r in self.result["runs"].values()
-            if r["optimizer"] == name and r["seed"] == seed
-        }
-
-
-def comparable(config: dict[str, Any]) -> dict[str, Any]:
-    """The part of a configuration that must match for runs to be reused."""
-    return {k: v for k, v in config.items() if k not in ("optimizers", "corpus")}
 
 
 @dataclasses.dataclass
@@ -270,19 +259,25 @@ def search(runner: Runner, spec: str, center: float, args: argparse.Namespace) -
         runner.run(spec, lr, 0)
     known = {f"{lr:.6g}" for lr in base}
     while sum(f"{lr:.6g}" not in known for lr in runner.grid.points(spec)) < args.max_extensions:
-        lr = next_extension(runner.grid.points(spec), args.ratio)
-        if lr is None:
+        beyond = next_extension(runner.grid.points(spec), args.ratio)
+        if beyond is None:
             break
-        runner.run(spec, lr, 0)
+        runner.run(spec, beyond, 0)
     return best_lr(runner.grid.points(spec))
 
 
-def summarise(result: dict[str, Any], specs: list[str], seeds: list[int]) -> dict[str, Any]:
+def summarise(
+    result: dict[str, Any], specs: list[str], seeds: list[int], max_extensions: int
+) -> dict[str, Any]:
+    """One row per optimizer. A row whose grid is incomplete (:func:`grid_gap`) has
+    ``complete: false`` and its gap under ``incomplete``; its ``best_lr`` is the best so
+    far, and no ratio to AdamW or steps to AdamW's loss is computed from it (nor for
+    any optimizer while AdamW's own grid is incomplete)."""
     runs = result["runs"]
     steps = result["config"]["steps"]
 
     def pick(name: str, lr: float, seed: int) -> dict[str, Any] | None:
-        return runs.get(_key(name, lr, seed))
+        return runs.get(run_key(name, lr, seed))
 
     rows: dict[str, Any] = {}
     for spec in specs:
@@ -302,7 +297,10 @@ def summarise(result: dict[str, Any], specs: list[str], seeds: list[int]) -> dic
         opt_ms = [
             1e3 * r["curve"]["optimizer_seconds"] / len(r["curve"]["train_loss"]) for r in timed
         ]
+        gap = grid_gap(pts, result["config"]["points"], max_extensions, len(finals), len(seeds))
         rows[spec] = {
+            "complete": gap is None,
+            "incomplete": gap,
             "best_lr": lr,
             "fitted_lr": fitted_lr(pts),
             "grid": [{"lr": k, "val_loss": pts[k]} for k in sorted(pts)],
@@ -313,10 +311,12 @@ def summarise(result: dict[str, Any], specs: list[str], seeds: list[int]) -> dic
             "optimizer_ms_per_step": statistics.median(opt_ms) if opt_ms else None,
         }
     base = rows.get(BASELINE)
-    if base is not None:
+    if base is not None and base["complete"]:
         base_run = pick(BASELINE, base["best_lr"], 0)
         target = base_run["curve"]["final_val_loss"] if base_run else None
         for spec, row in rows.items():
+            if not row["complete"]:
+                continue
             row["lr_ratio_to_adamw"] = row["best_lr"] / base["best_lr"]
             if row["fitted_lr"] and base["fitted_lr"]:
                 row["fitted_lr_ratio_to_adamw"] = row["fitted_lr"] / base["fitted_lr"]
@@ -330,6 +330,68 @@ def summarise(result: dict[str, Any], specs: list[str], seeds: list[int]) -> dic
     return {"rows": rows, "seeds": seeds}
 
 
+def _cells(spec: str, r: dict[str, Any]) -> dict[str, str]:
+    """The table's cells of one summary row; an incomplete grid says what it lacks
+    and shows its best point so far as such, never as a result."""
+    pts = r["grid"]
+    span = f"{pts[0]['lr']:.2g}…{pts[-1]['lr']:.2g} ({len(pts)})"
+    at = r.get("steps_to_adamw_final")
+    if not r.get("complete", True):
+        so_far = min(p["val_loss"] for p in pts)
+        return {
+            "best lr": f"incomplete: {r['incomplete']}",
+            "ratio": "—",
+            "fitted": "—",
+            "grid": f"{span}, best so far {so_far:.3f} at {r['best_lr']:.2g}",
+            "seeds": "—",
+            "mean": "—",
+            "steps": "—",
+            "ms": "—" if r["ms_per_step"] is None else f"{r['ms_per_step']:.0f}",
+        }
+    fitted = "—"
+    if r.get("fitted_lr"):
+        fitted = f"{r['fitted_lr']:.2g}"
+        if "fitted_lr_ratio_to_adamw" in r:
+            fitted += f" ({r['fitted_lr_ratio_to_adamw']:.3g})"
+    return {
+        "best lr": f"{r['best_lr']:.2g}",
+        "ratio": f"{r['lr_ratio_to_adamw']:.3g}" if "lr_ratio_to_adamw" in r else "—",
+        "fitted": fitted,
+        "grid": span + (", best at an edge" if r["best_at_edge"] else ""),
+        "seeds": " / ".join(f"{v:.3f}" for v in r["final_val_loss_by_seed"]),
+        "mean": "—" if r["final_val_loss_mean"] is None else f"{r['final_val_loss_mean']:.3f}",
+        "steps": "—"
+        if "lr_ratio_to_adamw" not in r
+        else ("not reached" if at is None else f"{at:.0f}"),
+        "ms": "—" if r["ms_per_step"] is None else f"{r['ms_per_step']:.0f}",
+    }
+
+
+_HEADERS = {
+    "best lr": "best lr",
+    "ratio": "÷ AdamW's",
+    "fitted": "fitted lr (÷ AdamW's)",
+    "grid": "grid (seed 0)",
+    "seeds": "final val, seeds 0 / 1",
+    "mean": "mean",
+    "steps": "steps to AdamW's final",
+    "ms": "ms/step",
+}
+
+
+def incomplete_note(result: dict[str, Any]) -> str | None:
+    """A sentence naming the optimizers whose grids are incomplete, or ``None``."""
+    rows = result["summary"]["rows"]
+    names = [f"`{s}` ({r['incomplete']})" for s, r in rows.items() if not r["complete"]]
+    missing = [s for s in result["config"]["optimizers"] if s not in rows]
+    parts = []
+    if names:
+        parts.append("incomplete grids, their best point not final: " + ", ".join(names))
+    if missing:
+        parts.append("not started: " + ", ".join(f"`{s}`" for s in missing))
+    return "; ".join(parts) if parts else None
+
+
 def print_summary(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -340,77 +402,40 @@ def print_summary(result: dict[str, Any]) -> None:
         f"{cfg['steps']} steps, batch {cfg['batch_size']}×{cfg['model']['seq_len']}, "
         f"{meta['device']} ({meta.get('cpu') or meta.get('gpu')}, {meta['torch_threads']} threads)"
     )
-    for h in (
-        "optimizer",
-        "best lr",
-        "÷ AdamW's",
-        "grid",
-        "final val (seeds)",
-        "mean",
-        "steps to AdamW",
-        "ms/step",
-    ):
-        table.add_column(h, justify="left" if h in ("optimizer", "grid") else "right")
+    table.add_column("optimizer")
+    for key, h in _HEADERS.items():
+        table.add_column(h, justify="left" if key in ("grid", "best lr") else "right")
     for spec, r in result["summary"]["rows"].items():
-        span = f"{r['grid'][0]['lr']:.1e}…{r['grid'][-1]['lr']:.1e}" + (
-            " EDGE" if r["best_at_edge"] else ""
-        )
-        at = r.get("steps_to_adamw_final")
-        table.add_row(
-            spec,
-            f"{r['best_lr']:.2e}",
-            f"{r['lr_ratio_to_adamw']:.1f}" if "lr_ratio_to_adamw" in r else "—",
-            span,
-            " / ".join(f"{v:.3f}" for v in r["final_val_loss_by_seed"]),
-            "—" if r["final_val_loss_mean"] is None else f"{r['final_val_loss_mean']:.3f}",
-            "—" if at is None else f"{at:.0f}",
-            "—" if r["ms_per_step"] is None else f"{r['ms_per_step']:.0f}",
-        )
-    Console(width=170).print(table)
+        table.add_row(spec, *_cells(spec, r).values())
+    console = Console(width=190)
+    console.print(table)
+    if (note := incomplete_note(result)) is not None:
+        console.print(note[0].upper() + note[1:] + ".")
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    """The summary as a Markdown table (the docs' benchmarks page)."""
+    """The summary as a Markdown table (the docs' benchmarks page); a line after it
+    names the incomplete grids and the optimizers not started."""
     lines = [
-        "| optimizer | best lr | ÷ AdamW's | fitted lr (÷ AdamW's) | grid (seed 0) "
-        "| final val, seeds 0 / 1 | mean | steps to AdamW's final | ms/step |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| optimizer | " + " | ".join(_HEADERS.values()) + " |",
+        "|---" * (len(_HEADERS) + 1) + "|",
     ]
     for spec, r in result["summary"]["rows"].items():
-        pts = r["grid"]
-        span = f"{pts[0]['lr']:.2g}…{pts[-1]['lr']:.2g} ({len(pts)})"
-        if r["best_at_edge"]:
-            span += ", best at an edge"
-        at = r.get("steps_to_adamw_final")
-        lines.append(
-            f"| `{spec}` | {r['best_lr']:.2g} | "
-            + (f"{r['lr_ratio_to_adamw']:.3g}" if "lr_ratio_to_adamw" in r else "—")
-            + " | "
-            + (
-                "—"
-                if not r.get("fitted_lr")
-                else f"{r['fitted_lr']:.2g}"
-                + (
-                    f" ({r['fitted_lr_ratio_to_adamw']:.3g})"
-                    if "fitted_lr_ratio_to_adamw" in r
-                    else ""
-                )
-            )
-            + f" | {span} | "
-            + " / ".join(f"{v:.3f}" for v in r["final_val_loss_by_seed"])
-            + " | "
-            + ("—" if r["final_val_loss_mean"] is None else f"{r['final_val_loss_mean']:.3f}")
-            + f" | {'not reached' if at is None else f'{at:.0f}'} | "
-            + ("—" if r["ms_per_step"] is None else f"{r['ms_per_step']:.0f}")
-            + " |"
-        )
+        lines.append(f"| `{spec}` | " + " | ".join(_cells(spec, r).values()) + " |")
+    if (note := incomplete_note(result)) is not None:
+        lines += ["", note[0].upper() + note[1:] + "."]
     return "\n".join(lines)
 
 
 def write_plots(result: dict[str, Any], stem: pathlib.Path) -> list[pathlib.Path]:
-    rows = result["summary"]["rows"]
+    # An incomplete grid's line is labelled so: its best point so far is not final.
+    rows = {
+        spec + ("" if r["complete"] else " (incomplete)"): r
+        for spec, r in result["summary"]["rows"].items()
+    }
     curves = {
-        spec: result["runs"][_key(spec, r["best_lr"], 0)]["curve"] for spec, r in rows.items()
+        label: result["runs"][run_key(label.split(" ")[0], r["best_lr"], 0)]["curve"]
+        for label, r in rows.items()
     }
     cfg = result["config"]
     title = (
@@ -457,6 +482,19 @@ def make_parser() -> argparse.ArgumentParser:
         help="run nothing: summarise the JSON of this configuration, print, plot",
     )
     p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="add to the JSON of this tag: its runs are not repeated (the configuration\n"
+        "must equal the file's; a difference is refused, naming the field)",
+    )
+    p.add_argument(
+        "--rerun",
+        default="",
+        metavar="OPTS",
+        help="with --resume: comma-separated optimizers whose runs in the file are moved\n"
+        "to 'superseded' and run again (each must also be in --optimizers)",
+    )
     g = p.add_argument_group("model and budget (as benchmarks/train.py)")
     for flag in (
         "--steps",
@@ -512,11 +550,18 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(s) for s in args.seeds.split(",")]
         centers = {}
         for item in args.center:
-            name, _, value = item.partition("=")
+            name, _, value = item.rpartition("=")  # a name may hold "=": musec+clip_tau=0.5
             centers[name] = float(value)
         grid(1.0, args.points, args.ratio)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
+    rerun = [s.strip() for s in args.rerun.split(",") if s.strip()]
+    if rerun and not args.resume:
+        raise SystemExit("error: --rerun replaces runs of a grid file: it needs --resume")
+    if stray := [s for s in rerun if s not in specs]:
+        raise SystemExit(
+            f"error: --rerun names {', '.join(stray)}, not in --optimizers ({', '.join(specs)})"
+        )
     if seeds[0] != 0:
         raise SystemExit(f"error: --seeds must start with 0 (the grid's seed), got {args.seeds}")
     if BASELINE in specs:  # AdamW first: the others are measured against it
@@ -551,14 +596,16 @@ def main(argv: list[str] | None = None) -> int:
         + (f"-{args.tag}" if args.tag else "")
     )
     path = stem.with_suffix(".json")
-    result: dict[str, Any] = {"meta": machine_info(settings.device), "config": config, "runs": {}}
-    if path.exists():
-        old = json.loads(path.read_text())
-        if comparable(old["config"]) != comparable(config):
-            raise SystemExit(f"error: {path} holds a grid of another configuration; use --tag")
-        result["runs"] = old["runs"]
-        config["optimizers"] = list(dict.fromkeys(old["config"]["optimizers"] + specs))
-    result["meta"]["argv"] = sys.argv[1:] if argv is None else argv
+    meta = {**machine_info(settings.device), "argv": sys.argv[1:] if argv is None else argv}
+    grid_file = open_grid(
+        path,
+        {"meta": meta, "config": config},
+        resume=args.resume,
+        rerun=rerun,
+        report=args.report,
+    )
+    result = grid_file.result
+    config = result["config"]
     print(
         f"model: {n_params / 1e6:.2f} M parameters; {settings.steps} steps of "
         f"{settings.batch_size}×{settings.model.seq_len} bytes; {torch.get_num_threads()} threads; "
@@ -569,8 +616,6 @@ def main(argv: list[str] | None = None) -> int:
         if not result["runs"]:
             raise SystemExit(f"error: --report: no runs in {path}")
         specs = []  # run nothing; the summary covers every optimizer in the file
-        ran = {r["optimizer"] for r in result["runs"].values()}
-        config["optimizers"] = [s for s in config["optimizers"] if s in ran]
     with progress() as bar:
         benches = {}
         for seed in seeds:
@@ -579,17 +624,17 @@ def main(argv: list[str] | None = None) -> int:
             )
             sampler = BatchSampler(corpus.train, s.batch_size, s.model.seq_len, seed)
             benches[seed] = Bench(s, corpus, sampler, val, bar)
-        runner = Runner(Grid(path, result), settings, benches, args.scalar_lr)
+        runner = Runner(grid_file, settings, benches, args.scalar_lr)
         for spec in specs:
             center = centers.get(spec, DEFAULT_CENTERS.get(spec, DEFAULT_MATRIX_CENTER))
             lr = search(runner, spec, center, args)
             for seed in seeds[1:]:
                 runner.run(spec, lr, seed)
-            result["summary"] = summarise(result, config["optimizers"], seeds)
+            result["summary"] = summarise(result, config["optimizers"], seeds, args.max_extensions)
             runner.grid.write()
-    result["summary"] = summarise(result, config["optimizers"], seeds)
+    result["summary"] = summarise(result, config["optimizers"], seeds, args.max_extensions)
     if not args.report:  # a report never writes the file (a grid may be writing it)
-        Grid(path, result).write()
+        grid_file.write()
     print_summary(result)
     if args.markdown:
         print(markdown_table(result))

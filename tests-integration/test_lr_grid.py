@@ -11,7 +11,15 @@ import math
 
 import pytest
 
-from benchmarks.lr_grid import best_lr, fitted_lr, grid, main, next_extension, parse_name
+from benchmarks.lr_grid import (
+    best_lr,
+    fitted_lr,
+    grid,
+    grid_gap,
+    main,
+    next_extension,
+    parse_name,
+)
 
 TINY = [
     "--quick",
@@ -63,6 +71,17 @@ def test_extension_goes_past_the_edge_holding_the_best():
     assert best_lr({1.0: math.inf, 2.0: 2.5}) == 2.0  # a diverged run never wins
 
 
+def test_grid_gap_names_what_an_unfinished_grid_lacks():
+    pts = {lr: (math.log(lr / 1e-2)) ** 2 for lr in grid(1e-2, 5, 10**0.5)}
+    assert grid_gap(pts, 5, 2, 2, 2) is None
+    assert grid_gap(dict(list(pts.items())[:3]), 5, 2, 1, 2) == "3 of 5 points"
+    assert grid_gap(pts, 5, 2, 1, 2) == "seeds 1 of 2 at the best lr"
+    edge = {lr: -math.log(lr) for lr in pts}  # best at the largest lr
+    assert grid_gap(edge, 5, 2, 2, 2) == "best at the edge, 0 of 2 extensions run"
+    more = {**edge, 1.0: 0.5, 3.0: 0.1}  # two extensions spent: complete, at an edge
+    assert grid_gap(more, 5, 2, 2, 2) is None
+
+
 def test_fitted_lr_is_the_vertex_of_a_parabola_in_log_lr():
     # loss = (log lr − log 2e-2)² + 2 sampled on a √10 grid: the vertex is exactly 2e-2.
     pts = {lr: (math.log(lr / 2e-2)) ** 2 + 2 for lr in grid(1e-2, 5, 10**0.5)}
@@ -99,15 +118,86 @@ def test_grid_runs_extends_reruns_seeds_and_resumes(tmp_path, text, capsys):
     assert all(r["scalar_lr"] == 3e-3 for r in soft)  # fixed, not AdamW's best
     before = len(result["runs"])
     capsys.readouterr()
+    # Without --resume an existing grid is neither overwritten nor silently extended.
+    with pytest.raises(SystemExit, match="--resume"):
+        main([*args, *opts])
     # Resume with one more optimizer: the old runs are reused, only the new one's run.
-    assert main([*args, "--optimizers", "adamw,dmuon:musec+clip_mode=soft,dmuon:muon"]) == 0
+    more = ["--optimizers", "adamw,dmuon:musec+clip_mode=soft,dmuon:muon", "--resume"]
+    assert main([*args, *more]) == 0
     again = json.loads(path.read_text())
     new = [r for r in again["runs"].values() if r["optimizer"] == "dmuon:muon"]
+    assert new
     assert len(again["runs"]) == before + len(new)
-    assert "adamw lr=" not in capsys.readouterr().out  # nothing of AdamW's ran again
-    # Another configuration under the same name is refused, not mixed in.
-    with pytest.raises(SystemExit, match="another configuration"):
-        main([*args, *opts, "--steps", "5"])
+    out = capsys.readouterr().out
+    assert "adamw lr=" not in out and "soft lr=" not in out  # nothing old ran again
+    for key, run in result["runs"].items():  # the old runs are kept as they were
+        assert again["runs"][key]["curve"] == run["curve"]
+    assert [i["argv"] for i in again["invocations"]] == [[*args, *opts], [*args, *more]]
+    assert {r["invocation"] for r in new} == {1}
+    # Another configuration under the same name is refused, naming what differs.
+    with pytest.raises(SystemExit, match="steps: 4 in the file, 5 requested"):
+        main([*args, *opts, "--resume", "--steps", "5"])
+    with pytest.raises(SystemExit, match=r"model\.d_model: 32 in the file, 48 requested"):
+        main([*args, *opts, "--resume", "--d-model", "48"])
+    assert json.loads(path.read_text()) == again  # a refusal writes nothing
+
+
+def test_rerun_supersedes_one_optimizers_runs(tmp_path, text, capsys):
+    args = [*TINY, "--data", str(text), "--out", str(tmp_path), "--no-plots", "--seeds", "0"]
+    assert main([*args, "--optimizers", "adamw,dmuon:muon"]) == 0
+    path = tmp_path / "train-grid-cpu-quick.json"
+    first = json.loads(path.read_text())
+    muon = {k: r for k, r in first["runs"].items() if r["optimizer"] == "dmuon:muon"}
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="needs --resume"):
+        main([*args, "--optimizers", "dmuon:muon", "--rerun", "dmuon:muon"])
+    with pytest.raises(SystemExit, match="not in --optimizers"):
+        main([*args, "--optimizers", "dmuon:muon", "--resume", "--rerun", "adamw"])
+    assert main([*args, "--optimizers", "dmuon:muon", "--resume", "--rerun", "dmuon:muon"]) == 0
+    out = capsys.readouterr().out
+    assert "dmuon:muon lr=" in out and "adamw lr=" not in out
+    again = json.loads(path.read_text())
+    assert sorted(r["lr"] for r in again["superseded"]) == sorted(r["lr"] for r in muon.values())
+    assert all(r["invocation"] == 0 for r in again["superseded"])
+    assert {r["invocation"] for r in again["runs"].values() if r["optimizer"] == "dmuon:muon"} == {
+        1
+    }
+    # Same code, same seed, same thread count: the rerun reproduces the old losses.
+    for key, run in muon.items():
+        assert again["runs"][key]["curve"]["val_loss"] == run["curve"]["val_loss"]
+    assert set(again["summary"]["rows"]) == {"adamw", "dmuon:muon"}
+
+
+def test_incomplete_grid_is_marked_not_reported_as_final(tmp_path, text, capsys):
+    args = [*TINY, "--data", str(text), "--out", str(tmp_path), "--no-plots"]
+    assert main([*args, "--optimizers", "adamw,dmuon:muon"]) == 0
+    path = tmp_path / "train-grid-cpu-quick.json"
+    result = json.loads(path.read_text())
+    # A grid stopped part-way: Muon's seed-1 rerun and one of its grid points missing.
+    muon = [k for k, r in result["runs"].items() if r["optimizer"] == "dmuon:muon"]
+    best = result["summary"]["rows"]["dmuon:muon"]["best_lr"]
+    drop = [k for k in muon if k.endswith("|1")]
+    drop += [k for k in muon if k.endswith("|0") and not k.startswith(f"dmuon:muon|{best:.6g}|")][
+        :1
+    ]
+    for k in drop:
+        del result["runs"][k]
+    path.write_text(json.dumps(result))
+    capsys.readouterr()
+    assert main([*args, "--optimizers", "adamw,dmuon:muon", "--report", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| `dmuon:muon`"))
+    assert "incomplete:" in row and "best so far" in row
+    assert f"| {best:.2g} |" not in row  # the best point so far is not shown as the result
+    assert "Incomplete grids, their best point not final: `dmuon:muon`" in out
+    adamw = next(line for line in out.splitlines() if line.startswith("| `adamw`"))
+    assert "incomplete" not in adamw
+    assert json.loads(path.read_text()) == result  # --report writes nothing
+    # Resuming runs exactly what is missing, and the grid is complete again.
+    assert main([*args, "--optimizers", "adamw,dmuon:muon", "--resume"]) == 0
+    again = json.loads(path.read_text())
+    assert set(again["runs"]) == set(result["runs"]) | set(drop)
+    assert again["summary"]["rows"]["dmuon:muon"]["complete"] is True
 
 
 def test_plots_one_line_per_optimizer(tmp_path, text):
@@ -115,3 +205,13 @@ def test_plots_one_line_per_optimizer(tmp_path, text):
     assert main([*args, "--optimizers", "adamw,dmuon:muon"]) == 0
     for suffix in ("val-vs-step", "val-vs-time", "lr"):
         assert (tmp_path / f"train-grid-cpu-quick-{suffix}.png").stat().st_size > 1000
+
+
+def test_center_of_an_optimizer_with_options(tmp_path, text):
+    args = [*TINY, "--data", str(text), "--out", str(tmp_path), "--no-plots", "--seeds", "0"]
+    spec = "dmuon:musec+clip_tau=0.5"
+    assert main([*args, "--optimizers", spec, "--center", f"{spec}=0.005"]) == 0
+    result = json.loads((tmp_path / "train-grid-cpu-quick.json").read_text())
+    lrs = sorted({r["lr"] for r in result["runs"].values()})
+    assert any(lr == pytest.approx(0.005) for lr in lrs)  # not in the default grid
+    assert all(r["rule_options"] == {"clip_tau": 0.5} for r in result["runs"].values())

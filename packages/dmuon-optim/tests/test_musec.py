@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from spectra import with_singular_values
 
 from dmuon.optim import DMuon, get_rule
 
@@ -22,14 +23,6 @@ HP = dict(
     ns_steps=5,
     ns_compute_dtype=None,
 )
-
-
-def with_singular_values(m: int, n: int, sv: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    k = min(m, n)
-    U, _ = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))
-    V, _ = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))
-    return U @ torch.diag(sv) @ V.T
 
 
 def documented_clip(sv: torch.Tensor, k: int, tau: float, mode: str) -> torch.Tensor:
