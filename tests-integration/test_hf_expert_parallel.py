@@ -10,9 +10,9 @@ all-to-all dispatch brings each expert every token routed to it, FSDP2 averages 
 ``efsdp``). ``sharded`` mode — the mode DMuon picks for DTensor matrices — moves the
 dense matrices to owners and steps the experts where they are
 (:attr:`~dmuon.optim.engine.placements.MatrixPlacement.whole_experts`); on 2 ranks
-(``efsdp`` of one rank, a shard over one rank read as ``Replicate``) and on 4
-(``efsdp`` 2 × ``ep`` 2), each run equals one process trained on the same global
-batches. The model is built from a config and saved locally: no download.
+(an ``efsdp`` of one rank) and on 4 (``efsdp`` 2 × ``ep`` 2), each run equals one
+process trained on the same global batches. The model is built from a config and saved
+locally: no download.
 """
 
 from __future__ import annotations

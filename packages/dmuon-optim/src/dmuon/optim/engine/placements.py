@@ -66,11 +66,6 @@ same. It is taken only where FSDP2 puts it: on the data-parallel mesh dimension,
 a split factor equal to the size of the later mesh dimension that shards the same
 rows — then each ``dp`` rank holds a block of rows of its ``tp`` shard, and gathering
 the rows over ``dp`` gives that shard. Any other split factor is an unknown layout.
-
-A shard over a mesh dimension of one rank beside a shard over a larger one splits
-nothing: it is read as ``Replicate()`` (Hugging Face's expert parallelism puts FSDP2's
-``_StridedShard(0)`` on an ``efsdp`` dimension of size 1 when ``ep`` spans every
-data-parallel rank). Alone (FSDP2 on one rank) it keeps its meaning.
 """
 
 from __future__ import annotations
@@ -298,16 +293,8 @@ def placement_of(p: torch.Tensor, name: str, stack: bool = False) -> MatrixPlace
     shards: list[tuple[int, int, bool]] = []
     partial: list[int] = []
     unknown: list[int] = []
-    # a shard over one rank beside a real split is the whole (HF's efsdp of size 1);
-    # alone (FSDP2 on one rank) it keeps its meaning, the mode's layout on one rank
-    real_split = any(
-        _kind(pl) in ("shard", "strided") and int(mesh.size(d)) > 1
-        for d, pl in enumerate(placements)
-    )
     for d, pl in enumerate(placements):
         kind = _kind(pl)
-        if kind in ("shard", "strided") and int(mesh.size(d)) == 1 and real_split:
-            kind = "replicate"
         if kind == "strided" and not _fsdp_strided(d, pl, placements, mesh):
             kind = "unknown"
         if kind == "shard":

@@ -45,7 +45,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import MatrixItem, shard_all_to_all, shard_all_to_all_reverse, shard_range
+from dmuon.comm import (
+    MatrixItem,
+    shard_all_to_all,
+    shard_all_to_all_reverse,
+    shard_range,
+    wait_work,
+)
 from dmuon.comm.torch_compat import all_gather_single
 from dmuon.optim.batches import Entry
 from dmuon.optim.engine.base import Stepper, local_norm_tensors, world_of
@@ -291,7 +297,11 @@ def _held_experts(
     counts = mine.unsqueeze(0)
     if n > 1:
         counts = torch.empty(n * len(experts), dtype=torch.int64)  # flat: what gloo takes
-        all_gather_single(counts, mine, group=group)
+        wait_work(
+            all_gather_single(counts, mine, group=group, async_op=True),
+            "all-gather of each rank's expert counts (sharded mode's plan)",
+            group,
+        )
         counts = counts.view(n, len(experts))
     return [
         [
