@@ -1,0 +1,400 @@
+"""DMuon's torchtitan container on torchtitan's expert-parallel layout (MoE, EP under FSDP2).
+
+torchtitan 0.3.0 lays out a MoE model with ``expert_parallel_degree`` ``ep`` > 1 in two
+steps (``torchtitan.models.deepseek_v3.parallelize_deepseekv3``):
+
+1. ``model.parallelize(parallel_dims)``: each routed-expert stack ``(E, m, n)``
+   (``moe.routed_experts.inner_experts.w1_EFD`` …) is ``distribute_tensor``'d on the
+   sparse mesh ``("efsdp", "ep")`` with ``(Replicate(), Shard(0))``
+   (``moe_sharding.expert_param_placement_sparse``): whole experts split over ``ep``;
+2. ``torchtitan.distributed.fsdp.apply_fsdp_to_decoder``: FSDP2 on the dense
+   ``fsdp`` mesh for every other parameter, and on ``efsdp`` for the experts, on
+   dim 0 — or on dim 1 (each expert's rows) when ``efsdp × ep > num_experts``.
+
+torchtitan's ``ParallelDims.build_mesh`` builds its meshes for ``cuda`` and its models'
+attention (flex) has no CPU backward, so here the meshes are made on CPU in torchtitan's
+order (world → ``(efsdp, ep)``, ``ep`` innermost; ``fsdp`` over the whole world), step 1
+is the same public call (``distribute_tensor`` with those placements), and step 2 is
+torchtitan's own ``apply_fsdp_to_decoder``. The model has torchtitan's DeepSeek-V3
+parameter names and module structure (a dense first layer, then a MoE layer with router,
+routed experts and shared experts); its expert-parallel dispatch sends each token to the
+``ep`` rank that holds its experts (all-to-all within the ``ep`` group), as torchtitan's
+``AllToAllTokenDispatcher`` does, in fp32.
+
+Checked, on 4 gloo ranks (``dp_shard`` 4):
+
+* ``ep`` 2 (``efsdp`` 2) and ``ep`` 4 (``efsdp`` 1): the expert stacks come out
+  ``(_StridedShard(0), Shard(0))`` on ``("efsdp", "ep")`` — each rank holds whole
+  experts — and the container in ``sharded`` mode (owners for the dense matrices,
+  the experts stepped where they are) equals one process trained on the same global
+  batches, for Muon, NorMuon and Dion3;
+* a DCP round trip through the container, as torchtitan's checkpointer makes it, at
+  ``ep`` 2: saved after two steps, loaded into a fresh model and container, the third
+  step equals one process's;
+* 2 experts on 4 ranks (``efsdp × ep`` = 4 > 2): torchtitan shards each expert's rows
+  over ``efsdp`` (``Shard(1)``), which DMuon does not gather; the container refuses it
+  on every rank, naming the parameter, its placements and what would work.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dmuon.comm.testing import run_on_ranks
+from dmuon.integrations.torchtitan import dmuon_optimizer
+
+D, F_EXPERT, F_DENSE, VOCAB, SEQ, BATCH, TOP_K = 16, 12, 24, 32, 6, 4, 2
+OPT = dict(lr=0.02, adamw_lr=3e-3, weight_decay=0.01, ns_compute_dtype=torch.float32)
+RULES = ("muon", "normuon", "dion3")
+# fp32 throughout; the runs differ only in the order of the gradients' sums (FSDP2's
+# reduce-scatters, the experts' dispatch). An expert stepped with the gradient of one
+# rank's tokens, or a dense matrix's update from a partial gradient, is off by ~lr = 2e-2;
+# fp32 rounding of the sums gives < 1e-6 after three steps (entries O(1)).
+TOLERANCE = 2e-6
+
+
+class GroupedExperts(nn.Module):
+    """torchtitan's ``GroupedExperts`` parameters (``w1_EFD``, ``w2_EDF``, ``w3_EFD``)."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1_EFD = nn.Parameter(torch.randn(num_experts, F_EXPERT, D) / D**0.5)
+        self.w2_EDF = nn.Parameter(torch.randn(num_experts, D, F_EXPERT) / F_EXPERT**0.5)
+        self.w3_EFD = nn.Parameter(torch.randn(num_experts, F_EXPERT, D) / D**0.5)
+
+    def local(self) -> tuple[torch.Tensor, ...]:
+        """This rank's experts (a DTensor's local shard, as torchtitan's forward takes)."""
+        ws = (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in ws)
+
+
+class RoutedExperts(nn.Module):
+    """torchtitan's ``RoutedExperts``: the experts and the token dispatch over ``ep``."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.inner_experts = GroupedExperts(num_experts)
+        self.ep_group = None  # the ep group (torchtitan: ``token_dispatcher.wire_meshes``)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """``x`` (T, D) tokens, ``ids``/``scores`` (T, K) routing; returns (T, D)."""
+        if self.ep_group is None:
+            return _experts(self.inner_experts.local(), 0, x, ids, scores)
+        group = self.ep_group
+        ep = torch.distributed.get_world_size(group)
+        first = torch.distributed.get_rank(group) * (self.inner_experts.num_experts // ep)
+        # every token of the ep group reaches the rank holding its experts and the outputs
+        # return to the tokens' ranks, summed (torchtitan's dispatch/combine, here with
+        # every token sent to every ep rank: those routed elsewhere contribute nothing)
+        xs, ss = (_Exchange.apply(t.expand(ep, *t.shape), group).flatten(0, 1) for t in (x, scores))
+        ids_all = torch.empty((ep, *ids.shape), dtype=ids.dtype)
+        torch.distributed.all_to_all_single(ids_all, ids.expand(ep, *ids.shape).contiguous(),
+                                            group=group)  # fmt: skip
+        out = _experts(self.inner_experts.local(), first, xs, ids_all.flatten(0, 1), ss)
+        return _Exchange.apply(out.view(ep, *x.shape), group).sum(0)
+
+
+class _Exchange(torch.autograd.Function):
+    """``out[j]`` = rank ``j``'s ``t[me]`` in the group (an all-to-all of equal blocks);
+    its gradient is the same exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = torch.empty(t.shape, dtype=t.dtype)
+        torch.distributed.all_to_all_single(out, t.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = torch.empty(grad.shape, dtype=grad.dtype)
+        torch.distributed.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def _experts(ws, first: int, x, ids, scores) -> torch.Tensor:
+    """The local experts ``first …`` applied to the tokens routed to them, weighted."""
+    w1, w2, w3 = ws
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        token, slot = (ids == first + e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        h = F.silu(x[token] @ w1[e].T) * (x[token] @ w3[e].T)
+        out = out.index_add(0, token, (h @ w2[e].T) * scores[token, slot, None])
+    return out
+
+
+class FeedForward(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(D, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, D, bias=False)
+        self.w3 = nn.Linear(D, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """torchtitan's ``MoE``: ``router.gate``, ``routed_experts``, ``shared_experts``."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.router = nn.Module()
+        self.router.gate = nn.Linear(D, num_experts, bias=False)
+        self.routed_experts = RoutedExperts(num_experts)
+        self.shared_experts = FeedForward(F_EXPERT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        tokens = x.reshape(b * s, d)
+        probs = self.router.gate(tokens).softmax(-1)
+        scores, ids = probs.topk(TOP_K, dim=-1)
+        routed = self.routed_experts(tokens, ids, scores)
+        return (routed + self.shared_experts(tokens)).view(b, s, d)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq = nn.Linear(D, D, bias=False)
+        self.wkv = nn.Linear(D, 2 * D, bias=False)
+        self.wo = nn.Linear(D, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.wq(x)
+        k, v = self.wkv(x).split(D, dim=-1)
+        heads = [t.unflatten(-1, (2, D // 2)).transpose(1, 2) for t in (q, k, v)]
+        o = F.scaled_dot_product_attention(*heads, is_causal=True)
+        return self.wo(o.transpose(1, 2).flatten(2))
+
+
+class Block(nn.Module):
+    """A torchtitan ``Decoder`` layer: dense (``feed_forward``) or MoE (``moe``)."""
+
+    def __init__(self, num_experts: int | None) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(D)
+        self.attention = Attention()
+        self.ffn_norm = nn.RMSNorm(D)
+        self.moe_enabled = num_experts is not None
+        if num_experts is None:
+            self.feed_forward = FeedForward(F_DENSE)
+        else:
+            self.moe = MoE(num_experts)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attention(self.attention_norm(h))
+        mlp = self.moe if self.moe_enabled else self.feed_forward
+        return h + mlp(self.ffn_norm(h))
+
+
+class TitanMoE(nn.Module):
+    """Laid out like torchtitan's DeepSeek-V3 ``Decoder`` (what ``apply_fsdp_to_decoder``
+    reads: ``tok_embeddings``, ``layers``, ``norm``, ``lm_head``, ``enable_weight_tying``,
+    each layer's ``moe_enabled`` and ``moe.routed_experts.inner_experts``)."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.enable_weight_tying = False
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(5)
+            self.tok_embeddings = nn.Embedding(VOCAB, D)
+            self.layers = nn.ModuleDict({"0": Block(None), "1": Block(num_experts)})
+            self.norm = nn.RMSNorm(D)
+            self.lm_head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.lm_head(self.norm(h))
+
+
+def batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + t)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train(model, container, steps, rows=slice(None)) -> None:
+    """torchtitan's loss: the sum over this rank's tokens divided by the global count
+    (its FSDP2 gradients are sums: ``disable_fsdp_gradient_division``)."""
+    for t in steps:
+        tokens, labels = batch(t)
+        logits = model(tokens[rows])
+        loss = F.cross_entropy(logits.flatten(0, 1), labels[rows].flatten(), reduction="sum")
+        (loss / labels.numel()).backward()
+        container.step()
+        container.zero_grad()
+
+
+def reference(rule: str, num_experts: int, steps: int) -> dict[str, torch.Tensor]:
+    model = TitanMoE(num_experts)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    container = dmuon_optimizer(mode="single", rule=rule, **OPT).build(model_parts=[model])
+    train(model, container, range(steps))
+    moved = min(
+        (p.detach() - initial[n]).abs().max().item()
+        for n, p in model.named_parameters()
+        if "inner_experts" in n
+    )
+    assert moved > 1e-3, "an expert stack barely moved; the test would prove nothing"
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def parallelize(model: TitanMoE, ep: int) -> TitanMoE:
+    """torchtitan's EP layout on CPU meshes (module docstring): experts on ``ep``, then
+    torchtitan's ``apply_fsdp_to_decoder``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    world = torch.distributed.get_world_size()
+    dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    routed = model.layers["1"].moe.routed_experts
+    experts = routed.inner_experts
+    for name, param in list(experts.named_parameters(recurse=False)):
+        placed = distribute_tensor(param.detach(), sparse["ep"], [Shard(0)])
+        experts.register_parameter(name, nn.Parameter(placed))
+    routed.ep_group = sparse.get_group("ep")
+    apply_fsdp_to_decoder(
+        model,
+        dp_mesh,
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        pp_enabled=False,
+        ep_degree=ep,
+        edp_mesh=sparse["efsdp"],
+    )
+    # torchtitan turns FSDP2's gradient division off (a factor of 1: the loss is divided
+    # by the global token count), which FSDP2 does with a PREMUL_SUM reduction gloo does
+    # not have; a plain sum is the same (the call torchtitan's enable_fsdp_symm_mem makes)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def run_ep(rank, world, runs, steps):
+    out = []
+    for rule, ep in runs:
+        model = parallelize(TitanMoE(4), ep)
+        container = dmuon_optimizer(rule=rule, **OPT).build(model_parts=[model])
+        stack = model.layers["1"].moe.routed_experts.inner_experts.w1_EFD
+        layout = (tuple(map(repr, stack.placements)), stack.device_mesh.mesh_dim_names)
+        owner = container.dmuon.engine.owner_of(stack)
+        rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        train(model, container, range(steps), rows)
+        full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+        out.append((container.dmuon.engine.mode, layout, owner, full))
+    return out
+
+
+def check(results, want, what) -> None:
+    for rank, (*_, got) in enumerate(results):
+        for name, w in want.items():
+            diff = (got[name] - w).abs().max().item()
+            assert diff <= TOLERANCE, f"{what}, rank {rank}: {name} off by {diff:.2e}"
+
+
+# ep 2: efsdp 2 (each rank 1 of 4 experts, FSDP2 over pairs); ep 4: efsdp 1
+RUNS = [(rule, 2) for rule in RULES] + [("muon", 4)]
+
+
+def test_container_steps_torchtitans_expert_parallel_layout_like_one_process():
+    results = run_on_ranks(run_ep, 4, args=(RUNS, 2), timeout=300)
+    for i, (rule, ep) in enumerate(RUNS):
+        want = reference(rule, 4, 2)
+        runs = [r[i] for r in results]
+        for rank, (mode, (placements, dims), owner, _) in enumerate(runs):
+            assert mode == "sharded", (rank, mode)
+            assert dims == ("efsdp", "ep"), (rank, dims)
+            assert placements[1] == "Shard(dim=0)", (rank, placements)
+            assert "dim=0" in placements[0], (rank, placements)  # whole experts on efsdp
+            assert owner is None, f"rank {rank}: experts planned to owner {owner}"
+        check(runs, want, f"{rule}, ep {ep}")
+
+
+def run_save_load(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    model = parallelize(TitanMoE(4), 2)
+    container = dmuon_optimizer(rule="normuon", **OPT).build(model_parts=[model])
+    train(model, container, range(2), rows)
+    dcp.save({"model": get_model_state_dict(model), "optimizer": container}, checkpoint_id=path)
+    torch.distributed.barrier()
+    fresh = parallelize(TitanMoE(4), 2)  # initial weights: all must come from the checkpoint
+    resumed = dmuon_optimizer(rule="normuon", **OPT).build(model_parts=[fresh])
+    state = {"model": get_model_state_dict(fresh), "optimizer": resumed}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(fresh, state["model"])
+    train(fresh, resumed, [2], rows)
+    return {n: p.detach().full_tensor() for n, p in fresh.named_parameters()}
+
+
+def test_dcp_round_trip_with_expert_parallelism_equals_continuing(tmp_path):
+    want = reference("normuon", 4, 3)
+    results = run_on_ranks(run_save_load, 4, args=(str(tmp_path / "ckpt"),), timeout=180)
+    check([(r,) for r in results], want, "resumed")
+
+
+def experts_to_adamw():
+    """torchtitan patterns: the expert stacks to DMuon's AdamW, the rest DMuon's grouping."""
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    from dmuon.integrations.torchtitan import DMuonOptimizersContainer
+
+    return DMuonOptimizersContainer.Config(
+        param_groups=[
+            ParamGroupConfig(
+                pattern=r"(inner_experts|embeddings|lm_head|norm)",
+                optimizer_name="DMuon",
+                optimizer_kwargs={"rule": "scalar"},
+            ),
+            ParamGroupConfig(pattern=r".*", optimizer_name="DMuon"),
+        ],
+        dmuon=OPT,
+    )
+
+
+def run_rows_split(rank, world):
+    """2 experts on efsdp 2 × ep 2: torchtitan shards each expert's rows over efsdp."""
+    model = parallelize(TitanMoE(2), 2)
+    stack = model.layers["1"].moe.routed_experts.inner_experts.w1_EFD
+    placements = tuple(map(repr, stack.placements))
+    try:
+        dmuon_optimizer().build(model_parts=[model])
+        message = None
+    except ValueError as err:
+        message = str(err)
+    # what the error offers: the experts to DMuon's AdamW, the dense matrices sharded
+    container = experts_to_adamw().build(model_parts=[model])
+    train(model, container, range(2), slice(rank * BATCH // world, (rank + 1) * BATCH // world))
+    full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    return placements, message, container.dmuon.engine.mode, full
+
+
+def test_expert_rows_split_over_efsdp_is_refused_on_every_rank():
+    results = run_on_ranks(run_rows_split, 4, timeout=120)
+    for rank, (placements, message, _, _) in enumerate(results):
+        assert placements == ("Shard(dim=1)", "Shard(dim=0)"), (rank, placements)
+        assert message is not None, f"rank {rank}: built without error"
+        assert "layers.1.moe.routed_experts.inner_experts.w1_EFD" in message, message
+        assert "(Shard(dim=1), Shard(dim=0))" in message and "num_experts (2)" in message
+        assert "'rule': 'scalar'" in message, message
+    model = TitanMoE(2)
+    config = experts_to_adamw()
+    config.mode = "single"
+    train(model, config.build(model_parts=[model]), range(2))
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    assert all(mode == "sharded" for _, _, mode, _ in results), results
+    check([r[3:] for r in results], want, "experts to AdamW")
