@@ -26,14 +26,21 @@ Checked, on 4 gloo ranks (``dp_shard`` 4):
 * ``ep`` 2 (``efsdp`` 2) and ``ep`` 4 (``efsdp`` 1): the expert stacks come out
   ``(_StridedShard(0), Shard(0))`` on ``("efsdp", "ep")`` — each rank holds whole
   experts — and the container in ``sharded`` mode (owners for the dense matrices,
-  the experts stepped where they are) equals one process trained on the same global
-  batches, for Muon, NorMuon and Dion3;
+  the experts stepped where they are), clipping with its ``clip_grad_norm_``, equals
+  one process trained on the same global batches (Muon, NorMuon and Dion3 at ``ep``
+  2, Muon at ``ep`` 4); so does ``ep`` 1 (no expert parallelism: FSDP2's
+  ``Shard(0)`` of the stacks over ``fsdp``);
 * a DCP round trip through the container, as torchtitan's checkpointer makes it, at
   ``ep`` 2: saved after two steps, loaded into a fresh model and container, the third
   step equals one process's;
 * 2 experts on 4 ranks (``efsdp × ep`` = 4 > 2): torchtitan shards each expert's rows
-  over ``efsdp`` (``Shard(1)``), which DMuon does not gather; the container refuses it
-  on every rank, naming the parameter, its placements and what would work.
+  over ``efsdp`` (``Shard(1)``; over ``fsdp`` at ``ep`` 1), which DMuon does not
+  gather; the container refuses it on every rank, naming the parameter, its placements
+  and what would work, and what it offers (the experts to DMuon's AdamW) equals one
+  process.
+
+gloo has no ``PREMUL_SUM``, the reduction FSDP2 uses for torchtitan's gradient
+division factor of 1; the test forces plain sums (see :func:`parallelize`).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from torch import nn
 from dmuon.comm.testing import run_on_ranks
 from dmuon.integrations.torchtitan import dmuon_optimizer
 
-D, F_EXPERT, F_DENSE, VOCAB, SEQ, BATCH, TOP_K = 16, 12, 24, 32, 6, 4, 2
+D, F_EXPERT, F_DENSE, VOCAB, SEQ, BATCH, TOP_K, CLIP = 16, 12, 24, 32, 6, 4, 2, 0.5
 OPT = dict(lr=0.02, adamw_lr=3e-3, weight_decay=0.01, ns_compute_dtype=torch.float32)
 RULES = ("muon", "normuon", "dion3")
 # fp32 throughout; the runs differ only in the order of the gradients' sums (FSDP2's
@@ -221,35 +228,41 @@ def batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train(model, container, steps, rows=slice(None)) -> None:
+def train(model, container, steps, rows=slice(None)) -> list[float]:
     """torchtitan's loss: the sum over this rank's tokens divided by the global count
-    (its FSDP2 gradients are sums: ``disable_fsdp_gradient_division``)."""
+    (its FSDP2 gradients are sums: ``disable_fsdp_gradient_division``); the gradients
+    clipped by the container (:func:`dmuon.optim.clip_grad_norm_`). Returns the norms."""
+    norms = []
     for t in steps:
         tokens, labels = batch(t)
         logits = model(tokens[rows])
         loss = F.cross_entropy(logits.flatten(0, 1), labels[rows].flatten(), reduction="sum")
         (loss / labels.numel()).backward()
+        norms.append(float(container.clip_grad_norm_(CLIP)))
         container.step()
         container.zero_grad()
+    return norms
 
 
-def reference(rule: str, num_experts: int, steps: int) -> dict[str, torch.Tensor]:
+def reference(rule: str, num_experts: int, steps: int) -> tuple[dict[str, torch.Tensor], list]:
     model = TitanMoE(num_experts)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     container = dmuon_optimizer(mode="single", rule=rule, **OPT).build(model_parts=[model])
-    train(model, container, range(steps))
+    norms = train(model, container, range(steps))
+    assert min(norms) > CLIP, f"clipping never engaged: {norms}"
     moved = min(
         (p.detach() - initial[n]).abs().max().item()
         for n, p in model.named_parameters()
         if "inner_experts" in n
     )
     assert moved > 1e-3, "an expert stack barely moved; the test would prove nothing"
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
 def parallelize(model: TitanMoE, ep: int) -> TitanMoE:
     """torchtitan's EP layout on CPU meshes (module docstring): experts on ``ep``, then
-    torchtitan's ``apply_fsdp_to_decoder``."""
+    torchtitan's ``apply_fsdp_to_decoder`` (``ep`` 1: no expert parallelism, FSDP2 over
+    ``fsdp`` for every parameter)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -260,10 +273,11 @@ def parallelize(model: TitanMoE, ep: int) -> TitanMoE:
     sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
     routed = model.layers["1"].moe.routed_experts
     experts = routed.inner_experts
-    for name, param in list(experts.named_parameters(recurse=False)):
-        placed = distribute_tensor(param.detach(), sparse["ep"], [Shard(0)])
-        experts.register_parameter(name, nn.Parameter(placed))
-    routed.ep_group = sparse.get_group("ep")
+    if ep > 1:
+        for name, param in list(experts.named_parameters(recurse=False)):
+            placed = distribute_tensor(param.detach(), sparse["ep"], [Shard(0)])
+            experts.register_parameter(name, nn.Parameter(placed))
+        routed.ep_group = sparse.get_group("ep")
     apply_fsdp_to_decoder(
         model,
         dp_mesh,
@@ -271,7 +285,7 @@ def parallelize(model: TitanMoE, ep: int) -> TitanMoE:
         reduce_dtype=torch.float32,
         pp_enabled=False,
         ep_degree=ep,
-        edp_mesh=sparse["efsdp"],
+        edp_mesh=sparse["efsdp"] if ep > 1 else None,
     )
     # torchtitan turns FSDP2's gradient division off (a factor of 1: the loss is divided
     # by the global token count), which FSDP2 does with a PREMUL_SUM reduction gloo does
@@ -291,9 +305,9 @@ def run_ep(rank, world, runs, steps):
         layout = (tuple(map(repr, stack.placements)), stack.device_mesh.mesh_dim_names)
         owner = container.dmuon.engine.owner_of(stack)
         rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        train(model, container, range(steps), rows)
+        norms = train(model, container, range(steps), rows)
         full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
-        out.append((container.dmuon.engine.mode, layout, owner, full))
+        out.append((container.dmuon.engine.mode, layout, owner, norms, full))
     return out
 
 
@@ -304,21 +318,27 @@ def check(results, want, what) -> None:
             assert diff <= TOLERANCE, f"{what}, rank {rank}: {name} off by {diff:.2e}"
 
 
-# ep 2: efsdp 2 (each rank 1 of 4 experts, FSDP2 over pairs); ep 4: efsdp 1
-RUNS = [(rule, 2) for rule in RULES] + [("muon", 4)]
+# ep 2: efsdp 2 (each rank 1 of 4 experts, FSDP2 over pairs); ep 4: efsdp 1; ep 1: no
+# expert parallelism, FSDP2's Shard(0) of the stacks over fsdp (1 expert per rank)
+RUNS = [(rule, 2) for rule in RULES] + [("muon", 4), ("muon", 1)]
+PLACEMENTS = {
+    2: (("_StridedShard(dim=0, sf=2)", "Shard(dim=0)"), ("efsdp", "ep")),
+    4: (("_StridedShard(dim=0, sf=4)", "Shard(dim=0)"), ("efsdp", "ep")),
+    1: (("Shard(dim=0)",), ("fsdp",)),
+}
 
 
 def test_container_steps_torchtitans_expert_parallel_layout_like_one_process():
     results = run_on_ranks(run_ep, 4, args=(RUNS, 2), timeout=300)
     for i, (rule, ep) in enumerate(RUNS):
-        want = reference(rule, 4, 2)
+        want, want_norms = reference(rule, 4, 2)
         runs = [r[i] for r in results]
-        for rank, (mode, (placements, dims), owner, _) in enumerate(runs):
+        for rank, (mode, layout, owner, norms, _) in enumerate(runs):
             assert mode == "sharded", (rank, mode)
-            assert dims == ("efsdp", "ep"), (rank, dims)
-            assert placements[1] == "Shard(dim=0)", (rank, placements)
-            assert "dim=0" in placements[0], (rank, placements)  # whole experts on efsdp
+            assert layout == PLACEMENTS[ep], (rank, ep, layout)  # whole experts per rank
             assert owner is None, f"rank {rank}: experts planned to owner {owner}"
+            for a, b in zip(norms, want_norms, strict=True):
+                assert abs(a - b) <= 1e-5 * b, f"{rule}, ep {ep}, rank {rank}: norm {a} vs {b}"
         check(runs, want, f"{rule}, ep {ep}")
 
 
@@ -342,7 +362,7 @@ def run_save_load(rank, world, path):
 
 
 def test_dcp_round_trip_with_expert_parallelism_equals_continuing(tmp_path):
-    want = reference("normuon", 4, 3)
+    want, _ = reference("normuon", 4, 3)
     results = run_on_ranks(run_save_load, 4, args=(str(tmp_path / "ckpt"),), timeout=180)
     check([(r,) for r in results], want, "resumed")
 
@@ -366,26 +386,37 @@ def experts_to_adamw():
     )
 
 
+def refusal(model) -> str | None:
+    try:
+        dmuon_optimizer().build(model_parts=[model])
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def run_rows_split(rank, world):
-    """2 experts on efsdp 2 × ep 2: torchtitan shards each expert's rows over efsdp."""
+    """2 experts on efsdp 2 × ep 2: torchtitan shards each expert's rows over efsdp (and
+    over fsdp without expert parallelism)."""
+    no_ep = parallelize(TitanMoE(2), 1)
+    no_ep_stack = no_ep.layers["1"].moe.routed_experts.inner_experts.w2_EDF
+    no_ep_refusal = (tuple(map(repr, no_ep_stack.placements)), refusal(no_ep))
     model = parallelize(TitanMoE(2), 2)
     stack = model.layers["1"].moe.routed_experts.inner_experts.w1_EFD
     placements = tuple(map(repr, stack.placements))
-    try:
-        dmuon_optimizer().build(model_parts=[model])
-        message = None
-    except ValueError as err:
-        message = str(err)
+    message = refusal(model)
     # what the error offers: the experts to DMuon's AdamW, the dense matrices sharded
     container = experts_to_adamw().build(model_parts=[model])
     train(model, container, range(2), slice(rank * BATCH // world, (rank + 1) * BATCH // world))
     full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
-    return placements, message, container.dmuon.engine.mode, full
+    return no_ep_refusal, placements, message, container.dmuon.engine.mode, full
 
 
 def test_expert_rows_split_over_efsdp_is_refused_on_every_rank():
     results = run_on_ranks(run_rows_split, 4, timeout=120)
-    for rank, (placements, message, _, _) in enumerate(results):
+    for rank, ((no_ep, no_ep_message), placements, message, _, _) in enumerate(results):
+        assert no_ep == ("Shard(dim=1)",), (rank, no_ep)
+        assert no_ep_message is not None, f"rank {rank}: ep 1, built without error"
+        assert "inner_experts.w1_EFD" in no_ep_message, no_ep_message
         assert placements == ("Shard(dim=1)", "Shard(dim=0)"), (rank, placements)
         assert message is not None, f"rank {rank}: built without error"
         assert "layers.1.moe.routed_experts.inner_experts.w1_EFD" in message, message
@@ -396,5 +427,5 @@ def test_expert_rows_split_over_efsdp_is_refused_on_every_rank():
     config.mode = "single"
     train(model, config.build(model_parts=[model]), range(2))
     want = {n: p.detach() for n, p in model.named_parameters()}
-    assert all(mode == "sharded" for _, _, mode, _ in results), results
-    check([r[3:] for r in results], want, "experts to AdamW")
+    assert all(r[3] == "sharded" for r in results), results
+    check([r[4:] for r in results], want, "experts to AdamW")

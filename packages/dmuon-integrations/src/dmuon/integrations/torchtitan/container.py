@@ -79,8 +79,9 @@ class DMuonOptimizersContainer(OptimizersContainer):
     class Config(OptimizersContainer.Config):
         mode: str = "sharded"
         """DMuon's execution mode (``sharded``: FSDP2 / tensor-parallel DTensor
-        parameters stepped where they live; ``single``: one process, or expert stacks
-        that live whole on their ranks; ``replicated``: DDP-replicated parameters)."""
+        parameters stepped where they live, expert-parallel stacks as each rank's whole
+        experts; ``single``: one process, or expert stacks that live whole on their
+        ranks; ``replicated``: DDP-replicated parameters)."""
 
         dmuon: dict[str, Any] = field(default_factory=dict)
         """Keyword arguments of :class:`~dmuon.optim.DMuon` (``lr``, ``rule``,
