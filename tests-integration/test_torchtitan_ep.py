@@ -30,9 +30,10 @@ Checked, on 4 gloo ranks (``dp_shard`` 4):
   one process trained on the same global batches (Muon, NorMuon and Dion3 at ``ep``
   2, Muon at ``ep`` 4); so does ``ep`` 1 (no expert parallelism: FSDP2's
   ``Shard(0)`` of the stacks over ``fsdp``);
-* a DCP round trip through the container, as torchtitan's checkpointer makes it, at
-  ``ep`` 2: saved after two steps, loaded into a fresh model and container, the third
-  step equals one process's;
+* a DCP round trip through the container, as torchtitan's checkpointer makes it:
+  saved at ``ep`` 2 after two steps, loaded into a fresh model and container at ``ep``
+  2 and at ``ep`` 4 (the experts' state resharded), the third step equals one
+  process's;
 * 2 experts on 4 ranks (``efsdp × ep`` = 4 > 2): torchtitan shards each expert's rows
   over ``efsdp`` (``Shard(1)``; over ``fsdp`` at ``ep`` 1), which DMuon does not
   gather; the container refuses it on every rank, naming the parameter, its placements
@@ -352,19 +353,23 @@ def run_save_load(rank, world, path):
     train(model, container, range(2), rows)
     dcp.save({"model": get_model_state_dict(model), "optimizer": container}, checkpoint_id=path)
     torch.distributed.barrier()
-    fresh = parallelize(TitanMoE(4), 2)  # initial weights: all must come from the checkpoint
-    resumed = dmuon_optimizer(rule="normuon", **OPT).build(model_parts=[fresh])
-    state = {"model": get_model_state_dict(fresh), "optimizer": resumed}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(fresh, state["model"])
-    train(fresh, resumed, [2], rows)
-    return {n: p.detach().full_tensor() for n, p in fresh.named_parameters()}
+    out = {}
+    for load_ep in (2, 4):  # the same layout; experts resharded (2 per rank pair → 1 per rank)
+        fresh = parallelize(TitanMoE(4), load_ep)  # initial weights: all from the checkpoint
+        resumed = dmuon_optimizer(rule="normuon", **OPT).build(model_parts=[fresh])
+        state = {"model": get_model_state_dict(fresh), "optimizer": resumed}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(fresh, state["model"])
+        train(fresh, resumed, [2], rows)
+        out[load_ep] = {n: p.detach().full_tensor() for n, p in fresh.named_parameters()}
+    return out
 
 
 def test_dcp_round_trip_with_expert_parallelism_equals_continuing(tmp_path):
     want, _ = reference("normuon", 4, 3)
     results = run_on_ranks(run_save_load, 4, args=(str(tmp_path / "ckpt"),), timeout=180)
-    check([(r,) for r in results], want, "resumed")
+    for load_ep in (2, 4):
+        check([(r[load_ep],) for r in results], want, f"saved at ep 2, resumed at ep {load_ep}")
 
 
 def experts_to_adamw():
