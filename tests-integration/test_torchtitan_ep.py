@@ -28,8 +28,11 @@ Checked, on 4 gloo ranks (``dp_shard`` 4):
   experts — and the container in ``sharded`` mode (owners for the dense matrices,
   the experts stepped where they are), clipping with its ``clip_grad_norm_``, equals
   one process trained on the same global batches (Muon, NorMuon and Dion3 at ``ep``
-  2, Muon at ``ep`` 4); so does ``ep`` 1 (no expert parallelism: FSDP2's
-  ``Shard(0)`` of the stacks over ``fsdp``);
+  2, Muon at ``ep`` 4); so do ``ep`` 1 (no expert parallelism: FSDP2's
+  ``Shard(0)`` of the stacks over ``fsdp``) and ``ep`` 2 laid out as torchtitan's
+  default ``spmd_backend="spmd_types"`` gives the experts to FSDP2 (DTensors on the
+  whole ``("efsdp", "ep")`` mesh, FSDP2's ``DataParallelMeshDims(shard="efsdp")``: the
+  same placements);
 * a DCP round trip through the container, as torchtitan's checkpointer makes it:
   saved at ``ep`` 2 after two steps, loaded into a fresh model and container at ``ep``
   2 and at ``ep`` 4 (the experts' state resharded), the third step equals one
@@ -49,6 +52,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchtitan.distributed.fsdp import apply_fsdp_to_decoder  # here: the ranks fork with it
 
 from dmuon.comm.testing import run_on_ranks
 from dmuon.integrations.torchtitan import dmuon_optimizer
@@ -260,14 +264,19 @@ def reference(rule: str, num_experts: int, steps: int) -> tuple[dict[str, torch.
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def parallelize(model: TitanMoE, ep: int) -> TitanMoE:
+def parallelize(model: TitanMoE, ep: int, spmd: bool = False) -> TitanMoE:
     """torchtitan's EP layout on CPU meshes (module docstring): experts on ``ep``, then
     torchtitan's ``apply_fsdp_to_decoder`` (``ep`` 1: no expert parallelism, FSDP2 over
-    ``fsdp`` for every parameter)."""
+    ``fsdp`` for every parameter).
+
+    ``spmd``: the experts as torchtitan's default ``spmd_backend="spmd_types"`` (and
+    ``full_dtensor``) hands them to FSDP2 — DTensors on the whole sparse mesh,
+    ``(Replicate(), Shard(0))`` on ``("efsdp", "ep")``, sharded by FSDP2 over the
+    ``efsdp`` dimension named by ``DataParallelMeshDims`` — instead of
+    ``"partial_dtensor"``'s ``Shard(0)`` on the ``ep`` mesh alone."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     world = torch.distributed.get_world_size()
     dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
@@ -275,8 +284,9 @@ def parallelize(model: TitanMoE, ep: int) -> TitanMoE:
     routed = model.layers["1"].moe.routed_experts
     experts = routed.inner_experts
     if ep > 1:
+        mesh, placements = (sparse, [Replicate(), Shard(0)]) if spmd else (sparse["ep"], [Shard(0)])
         for name, param in list(experts.named_parameters(recurse=False)):
-            placed = distribute_tensor(param.detach(), sparse["ep"], [Shard(0)])
+            placed = distribute_tensor(param.detach(), mesh, placements)
             experts.register_parameter(name, nn.Parameter(placed))
         routed.ep_group = sparse.get_group("ep")
     apply_fsdp_to_decoder(
@@ -286,7 +296,8 @@ def parallelize(model: TitanMoE, ep: int) -> TitanMoE:
         reduce_dtype=torch.float32,
         pp_enabled=False,
         ep_degree=ep,
-        edp_mesh=sparse["efsdp"] if ep > 1 else None,
+        edp_mesh=None if ep == 1 else sparse if spmd else sparse["efsdp"],
+        edp_mesh_dims=DataParallelMeshDims(shard="efsdp") if spmd else None,
     )
     # torchtitan turns FSDP2's gradient division off (a factor of 1: the loss is divided
     # by the global token count), which FSDP2 does with a PREMUL_SUM reduction gloo does
@@ -299,8 +310,8 @@ def parallelize(model: TitanMoE, ep: int) -> TitanMoE:
 
 def run_ep(rank, world, runs, steps):
     out = []
-    for rule, ep in runs:
-        model = parallelize(TitanMoE(4), ep)
+    for rule, ep, spmd in runs:
+        model = parallelize(TitanMoE(4), ep, spmd)
         container = dmuon_optimizer(rule=rule, **OPT).build(model_parts=[model])
         stack = model.layers["1"].moe.routed_experts.inner_experts.w1_EFD
         layout = (tuple(map(repr, stack.placements)), stack.device_mesh.mesh_dim_names)
@@ -319,9 +330,11 @@ def check(results, want, what) -> None:
             assert diff <= TOLERANCE, f"{what}, rank {rank}: {name} off by {diff:.2e}"
 
 
-# ep 2: efsdp 2 (each rank 1 of 4 experts, FSDP2 over pairs); ep 4: efsdp 1; ep 1: no
-# expert parallelism, FSDP2's Shard(0) of the stacks over fsdp (1 expert per rank)
-RUNS = [(rule, 2) for rule in RULES] + [("muon", 4), ("muon", 1)]
+# ep 2: efsdp 2 (each rank 1 of 4 experts, FSDP2 over pairs), also as the spmd_types
+# backend lays it out; ep 4: efsdp 1; ep 1: no expert parallelism, FSDP2's Shard(0) of the
+# stacks over fsdp (1 expert per rank)
+RUNS = [(rule, 2, False) for rule in RULES] + [("muon", 2, True), ("muon", 4, False)]
+RUNS += [("muon", 1, False)]
 PLACEMENTS = {
     2: (("_StridedShard(dim=0, sf=2)", "Shard(dim=0)"), ("efsdp", "ep")),
     4: (("_StridedShard(dim=0, sf=4)", "Shard(dim=0)"), ("efsdp", "ep")),
@@ -331,7 +344,7 @@ PLACEMENTS = {
 
 def test_container_steps_torchtitans_expert_parallel_layout_like_one_process():
     results = run_on_ranks(run_ep, 4, args=(RUNS, 2), timeout=300)
-    for i, (rule, ep) in enumerate(RUNS):
+    for i, (rule, ep, spmd) in enumerate(RUNS):
         want, want_norms = reference(rule, 4, 2)
         runs = [r[i] for r in results]
         for rank, (mode, layout, owner, norms, _) in enumerate(runs):
@@ -340,7 +353,7 @@ def test_container_steps_torchtitans_expert_parallel_layout_like_one_process():
             assert owner is None, f"rank {rank}: experts planned to owner {owner}"
             for a, b in zip(norms, want_norms, strict=True):
                 assert abs(a - b) <= 1e-5 * b, f"{rule}, ep {ep}, rank {rank}: norm {a} vs {b}"
-        check(runs, want, f"{rule}, ep {ep}")
+        check(runs, want, f"{rule}, ep {ep}{', spmd' if spmd else ''}")
 
 
 def run_save_load(rank, world, path):
