@@ -41,7 +41,8 @@ Checked, on 4 gloo ranks (``dp_shard`` 4):
   over ``efsdp`` (``Shard(1)``; over ``fsdp`` at ``ep`` 1), which DMuon does not
   gather; the container refuses it on every rank, naming the parameter, its placements
   and what would work, and what it offers (the experts to DMuon's AdamW) equals one
-  process.
+  process; experts split over ``tp`` (torchtitan's ``ep`` 1 with ``tp`` > 1) are
+  refused too.
 
 gloo has no ``PREMUL_SUM``, the reduction FSDP2 uses for torchtitan's gradient
 division factor of 1; the test forces plain sums (see :func:`parallelize`).
@@ -415,9 +416,21 @@ def refusal(model) -> str | None:
 def run_rows_split(rank, world):
     """2 experts on efsdp 2 × ep 2: torchtitan shards each expert's rows over efsdp (and
     over fsdp without expert parallelism)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     no_ep = parallelize(TitanMoE(2), 1)
     no_ep_stack = no_ep.layers["1"].moe.routed_experts.inner_experts.w2_EDF
     no_ep_refusal = (tuple(map(repr, no_ep_stack.placements)), refusal(no_ep))
+    # ep 1 with tp 2: torchtitan's expert_param_placement_dense splits w1/w3 on dim 1 and
+    # w2 on dim 2 over tp (refused before FSDP2 matters: the container checks first)
+    tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    tp_model = TitanMoE(4)
+    tp_experts = tp_model.layers["1"].moe.routed_experts.inner_experts
+    for name, dim in (("w1_EFD", 1), ("w2_EDF", 2), ("w3_EFD", 1)):
+        placed = distribute_tensor(getattr(tp_experts, name).detach(), tp_mesh, [Shard(dim)])
+        tp_experts.register_parameter(name, nn.Parameter(placed))
+    tp_refusal = refusal(tp_model)
     model = parallelize(TitanMoE(2), 2)
     stack = model.layers["1"].moe.routed_experts.inner_experts.w1_EFD
     placements = tuple(map(repr, stack.placements))
@@ -426,15 +439,19 @@ def run_rows_split(rank, world):
     container = experts_to_adamw().build(model_parts=[model])
     train(model, container, range(2), slice(rank * BATCH // world, (rank + 1) * BATCH // world))
     full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
-    return no_ep_refusal, placements, message, container.dmuon.engine.mode, full
+    return (no_ep_refusal, tp_refusal), placements, message, container.dmuon.engine.mode, full
 
 
 def test_expert_rows_split_over_efsdp_is_refused_on_every_rank():
     results = run_on_ranks(run_rows_split, 4, timeout=120)
-    for rank, ((no_ep, no_ep_message), placements, message, _, _) in enumerate(results):
+    for rank, (((no_ep, no_ep_message), tp), placements, message, _, _) in enumerate(results):
         assert no_ep == ("Shard(dim=1)",), (rank, no_ep)
         assert no_ep_message is not None, f"rank {rank}: ep 1, built without error"
         assert "inner_experts.w1_EFD" in no_ep_message, no_ep_message
+        assert "num_experts (2)" in no_ep_message, no_ep_message
+        assert tp is not None, f"rank {rank}: experts split over tp, built without error"
+        assert "inner_experts.w1_EFD" in tp and "['tp']" in tp, tp
+        assert "expert_parallel_degree > 1" in tp, tp
         assert placements == ("Shard(dim=1)", "Shard(dim=0)"), (rank, placements)
         assert message is not None, f"rank {rank}: built without error"
         assert "layers.1.moe.routed_experts.inner_experts.w1_EFD" in message, message

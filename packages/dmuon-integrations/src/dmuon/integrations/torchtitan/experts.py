@@ -19,7 +19,9 @@ DMuon's ``sharded`` mode steps a stack whose every shard is on the expert dimens
 where it is (:attr:`dmuon.optim.engine.placements.MatrixPlacement.whole_experts`); it
 does not gather an expert's rows from other ranks, so the ``Shard(1)`` layouts are
 refused here, before any collective (placements are the same on every rank, so every
-rank refuses alike), naming the parameter, its placements and what would work.
+rank refuses alike), naming the parameter, its placements and what would work. So
+are experts split by tensor parallelism (``ep`` = 1 with ``tp`` > 1: torchtitan
+shards the stacks' matrix dimensions over ``tp``).
 """
 
 from __future__ import annotations
@@ -34,14 +36,48 @@ from dmuon.optim import SCALAR_RULES
 __all__ = ["check_expert_stacks"]
 
 
-def _matrix_dim_shards(p: Any) -> list[int]:
-    """The tensor dims other than the leading (expert) one that ``p``'s placements shard."""
+def _shards(p: Any) -> list[tuple[int, int]]:
+    """``(mesh dim, tensor dim)`` of each ``Shard``/``_StridedShard`` placement of ``p``."""
     out = []
-    for pl in getattr(p, "placements", ()):
-        dim = getattr(pl, "dim", None)  # Shard, _StridedShard
-        if isinstance(dim, int) and dim % p.dim() != 0:
-            out.append(dim % p.dim())
+    for d, pl in enumerate(getattr(p, "placements", ())):
+        dim = getattr(pl, "dim", None)
+        if isinstance(dim, int):
+            out.append((d, dim % p.dim()))
     return out
+
+
+def _refusal(name: str, p: Any, num_experts: int) -> str:
+    mesh = p.device_mesh
+    dims = tuple(mesh.mesh_dim_names or (f"dim{d}" for d in range(mesh.ndim)))
+    shards = _shards(p)
+    cut = sorted({dims[d] for d, t in shards if t != 0})
+    head = (
+        f"expert stack {name!r} (shape {tuple(p.shape)}) has placements "
+        f"({', '.join(repr(pl) for pl in p.placements)}) on mesh dims {dims}: each expert is "
+        f"split over mesh dim(s) {cut} (tensor dims {sorted({t for _, t in shards if t})}); "
+        "DMuon steps whole experts where they are and does not gather an expert's pieces."
+    )
+    adamw = (
+        " Or give the experts to DMuon's AdamW (a ParamGroupConfig with "
+        "optimizer_kwargs={'rule': 'scalar'})."
+    )
+    if "tp" in cut:
+        return (
+            f"{head} torchtitan splits the experts over 'tp' without expert parallelism "
+            "(expert_parallel_degree 1, tensor_parallel_degree > 1); with "
+            "expert_parallel_degree > 1 it keeps every expert whole on its ranks (given "
+            f"at least dp_shard × cp × tp experts), which mode='sharded' steps.{adamw}"
+        )
+    ranks = 1
+    for d, _ in shards:
+        ranks *= int(mesh.size(d))
+    return (
+        f"{head} torchtitan's FSDP2 shards each expert's rows when the ranks it shards "
+        f"the experts over ({ranks}: efsdp × ep = dp_shard × cp × tp with expert "
+        f"parallelism, dp_shard × cp without) outnumber num_experts ({num_experts}). Use "
+        f"a model with at least {ranks} experts, or fewer of those ranks: torchtitan then "
+        f"shards dim 0, whole experts per rank, which mode='sharded' steps.{adamw}"
+    )
 
 
 def check_expert_stacks(
@@ -58,8 +94,10 @@ def check_expert_stacks(
         default_rule: the rule of a group that names none.
 
     Raises:
-        ValueError: naming the first such parameter, its placements, the expert count
-            and the rank count that torchtitan compared, and what would work.
+        ValueError: naming the first such parameter, its placements, the mesh
+            dimensions that split its experts, why torchtitan split them (the expert
+            count and the rank count it compared, or tensor parallelism) and what would
+            work.
     """
     names = {id(p): n for n, p in model.named_parameters()}
     experts: dict[int, int] = {}
@@ -77,22 +115,7 @@ def check_expert_stacks(
                 continue
             if not (stacks or id(p) in experts):
                 continue
-            split = _matrix_dim_shards(p)
-            if not split:
+            if all(t == 0 for _, t in _shards(p)):
                 continue
-            mesh = p.device_mesh
-            dims = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
-            placements = ", ".join(repr(pl) for pl in p.placements)
-            num = experts.get(id(p), p.shape[0])
-            raise ValueError(
-                f"expert stack {names.get(id(p), '?')!r} (shape {tuple(p.shape)}) has placements "
-                f"({placements}) on mesh dims {tuple(dims)}: each expert's tensor dim "
-                f"{split[0]} is split over ranks. torchtitan's FSDP2 shards the experts "
-                "this way when the ranks it shards them over (efsdp × ep = dp_shard × cp × tp "
-                f"= {mesh.size()}) outnumber num_experts ({num}); DMuon steps whole experts "
-                "where they are and does not gather an expert's rows. Use a model with at "
-                f"least {mesh.size()} experts or fewer dp_shard × cp × tp ranks (torchtitan "
-                "then shards dim 0: whole experts per rank, which mode='sharded' steps), or "
-                "give the experts to DMuon's AdamW (a ParamGroupConfig with "
-                "optimizer_kwargs={'rule': 'scalar'})"
-            )
+            name = names.get(id(p), "?")
+            raise ValueError(_refusal(name, p, experts.get(id(p), p.shape[0])))
