@@ -34,7 +34,8 @@ Checked, on 4 gloo ranks (``dp_shard`` 4):
   ``Shard(0)`` of the stacks over ``fsdp``) and ``ep`` 2 laid out as torchtitan's
   default ``spmd_backend="spmd_types"`` gives the experts to FSDP2 (DTensors on the
   whole ``("efsdp", "ep")`` mesh, FSDP2's ``DataParallelMeshDims(shard="efsdp")``: the
-  same placements);
+  same placements) and ``ep`` 2 under HSDP (``dp_replicate`` 2 × ``dp_shard`` 2:
+  ``Replicate()`` over ``dp_replicate`` besides);
 * a DCP round trip through the container, as torchtitan's checkpointer makes it:
   saved at ``ep`` 2 after two steps, loaded into a fresh model and container at ``ep``
   2 and at ``ep`` 4 (the experts' state resharded), the third step equals one
@@ -267,23 +268,35 @@ def reference(rule: str, num_experts: int, steps: int) -> tuple[dict[str, torch.
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def parallelize(model: TitanMoE, ep: int, spmd: bool = False) -> TitanMoE:
+def parallelize(model: TitanMoE, ep: int, form: str = "partial") -> TitanMoE:
     """torchtitan's EP layout on CPU meshes (module docstring): experts on ``ep``, then
     torchtitan's ``apply_fsdp_to_decoder`` (``ep`` 1: no expert parallelism, FSDP2 over
     ``fsdp`` for every parameter).
 
-    ``spmd``: the experts as torchtitan's default ``spmd_backend="spmd_types"`` (and
-    ``full_dtensor``) hands them to FSDP2 — DTensors on the whole sparse mesh,
-    ``(Replicate(), Shard(0))`` on ``("efsdp", "ep")``, sharded by FSDP2 over the
-    ``efsdp`` dimension named by ``DataParallelMeshDims`` — instead of
-    ``"partial_dtensor"``'s ``Shard(0)`` on the ``ep`` mesh alone."""
+    ``form``: ``"partial"``, torchtitan's ``spmd_backend="partial_dtensor"`` (the
+    experts ``Shard(0)`` on the ``ep`` mesh alone, FSDP2 given the ``efsdp`` mesh);
+    ``"spmd"``, the experts as its default ``"spmd_types"`` (and ``"full_dtensor"``)
+    hands them to FSDP2 — DTensors on the whole sparse mesh, ``(Replicate(),
+    Shard(0))`` on ``("efsdp", "ep")``, sharded over the ``efsdp`` dimension named by
+    ``DataParallelMeshDims``; ``"hsdp"``, ``"partial"`` with ``dp_replicate`` 2
+    (torchtitan's HSDP: the meshes ``("dp_replicate", "fsdp")`` and
+    ``("dp_replicate", "efsdp", "ep")``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     world = torch.distributed.get_world_size()
-    dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    if form == "hsdp":
+        dp_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "fsdp"))
+        sparse = init_device_mesh(
+            "cpu", (2, world // 2 // ep, ep), mesh_dim_names=("dp_replicate", "efsdp", "ep")
+        )
+        edp_mesh = sparse["dp_replicate", "efsdp"]
+    else:
+        dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        edp_mesh = sparse if form == "spmd" else sparse["efsdp"]
+    spmd = form == "spmd"
     routed = model.layers["1"].moe.routed_experts
     experts = routed.inner_experts
     if ep > 1:
@@ -299,7 +312,7 @@ def parallelize(model: TitanMoE, ep: int, spmd: bool = False) -> TitanMoE:
         reduce_dtype=torch.float32,
         pp_enabled=False,
         ep_degree=ep,
-        edp_mesh=None if ep == 1 else sparse if spmd else sparse["efsdp"],
+        edp_mesh=None if ep == 1 else edp_mesh,
         edp_mesh_dims=DataParallelMeshDims(shard="efsdp") if spmd else None,
     )
     # torchtitan turns FSDP2's gradient division off (a factor of 1: the loss is divided
@@ -313,8 +326,8 @@ def parallelize(model: TitanMoE, ep: int, spmd: bool = False) -> TitanMoE:
 
 def run_ep(rank, world, runs, steps):
     out = []
-    for rule, ep, spmd in runs:
-        model = parallelize(TitanMoE(4), ep, spmd)
+    for rule, ep, form in runs:
+        model = parallelize(TitanMoE(4), ep, form)
         container = dmuon_optimizer(rule=rule, **OPT).build(model_parts=[model])
         stack = model.layers["1"].moe.routed_experts.inner_experts.w1_EFD
         layout = (tuple(map(repr, stack.placements)), stack.device_mesh.mesh_dim_names)
@@ -334,29 +347,34 @@ def check(results, want, what) -> None:
 
 
 # ep 2: efsdp 2 (each rank 1 of 4 experts, FSDP2 over pairs), also as the spmd_types
-# backend lays it out; ep 4: efsdp 1; ep 1: no expert parallelism, FSDP2's Shard(0) of the
-# stacks over fsdp (1 expert per rank)
-RUNS = [(rule, 2, False) for rule in RULES] + [("muon", 2, True), ("muon", 4, False)]
-RUNS += [("muon", 1, False)]
+# backend lays it out, and under HSDP (efsdp 1); ep 4: efsdp 1; ep 1: no expert
+# parallelism, FSDP2's Shard(0) of the stacks over fsdp (1 expert per rank)
+RUNS = [(rule, 2, "partial") for rule in RULES] + [("muon", 2, "spmd"), ("muon", 2, "hsdp")]
+RUNS += [("muon", 4, "partial"), ("muon", 1, "partial")]
 PLACEMENTS = {
     2: (("_StridedShard(dim=0, sf=2)", "Shard(dim=0)"), ("efsdp", "ep")),
     4: (("_StridedShard(dim=0, sf=4)", "Shard(dim=0)"), ("efsdp", "ep")),
     1: (("Shard(dim=0)",), ("fsdp",)),
+    "hsdp": (
+        ("Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"),
+        ("dp_replicate", "efsdp", "ep"),
+    ),
 }
 
 
 def test_container_steps_torchtitans_expert_parallel_layout_like_one_process():
     results = run_on_ranks(run_ep, 4, args=(RUNS, 2), timeout=300)
-    for i, (rule, ep, spmd) in enumerate(RUNS):
+    for i, (rule, ep, form) in enumerate(RUNS):
         want, want_norms = reference(rule, 4, 2)
         runs = [r[i] for r in results]
         for rank, (mode, layout, owner, norms, _) in enumerate(runs):
             assert mode == "sharded", (rank, mode)
-            assert layout == PLACEMENTS[ep], (rank, ep, layout)  # whole experts per rank
+            want_layout = PLACEMENTS["hsdp" if form == "hsdp" else ep]
+            assert layout == want_layout, (rank, ep, form, layout)  # whole experts per rank
             assert owner is None, f"rank {rank}: experts planned to owner {owner}"
             for a, b in zip(norms, want_norms, strict=True):
                 assert abs(a - b) <= 1e-5 * b, f"{rule}, ep {ep}, rank {rank}: norm {a} vs {b}"
-        check(runs, want, f"{rule}, ep {ep}{', spmd' if spmd else ''}")
+        check(runs, want, f"{rule}, ep {ep}, {form}")
 
 
 def run_save_load(rank, world, path):
