@@ -6,7 +6,8 @@ A model parallelised with ``parallelize_module`` on the ``tp`` dimension of a
 DTensors. ``sharded`` mode all-to-alls each matrix's rows over ``dp`` to its owner,
 which then holds its ``tp`` shard; the owner's ``tp`` row steps the matrix together
 with the tensor-parallel Gram Newton–Schulz and the updates travel back over ``dp``.
-The result must equal one process on the same global batch (4 ranks: dp 2 × tp 2,
+The result must equal one process on the same global batch (4 ranks: dp 2 × tp 2, and
+HSDP over tp on 8 ranks: dp_replicate 2 × dp_shard 2 × tp 2;
 every split uneven), with clipping engaged, for Muon, NorMuon and Dion3 (whose row
 selection needs the whole matrix: the owner's tp row gathers the shards); a NaN on one
 rank's shard is agreed on by all four; the modes that cannot step the layout refuse it
@@ -119,6 +120,57 @@ def test_sharded_mode_on_fsdp2_over_tensor_parallel_equals_one_process(layers):
                 diff = (got[name] - want).abs().max().item()
                 assert diff <= SPLIT_TOLERANCE, f"{rule}, rank {rank}: {name} differs by {diff:.2e}"
             assert gram > 0, (rule, rank)  # the Gram (dion3: the shards) went over tp
+
+
+HSDP_COLWISE = "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
+
+
+def run_hsdp_tp(rank, world):
+    """HSDP over tensor parallelism: ``fully_shard`` on the 2-D ``dp_rep × dp_shard`` slice
+    of a ``2 × 2 × 2`` mesh after ``parallelize_module`` on ``tp``; each of the four dp
+    rows trains on a quarter of the global batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon.optim import clip_grad_norm_
+
+    names = ("dp_rep", "dp_shard", "tp")
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=names)
+    rep, shard, _ = mesh.get_coordinate()
+    row = 2 * rep + shard
+    out = {}
+    for rule in ("muon", "dion3"):  # dion3: the owner's tp row gathers the shards
+        model = tp_deep_mlp(mesh["tp"])
+        for layer in (model.fc1, model.fc2, model.fc3, model.fc4, model):
+            fully_shard(layer, mesh=mesh["dp_rep", "dp_shard"])
+        opt = DMuon(param_groups(model), rule=rule, tp_path="gram", **OPT)
+        norms = []
+        for t in range(STEPS):
+            x, y = deep_batch(t)
+            F.mse_loss(model(x[4 * row : 4 * row + 4]), y[4 * row : 4 * row + 4]).backward()
+            norms.append(float(clip_grad_norm_(opt, CLIP)))
+            opt.step()
+            opt.zero_grad()
+        full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+        out[rule] = (opt.engine.mode, full, norms, repr(tuple(model.fc1.weight.placements)))
+    return out
+
+
+def test_sharded_mode_on_hsdp_over_tensor_parallel_equals_one_process():
+    """``dp_replicate × dp_shard × tp`` = 2 × 2 × 2: the rows go to owners over ``dp_shard``
+    in each replica (FSDP2 has averaged the gradients over both dp dimensions), the owner's
+    tp row steps them; every replica computes the same update."""
+    results = run_on_ranks(run_hsdp_tp, 8, timeout=300)
+    for rule in ("muon", "dion3"):
+        expected, norms = clipped_reference(rule, {})
+        for rank, out in enumerate(results):
+            mode, got, got_norms, placements = out[rule]
+            assert (mode, placements) == ("sharded", HSDP_COLWISE), (rule, rank)
+            for a, b in zip(got_norms, norms, strict=True):
+                assert abs(a - b) <= 1e-5 * b, f"{rule}, rank {rank}: norm {a} vs {b}"
+            for name, want in expected.items():
+                diff = (got[name] - want).abs().max().item()
+                assert diff <= SPLIT_TOLERANCE, f"{rule}, rank {rank}: {name} differs by {diff:.2e}"
 
 
 def run_nonfinite(rank, world):

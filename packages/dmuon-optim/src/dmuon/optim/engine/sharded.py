@@ -116,7 +116,8 @@ class ShardedEngine(PlannedEngine):
     def bind(self, stepper: Stepper) -> None:
         from dmuon.optim.engine.params import collect_params
 
-        matrices = [e for e in collect_params(stepper.param_groups) if e.matrix]
+        params = collect_params(stepper.param_groups)
+        matrices = [e for e in params if e.matrix]
         self._local_experts = {e.name for e in matrices if placement_of_param(e).whole_experts}
         matrices = [e for e in matrices if e.name not in self._local_experts]
         # Meshes are compared by the ranks of the group the rows are sharded over, not by
@@ -145,8 +146,8 @@ class ShardedEngine(PlannedEngine):
             for e in matrices
             if placement_of(e.param, e.name).sharded_split
         }
-        self._mesh_groups, self._counted = _norm_layout(collect_params(stepper.param_groups))
-        experts = [e for e in collect_params(stepper.param_groups) if e.name in self._local_experts]
+        self._mesh_groups, self._counted = _norm_layout(params)
+        experts = [e for e in params if e.name in self._local_experts]
         if experts and "held" not in self.plan_options:
             self.plan_options = {**self.plan_options, "held": _held_experts(experts, self.group)}
         super().bind(stepper)  # plans, and asks agreement_groups()
