@@ -11,7 +11,11 @@ container class itself is the extension point, chosen by its ``Config`` in a
   ``ParamGroupConfig`` patterns whose ``optimizer_name`` is ``"DMuon"``;
 * takes the layout from the parameters themselves: after torchtitan's
   ``parallelize_module`` on ``tp`` and FSDP2's ``fully_shard`` on ``dp`` they are
-  DTensors, and ``mode="sharded"`` (the default) steps them where they live;
+  DTensors, and ``mode="sharded"`` (the default) steps them where they live —
+  with expert parallelism, each rank's whole experts where they are, the dense
+  matrices by owners over ``dp`` (an expert's rows split over ``efsdp``, torchtitan's
+  layout when ``efsdp × ep > num_experts``, is refused:
+  :mod:`~dmuon.integrations.torchtitan.experts`);
 * drops the ``fused``/``foreach`` keys torchtitan adds to every group
   (:mod:`~dmuon.integrations.torchtitan.options`) and refuses any key DMuon does
   not take, naming it;
@@ -31,6 +35,7 @@ import torch
 from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer
 
+from dmuon.integrations.torchtitan.experts import check_expert_stacks
 from dmuon.integrations.torchtitan.options import (
     OPTIMIZER_NAME,
     check_constructor_kwargs,
@@ -56,8 +61,9 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
     Raises:
         ValueError: several model parts, a ``ParamGroupConfig`` naming another
-            optimizer, a key DMuon does not accept (the error names it), or
-            ``max_norm`` ≤ 0.
+            optimizer, a key DMuon does not accept (the error names it),
+            ``max_norm`` ≤ 0, or an expert stack whose experts are split over ranks
+            (named, with its placements).
 
     Examples:
         >>> import torch
@@ -73,8 +79,9 @@ class DMuonOptimizersContainer(OptimizersContainer):
     class Config(OptimizersContainer.Config):
         mode: str = "sharded"
         """DMuon's execution mode (``sharded``: FSDP2 / tensor-parallel DTensor
-        parameters stepped where they live; ``single``: one process, or expert stacks
-        that live whole on their ranks; ``replicated``: DDP-replicated parameters)."""
+        parameters stepped where they live, expert-parallel stacks as each rank's whole
+        experts; ``single``: one process, or expert stacks that live whole on their
+        ranks; ``replicated``: DDP-replicated parameters)."""
 
         dmuon: dict[str, Any] = field(default_factory=dict)
         """Keyword arguments of :class:`~dmuon.optim.DMuon` (``lr``, ``rule``,
@@ -110,6 +117,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
             )
         model = model_parts[0]
         groups = self._dmuon_groups(config, model)
+        check_expert_stacks(model, groups, str(config.dmuon.get("rule", "muon")))
         kwargs = {"mode": config.mode, **config.dmuon}
         try:
             optimizer = DMuon(groups, **kwargs)

@@ -61,7 +61,10 @@ def llama3_debugmodel_dmuon() -> Trainer.Config:
 
 def deepseek_v3_debugmodel_dmuon() -> Trainer.Config:
     """torchtitan's ``deepseek_v3_debugmodel`` (MoE) trained with DMuon (sharded mode):
-    expert stacks ``(E, m, n)`` are batches of matrices, the router gate a matrix."""
+    expert stacks ``(E, m, n)`` are batches of matrices, the router gate a matrix. With
+    ``--parallelism.expert_parallel_degree`` > 1 each rank steps its own whole experts
+    where they are (8 experts: at most 8 ``dp_shard × cp × tp`` ranks, beyond which
+    torchtitan splits each expert's rows, which the container refuses)."""
     config = deepseek_v3_debugmodel()
     config.optimizer = dmuon_optimizer(
         LR, weight_decay=WEIGHT_DECAY, adamw_weight_decay=WEIGHT_DECAY

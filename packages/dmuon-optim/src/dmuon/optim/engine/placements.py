@@ -234,7 +234,16 @@ class MatrixPlacement:
         return f"({inner}) on mesh dims {self.mesh_dims!r}"
 
     def what(self) -> str:
-        """In words, how the matrix is laid out."""
+        """In words, how the matrix is laid out.
+
+        Examples:
+            >>> rows = MatrixPlacement("w", ("Shard(dim=1)", "Shard(dim=0)"), ("efsdp", "ep"),
+            ...                        ((0, 1, False), (1, 0, False)), ndim=3, stack=True)
+            >>> rows.what().split(":")[0]  # torchtitan's FSDP2 when efsdp × ep > num_experts
+            "a stack of matrices split along matrix dim 1 over mesh dim(s) ['efsdp']"
+            >>> supported_by(rows)
+            ()
+        """
         if self.partial:
             return "a pending sum (Partial) on some ranks"
         if self.sharded_split:
@@ -248,6 +257,16 @@ class MatrixPlacement:
                 "a stack of matrices split along its leading dim over several mesh "
                 "dimensions: each rank holds whole experts"
             )
+        cut = [(d, t) for d, t, _ in self.shards if t >= self.ndim - 2]
+        if self.stack and self.ndim > 2 and cut:
+            return (
+                "a stack of matrices split along matrix dim "
+                f"{', '.join(str(t) for t in sorted({t for _, t in cut}))} over mesh dim(s) "
+                f"{sorted({self.mesh_dims[d] for d, _ in cut})}: every matrix of the stack is "
+                "cut (an expert's rows sharded by FSDP2, or tensor parallelism inside the "
+                "experts); DMuon steps whole experts only: shard the stack on its leading "
+                "(expert) dimension"
+            )
         if len(self.shards) > 1:
             return (
                 "split over several mesh dimensions in a layout no mode steps (FSDP2 over "
@@ -259,11 +278,6 @@ class MatrixPlacement:
             return (
                 f"a stack of matrices split along its leading dim {self.shards[0][1]}: each "
                 "rank holds whole experts"
-            )
-        if self.shards and self.stack and self.shards[0][1] >= self.ndim - 2:
-            return (
-                f"a stack of matrices split along matrix dim {self.shards[0][1]}: every "
-                "matrix of the stack is cut (tensor parallelism inside the experts)"
             )
         if self.shards and self.shards[0][1] != 0:
             return (
