@@ -52,7 +52,11 @@ LOCAL_DEPS = {
     "optim": ("kernels", "comm", "optim"),
     "integrations": ("kernels", "comm", "optim", "integrations"),
 }
-TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
+TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "pytest-xdist>=3.5")
+# Two pytest workers, a test file each at a time: CI has two cores, and most tests run
+# in one process (a file's module fixtures are built once, on its worker). Distributed
+# tests start their ranks as before; `nox -s <session> -- -n 0` runs serially.
+WORKERS = ("-n", "2", "--dist", "loadfile")
 # The [torchtitan] extra pulls torchtitan's trainer dependencies; CI installs the package
 # alone and what `torchtitan.components.optimizer` and `torchtitan.models` import.
 TORCHTITAN_NO_DEPS = ("torchtitan==0.3.0", "spmd_types==0.2.3")
@@ -97,7 +101,7 @@ def _package_tests(session: nox.Session, package: str) -> None:
     # Triton's ahead-of-time compiles for sm80/sm90 (a minute on two cores) run once in CI,
     # in `compat`, on the triton release of the GPU image; every other kernels test runs here.
     deselect = ("-m", "not aot_compile") if package == "kernels" else ()
-    pytest = ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *deselect)
+    pytest = ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *WORKERS, *deselect)
     session.run(*pytest, ".", *session.posargs)
 
 
@@ -133,6 +137,7 @@ def integration(session: nox.Session) -> None:
         "-q",
         "-p",
         "no:cacheprovider",
+        *WORKERS,
         "tests-integration",
         *session.posargs,
     )
@@ -214,7 +219,7 @@ def _compat(session: nox.Session, pins: tuple[str, ...]) -> None:
         "'torch', torch.__version__, 'triton', triton.__version__)",
     )
     # -rs: every skip prints its reason, so no test is skipped on one torch silently.
-    pytest = ("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider")
+    pytest = ("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *WORKERS)
     for package in ("kernels", "comm", "optim", "integrations"):
         session.chdir(pathlib.Path(pkg_dir(package)) / "tests")  # the installed package
         session.run(*pytest, ".", *session.posargs)
