@@ -100,10 +100,10 @@ def rule_step(rule, W, G, st, hp, t, vote=lambda s: s):
         D = ns_(U + hp["mona_gamma"] / (1 - hp["momentum"]) * st["grad_diff_avg"])
     elif rule == "musec":
         U = momentum_input(G, st, hp)
-        # Muon's Frobenius norm first, ‖B‖_F = √min(m, n), then the clip at τ.
+        # Muon's Frobenius norm divided by τ, ‖B‖_F = √min(m, n)/τ, then the clip at one.
         nu = U.norm()
-        B = U * (math.sqrt(min(m, n)) / nu) if nu > 0 else U * 0
-        D = svd_clip(B, hp["clip_tau"], hp["clip_mode"])
+        B = U * (math.sqrt(min(m, n)) / (hp["clip_tau"] * nu)) if nu > 0 else U * 0
+        D = svd_clip(B, 1.0, hp["clip_mode"])
     elif rule == "sign_muon":
         S = vote(torch.sign(ns_(momentum_input(G, st, hp))))
         if hp["local_polar"]:

@@ -1,7 +1,8 @@
 """Musec's clip convention (issue 17), against a float64 SVD.
 
-The momentum is brought to Muon's Frobenius norm, ``B = √min(m, n)·U/‖U‖_F``, and
-its singular values are clipped at τ: hard ``min(σ, τ)``, soft ``σ/√(1 + σ²/τ²)``.
+The momentum is brought to Muon's Frobenius norm divided by τ, ``B = √min(m, n)·U/(τ‖U‖_F)``,
+and its singular values are clipped at one: hard ``min(σ, 1)``, soft ``σ/√(1 + σ²)`` —
+the clip at τ of the momentum at Muon's norm, scaled by 1/τ.
 The reference here computes B's singular values from the SVD of the input, not
 with the optimizer's Newton–Schulz-type iterations.
 """
@@ -26,9 +27,10 @@ HP = dict(
 
 
 def documented_clip(sv: torch.Tensor, k: int, tau: float, mode: str) -> torch.Tensor:
-    """The page's convention, from singular values: normalise, then clip."""
+    """The page's convention, from singular values: normalise, clip at τ, scale by 1/τ."""
     s = sv * (math.sqrt(k) / sv.norm())
-    return s.clamp(max=tau) if mode == "hard" else s / torch.sqrt(1 + (s / tau) ** 2)
+    clipped = s.clamp(max=tau) if mode == "hard" else s / torch.sqrt(1 + (s / tau) ** 2)
+    return clipped / tau
 
 
 # Singular values from 1e-4 to 1e2 "in gradient units": the old convention (clip the
@@ -57,7 +59,9 @@ def test_update_singular_values_follow_the_documented_clip(mode, tau, m, n):
 
 @pytest.mark.parametrize("mode", ["hard", "soft"])
 def test_clip_engages_at_default_tau(mode):
-    """At τ = 1 the strongest directions are clipped whatever the gradient's scale."""
+    """At the default τ (0.1 of the RMS singular value) the strong directions become
+    one — Muon's step — and the weakest keeps its relative size, whatever the
+    gradient's scale."""
     sv = torch.tensor([3.0, 2.0, 0.5, 0.1], dtype=torch.float64)
     G = with_singular_values(4, 16, sv)
     rule = get_rule("musec")
@@ -69,9 +73,14 @@ def test_clip_engages_at_default_tau(mode):
         out.append(torch.linalg.svdvals(U[0]))
     for s in out[1:]:
         torch.testing.assert_close(s, out[0], rtol=1e-9, atol=1e-12)
-    want = documented_clip(sv, 4, 1.0, mode)
+    tau = rule.options["clip_tau"].default
+    assert tau == 0.1
+    want = documented_clip(sv, 4, tau, mode)
     torch.testing.assert_close(out[0], want, rtol=1e-7, atol=1e-9)
-    assert out[0].max() <= 1.0 + 1e-9  # spectral norm ≤ τ
+    if mode == "hard":  # σ(B)·τ = [1.65, 1.10, 0.27, 0.055]·τ: three clipped, one kept
+        torch.testing.assert_close(out[0][:3], torch.ones(3, dtype=torch.float64))
+        assert 0.5 < out[0][3] < 0.6
+    assert out[0].max() <= 1.0 + 1e-9  # spectral norm ≤ 1, Muon's
     assert out[0].square().sum() <= 4.0 + 1e-9  # Frobenius ≤ Muon's √min(m, n)
 
 
@@ -84,7 +93,7 @@ def test_fp32_update_matches_the_svd():
     U, _ = rule.update(G[None], state, hp)
     assert U.dtype == torch.float32
     got = torch.linalg.svdvals(U[0].double())
-    want = documented_clip(sv.flip(0), 8, 1.0, "hard")
+    want = documented_clip(sv.flip(0), 8, rule.options["clip_tau"].default, "hard")
     # fp32 iterations: ~1e-6 relative to the largest singular value (≤ 1)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
 
