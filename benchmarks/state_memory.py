@@ -23,8 +23,15 @@ estimate. Alongside, each rank's process peak resident set size
 processes (forked from this one, so the figure includes the interpreter and torch),
 and it counts weights, gradients, activations and allocator slack too.
 
+Beside each measured row, the optimizer state ``dmuon-plan`` predicts for it
+(:func:`dmuon.optim.planner.memory.memory_per_rank` on the same model's
+:class:`~dmuon.optim.planner.config.ModelSpec`, owners from
+:func:`dmuon.comm.plan_owners`, the busiest rank): ``predicted_state_bytes``.
+``--predict`` adds that figure to an existing result file without running anything.
+
     python benchmarks/state_memory.py --world 2
     python benchmarks/state_memory.py --world 4 --out benchmarks/results/state-memory-cpu-w4.json
+    python benchmarks/state_memory.py --predict benchmarks/results/state-memory-cpu-w2.json
 """
 
 from __future__ import annotations
@@ -59,6 +66,32 @@ SETUPS = [
     "sharded",
 ]
 STEPS = 2
+# The planner's mode for each setup. It models owner mode with the scalars' AdamW state
+# sharded (FSDP2 or owned): `owner_ddp`'s all-reduced scalars hold 8·Φ_S bytes on every
+# rank instead of 8·Φ_S/N, which the comparison shows.
+PLANNER_MODE = {
+    "adamw_fsdp": "adamw",
+    "owner_fsdp": "owner",
+    "owner_fsdp_z3": "owner-z3",
+    "owner_ddp": "owner",
+    "owner_ddp_zero1": "owner",
+    "replicated": "replicated",
+    "sharded": "sharded",
+}
+
+
+def predicted_state_bytes(setup: str, world: int, state_dtype: str | None) -> float:
+    """The optimizer state ``dmuon-plan``'s memory model predicts for the busiest rank."""
+    from dmuon.comm import plan_owners
+    from dmuon.optim.planner.config import spec_from_module
+    from dmuon.optim.planner.memory import memory_per_rank
+
+    with torch.device("meta"):
+        model = GPT(WorldConfig().gpt())
+    spec = spec_from_module(model, "the step benchmark's GPT")
+    plan = plan_owners(spec.matrices, world)
+    mode = PLANNER_MODE[setup]
+    return memory_per_rank(spec, plan, mode, state_dtype=state_dtype)["optimizer_state"]
 
 
 def build(setup: str, cfg: WorldConfig, state_dtype: str | None) -> tuple[Any, Any, Any]:
@@ -160,6 +193,7 @@ def run(world: int, timeout: float) -> dict[str, Any]:
             "max_matrix_bytes": max(r["matrix"] for r in per_rank),
             "max_scalar_bytes": max(r["scalar"] for r in per_rank),
             "max_peak_rss": max(r["peak_rss"] for r in per_rank),
+            "predicted_state_bytes": predicted_state_bytes(setup, world, dtype),
         }
         print(f"[{i}/{len(runs)}] {name}: {time.perf_counter() - t0:.1f} s", flush=True)
     return rows
@@ -168,12 +202,27 @@ def run(world: int, timeout: float) -> dict[str, Any]:
 def print_table(rows: dict[str, Any], world: int) -> None:
     mib = 1 << 20
     print(f"\noptimizer state per rank, world {world} (max over ranks; MiB)")
-    print(f"{'setup':<22} {'state':>8} {'matrix':>8} {'scalar':>8} {'peak RSS':>9}")
+    print(
+        f"{'setup':<22} {'state':>8} {'matrix':>8} {'scalar':>8} {'peak RSS':>9} {'predicted':>9}"
+    )
     for name, r in rows.items():
         print(
             f"{name:<22} {r['max_state_bytes'] / mib:8.2f} {r['max_matrix_bytes'] / mib:8.2f} "
-            f"{r['max_scalar_bytes'] / mib:8.2f} {r['max_peak_rss'] / mib:9.1f}"
+            f"{r['max_scalar_bytes'] / mib:8.2f} {r['max_peak_rss'] / mib:9.1f} "
+            f"{r['predicted_state_bytes'] / mib:9.2f}"
         )
+
+
+def add_predictions(path: pathlib.Path) -> None:
+    """Add ``predicted_state_bytes`` to every row of a result file, and print its table."""
+    result = json.loads(path.read_text())
+    for r in result["rows"].values():
+        dtype = None if r["state_dtype"] == "float32" else r["state_dtype"]
+        r["predicted_state_bytes"] = predicted_state_bytes(r["setup"], result["world"], dtype)
+    result["predicted"] = "dmuon-plan's optimizer_state (planner.memory.memory_per_rank)"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print_table(result["rows"], result["world"])
+    print(f"wrote {path}")
 
 
 def main() -> int:
@@ -181,7 +230,17 @@ def main() -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", type=pathlib.Path, default=None)
+    p.add_argument(
+        "--predict",
+        type=pathlib.Path,
+        default=None,
+        metavar="JSON",
+        help="add the planner's predicted state to this result file; run nothing",
+    )
     args = p.parse_args()
+    if args.predict is not None:
+        add_predictions(args.predict)
+        return 0
     rows = run(args.world, args.timeout)
     print_table(rows, args.world)
     out = args.out or ROOT / "benchmarks" / "results" / f"state-memory-cpu-w{args.world}.json"
@@ -197,6 +256,7 @@ def main() -> int:
         "what": "bytes of the tensors in optimizer.state per rank (exact; storages counted "
         "once, DTensors by local shard) and process peak RSS (ru_maxrss)",
         "rows": rows,
+        "predicted": "dmuon-plan's optimizer_state (planner.memory.memory_per_rank)",
     }
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
