@@ -30,7 +30,9 @@ Nothing here asserts on time.
     python benchmarks/step.py --world 4 --quick   # a small model, a few steps
 
 The load average before and after is stored with the results: on a shared
-machine, compare ratios, not milliseconds.
+machine, compare ratios, not milliseconds. On a CPU ``--single`` also records each
+step's CPU time (``time.process_time``; with ``--threads 1`` the work done, which other
+jobs' load inflates far less than the wall clock) and prints the ratios of both.
 """
 
 from __future__ import annotations
