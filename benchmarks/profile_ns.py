@@ -6,7 +6,7 @@ for a small GPT-2-like set of matrices, the optimizer step of DMuon at equal mat
 ``torch.optim.Muon`` (in the dtype of the comparison, see ``benchmarks/step.py``).
 Operator self-times are summed into groups:
 
-* ``products``: ``mm``/``bmm``/``addmm``/``baddbmm``;
+* ``products``: ``mm``/``bmm``/``addmm``/``addmm_``/``baddbmm``;
 * ``norms``: ``linalg_vector_norm`` and other reductions;
 * ``casts/copies``: ``copy_``, ``_to_copy``, ``clone``, ``contiguous``;
 * ``stack/unstack``: ``stack``, ``cat``, ``split``, ``unbind``, ``index_*``;
@@ -58,7 +58,8 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 SHAPES = [(768, 768), (768, 3072), (3072, 768), (1024, 3584)]
 QUICK_SHAPES = [(384, 1536), (1536, 384)]
 GROUPS = {
-    "products": {"mm", "bmm", "addmm", "baddbmm", "matmul"},
+    # addmm_: a baddbmm writing a tall matrix's layout (out=, CPU) runs one per matrix
+    "products": {"mm", "bmm", "addmm", "addmm_", "baddbmm", "matmul"},
     "norms": {"linalg_vector_norm", "norm", "amax", "max", "sum", "isfinite", "all", "any"},
     "casts/copies": {"copy_", "_to_copy", "to", "clone", "contiguous"},
     "stack/unstack": {"stack", "cat", "split", "unbind", "index_select", "index_copy_"},

@@ -30,7 +30,9 @@ Nothing here asserts on time.
     python benchmarks/step.py --world 4 --quick   # a small model, a few steps
 
 The load average before and after is stored with the results: on a shared
-machine, compare ratios, not milliseconds.
+machine, compare ratios, not milliseconds. On a CPU ``--single`` also records each
+step's CPU time (``time.process_time``; with ``--threads 1`` the work done, which other
+jobs' load inflates far less than the wall clock) and prints the ratios of both.
 """
 
 from __future__ import annotations
@@ -215,6 +217,11 @@ class Row:
     parameters: int
     seconds: float  # median over rounds
     all_seconds: list[float]
+    # CPU time of the process during the step (``time.process_time``), median over rounds:
+    # with one torch thread on a shared machine, the work done, which other jobs' load
+    # inflates far less than the wall clock. Recorded for CPU runs only.
+    cpu_seconds: float | None = None
+    all_cpu_seconds: list[float] | None = None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -244,6 +251,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # state at Llama-1B size does not fit in an H200's memory at once.
             groups = [opts] if args.device != "cuda" else [[o] for o in opts]
             times: dict[str, list[float]] = {}
+            cpu_times: dict[str, list[float]] = {}
             for group in groups:
                 built = []
                 for label, make in group:
@@ -253,16 +261,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     sync()
                     built.append((label, opt))
                     times[label] = []
+                    cpu_times[label] = []
                     bar.advance(task)
                 for r in range(args.rounds):
                     for label, opt in built:
                         text = f"{cfg.name[:20]}: round {r + 1} {label[:22]}"
                         bar.update(task, description=text)
                         sync()
-                        t0 = time.perf_counter()
+                        c0, t0 = time.process_time(), time.perf_counter()
                         opt.step()
                         sync()
                         times[label].append(time.perf_counter() - t0)
+                        cpu_times[label].append(time.process_time() - c0)
                         bar.advance(task)
                 del built, opt
                 if args.device == "cuda":
@@ -272,7 +282,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     torch.cuda.empty_cache()
             n = sum(p.numel() for p in params)
             for label, ts in times.items():
-                rows.append(Row(cfg.name, label, len(params), n, statistics.median(ts), ts))
+                cs = cpu_times[label] if args.device == "cpu" else None
+                cpu = statistics.median(cs) if cs else None
+                row = Row(cfg.name, label, len(params), n, statistics.median(ts), ts, cpu, cs)
+                rows.append(row)
             del params
     return {
         "meta": {
@@ -303,6 +316,7 @@ def summarise(rows: list[Row], cfgs: list[Config]) -> dict[str, Any]:
     flops = {c.name: flop_ratio(c) for c in cfgs}
     for cfg in dict.fromkeys(r.config for r in rows):
         by = {r.optimizer: r.seconds for r in rows if r.config == cfg}
+        cpu = {r.optimizer: r.cpu_seconds for r in rows if r.config == cfg}
         adamw = by["AdamW (foreach)"]
         # torch.optim.Muon in the dtype of the comparison (fp32 on CPUs without bf16 units)
         reference = by.get(TORCH_MUON_FP32) or by[TORCH_MUON]
@@ -321,6 +335,13 @@ def summarise(rows: list[Row], cfgs: list[Config]) -> dict[str, Any]:
             "over_torch_muon": {k: v / muon for k, v in by.items()},
             "over_adamw": {k: v / adamw for k, v in by.items()},
         }
+        if all(v is not None for v in cpu.values()):
+            ref_cpu = cpu.get(TORCH_MUON_FP32) or cpu[TORCH_MUON]
+            out[cfg]["cpu_time"] = {
+                "equal_math_over_torch_muon": cpu[EQUAL_MATH] / ref_cpu,
+                "default_over_torch_muon": cpu[DEFAULT] / ref_cpu if DEFAULT in cpu else None,
+                "over_torch_muon": {k: v / ref_cpu for k, v in cpu.items()},
+            }
     return out
 
 
@@ -331,18 +352,24 @@ def print_table(result: dict[str, Any]) -> None:
     console = Console(width=120)
     for cfg, summ in result["summary"].items():
         table = Table(title=f"{cfg} — optimizer step on {result['meta']['device']}")
-        for h in ("optimizer", "ms / step", "× torch Muon", "× AdamW"):
+        cpu = summ.get("cpu_time")
+        heads = ["optimizer", "ms / step", "× torch Muon", "× AdamW"]
+        heads += ["CPU ms / step", "CPU × torch Muon"] if cpu else []
+        for h in heads:
             table.add_column(h, justify="left" if h == "optimizer" else "right")
         for r in result["rows"]:
             if r["config"] != cfg:
                 continue
             name = r["optimizer"]
-            table.add_row(
+            cells = [
                 name,
                 f"{r['seconds'] * 1e3:.1f}",
                 f"{summ['over_torch_muon'][name]:.2f}",
                 f"{summ['over_adamw'][name]:.1f}",
-            )
+            ]
+            if cpu:
+                cells += [f"{r['cpu_seconds'] * 1e3:.1f}", f"{cpu['over_torch_muon'][name]:.2f}"]
+            table.add_row(*cells)
         console.print(table)
         ratio = summ["dmuon_keller_over_torch_muon"]
         verdict = "met" if ratio <= 0.6 else "NOT met"
@@ -361,6 +388,10 @@ def print_table(result: dict[str, Any]) -> None:
         if default is not None:
             line += f"; DMuon default {default:.2f}× (≤ 0.75×: "
             line += f"{'met' if default <= 0.75 else 'NOT met'})"
+        if cpu:
+            line += f"; in CPU time: equal math {cpu['equal_math_over_torch_muon']:.2f}×"
+            if cpu["default_over_torch_muon"] is not None:
+                line += f", default {cpu['default_over_torch_muon']:.2f}×"
         console.print(line + "\n")
 
 

@@ -47,6 +47,24 @@ def test_fused_normalisation_equals_the_plain_passes(shape, dtype, compute):
     assert layout.transposed == (shape[-2] > shape[-1])
 
 
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(80, 24), (3, 40, 16)], ids=str)
+def test_tall_in_place_normalises_without_a_transposed_copy(shape, dtype, compute):
+    # The CPU torch path: X is the wide view of a contiguous tall buffer. Same values as
+    # the plain passes to two ulps of the compute dtype (the norm sums the same entries
+    # in the tall memory order, so it may round differently).
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+    G[..., 1, 1] = -4.0
+    X, layout = to_wide_normalized(G, 1e-7, compute, "standard", tall_in_place=True)
+    ref = plain_reference(G, 1e-7, compute)
+    assert X.dtype == compute and X.shape == ref.shape and layout.transposed
+    assert X.mT.is_contiguous() and not X.is_contiguous()
+    torch.testing.assert_close(X, ref, rtol=3e-7 if compute == torch.float32 else 8e-3, atol=0)
+    out = restore(X, layout)
+    assert out.shape == G.shape and out.is_contiguous()
+
+
 def test_zero_matrices_in_a_batch_stay_zero():
     G = torch.randn(3, 8, 20)
     G[1] = 0.0

@@ -23,6 +23,9 @@ from dmuon.kernels import orthogonalize
 PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul"}
 NORMS = {"linalg_vector_norm", "norm", "frobenius_norm", "amax", "amin", "aminmax", "max"}
 COPIES = {"copy_", "_to_copy", "clone", "contiguous"}
+# no pass over the data: allocations (empty_like: the output buffer of a product that
+# keeps a tall matrix's layout) and views
+ALLOCATIONS_AND_VIEWS = ("empty", "empty_strided", "empty_like", "view", "t", "transpose")
 
 
 class _Count(TorchDispatchMode):
@@ -55,7 +58,7 @@ def census(G: torch.Tensor, **kw) -> dict[str, Counter]:
             kinds["norms"][name] += 1
         elif name in COPIES and size > matrices:
             kinds["copies"][name] += 1
-        elif size >= whole and name not in ("empty", "empty_strided", "view", "t", "transpose"):
+        elif size >= whole and name not in ALLOCATIONS_AND_VIEWS:
             kinds["passes"][name] += 1
     return kinds
 
@@ -107,6 +110,19 @@ def test_standard_fp32_needs_no_copy(shape):
     assert kinds["norms"] == NORMALISE_NORMS
     assert kinds["copies"] == Counter()  # the tall transpose rides on the first division
     assert kinds["passes"] == NORMALISE_PASSES
+
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_a_tall_matrix_is_iterated_in_its_own_layout(method):
+    # No transposed copy on the way in (the counts above) and none on the way out: every
+    # product that replaces X writes the tall layout, so the result is contiguous and
+    # the caller's W -= lr·O reads it in order (a transposed read took 9 ms against
+    # 0.9 ms for 2048 × 512 fp32 on one x86 core).
+    G = torch.randn(192, 48)
+    out = orthogonalize(G, method=method, backend="torch", compute_dtype=torch.float32)
+    assert out.is_contiguous()
+    kinds = census(G, method=method, compute_dtype=torch.float32)
+    assert kinds["norms"] == NORMALISE_NORMS and kinds["passes"] == NORMALISE_PASSES
 
 
 @pytest.mark.parametrize("restarts", [(2,), (), (1, 3)], ids=str)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from dmuon.optim import DMuon, param_groups
+from dmuon.optim import DMuon, NonFiniteGradientError, param_groups
 
 
 def mat(*shape):
@@ -80,6 +80,36 @@ def test_a_sparse_gradient_is_named_without_the_finiteness_guard():
     model[0].weight.grad = torch.randn(8, 6).to_sparse()
     with pytest.raises(RuntimeError, match=r"sparse.*'0\.weight'"):
         opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_finiteness_guard_names_exactly_the_non_finite_gradients(dtype):
+    # The guard sums each gradient first and decides by max|g| only where the sum is not
+    # finite: finite entries whose sum overflows must pass, NaN, Inf and +Inf with -Inf
+    # (a NaN sum) must be named, in either dtype.
+    big = torch.finfo(dtype).max
+    model = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(5)]).to(dtype)
+    fills = [
+        torch.full((8, 8), big),  # finite, its sum overflows
+        torch.ones(8, 8),
+        torch.ones(8, 8).index_fill_(0, torch.tensor([3]), float("nan")),
+        torch.ones(8, 8).index_fill_(1, torch.tensor([2]), float("inf")),
+        torch.ones(8, 8)
+        .index_fill_(0, torch.tensor([0]), float("inf"))
+        .index_fill_(0, torch.tensor([1]), -float("inf")),
+    ]
+    for layer, g in zip(model, fills, strict=True):
+        layer.weight.grad = g.to(dtype)
+    opt = DMuon(param_groups(model), nonfinite="raise")
+    before = [layer.weight.detach().clone() for layer in model]
+    with pytest.raises(NonFiniteGradientError) as info:
+        opt.step()
+    assert info.value.names == ["2.weight", "3.weight", "4.weight"]
+    assert all(torch.equal(b, layer.weight) for b, layer in zip(before, model, strict=True))
+    for layer in model[2:]:
+        layer.weight.grad = torch.ones(8, 8, dtype=dtype)
+    opt.step()  # all finite now, the overflowing sum included: steps
+    assert not torch.equal(before[0], model[0].weight)
 
 
 def test_the_same_tensor_twice_in_one_group_is_refused():

@@ -42,7 +42,12 @@ class Layout:
 
 
 def to_wide_normalized(
-    G: torch.Tensor, eps: float, compute_dtype: torch.dtype | None, method: str
+    G: torch.Tensor,
+    eps: float,
+    compute_dtype: torch.dtype | None,
+    method: str,
+    *,
+    tall_in_place: bool = False,
 ) -> tuple[torch.Tensor, Layout]:
     """Return ``X`` of shape ``(B, m, n)`` with ``m ≤ n`` and ``‖X_b‖_F ≤ 1`` in the compute dtype.
 
@@ -61,12 +66,24 @@ def to_wide_normalized(
     Cost: three read-only reductions (``max G``, ``min G``, ``‖G/max|G|‖_F``) and two
     written passes; the transpose of a tall matrix and the casts ride on the writes
     (no separate ``contiguous``/``to`` copies, no ``|G|`` temporary).
+
+    ``tall_in_place=True`` (the CPU torch path, see :func:`~dmuon.kernels.dispatch.run`):
+    a tall matrix is not transposed in memory. ``X`` is then the wide-shaped view
+    ``Yᵀ`` of a contiguous tall buffer ``Y`` (``X.mT`` is contiguous): the BLAS reads the
+    transposed operand in place and the iterations write their products in the same
+    layout (:func:`keeps_layout`), so the result comes back in ``G``'s own layout.
+    On a 2-core x86 CPU (one thread, fp32, torch 2.13) the transposing write of a
+    2048 × 512 matrix took 4.3 ms against 0.8 ms for a plain one, and adding the
+    transposed update to the weight 9.1 ms against 0.9 ms; the products cost the same
+    in either layout and gave the same bits. Ignored on the autograd path.
     """
     check_matrix_input(G)
     m, n = G.shape[-2], G.shape[-1]
     transposed = m > n
+    grad = G.requires_grad and torch.is_grad_enabled()
+    in_place = transposed and tall_in_place and not grad
     G3 = G.reshape(-1, m, n)
-    if transposed:
+    if transposed and not in_place:
         G3 = G3.mT
     work = torch.float64 if G.dtype == torch.float64 else torch.float32
     if compute_dtype is None:
@@ -82,7 +99,7 @@ def to_wide_normalized(
     scale = torch.maximum(G3.amax(dim=dims, keepdim=True), -G3.amin(dim=dims, keepdim=True))
     scale = torch.where(scale > 0, scale, 1.0).to(work)
     layout = Layout(G.shape, G.dtype, transposed)
-    if G.requires_grad and torch.is_grad_enabled():  # out= has no autograd: same arithmetic
+    if grad:  # out= has no autograd: same arithmetic
         X = (G3.to(work) / scale).contiguous()
         norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) + eps
         return (X / norm).to(compute_dtype), layout
@@ -93,7 +110,20 @@ def to_wide_normalized(
         X.div_(norm)
     else:
         X = torch.div(X, norm, out=torch.empty(X.shape, dtype=compute_dtype, device=G.device))
-    return X, layout
+    return (X.mT if in_place else X), layout
+
+
+def keeps_layout(X: torch.Tensor) -> torch.Tensor | None:
+    """An output buffer of ``X``'s layout for a product that replaces ``X``, or ``None``.
+
+    For the transposed view of :func:`to_wide_normalized` (``tall_in_place``), a product
+    written with ``out=torch.empty_like(X)`` stays in the tall layout (``empty_like``
+    keeps the strides); for a contiguous ``X``, or when autograd records (``out=`` has no
+    autograd), ``None``: the product allocates as usual.
+    """
+    if X.is_contiguous() or (X.requires_grad and torch.is_grad_enabled()):
+        return None
+    return torch.empty_like(X)
 
 
 def restore(X: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -231,7 +231,12 @@ def run(G: torch.Tensor, method: str, iteration: Iteration, options: NSOptions) 
     ops = plan.ops if plan.ops is not None else _tuned_ops(G, plan)
 
     def whole_call(G: torch.Tensor) -> torch.Tensor:
-        X, layout = to_wide_normalized(G, plan.eps, plan.compute_dtype, plan.method)
+        # CPU, torch products: a tall matrix is iterated in its own layout (no transpose
+        # in memory, see to_wide_normalized); the Triton kernels and CUDA take it wide.
+        in_place = ops is TORCH_OPS and G.device.type == "cpu"
+        X, layout = to_wide_normalized(
+            G, plan.eps, plan.compute_dtype, plan.method, tall_in_place=in_place
+        )
         return restore(plan.iterate(X, ops), layout)
 
     if G.device.type != "cuda":  # graphs are CUDA-only: the cache is not even asked
