@@ -41,9 +41,9 @@ class MomentumSpectralClip(Transform):
     discards). The update's spectral norm is at most one and its Frobenius norm at
     most Muon's, whatever τ and the scale of the gradients, so Muon's learning rates
     carry over. τ = 0.1 (the default) clips every direction above a tenth of the
-    RMS: on the learning-rate grid of ``benchmarks/lr_grid.py`` it is Muon's equal
-    or better, where τ = 1 (MuCon's level in these units) trailed Muon by 0.17 in
-    validation loss (the τ × lr grid on the Musec page). Dividing by τ before the
+    RMS: on the learning-rate grid of ``benchmarks/lr_grid.py`` it matches Muon
+    (within the seeds' spread), where τ = 1 (MuCon's level in these units) trailed
+    Muon by 0.17 in validation loss (the τ × lr grid on the Musec page). Dividing by τ before the
     clip at one is the clip at τ scaled by 1/τ: ``clip_1(B/τ) = clip_τ(B)/τ``.
     A zero momentum gives a zero update.
 
