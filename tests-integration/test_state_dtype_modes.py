@@ -8,14 +8,16 @@ stochastic rounding (owner mode under FSDP2, sharded mode): the rounding seeds
 depend on the step and the matrix only, so an owner draws the bits the single
 process drew.
 
-Tolerance 1e-4 instead of the fp32 modes' 1e-5: the runs differ by the order of the
+Tolerance 2e-4 instead of the fp32 modes' 1e-5: the runs differ by the order of the
 gradient sums (~1e-7 relative), and where that moves an fp32 momentum entry across
 a bf16 rounding boundary the stored entry differs by one bf16 ulp (2⁻⁸ relative);
-one such entry moves the next step's update by about lr·2⁻⁸·|M|/‖M‖. Measured
-(2 ranks, 5 steps): owner and replicated modes equal one process bit for bit,
-sharded mode within 5.9e-5 (its gradient sums run in another order); bf16 state
-itself moves the weights 1.1e-3 (nearest) and 2.0e-3 (stochastic) from fp32 state,
-which the test checks exceeds the tolerance.
+one such entry moves the next step's update by about lr·2⁻⁸·|M|/‖M‖, and how many
+entries cross a boundary is chance. Measured (2 ranks, 5 steps): owner and replicated
+modes equal one process bit for bit, sharded mode within 5.9e-5, and within 1.03e-4
+since tall matrices are normalised in their own memory layout (issue 18: the norm's
+sum runs in another order, ~1e-7 relative); bf16 state itself moves the weights
+1.1e-3 (nearest) and 2.0e-3 (stochastic) from fp32 state, which the test checks
+exceeds the tolerance.
 
 Checkpoints: the owner-mode and sharded runs save a DCP checkpoint and a full
 state dict after step 2 and go on; both load back (DCP at 2 ranks, the full dict in
@@ -37,7 +39,7 @@ from dmuon.integrations import checkpoint
 NAME = "gpt"
 STEPS = 5
 SAVE_AT = 2
-BF16_TOLERANCE = 1e-4
+BF16_TOLERANCE = 2e-4
 MODES = ["owner_fsdp", "owner_ddp", "replicated", "sharded"]
 SAVED = ["owner_ddp", "sharded"]
 STOCHASTIC_MODES = ["owner_fsdp", "sharded"]
