@@ -57,6 +57,10 @@ TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "pytest-x
 # in one process (a file's module fixtures are built once, on its worker). Distributed
 # tests start their ranks as before; `nox -s <session> -- -n 0` runs serially.
 WORKERS = ("-n", "2", "--dist", "loadfile")
+# One compute thread per process: with two workers each running torch's default of one
+# OpenMP thread per core, the threads of one worker spin while the other's run (a 0.4 s
+# test took 33 s, the optim suite 163 s instead of 106 s). Ranks and subprocesses inherit it.
+PYTEST_ENV = {"OMP_NUM_THREADS": "1"}
 # The [torchtitan] extra pulls torchtitan's trainer dependencies; CI installs the package
 # alone and what `torchtitan.components.optimizer` and `torchtitan.models` import.
 TORCHTITAN_NO_DEPS = ("torchtitan==0.3.0", "spmd_types==0.2.3")
@@ -102,7 +106,7 @@ def _package_tests(session: nox.Session, package: str) -> None:
     # in `compat`, on the triton release of the GPU image; every other kernels test runs here.
     deselect = ("-m", "not aot_compile") if package == "kernels" else ()
     pytest = ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *WORKERS, *deselect)
-    session.run(*pytest, ".", *session.posargs)
+    session.run(*pytest, ".", *session.posargs, env=PYTEST_ENV)
 
 
 def _make_tests_session(package: str) -> None:
@@ -140,6 +144,7 @@ def integration(session: nox.Session) -> None:
         *WORKERS,
         "tests-integration",
         *session.posargs,
+        env=PYTEST_ENV,
     )
 
 
@@ -222,9 +227,9 @@ def _compat(session: nox.Session, pins: tuple[str, ...]) -> None:
     pytest = ("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *WORKERS)
     for package in ("kernels", "comm", "optim", "integrations"):
         session.chdir(pathlib.Path(pkg_dir(package)) / "tests")  # the installed package
-        session.run(*pytest, ".", *session.posargs)
+        session.run(*pytest, ".", *session.posargs, env=PYTEST_ENV)
     session.chdir(ROOT)
-    session.run(*pytest, *(f"tests-integration/{t}" for t in COMPAT_INTEGRATION))
+    session.run(*pytest, *(f"tests-integration/{t}" for t in COMPAT_INTEGRATION), env=PYTEST_ENV)
     # The GPU command end to end on the CPU: an import or API error shows here first.
     out = pathlib.Path(session.create_tmp()) / "gpu-run"
     shutil.rmtree(out, ignore_errors=True)

@@ -1,5 +1,12 @@
-"""``dmuon-plan`` end to end, in a subprocess: JSON against the schema, table, plot, errors."""
+"""``dmuon-plan``: JSON against the schema, table, plot, errors, calibration.
 
+The entry point runs end to end in a subprocess (``python -m dmuon.optim.planner``) for
+the JSON, the piped table with its plot, calibration and one bad input; the other cases
+call the same ``main`` in this process (a subprocess costs three seconds of imports).
+"""
+
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -26,6 +33,16 @@ def run(*args, timeout=240):
     )
 
 
+def call(*args):
+    """``main(args)`` in this process, as a ``CompletedProcess`` (exit status, outputs)."""
+    from dmuon.optim.planner.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def test_json_output_validates_against_the_documented_schema():
     done = run("llama-3.1-8b", "--gpus", "64", "--json")
     assert done.returncode == 0, done.stderr
@@ -42,7 +59,7 @@ def test_json_output_validates_against_the_documented_schema():
 
 
 def test_tensor_parallel_json_validates_and_reports_the_tp_terms():
-    done = run("llama-3.2-3b", "--gpus", "16", "--tp", "2", "--json")
+    done = call("llama-3.2-3b", "--gpus", "16", "--tp", "2", "--json")
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     validate(out)
@@ -57,7 +74,7 @@ def test_tensor_parallel_json_validates_and_reports_the_tp_terms():
 
 
 def test_the_schema_validator_rejects_what_does_not_fit():
-    done = run("gpt2", "--gpus", "4", "--mode", "owner", "--json")
+    done = call("gpt2", "--gpus", "4", "--mode", "owner", "--json")
     out = json.loads(done.stdout)
     validate(out)
     del out["modes"]["owner"]["step_ms"]
@@ -80,7 +97,7 @@ def test_plain_table_when_piped_and_plot(tmp_path):
 
 
 def test_module_factory_model():
-    done = run("planner_factories:tiny", "--gpus", "2", "--json", "--mode", "owner,sharded")
+    done = call("planner_factories:tiny", "--gpus", "2", "--json", "--mode", "owner,sharded")
     assert done.returncode == 0, done.stderr
     assert set(json.loads(done.stdout)["modes"]) == {"adamw", "vanilla", "owner", "sharded"}
 
@@ -103,8 +120,13 @@ def test_module_factory_model():
     ],
 )
 def test_bad_input_exits_2_naming_it(args, message):
-    done = run(*args)
+    done = call(*args)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_bad_input_exits_2_from_the_console_entry():
+    done = run("gpt2", "--gpus", "0")
+    assert done.returncode == 2 and "gpus must be an int ≥ 1" in done.stderr, done.stderr
 
 
 def test_calibrate_writes_a_profile_that_later_runs_load(tmp_path):
@@ -132,7 +154,7 @@ def guide_example(*extra: str) -> tuple[list[str], str]:
     guide = HERE.parents[2] / "docs" / "guides" / "planning.md"
     if not guide.is_file():  # an installed package's tests, without the repository
         pytest.skip("docs/guides/planning.md is not next to these tests")
-    done = run(
+    done = call(
         "llama-3.1-8b", "--gpus", "64", "--gpus-per-node", "8", "--device", "H100",
         "--inter", "ib-ndr", "--tokens", "4194304", "--seq-len", "4096", "--mfu", "0.4",
         *extra,
