@@ -26,6 +26,7 @@ unpinned torch pulls a multi-GB CUDA build.
 
 from __future__ import annotations
 
+import concurrent.futures
 import inspect
 import json
 import os
@@ -370,7 +371,8 @@ def build(session: nox.Session) -> None:
     ``__all__`` and every public submodule) and must hold exactly the dmuon packages
     the wheels' metadata declare, all of them from dist/. To keep the session short,
     the venvs share one read-only base holding only the pinned torch (through a .pth
-    file): torch is declared by every package, and installing it costs ~30 s a venv.
+    file): torch is declared by every package, and installing it costs ~30 s a venv;
+    and two venvs are installed and checked at a time.
     """
     releasing = _release_args(session)
     session.install(*CONSTRAINTS, "build>=1.2", "twine>=5", BUILD_BACKEND)
@@ -398,7 +400,7 @@ def build(session: nox.Session) -> None:
     )
 
     covered: set[tuple[str, str | None]] = set()
-    failed: list[str] = []
+    jobs: list[tuple[dict, bool]] = []
     checks = [(f"dmuon-{p}", None) for p in PACKAGES]
     checks += [_split_extra(spec) for spec in EXTRA_IMPORTS]
     for dist_name, extra in checks:
@@ -421,10 +423,20 @@ def build(session: nox.Session) -> None:
             "gated": gated,
             "planned": planned,
         }
+        jobs.append((args, extra is None))
+
+    def check(job: tuple[dict, bool]) -> str | None:
+        args, alone = job
         try:  # every install is checked, then the failures are listed together
-            _install_and_import(session, tmp, base, dist, pins, checker, args, extra is None)
+            _install_and_import(session, tmp, base, dist, pins, checker, args, alone)
         except nox.command.CommandFailed as exc:
-            failed.append(f"{label}: {exc.reason or exc}")
+            return f"{args['label']}: {exc.reason or exc}"
+        return None
+
+    # Two venvs at a time (CI's two cores): an install is pip unpacking and one process
+    # importing, each mostly on one core. Output of the two interleaves.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        failed = [f for f in pool.map(check, jobs) if f is not None]
 
     if failed:
         session.error("installs that failed their check:\n  " + "\n  ".join(failed))

@@ -66,32 +66,43 @@ SETUPS = [
     "sharded",
 ]
 STEPS = 2
-# The planner's mode for each setup. It models owner mode with the scalars' AdamW state
-# sharded (FSDP2 or owned): `owner_ddp`'s all-reduced scalars hold 8·Φ_S bytes on every
-# rank instead of 8·Φ_S/N, which the comparison shows.
+# The planner's mode for each setup, and owner mode's scalar layout (memory_per_rank's
+# `scalars`): FSDP2 shards them under fsdp.dedicate; ddp.dedicate all-reduces them (every
+# rank steps them) or, with scalars="owner", plans them with the matrices.
 PLANNER_MODE = {
-    "adamw_fsdp": "adamw",
-    "owner_fsdp": "owner",
-    "owner_fsdp_z3": "owner-z3",
-    "owner_ddp": "owner",
-    "owner_ddp_zero1": "owner",
-    "replicated": "replicated",
-    "sharded": "sharded",
+    "adamw_fsdp": ("adamw", "sharded"),
+    "owner_fsdp": ("owner", "sharded"),
+    "owner_fsdp_z3": ("owner-z3", "sharded"),
+    "owner_ddp": ("owner", "all_reduce"),
+    "owner_ddp_zero1": ("owner", "owner"),
+    "replicated": ("replicated", "sharded"),
+    "sharded": ("sharded", "sharded"),
 }
 
 
 def predicted_state_bytes(setup: str, world: int, state_dtype: str | None) -> float:
     """The optimizer state ``dmuon-plan``'s memory model predicts for the busiest rank."""
-    from dmuon.comm import plan_owners
+    from dmuon.comm import MatrixItem, plan_owners
+    from dmuon.integrations.selection import split_parameters
     from dmuon.optim.planner.config import spec_from_module
     from dmuon.optim.planner.memory import memory_per_rank
 
     with torch.device("meta"):
         model = GPT(WorldConfig().gpt())
     spec = spec_from_module(model, "the step benchmark's GPT")
-    plan = plan_owners(spec.matrices, world)
-    mode = PLANNER_MODE[setup]
-    return memory_per_rank(spec, plan, mode, state_dtype=state_dtype)["optimizer_state"]
+    mode, scalars = PLANNER_MODE[setup]
+    if scalars == "owner":  # the items ddp.dedicate(scalars="owner") plans: scalars whole
+        dedicated, rest = split_parameters(model)
+        items = [item for item, _ in dedicated]
+        items += [
+            MatrixItem(n, (1, p.numel()) if p.dim() < 2 else tuple(p.shape), p.dtype, k)
+            for n, k, p in rest
+        ]
+        plan = plan_owners(items, world)
+    else:
+        plan = plan_owners(spec.matrices, world)
+    memory = memory_per_rank(spec, plan, mode, state_dtype=state_dtype, scalars=scalars)
+    return memory["optimizer_state"]
 
 
 def build(setup: str, cfg: WorldConfig, state_dtype: str | None) -> tuple[Any, Any, Any]:

@@ -1,6 +1,7 @@
 """The step-time and memory model: FLOPs, bytes, limits and monotonicity."""
 
 import pytest
+import torch
 
 from dmuon.comm import ns_flops as closed_form_ns_flops
 from dmuon.comm import plan_owners
@@ -237,3 +238,33 @@ def test_a_profile_without_overlap_exposes_all_communication():
         assert m.exposed_s["step"] == pytest.approx(m.comm_s["step"])
     with pytest.raises(ValueError, match="overlap must be true or false"):
         DeviceProfile("cpu", 5e10, 8e9, 5e9, overlap="no")  # type: ignore[arg-type]
+
+
+def test_owner_mode_scalar_layouts_and_their_refusals(llama):
+    """ddp.dedicate's all-reduced scalars add their whole AdamW state to every rank; an
+    owned-scalar plan must hold the scalars; the layouts are owner mode's alone. (Equal to
+    DMuon's state on real ranks: tests-integration/test_planner_memory_owner.py.)"""
+    from dmuon.comm import MatrixItem
+    from dmuon.optim.planner.memory import memory_per_rank
+
+    n, ps = 4, llama.scalar_params
+    plan = plan_owners(llama.matrices, n)
+    sharded = memory_per_rank(llama, plan, "owner")
+    reduced = memory_per_rank(llama, plan, "owner", scalars="all_reduce")
+    assert reduced["optimizer_state"] - sharded["optimizer_state"] == 8 * ps * (1 - 1 / n)
+    assert reduced["weights"] == reduced["gradients"] == llama.total_params * 2
+    scalars = [MatrixItem(name, (1, k), torch.bfloat16) for name, k in llama.scalars]
+    owned = plan_owners([*llama.matrices, *scalars], n)
+    got = memory_per_rank(llama, owned, "owner", scalars="owner")["optimizer_state"]
+    names = {name for name, _ in llama.scalars}
+    want = max(
+        sum(2 * i.numel if i.name not in names else 8 * i.numel for i in owned.items_of(r))
+        for r in range(n)
+    )  # Muon's bf16 momentum per owned matrix, AdamW's two fp32 moments per owned scalar
+    assert got == want
+    with pytest.raises(ValueError, match="holds none of them"):
+        memory_per_rank(llama, plan, "owner", scalars="owner")
+    with pytest.raises(ValueError, match=r"'all_reduce' is ddp\.dedicate's owner mode"):
+        memory_per_rank(llama, plan, "sharded", scalars="all_reduce")
+    with pytest.raises(ValueError, match="scalars must be one of"):
+        memory_per_rank(llama, plan, "owner", scalars="zero1")

@@ -19,6 +19,15 @@ owner mode); the busiest rank (largest ``O_r``) is reported:
   ``O_r e + 8Φ_S/N``, all-to-all buffers ``2ℓe``;
 * ``sign``: weights and gradients ``Φe``, state ``Φ_M e + 8Φ_S``, packed signs ``ℓ/8``.
 
+The scalar parameters of owner mode (ZeRO-2-like) follow the integration
+(``scalars=``): ``"sharded"`` (the above: ``fsdp.dedicate``, FSDP2 shards them),
+``"all_reduce"`` (``ddp.dedicate``'s default: weights and gradients ``Φe`` on every
+rank, every rank steps the scalars, state ``O_r e + 8Φ_S``, buckets ``Φe``) or
+``"owner"`` (``ddp.dedicate(scalars="owner")``: the scalar tensors are planned with
+the matrices, whole, so the plan must hold them by name; weights and gradients
+``Φe``, state ``max_r (O_r e + 8 S_r)`` with ``S_r`` the scalar elements rank ``r``
+owns, buckets ``Φe``).
+
 With tensor parallelism (``T``) the spec is the one a rank holds (each split matrix
 its ``⌈L/T⌉ × g`` shard, :class:`~dmuon.optim.planner.parallel.Layout`) and ``N`` the
 ``dp = N_gpus/T`` ranks: weights, gradients and state of split matrices divide by ``T``;
@@ -52,6 +61,7 @@ from dmuon.optim.planner.config import ModelSpec
 from dmuon.optim.rules import get_rule
 
 STATE_BYTES = {"float32": 4, "bfloat16": 2}
+SCALAR_LAYOUTS = ("sharded", "all_reduce", "owner")
 
 __all__ = ["memory_per_rank"]
 
@@ -75,6 +85,7 @@ def memory_per_rank(
     gathered: int = 0,
     rule: str = "muon",
     state_dtype: str | None = None,
+    scalars: str = "sharded",
 ) -> dict[str, float]:
     """Bytes per rank in ``mode``: ``weights``, ``gradients``, ``optimizer_state``,
     ``buffers`` and their ``total`` (activations excluded).
@@ -89,6 +100,14 @@ def memory_per_rank(
         gathered: elements of the largest matrix vanilla Muon gathers whole (over tp).
         rule: DMuon's matrix rule, whose declared state is counted.
         state_dtype: the matrix state's dtype (``None``: the parameter's).
+        scalars: owner mode's scalar parameters: ``"sharded"`` (``fsdp.dedicate``),
+            ``"all_reduce"`` or ``"owner"`` (``ddp.dedicate``'s ``scalars=``; with
+            ``"owner"`` the plan holds the scalar tensors by their names).
+
+    Raises:
+        ValueError: an unknown ``mode`` or ``scalars``, ``scalars`` other than
+            ``"sharded"`` outside ``owner``, or ``"owner"`` with a plan
+            that holds none of the model's scalar tensors.
 
     Examples:
         >>> from dmuon.comm import plan_owners
@@ -98,6 +117,12 @@ def memory_per_rank(
         >>> m["weights"] == spec.total_params * 2  # bf16
         True
     """
+    if scalars not in SCALAR_LAYOUTS:
+        raise ValueError(f"scalars must be one of {SCALAR_LAYOUTS}, got {scalars!r}")
+    if scalars != "sharded" and mode != "owner":
+        raise ValueError(
+            f"scalars={scalars!r} is ddp.dedicate's owner mode ('owner'); {mode!r} shards them"
+        )
     N = plan.world_size
     e = spec.matrices[0].dtype.itemsize if spec.matrices else 2
     phi, pm, ps = spec.total_params, spec.matrix_params, spec.scalar_params
@@ -116,7 +141,19 @@ def memory_per_rank(
             sum(k_m * i.numel + k_r * i.batch * i.rows for i in items) + k_m * held_elements
         ) * s
 
-    owned_state = max(state(plan.items_of(r), extra[r]) for r in range(N))
+    if scalars == "owner":  # the scalar tensors are in the plan: split them off
+        names = {n for n, _ in spec.scalars}
+        if names and not any(i.name in names for i in plan.items):
+            raise ValueError(
+                "scalars='owner' needs the plan of ddp.dedicate(scalars='owner'): the scalar "
+                "tensors planned with the matrices (by name), and this plan holds none of them"
+            )
+        mats = [[i for i in plan.items_of(r) if i.name not in names] for r in range(N)]
+        own_s = [sum(i.numel for i in plan.items_of(r) if i.name in names) for r in range(N)]
+        owned = max(sum(i.numel for i in mats[r]) + extra[r] for r in range(N))
+        owned_state = max(state(mats[r], extra[r]) + 8 * own_s[r] for r in range(N))
+    else:
+        owned_state = max(state(plan.items_of(r), extra[r]) for r in range(N))
     all_state = state(spec.matrices)
 
     def sh(v: int, k: float) -> float:
@@ -133,6 +170,10 @@ def memory_per_rank(
     elif mode == "vanilla":
         m = (sh(phi, e) + 2 * layer * e, sh(phi, e) + layer * e, sh(pm, e) + 8 * ps / N,
              biggest * e)  # fmt: skip
+    elif mode == "owner" and scalars != "sharded":
+        # ddp.dedicate: every rank holds every weight and gradient; the owners' state
+        # holds the owned scalars' 8 S_r, or every rank steps the all-reduced ones (8Φ_S)
+        m = (phi * e, phi * e, owned_state + (8 * ps if scalars == "all_reduce" else 0), phi * e)
     elif mode == "owner":
         m = (pm * e + ps * e / N, pm * e + ps * e / N, owned_state + 8 * ps / N, pm * e)
     elif mode == "owner-z3":
