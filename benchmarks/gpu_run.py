@@ -19,13 +19,16 @@ own time limit:
    Newton–Schulz call and of the optimizer step at Llama-1B shapes goes, by operator
    group, DMuon against ``torch.optim.Muon``;
 6. ``dmuon-plan --calibrate`` on CUDA (full mode): the GPU's device profile for the
-   planner (GEMM, Newton–Schulz on Llama-3.1-8B's shapes, AdamW's bandwidth).
+   planner (GEMM, Newton–Schulz on Llama-3.1-8B's shapes, AdamW's bandwidth);
+7. ``benchmarks/compile_check.py`` (full mode): ``torch.compile`` with inductor after
+   ``ddp.dedicate(reshard_after_forward=True)`` and under FSDP2's sharded mode, equal
+   to eager and without recompiles after the first step.
 
 Everything lands in ``--out`` (default ``$OUT``, the folder the GPU tool returns, else
 ``benchmarks/results/gpu-run``): ``gpu-run.json`` (versions, each step's command,
 status, seconds and the tail of its output) and ``gpu-run-results.tar.gz`` holding every
 JSON and PNG the steps wrote (the GPU tool returns at most 8 files). Full mode fits in
-9 minutes, ``--quick`` in 3, so a quick rerun fits in a session's 15 minutes of device time.
+9.5 minutes, ``--quick`` in 3, so a quick rerun fits in a session's 15 minutes of device time.
 
     python benchmarks/gpu_run.py --prepare-wheels   # on the CPU machine, with network
     python3 benchmarks/gpu_run.py                    # on the GPU machine (< 9 min)
@@ -59,7 +62,9 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.*` importable
     sys.path.insert(0, str(ROOT))
-SOURCES = [ROOT / "packages" / f"dmuon-{p}" / "src" for p in ("kernels", "comm", "optim")]
+SOURCES = [
+    ROOT / "packages" / f"dmuon-{p}" / "src" for p in ("kernels", "comm", "optim", "integrations")
+]
 WHEELS = ROOT / "benchmarks" / "gpu-wheels"
 WHEELS_LIMIT = 60 * 2**20  # the GPU tool carries 64 MiB in all
 TAIL = 4000  # characters of each step's output kept in gpu-run.json
@@ -83,7 +88,7 @@ IMAGE_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2
 def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
     """(name, command, time limit in seconds) of each step for ``mode``.
 
-    The limits add up to 520 s (full) and 175 s (quick): under the 8 and 3 minutes the
+    The limits add up to 560 s (full) and 175 s (quick): under the 8 and 3 minutes the
     GPU tool's budget leaves for one rerun. ``dry-run`` runs the same steps on a CPU at
     tiny sizes.
     """
@@ -96,6 +101,9 @@ def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
     model = "gpt2" if mode == "dry-run" else "llama-3.1-8b"
     plan = [py, "-m", "dmuon.optim.planner", model, "--calibrate-world", "0"]
     cpu, gpu = ("--calibrate-device", "cpu"), ("--calibrate-device", "cuda")
+    # torch.compile after dedicate, inductor on the GPU: the ZeRO-3-like owner mode (every
+    # hook DMuon installs) and sharded mode (FSDP2's own hooks); aot_eager in the dry run
+    cc = ("--modes", "owner_ddp_z3,sharded")
     if mode == "dry-run":
         return [
             ("gpu_check", [py, str(b / "gpu_check.py"), "--dry-run", "--budget", "240", *o], 300),
@@ -112,6 +120,7 @@ def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
                 [*plan, "--calibrate", str(out / "plan-profile-cpu.json"), *cpu, "--json"],
                 120,
             ),
+            ("compile", [py, str(b / "compile_check.py"), "--dry-run", *cc, *o], 90),
         ]
     if mode == "quick":
         return [
@@ -121,7 +130,7 @@ def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
             ("tp_gram", [py, str(b / "tp_gram.py"), "--min-run-time", "0.1", *tp], 20),
         ]
     return [
-        ("gpu_check", [py, str(b / "gpu_check.py"), "--budget", "220", *o], 250),
+        ("gpu_check", [py, str(b / "gpu_check.py"), "--budget", "200", *o], 230),
         ("step_single", [py, str(b / "step.py"), "--single", *o], 100),
         ("kernels", [py, str(b / "kernels.py"), "--min-run-time", "0.3", *o], 60),
         ("tp_gram", [py, str(b / "tp_gram.py"), "--min-run-time", "0.3", *tp], 25),
@@ -131,6 +140,7 @@ def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
             [*plan, "--calibrate", str(out / "plan-profile-cuda.json"), *gpu, "--json"],
             40,
         ),
+        ("compile", [py, str(b / "compile_check.py"), *cc, *o], 60),
     ]
 
 

@@ -82,11 +82,16 @@ def test_a_sparse_gradient_is_named_without_the_finiteness_guard():
         opt.step()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["sums", "fused-l1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_finiteness_guard_names_exactly_the_non_finite_gradients(dtype):
-    # The guard sums each gradient first and decides by max|g| only where the sum is not
-    # finite: finite entries whose sum overflows must pass, NaN, Inf and +Inf with -Inf
-    # (a NaN sum) must be named, in either dtype.
+def test_the_finiteness_guard_names_exactly_the_non_finite_gradients(dtype, fused, monkeypatch):
+    # The guard sums each gradient first (on a GPU: torch._foreach_norm's ℓ1 norms, forced
+    # here on the CPU) and decides by max|g| only where that is not finite: finite entries
+    # whose sum overflows must pass, NaN, Inf and +Inf with -Inf must be named, in either
+    # dtype.
+    from dmuon.optim.engine import guards
+
+    monkeypatch.setattr(guards, "FUSED_DEVICES", ("cpu",) if fused else ())
     big = torch.finfo(dtype).max
     model = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(5)]).to(dtype)
     fills = [

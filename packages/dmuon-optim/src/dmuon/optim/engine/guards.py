@@ -31,6 +31,7 @@ the next collective, or silently train another model).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -183,6 +184,11 @@ def agree_step(
     return [r for r, v in enumerate(slots) if v % 2], bad
 
 
+# Devices whose first pass over the gradients is torch._foreach_norm's fused ℓ1 norms
+# (one launch per dtype group) rather than a sum per gradient (see _nonfinite_names).
+FUSED_DEVICES = ("cuda",)
+
+
 def _nonfinite_names(engine: Engine) -> list[str]:
     """This rank's parameters whose gradient holds NaN or Inf."""
     entries = [
@@ -200,8 +206,16 @@ def _nonfinite_names(engine: Engine) -> list[str]:
     # it enters, and so the sum, Inf or NaN), and a sum is one cheap read. Only a gradient
     # whose sum is not finite (a NaN/Inf entry, or finite entries whose sum overflows) is
     # decided by the exact max|g|: on one x86 core, torch 2.13, the ∞-norms of the 112
-    # gradients of the Llama-1B/4 benchmark took 263 ms a step, their sums 24 ms.
-    sums = torch.isfinite(torch.stack([g.sum().float() for g in grads]))
+    # gradients of the Llama-1B/4 benchmark took 263 ms a step, their sums 24 ms. On a
+    # GPU a sum per gradient is a kernel launch per gradient: there the ℓ1 norms
+    # (Σ|g|, finite for the same reason) come from torch._foreach_norm, a few fused
+    # launches for all of them.
+    firsts: Sequence[torch.Tensor]
+    if grads[0].device.type in FUSED_DEVICES:
+        firsts = torch._foreach_norm(grads, 1)
+    else:
+        firsts = [g.sum() for g in grads]
+    sums = torch.isfinite(torch.stack([t.float() for t in firsts]))
     if bool(sums.all()):
         return []
     suspects = [i for i, fine in enumerate(sums.tolist()) if not fine]
