@@ -97,8 +97,8 @@ def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
     o = ["--out", str(out)]
     tp = [*o, "--no-plot"]
     # the planner calibrates Newton–Schulz on a model's shapes: Llama-3.1-8B's on the GPU,
-    # GPT-2's in the dry run (8B's 4096×14336 takes minutes per call on a CPU)
-    model = "gpt2" if mode == "dry-run" else "llama-3.1-8b"
+    # a 2-layer GPT-2 of width 128 in the dry run (the code path, in seconds on a CPU)
+    model = str(b / "configs" / "tiny-gpt2.json") if mode == "dry-run" else "llama-3.1-8b"
     plan = [py, "-m", "dmuon.optim.planner", model, "--calibrate-world", "0"]
     cpu, gpu = ("--calibrate-device", "cpu"), ("--calibrate-device", "cuda")
     # torch.compile after dedicate, inductor on the GPU: the ZeRO-3-like owner mode (every
