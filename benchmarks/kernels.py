@@ -100,12 +100,20 @@ def mm_rate(
     return 2 * batch * s * s * l / t
 
 
-def dtypes_for(device: str) -> list[torch.dtype]:
-    # CPU: bf16 is the fast path, fp32 the accurate one (fp16 matmul on CPU is
-    # orders of magnitude slower and never chosen). CUDA: fp16 (Gram default) and bf16.
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def dtypes_for(device: str, asked: str | None = None) -> list[torch.dtype]:
+    """``--dtypes`` if given; else CUDA: fp16 (Gram's default) and bf16; a CPU with native
+    bf16: bf16 (its fast path) and fp32; any other CPU: fp32, the fast path there (bf16
+    products are emulated, 768×768 took 20 s a call; fp16 matmul is slower still)."""
+    if asked:
+        return [DTYPES[d.strip()] for d in asked.split(",") if d.strip()]
     if device == "cuda":
         return [torch.float16, torch.bfloat16]
-    return [torch.bfloat16, torch.float32]
+    from dmuon.kernels import cpu_has_native_bf16
+
+    return [torch.bfloat16, torch.float32] if cpu_has_native_bf16() else [torch.float32]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -119,7 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     jobs = [
         (label, batch, m, n, dtype, method, mode)
         for label, batch, m, n in cases
-        for dtype in dtypes_for(device)
+        for dtype in dtypes_for(device, args.dtypes)
         for method in ("standard", "gram")
         for mode in (("batched", "loop") if batch > 1 else ("batched",))
     ]
@@ -280,8 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small subset, about a minute on CPU")
     p.add_argument("--dry-run", action="store_true", help="toy shapes (checks the code)")
     p.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
+    p.add_argument(
+        "--dtypes",
+        help="comma-separated among fp16, bf16, fp32 (default: the device's fast ones)",
+    )
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = p.parse_args(argv)
+    if args.dtypes and (bad := [d for d in args.dtypes.split(",") if d.strip() not in DTYPES]):
+        p.error(f"--dtypes: {bad} not among {', '.join(DTYPES)}")
     torch.manual_seed(0)
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
