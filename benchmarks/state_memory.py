@@ -82,7 +82,7 @@ PLANNER_MODE = {
 
 def predicted_state_bytes(setup: str, world: int, state_dtype: str | None) -> float:
     """The optimizer state ``dmuon-plan``'s memory model predicts for the busiest rank."""
-    from dmuon.comm import MatrixItem, plan_owners
+    from dmuon.comm import plan_owners
     from dmuon.integrations.selection import split_parameters
     from dmuon.optim.planner.config import spec_from_module
     from dmuon.optim.planner.memory import memory_per_rank
@@ -92,13 +92,8 @@ def predicted_state_bytes(setup: str, world: int, state_dtype: str | None) -> fl
     spec = spec_from_module(model, "the step benchmark's GPT")
     mode, scalars = PLANNER_MODE[setup]
     if scalars == "owner":  # the items ddp.dedicate(scalars="owner") plans: scalars whole
-        dedicated, rest = split_parameters(model)
-        items = [item for item, _ in dedicated]
-        items += [
-            MatrixItem(n, (1, p.numel()) if p.dim() < 2 else tuple(p.shape), p.dtype, k)
-            for n, k, p in rest
-        ]
-        plan = plan_owners(items, world)
+        dedicated, _ = split_parameters(model, dedicate_rest=True)
+        plan = plan_owners([item for item, _ in dedicated], world)
     else:
         plan = plan_owners(spec.matrices, world)
     memory = memory_per_rank(spec, plan, mode, state_dtype=state_dtype, scalars=scalars)

@@ -192,15 +192,9 @@ def build_dedication(
         group, replicate_group = mesh_groups(mesh)
     else:  # dp × tp: owners over the dimension the tensor-parallel placements do not use
         group, replicate_group = mesh.get_group(1 - tp_dim), None
-    dedicated, rest = split_parameters(model, predicate, layer_of=layer_of)
-    if dedicate_rest:
-        from dmuon.comm import MatrixItem
-
-        dedicated += [
-            (MatrixItem(n, (1, p.numel()) if p.dim() < 2 else tuple(p.shape), p.dtype, k), p)
-            for n, k, p in rest
-        ]
-        rest = []
+    dedicated, rest = split_parameters(
+        model, predicate, layer_of=layer_of, dedicate_rest=dedicate_rest
+    )
     _check_dtensors(
         dedicated,
         rest if all_reduce_rest else [],

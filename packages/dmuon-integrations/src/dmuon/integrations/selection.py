@@ -24,13 +24,16 @@ def split_parameters(
     predicate: Predicate | None = None,
     *,
     layer_of: Callable[[str], str] = layer_key,
+    dedicate_rest: bool = False,
 ) -> tuple[list[tuple[MatrixItem, torch.Tensor]], list[tuple[str, str, torch.Tensor]]]:
     """``(dedicated, rest)``: the planned items of the chosen parameters, and the others.
 
     The default choice is what :func:`dmuon.optim.param_groups` puts in a matrix
     group (the hidden weight matrices, conv weights, expert stacks); ``predicate(name,
     param)`` overrides it. Frozen parameters are in neither list, on every rank alike;
-    a tied weight appears once.
+    a tied weight appears once. With ``dedicate_rest`` (``ddp.dedicate(scalars="owner")``)
+    the others are planned too, after the chosen ones, whole (a 1-D parameter as a
+    ``(1, numel)`` item), and ``rest`` is empty.
 
     Examples:
         >>> from torch import nn
@@ -38,6 +41,9 @@ def split_parameters(
         >>> dedicated, rest = split_parameters(model)
         >>> [i.name for i, _ in dedicated], [n for n, _, _ in rest]
         (['1.weight'], ['0.weight', '1.bias', '2.weight', '2.bias'])
+        >>> everything, rest = split_parameters(model, dedicate_rest=True)
+        >>> [(i.name, i.shape) for i, _ in everything][:3], rest
+        ([('1.weight', (4, 4)), ('0.weight', (10, 4)), ('1.bias', (1, 4))], [])
     """
     dedicated: list[tuple[MatrixItem, torch.Tensor]] = []
     rest: list[tuple[str, str, torch.Tensor]] = []
@@ -54,6 +60,12 @@ def split_parameters(
             dedicated.append((item, p))
         else:
             rest.append((name, layer_of(name), p))
+    if dedicate_rest:
+        dedicated += [
+            (MatrixItem(n, (1, p.numel()) if p.dim() < 2 else tuple(p.shape), p.dtype, k), p)
+            for n, k, p in rest
+        ]
+        rest = []
     return dedicated, rest
 
 

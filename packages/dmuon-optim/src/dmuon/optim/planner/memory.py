@@ -150,7 +150,6 @@ def memory_per_rank(
             )
         mats = [[i for i in plan.items_of(r) if i.name not in names] for r in range(N)]
         own_s = [sum(i.numel for i in plan.items_of(r) if i.name in names) for r in range(N)]
-        owned = max(sum(i.numel for i in mats[r]) + extra[r] for r in range(N))
         owned_state = max(state(mats[r], extra[r]) + 8 * own_s[r] for r in range(N))
     else:
         owned_state = max(state(plan.items_of(r), extra[r]) for r in range(N))
