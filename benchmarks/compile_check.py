@@ -63,15 +63,17 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """Input matrix, two residual blocks (the FSDP2 units), a head."""
+    """Input matrix, two residual blocks (the FSDP2 units), a head: 6 matrices, 8 scalars.
 
-    def __init__(self, d: int) -> None:
+    Also the model of ``tests-integration/test_compile.py``."""
+
+    def __init__(self, d: int, inputs: int, outputs: int) -> None:
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            self.inp = nn.Linear(16, d)
+            self.inp = nn.Linear(inputs, d)
             self.blocks = nn.ModuleList(Block(d) for _ in range(2))
-            self.head = nn.Linear(d, 8)
+            self.head = nn.Linear(d, outputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -92,24 +94,25 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def setup(mode: str, device: str, d: int) -> tuple[nn.Module, nn.Module, DMuon, Any]:
+def setup(mode: str, model: Net, device: str) -> tuple[nn.Module, nn.Module, DMuon, Any]:
+    """``model`` (on ``device``) prepared for ``mode`` over the default process group:
+    ``(model, the module to call, DMuon, the dedication or None)``. Sharded mode is
+    DMuon's detected mode for FSDP2's DTensors."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dmuon.integrations import ddp, fsdp
 
-    model, kw = Net(d).to(device), dict(OPT)
+    kw: dict[str, Any] = dict(OPT)
     forward: nn.Module = model
     z3 = mode.endswith("_z3")
     if mode.startswith("owner_fsdp") or mode == "sharded":
-        mesh = init_device_mesh(device, (1,))
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
         ignored = None
         if mode != "sharded":
             ded = fsdp.dedicate(model, mesh, reshard_after_forward=z3)
             kw["distributed"], ignored = ded, ded.params
-        else:
-            kw["mode"] = "sharded"
         for block in model.blocks:
             fully_shard(block, mesh=mesh, ignored_params=ignored)
         fully_shard(model, mesh=mesh, ignored_params=ignored)
@@ -139,7 +142,8 @@ def check_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     for compiled in (False, True):
         torch._dynamo.reset()
         counters.clear()
-        model, forward, opt, ded = setup(mode, args.device, args.width)
+        net = Net(args.width, inputs=16, outputs=8).to(args.device)
+        model, forward, opt, ded = setup(mode, net, args.device)
         if compiled and mode == "replicated":
             model.compile(backend=args.backend)
             run = forward

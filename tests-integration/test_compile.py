@@ -31,45 +31,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.compile_check import HOOK_BREAK, MODES, OPT, Net, counts, setup
 from dmuon.comm.testing import run_on_ranks
 from dmuon.optim import DMuon, param_groups
 
 STEPS = 5
 GLOBAL_BATCH = 8
 TOLERANCE = 1e-5
-OPT = dict(lr=0.02, weight_decay=0.1, ns_compute_dtype="float32", adamw_lr=3e-3, adamw_eps=1e-3)
-MODES = ["owner_ddp", "owner_ddp_z3", "owner_fsdp", "owner_fsdp_z3", "replicated", "sharded"]
 BACKEND = os.environ.get("DMUON_COMPILE_BACKEND", "aot_eager")
-HOOK_BREAK = "torch.compiler.disable"  # the reason dynamo gives for DMuon's layer hooks
 
 
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, 2 * d)
-        self.down = nn.Linear(2 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-class Net(nn.Module):
-    """Input matrix, two residual blocks (FSDP2 units), a head: 6 matrices, 8 scalars."""
-
-    def __init__(self, d: int = 16) -> None:
-        super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            self.inp = nn.Linear(8, d)
-            self.blocks = nn.ModuleList(Block(d) for _ in range(2))
-            self.head = nn.Linear(d, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
+def tiny() -> Net:
+    """The model and setups are ``benchmarks/compile_check.py``'s (its GPU counterpart)."""
+    return Net(16, inputs=8, outputs=4)
 
 
 def batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +63,7 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def reference(world: int) -> dict[str, torch.Tensor]:
     """Eager, one process, the mean of the ranks' losses each step."""
-    model = Net()
+    model = tiny()
     opt = DMuon(param_groups(model), **OPT)
     for t in range(STEPS):
         losses = [F.mse_loss(model(x), y) for x, y in (batch(t, r, world) for r in range(world))]
@@ -97,43 +71,6 @@ def reference(world: int) -> dict[str, torch.Tensor]:
         opt.step()
         opt.zero_grad()
     return params_of(model)
-
-
-def _setup(mode: str, world: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from dmuon.integrations import ddp, fsdp
-
-    model, kw = Net(), dict(OPT)
-    forward: nn.Module = model
-    z3 = mode.endswith("_z3")
-    if mode.startswith("owner_fsdp") or mode == "sharded":
-        mesh = init_device_mesh("cpu", (world,))
-        ignored = None
-        if mode != "sharded":
-            ded = fsdp.dedicate(model, mesh, reshard_after_forward=z3)
-            kw["distributed"], ignored = ded, ded.params
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, ignored_params=ignored)
-        fully_shard(model, mesh=mesh, ignored_params=ignored)
-    elif mode.startswith("owner_ddp"):
-        kw["distributed"] = ddp.dedicate(model, reshard_after_forward=z3)
-    else:  # replicated: the module inside DDP is compiled (see run_compiled)
-        forward = DDP(model)
-        kw["mode"] = "replicated"
-    return model, forward, DMuon(param_groups(model), **kw), kw.get("distributed")
-
-
-def _counts() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    return {
-        "graph_breaks": sum(counters["graph_break"].values()),
-        "frames": counters["frames"]["total"],
-        "graphs": counters["stats"]["unique_graphs"],
-    }
 
 
 def run_compiled(rank: int, world: int) -> dict[str, dict]:
@@ -144,7 +81,7 @@ def run_compiled(rank: int, world: int) -> dict[str, dict]:
     for mode in MODES:
         torch._dynamo.reset()
         counters.clear()
-        model, forward, opt, ded = _setup(mode, world)
+        model, forward, opt, ded = setup(mode, tiny(), "cpu")
         if mode == "replicated":
             # compile the module DDP wraps, in place: compiling the DDP wrapper traces
             # DDP's own forward, which breaks 3 times (its Logger, _inside_ddp_forward)
@@ -159,7 +96,7 @@ def run_compiled(rank: int, world: int) -> dict[str, dict]:
             F.mse_loss(compiled(x), y).backward()
             opt.step()
             opt.zero_grad()
-            per_step.append(_counts())
+            per_step.append(counts())
         if ded is not None:
             ded.wait()
         reasons = sorted(str(r).splitlines()[0] for r in counters["graph_break"])
