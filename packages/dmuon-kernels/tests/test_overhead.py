@@ -161,3 +161,32 @@ def test_a_lower_compute_dtype_casts_on_the_normalising_store():
     # fp32 → bf16 is the store of X / ‖·‖ (div with out=), bf16 → fp32 the way back
     assert kinds["passes"] == Counter(div=2)
     assert kinds["copies"] == Counter(_to_copy=1)
+
+
+class _ProductOutputs(TorchDispatchMode):
+    """The ``out=`` buffer of every matrix product (None where the product allocates)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outs: list[torch.Tensor | None] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket.__name__ in PRODUCTS:
+            self.outs.append(kwargs.get("out"))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("method", ["standard", "gram"])
+@pytest.mark.parametrize("shape", [(192, 48), (48, 192), (3, 96, 32)], ids=str)
+def test_no_product_writes_a_transposed_output(shape, method, compute):
+    # A column-major out= gives the right values, but in bf16 torch's CPU GEMM leaves
+    # oneDNN for a reference loop: 19.7 s against 9.5 ms for a 512 × 512 by 512 × 4096
+    # product on an AVX-512-BF16 CPU (_layout.left_product). The tall path computes the
+    # transposed product into a contiguous buffer instead.
+    G = torch.randn(*shape)
+    with _ProductOutputs() as seen:
+        out = orthogonalize(G, method=method, backend="torch", compute_dtype=compute)
+    assert out.is_contiguous()
+    assert seen.outs and all(o is None or o.is_contiguous() for o in seen.outs)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dmuon.kernels._layout import keeps_layout
+from dmuon.kernels._layout import left_product
 from dmuon.kernels.coefficients import Schedule
 from dmuon.kernels.dispatch import run
 from dmuon.kernels.newton_schulz import newton_schulz_iterations
@@ -84,7 +84,7 @@ def gram_iterations(
     Q: torch.Tensor | None = None
     for i, (a, b, c) in enumerate(schedule):
         if i in restarts and Q is not None:
-            X = torch.bmm(Q, X, out=keeps_layout(X))
+            X = left_product(Q, X)
             R = gram(X)
             Q = None
         evolve = i < last and (i + 1) not in restarts
@@ -98,7 +98,7 @@ def gram_iterations(
             RZ = ops.sym_mul(R, Z, a)  # R(aI + Z)
             R = ops.sym_mul(RZ, Z, a)  # RZ(aI + Z)
     assert Q is not None
-    return torch.bmm(Q, X, out=keeps_layout(X))
+    return left_product(Q, X)
 
 
 def gram_newton_schulz(

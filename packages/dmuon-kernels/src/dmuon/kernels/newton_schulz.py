@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon.kernels._layout import keeps_layout
+from dmuon.kernels._layout import left_product
 from dmuon.kernels.coefficients import Schedule
 from dmuon.kernels.dispatch import run
 from dmuon.kernels.ns_options import DEFAULTS, NSOptions
@@ -37,12 +37,12 @@ def newton_schulz_iterations(
     with the scaling: ``A = X Xᵀ`` (``ops.syrk``), ``B = bA + cA²`` (``ops.sym_poly``)
     and ``X ← aX + B X`` (always the vendor ``baddbmm``: not symmetric), written in
     ``X``'s own layout (a tall matrix's transposed view stays tall,
-    :func:`~dmuon.kernels._layout.keeps_layout`).
+    :func:`~dmuon.kernels._layout.left_product`).
     """
     for a, b, c in schedule:
         A = ops.syrk(X)
         B = ops.sym_poly(A, b, c, 0.0)
-        X = torch.baddbmm(X, B, X, beta=a, alpha=1.0, out=keeps_layout(X))
+        X = left_product(B, X, beta=a)
     return X
 
 
