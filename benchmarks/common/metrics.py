@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["machine_info", "steps_to_reach"]
+__all__ = ["allocator_settings", "machine_info", "steps_to_reach"]
 
 
 def steps_to_reach(xs: Sequence[float], losses: Sequence[float], target: float) -> float | None:
@@ -83,6 +83,23 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+ALLOCATOR_VARIABLES = ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_CONF")
+
+
+def allocator_settings() -> dict[str, str]:
+    """The environment that decides how host memory is allocated (empty: glibc's defaults).
+
+    CPU timings depend on it: with glibc's dynamic mmap threshold, a process may serve
+    every large temporary from fresh ``mmap``-ed pages and pay a page fault per 4 KiB on
+    first touch (on a 2-core AMD EPYC, torch 2.13: 5,728 faults and 12.6 ms against 1.7 ms
+    for the two normalising passes of a 768 × 3072 matrix), or not, by the history of its
+    allocations. ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` or a preloaded
+    jemalloc/tcmalloc remove the difference (docs: Troubleshooting, "CPU steps slower in
+    some processes than in others").
+    """
+    return {k: os.environ[k] for k in ALLOCATOR_VARIABLES if os.environ.get(k)}
+
+
 def machine_info(device: str = "cpu") -> dict[str, Any]:
     """Date, versions and hardware for a result file."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -98,6 +115,7 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "git_commit": _git_commit(),
+        "allocator": allocator_settings(),
     }
     for package in ("kernels", "comm", "optim", "integrations"):
         try:
