@@ -197,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)  # fmt: skip
         link = fit_link(world)
         print(f"  all-reduce on {world} ranks: α {link['alpha'] * 1e6:.0f} µs, "
-              f"{link['bandwidth'] / 1e9:.2f} GB/s", flush=True)  # fmt: skip
+              f"{link['bandwidth'] / 1e9:.2f} GB/s; majority vote "
+              f"{link['vote_seconds_per_element'] * 1e9:.2f} ns/element beyond its transfers; "
+              f"Sign-Muon {profile.sign_overhead * 1e6:.0f} µs/matrix beyond Muon",
+              flush=True)  # fmt: skip
+        profile = dataclasses.replace(profile, vote_overhead=link["vote_seconds_per_element"])
         measured_link = Link("measured", link["bandwidth"], alpha=link["alpha"], efficiency=1.0,
                              source="all-reduce α–β fit, this run")  # fmt: skip
         cluster = ClusterProfile(profile, world, world, measured_link, measured_link)

@@ -83,7 +83,12 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
-ALLOCATOR_VARIABLES = ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_CONF")
+ALLOCATOR_VARIABLES = (
+    "LD_PRELOAD",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_CONF",
+)
 
 
 def allocator_settings() -> dict[str, str]:

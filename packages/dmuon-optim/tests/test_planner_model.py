@@ -268,3 +268,47 @@ def test_owner_mode_scalar_layouts_and_their_refusals(llama):
         memory_per_rank(llama, plan, "sharded", scalars="all_reduce")
     with pytest.raises(ValueError, match="scalars must be one of"):
         memory_per_rank(llama, plan, "owner", scalars="zero1")
+
+
+def test_fsdp2_collectives_charge_their_copies_at_the_memory_rate():
+    # FSDP2 copies 2·B·(1 + 1/N) bytes around each collective (copy-in and copy-out):
+    # the difference between two memory rates is exactly those bytes' time; DDP's
+    # all-reduce (replicated) carries no copy charge.
+    spec = load_model("gpt2")
+    n, b = 4, spec.matrices[0].dtype.itemsize
+    link = Link("gloo", 5e8, alpha=1e-4)
+
+    def comm(mode: str, bandwidth: float) -> dict[str, float]:
+        cpu = DeviceProfile("cpu", 5e10, 8e9, bandwidth, memory_efficiency=1.0, overlap=False)
+        c = ClusterProfile(cpu, n, n, link, link)
+        return predict(spec, c, TrainingShape(fwd_bwd_s=1.0), modes=(mode,)).modes[mode].comm_s
+
+    copied = 2 * spec.total_params * b * (1 + 1 / n)
+    slow, fast = comm("adamw", 1e9), comm("adamw", 4e9)
+    assert slow["forward"] - fast["forward"] == pytest.approx(copied * (1 / 1e9 - 1 / 4e9))
+    # backward: the re-gather and the reduce-scatter
+    assert slow["backward"] - fast["backward"] == pytest.approx(2 * copied * (1 / 1e9 - 1 / 4e9))
+    assert comm("replicated", 1e9)["backward"] == pytest.approx(comm("replicated", 4e9)["backward"])
+
+
+def test_sign_mode_adds_the_calibrated_sign_and_vote_work_and_nothing_else():
+    spec = load_model("gpt2")
+    link = Link("gloo", 5e8, alpha=1e-4)
+    plain = DeviceProfile("cpu", 5e10, 8e9, 5e9, overlap=False)
+    signed = DeviceProfile("cpu", 5e10, 8e9, 5e9, overlap=False, sign_overhead=2e-3,
+                           vote_overhead=3e-9)  # fmt: skip
+    shape = TrainingShape(fwd_bwd_s=1.0)
+
+    def modes(d: DeviceProfile) -> dict:
+        return predict(spec, ClusterProfile(d, 4, 4, link, link), shape, modes=ALL_MODES).modes
+
+    a, b = modes(plain), modes(signed)
+    matrices = sum(i.batch for i in spec.matrices)
+    extra = matrices * 2e-3 + spec.matrix_params * 3e-9
+    assert b["sign"].ns_s - a["sign"].ns_s == pytest.approx(extra)
+    assert b["sign"].step_s - a["sign"].step_s == pytest.approx(extra)
+    for mode in ALL_MODES:
+        if mode != "sign":
+            assert b[mode].step_s == a[mode].step_s, mode
+    with pytest.raises(ValueError, match="vote_overhead must be ≥ 0 seconds"):
+        DeviceProfile("cpu", 5e10, 8e9, 5e9, vote_overhead=-1.0)

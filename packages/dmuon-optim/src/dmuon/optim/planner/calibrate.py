@@ -10,6 +10,8 @@ reads slower — the profile records the machine it ran on):
 * the same on an 8 × 8 matrix → ``call_overhead`` (the fixed cost of one call);
 * a ``DMuon`` step (``mode="single"``) over one matrix of each timed shape →
   ``matrix_overhead = (t_step − Σ t_NS) / matrices`` (momentum, update, bookkeeping);
+* the same step with ``rule="sign_muon"`` → ``sign_overhead = (t_sign − t_step) /
+  matrices`` (the sign and spectral-normalisation links; one process votes alone);
 * ``torch.optim.AdamW`` (foreach) on a 2²² -element parameter →
   ``memory_bandwidth = k·(3e + 16)/t`` (the bytes the step model charges AdamW) with
   ``memory_efficiency = 1`` (already a sustained rate);
@@ -18,7 +20,11 @@ reads slower — the profile records the machine it ran on):
 * an all-reduce of 8 bytes and of 16 MiB on ``world`` ranks of the active backend
   (gloo on CPU, NCCL on GPUs) → α and bandwidth of the ring model, fitted as
   ``benchmarks/comm.py`` does: ``α = t_small / 2(N−1)``,
-  ``bandwidth = 2(N−1)/N·B / (t_large − 2(N−1)α)``.
+  ``bandwidth = 2(N−1)/N·B / (t_large − 2(N−1)α)``; and a packed
+  :func:`dmuon.comm.majority_vote` of the same ``B/4`` elements → ``vote_overhead =
+  (t_vote − t_wire)/elements``, ``t_wire`` the α–β time of its all-to-all and
+  all-gather of ``(N−1)/N·elements/8`` bytes each (the packing and counting a rank
+  does, under the same sharing of the cores as the ranks).
 """
 
 from __future__ import annotations
@@ -57,20 +63,22 @@ def _median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -
     return statistics.median(times)
 
 
-def _link_rank(rank: int, world: int, repeats: int) -> tuple[float, float]:
+def _link_rank(rank: int, world: int, repeats: int) -> tuple[float, float, float]:
     import torch.distributed as dist
+
+    from dmuon.comm import majority_vote
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     small = torch.zeros(2, device=device)
     large = torch.zeros(4 << 20, device=device)
 
-    def timed(t: torch.Tensor) -> float:
+    def timed(fn: Callable[[], Any]) -> float:
         out = []
         for k in range(repeats + 2):
             dist.barrier()
             _sync(device)
             t0 = time.perf_counter()
-            dist.all_reduce(t)
+            fn()
             _sync(device)
             elapsed = torch.tensor([time.perf_counter() - t0], device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -78,14 +86,21 @@ def _link_rank(rank: int, world: int, repeats: int) -> tuple[float, float]:
                 out.append(elapsed.item())
         return statistics.median(out)
 
-    t_small, t_large = timed(small), timed(large)
+    t_small = timed(lambda: dist.all_reduce(small))
+    t_large = timed(lambda: dist.all_reduce(large))
     alpha = t_small / (2 * (world - 1))
     moved = 2 * (world - 1) / world * large.nbytes
-    return alpha, moved / max(t_large - 2 * (world - 1) * alpha, 1e-9)
+    bandwidth = moved / max(t_large - 2 * (world - 1) * alpha, 1e-9)
+    signs = torch.randn(large.numel(), device=device)
+    t_vote = timed(lambda: majority_vote(signs, method="packed"))
+    # its all-to-all and all-gather: (N−1) latency steps and (N−1)/N of the packed bytes each
+    wire = 2 * ((world - 1) * alpha + (world - 1) / world * signs.numel() / 8 / bandwidth)
+    return alpha, bandwidth, max(0.0, t_vote - wire) / signs.numel()
 
 
 def fit_link(world: int = 2, repeats: int = 5, timeout: float = 300.0) -> dict[str, float]:
-    """α (s) and bandwidth (B/s) of the ring all-reduce on ``world`` local ranks.
+    """α (s) and bandwidth (B/s) of the ring all-reduce on ``world`` local ranks, and the
+    majority vote's own seconds per element beyond its transfers.
 
     Uses gloo on CPU (:func:`dmuon.comm.testing.run_on_ranks`).
     """
@@ -94,8 +109,14 @@ def fit_link(world: int = 2, repeats: int = 5, timeout: float = 300.0) -> dict[s
     if isinstance(world, bool) or not isinstance(world, int) or world < 2:
         raise ValueError(f"world must be an int ≥ 2 to time a collective, got {world!r}")
     out = run_on_ranks(_link_rank, world, args=(repeats,), timeout=timeout)
-    alpha, bandwidth = out[0]
-    return {"alpha": alpha, "bandwidth": bandwidth, "world": world, "backend": "gloo"}
+    alpha, bandwidth, vote = out[0]
+    return {
+        "alpha": alpha,
+        "bandwidth": bandwidth,
+        "vote_seconds_per_element": vote,
+        "world": world,
+        "backend": "gloo",
+    }
 
 
 def calibrate(
@@ -160,6 +181,15 @@ def calibrate(
     t_step = _median_seconds(step_opt.step, dev, max(1, repeats // 2))
     matrix_overhead = max(0.0, (t_step - seconds) / len(params))
     progress(f"DMuon step beyond NS: {matrix_overhead * 1e6:.0f} µs per matrix")
+    sign_opt = DMuon(
+        [{"params": params}],
+        rule="sign_muon",
+        mode="single",
+        ns_compute_dtype=str(dtype).removeprefix("torch."),
+    )
+    t_sign = _median_seconds(sign_opt.step, dev, max(1, repeats // 2))
+    sign_overhead = max(0.0, (t_sign - t_step) / len(params))
+    progress(f"Sign-Muon beyond Muon: {sign_overhead * 1e6:.0f} µs per matrix")
     tiny = torch.randn(8, 8, device=dev)
     overhead = _median_seconds(
         lambda: orthogonalize(tiny, method="gram", steps=5, compute_dtype=dtype), dev, repeats
@@ -213,6 +243,8 @@ def calibrate(
         memory_efficiency=1.0,
         call_overhead=overhead,
         matrix_overhead=matrix_overhead,
+        sign_overhead=sign_overhead,
+        vote_overhead=measured["link"]["vote_seconds_per_element"] if link_world else 0.0,
         overlap=dev.type == "cuda",
         source=f"dmuon-plan --calibrate, {measured['date']}",
         measured=measured,

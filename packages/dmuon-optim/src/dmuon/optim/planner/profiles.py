@@ -78,6 +78,13 @@ class DeviceProfile:
         matrix_overhead: seconds of optimizer-step work per matrix a rank steps beyond
             its Newton–Schulz call (momentum, update, bookkeeping); 0 unless measured
             by ``--calibrate``.
+        sign_overhead: seconds per matrix that Sign-Muon's rule takes beyond Muon's in a
+            step (the sign, the spectral normalisation of the voted signs — a Gram
+            product and ``λ_max`` —, the longer chain); 0 unless measured by
+            ``--calibrate``.
+        vote_overhead: seconds per element of the majority vote's own work on a rank
+            (packing the signs, counting the votes, unpacking the result), beyond its
+            two transfers; 0 unless measured by ``--calibrate`` on ranks.
         overlap: whether communication can run behind compute (a GPU: separate
             streams and copy engines); ``--calibrate`` on a CPU sets ``False``, since
             gloo's collectives compete with the ranks' compute for the same cores.
@@ -93,6 +100,8 @@ class DeviceProfile:
     memory_efficiency: float = 0.8
     call_overhead: float = 50e-6
     matrix_overhead: float = 0.0
+    sign_overhead: float = 0.0
+    vote_overhead: float = 0.0
     overlap: bool = True
     source: str = ""
     measured: dict[str, Any] = field(default_factory=dict)
@@ -115,7 +124,7 @@ class DeviceProfile:
             raise ValueError(
                 f"device profile {self.name!r}: overlap must be true or false, got {self.overlap!r}"
             )
-        for name in ("call_overhead", "matrix_overhead"):
+        for name in ("call_overhead", "matrix_overhead", "sign_overhead", "vote_overhead"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(

@@ -14,7 +14,10 @@ of peak rate ``F`` (FLOP/s) and memory bandwidth ``B_mem``:
   ``η`` and memory efficiency ``η_mem`` from the profile. DMuon waits for
   ``max_r t_ns(r)``; vanilla Muon and Sign-Muon run every matrix on every rank. A
   calibrated profile adds ``o`` seconds per matrix stepped (momentum, update and
-  bookkeeping measured around the NS calls; 0 for datasheet profiles).
+  bookkeeping measured around the NS calls; 0 for datasheet profiles). Sign-Muon adds
+  ``o_sign`` per matrix (its sign and spectral-normalisation links beyond Muon's chain)
+  and ``v`` per element voted (packing, counting and unpacking the signs), both
+  calibrated (0 for datasheet profiles).
 * **AdamW** is memory bound: per element it reads the parameter, gradient and both
   moments and writes the parameter and moments, ``3e + 16`` bytes (fp32 moments,
   parameters and gradients of ``e`` bytes), so ``t_adam = k·(3e+16)/(η_mem·B_mem)``
@@ -23,7 +26,9 @@ of peak rate ``F`` (FLOP/s) and memory bandwidth ``B_mem``:
   (:func:`dmuon.comm.cost_model`'s Hockney form; the collectives one layer issues
   together pay ``α`` once) with the bytes of
   :mod:`~dmuon.optim.planner.traffic`; a group within one node runs at the
-  intra-node link, one that spans nodes at the inter-node link.
+  intra-node link, one that spans nodes at the inter-node link. FSDP2's collectives
+  also copy ``2·B·(1 + 1/N)`` bytes in and out of their buffers
+  (:func:`~dmuon.optim.planner.traffic.fsdp_copied_bytes`), charged at ``η_mem·B_mem``.
 * **Overlap, as the engine does it.** Transfers launched per layer from backward
   hooks (DMuon's reduce to owners, FSDP2's reduce-scatter, DDP's all-reduce)
   overlap the rest of backward; transfers awaited by the next forward (DMuon's
@@ -344,6 +349,11 @@ def predict(
     busiest = max(sum(i.batch for i in (*plan.items_of(r), *held[r])) for r in range(D))
     busiest_s = busiest * per_matrix
     everything = sum(i.batch for i in single.items) * per_matrix
+    # Sign-Muon's own work beyond Muon's (calibrated; 0 for datasheet profiles): its
+    # chain on every matrix, and the vote's packing and counting on every element
+    sign_extra = (
+        sum(i.batch for i in single.items) * d.sign_overhead + local.matrix_params * d.vote_overhead
+    )
     top = max(range(D), key=lambda r: work[r][0] + work[r][1])
     held_numel = [sum(i.numel for i in h) for h in held]
     experts_local = sum(i.numel for i in local.matrices if len(i.shape) > 2) if lay.ep > 1 else 0
@@ -362,7 +372,7 @@ def predict(
             t_adam = local.scalar_params / D * adam_rate
         elif mode == "sign":
             dm = dmuon_transfers(local, local_plan, mode)
-            t_ns, t_tp = every[0] + everything, every[1]
+            t_ns, t_tp = every[0] + everything + sign_extra, every[1]
             f_max, f_mean = int(every[2]), float(every[2])
             t_adam = local.scalar_params * adam_rate
         else:
@@ -381,8 +391,8 @@ def predict(
         tp_moved = tp_transfers(choices, local_plan, held, mode, D) if choices else []
         transfers = dm + fw + tp_moved
         comm = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        for t in dm + fw:
-            comm[t.phase] += collective_seconds(t, cluster)
+        for t in dm + fw:  # the wire, and the copies around it (FSDP2's copy-in/out)
+            comm[t.phase] += collective_seconds(t, cluster) + t.copied / d.bytes_per_second
         if d.overlap:
             exposed = {
                 "forward": _exposed(comm["forward"], t_f, layers),
@@ -478,6 +488,11 @@ def assumptions(
         ("NS call overhead", f"{d.call_overhead * 1e6:.0f} µs per batched call (launches)"),
         ("optimizer overhead", f"{d.matrix_overhead * 1e6:.0f} µs per matrix stepped"
          + (" (measured)" if measured else " (not modelled for datasheet profiles)")),
+        ("Sign-Muon overhead", f"{d.sign_overhead * 1e6:.0f} µs per matrix beyond Muon's "
+         f"chain, {d.vote_overhead * 1e9:.2f} ns per element voted"
+         + (" (measured)" if measured else " (not modelled for datasheet profiles)")),
+        ("framework copies", "FSDP2 copies 2·B·(1 + 1/N) bytes in and out around each "
+         "collective, at the memory rate; DDP's bucket copies are not charged"),
         ("overlap", "communication hides behind compute as the engine schedules it"
          if d.overlap else "none: the profile says communication and compute share the "
          "cores (a CPU)"),

@@ -47,6 +47,7 @@ __all__ = [
     "Transfer",
     "dmuon_transfers",
     "framework_transfers",
+    "fsdp_copied_bytes",
     "per_rank_ops",
     "ring_transfer",
 ]
@@ -79,6 +80,9 @@ class Transfer:
             consecutive ranks, which decides its link.
         inside_ns: a tensor-parallel collective inside Newton–Schulz; its time is the
             prediction's ``tp_s``, not a phase's.
+        copied: bytes each rank's memory moves around the collective (read + write of
+            the copies into and out of its buffers), charged at the device's
+            element-wise rate: FSDP2's copy-in and copy-out (0 where not modelled).
     """
 
     op: str
@@ -93,6 +97,7 @@ class Transfer:
     notes: list[str] = field(default_factory=list)
     stride: int = 1
     inside_ns: bool = False
+    copied: float = 0.0
 
     @property
     def max_bytes(self) -> float:
@@ -285,6 +290,21 @@ def ring_transfer(
     return t
 
 
+def fsdp_copied_bytes(nbytes: float, n: int) -> float:
+    """Bytes one rank's memory moves around one FSDP2 collective of ``nbytes`` unsharded.
+
+    FSDP2 copies around each collective: an all-gather copies the rank's shard into the
+    flat send buffer (copy-in, ``nbytes/n`` read and written) and the gathered buffer out
+    into the unsharded parameters (copy-out, ``nbytes`` read and written); a
+    reduce-scatter copies the unsharded gradients into its flat buffer (``nbytes``) and
+    the reduced shard out (``nbytes/n``). Either way ``2·nbytes·(1 + 1/n)``. (torch's
+    ``torch.distributed.fsdp`` ``_fsdp_collectives``: ``foreach_all_gather`` /
+    ``foreach_all_gather_copy_out`` / ``foreach_reduce``.) DDP's bucket copies are not
+    charged: they happen as each gradient is produced, inside backward.
+    """
+    return 2 * nbytes * (1 + 1 / n)
+
+
 DDP_BUCKET_BYTES = 25 * 2**20
 """DDP's default ``bucket_cap_mb=25``: one all-reduce per bucket."""
 
@@ -311,11 +331,14 @@ def framework_transfers(spec: ModelSpec, mode: str, n: int) -> list[Transfer]:
     layers = max(1, len(spec.layers))  # fully_shard per block: one collective per block
 
     def fsdp(nbytes: float) -> list[Transfer]:
-        return [
+        out = [
             ring_transfer("fsdp_all_gather", "all_gather", "forward", nbytes, n, layers),
             ring_transfer("fsdp_all_gather_backward", "all_gather", "backward", nbytes, n, layers),
             ring_transfer("fsdp_reduce_scatter", "reduce_scatter", "backward", nbytes, n, layers),
         ]
+        for t in out:
+            t.copied = fsdp_copied_bytes(nbytes, n)
+        return out
 
     ddp_rounds = -(-int(everything) // DDP_BUCKET_BYTES)
 
