@@ -30,6 +30,7 @@ _MODE = {
         "bytes_per_rank_framework",
         "tp_ms",
         "bytes_per_rank_tp",
+        "framework_copies_ms",
         "memory_bytes",
         "overhead_vs_adamw",
         "speedup_vs_vanilla",
@@ -48,6 +49,7 @@ _MODE = {
         "bytes_per_rank_framework": _NUM,
         "tp_ms": _NUM,
         "bytes_per_rank_tp": _NUM,
+        "framework_copies_ms": _NUM,
         "overhead_vs_adamw": _NUM,
         "speedup_vs_vanilla": _NUM,
         "comm_ms": {
@@ -129,7 +131,9 @@ SCHEMA: dict[str, Any] = {
 """JSON Schema (2020-12 subset) of ``dmuon-plan --json``; times in ms, sizes in bytes.
 
 Per mode, ``tp_ms`` and ``bytes_per_rank_tp`` are the tensor-parallel collectives of
-the busiest rank's tp row (0 with ``--tp 1``); the ``plan`` is over the ``dp`` ranks."""
+the busiest rank's tp row (0 with ``--tp 1``); ``framework_copies_ms`` FSDP2's copies
+around its collectives (compute-side work, in ``step_ms``); the ``plan`` is over the
+``dp`` ranks."""
 
 
 def to_json(p: Prediction) -> dict[str, Any]:

@@ -28,7 +28,9 @@ of peak rate ``F`` (FLOP/s) and memory bandwidth ``B_mem``:
   :mod:`~dmuon.optim.planner.traffic`; a group within one node runs at the
   intra-node link, one that spans nodes at the inter-node link. FSDP2's collectives
   also copy ``2·B·(1 + 1/N)`` bytes in and out of their buffers
-  (:func:`~dmuon.optim.planner.traffic.fsdp_copied_bytes`), charged at ``η_mem·B_mem``.
+  (:func:`~dmuon.optim.planner.traffic.fsdp_copied_bytes`): ``t_copy`` at ``η_mem·B_mem``,
+  compute-side work (the copy-out runs on the compute stream), so it adds to the step
+  and to the window its phase's transfers hide behind.
 * **Overlap, as the engine does it.** Transfers launched per layer from backward
   hooks (DMuon's reduce to owners, FSDP2's reduce-scatter, DDP's all-reduce)
   overlap the rest of backward; transfers awaited by the next forward (DMuon's
@@ -39,7 +41,7 @@ of peak rate ``F`` (FLOP/s) and memory bandwidth ``B_mem``:
   pipelined with Newton–Schulz layer by layer: ``t_opt = max(c, t_ns) +
   min(c, t_ns)/L``. Sign-Muon's votes are synchronous: ``t_opt = t_ns + c``. A
   profile with ``overlap=False`` (a calibrated CPU) exposes all communication.
-* **Step** ``t = t_fb + exposed_forward + exposed_backward + t_opt``; overhead vs
+* **Step** ``t = t_fb + t_copy + exposed_forward + exposed_backward + t_opt``; overhead vs
   AdamW ``t/t_AdamW − 1``; speedup vs vanilla ``t_vanilla/t``.
 * **Tensor and expert parallelism** (``TrainingShape.tp``/``ep``): the model as one
   rank holds it, owners over ``dp = N/T``, each split matrix by its tensor-parallel
@@ -151,7 +153,12 @@ class TrainingShape:
 
 @dataclass
 class ModePrediction:
-    """The prediction for one mode (seconds, bytes, FLOPs per rank)."""
+    """The prediction for one mode (seconds, bytes, FLOPs per rank).
+
+    ``copies_s`` is the frameworks' copying around their collectives (FSDP2's copy-in
+    and copy-out), work of the compute side: it adds to the step and, where
+    communication overlaps, widens the window that hides it.
+    """
 
     mode: str
     fwd_bwd_s: float
@@ -171,6 +178,7 @@ class ModePrediction:
     speedup_vs_vanilla: float = 1.0
     tp_s: float = 0.0
     bytes_tp: float = 0.0
+    copies_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (see the schema in :mod:`~dmuon.optim.planner.report`)."""
@@ -189,6 +197,7 @@ class ModePrediction:
             "bytes_per_rank_framework": self.bytes_framework,
             "tp_ms": self.tp_s * 1e3,
             "bytes_per_rank_tp": self.bytes_tp,
+            "framework_copies_ms": self.copies_s * 1e3,
             "memory_bytes": self.memory,
             "overhead_vs_adamw": self.overhead_vs_adamw,
             "speedup_vs_vanilla": self.speedup_vs_vanilla,
@@ -391,12 +400,15 @@ def predict(
         tp_moved = tp_transfers(choices, local_plan, held, mode, D) if choices else []
         transfers = dm + fw + tp_moved
         comm = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        for t in dm + fw:  # the wire, and the copies around it (FSDP2's copy-in/out)
-            comm[t.phase] += collective_seconds(t, cluster) + t.copied / d.bytes_per_second
-        if d.overlap:
+        copies = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        for t in dm + fw:
+            comm[t.phase] += collective_seconds(t, cluster)
+            copies[t.phase] += t.copied / d.bytes_per_second
+        t_copies = sum(copies.values())
+        if d.overlap:  # the copies run with the compute (FSDP2's copy-out: on its stream)
             exposed = {
-                "forward": _exposed(comm["forward"], t_f, layers),
-                "backward": _exposed(comm["backward"], t_b, layers),
+                "forward": _exposed(comm["forward"], t_f + copies["forward"], layers),
+                "backward": _exposed(comm["backward"], t_b + copies["backward"], layers),
             }
         else:  # nothing hides behind compute (a calibrated CPU profile)
             exposed = {"forward": comm["forward"], "backward": comm["backward"]}
@@ -412,7 +424,7 @@ def predict(
         if t_tp:
             comm["tensor_parallel"] = exposed["tensor_parallel"] = t_tp
         t_opt = t_opt_ns + t_adam
-        step = t_fb + exposed["forward"] + exposed["backward"] + t_opt
+        step = t_fb + t_copies + exposed["forward"] + exposed["backward"] + t_opt
         owns = mode in ("owner", "owner-z3", "replicated", "sharded")
         out[mode] = ModePrediction(
             mode=mode,
@@ -443,6 +455,7 @@ def predict(
             transfers=transfers,
             tp_s=t_tp,
             bytes_tp=sum(max(t.sent) for t in tp_moved),
+            copies_s=t_copies,
         )
     base, vanilla = out["adamw"].step_s, out["vanilla"].step_s
     for m in out.values():
