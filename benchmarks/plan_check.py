@@ -21,7 +21,11 @@ step.py setup     planner mode
 
 Printed per setup: predicted and measured step, optimizer step and communication
 wait, with the relative error, and whether the planner orders the setups as the
-measurement does. Writes ``benchmarks/results/plan-check-cpu.json`` and ``.png``.
+measurement does; and the memory per rank the planner predicts (weights, gradients,
+optimizer state, buffers) beside what the busiest rank holds after its last step,
+counted from the tensors (``benchmarks/step.py``'s ``memory_bytes_per_rank``; the
+prediction also counts FSDP2's transient unsharded layer, which is freed by then).
+Writes ``benchmarks/results/plan-check-cpu.json`` and ``.png``.
 Timings on a shared machine are perturbed by its load; the JSON records the load
 average and the machine. Nothing here asserts on time.
 
@@ -65,6 +69,7 @@ SETUP_MODE = {
     "sign": "sign",
 }
 RESULTS = pathlib.Path(__file__).parent / "results"
+MEMORY_KINDS = ("weights", "gradients", "optimizer_state", "buffers")
 
 
 def time_fwd_bwd(cfg: step_world.WorldConfig, repeats: int = 5) -> float:
@@ -120,6 +125,13 @@ def compare(measured: dict[str, Any], pred: Any) -> dict[str, Any]:
                 k: (want[k] / got[k] - 1) if got[k] > 0 else None for k in ("step", "optimizer")
             },
         }
+        held = [r for r in m.get("memory_bytes_per_rank", []) if r]
+        if held:  # the busiest rank's bytes of each kind, as the planner reports them
+            rows[setup]["memory_bytes"] = {
+                "measured": {k: max(r[k] for r in held) for k in (*MEMORY_KINDS, "total")},
+                "predicted": {k: p.memory[k] for k in (*MEMORY_KINDS, "total")},
+                "peak_rss_per_rank": m.get("peak_rss_bytes_per_rank"),
+            }
     order_m = sorted(rows, key=lambda s: rows[s]["measured_s"]["step"])
     order_p = sorted(rows, key=lambda s: rows[s]["predicted_s"]["step"])
     return {"rows": rows, "order_measured": order_m, "order_predicted": order_p}
@@ -138,6 +150,14 @@ def print_world(world: int, result: dict[str, Any]) -> None:
             f"{err(e['step']):>7} {p['optimizer'] * 1e3:8.1f}/{m['optimizer'] * 1e3:<9.1f} "
             f"{err(e['optimizer']):>7} {p['comm_wait'] * 1e3:8.1f}/{m['comm_wait'] * 1e3:<9.1f}"
         )
+    print(f"\n{'setup':<14} memory per rank, MB predicted/measured (after the last step): "
+          + "  ".join(f"{k}" for k in (*MEMORY_KINDS, "total")))  # fmt: skip
+    for setup, r in result["rows"].items():
+        mem = r.get("memory_bytes")
+        if mem:
+            cells = [f"{mem['predicted'][k] / 1e6:7.1f}/{mem['measured'][k] / 1e6:<7.1f}"
+                     for k in (*MEMORY_KINDS, "total")]  # fmt: skip
+            print(f"{setup:<14} " + "  ".join(cells))
     same = result["order_measured"] == result["order_predicted"]
     print(f"order by measured step:  {', '.join(result['order_measured'])}")
     print(f"order by predicted step: {', '.join(result['order_predicted'])}"

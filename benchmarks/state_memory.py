@@ -52,6 +52,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.common` impor
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.data import BatchSampler  # noqa: E402
+from benchmarks.common.memory import state_bytes  # noqa: E402
 from benchmarks.common.model import GPT  # noqa: E402
 from benchmarks.step_world import WorldConfig  # noqa: E402
 from dmuon.comm.testing import run_on_ranks  # noqa: E402
@@ -140,28 +141,6 @@ def build(setup: str, cfg: WorldConfig, state_dtype: str | None) -> tuple[Any, A
     else:
         opt = DMuon(param_groups(model), distributed=ded, **kw)
     return forward, opt, ded
-
-
-def state_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of the tensors in ``opt.state`` on this rank, each storage counted once."""
-    kinds = {}
-    for g in opt.param_groups:
-        kind = "scalar" if g.get("rule", "adamw") in ("adamw", "lion") else "matrix"
-        for p in g["params"]:
-            kinds[id(p)] = kind
-    seen: set[int] = set()
-    out = {"matrix": 0, "scalar": 0}
-    for p, st in opt.state.items():
-        for value in st.values():
-            if not isinstance(value, torch.Tensor) or value.numel() == 0:
-                continue
-            t = value.to_local() if hasattr(value, "to_local") else value
-            storage = t.untyped_storage()
-            if storage.data_ptr() in seen:
-                continue
-            seen.add(storage.data_ptr())
-            out[kinds.get(id(p), "scalar")] += storage.nbytes()
-    return out
 
 
 def rank_main(rank: int, world: int, setup: str, state_dtype: str | None) -> dict[str, Any]:

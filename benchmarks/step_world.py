@@ -66,12 +66,19 @@ and FSDP2's gradient reductions, which they overlap and wait for inside
 backward), ``optimizer`` (``opt.step()``) and, inside it, ``comm_wait`` — the
 engine's :class:`~dmuon.optim.StepReport` phase: waiting for the reductions to
 owners, all-to-alls or votes. The step time of a setup is the slowest rank's.
+
+Memory per rank: after its last step each setup's weights, gradients, optimizer state
+and DMuon's buffers, counted from the tensors (:mod:`benchmarks.common.memory`:
+``memory_bytes_per_rank``), and each rank process's peak resident set
+(``peak_rss_bytes_per_rank``, all setups of that rank together); on a GPU also
+``torch.cuda.max_memory_allocated`` (``peak_cuda_bytes_per_rank``, likewise together).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import statistics
 import time
 from typing import Any
@@ -80,6 +87,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common.data import BatchSampler
+from benchmarks.common.memory import held_bytes
 from benchmarks.common.model import GPT, GPTConfig
 from benchmarks.common.tensor_parallel import (
     GatherMuon,
@@ -314,12 +322,13 @@ def rank_main(
     built = {s: build(s, cfg, device) for s in setups}
     times: dict[str, dict[str, list[float]]] = {s: {p: [] for p in PHASES} for s in setups}
     losses: dict[str, list[str]] = {s: [] for s in setups}  # exact (float.hex), every step
+    memory: dict[str, dict[str, int]] = {}
     tp_bytes: dict[str, dict[str, float | None]] = {}  # the last step's, this rank
     for t in range(warmup + steps):
         mine = sampler.batch(t, rank=rank, world_size=world, device=device)
         whole = sampler.batch(t, device=device)  # tensor parallelism: the global batch
         for setup in setups:
-            forward, opt, _ = built[setup]
+            forward, opt, ded = built[setup]
             if setup in TP_SETUPS:
                 x, y = whole
             elif setup in DP_TP_SETUPS:  # this dp row's part of the global batch
@@ -350,6 +359,8 @@ def rank_main(
                     if name in default_stats()
                 )
                 tp_bytes[setup] = {"measured": measured, "predicted": predicted_split_bytes(opt)}
+            if t == warmup + steps - 1:  # what the setup holds after its last step
+                memory[setup] = held_bytes(forward, opt, ded)
             opt.zero_grad(set_to_none=True)
             losses[setup].append(float(loss.detach()).hex())
             report = getattr(opt, "last_step", None)
@@ -365,6 +376,12 @@ def rank_main(
         "matrices": {},
         "losses": losses,
         "tp_bytes": tp_bytes,
+        "memory": memory,
+        # the process's peak resident set (every setup of this rank together; KiB on Linux)
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_cuda_bytes": torch.cuda.max_memory_allocated(device)
+        if device_type == "cuda"
+        else None,
     }
     for setup, (_, opt, ded) in built.items():
         if ded is not None:
@@ -404,6 +421,11 @@ def aggregate(per_rank: list[dict[str, Any]], setups: list[str]) -> dict[str, An
             # bytes each rank sent in the tensor-parallel collectives of the last step
             # (CommStats) beside the α–β prediction (dmuon.comm.tensor_parallel_path)
             "tp_bytes_per_rank": [r.get("tp_bytes", {}).get(setup) for r in per_rank],
+            # bytes each rank holds after the last step, counted from the tensors
+            # (benchmarks/common/memory.py: weights, gradients, optimizer state, buffers)
+            "memory_bytes_per_rank": [r["memory"].get(setup) for r in per_rank],
+            "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in per_rank],
+            "peak_cuda_bytes_per_rank": [r["peak_cuda_bytes"] for r in per_rank],
         }
     return out
 
