@@ -22,8 +22,8 @@ step.py setup     planner mode
 Printed per setup: predicted and measured step, optimizer step and communication
 wait, with the relative error, and whether the planner orders the setups as the
 measurement does; and the memory per rank the planner predicts (weights, gradients,
-optimizer state, buffers) beside what the busiest rank holds after its last step,
-counted from the tensors (``benchmarks/step.py``'s ``memory_bytes_per_rank``; the
+optimizer state, buffers) beside what the busiest rank holds at the end of its last
+backward, counted from the tensors (``benchmarks/step.py``'s ``memory_bytes_per_rank``; the
 prediction also counts FSDP2's transient unsharded layer, which is freed by then).
 Writes ``benchmarks/results/plan-check-cpu.json`` and ``.png``.
 Timings on a shared machine are perturbed by its load; the JSON records the load
@@ -150,7 +150,7 @@ def print_world(world: int, result: dict[str, Any]) -> None:
             f"{err(e['step']):>7} {p['optimizer'] * 1e3:8.1f}/{m['optimizer'] * 1e3:<9.1f} "
             f"{err(e['optimizer']):>7} {p['comm_wait'] * 1e3:8.1f}/{m['comm_wait'] * 1e3:<9.1f}"
         )
-    print(f"\n{'setup':<14} memory per rank, MB predicted/measured (after the last step): "
+    print(f"\n{'setup':<14} memory per rank, MB predicted/measured (end of the last backward): "
           + "  ".join(f"{k}" for k in (*MEMORY_KINDS, "total")))  # fmt: skip
     for setup, r in result["rows"].items():
         mem = r.get("memory_bytes")

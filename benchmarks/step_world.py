@@ -67,8 +67,9 @@ backward), ``optimizer`` (``opt.step()``) and, inside it, ``comm_wait`` — the
 engine's :class:`~dmuon.optim.StepReport` phase: waiting for the reductions to
 owners, all-to-alls or votes. The step time of a setup is the slowest rank's.
 
-Memory per rank: after its last step each setup's weights, gradients, optimizer state
-and DMuon's buffers, counted from the tensors (:mod:`benchmarks.common.memory`:
+Memory per rank: at the end of its last backward (gradients and buckets both alive,
+the optimizer state of the steps before) each setup's weights, gradients, optimizer
+state and DMuon's buffers, counted from the tensors (:mod:`benchmarks.common.memory`:
 ``memory_bytes_per_rank``), and each rank process's peak resident set
 (``peak_rss_bytes_per_rank``, all setups of that rank together); on a GPU also
 ``torch.cuda.max_memory_allocated`` (``peak_cuda_bytes_per_rank``, likewise together).
@@ -349,6 +350,9 @@ def rank_main(
             if setup in TP_SETUPS or setup in DP_TP_SETUPS:
                 default_stats().reset()  # the step's tensor-parallel collectives alone
             t2 = time.perf_counter()
+            if t == warmup + steps - 1:  # what the setup holds at the end of backward
+                memory[setup] = held_bytes(forward, opt, ded)
+            t_opt = time.perf_counter()  # the count is neither backward's time nor the step's
             opt.step()
             sync()
             t3 = time.perf_counter()
@@ -359,8 +363,6 @@ def rank_main(
                     if name in default_stats()
                 )
                 tp_bytes[setup] = {"measured": measured, "predicted": predicted_split_bytes(opt)}
-            if t == warmup + steps - 1:  # what the setup holds after its last step
-                memory[setup] = held_bytes(forward, opt, ded)
             opt.zero_grad(set_to_none=True)
             losses[setup].append(float(loss.detach()).hex())
             report = getattr(opt, "last_step", None)
@@ -368,7 +370,7 @@ def rank_main(
                 rec = times[setup]
                 rec["forward"].append(t1 - t0)
                 rec["backward"].append(t2 - t1)
-                rec["optimizer"].append(t3 - t2)
+                rec["optimizer"].append(t3 - t_opt)
                 rec["comm_wait"].append(report.seconds.get("comm_wait", 0.0) if report else 0.0)
     info: dict[str, Any] = {
         "times": times,
