@@ -178,7 +178,8 @@ def calibrate(
     step_opt = DMuon(
         [{"params": params}], mode="single", ns_compute_dtype=str(dtype).removeprefix("torch.")
     )
-    t_step = _median_seconds(step_opt.step, dev, max(1, repeats // 2))
+    # the overheads are differences of two step times: a median of every repeat each
+    t_step = _median_seconds(step_opt.step, dev, repeats)
     matrix_overhead = max(0.0, (t_step - seconds) / len(params))
     progress(f"DMuon step beyond NS: {matrix_overhead * 1e6:.0f} µs per matrix")
     sign_opt = DMuon(
@@ -187,7 +188,7 @@ def calibrate(
         mode="single",
         ns_compute_dtype=str(dtype).removeprefix("torch."),
     )
-    t_sign = _median_seconds(sign_opt.step, dev, max(1, repeats // 2))
+    t_sign = _median_seconds(sign_opt.step, dev, repeats)
     sign_overhead = max(0.0, (t_sign - t_step) / len(params))
     progress(f"Sign-Muon beyond Muon: {sign_overhead * 1e6:.0f} µs per matrix")
     tiny = torch.randn(8, 8, device=dev)
