@@ -96,7 +96,15 @@ def held_bytes(
     module: torch.nn.Module, opt: torch.optim.Optimizer, dedication: Any = None
 ) -> dict[str, int]:
     """``weights``, ``gradients``, ``optimizer_state``, ``buffers`` and ``total`` bytes
-    this rank holds for one setup (see the module docstring for what each counts)."""
+    this rank holds for one setup (see the module docstring for what each counts).
+
+    ``opt`` may be a wrapper that holds the optimizer as ``opt.opt`` (the tensor-parallel
+    benchmarks' ``GatherMuon``); the wrapped optimizer is counted.
+    """
+    if not isinstance(opt, torch.optim.Optimizer) and isinstance(
+        getattr(opt, "opt", None), torch.optim.Optimizer
+    ):
+        opt = opt.opt
     seen: set[int] = set()
     params = list(module.parameters())
     out = {
