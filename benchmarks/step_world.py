@@ -67,10 +67,11 @@ backward), ``optimizer`` (``opt.step()``) and, inside it, ``comm_wait`` — the
 engine's :class:`~dmuon.optim.StepReport` phase: waiting for the reductions to
 owners, all-to-alls or votes. The step time of a setup is the slowest rank's.
 
-Memory per rank: at the end of its last backward (gradients and buckets both alive,
-the optimizer state of the steps before) each setup's weights, gradients, optimizer
-state and DMuon's buffers, counted from the tensors (:mod:`benchmarks.common.memory`:
-``memory_bytes_per_rank``), and each rank process's peak resident set
+Memory per rank: in one more step after the timed ones, untimed, at the end of its
+backward (gradients and buckets both alive, the optimizer state of the steps before),
+each setup's weights, gradients, optimizer state and DMuon's buffers, counted from
+the tensors (:mod:`benchmarks.common.memory`: ``memory_bytes_per_rank``), and each
+rank process's peak resident set
 (``peak_rss_bytes_per_rank``, all setups of that rank together); on a GPU also
 ``torch.cuda.max_memory_allocated`` (``peak_cuda_bytes_per_rank``, likewise together).
 """
@@ -325,7 +326,8 @@ def rank_main(
     losses: dict[str, list[str]] = {s: [] for s in setups}  # exact (float.hex), every step
     memory: dict[str, dict[str, int]] = {}
     tp_bytes: dict[str, dict[str, float | None]] = {}  # the last step's, this rank
-    for t in range(warmup + steps):
+    last = warmup + steps  # one more, untimed step: the memory count at its end of backward
+    for t in range(last + 1):
         mine = sampler.batch(t, rank=rank, world_size=world, device=device)
         whole = sampler.batch(t, device=device)  # tensor parallelism: the global batch
         for setup in setups:
@@ -350,9 +352,9 @@ def rank_main(
             if setup in TP_SETUPS or setup in DP_TP_SETUPS:
                 default_stats().reset()  # the step's tensor-parallel collectives alone
             t2 = time.perf_counter()
-            if t == warmup + steps - 1:  # what the setup holds at the end of backward
+            if t == last:  # what the setup holds at the end of backward (its step untimed:
+                # backward's collectives may still run on gloo's threads while it counts)
                 memory[setup] = held_bytes(forward, opt, ded)
-            t_opt = time.perf_counter()  # the count is neither backward's time nor the step's
             opt.step()
             sync()
             t3 = time.perf_counter()
@@ -364,13 +366,15 @@ def rank_main(
                 )
                 tp_bytes[setup] = {"measured": measured, "predicted": predicted_split_bytes(opt)}
             opt.zero_grad(set_to_none=True)
+            if t == last:
+                continue
             losses[setup].append(float(loss.detach()).hex())
             report = getattr(opt, "last_step", None)
             if t >= warmup:
                 rec = times[setup]
                 rec["forward"].append(t1 - t0)
                 rec["backward"].append(t2 - t1)
-                rec["optimizer"].append(t3 - t_opt)
+                rec["optimizer"].append(t3 - t2)
                 rec["comm_wait"].append(report.seconds.get("comm_wait", 0.0) if report else 0.0)
     info: dict[str, Any] = {
         "times": times,
@@ -423,8 +427,8 @@ def aggregate(per_rank: list[dict[str, Any]], setups: list[str]) -> dict[str, An
             # bytes each rank sent in the tensor-parallel collectives of the last step
             # (CommStats) beside the α–β prediction (dmuon.comm.tensor_parallel_path)
             "tp_bytes_per_rank": [r.get("tp_bytes", {}).get(setup) for r in per_rank],
-            # bytes each rank holds after the last step, counted from the tensors
-            # (benchmarks/common/memory.py: weights, gradients, optimizer state, buffers)
+            # bytes each rank holds at the end of the untimed memory step's backward, counted
+            # from the tensors (benchmarks/common/memory.py: weights, gradients, state, buffers)
             "memory_bytes_per_rank": [r["memory"].get(setup) for r in per_rank],
             "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in per_rank],
             "peak_cuda_bytes_per_rank": [r["peak_cuda_bytes"] for r in per_rank],

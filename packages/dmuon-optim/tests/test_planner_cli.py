@@ -141,7 +141,7 @@ def test_calibrate_writes_a_profile_that_later_runs_load(tmp_path):
     assert data["measured"]["link"]["backend"] == "gloo"
     assert data["measured"]["link"]["bandwidth"] > 0
     # Sign-Muon's chain beyond Muon's, and the vote's own work on real ranks, measured
-    assert data["sign_overhead"] > 0 and data["vote_overhead"] >= 0
+    assert data["sign_overhead"] >= 0 and data["vote_overhead"] >= 0
     assert data["vote_overhead"] == data["measured"]["link"]["vote_seconds_per_element"]
     out = json.loads(done.stdout)
     assert out["cluster"]["intra"]["name"] == "measured"

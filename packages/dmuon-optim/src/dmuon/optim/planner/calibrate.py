@@ -24,7 +24,9 @@ reads slower — the profile records the machine it ran on):
   :func:`dmuon.comm.majority_vote` of the same ``B/4`` elements → ``vote_overhead =
   (t_vote − t_wire)/elements``, ``t_wire`` the α–β time of its all-to-all and
   all-gather of ``(N−1)/N·elements/8`` bytes each (the packing and counting a rank
-  does, under the same sharing of the cores as the ranks).
+  does, under the same sharing of the cores as the ranks). The fit runs on gloo ranks
+  (CPU tensors), so only a CPU profile takes ``vote_overhead`` from it; a CUDA profile
+  keeps 0.
 """
 
 from __future__ import annotations
@@ -245,7 +247,13 @@ def calibrate(
         call_overhead=overhead,
         matrix_overhead=matrix_overhead,
         sign_overhead=sign_overhead,
-        vote_overhead=measured["link"]["vote_seconds_per_element"] if link_world else 0.0,
+        # the link fit runs on gloo ranks: its vote timing is a CPU's, so a GPU profile
+        # leaves the vote's own work unmodelled (0) rather than charge it a CPU's rate
+        vote_overhead=(
+            measured["link"]["vote_seconds_per_element"]
+            if link_world and dev.type == "cpu"
+            else 0.0
+        ),
         overlap=dev.type == "cuda",
         source=f"dmuon-plan --calibrate, {measured['date']}",
         measured=measured,
