@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)  # fmt: skip
         profile = dataclasses.replace(profile, vote_overhead=link["vote_seconds_per_element"])
         measured_link = Link("measured", link["bandwidth"], alpha=link["alpha"], efficiency=1.0,
-                             source="all-reduce α–β fit, this run")  # fmt: skip
+                             source="all-reduce α–β fit, this run",
+                             collective_bandwidth=link["bandwidth_by_collective"])  # fmt: skip
         cluster = ClusterProfile(profile, world, world, measured_link, measured_link)
         shape = TrainingShape(
             global_tokens=world * cfg.batch_per_rank * cfg.seq_len,

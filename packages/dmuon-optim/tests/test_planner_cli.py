@@ -140,6 +140,12 @@ def test_calibrate_writes_a_profile_that_later_runs_load(tmp_path):
     assert data["peak_flops"] > 0 and 0 < data["ns_efficiency"] <= 1
     assert data["measured"]["link"]["backend"] == "gloo"
     assert data["measured"]["link"]["bandwidth"] > 0
+    # FSDP2's collectives measured on their own (gloo's differ from its all-reduce)
+    assert set(data["measured"]["link"]["bandwidth_by_collective"]) == {
+        "all_gather",
+        "reduce_scatter",
+    }
+    assert min(data["measured"]["link"]["bandwidth_by_collective"].values()) > 0
     # Sign-Muon's chain beyond Muon's, and the vote's own work on real ranks, measured
     assert data["sign_overhead"] >= 0 and data["vote_overhead"] >= 0
     assert data["vote_overhead"] == data["measured"]["link"]["vote_seconds_per_element"]

@@ -322,3 +322,25 @@ def test_sign_mode_adds_the_calibrated_sign_and_vote_work_and_nothing_else():
             assert b[mode].step_s == a[mode].step_s, mode
     with pytest.raises(ValueError, match="vote_overhead must be ≥ 0 seconds"):
         DeviceProfile("cpu", 5e10, 8e9, 5e9, vote_overhead=-1.0)
+
+
+def test_a_measured_collective_bandwidth_prices_that_collective_alone():
+    # gloo's all-gather moves its ring bytes slower than its all-reduce: a link that
+    # measured it prices FSDP2's all-gathers at it, and nothing else changes
+    spec = load_model("gpt2")
+    n = 4
+    plain = Link("gloo", 1e9, alpha=1e-4, efficiency=1.0)
+    slow = Link("gloo", 1e9, alpha=1e-4, efficiency=1.0, collective_bandwidth={"all_gather": 2.5e8})
+    dev = DeviceProfile("cpu", 5e10, 8e9, 5e9, overlap=False)
+
+    def comm(link: Link, mode: str) -> dict[str, float]:
+        c = ClusterProfile(dev, n, n, link, link)
+        return predict(spec, c, TrainingShape(fwd_bwd_s=1.0), modes=(mode,)).modes[mode].comm_s
+
+    ring = 3 / 4 * spec.total_params * spec.matrices[0].dtype.itemsize  # (N−1)/N · Φe
+    assert comm(slow, "adamw")["forward"] - comm(plain, "adamw")["forward"] == pytest.approx(
+        ring / 2.5e8 - ring / 1e9
+    )
+    assert comm(slow, "adamw-ddp") == comm(plain, "adamw-ddp")  # DDP's all-reduce only
+    with pytest.raises(ValueError, match=r"collective_bandwidth\['all_gather'\] must be"):
+        Link("gloo", 1e9, collective_bandwidth={"all_gather": 0.0})

@@ -26,7 +26,9 @@ reads slower — the profile records the machine it ran on):
   all-gather of ``(N−1)/N·elements/8`` bytes each (the packing and counting a rank
   does, under the same sharing of the cores as the ranks). The fit runs on gloo ranks
   (CPU tensors), so only a CPU profile takes ``vote_overhead`` from it; a CUDA profile
-  keeps 0.
+  keeps 0. An all-gather and a reduce-scatter of the same ``B`` on the ranks give their
+  own effective bandwidths (ring bytes over time beyond ``(N−1)α``), which the link then
+  uses for those collectives (gloo's are far slower per ring byte than its all-reduce).
 """
 
 from __future__ import annotations
@@ -65,10 +67,11 @@ def _median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -
     return statistics.median(times)
 
 
-def _link_rank(rank: int, world: int, repeats: int) -> tuple[float, float, float]:
+def _link_rank(rank: int, world: int, repeats: int) -> tuple[float, float, float, dict[str, float]]:
     import torch.distributed as dist
 
-    from dmuon.comm import majority_vote
+    from dmuon.comm import cost_model, majority_vote
+    from dmuon.comm.torch_compat import all_gather_single, reduce_scatter_single
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     small = torch.zeros(2, device=device)
@@ -97,7 +100,17 @@ def _link_rank(rank: int, world: int, repeats: int) -> tuple[float, float, float
     t_vote = timed(lambda: majority_vote(signs, method="packed"))
     # its all-to-all and all-gather: (N−1) latency steps and (N−1)/N of the packed bytes each
     wire = 2 * ((world - 1) * alpha + (world - 1) / world * signs.numel() / 8 / bandwidth)
-    return alpha, bandwidth, max(0.0, t_vote - wire) / signs.numel()
+    # FSDP2's collectives: the ring bytes each rank sends, over what they took beyond α
+    shard = torch.zeros(large.numel() // world, device=device)
+    gathered = torch.empty(shard.numel() * world, device=device)
+    by_collective = {}
+    for kind, fn in (
+        ("all_gather", lambda: all_gather_single(gathered, shard)),
+        ("reduce_scatter", lambda: reduce_scatter_single(shard, gathered)),
+    ):
+        sent = cost_model(kind, gathered.nbytes, world).bytes_sent
+        by_collective[kind] = sent / max(timed(fn) - (world - 1) * alpha, 1e-9)
+    return alpha, bandwidth, max(0.0, t_vote - wire) / signs.numel(), by_collective
 
 
 def fit_link(world: int = 2, repeats: int = 5, timeout: float = 300.0) -> dict[str, float]:
@@ -111,10 +124,11 @@ def fit_link(world: int = 2, repeats: int = 5, timeout: float = 300.0) -> dict[s
     if isinstance(world, bool) or not isinstance(world, int) or world < 2:
         raise ValueError(f"world must be an int ≥ 2 to time a collective, got {world!r}")
     out = run_on_ranks(_link_rank, world, args=(repeats,), timeout=timeout)
-    alpha, bandwidth, vote = out[0]
+    alpha, bandwidth, vote, by_collective = out[0]
     return {
         "alpha": alpha,
         "bandwidth": bandwidth,
+        "bandwidth_by_collective": by_collective,
         "vote_seconds_per_element": vote,
         "world": world,
         "backend": "gloo",

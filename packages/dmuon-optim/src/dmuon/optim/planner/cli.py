@@ -165,6 +165,9 @@ def _run(args: argparse.Namespace) -> int:
             alpha=float(link["alpha"]),
             efficiency=1.0,
             source=f"all-reduce α–β fit on {link.get('world')} {link.get('backend')} ranks",
+            collective_bandwidth={
+                k: float(v) for k, v in link.get("bandwidth_by_collective", {}).items()
+            },
         )
     inter = _link(args.inter, what="--inter")
     cluster = ClusterProfile(device, args.gpus, args.gpus_per_node, intra, inter)

@@ -269,7 +269,7 @@ def collective_seconds(t: Transfer, cluster: ClusterProfile) -> float:
     link = cluster.link(t.group_size * t.stride)
     n = t.group_size
     steps_per = 2 * (n - 1) if t.collective == "all_reduce" else n - 1
-    return t.rounds * steps_per * link.alpha + t.max_bytes / link.effective_bandwidth
+    return t.rounds * steps_per * link.alpha + t.max_bytes / link.bandwidth_for(t.collective)
 
 
 def _exposed(comm: float, window: float, layers: int) -> float:
