@@ -98,6 +98,12 @@ UNTIMED = {
     ("dmuon-optim/src/dmuon/optim/planner/calibrate.py", "_link_rank", "all_reduce"): (
         "dmuon-plan --calibrate's timing of the links, a tool run of its own"
     ),
+    ("dmuon-optim/src/dmuon/optim/planner/calibrate.py", "_link_rank", "all_gather_single"): (
+        "dmuon-plan --calibrate's timing of the links, a tool run of its own"
+    ),
+    ("dmuon-optim/src/dmuon/optim/planner/calibrate.py", "_link_rank", "reduce_scatter_single"): (
+        "dmuon-plan --calibrate's timing of the links, a tool run of its own"
+    ),
 }
 
 
