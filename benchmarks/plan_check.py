@@ -222,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
               f"Sign-Muon {profile.sign_overhead * 1e6:.0f} µs/matrix beyond Muon",
               flush=True)  # fmt: skip
         profile = dataclasses.replace(profile, vote_overhead=link["vote_seconds_per_element"])
-        measured_link = Link("measured", link["bandwidth"], alpha=link["alpha"], efficiency=1.0,
-                             source="all-reduce α–β fit, this run",
-                             collective_bandwidth=link["bandwidth_by_collective"])  # fmt: skip
+        measured_link = Link.from_fit(link)
         cluster = ClusterProfile(profile, world, world, measured_link, measured_link)
         shape = TrainingShape(
             global_tokens=world * cfg.batch_per_rank * cfg.seq_len,

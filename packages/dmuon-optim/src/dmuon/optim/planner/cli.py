@@ -159,16 +159,7 @@ def _run(args: argparse.Namespace) -> int:
     intra = _link(args.intra or DEFAULT_INTRA.get(device.name, "nvlink4"), what="--intra")
     link = device.measured.get("link") if isinstance(device.measured, dict) else None
     if link and not args.intra:
-        intra = Link(
-            "measured",
-            float(link["bandwidth"]),
-            alpha=float(link["alpha"]),
-            efficiency=1.0,
-            source=f"all-reduce α–β fit on {link.get('world')} {link.get('backend')} ranks",
-            collective_bandwidth={
-                k: float(v) for k, v in link.get("bandwidth_by_collective", {}).items()
-            },
-        )
+        intra = Link.from_fit(link)
     inter = _link(args.inter, what="--inter")
     cluster = ClusterProfile(device, args.gpus, args.gpus_per_node, intra, inter)
     shape = TrainingShape(

@@ -49,6 +49,7 @@ link rate (bus bandwidth over link rate of large NCCL collectives).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,22 @@ class Link:
     def effective_bandwidth(self) -> float:
         """``bandwidth · efficiency``."""
         return self.bandwidth * self.efficiency
+
+    @classmethod
+    def from_fit(cls, fit: Mapping[str, Any]) -> Link:
+        """The link a :func:`~dmuon.optim.planner.calibrate.fit_link` result measured:
+        its all-reduce α and bandwidth (already sustained: efficiency 1) and, where the
+        fit has them, the per-collective bandwidths."""
+        return cls(
+            "measured",
+            float(fit["bandwidth"]),
+            alpha=float(fit["alpha"]),
+            efficiency=1.0,
+            source=f"all-reduce α–β fit on {fit.get('world')} {fit.get('backend')} ranks",
+            collective_bandwidth={
+                k: float(v) for k, v in fit.get("bandwidth_by_collective", {}).items()
+            },
+        )
 
     def bandwidth_for(self, collective: str) -> float:
         """The effective bandwidth a ``collective`` moves its bytes at (measured, else
