@@ -54,6 +54,12 @@ def net() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
+def _fsdp_dedicate(model: nn.Module, **options) -> object:
+    from dmuon.integrations import fsdp
+
+    return fsdp.dedicate(model, **options)
+
+
 def _deepspeed_zero3() -> None:
     check_config({"zero_optimization": {"stage": 3}})
 
@@ -222,6 +228,9 @@ CASES = [
          "state dict is missing key(s) ['param_groups']"),
     Case("no-mode-with-group", "no `mode` under a process group of 2 ranks, no dedication",
          _no_mode_with_group, ValueError, "DMuon cannot tell how the gradients arrive", 2),
+    Case("dedicate-reduce-op", "`fsdp.dedicate(model, reduce_op='mean')`",
+         lambda: _fsdp_dedicate(net(), reduce_op="mean"), ValueError,
+         "reduce_op must be 'avg' (gradients averaged over the ranks"),
     Case("dedicate-after-fully-shard", "`fsdp.dedicate()` after `fully_shard()`",
          _dedicate_after_fully_shard, ValueError, "dedicate() was called after fully_shard()", 2),
     Case("optimizer-before-dedicate", "`DMuon(...)` built before `dedicate()`",

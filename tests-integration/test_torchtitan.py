@@ -273,3 +273,218 @@ def test_bad_torchtitan_config_keys_are_named():
     assert "model_parts" in error(
         lambda: DMuonOptimizersContainer.Config().build(model_parts=[model, model])
     )
+
+
+# --- owner mode: parallelize_for_owners (the model spec's parallelize_fn) + the container
+
+
+class Dims:
+    """torchtitan's ``ParallelDims`` as ``parallelize_for_owners`` reads it. The real one
+    cannot build meshes here: torchtitan picks ``cuda`` as its device type when no
+    accelerator is present, so the meshes are built on CPU by the test."""
+
+    cp_enabled = pp_enabled = ep_enabled = dp_replicate_enabled = False
+
+    def __init__(self, mesh) -> None:
+        self.mesh = mesh
+        self.tp_enabled = "tp" in mesh.mesh_dim_names
+
+    def get_mesh(self, dims):
+        names = {"fsdp": "dp"}
+        dims = [dims] if isinstance(dims, str) else dims
+        return self.mesh[tuple(names.get(d, d) for d in dims)]
+
+
+class TitanTP(TitanShaped):
+    def parallelize(self, parallel_dims) -> None:
+        """What torchtitan's model does on ``tp``: the feed-forward split (as ``parallelize``)."""
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        plan = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+        for layer in self.layers.values():
+            parallelize_module(layer.feed_forward, parallel_dims.get_mesh("tp"), plan)
+
+
+def titan_configs(**training):
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+
+    return dict(
+        training=TrainingConfig(mixed_precision_param="float32", **training),
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+        compile_config=CompileConfig(),
+    )
+
+
+def owner_model(mesh):
+    """torchtitan's order: built on meta, parallelised, materialised, initialised."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from dmuon.integrations.torchtitan import parallelize_for_owners
+
+    reference = TitanShaped().state_dict()
+    with torch.device("meta"):
+        model = TitanTP()
+    parallelize_for_owners(model, parallel_dims=Dims(mesh), **titan_configs())
+    # FSDP2's gradient division off (torchtitan's) is a PREMUL_SUM reduction gloo does not
+    # have; a plain sum is the same (as test_torchtitan_ep.py does)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device="cpu")
+    with torch.no_grad():  # init_weights: the reference's values
+        for name, p in model.named_parameters():
+            value = reference[name]
+            if isinstance(p, DTensor):
+                value = distribute_tensor(value, p.device_mesh, p.placements)
+            p.copy_(value)
+    return model
+
+
+def owner_container(model):
+    config = dmuon_optimizer(mode="owner", split_sizes=SPLIT, **OPT)
+    config.max_norm = CLIP
+    return config.build(model_parts=[model])
+
+
+def titan_loss(model, tokens, labels, global_tokens):
+    """torchtitan's loss: this rank's token sum over the global token count."""
+    logits = model(tokens).flatten(0, 1).float()
+    return F.cross_entropy(logits, labels.flatten(), reduction="sum") / global_tokens
+
+
+def owner_train(model, container, steps, rows):
+    norms, leftover = [], []
+    for t in steps:
+        tokens, labels = batch(t)
+        titan_loss(model, tokens[rows], labels[rows], labels.numel()).backward()
+        # torchtitan's trainer takes the norm of every p.grad before the step: only
+        # FSDP2's DTensor gradients may be there (a plain one beside them would raise)
+        leftover += [
+            n
+            for n, p in model.named_parameters()
+            if p.grad is not None and not isinstance(p.grad, torch.distributed.tensor.DTensor)
+        ]
+        container.step()
+        container.zero_grad()
+        norms.append(float(container.last_grad_norm))
+    return norms, leftover
+
+
+def whole(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def run_owner(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = ((2, 2), ("dp", "tp")) if world == 4 else ((2,), ("dp",))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dp = mesh.get_coordinate()[0]
+    rows = slice(2 * dp, 2 * dp + 2)
+    model = owner_model(mesh)
+    container = owner_container(model)
+    owners = sorted(set(container.dmuon.engine.describe().get("owners", {}).values()))
+    norms, leftover = owner_train(model, container, range(STEPS - 1), rows)
+    out = {"mode": container.dmuon.engine.mode, "leftover": leftover, "owners": owners}
+    if path is not None:  # torchtitan's checkpointer: model tensors + the container
+        dcp.save({"model": get_model_state_dict(model), "optimizer": container}, checkpoint_id=path)
+    more, _ = owner_train(model, container, [STEPS - 1], rows)
+    container.dedication.wait()  # the last step's weights, published, land on every rank
+    out.update(norms=norms + more, weights=whole(model))
+    if path is not None:  # a fresh model and container, loaded, take the last step again
+        model = owner_model(mesh)
+        container = owner_container(model)
+        state = {"model": get_model_state_dict(model), "optimizer": container}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+        again, _ = owner_train(model, container, [STEPS - 1], rows)
+        container.dedication.wait()
+        out.update(resumed_norm=again[0], resumed=whole(model))
+    return out
+
+
+def one_process_titan_loss() -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = TitanShaped()
+    config = dmuon_optimizer(mode="single", split_sizes=SPLIT, **OPT)
+    config.max_norm = CLIP
+    container = config.build(model_parts=[model])
+    norms = []
+    for t in range(STEPS):
+        tokens, labels = batch(t)
+        titan_loss(model, tokens, labels, labels.numel()).backward()
+        container.step()
+        container.zero_grad()
+        norms.append(float(container.last_grad_norm))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def check_owner_run(results, expected, norms):
+    for rank, out in enumerate(results):
+        assert out["mode"] == "owner", (rank, out["mode"])
+        assert not out["leftover"], f"rank {rank}: plain gradients after backward {out['leftover']}"
+        for a, b in zip(out["norms"], norms, strict=True):
+            assert abs(a - b) <= 1e-5 * b, f"rank {rank}: norm {a} vs {b}"
+        for name, want in expected.items():
+            diff = (out["weights"][name] - want).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
+def test_owner_mode_in_torchtitan_equals_one_process_and_round_trips_through_dcp(tmp_path):
+    expected, norms = one_process_titan_loss()
+    assert min(norms) > CLIP, f"clipping never engaged: {norms}"
+    results = run_on_ranks(run_owner, 2, args=(str(tmp_path / "owner"),), timeout=120)
+    check_owner_run(results, expected, norms)
+    for rank, out in enumerate(results):
+        assert abs(out["resumed_norm"] - norms[-1]) <= 1e-5 * norms[-1], (rank, out)
+        for name, want in out["weights"].items():
+            diff = (out["resumed"][name] - want).abs().max().item()
+            assert diff <= TOLERANCE, f"resumed rank {rank}: {name} differs by {diff:.2e}"
+
+
+def test_owner_mode_in_torchtitan_over_tensor_parallel_equals_one_process():
+    expected, norms = one_process_titan_loss()
+    results = run_on_ranks(run_owner, 4, args=(None,), timeout=120)
+    check_owner_run(results, expected, norms)
+
+
+def test_owner_mode_settings_it_does_not_take_are_named():
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+
+    from dmuon.integrations.torchtitan import parallelize_for_owners
+
+    class Bad(Dims):
+        def __init__(self, **flags) -> None:
+            self.tp_enabled = False
+            self.__dict__.update(flags)
+
+    def parallelize(dims=None, **configs):
+        settings = {**titan_configs(), **configs}
+        return lambda: parallelize_for_owners(
+            TitanShaped(), parallel_dims=dims or Bad(), **settings
+        )
+
+    bf16 = TrainingConfig()  # torchtitan's default: bf16 parameters
+    assert "mixed_precision_param='bfloat16'" in error(parallelize(training=bf16))
+    backend = ParallelismConfig()  # torchtitan's default backend
+    assert "spmd_backend='spmd_types'" in error(parallelize(parallelism=backend))
+    compiled = CompileConfig(enable=True)
+    assert "compile.enable" in error(parallelize(compile_config=compiled))
+    assert "context parallelism" in error(parallelize(Bad(cp_enabled=True)))
+    assert "expert parallelism" in error(parallelize(Bad(ep_enabled=True)))
+    hsdp_tp = Bad(tp_enabled=True, dp_replicate_enabled=True)
+    assert "HSDP" in error(parallelize(hsdp_tp))
+    # the container in owner mode on a model parallelise_for_owners never saw
+    message = error(lambda: dmuon_optimizer(mode="owner").build(model_parts=[TitanShaped()]))
+    assert "parallelize_for_owners" in message, message

@@ -168,6 +168,8 @@ def build_dedication(
     plan_options: dict[str, Any],
     dedicate_rest: bool = False,
     reshard_after_forward: bool = False,
+    reduce_op: str = "avg",
+    free_local_grads: bool = False,
 ) -> Dedication:
     """Plan owners for ``model``'s dedicated parameters, build their exchange, hook it in.
 
@@ -187,14 +189,17 @@ def build_dedication(
         ValueError: a parameter already sharded by FSDP2, a DTensor owner mode does not
             take (named with its placements), or nothing to dedicate.
     """
-    tp_dim = tensor_parallel_dim(mesh, model)
+    dedicated, rest = split_parameters(
+        model, predicate, layer_of=layer_of, dedicate_rest=dedicate_rest
+    )
+    # read from the parameters DMuon synchronises only: the others may already be FSDP2's
+    # over dp (fully_shard(..., ignored_params=) before dedicate: torchtitan's owner mode)
+    mine = [p for _, p in dedicated] + ([p for *_, p in rest] if all_reduce_rest else [])
+    tp_dim = tensor_parallel_dim(mesh, model, mine)
     if tp_dim is None:
         group, replicate_group = mesh_groups(mesh)
     else:  # dp × tp: owners over the dimension the tensor-parallel placements do not use
         group, replicate_group = mesh.get_group(1 - tp_dim), None
-    dedicated, rest = split_parameters(
-        model, predicate, layer_of=layer_of, dedicate_rest=dedicate_rest
-    )
     _check_dtensors(
         dedicated,
         rest if all_reduce_rest else [],
@@ -226,6 +231,8 @@ def build_dedication(
                 replicate_group=replicate_group,
                 stats=stats,
                 reshard_after_forward=reshard_after_forward,
+                reduce_op=reduce_op,
+                free_local_grads=free_local_grads,
             )
     except CollectiveError as err:
         raise err.with_context(

@@ -39,6 +39,8 @@ def dedicate(
     *,
     predicate: Predicate | None = None,
     reshard_after_forward: bool = False,
+    reduce_op: str = "avg",
+    free_local_grads: bool = False,
     strategy: str = "lpt",
     layer_of: Callable[[str], str] = layer_key,
     stats: CommStats | None = None,
@@ -72,6 +74,15 @@ def dedicate(
             and the others are broadcast around each layer's forward and backward
             (3(N−1)/N·P bytes per step instead of 2(N−1)/N·P); default ZeRO-2-like,
             every matrix resident. 1-D meshes of plain tensors only.
+        reduce_op: how the dedicated gradients are combined over the ranks, to match
+            FSDP2's for the rest: ``"avg"`` (FSDP2's default: the mean) or ``"sum"``
+            (after ``set_gradient_divide_factor(1.0)`` on the FSDP2 modules, as
+            torchtitan does because it divides the loss by the global token count).
+        free_local_grads: set a dedicated matrix's local ``p.grad`` to ``None`` once it
+            is copied for its reduction, as FSDP2 frees the unsharded gradients: less
+            memory in backward, and no plain-tensor gradient beside FSDP2's DTensor ones
+            when a trainer takes the norm of every ``p.grad`` itself (torchtitan). The
+            owners' reduced gradients are set in ``step()`` as always.
         strategy: owner planning strategy (``"lpt"`` or ``"ilp"``; see
             :func:`dmuon.comm.plan_owners`).
         layer_of: name → layer key; a layer is the unit of reduction, publication and
@@ -83,7 +94,8 @@ def dedicate(
         The :class:`~dmuon.integrations.Dedication`.
 
     Raises:
-        ValueError: a bad mesh, or no parameter to dedicate.
+        ValueError: a bad mesh, a ``reduce_op`` other than ``"avg"``/``"sum"``, or no
+            parameter to dedicate.
         dmuon.optim.ModelMismatchError: the ranks' models differ.
 
     Examples:
@@ -103,6 +115,8 @@ def dedicate(
         layer_of=layer_of,
         stats=stats,
         reshard_after_forward=reshard_after_forward,
+        reduce_op=reduce_op,
+        free_local_grads=free_local_grads,
         all_reduce_rest=False,
         kind="fsdp",
         plan_options=plan_options,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -114,7 +114,9 @@ def mesh_groups(mesh: Any) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup 
     )
 
 
-def tensor_parallel_dim(mesh: Any, model: nn.Module) -> int | None:
+def tensor_parallel_dim(
+    mesh: Any, model: nn.Module, parameters: Iterable[torch.Tensor] | None = None
+) -> int | None:
     """The dimension of a 2-D ``mesh`` that ``model``'s DTensor parameters are split over
     (``parallelize_module`` on ``mesh["tp"]``), or ``None``.
 
@@ -127,6 +129,8 @@ def tensor_parallel_dim(mesh: Any, model: nn.Module) -> int | None:
     is then HSDP's, replicate × shard), or when both are used (FSDP2 already sharded the
     model over ``dp``: the dedication refuses its DTensors, naming one). Every rank reads
     the same placements and meshes, so every rank decides alike, without a collective.
+    ``parameters``: read these instead of all of ``model``'s (the dedicated ones, when
+    FSDP2 already sharded the others over ``dp`` with the dedicated ones ignored).
 
     Examples:
         >>> from torch import nn
@@ -138,7 +142,7 @@ def tensor_parallel_dim(mesh: Any, model: nn.Module) -> int | None:
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2:
         return None
     groups: set[tuple[int, ...]] = set()
-    for p in model.parameters():
+    for p in model.parameters() if parameters is None else parameters:
         if is_dtensor(p):
             pm = p.device_mesh  # type: ignore[attr-defined]
             for d in range(pm.ndim):

@@ -9,7 +9,11 @@ container class itself is the extension point, chosen by its ``Config`` in a
   grouping (:func:`dmuon.optim.param_groups`: matrices to the rule, embeddings, the
   output head, norms and biases to DMuon's AdamW) or from torchtitan
   ``ParamGroupConfig`` patterns whose ``optimizer_name`` is ``"DMuon"``;
-* takes the layout from the parameters themselves: after torchtitan's
+* in ``mode="owner"``, dedicates the matrices that
+  :func:`~dmuon.integrations.torchtitan.parallelize_for_owners` (the model spec's
+  ``parallelize_fn``) left out of FSDP2 to owner ranks
+  (:mod:`~dmuon.integrations.torchtitan.owners`);
+* otherwise takes the layout from the parameters themselves: after torchtitan's
   ``parallelize_module`` on ``tp`` and FSDP2's ``fully_shard`` on ``dp`` they are
   DTensors, and ``mode="sharded"`` (the default) steps them where they live —
   with expert parallelism, each rank's whole experts where they are, the dense
@@ -35,12 +39,14 @@ import torch
 from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer
 
+from dmuon.integrations.dedication import Dedication
 from dmuon.integrations.torchtitan.experts import check_expert_stacks
 from dmuon.integrations.torchtitan.options import (
     OPTIMIZER_NAME,
     check_constructor_kwargs,
     strip_implementation_keys,
 )
+from dmuon.integrations.torchtitan.owners import dedicate_for_owners
 from dmuon.integrations.torchtitan.state import container_state, load_container_state
 from dmuon.optim import DMuon, clip_grad_norm_, param_groups
 
@@ -62,6 +68,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
     Raises:
         ValueError: several model parts, a ``ParamGroupConfig`` naming another
             optimizer, a key DMuon does not accept (the error names it),
+            ``mode="owner"`` on a model not parallelised for it,
             ``max_norm`` ≤ 0, or an expert stack whose experts are split over ranks
             (named, with its placements).
 
@@ -80,8 +87,11 @@ class DMuonOptimizersContainer(OptimizersContainer):
         mode: str = "sharded"
         """DMuon's execution mode (``sharded``: FSDP2 / tensor-parallel DTensor
         parameters stepped where they live, expert-parallel stacks as each rank's whole
-        experts; ``single``: one process, or expert stacks that live whole on their
-        ranks; ``replicated``: DDP-replicated parameters)."""
+        experts; ``owner``: each matrix whole on one owner rank, for a model parallelised
+        by :func:`~dmuon.integrations.torchtitan.parallelize_for_owners` (the container
+        dedicates the matrices FSDP2 left out; :mod:`~dmuon.integrations.torchtitan.owners`);
+        ``single``: one process, or expert stacks that live whole on their ranks;
+        ``replicated``: DDP-replicated parameters)."""
 
         dmuon: dict[str, Any] = field(default_factory=dict)
         """Keyword arguments of :class:`~dmuon.optim.DMuon` (``lr``, ``rule``,
@@ -96,9 +106,14 @@ class DMuonOptimizersContainer(OptimizersContainer):
         at the start of every :meth:`step` (``None``: no clipping here). torchtitan's
         trainer clips with its own function first (``training.max_norm``), which is
         right for DTensor gradients (``sharded``); for a mode whose gradients are not
-        complete DTensors, set ``training.max_norm`` to ``inf`` and this instead."""
+        complete DTensors (``owner``: the dedicated matrices' gradients are reduced in
+        :meth:`step`), set ``training.max_norm`` to ``inf`` and this instead."""
 
     dmuon: DMuon
+    dedication: Dedication | None
+    """``mode="owner"``: the :class:`~dmuon.integrations.Dedication` (its ``wait()`` lands
+    the last step's weights on every rank before they are read outside a forward, its
+    ``no_sync()`` keeps micro-batches local); ``None`` in the other modes."""
     last_grad_norm: torch.Tensor | None
     """The norm :attr:`Config.max_norm` clipping measured at the last :meth:`step`."""
 
@@ -119,11 +134,18 @@ class DMuonOptimizersContainer(OptimizersContainer):
         groups = self._dmuon_groups(config, model)
         check_expert_stacks(model, groups, str(config.dmuon.get("rule", "muon")))
         kwargs = {"mode": config.mode, **config.dmuon}
+        # owner mode: dedicated now, after init_weights (the owners' weights go to every rank)
+        ded = dedicate_for_owners(model) if config.mode == "owner" else None
+        if ded is not None:
+            kwargs["distributed"] = ded
         try:
             optimizer = DMuon(groups, **kwargs)
         except (TypeError, ValueError) as err:
+            if ded is not None:
+                ded.remove()
             raise type(err)(f"torchtitan optimizer config for DMuon: {err}") from err
         self.dmuon = optimizer
+        self.dedication = ded
         self.max_norm = config.max_norm
         self.last_grad_norm = None
         self.optimizers = [optimizer]

@@ -19,6 +19,8 @@ dependencies to train.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
@@ -26,8 +28,14 @@ from torchtitan.models.llama3.config_registry import llama3_debugmodel
 from torchtitan.trainer import Trainer
 
 from dmuon.integrations.torchtitan.config import dmuon_optimizer
+from dmuon.integrations.torchtitan.owners import parallelize_for_owners
 
-__all__ = ["deepseek_v3_debugmodel_dmuon", "llama3_debugmodel_dmuon", "qkv_split_sizes"]
+__all__ = [
+    "deepseek_v3_debugmodel_dmuon",
+    "llama3_debugmodel_dmuon",
+    "llama3_debugmodel_dmuon_owner",
+    "qkv_split_sizes",
+]
 
 LR = 8e-4
 """torchtitan's debug AdamW learning rate: DMuon's default ``adjust_lr="match_rms_adamw"``
@@ -69,4 +77,36 @@ def deepseek_v3_debugmodel_dmuon() -> Trainer.Config:
     config.optimizer = dmuon_optimizer(
         LR, weight_decay=WEIGHT_DECAY, adamw_weight_decay=WEIGHT_DECAY
     )
+    return config
+
+
+def llama3_debugmodel_dmuon_owner() -> Trainer.Config:
+    """torchtitan's ``llama3_debugmodel`` trained with DMuon in owner mode: each matrix
+    whole on one owner rank (:mod:`~dmuon.integrations.torchtitan.owners`).
+
+    Changed from torchtitan's recipe, as owner mode needs: the model spec's
+    ``parallelize_fn`` is :func:`~dmuon.integrations.torchtitan.parallelize_for_owners`,
+    the ``partial_dtensor`` backend, float32 parameters (the dedicated matrices are
+    outside FSDP2's mixed-precision cast), no compile of the blocks, and the clipping
+    moved into the container (``training.max_norm`` = ∞, the container's ``max_norm`` =
+    torchtitan's value): the trainer's own clip sees FSDP2's gradients only.
+    """
+    config = llama3_debugmodel()
+    assert config.model_spec is not None
+    config.model_spec = dataclasses.replace(
+        config.model_spec, parallelize_fn=parallelize_for_owners
+    )
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.training.mixed_precision_param = "float32"
+    config.compile.enable = False
+    max_norm = float(config.training.max_norm)
+    config.training.max_norm = math.inf
+    config.optimizer = dmuon_optimizer(
+        LR,
+        mode="owner",
+        weight_decay=WEIGHT_DECAY,
+        adamw_weight_decay=WEIGHT_DECAY,
+        split_sizes=qkv_split_sizes(config.model_spec.model),
+    )
+    config.optimizer.max_norm = max_norm
     return config

@@ -96,6 +96,18 @@ class OwnerExchange:
         reshard_after_forward: ZeRO-3-like: ranks keep only the weights they own and
             materialise the others around each layer's forward and backward (see
             :mod:`dmuon.optim.engine.publication`); 1-D groups of plain tensors only.
+        reduce_op: ``"avg"`` (default): every gradient reduced to its owner (and every
+            all-reduced one) is the mean over the ranks, as DDP's and FSDP2's; ``"sum"``:
+            the sum, for a trainer whose loss is already divided by the global batch
+            (torchtitan divides by the global token count and sets FSDP2's gradient
+            divide factor to 1).
+        free_local_grads: release each rank's local gradient of a dedicated parameter
+            (``p.grad = None``) as soon as it is copied into its reduction bucket, as
+            FSDP2 releases the unsharded gradient after its reduce-scatter: one gradient
+            copy less during backward, and after backward no plain-tensor gradient beside
+            FSDP2's DTensor ones (a trainer's own norm over every ``p.grad``, torchtitan's,
+            would otherwise mix the two). Default ``False``: the local gradients stay until
+            the step.
 
     Attributes:
         reduction: the reduction side (:class:`~dmuon.optim.engine.Reduction`): the
@@ -136,7 +148,15 @@ class OwnerExchange:
         replicate_group: dist.ProcessGroup | None = None,
         stats: CommStats | None = None,
         reshard_after_forward: bool = False,
+        reduce_op: str = "avg",
+        free_local_grads: bool = False,
     ) -> None:
+        if reduce_op not in ("avg", "sum"):
+            raise ValueError(
+                f"reduce_op must be 'avg' (gradients averaged over the ranks, as DDP and "
+                f"FSDP2 by default) or 'sum' (a trainer that divides its loss by the global "
+                f"token count, as torchtitan), got {reduce_op!r}"
+            )
         self.plan = plan
         self.group = group
         self.replicate_group = replicate_group
@@ -205,6 +225,8 @@ class OwnerExchange:
             replicate_group=replicate_group,
             stats=self.stats,
             publication=self.publication,
+            reduce_op=reduce_op,
+            free_local_grads=free_local_grads,
         )
         self.publication.synchronize_parameters()
         self.publication.release_all()

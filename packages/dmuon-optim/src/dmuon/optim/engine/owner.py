@@ -219,6 +219,8 @@ class OwnerEngine(Engine):
             if not self._dedicated(e.param) and ex.name_of(e.param) is not None and self.rank:
                 continue  # all-reduced: the same on every dp rank, counted on dp rank 0
             if is_dtensor(g):
+                if tp is not None and not tp_first and not _spans(g, tp):
+                    continue  # FSDP2's rows over dp alone: the same on every tp rank
                 out.extend(local_norm_tensors([e]))  # its shard, once over Replicate dims
             elif tp_first:
                 out.append(g)  # dedicated: only the owner still holds it
@@ -235,3 +237,11 @@ class OwnerEngine(Engine):
             "plan_digest": ex.plan.digest(),
             "owners": dict(zip(ex.plan.names, ex.plan.owners, strict=True)),
         }
+
+
+def _spans(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether one of the DTensor ``t``'s mesh dimensions is ``group`` (by its ranks): its
+    local parts then differ over ``group``; otherwise every rank of ``group`` holds the same."""
+    ranks = dist.get_process_group_ranks(group)
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    return any(dist.get_process_group_ranks(mesh.get_group(d)) == ranks for d in range(mesh.ndim))

@@ -1,6 +1,7 @@
 """The reduction half of owner mode: gradients reduced to their owners, layer by layer.
 
-Every dedicated parameter's gradient is reduced (averaged) to its owner only, layer
+Every dedicated parameter's gradient is reduced (averaged, or summed with
+``reduce_op="sum"``) to its owner only, layer
 by layer, as soon as backward has produced a layer's gradients (:meth:`Reduction.
 grad_ready`, called from a post-accumulate-grad hook), so the reductions overlap the
 rest of backward. *Replicated* parameters (the scalar parameters when this replaces
@@ -85,6 +86,11 @@ class Reduction:
         stats: where the bytes are recorded.
         publication: the publication side; its broadcasts finish before a step's
             first reduction (ZeRO-2-like), so the two never interleave on a group.
+        reduce_op: ``"avg"`` (the mean over the ranks) or ``"sum"``; see
+            :class:`~dmuon.optim.engine.OwnerExchange`.
+        free_local_grads: set each dedicated parameter's ``p.grad`` to ``None`` once it
+            is copied into its reduction bucket (see
+            :class:`~dmuon.optim.engine.OwnerExchange`).
 
     Examples:
         >>> import torch
@@ -111,8 +117,12 @@ class Reduction:
         replicate_group: dist.ProcessGroup | None,
         stats: CommStats,
         publication: Publication,
+        reduce_op: str = "avg",
+        free_local_grads: bool = False,
     ) -> None:
         self.layers = list(layers)
+        self.reduce_op = reduce_op
+        self.free_local_grads = free_local_grads
         self.by_key = {layer.key: layer for layer in self.layers}
         self.params = params
         self.layer_of = layer_of
@@ -255,6 +265,8 @@ class Reduction:
                         self.grad_placements[name] = tuple(g.placements)  # type: ignore[attr-defined]
                         g = local_tensor(g)
                     view.copy_(g.reshape(view.shape))
+                    if self.free_local_grads:
+                        self.params[name].grad = None
         if layer.reduce_buckets:
             layer.reduce_handle = reduce_to_owners(
                 layer.reduce_buckets,
@@ -262,6 +274,7 @@ class Reduction:
                 group=self.group,
                 replicate_group=self.replicate_group,
                 stats=self.stats,
+                op=self.reduce_op,
             )
         n = group_size(self.group)
         for b in layer.allreduce_buckets:
@@ -278,10 +291,10 @@ class Reduction:
     def wait_reduced(self, key: str) -> None:
         """Finish layer ``key``'s reductions and set its gradients.
 
-        Afterwards the owner's ``p.grad`` is the averaged gradient (a view into the
-        reduction buffer) for every parameter some rank had a gradient for; the other
-        ranks' ``p.grad`` is ``None``. Replicated parameters get the average on
-        every rank. Call :meth:`flush` first.
+        Afterwards the owner's ``p.grad`` is the averaged (``reduce_op="sum"``: summed)
+        gradient (a view into the reduction buffer) for every parameter some rank had a
+        gradient for; the other ranks' ``p.grad`` is ``None``. Replicated parameters get
+        the average (sum) on every rank. Call :meth:`flush` first.
         """
         layer = self.by_key[key]
         if layer.reduced:
@@ -299,7 +312,7 @@ class Reduction:
             wait_work(w, f"all-reduce of layer {key!r}'s replicated gradients", self.group)
         n = group_size(self.group)
         for b in layer.allreduce_buckets:
-            if n > 1:
+            if n > 1 and self.reduce_op == "avg":
                 b.buffer.div_(n)
             for name in b.names:
                 p = self.params[name]
