@@ -250,6 +250,10 @@ def _rows(p: Prediction) -> tuple[list[str], list[list[str]]]:
     if tp:
         head[7:7] = ["TP ms"]
         head[11:11] = ["TP MB/rank"]
+    # FSDP2's copy-in/copy-out around its collectives (compute-side work in step ms)
+    copies = any(m.copies_s > 0 for m in p.modes.values())
+    if copies:
+        head[5:5] = ["copies ms"]
     rows = []
     for m in p.modes.values():
         mem = m.memory
@@ -271,6 +275,8 @@ def _rows(p: Prediction) -> tuple[list[str], list[list[str]]]:
         if tp:
             row[7:7] = [f"{m.tp_s * 1e3:.2f}"]
             row[11:11] = [f"{m.bytes_tp / 1e6:.1f}"]
+        if copies:
+            row[5:5] = [f"{m.copies_s * 1e3:.2f}"]
         rows.append(row)
     return head, rows
 
