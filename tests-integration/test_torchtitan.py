@@ -227,9 +227,7 @@ def test_container_on_torchtitans_llama3_debug_model():
     config = model_registry("debugmodel").model
     config.layers = config.layers[:2]
     model = config.build()
-    container = dmuon_optimizer(mode="single", split_sizes={r"wqkv\.weight$": [256] * 3}).build(
-        model_parts=[model]
-    )
+    container = dmuon_optimizer(mode="single").build(model_parts=[model])
     groups = {
         n: g.get("rule", "muon") for g in container.dmuon.param_groups for n in g["param_names"]
     }
@@ -241,7 +239,8 @@ def test_container_on_torchtitans_llama3_debug_model():
     split = {
         n: g.get("split_sizes") for g in container.dmuon.param_groups for n in g["param_names"]
     }
-    assert tuple(split["layers.1.attention.qkv_linear.wqkv.weight"]) == (256, 256, 256)
+    # orthogonalised whole: torchtitan's fused wqkv interleaves q, k, v per kv head
+    assert not split["layers.1.attention.qkv_linear.wqkv.weight"]
     state = container.state_dict()
     assert set(state["state"]) == set(groups), sorted(set(groups) ^ set(state["state"]))
     assert sorted(state["state"]["layers.0.feed_forward.w1.weight"]) == [
@@ -284,13 +283,14 @@ class Dims:
     accelerator is present, so the meshes are built on CPU by the test."""
 
     cp_enabled = pp_enabled = ep_enabled = dp_replicate_enabled = False
+    dp_enabled = dp_shard_enabled = True
 
     def __init__(self, mesh) -> None:
         self.mesh = mesh
         self.tp_enabled = "tp" in mesh.mesh_dim_names
 
     def get_mesh(self, dims):
-        names = {"fsdp": "dp"}
+        names = {"fsdp": "dp", "batch": "dp"}
         dims = [dims] if isinstance(dims, str) else dims
         return self.mesh[tuple(names.get(d, d) for d in dims)]
 
@@ -312,15 +312,17 @@ class TitanTP(TitanShaped):
 def titan_configs(**training):
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
+    owner = dict(mixed_precision_param="float32", max_norm=float("inf"), disable_cuda_graphs=True)
     return dict(
-        training=TrainingConfig(mixed_precision_param="float32", **training),
+        training=TrainingConfig(**{**owner, **training}),
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
         compile_config=CompileConfig(),
     )
 
 
-def owner_model(mesh):
-    """torchtitan's order: built on meta, parallelised, materialised, initialised."""
+def owner_model(mesh, micro=1):
+    """torchtitan's order: built on meta, parallelised, materialised, initialised; ``micro``
+    micro-batches per step (torchtitan's global batch over its local batch × dp)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -329,7 +331,8 @@ def owner_model(mesh):
     reference = TitanShaped().state_dict()
     with torch.device("meta"):
         model = TitanTP()
-    parallelize_for_owners(model, parallel_dims=Dims(mesh), **titan_configs())
+    batches = dict(local_batch_size=2 // micro, global_batch_size=BATCH)
+    parallelize_for_owners(model, parallel_dims=Dims(mesh), **titan_configs(**batches))
     # FSDP2's gradient division off (torchtitan's) is a PREMUL_SUM reduction gloo does not
     # have; a plain sum is the same (as test_torchtitan_ep.py does)
     for module in model.modules():
@@ -357,11 +360,15 @@ def titan_loss(model, tokens, labels, global_tokens):
     return F.cross_entropy(logits, labels.flatten(), reduction="sum") / global_tokens
 
 
-def owner_train(model, container, steps, rows):
+def owner_train(model, container, steps, rows, micro=1):
     norms, leftover = [], []
     for t in steps:
         tokens, labels = batch(t)
-        titan_loss(model, tokens[rows], labels[rows], labels.numel()).backward()
+        tokens, labels = tokens[rows], labels[rows]
+        step = len(tokens) // micro
+        for m in range(0, len(tokens), step):  # torchtitan's micro-batches, no no_sync
+            mine = slice(m, m + step)
+            titan_loss(model, tokens[mine], labels[mine], BATCH * SEQ).backward()
         # torchtitan's trainer takes the norm of every p.grad before the step: only
         # FSDP2's DTensor gradients may be there (a plain one beside them would raise)
         leftover += [
@@ -384,7 +391,7 @@ def whole(model) -> dict[str, torch.Tensor]:
     }
 
 
-def run_owner(rank, world, path):
+def run_owner(rank, world, path, micro=1):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -393,14 +400,14 @@ def run_owner(rank, world, path):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     dp = mesh.get_coordinate()[0]
     rows = slice(2 * dp, 2 * dp + 2)
-    model = owner_model(mesh)
+    model = owner_model(mesh, micro)
     container = owner_container(model)
     owners = sorted(set(container.dmuon.engine.describe().get("owners", {}).values()))
-    norms, leftover = owner_train(model, container, range(STEPS - 1), rows)
+    norms, leftover = owner_train(model, container, range(STEPS - 1), rows, micro)
     out = {"mode": container.dmuon.engine.mode, "leftover": leftover, "owners": owners}
     if path is not None:  # torchtitan's checkpointer: model tensors + the container
         dcp.save({"model": get_model_state_dict(model), "optimizer": container}, checkpoint_id=path)
-    more, _ = owner_train(model, container, [STEPS - 1], rows)
+    more, _ = owner_train(model, container, [STEPS - 1], rows, micro)
     container.dedication.wait()  # the last step's weights, published, land on every rank
     out.update(norms=norms + more, weights=whole(model))
     if path is not None:  # a fresh model and container, loaded, take the last step again
@@ -453,6 +460,12 @@ def test_owner_mode_in_torchtitan_equals_one_process_and_round_trips_through_dcp
             assert diff <= TOLERANCE, f"resumed rank {rank}: {name} differs by {diff:.2e}"
 
 
+def test_owner_mode_in_torchtitan_with_gradient_accumulation_equals_one_process():
+    expected, norms = one_process_titan_loss()
+    results = run_on_ranks(run_owner, 2, args=(None, 2), timeout=120)
+    check_owner_run(results, expected, norms)
+
+
 def test_owner_mode_in_torchtitan_over_tensor_parallel_equals_one_process():
     expected, norms = one_process_titan_loss()
     results = run_on_ranks(run_owner, 4, args=(None,), timeout=120)
@@ -475,7 +488,7 @@ def test_owner_mode_settings_it_does_not_take_are_named():
             TitanShaped(), parallel_dims=dims or Bad(), **settings
         )
 
-    bf16 = TrainingConfig()  # torchtitan's default: bf16 parameters
+    bf16 = TrainingConfig(disable_cuda_graphs=True, max_norm=float("inf"))  # default: bf16
     assert "mixed_precision_param='bfloat16'" in error(parallelize(training=bf16))
     backend = ParallelismConfig()  # torchtitan's default backend
     assert "spmd_backend='spmd_types'" in error(parallelize(parallelism=backend))
@@ -485,6 +498,19 @@ def test_owner_mode_settings_it_does_not_take_are_named():
     assert "expert parallelism" in error(parallelize(Bad(ep_enabled=True)))
     hsdp_tp = Bad(tp_enabled=True, dp_replicate_enabled=True)
     assert "HSDP" in error(parallelize(hsdp_tp))
+    one_shard = Bad(dp_replicate_enabled=True, dp_shard_enabled=False)
+    assert "data_parallel_shard_degree 1" in error(parallelize(one_shard))
+    graphs = TrainingConfig(mixed_precision_param="float32", max_norm=float("inf"))
+    assert "disable_cuda_graphs=False" in error(parallelize(training=graphs))
+    clip = TrainingConfig(mixed_precision_param="float32", disable_cuda_graphs=True)
+    assert "training.max_norm=1" in error(parallelize(training=clip))
+    offload = TrainingConfig(
+        mixed_precision_param="float32",
+        disable_cuda_graphs=True,
+        max_norm=float("inf"),
+        enable_cpu_offload=True,
+    )
+    assert "enable_cpu_offload" in error(parallelize(training=offload))
     # the container in owner mode on a model parallelise_for_owners never saw
     message = error(lambda: dmuon_optimizer(mode="owner").build(model_parts=[TitanShaped()]))
     assert "parallelize_for_owners" in message, message

@@ -23,17 +23,25 @@ The work is split in two:
   hooks are installed) and a check that the dedicated matrices are exactly the ones
   FSDP2 left out.
 
+With gradient accumulation (``training.global_batch_size`` over several local batches)
+the owners' reductions run in the last micro-batch's backward only, the earlier ones
+accumulating locally: torchtitan calls no ``no_sync``, so the forwards are counted.
+
 Refused, each with an error naming the setting: the ``full_dtensor``/``spmd_types``
 backends (their parameters are DTensors over the whole mesh, not plain tensors FSDP2
 can leave out), context, pipeline and expert parallelism, HSDP together with tensor
-parallelism, ``torch.compile`` of the blocks (torchtitan compiles each block with
-``fullgraph=True``; DMuon's per-layer hooks are graph breaks) and bf16 parameters
-(``training.mixed_precision_param``: the dedicated matrices live outside FSDP2's
-mixed-precision cast, so the activations must stay float32 to meet them).
+parallelism or with one ``dp_shard`` rank, ``torch.compile`` of the blocks (torchtitan
+compiles each block with ``fullgraph=True``; DMuon's per-layer hooks are graph breaks),
+CUDA graphs (a replay skips the hooks), CPU offload, FSDP2 symmetric memory, a finite
+``training.max_norm`` (the trainer's clip would see FSDP2's gradients only: clip in the
+container) and bf16 parameters (``training.mixed_precision_param``: the dedicated
+matrices live outside FSDP2's mixed-precision cast, so the activations must stay float32
+to meet them).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -55,10 +63,13 @@ class OwnerLayout:
         mesh: the mesh owners are planned on: the ``fsdp`` mesh (HSDP: ``dp_replicate ×
             fsdp``), or ``fsdp × tp`` with tensor parallelism (owners over ``fsdp``, each
             owner's ``tp`` row stepping the shards).
+        accumulation: torchtitan's gradient-accumulation steps (micro-batches per
+            optimizer step): the owners' reductions run after the last one's backward.
     """
 
     names: frozenset[str]
     mesh: Any
+    accumulation: int = 1
 
 
 _LAYOUTS: weakref.WeakKeyDictionary[nn.Module, OwnerLayout] = weakref.WeakKeyDictionary()
@@ -108,6 +119,39 @@ def _refuse_unsupported(parallel_dims: Any, training: Any, parallelism: Any, com
             "torchtitan compiles each block with fullgraph=True and DMuon's per-layer "
             "forward hooks are graph breaks; train owner mode eagerly, or use mode='sharded'",
         )
+    if not getattr(training, "disable_cuda_graphs", True):
+        raise no(
+            "training.disable_cuda_graphs=False",
+            "torchtitan would capture forward and backward in a CUDA graph, and a replay "
+            "skips DMuon's hooks (no reduction to the owners, no broadcast back); set "
+            "--training.disable_cuda_graphs",
+        )
+    if getattr(training, "enable_cpu_offload", False):
+        raise no(
+            "training.enable_cpu_offload",
+            "FSDP2 offloads the parameters it shards only; the dedicated matrices would stay "
+            "on the CPU beside the GPU collectives",
+        )
+    max_norm = float(getattr(training, "max_norm", math.inf))
+    if math.isfinite(max_norm):
+        raise no(
+            f"training.max_norm={max_norm:g}",
+            "torchtitan's own clip would see FSDP2's gradients only (the dedicated ones are "
+            "reduced in the optimizer step); set --training.max_norm inf and clip with the "
+            f"container's --optimizer.max_norm {max_norm:g} instead",
+        )
+    if parallel_dims.dp_replicate_enabled and not getattr(parallel_dims, "dp_shard_enabled", True):
+        raise no(
+            "data_parallel_replicate_degree > 1 with data_parallel_shard_degree 1",
+            "owner mode plans owners over the fsdp (dp_shard) dimension, which has one rank "
+            "here; use data_parallel_shard_degree > 1, or plain replication (DDP) with "
+            "dmuon.integrations.ddp.dedicate",
+        )
+    if getattr(parallelism, "enable_fsdp_symm_mem", False):
+        raise no(
+            "parallelism.enable_fsdp_symm_mem",
+            "not supported with the FSDP2 units parallelize_for_owners builds",
+        )
     param_dtype = getattr(training, "mixed_precision_param", "float32")
     if param_dtype != "float32":
         raise no(
@@ -149,7 +193,7 @@ def parallelize_for_owners(
     Raises:
         ValueError: a setting owner mode does not support (module docstring), named.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.distributed.fsdp import (
         disable_fsdp_gradient_division,
@@ -175,17 +219,45 @@ def parallelize_for_owners(
             cast_forward_inputs=False,
         ),
     }
-    if getattr(training, "enable_cpu_offload", False):
-        config["offload_policy"] = CPUOffloadPolicy()
-    reshard = get_fsdp_reshard_after_forward_policy(
-        parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled
-    )
+    policy = parallelism.fsdp_reshard_after_forward
+    reshard = get_fsdp_reshard_after_forward_policy(policy, parallel_dims.pp_enabled)
+    # torchtitan's units (apply_fsdp_to_decoder): the embedding, each block, the norm with
+    # the head (not resharded after forward by default: FSDP2 would prefetch them at once),
+    # then the root; with tied weights, the embedding, norm and head as one unit
+    embedding = getattr(model, "tok_embeddings", None)
+    last = [
+        m for m in (getattr(model, "norm", None), getattr(model, "lm_head", None)) if m is not None
+    ]
+    if getattr(model, "enable_weight_tying", False):
+        fully_shard(
+            [m for m in (embedding, *last) if m is not None],
+            reshard_after_forward=policy == "always",
+            **config,
+        )
+    else:
+        if embedding is not None:
+            fully_shard(embedding, reshard_after_forward=reshard, **config)
+        if len(last) == 2:
+            fully_shard(last, reshard_after_forward=policy == "always", **config)
     for block in model.layers.values():  # type: ignore[operator]
         fully_shard(block, reshard_after_forward=reshard, **config)
     fully_shard(model, **config)
     disable_fsdp_gradient_division(model)  # torchtitan's convention: gradients summed
-    _LAYOUTS[model] = OwnerLayout(frozenset(item.name for item, _ in dedicated), owner_mesh)
+    _LAYOUTS[model] = OwnerLayout(
+        frozenset(item.name for item, _ in dedicated),
+        owner_mesh,
+        _accumulation_steps(parallel_dims, training),
+    )
     return model
+
+
+def _accumulation_steps(parallel_dims: Any, training: Any) -> int:
+    """torchtitan's ``gradient_accumulation_steps``: the global batch over the local batch
+    times the batch (data-parallel) degree; 1 when the global batch is not set."""
+    degree = parallel_dims.get_mesh("batch").size() if parallel_dims.dp_enabled else 1
+    local = int(getattr(training, "local_batch_size", 1))
+    global_ = int(getattr(training, "global_batch_size", -1))
+    return max(1, global_ // (local * degree)) if global_ > 0 else 1
 
 
 def dedicate_for_owners(model: nn.Module, **dedicate_options: Any) -> Dedication:
@@ -220,7 +292,28 @@ def dedicate_for_owners(model: nn.Module, **dedicate_options: Any) -> Dedication
         missing = sorted(layout.names - names)[:4]
         raise ValueError(
             "the matrices dedicated to owners differ from those FSDP2 left out in "
-            f"parallelize_for_owners: dedicated but sharded by FSDP2 {extra}, left out but not "
-            f"dedicated {missing}; pass no predicate to the container"
+            f"parallelize_for_owners (dedicated but sharded by FSDP2: {extra}; left out but "
+            f"not dedicated: {missing}): the model's trainable matrices changed in between "
+            "(parameters frozen, added or replaced after parallelize_fn)"
         )
+    if layout.accumulation > 1:
+        ded.handles.append(_reduce_after_last_micro_batch(model, ded, layout.accumulation))
     return ded
+
+
+def _reduce_after_last_micro_batch(model: nn.Module, ded: Dedication, steps: int) -> Any:
+    """torchtitan runs ``steps`` forward/backward pairs per optimizer step, without
+    ``no_sync``: count the training forwards (gradients enabled) and let the owners'
+    reductions run only in the backward of every ``steps``-th, the others accumulating
+    locally (FSDP2 itself reduce-scatters every micro-batch, as torchtitan has it)."""
+    import torch
+
+    forwards = [0]
+
+    def count(module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            forwards[0] += 1
+
+    handle = model.register_forward_pre_hook(count)
+    ded.exchange.reduction.set_sync_condition(lambda: forwards[0] % steps == 0)
+    return handle

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
@@ -34,7 +33,6 @@ __all__ = [
     "deepseek_v3_debugmodel_dmuon",
     "llama3_debugmodel_dmuon",
     "llama3_debugmodel_dmuon_owner",
-    "qkv_split_sizes",
 ]
 
 LR = 8e-4
@@ -43,26 +41,18 @@ scales Muon's update to AdamW's RMS, so the same value serves both."""
 WEIGHT_DECAY = 0.1  # torchtitan's default_adamw
 
 
-def qkv_split_sizes(model_config: Any) -> dict[str, list[int]]:
-    """``{wqkv regex: [q, k, v] rows}`` of a Llama 3 config's fused ``wqkv`` (first
-    block's attention: ``n_heads``, ``n_kv_heads`` (default ``n_heads``), ``head_dim``
-    (default ``dim // n_heads``)), so Muon orthogonalises q, k and v separately."""
-    attention = model_config.layers[0].attention
-    heads = attention.n_heads
-    kv_heads = attention.n_kv_heads or heads
-    head_dim = attention.head_dim or attention.dim // heads
-    return {r"wqkv\.weight$": [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]}
-
-
 def llama3_debugmodel_dmuon() -> Trainer.Config:
-    """torchtitan's ``llama3_debugmodel`` trained with DMuon (Muon, sharded mode)."""
+    """torchtitan's ``llama3_debugmodel`` trained with DMuon (Muon, sharded mode).
+
+    The fused ``wqkv`` is orthogonalised whole: torchtitan interleaves its rows per
+    key/value head (``[n_kv_heads, heads_per_kv + 2, head_dim]``), which contiguous
+    ``split_sizes`` cannot separate into q, k and v."""
     config = llama3_debugmodel()
     assert config.model_spec is not None
     config.optimizer = dmuon_optimizer(
         LR,
         weight_decay=WEIGHT_DECAY,
         adamw_weight_decay=WEIGHT_DECAY,
-        split_sizes=qkv_split_sizes(config.model_spec.model),
     )
     return config
 
@@ -87,9 +77,10 @@ def llama3_debugmodel_dmuon_owner() -> Trainer.Config:
     Changed from torchtitan's recipe, as owner mode needs: the model spec's
     ``parallelize_fn`` is :func:`~dmuon.integrations.torchtitan.parallelize_for_owners`,
     the ``partial_dtensor`` backend, float32 parameters (the dedicated matrices are
-    outside FSDP2's mixed-precision cast), no compile of the blocks, and the clipping
-    moved into the container (``training.max_norm`` = ∞, the container's ``max_norm`` =
-    torchtitan's value): the trainer's own clip sees FSDP2's gradients only.
+    outside FSDP2's mixed-precision cast), no compile of the blocks, no CUDA graphs (a
+    replay skips DMuon's hooks), and the clipping moved into the container
+    (``training.max_norm`` = ∞, the container's ``max_norm`` = torchtitan's value): the
+    trainer's own clip sees FSDP2's gradients only.
     """
     config = llama3_debugmodel()
     assert config.model_spec is not None
@@ -99,6 +90,7 @@ def llama3_debugmodel_dmuon_owner() -> Trainer.Config:
     config.parallelism.spmd_backend = "partial_dtensor"
     config.training.mixed_precision_param = "float32"
     config.compile.enable = False
+    config.training.disable_cuda_graphs = True
     max_norm = float(config.training.max_norm)
     config.training.max_norm = math.inf
     config.optimizer = dmuon_optimizer(
@@ -106,7 +98,6 @@ def llama3_debugmodel_dmuon_owner() -> Trainer.Config:
         mode="owner",
         weight_decay=WEIGHT_DECAY,
         adamw_weight_decay=WEIGHT_DECAY,
-        split_sizes=qkv_split_sizes(config.model_spec.model),
     )
     config.optimizer.max_norm = max_norm
     return config
