@@ -123,23 +123,29 @@ def train(model, container, steps, rows=slice(None)):
     return norms
 
 
-def one_process() -> tuple[dict[str, torch.Tensor], list[float]]:
-    """The reference, clipped by the container's own ``max_norm`` in ``step``."""
+def one_process(loss=loss_of) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The reference, clipped by the container's own ``max_norm`` in ``step``; ``loss``:
+    ``(model, tokens, labels) → loss`` over the whole global batch."""
     model = TitanShaped()
     config = dmuon_optimizer(mode="single", split_sizes=SPLIT, **OPT)
     config.max_norm = CLIP
     container = config.build(model_parts=[model])
     norms = []
     for t in range(STEPS):
-        loss_of(model, *batch(t)).backward()
+        loss(model, *batch(t)).backward()
         container.step()
         container.zero_grad()
         norms.append(float(container.last_grad_norm))
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def full(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+def whole(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def patterned() -> DMuonOptimizersContainer.Config:
@@ -178,7 +184,7 @@ def run_save(rank, world, path):
     dcp.save({"model": get_model_state_dict(model), "optimizer": container}, checkpoint_id=path)
     norms += train(model, container, [STEPS - 1], rows)
     placements = {n: str(tuple(p.placements)) for n, p in model.named_parameters()}
-    return container.dmuon.engine.mode, full(model), norms, keys, placements
+    return container.dmuon.engine.mode, whole(model), norms, keys, placements
 
 
 def run_load(rank, world, path):
@@ -194,7 +200,7 @@ def run_load(rank, world, path):
     set_model_state_dict(model, state["model"])
     rows = slice(2 * rank, 2 * rank + 2)
     norms = train(model, container, [STEPS - 1], rows)
-    return container.dmuon.engine.mode, full(model), norms
+    return container.dmuon.engine.mode, whole(model), norms
 
 
 def test_container_on_fsdp2_over_tensor_parallel_equals_one_process_and_reshards(tmp_path):
@@ -382,15 +388,6 @@ def owner_train(model, container, steps, rows, micro=1):
     return norms, leftover
 
 
-def whole(model) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-        for n, p in model.named_parameters()
-    }
-
-
 def run_owner(rank, world, path, micro=1):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -423,18 +420,9 @@ def run_owner(rank, world, path, micro=1):
 
 
 def one_process_titan_loss() -> tuple[dict[str, torch.Tensor], list[float]]:
-    model = TitanShaped()
-    config = dmuon_optimizer(mode="single", split_sizes=SPLIT, **OPT)
-    config.max_norm = CLIP
-    container = config.build(model_parts=[model])
-    norms = []
-    for t in range(STEPS):
-        tokens, labels = batch(t)
-        titan_loss(model, tokens, labels, labels.numel()).backward()
-        container.step()
-        container.zero_grad()
-        norms.append(float(container.last_grad_norm))
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+    return one_process(
+        lambda model, tokens, labels: titan_loss(model, tokens, labels, labels.numel())
+    )
 
 
 def check_owner_run(results, expected, norms):
