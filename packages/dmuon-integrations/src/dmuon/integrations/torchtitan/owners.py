@@ -9,8 +9,9 @@ The work is split in two:
 
 * :func:`parallelize_for_owners` is the ``parallelize_fn``. It does what torchtitan's
   ``parallelize_llama`` does on its ``partial_dtensor`` path — tensor parallelism
-  (``model.parallelize``), activation checkpointing — then FSDP2 on every block and on
-  the root with the matrices DMuon will dedicate (those of
+  (``model.parallelize``), activation checkpointing — then FSDP2 in torchtitan's units
+  (the embedding, every block, the norm with the head, the root) with the matrices
+  DMuon will dedicate (those of
   :func:`dmuon.optim.param_groups`) in ``ignored_params``, FSDP2's mixed-precision policy
   and reshard-after-forward policy as torchtitan sets them, and FSDP2's gradient division
   off, as torchtitan does: its loss is each rank's token sum divided by the *global*
