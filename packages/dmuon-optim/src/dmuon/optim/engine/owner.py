@@ -45,6 +45,12 @@ class OwnerEngine(Engine):
         self.exchange = exchange
         self.rank = exchange.rank
         self.world_size = exchange.world_size
+        # Made by bind(), read by every step (one dictionary lookup per parameter, not a
+        # scan of every parameter per layer): the dedicated parameters' ids, the layer
+        # keys, and per layer the scalar parameters this rank steps in it, by group.
+        self._dedicated_ids: frozenset[int] = frozenset()
+        self._keys: list[str] = []
+        self._scalars_by_layer: dict[str | None, list[tuple[int, list[torch.Tensor]]]] = {}
 
     def bind(self, stepper: Stepper) -> None:
         super().bind(stepper)
@@ -87,9 +93,25 @@ class OwnerEngine(Engine):
                 f"dedicated parameter(s) {missing[:3]} are in no param group of this "
                 "optimizer (or frozen); give the optimizer every dedicated parameter"
             )
+        self._dedicated_ids = frozenset(
+            id(e.param) for e in self.params if exchange_of(e.param) is ex
+        )
+        self._keys = ex.layer_keys()
+        # None: the scalar parameters outside the dedication (FSDP2's), stepped last
+        by_layer: dict[str | None, list[tuple[int, list[torch.Tensor]]]] = {}
+        for index, group in enumerate(stepper.param_groups):
+            if not stepper.is_scalar(group):
+                continue
+            mine: dict[str | None, list[torch.Tensor]] = {}
+            for p in group["params"]:
+                if self.steps(p):
+                    mine.setdefault(self.group_of(p), []).append(p)
+            for key, params in mine.items():
+                by_layer.setdefault(key, []).append((index, params))
+        self._scalars_by_layer = by_layer
 
     def _dedicated(self, p: torch.Tensor) -> bool:
-        return exchange_of(p) is self.exchange
+        return id(p) in self._dedicated_ids
 
     def _sharded_over(self, p: torch.Tensor) -> bool:
         """A DTensor whose mesh spans more of the exchange's group than this rank (FSDP2
@@ -175,29 +197,22 @@ class OwnerEngine(Engine):
         ex = self.exchange
         with report.phase("comm_wait"):
             ex.reduction.flush()
-        scalar_groups = [(i, g) for i, g in enumerate(stepper.param_groups) if stepper.is_scalar(g)]
-        matrix_groups = [i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)]
-        for key in ex.layer_keys():
+        groups = stepper.param_groups
+        matrix_groups = [i for i, g in enumerate(groups) if not stepper.is_scalar(g)]
+        for key in self._keys:
             with report.phase("comm_wait"):
                 ex.reduction.wait_reduced(key)
             for index in matrix_groups:
                 stepper.step_matrices(index, key, report)
-            owned_scalars = [
-                (g, [p for p in g["params"] if self.steps(p) and self.group_of(p) == key])
-                for _, g in scalar_groups
-            ]
             with report.phase("scalar"):
-                for g, ps in owned_scalars:
-                    if ps:
-                        stepper.step_scalars(g, ps)
+                for index, params in self._scalars_by_layer.get(key, ()):
+                    stepper.step_scalars(groups[index], params)
             with report.phase("publish"):
                 ex.publication.publish(key)
             report.groups += 1
         with report.phase("scalar"):
-            for _, g in scalar_groups:
-                rest = [p for p in g["params"] if not self._dedicated(p)]
-                if rest:
-                    stepper.step_scalars(g, rest)
+            for index, params in self._scalars_by_layer.get(None, ()):
+                stepper.step_scalars(groups[index], params)
         ex.reduction.end_step()
 
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:

@@ -142,6 +142,11 @@ class Reduction:
         self.reduce_order = list(reversed(self.layers))
         # the placements of each DTensor gradient as it arrived (Partial stays Partial)
         self.grad_placements: dict[str, tuple[object, ...]] = {}
+        # fixed for the exchange's life, so not asked again per gradient and step
+        self.size = group_size(group)
+        self.groups = [group] if replicate_group is None else [group, replicate_group]
+        self.sizes = [group_size(g) for g in self.groups]
+        self.split = frozenset(name for name, p in params.items() if is_dtensor(p))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -214,18 +219,15 @@ class Reduction:
         flags = torch.tensor(
             [int(n in self.present) for n in names] + [self.held_back], dtype=torch.int32
         )
-        groups = (
-            [self.group] if self.replicate_group is None else [self.group, self.replicate_group]
-        )
-        for g in groups:
-            if group_size(g) > 1:
+        for g, size in zip(self.groups, self.sizes, strict=True):
+            if size > 1:
                 wait_work(
                     dist.all_reduce(flags, group=g, async_op=True),
                     "all-reduce of gradient-presence flags",
                     g,
                 )
                 self.stats.record_collective(
-                    "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=group_size(g)
+                    "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=size
                 )
         *present, held_back = flags.tolist()
         self.global_present = {n: bool(f) for n, f in zip(names, present, strict=True)}
@@ -261,7 +263,7 @@ class Reduction:
                 if g is None:
                     view.zero_()
                 else:
-                    if is_dtensor(g):
+                    if name in self.split:
                         self.grad_placements[name] = tuple(g.placements)  # type: ignore[attr-defined]
                         g = local_tensor(g)
                     view.copy_(g.reshape(view.shape))
@@ -276,7 +278,7 @@ class Reduction:
                 stats=self.stats,
                 op=self.reduce_op,
             )
-        n = group_size(self.group)
+        n = self.size
         for b in layer.allreduce_buckets:
             if n > 1:
                 layer.allreduce_works.append(
@@ -305,23 +307,27 @@ class Reduction:
         for name in layer.dedicated:
             p = self.params[name]
             if name in owned and self.global_present[name]:
-                p.grad = as_gradient(p, owned[name], self.grad_placements.get(name))
+                p.grad = self._gradient(name, owned[name])
             else:
                 p.grad = None
         for w in layer.allreduce_works:
             wait_work(w, f"all-reduce of layer {key!r}'s replicated gradients", self.group)
-        n = group_size(self.group)
+        n = self.size
         for b in layer.allreduce_buckets:
             if n > 1 and self.reduce_op == "avg":
                 b.buffer.div_(n)
             for name in b.names:
                 p = self.params[name]
-                p.grad = (
-                    as_gradient(p, b.view(name), self.grad_placements.get(name))
-                    if self.global_present[name]
-                    else None
-                )
+                p.grad = self._gradient(name, b.view(name)) if self.global_present[name] else None
         layer.reduce_handle, layer.allreduce_works, layer.reduced = None, [], True
+
+    def _gradient(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """``p.grad`` of parameter ``name`` from its reduced ``local`` part: a view shaped
+        like ``p``, or for a tensor-parallel shard a DTensor (:func:`as_gradient`)."""
+        p = self.params[name]
+        if name in self.split:
+            return as_gradient(p, local, self.grad_placements.get(name))
+        return local.view(p.shape)
 
     def wait_all_reduced(self) -> None:
         """:meth:`flush`, then :meth:`wait_reduced` for every layer in forward order."""
