@@ -21,6 +21,7 @@ CPU is:
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from tensor_parallel_cases import error
@@ -326,9 +327,10 @@ def titan_configs(**training):
     )
 
 
-def owner_model(mesh, micro=1):
+def owner_model(mesh, micro=1, ac=None):
     """torchtitan's order: built on meta, parallelised, materialised, initialised; ``micro``
-    micro-batches per step (torchtitan's global batch over its local batch × dp)."""
+    micro-batches per step (torchtitan's global batch over its local batch × dp); ``ac``:
+    torchtitan's activation checkpointing of every block (``"full"``, ``"selective"``)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -338,7 +340,14 @@ def owner_model(mesh, micro=1):
     with torch.device("meta"):
         model = TitanTP()
     batches = dict(local_batch_size=2 // micro, global_batch_size=BATCH)
-    parallelize_for_owners(model, parallel_dims=Dims(mesh), **titan_configs(**batches))
+    ac_config = None
+    if ac is not None:
+        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+        ac_config = {"full": FullAC, "selective": SelectiveAC}[ac].Config()
+    parallelize_for_owners(
+        model, parallel_dims=Dims(mesh), ac_config=ac_config, **titan_configs(**batches)
+    )
     # FSDP2's gradient division off (torchtitan's) is a PREMUL_SUM reduction gloo does not
     # have; a plain sum is the same (as test_torchtitan_ep.py does)
     for module in model.modules():
@@ -347,11 +356,16 @@ def owner_model(mesh, micro=1):
     model.to_empty(device="cpu")
     with torch.no_grad():  # init_weights: the reference's values
         for name, p in model.named_parameters():
-            value = reference[name]
+            value = reference[unwrapped(name)]
             if isinstance(p, DTensor):
                 value = distribute_tensor(value, p.device_mesh, p.placements)
             p.copy_(value)
     return model
+
+
+def unwrapped(name: str) -> str:
+    """A parameter's name without the checkpoint wrapper's level (activation checkpointing)."""
+    return name.replace("._checkpoint_wrapped_module", "")
 
 
 def owner_container(model):
@@ -388,7 +402,7 @@ def owner_train(model, container, steps, rows, micro=1):
     return norms, leftover
 
 
-def run_owner(rank, world, path, micro=1):
+def run_owner(rank, world, path, micro=1, ac=None):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -397,7 +411,7 @@ def run_owner(rank, world, path, micro=1):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     dp = mesh.get_coordinate()[0]
     rows = slice(2 * dp, 2 * dp + 2)
-    model = owner_model(mesh, micro)
+    model = owner_model(mesh, micro, ac)
     container = owner_container(model)
     owners = sorted(set(container.dmuon.engine.describe().get("owners", {}).values()))
     norms, leftover = owner_train(model, container, range(STEPS - 1), rows, micro)
@@ -451,6 +465,20 @@ def test_owner_mode_in_torchtitan_equals_one_process_and_round_trips_through_dcp
 def test_owner_mode_in_torchtitan_with_gradient_accumulation_equals_one_process():
     expected, norms = one_process_titan_loss()
     results = run_on_ranks(run_owner, 2, args=(None, 2), timeout=120)
+    check_owner_run(results, expected, norms)
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_owner_mode_in_torchtitan_with_activation_checkpointing_equals_one_process(ac):
+    """Each block recomputed in backward (torchtitan's checkpoint wrapper: the dedicated
+    matrices are renamed under ``_checkpoint_wrapped_module``, and their forward hooks run
+    again in the recomputation) steps as one process does."""
+    expected, norms = one_process_titan_loss()
+    results = run_on_ranks(run_owner, 2, args=(None, 1, ac), timeout=120)
+    for out in results:
+        names = list(out["weights"])
+        assert any("_checkpoint_wrapped_module" in n for n in names), names[:4]
+        out["weights"] = {unwrapped(n): w for n, w in out["weights"].items()}
     check_owner_run(results, expected, norms)
 
 
