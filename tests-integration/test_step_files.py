@@ -34,14 +34,15 @@ def test_step_files_writes_the_figures_of_each_rank(tmp_path, capsys):
 
 
 def test_calls_per_step_grow_linearly_with_depth():
-    """Each added layer adds the same work to a step: no per-step scan of every parameter
-    per layer. Before the owner engine grouped its scalar parameters by layer once (at
-    bind), the growth per added layer rose 25% from 4→8 to 8→16 layers (663 → 831 calls
-    per layer on rank 0); linear work varies by the owners' batching only (446 → 470)."""
+    """Each added layer adds the same work to a step: nothing per layer scans every
+    parameter or every layer. Rank 0's growth per added layer from 4→8 to 8→16 layers rose
+    25% when the owner engine looked for each layer's scalar parameters among all of them
+    (663 → 831 calls) and 5% while each forward hook waited on the publications from the
+    first layer on (446 → 470); linear, it is the same (409.5 and 409.5)."""
     calls = {
         layers: step_files.measure(n_layer=layers, d_model=32, timeout=120)[0]["calls"]
         for layers in (4, 8, 16)
     }
     first = (calls[8] - calls[4]) / 4
     second = (calls[16] - calls[8]) / 8
-    assert 0 < second <= 1.15 * first, calls
+    assert 0 < second <= 1.02 * first, calls

@@ -131,15 +131,15 @@ def step_matrices(
     """Run matrix group ``index``'s rule on ``buckets`` (same-shape batches)."""
     if not buckets:
         return
-    active: dict[int, torch.Tensor] = {}
+    active: dict[int, tuple[torch.Tensor, int]] = {}  # id → (parameter, index in its group)
     for b in buckets:
         for e in b.entries:
             has = e.param.grad is not None if grads is None else e.param in grads
             if has:
-                active[id(e.param)] = e.param
+                active[id(e.param)] = (e.param, e.index)
     if not active:
         return
-    torch._foreach_add_([state[p]["step"] for p in active.values()], 1.0)
+    torch._foreach_add_([state[p]["step"] for p, _ in active.values()], 1.0)
     rule = get_rule(group["rule"])
     names = group.get("param_names")
     timings: dict[str, float] = {}
@@ -159,10 +159,8 @@ def step_matrices(
         report.rule_calls += int(ran > 0)
     for phase, seconds in timings.items():
         report.add(phase, seconds)
-    index_of = {id(p): i for i, p in enumerate(group["params"])}
     report.stepped.extend(
-        names[index_of[id(p)]] if names else f"group{index}.param{index_of[id(p)]}"
-        for p in active.values()
+        names[i] if names else f"group{index}.param{i}" for _, i in active.values()
     )
 
 

@@ -110,6 +110,10 @@ class Publication:
     ) -> None:
         self.layers = list(layers)
         self._by_key = {layer.key: layer for layer in self.layers}
+        self._position = {layer.key: i for i, layer in enumerate(self.layers)}
+        # every layer before this position has no broadcast in flight: a forward's waits
+        # go on from where the previous one stopped (work linear in the depth per forward)
+        self._finished = 0
         self._params = params
         self.plan = plan
         self.rank = rank
@@ -187,6 +191,7 @@ class Publication:
             self._copy_out(layer)
 
     def _broadcast(self, layer: OwnerLayer) -> None:
+        self._finished = min(self._finished, self._position[layer.key])
         self._copy_in(layer)
         layer.publish_handle = broadcast_from_owners(
             layer.publish_buckets,
@@ -238,10 +243,10 @@ class Publication:
         if self.reshard_after_forward:
             self.materialize(key)
             return
-        for layer in self.layers:
-            self._finish(layer)
-            if layer.key == key:
-                return
+        position = self._position[key]
+        while self._finished <= position:
+            self._finish(self.layers[self._finished])
+            self._finished += 1
 
     def wait_all_published(self) -> None:
         """Every layer holds the owners' weights (ZeRO-3-like: materialises them all)."""
@@ -340,9 +345,8 @@ class Publication:
                 self._backward_resident.append(prev)
 
     def _neighbour(self, key: str, offset: int) -> str | None:
-        keys = [layer.key for layer in self.layers]
-        i = keys.index(key) + offset
-        return keys[i] if 0 <= i < len(keys) else None
+        i = self._position[key] + offset
+        return self.layers[i].key if 0 <= i < len(self.layers) else None
 
     def end_step(self) -> None:
         """Forget which layers backward kept materialised (the step is over)."""
