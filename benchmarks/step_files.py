@@ -13,11 +13,6 @@ backward with its hooks, ``opt.step()``, ``zero_grad``) and the next forward
 | hops | calls that land in a different file than the previous call |
 | package crossings | hops that land in a different package |
 | optimizer entries | hops into ``dmuon/optim/optimizer.py`` |
-| calls | every call event into a ``dmuon`` file (repeats included) |
-
-The calls grow linearly with the depth of the model when every per-step decision
-is made once per parameter, not once per parameter *and* layer:
-``--layers 4 8 16`` prints them for each depth and the growth of each doubling.
 
 The figures depend on the code, not on the machine (no time is measured), so
 ``docs/development/architecture.md`` quotes them. Prints a table and the file
@@ -26,7 +21,6 @@ each rank.
 
     python benchmarks/step_files.py
     python benchmarks/step_files.py --json step-files.json
-    python benchmarks/step_files.py --layers 4 8 16    # calls per step against depth
 """
 
 from __future__ import annotations
@@ -68,12 +62,11 @@ def _package(rel: str) -> str:
     return rel.split("/")[1]
 
 
-def figures(sequence: list[str], calls: int | None = None) -> dict[str, Any]:
+def figures(sequence: list[str]) -> dict[str, Any]:
     """Files, hops, package crossings and optimizer entries of one call sequence.
 
     ``sequence`` lists the file of each call event, with repeats of the same file
-    in a row already folded into one entry (a hop is a change of file); ``calls`` is
-    the number of call events before folding (default: the sequence's length).
+    in a row already folded into one entry (a hop is a change of file).
     """
     files = sorted(set(sequence))
     crossings = sum(1 for a, b in itertools.pairwise(sequence) if _package(a) != _package(b))
@@ -84,7 +77,6 @@ def figures(sequence: list[str], calls: int | None = None) -> dict[str, Any]:
         "hops": max(len(sequence) - 1, 0),
         "package_crossings": crossings,
         "optimizer_entries": entries,
-        "calls": len(sequence) if calls is None else calls,
         "files_by_package": by_package,
         "sequence": sequence,
     }
@@ -109,17 +101,12 @@ def _rank_main(rank: int, world: int, n_layer: int, d_model: int) -> dict[str, A
 
     one_step()  # warm-up: first-step work (state, plans, caches) is not counted
     sequence: list[str] = []
-    calls = 0
 
     def record(frame: Any, event: str, arg: Any) -> None:
-        nonlocal calls
         if event != "call":
             return
         rel = _source_path(frame.f_code.co_filename)
-        if rel is None:
-            return
-        calls += 1
-        if not sequence or sequence[-1] != rel:
+        if rel is not None and (not sequence or sequence[-1] != rel):
             sequence.append(rel)
 
     sys.setprofile(record)
@@ -128,7 +115,7 @@ def _rank_main(rank: int, world: int, n_layer: int, d_model: int) -> dict[str, A
         model(x)  # the next forward: its pre-hooks wait for the published weights
     finally:
         sys.setprofile(None)
-    return figures(sequence, calls)
+    return figures(sequence)
 
 
 def measure(
@@ -141,23 +128,11 @@ def measure(
 
 
 def table(ranks: list[dict[str, Any]]) -> str:
-    head = "| rank | files | hops | package crossings | entries into optimizer.py | calls |"
-    rows = [head, "|---|---|---|---|---|---|"]
+    head = "| rank | files | hops | package crossings | entries into optimizer.py |"
+    rows = [head, "|---|---|---|---|---|"]
     for rank, r in enumerate(ranks):
-        row = (r["files"], r["hops"], r["package_crossings"], r["optimizer_entries"], r["calls"])
+        row = (r["files"], r["hops"], r["package_crossings"], r["optimizer_entries"])
         rows.append(f"| {rank} | " + " | ".join(map(str, row)) + " |")
-    return "\n".join(rows)
-
-
-def scaling_table(by_depth: dict[int, list[dict[str, Any]]]) -> str:
-    """Rank 0's calls per step at each depth, and the growth over the previous depth."""
-    rows = ["| layers | calls | calls per layer | growth per added layer |", "|---|---|---|---|"]
-    previous: tuple[int, int] | None = None
-    for layers, ranks in sorted(by_depth.items()):
-        calls = ranks[0]["calls"]
-        growth = "" if previous is None else f"{(calls - previous[1]) / (layers - previous[0]):.1f}"
-        rows.append(f"| {layers} | {calls} | {calls / layers:.1f} | {growth} |")
-        previous = (layers, calls)
     return "\n".join(rows)
 
 
@@ -173,13 +148,7 @@ def file_lists(ranks: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, help="ranks (gloo on CPU); default 2")
-    parser.add_argument(
-        "--layers",
-        type=int,
-        nargs="+",
-        default=[2],
-        help="GPT blocks; default 2; several: one step per depth and the calls against depth",
-    )
+    parser.add_argument("--layers", type=int, default=2, help="GPT blocks; default 2")
     parser.add_argument("--d-model", type=int, default=64, help="GPT width; default 64")
     parser.add_argument(
         "--timeout",
@@ -194,31 +163,21 @@ def main(argv: list[str] | None = None) -> int:
         help="write the figures of each rank here",
     )
     args = parser.parse_args(argv)
-    by_depth: dict[int, list[dict[str, Any]]] = {}
-    for layers in args.layers:
-        print(
-            f"recording one warm owner-mode step of {layers} layers on {args.world} gloo ranks ...",
-            flush=True,
-        )
-        by_depth[layers] = measure(
-            world=args.world, n_layer=layers, d_model=args.d_model, timeout=args.timeout
-        )
-    ranks = by_depth[args.layers[0]]
+    print(f"recording one warm owner-mode step on {args.world} gloo ranks ...", flush=True)
+    ranks = measure(
+        world=args.world, n_layer=args.layers, d_model=args.d_model, timeout=args.timeout
+    )
     print(table(ranks))
     print()
     print("files per package (union over ranks):")
     print(file_lists(ranks))
-    if len(by_depth) > 1:
-        print()
-        print(scaling_table(by_depth))
     if args.json is not None:
         result = {
             "world": args.world,
-            "layers": args.layers[0],
+            "layers": args.layers,
             "d_model": args.d_model,
             "torch": torch.__version__,
             "ranks": ranks,
-            "calls_by_layers": {str(k): [r["calls"] for r in v] for k, v in by_depth.items()},
         }
         args.json.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.json}")

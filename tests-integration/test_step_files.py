@@ -31,18 +31,3 @@ def test_step_files_writes_the_figures_of_each_rank(tmp_path, capsys):
         assert set(by_package) == set(step_files.PACKAGES)
         assert sorted(f for files in by_package.values() for f in files) == sorted(set(sequence))
     assert "package crossings" in capsys.readouterr().out
-
-
-def test_calls_per_step_grow_linearly_with_depth():
-    """Each added layer adds the same work to a step: nothing per layer scans every
-    parameter or every layer. Rank 0's growth per added layer from 4→8 to 8→16 layers rose
-    25% when the owner engine looked for each layer's scalar parameters among all of them
-    (663 → 831 calls) and 5% while each forward hook waited on the publications from the
-    first layer on (446 → 470); linear, it is the same (409.5 and 409.5)."""
-    calls = {
-        layers: step_files.measure(n_layer=layers, d_model=32, timeout=120)[0]["calls"]
-        for layers in (4, 8, 16)
-    }
-    first = (calls[8] - calls[4]) / 4
-    second = (calls[16] - calls[8]) / 8
-    assert 0 < second <= 1.02 * first, calls

@@ -88,6 +88,7 @@ class PlannedEngine(Engine):
         self.layers: list[str] = []
         self._subplans: dict[str, OwnerPlan] = {}
         self._owner: dict[int, int] = {}
+        self._by_layer: dict[str, list[EngineParam]] = {}
         self._guard_groups: list[dist.ProcessGroup | None] = []
 
     def bind(self, stepper: Stepper) -> None:
@@ -98,8 +99,11 @@ class PlannedEngine(Engine):
         if self.world_size > 1:  # a group of one (dp = 1 on a dp × tp mesh): nothing to agree
             check_model_consistency(self.plan, self.group)
         self.layers = layers_in_order(matrices)
+        self._by_layer = {key: [] for key in self.layers}
+        for e in matrices:  # once here, read by every step's layers
+            self._by_layer[e.layer].append(e)
         for key in self.layers:
-            self._subplans[key] = subplan(self.plan, [e.name for e in matrices if e.layer == key])
+            self._subplans[key] = subplan(self.plan, [e.name for e in self._by_layer[key]])
         self._owner = {id(e.param): self.plan.owner(e.name) for e in matrices}
         # DDP, FSDP2 or the training loop use these groups too: the guards' flags go
         # over twins, so a rank that is in another collective is never matched with them.
@@ -114,8 +118,10 @@ class PlannedEngine(Engine):
         return e.matrix
 
     def matrices(self, key: str | None = None) -> list[EngineParam]:
-        """The planned matrix parameters (of layer ``key``)."""
-        return [e for e in self.params if self.planned(e) and (key is None or e.layer == key)]
+        """The planned matrix parameters (of layer ``key``), in group order."""
+        if key is None:
+            return [e for e in self.params if self.planned(e)]
+        return list(self._by_layer.get(key, ()))
 
     def owner_of(self, p: torch.Tensor) -> int | None:
         """The owner of matrix parameter ``p`` (``None``: not a planned matrix)."""
