@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.common` impor
 PACKAGES = ("kernels", "comm", "optim", "integrations")
 
 
-def _source_path(filename: str) -> str | None:
+def source_path(filename: str) -> str | None:
     """``dmuon/<package>/...`` for a file of one of the dmuon packages, else None.
 
     Works for a checkout (``packages/dmuon-*/src/dmuon/...``) and for installed
@@ -105,7 +105,7 @@ def _rank_main(rank: int, world: int, n_layer: int, d_model: int) -> dict[str, A
     def record(frame: Any, event: str, arg: Any) -> None:
         if event != "call":
             return
-        rel = _source_path(frame.f_code.co_filename)
+        rel = source_path(frame.f_code.co_filename)
         if rel is not None and (not sequence or sequence[-1] != rel):
             sequence.append(rel)
 

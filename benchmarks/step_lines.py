@@ -53,6 +53,7 @@ DEPTHS = (4, 8, 16)
 
 
 def _rank_main(rank: int, world: int, setup: str, n_layer: int, d_model: int) -> int:
+    from benchmarks.step_files import source_path
     from benchmarks.step_world import WorldConfig, build
 
     cfg = WorldConfig(n_layer=n_layer, d_model=d_model, n_head=2, seq_len=8, batch_per_rank=1)
@@ -75,8 +76,9 @@ def _rank_main(rank: int, world: int, setup: str, n_layer: int, d_model: int) ->
         return count
 
     def enter(frame: Any, event: str, arg: Any) -> Any:
-        # trace the frames of dmuon's files only (their lines, not torch's)
-        return count if "/dmuon/" in pathlib.PurePath(frame.f_code.co_filename).as_posix() else None
+        # trace the frames of the dmuon packages' files only (not torch's, nor this
+        # repository's benchmarks, wherever the checkout lies)
+        return count if source_path(frame.f_code.co_filename) is not None else None
 
     sys.settrace(enter)
     threading.settrace(enter)

@@ -470,9 +470,10 @@ def test_owner_mode_in_torchtitan_with_gradient_accumulation_equals_one_process(
 
 @pytest.mark.parametrize("ac", ["full", "selective"])
 def test_owner_mode_in_torchtitan_with_activation_checkpointing_equals_one_process(ac):
-    """Each block recomputed in backward (torchtitan's checkpoint wrapper: the dedicated
-    matrices are renamed under ``_checkpoint_wrapped_module``, and their forward hooks run
-    again in the recomputation) steps as one process does."""
+    """Each block recomputed in backward (torchtitan's checkpoint wrapper around each block:
+    the dedicated matrices are renamed under ``_checkpoint_wrapped_module``; the layer's
+    forward pre-hook sits on the wrapper, so the recomputation inside it does not wait
+    again) steps as one process does."""
     expected, norms = one_process_titan_loss()
     results = run_on_ranks(run_owner, 2, args=(None, 1, ac), timeout=120)
     for out in results:

@@ -51,6 +51,7 @@ class OwnerEngine(Engine):
         self._dedicated_ids: frozenset[int] = frozenset()
         self._keys: list[str] = []
         self._scalars_by_layer: dict[str | None, list[tuple[int, list[torch.Tensor]]]] = {}
+        self._matrix_groups: list[int] = []
 
     def bind(self, stepper: Stepper) -> None:
         super().bind(stepper)
@@ -97,6 +98,9 @@ class OwnerEngine(Engine):
             id(e.param) for e in self.params if exchange_of(e.param) is ex
         )
         self._keys = ex.layer_keys()
+        self._matrix_groups = [
+            i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)
+        ]
         # None: the scalar parameters outside the dedication (FSDP2's), stepped last
         by_layer: dict[str | None, list[tuple[int, list[torch.Tensor]]]] = {}
         for index, group in enumerate(stepper.param_groups):
@@ -111,6 +115,8 @@ class OwnerEngine(Engine):
         self._scalars_by_layer = by_layer
 
     def _dedicated(self, p: torch.Tensor) -> bool:
+        # the ids are collected by bind(), which the optimizer calls right after making
+        # the engine; nothing asks before
         return id(p) in self._dedicated_ids
 
     def _sharded_over(self, p: torch.Tensor) -> bool:
@@ -198,11 +204,10 @@ class OwnerEngine(Engine):
         with report.phase("comm_wait"):
             ex.reduction.flush()
         groups = stepper.param_groups
-        matrix_groups = [i for i, g in enumerate(groups) if not stepper.is_scalar(g)]
         for key in self._keys:
             with report.phase("comm_wait"):
                 ex.reduction.wait_reduced(key)
-            for index in matrix_groups:
+            for index in self._matrix_groups:
                 stepper.step_matrices(index, key, report)
             with report.phase("scalar"):
                 for index, params in self._scalars_by_layer.get(key, ()):
