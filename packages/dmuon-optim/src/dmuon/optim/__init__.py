@@ -21,6 +21,7 @@ from dmuon.optim.batches import (
 from dmuon.optim.clip import clip_grad_norm_
 from dmuon.optim.engine import (
     MODES,
+    GradientChangedError,
     ModelMismatchError,
     NonFiniteGradientError,
     OwnerExchange,
@@ -58,6 +59,7 @@ __all__ = [
     "Bucket",
     "DMuon",
     "Entry",
+    "GradientChangedError",
     "HeadRows",
     "MatrixLayout",
     "MatrixSplit",

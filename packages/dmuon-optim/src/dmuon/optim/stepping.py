@@ -27,6 +27,7 @@ from dmuon.optim.engine.base import Engine, Stepper
 from dmuon.optim.engine.exchange import exchange_of
 from dmuon.optim.engine.guards import (
     NONFINITE_POLICIES,
+    GradientChangedError,
     NonFiniteGradientError,
     StepMismatchError,
     agree_step,
@@ -97,7 +98,7 @@ def _agree(engine: Engine, nonfinite: str | None, number: int) -> bool:
     (:func:`~dmuon.optim.engine.agree_step`); raise, or say whether to step."""
     try:
         ranks, names = agree_step(engine, number, check_finite=nonfinite is not None)
-    except StepMismatchError:
+    except (StepMismatchError, GradientChangedError):
         engine.skip_step()  # nothing in flight: the optimizer stays usable
         raise
     if not ranks:

@@ -7,6 +7,7 @@ from dmuon.optim.engine.base import Engine, SingleEngine, Stepper
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of, format_description
 from dmuon.optim.engine.guards import (
     NONFINITE_POLICIES,
+    GradientChangedError,
     NonFiniteGradientError,
     RankDivergenceError,
     StepMismatchError,
@@ -40,6 +41,7 @@ __all__ = [
     "PHASES",
     "Engine",
     "EngineParam",
+    "GradientChangedError",
     "MatrixPlacement",
     "ModelMismatchError",
     "NonFiniteGradientError",

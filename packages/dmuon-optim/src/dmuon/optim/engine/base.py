@@ -175,6 +175,12 @@ class Engine:
     def prepare_grads(self) -> None:
         """Make every gradient this rank holds final (owner mode: finish the reductions)."""
 
+    def changed_gradients(self) -> list[str]:
+        """Parameters whose gradient this rank changed after the engine had taken it for a
+        collective (owner mode: reduced to its owner during backward); the step's
+        agreement raises :class:`~dmuon.optim.engine.GradientChangedError` on them."""
+        return []
+
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
         """Gradients for the global norm, each element counted on exactly one rank, and the
         groups to sum the per-rank partial norms over."""

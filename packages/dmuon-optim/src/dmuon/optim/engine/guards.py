@@ -44,6 +44,7 @@ from dmuon.optim.engine.params import EngineParam, is_dtensor
 
 __all__ = [
     "NONFINITE_POLICIES",
+    "GradientChangedError",
     "NonFiniteGradientError",
     "RankDivergenceError",
     "StepMismatchError",
@@ -67,6 +68,25 @@ class NonFiniteGradientError(RuntimeError):
         >>> err = NonFiniteGradientError("nan", [1], [])
         >>> err.ranks
         [1]
+    """
+
+    def __init__(self, message: str, ranks: list[int], names: list[str]) -> None:
+        super().__init__(message)
+        self.ranks, self.names = ranks, names
+
+
+class GradientChangedError(RuntimeError):
+    """A gradient was changed after the engine had taken it for a collective (owner mode:
+    reduced to its owner during backward), so the change would be lost. Raised on every
+    rank by the step's agreement, before anything was updated.
+
+    Attributes:
+        ranks: the ranks where a gradient was changed.
+        names: the parameters whose gradient this rank changed.
+
+    Examples:
+        >>> GradientChangedError("changed", [0], ["w"]).names
+        ['w']
     """
 
     def __init__(self, message: str, ranks: list[int], names: list[str]) -> None:
@@ -158,19 +178,24 @@ def agree_step(
 
     Raises:
         StepMismatchError: the ranks are at different step numbers (on every rank).
+        GradientChangedError: a rank changed a gradient after the engine had taken it
+            (:meth:`Engine.changed_gradients`; on every rank).
     """
     bad = _nonfinite_names(engine) if check_finite else []
+    changed = engine.changed_gradients()
     groups = [g for g in engine.guard_groups() if g is not None or _global_rank()[1] > 1]
     if not groups:
+        if changed:
+            raise _changed_error([engine.rank], changed, engine)
         return ([engine.rank] if bad else []), bad
     rank, world = _global_rank()
     flags = torch.zeros(world, dtype=torch.int64)
-    flags[rank] = 2 * (number or 0) + int(bool(bad))
-    what = "all-reduce of step numbers and non-finite flags"
+    flags[rank] = 4 * (number or 0) + 2 * int(bool(changed)) + int(bool(bad))
+    what = "all-reduce of step numbers, changed-gradient and non-finite flags"
     for g in groups:
         wait_work(dist.all_reduce(flags, group=g, async_op=True), what, g)
     slots = flags.tolist()
-    steps = {r: v // 2 for r, v in enumerate(slots) if v}  # every rank of the groups
+    steps = {r: v // 4 for r, v in enumerate(slots) if v}  # every rank of the groups
     if number is not None and len(set(steps.values())) > 1:
         at = ", ".join(f"rank {r} at step {n}" for r, n in steps.items())
         raise StepMismatchError(
@@ -181,7 +206,25 @@ def agree_step(
             "'skip_step' skips a step with a NaN/Inf gradient on any rank everywhere)",
             steps,
         )
+    changed_ranks = [r for r, v in enumerate(slots) if v & 2]
+    if changed_ranks:
+        raise _changed_error(changed_ranks, changed, engine)
     return [r for r, v in enumerate(slots) if v % 2], bad
+
+
+def _changed_error(ranks: list[int], names: list[str], engine: Engine) -> GradientChangedError:
+    here = f"; on this rank: {names[:3]}" if names else ""
+    return GradientChangedError(
+        f"a gradient was changed in place after DMuon took it to reduce to its owner, on "
+        f"rank(s) {ranks}{here}. In {engine.mode!r} mode each gradient leaves for its owner "
+        "as backward produces it, so a change between backward and step() (torch.nn.utils."
+        "clip_grad_norm_, p.grad.mul_(...), a new p.grad) would be lost. Nothing was "
+        "updated on any rank. Clip with dmuon.optim.clip_grad_norm_(opt, max_norm), which "
+        "clips the reduced gradients; for loss scaling train in bf16 (owner mode does not "
+        "take torch.amp.GradScaler)",
+        ranks,
+        names,
+    )
 
 
 # Devices whose first pass over the gradients is torch._foreach_norm's fused ℓ1 norms

@@ -199,6 +199,9 @@ class OwnerEngine(Engine):
     def prepare_grads(self) -> None:
         self.exchange.reduction.wait_all_reduced()
 
+    def changed_gradients(self) -> list[str]:
+        return self.exchange.reduction.changed_gradients()
+
     def step(self, stepper: Stepper, report: StepReport) -> None:
         ex = self.exchange
         with report.phase("comm_wait"):

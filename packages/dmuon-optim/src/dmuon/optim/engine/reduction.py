@@ -147,6 +147,10 @@ class Reduction:
         self.groups = [group] if replicate_group is None else [group, replicate_group]
         self.sizes = [group_size(g) for g in self.groups]
         self.split = frozenset(name for name, p in params.items() if is_dtensor(p))
+        # each gradient copied into a bucket, as it was then (the gradient object and its
+        # version): a change after that would not reach the owner
+        self.taken: dict[str, tuple[torch.Tensor, int]] = {}
+        self.changed: list[str] = []
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -263,12 +267,15 @@ class Reduction:
                 if g is None:
                     view.zero_()
                 else:
+                    whole = g
                     if name in self.split:
                         self.grad_placements[name] = tuple(g.placements)  # type: ignore[attr-defined]
                         g = local_tensor(g)
                     view.copy_(g.reshape(view.shape))
                     if self.free_local_grads:
                         self.params[name].grad = None
+                    else:
+                        self.taken[name] = (whole, whole._version)
         if layer.reduce_buckets:
             layer.reduce_handle = reduce_to_owners(
                 layer.reduce_buckets,
@@ -304,6 +311,8 @@ class Reduction:
         if not self.flushed:
             raise RuntimeError("flush() must run before the reductions are waited on")
         owned = layer.reduce_handle.wait() if layer.reduce_handle is not None else {}
+        self._note_changes(layer.dedicated)
+        self._note_changes([n for b in layer.allreduce_buckets for n in b.names])
         for name in layer.dedicated:
             p = self.params[name]
             if name in owned and self.global_present[name]:
@@ -320,6 +329,28 @@ class Reduction:
                 p = self.params[name]
                 p.grad = self._gradient(name, b.view(name)) if self.global_present[name] else None
         layer.reduce_handle, layer.allreduce_works, layer.reduced = None, [], True
+
+    def changed_gradients(self) -> list[str]:
+        """Parameters whose gradient was changed (in place, or replaced) after it was copied
+        into its reduction bucket this step: the change would not reach the owner."""
+        names = list(self.changed)
+        names += [name for name in self.taken if self._changed(name)]
+        return names
+
+    def _changed(self, name: str) -> bool:
+        # by the gradient's version counter (a DTensor's own: its local aliases do not
+        # count the writes made through it); writes that count none go unseen
+        g, version = self.taken[name]
+        return self.params[name].grad is not g or g._version != version
+
+    def _note_changes(self, names: list[str]) -> None:
+        """Before the gradients of ``names`` are replaced by the reduced ones: remember which
+        were changed since they were taken (the step's agreement raises on them)."""
+        for name in names:
+            if name in self.taken:
+                if self._changed(name):
+                    self.changed.append(name)
+                del self.taken[name]
 
     def _gradient(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """``p.grad`` of parameter ``name`` from its reduced ``local`` part: a view shaped
@@ -341,6 +372,8 @@ class Reduction:
             layer.ready.clear()
             layer.launched = layer.reduced = False
         self.present.clear()
+        self.taken.clear()
+        self.changed.clear()
         self.held_back = 0
         self.next_launch = 0
         self.flushed = False
