@@ -96,3 +96,61 @@ def test_what_the_version_counter_does_not_see():
     p.grad.data.mul_(2.0)
     assert torch.equal(p.grad, torch.full((3,), 0.5))
     assert p.grad._version == version
+
+
+def run_loop(rank: int, world: int, scalars: str, dmuon_clip: bool) -> dict[str, dict]:
+    """Three steps with each ``zero_grad`` mode: after ``zero_grad(set_to_none=False)`` the
+    owners' gradients are views of the reduction buckets, written again by the next
+    backward and the next reduction: none of that is a change by the loop."""
+    from dmuon.integrations import ddp
+    from dmuon.optim import DMuon, clip_grad_norm_, param_groups
+
+    out = {}
+    for set_to_none in (True, False):
+        m = model()
+        ded = ddp.dedicate(m, scalars=scalars)
+        opt = DMuon(param_groups(m), distributed=ded, lr=0.02, ns_compute_dtype=torch.float32)
+        for t in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * t + rank))
+            F.mse_loss(m(x), torch.zeros(4, 4)).backward()
+            if dmuon_clip:
+                clip_grad_norm_(opt, 0.05)
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        ded.wait()
+        out[str(set_to_none)] = {n: p.detach().clone() for n, p in m.named_parameters()}
+    return out
+
+
+@pytest.mark.parametrize("dmuon_clip", [False, True], ids=["plain", "dmuon_clip"])
+@pytest.mark.parametrize("scalars", ["all_reduce", "owner"])
+def test_zero_grad_keeping_the_gradients_is_no_change(scalars, dmuon_clip):
+    results = run_on_ranks(run_loop, 2, args=(scalars, dmuon_clip), timeout=120)
+    for rank, out in enumerate(results):
+        for name, want in out["True"].items():
+            assert torch.equal(out["False"][name], want), f"rank {rank}: {name}"
+
+
+def run_scaler(rank: int, world: int) -> str:
+    from dmuon.integrations import ddp
+    from dmuon.optim import DMuon, param_groups
+
+    m = model()
+    ded = ddp.dedicate(m)
+    opt = DMuon(param_groups(m), distributed=ded, lr=0.02)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(F.mse_loss(m(torch.randn(4, 8)), torch.zeros(4, 4))).backward()
+    try:
+        scaler.step(opt)
+    except RuntimeError as err:
+        assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+        return str(err)
+    return "stepped"
+
+
+def test_a_grad_scaler_is_refused_in_owner_mode_on_every_rank():
+    """``GradScaler.unscale_`` writes without a version, and each rank would find an Inf
+    in its own gradients only: owner mode asks the scaler to call ``step()`` on every
+    rank (``_step_supports_amp_scaling``) and refuses there, before any collective."""
+    for message in run_on_ranks(run_scaler, 2, timeout=120):
+        assert "GradScaler" in message and "bf16" in message, message

@@ -257,6 +257,13 @@ class DMuon(torch.optim.Optimizer):
         return self._engine.mode
 
     @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # torch.amp.GradScaler.step then always calls step() (with grad_scale and found_inf
+        # set) instead of skipping it on this rank alone: owner mode refuses it there, on
+        # every rank at once (see step)
+        return self.mode == "owner"
+
+    @property
     def engine(self) -> Engine:
         """The engine that runs the steps (its plan, groups and rank)."""
         return self._engine
@@ -314,6 +321,17 @@ class DMuon(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None``.
         """
+        if hasattr(self, "found_inf"):  # torch.amp.GradScaler.step, in owner mode
+            for attribute in ("found_inf", "grad_scale"):  # the scaler's, left by a raise
+                self.__dict__.pop(attribute, None)
+            raise RuntimeError(
+                "DMuon's owner mode does not take torch.amp.GradScaler (fp16 loss scaling): "
+                "each gradient is reduced to its owner during backward, before the scaler "
+                "could unscale it or find an Inf in it, so it would step on scaled gradients "
+                "and the ranks could disagree on skipping. Train in bf16 "
+                "(torch.autocast(..., dtype=torch.bfloat16) needs no scaler). Nothing was "
+                "updated"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -22,6 +22,10 @@ the next collective, or silently train another model).
   that a skipping rank entered instead; the rank that waits raises
   :class:`dmuon.comm.CollectiveError` at the deadline, naming the rank that is
   elsewhere, and no backend aborts on a mismatch.
+* **Changed gradients** (the same flag vector): in owner mode a gradient leaves for
+  its owner as backward produces it; a rank whose training loop changed one afterwards
+  (:meth:`Engine.changed_gradients`, seen by the gradient's version counter) sets a
+  bit, and every rank raises :class:`GradientChangedError` before anything is updated.
 * **Rank agreement** (:func:`check_agreement`): a checksum per parameter — the
   integer sum of its bit patterns, so any flipped bit in one element changes it —
   all-gathered and compared. Parameters sharded by FSDP2 differ by design and are
@@ -170,8 +174,9 @@ def agree_step(
 ) -> tuple[list[int], list[str]]:
     """Agree with every rank on the step number and (``check_finite``) finiteness.
 
-    One all-reduce of one ``int64`` slot per rank: ``2·number + (1 if this rank holds
-    a non-finite gradient)``, summed over :meth:`Engine.guard_groups`.
+    One all-reduce of one ``int64`` slot per rank: ``4·number + (2 if this rank changed
+    a gradient after the engine took it) + (1 if it holds a non-finite gradient)``,
+    summed over :meth:`Engine.guard_groups`.
 
     Returns:
         The ranks holding a non-finite gradient, and this rank's bad parameters.
@@ -215,13 +220,13 @@ def agree_step(
 def _changed_error(ranks: list[int], names: list[str], engine: Engine) -> GradientChangedError:
     here = f"; on this rank: {names[:3]}" if names else ""
     return GradientChangedError(
-        f"a gradient was changed in place after DMuon took it to reduce to its owner, on "
+        f"a gradient was changed after DMuon took it to reduce to its owner, on "
         f"rank(s) {ranks}{here}. In {engine.mode!r} mode each gradient leaves for its owner "
         "as backward produces it, so a change between backward and step() (torch.nn.utils."
         "clip_grad_norm_, p.grad.mul_(...), a new p.grad) would be lost. Nothing was "
-        "updated on any rank. Clip with dmuon.optim.clip_grad_norm_(opt, max_norm), which "
-        "clips the reduced gradients; for loss scaling train in bf16 (owner mode does not "
-        "take torch.amp.GradScaler)",
+        "updated on any rank, and this iteration's gradients are spent: zero_grad() and go on "
+        "with the next backward. Clip with dmuon.optim.clip_grad_norm_(opt, max_norm), "
+        "which clips the reduced gradients",
         ranks,
         names,
     )

@@ -267,15 +267,12 @@ class Reduction:
                 if g is None:
                     view.zero_()
                 else:
-                    whole = g
                     if name in self.split:
                         self.grad_placements[name] = tuple(g.placements)  # type: ignore[attr-defined]
                         g = local_tensor(g)
                     view.copy_(g.reshape(view.shape))
                     if self.free_local_grads:
                         self.params[name].grad = None
-                    else:
-                        self.taken[name] = (whole, whole._version)
         if layer.reduce_buckets:
             layer.reduce_handle = reduce_to_owners(
                 layer.reduce_buckets,
@@ -294,6 +291,15 @@ class Reduction:
                 self.stats.record_collective(
                     "all_reduce_replicated", "all_reduce", nbytes=b.nbytes, world_size=n
                 )
+        if not self.free_local_grads:
+            # each gradient as it left, its version read once every copy and collective of
+            # the layer is under way: after zero_grad(set_to_none=False) the gradients are
+            # views of these very buckets and share their version counter
+            for b in layer.reduce_buckets + layer.allreduce_buckets:
+                for name in b.names:
+                    g = self.params[name].grad
+                    if g is not None:
+                        self.taken[name] = (g, g._version)
         layer.launched = True
         self.next_launch += 1
 
@@ -310,9 +316,10 @@ class Reduction:
             return
         if not self.flushed:
             raise RuntimeError("flush() must run before the reductions are waited on")
-        owned = layer.reduce_handle.wait() if layer.reduce_handle is not None else {}
+        # before the wait: it writes the buckets (the owner's division, HSDP's second stage)
         self._note_changes(layer.dedicated)
         self._note_changes([n for b in layer.allreduce_buckets for n in b.names])
+        owned = layer.reduce_handle.wait() if layer.reduce_handle is not None else {}
         for name in layer.dedicated:
             p = self.params[name]
             if name in owned and self.global_present[name]:
