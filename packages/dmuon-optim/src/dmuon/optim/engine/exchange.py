@@ -101,8 +101,9 @@ class OwnerExchange:
             the sum, for a trainer whose loss is already divided by the global batch
             (torchtitan divides by the global token count and sets FSDP2's gradient
             divide factor to 1).
-        free_local_grads: release each rank's local gradient of a dedicated parameter
-            (``p.grad = None``) as soon as it is copied into its reduction bucket, as
+        free_local_grads: release each rank's local gradient of a dedicated or
+            all-reduced parameter (``p.grad = None``) as soon as it is copied into its
+            bucket (the reduced one replaces it in the step), as
             FSDP2 releases the unsharded gradient after its reduce-scatter: one gradient
             copy less during backward, and after backward no plain-tensor gradient beside
             FSDP2's DTensor ones (a trainer's own norm over every ``p.grad``, torchtitan's,

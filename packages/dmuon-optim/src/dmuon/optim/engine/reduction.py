@@ -88,8 +88,8 @@ class Reduction:
             first reduction (ZeRO-2-like), so the two never interleave on a group.
         reduce_op: ``"avg"`` (the mean over the ranks) or ``"sum"``; see
             :class:`~dmuon.optim.engine.OwnerExchange`.
-        free_local_grads: set each dedicated parameter's ``p.grad`` to ``None`` once it
-            is copied into its reduction bucket (see
+        free_local_grads: set each dedicated or all-reduced parameter's ``p.grad`` to
+            ``None`` once it is copied into its bucket (see
             :class:`~dmuon.optim.engine.OwnerExchange`).
 
     Examples:
