@@ -64,6 +64,7 @@ class OwnerEngine(Engine):
                     "their owners, so there would be nothing to vote on. Drop the dedication and "
                     "use mode='sign' (train without DDP), or pick another rule for owner mode"
                 )
+        ours: list[EngineParam] = []  # the parameters dedicated to this optimizer's exchange
         for e in self.params:
             owner = exchange_of(e.param)
             if owner is not None and owner is not ex:
@@ -72,6 +73,8 @@ class OwnerEngine(Engine):
                     "this optimizer was given; use one dedicate() per model"
                 )
             dedicated = owner is ex
+            if dedicated:
+                ours.append(e)
             if e.matrix and not dedicated:
                 raise ValueError(
                     f"matrix parameter {e.name!r} is not dedicated: in owner mode every matrix "
@@ -87,16 +90,14 @@ class OwnerEngine(Engine):
                     "across ranks. Pass it to fully_shard, or use dmuon.integrations.ddp."
                     "dedicate, which all-reduces the scalar parameters"
                 )
-        names = {ex.name_of(e.param) for e in self.params if exchange_of(e.param) is ex}
+        names = {ex.name_of(e.param) for e in ours}
         missing = [n for n in ex.names if n not in names]
         if missing:
             raise ValueError(
                 f"dedicated parameter(s) {missing[:3]} are in no param group of this "
                 "optimizer (or frozen); give the optimizer every dedicated parameter"
             )
-        self._dedicated_ids = frozenset(
-            id(e.param) for e in self.params if exchange_of(e.param) is ex
-        )
+        self._dedicated_ids = frozenset(id(e.param) for e in ours)
         self._keys = ex.layer_keys()
         self._matrix_groups = [
             i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)
