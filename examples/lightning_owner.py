@@ -5,9 +5,12 @@
     python examples/lightning_owner.py --devices 2 --ckpt-dir ckpts     # a checkpoint per epoch
     python examples/lightning_owner.py --devices 2 --resume ckpts/epoch=0-step=8.ckpt
     python examples/lightning_owner.py --devices 2 --mode replicated   # keep the DDP wrapper
+    python examples/lightning_owner.py --devices 2 --clip-val 0.5      # gradient clipping
 
 Each matrix's gradient is reduced to its owner rank only (no DDP all-reduce), the
-owner orthogonalises it and broadcasts the new weight. Checkpoints hold every owner's
+owner orthogonalises it and broadcasts the new weight. Lightning's gradient clipping
+clips the averaged gradients (DMuon's clip_grad_norm_ / clip_grad_value_, called by the
+strategy's precision plugin). Checkpoints hold every owner's
 momentum and resume exactly. With ``--out PREFIX`` every rank saves its final
 parameters and its reduction counts to ``PREFIX.rank<N>.pt`` (the tests read them).
 """
@@ -101,6 +104,8 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", default=None, help="save a checkpoint after every epoch")
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--out", default=None, help="save each rank's final parameters here")
+    parser.add_argument("--clip-val", type=float, default=None, help="gradient_clip_val")
+    parser.add_argument("--clip-algorithm", choices=("norm", "value"), default="norm")
     args = parser.parse_args()
 
     stats = CommStats()  # the bytes this rank's owner collectives move
@@ -122,6 +127,8 @@ def main() -> None:
         strategy=strategy,
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip_val,  # by DMuon's clip_grad_norm_ or clip_grad_value_
+        gradient_clip_algorithm=args.clip_algorithm,
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=bool(args.ckpt_dir),

@@ -4,8 +4,10 @@
 matrix gradients live on their owners (owner mode), in row shards (sharded mode)
 or on every rank (replicated mode): its total norm equals
 ``torch.nn.utils.clip_grad_norm_`` on the single-process gradients, and training
-with clipping reaches the same parameters. Accumulating two micro-batches, the
-first inside ``no_sync()``, equals one process on both micro-batches.
+with clipping reaches the same parameters. ``dmuon.optim.clip_grad_value_`` must
+clamp the averaged gradient (in owner mode: after the reductions), so training with it
+equals one process running ``torch.nn.utils.clip_grad_value_``. Accumulating two
+micro-batches, the first inside ``no_sync()``, equals one process on both micro-batches.
 """
 
 import pytest
@@ -13,17 +15,19 @@ import torch
 from distributed_cases import OPT, TOLERANCE, batch, build, full_params, loss_of, max_diff, setup
 
 from dmuon.comm.testing import run_on_ranks
-from dmuon.optim import DMuon, clip_grad_norm_, param_groups
+from dmuon.optim import DMuon, clip_grad_norm_, clip_grad_value_, param_groups
 
 NAME = "gpt"
 STEPS = 3
 MAX_NORM = 0.05  # below the gradient norms of this model: clipping is active
+MAX_VALUE = 2e-3  # below the largest averaged gradient elements: clamping is active
 
 
-def reference(world, clip, micro):
+def reference(world, clip, micro, value=False):
     model = build(NAME)
     opt = DMuon(param_groups(model), **OPT)
     norms = []
+    clamped = 0
     for t in range(STEPS):
         for k in range(micro):
             losses = [
@@ -32,8 +36,14 @@ def reference(world, clip, micro):
             (sum(losses) / world / micro).backward()
         if clip:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        if value:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            clamped += sum(int((g.abs() > MAX_VALUE).sum()) for g in grads)
+            torch.nn.utils.clip_grad_value_(model.parameters(), MAX_VALUE)
         opt.step()
         opt.zero_grad()
+    if value:
+        assert clamped > 0, "clip_grad_value_ clamped nothing: the test would prove nothing"
     return full_params(model), norms
 
 
@@ -50,6 +60,21 @@ def run_clip(rank, world, modes):
         if ded is not None:
             ded.wait()
         out[mode] = (full_params(model), norms)
+    return out
+
+
+def run_clip_value(rank, world, modes):
+    out = {}
+    for mode in modes:
+        model, forward, opt, ded = setup(mode, NAME, world)
+        for t in range(STEPS):
+            loss_of(NAME, forward, *batch(NAME, t, rank, world)).backward()
+            clip_grad_value_(opt, MAX_VALUE)
+            opt.step()
+            opt.zero_grad()
+        if ded is not None:
+            ded.wait()
+        out[mode] = full_params(model)
     return out
 
 
@@ -88,6 +113,26 @@ def test_clipping_counts_every_gradient_once_in_every_mode(world):
             assert got == pytest.approx(norms, rel=1e-5), f"{mode}, rank {rank}: norms"
             diff, where = max_diff(params, expected)
             assert diff <= TOLERANCE, f"{mode}, rank {rank}: {where} differs by {diff:.2e}"
+
+
+def test_clipping_by_value_clamps_the_averaged_gradient_in_every_mode():
+    world = 2
+    modes = ["owner_fsdp", "owner_ddp", "replicated", "sharded"]
+    expected, _ = reference(world, clip=False, micro=1, value=True)
+    results = run_on_ranks(run_clip_value, world, args=(modes,), timeout=180)
+    for rank in range(world):
+        for mode in modes:
+            diff, where = max_diff(results[rank][mode], expected)
+            assert diff <= TOLERANCE, f"{mode}, rank {rank}: {where} differs by {diff:.2e}"
+
+
+def test_clip_grad_value_checks_its_argument():
+    model = build(NAME)
+    opt = DMuon(param_groups(model), **OPT)
+    with pytest.raises(ValueError, match=r"clip_value must be ≥ 0, got -1\.0"):
+        clip_grad_value_(opt, -1.0)
+    with pytest.raises(ValueError, match="clip_value must be ≥ 0, got nan"):
+        clip_grad_value_(opt, float("nan"))
 
 
 def test_accumulating_under_no_sync_equals_one_process_on_both_micro_batches():

@@ -111,6 +111,7 @@ OWNER_SCRIPT = ROOT / "examples" / "lightning_owner.py"
 # so with 2 micro-batches per step an epoch is 2 optimizer steps and a checkpoint taken at
 # the end of epoch 0 resumes at an epoch boundary (no mid-epoch sampler position to restore).
 OWNER_SAMPLES, OWNER_EPOCHS, ACCUMULATE = 128, 2, 2
+CLIP = 0.2  # Trainer(gradient_clip_val=CLIP): below most steps' gradient norms (checked)
 RESUME_TOLERANCE = 1e-6  # the same arithmetic in the same order: equal up to fp32 rounding
 
 
@@ -127,7 +128,8 @@ def _run(script: pathlib.Path, tmp_path: pathlib.Path, *args: str) -> subprocess
 
 def _owner_reference(example) -> dict[str, torch.Tensor]:
     """The module trained in this process by a plain loop: same global micro-batches,
-    Lightning's loss scaling (1/accumulate), the scheduler stepped per optimizer step."""
+    Lightning's loss scaling (1/accumulate), torch's clipping by the norm before each
+    step, the scheduler stepped per optimizer step."""
     from torch.utils.data import DistributedSampler
 
     model = example.Regressor()
@@ -136,6 +138,7 @@ def _owner_reference(example) -> dict[str, torch.Tensor]:
     assert opt.mode == "single"
     data = example.dataset(OWNER_SAMPLES)
     samplers = [DistributedSampler(data, num_replicas=WORLD, rank=r, seed=0) for r in range(WORLD)]
+    norms = []
     for epoch in range(OWNER_EPOCHS):
         for s in samplers:
             s.set_epoch(epoch)  # Lightning reshuffles every epoch
@@ -144,17 +147,23 @@ def _owner_reference(example) -> dict[str, torch.Tensor]:
             for _ in range(ACCUMULATE):
                 losses = [nn.functional.mse_loss(model(x), y) for x, y in map(next, loaders)]
                 (sum(losses) / WORLD / ACCUMULATE).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
             opt.step()
             opt.zero_grad()
             schedule.step()
+    clipped = sum(n > CLIP for n in norms)
+    assert clipped >= len(norms) // 2, f"clipping active at {clipped} of the steps {norms}"
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def test_lightning_owner_mode_equals_single_process_and_resumes(tmp_path):
-    """DMuonStrategy at 2 ranks, 2 micro-batches per step, a LambdaLR scheduler:
+    """DMuonStrategy at 2 ranks, 2 micro-batches per step, a LambdaLR scheduler, and
+    ``Trainer(gradient_clip_val=CLIP)``:
 
     * the optimizer runs in owner mode and the first micro-batch of a step reduces nothing;
-    * both ranks end with the single-process parameters (1e-5);
+    * both ranks end with the single-process parameters (1e-5), that process clipping
+      with torch's ``clip_grad_norm_`` (Lightning's clipping goes to DMuon's through the
+      strategy's precision plugin; torch's would raise ``GradientChangedError``);
     * the checkpoint of epoch 0 holds every matrix's momentum (each from its owner), and a
       new run resumed from it ends where the uninterrupted run ended (1e-6).
 
@@ -165,6 +174,7 @@ def test_lightning_owner_mode_equals_single_process_and_resumes(tmp_path):
 
     common = ["--samples", str(OWNER_SAMPLES), "--epochs", str(OWNER_EPOCHS)]
     common += ["--accumulate", str(ACCUMULATE), "--batch-size", str(PER_RANK)]
+    common += ["--clip-val", str(CLIP)]
     full = _run(OWNER_SCRIPT, tmp_path, *common, "--ckpt-dir", "ckpt", "--out", "full")
     assert full.stdout.count("DMuon mode owner") == WORLD, full.stdout[-2000:]
     ckpt = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
@@ -220,6 +230,58 @@ def test_dmuon_strategy_refuses_what_it_cannot_serve():
         dmuon_optimizer(example.Regressor(), mode="owner")
     trainer = L.Trainer(strategy="dmuon", accelerator="cpu", devices=1, logger=False)
     assert type(trainer.strategy) is DMuonStrategy and trainer.strategy.mode == "owner"
+
+
+def test_the_strategys_precision_plugin_clips_a_dmuon_with_dmuons_functions():
+    """The plugin Lightning picks (``precision=`` or ``plugins=``) stays what it was, and
+    clips a DMuon by DMuon's functions; another optimizer by the plugin's own."""
+    import functools
+    import pickle
+
+    import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    from dmuon.integrations.lightning import DMuonClipping, DMuonStrategy, with_dmuon_clipping
+    from dmuon.optim import DMuon, clip_grad_norm_, clip_grad_value_, param_groups
+
+    trainer = L.Trainer(
+        strategy=DMuonStrategy(), accelerator="cpu", devices=1, precision="bf16-mixed"
+    )
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, MixedPrecision) and isinstance(plugin, DMuonClipping)
+    assert plugin.precision == "bf16-mixed"
+    mine = Precision()
+    trainer = L.Trainer(strategy=DMuonStrategy(), accelerator="cpu", devices=1, plugins=[mine])
+    assert trainer.precision_plugin is mine and isinstance(mine, DMuonClipping)
+    assert with_dmuon_clipping(mine) is mine
+    again = pickle.loads(pickle.dumps(mine))  # a spawned process gets the plugin pickled
+    assert isinstance(again, DMuonClipping) and type(again) is type(mine)
+    with pytest.raises(TypeError, match="Lightning Precision plugin"):
+        with_dmuon_clipping(object())
+
+    def grads(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        return model
+
+    for clip, ours, theirs in (
+        (mine.clip_grad_by_norm, clip_grad_norm_, torch.nn.utils.clip_grad_norm_),
+        (mine.clip_grad_by_value, clip_grad_value_, torch.nn.utils.clip_grad_value_),
+    ):
+        expected, got, other = grads(0), grads(0), grads(0)
+        theirs(expected.parameters(), 0.5)
+        calls: list[str] = []
+        dmuon = DMuon(param_groups(got), lr=0.02)
+        dmuon.engine.prepare_grads = functools.partial(calls.append, "prepare_grads")
+        clip(dmuon, 0.5)  # both of DMuon's functions finish the reductions first
+        assert calls == ["prepare_grads"], f"{clip.__name__} did not call {ours.__name__}"
+        clip(torch.optim.SGD(other.parameters(), lr=0.1), 0.5)
+        pairs = zip(expected.parameters(), got.parameters(), other.parameters(), strict=True)
+        for a, b, c in pairs:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(c.grad, a.grad, rtol=0, atol=0)
 
 
 def _load_checks(rank: int, world: int, tmp: str) -> tuple[int, list[str]]:

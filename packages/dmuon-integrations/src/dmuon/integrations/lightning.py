@@ -13,6 +13,13 @@ owner rank only, the owner orthogonalises it and broadcasts the new weight::
         def configure_optimizers(self):
             return dmuon_optimizer(self, lr=0.02)   # owner, replicated or single mode
 
+Lightning's gradient clipping (``Trainer(gradient_clip_val=..., gradient_clip_algorithm=...)``)
+of a DMuon goes through :func:`dmuon.optim.clip_grad_norm_` and
+:func:`dmuon.optim.clip_grad_value_`, which clip the averaged gradients where they live
+(in owner mode each matrix's on its owner, once the reductions have finished); torch's
+functions, which Lightning calls otherwise, would change the local gradients after they
+had left for their owners (owner mode refuses that step, ``GradientChangedError``).
+
 It also makes Lightning checkpoints whole: Lightning writes the optimizer state of
 rank 0 only, but in owner and replicated mode each matrix's momentum lives on its
 owner rank. The strategy gathers every owner's share when a checkpoint is saved (a
@@ -34,6 +41,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
@@ -43,10 +51,17 @@ from dmuon.integrations import ddp
 from dmuon.integrations.checkpoint import full_state_dict, load_full_state_dict
 from dmuon.integrations.dedication import Dedication
 from dmuon.integrations.hf.state import gather_full_state_dict, missing_state
-from dmuon.optim import DMuon, param_groups
+from dmuon.optim import DMuon, clip_grad_norm_, clip_grad_value_, param_groups
 from dmuon.optim.engine import exchange_of
 
-__all__ = ["CHECKPOINT_FORMAT", "STRATEGY_MODES", "DMuonStrategy", "dmuon_optimizer"]
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "STRATEGY_MODES",
+    "DMuonClipping",
+    "DMuonStrategy",
+    "dmuon_optimizer",
+    "with_dmuon_clipping",
+]
 
 STRATEGY_MODES = ("owner", "replicated")
 """The modes of :class:`DMuonStrategy`: ``"owner"`` dedicates the model (no DDP wrapper),
@@ -75,6 +90,12 @@ class DMuonStrategy(DDPStrategy):
 
     In ``mode="replicated"`` the model is wrapped in DDP as by ``strategy="ddp"``;
     DMuon runs in replicated mode and the strategy only makes checkpoints whole.
+
+    Gradient clipping (``Trainer(gradient_clip_val=...)``, by norm or by value) of a
+    DMuon is :func:`dmuon.optim.clip_grad_norm_` / :func:`dmuon.optim.clip_grad_value_`
+    in either mode: the precision plugin Lightning picks (from ``precision=`` or
+    ``plugins=``) is kept, and its two clipping methods hand a DMuon to DMuon's
+    functions (other optimizers are clipped by the plugin as before).
 
     Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``) hold every owner's
     optimizer state, gathered to rank 0 when saving; ``trainer.fit(..., ckpt_path=)``
@@ -173,6 +194,16 @@ class DMuonStrategy(DDPStrategy):
             )
         self._dedication = ddp.dedicate(self.model, **self._dedicate_options)
 
+    @property
+    def precision_plugin(self) -> Precision:
+        """The precision plugin Lightning chose, clipping a DMuon with DMuon's functions."""
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else with_dmuon_clipping(Precision())
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = None if plugin is None else with_dmuon_clipping(plugin)
+
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skip the owner reductions of a gradient-accumulation micro-batch."""
@@ -268,6 +299,82 @@ class DMuonStrategy(DDPStrategy):
             self._dedication.remove()
             self._dedication = None
         super().teardown()
+
+
+class DMuonClipping:
+    """What a precision plugin under :class:`DMuonStrategy` adds: DMuon's gradient clipping.
+
+    Lightning clips in the precision plugin's ``clip_grad_by_norm`` and
+    ``clip_grad_by_value``, with :func:`torch.nn.utils.clip_grad_norm_` and
+    :func:`torch.nn.utils.clip_grad_value_` over the optimizer's parameters. For a
+    :class:`~dmuon.optim.DMuon` these two methods call
+    :func:`dmuon.optim.clip_grad_norm_` and :func:`dmuon.optim.clip_grad_value_`
+    instead, which clip the averaged gradient whatever the mode; any other optimizer
+    goes to the plugin's own method. :func:`with_dmuon_clipping` puts this class in
+    front of a plugin's own class; it changes nothing else.
+    """
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        opt = _unwrap(optimizer)
+        if isinstance(opt, DMuon):
+            clip_grad_norm_(opt, float(clip_val))
+        else:
+            super().clip_grad_by_norm(optimizer, clip_val)  # type: ignore[misc]
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        opt = _unwrap(optimizer)
+        if isinstance(opt, DMuon):
+            clip_grad_value_(opt, float(clip_val))
+        else:
+            super().clip_grad_by_value(optimizer, clip_val)  # type: ignore[misc]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The class is made per plugin class (below): pickle the plugin as its own class
+        # and put the clipping back in front when it is loaded (spawned processes).
+        base = type(self).__bases__[1]
+        return (_rebuild_with_clipping, (base, self.__dict__))
+
+
+_CLIPPING_CLASSES: dict[type[Precision], type[Precision]] = {}
+
+
+def _clipping_class(base: type[Precision]) -> type[Precision]:
+    """``DMuonClipping<Base>(DMuonClipping, Base)``, made once per plugin class."""
+    if base not in _CLIPPING_CLASSES:
+        _CLIPPING_CLASSES[base] = type(
+            f"DMuonClipping{base.__name__}",
+            (DMuonClipping, base),
+            {"__module__": __name__, "__doc__": base.__doc__},
+        )
+    return _CLIPPING_CLASSES[base]
+
+
+def with_dmuon_clipping(plugin: Precision) -> Precision:
+    """``plugin``, clipping a DMuon's gradients with DMuon's functions (:class:`DMuonClipping`).
+
+    The plugin object is kept (Lightning and the user may hold it): its class becomes a
+    subclass of its own class with :class:`DMuonClipping` in front, so ``isinstance``
+    checks against the plugin's class still hold and everything but the two clipping
+    methods is the plugin's. A plugin that has the clipping already is returned as is.
+
+    Examples:
+        >>> from lightning.pytorch.plugins.precision import MixedPrecision
+        >>> from dmuon.integrations.lightning import DMuonClipping, with_dmuon_clipping
+        >>> plugin = with_dmuon_clipping(MixedPrecision("bf16-mixed", "cpu"))
+        >>> isinstance(plugin, MixedPrecision), isinstance(plugin, DMuonClipping)
+        (True, True)
+    """
+    if not isinstance(plugin, Precision):
+        raise TypeError(f"expected a Lightning Precision plugin, got {type(plugin).__name__}")
+    if not isinstance(plugin, DMuonClipping):
+        plugin.__class__ = _clipping_class(type(plugin))
+    return plugin
+
+
+def _rebuild_with_clipping(base: type[Precision], state: dict[str, Any]) -> Precision:
+    plugin = base.__new__(base)
+    plugin.__dict__.update(state)
+    return with_dmuon_clipping(plugin)
 
 
 def _unwrap(optimizer: Optimizer) -> Optimizer:

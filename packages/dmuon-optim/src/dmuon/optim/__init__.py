@@ -18,7 +18,7 @@ from dmuon.optim.batches import (
     state_shapes,
     step_bucket,
 )
-from dmuon.optim.clip import clip_grad_norm_
+from dmuon.optim.clip import clip_grad_norm_, clip_grad_value_
 from dmuon.optim.engine import (
     MODES,
     GradientChangedError,
@@ -82,6 +82,7 @@ __all__ = [
     "apply_update",
     "build_buckets",
     "clip_grad_norm_",
+    "clip_grad_value_",
     "default_batch_elements",
     "get_rule",
     "get_scalar_rule",

@@ -1,4 +1,4 @@
-"""Gradient clipping by the global norm, when gradients live on different ranks.
+"""Gradient clipping by the global norm (or by value), when gradients live on different ranks.
 
 In owner mode each matrix's averaged gradient lives on its owner only; under FSDP2
 each rank holds row shards; the scalar gradients of a DDP replacement are the
@@ -14,6 +14,10 @@ every rank counts what it holds divided by the number of ranks holding the same
 values, and the partial sums are all-reduced over the world. Every rank then
 scales every gradient it holds by ``min(1, max_norm / (‖g‖ + 1e-6))``, exactly as
 ``torch.nn.utils.clip_grad_norm_`` does on one process.
+
+Clipping by value, ``g ← clamp(g, −c, c)`` element by element, needs no norm but
+the same care: it must clamp the *averaged* gradient, so in owner mode it runs
+after the reductions have finished, on the gradients the step will read.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from dmuon.optim.engine.params import is_dtensor
 if TYPE_CHECKING:
     from dmuon.optim.optimizer import DMuon
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "clip_grad_value_"]
 
 
 @torch.no_grad()
@@ -121,3 +125,55 @@ def clip_grad_norm_(
         for g in sharded:
             g.mul_(factor)
     return total
+
+
+@torch.no_grad()
+def clip_grad_value_(optimizer: DMuon, clip_value: float) -> None:
+    """Clamp every element of the gradients of ``optimizer``'s parameters to ``[−c, c]``.
+
+    The distributed counterpart of :func:`torch.nn.utils.clip_grad_value_`,
+    ``g ← clamp(g, −c, c)``: it clamps the averaged gradient, which is what one
+    process clamps. In owner mode it first finishes the gradient reductions (a
+    rank's local gradient is one term of the average, and clamping the terms is not
+    clamping their mean), then clamps the gradients the step reads: the owners'
+    reduced matrices and the scalars. Elementwise, so DTensor shards (FSDP2 rows,
+    tensor-parallel shards) are clamped where they live, with no communication.
+    Call it between ``backward()`` and ``step()`` on every rank.
+
+    Args:
+        optimizer: a :class:`~dmuon.optim.DMuon`.
+        clip_value: ``c``, the largest allowed absolute value (≥ 0).
+
+    Raises:
+        ValueError: ``clip_value`` < 0 or not a number.
+        NotImplementedError: in sign mode (the matrix gradients are never averaged).
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.optim import DMuon, clip_grad_value_
+        >>> w = torch.nn.Parameter(torch.zeros(2, 2))
+        >>> opt = DMuon([w])
+        >>> w.grad = torch.tensor([[3.0, -0.5], [-2.0, 0.25]])
+        >>> clip_grad_value_(opt, 1.0)
+        >>> w.grad
+        tensor([[ 1.0000, -0.5000],
+                [-1.0000,  0.2500]])
+    """
+    clip_value = float(clip_value)
+    if not clip_value >= 0:
+        raise ValueError(f"clip_value must be ≥ 0, got {clip_value}")
+    engine = optimizer.engine
+    if engine.mode == "sign":
+        raise NotImplementedError(
+            "clip_grad_value_ in sign mode is not supported: the matrix gradients are never "
+            "averaged (each rank's momentum takes its own gradient before the vote)"
+        )
+    engine.prepare_grads()
+    grads = engine.local_grads()
+    plain = [g for g in grads if not is_dtensor(g)]
+    if plain:
+        torch._foreach_clamp_min_(plain, -clip_value)
+        torch._foreach_clamp_max_(plain, clip_value)
+    for g in grads:
+        if is_dtensor(g):
+            g.clamp_(-clip_value, clip_value)

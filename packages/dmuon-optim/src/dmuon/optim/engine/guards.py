@@ -225,8 +225,8 @@ def _changed_error(ranks: list[int], names: list[str], engine: Engine) -> Gradie
         "as backward produces it, so a change between backward and step() (torch.nn.utils."
         "clip_grad_norm_, p.grad.mul_(...), a new p.grad) would be lost. Nothing was "
         "updated on any rank, and this iteration's gradients are spent: zero_grad() and go on "
-        "with the next backward. Clip with dmuon.optim.clip_grad_norm_(opt, max_norm), "
-        "which clips the reduced gradients",
+        "with the next backward. Clip with dmuon.optim.clip_grad_norm_(opt, max_norm) or "
+        "dmuon.optim.clip_grad_value_(opt, clip_value), which clip the reduced gradients",
         ranks,
         names,
     )
