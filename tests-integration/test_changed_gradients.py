@@ -84,9 +84,10 @@ def test_a_gradient_changed_after_backward_raises_on_every_rank(how):
 
 def test_what_the_version_counter_does_not_see():
     """The limit of the check, stated in the docs: ``GradScaler.unscale_`` rescales the
-    gradients in place without counting a version (so owner mode cannot see it; it does
-    not take a GradScaler), nor does a write through ``.data``. If torch starts counting
-    them, this fails and the docs' limit can go."""
+    gradients in place without counting a version (so owner mode cannot see it; its
+    loss-scaled steps go through ``opt.unscale_``, ``test_loss_scaling.py``), nor does a
+    write through ``.data``. If torch starts counting them, this fails and the docs'
+    limit can go."""
     p = nn.Parameter(torch.ones(3))
     p.grad = torch.ones(3)
     version = p.grad._version
@@ -129,28 +130,3 @@ def test_zero_grad_keeping_the_gradients_is_no_change(scalars, dmuon_clip):
     for rank, out in enumerate(results):
         for name, want in out["True"].items():
             assert torch.equal(out["False"][name], want), f"rank {rank}: {name}"
-
-
-def run_scaler(rank: int, world: int) -> str:
-    from dmuon.integrations import ddp
-    from dmuon.optim import DMuon, param_groups
-
-    m = model()
-    ded = ddp.dedicate(m)
-    opt = DMuon(param_groups(m), distributed=ded, lr=0.02)
-    scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(F.mse_loss(m(torch.randn(4, 8)), torch.zeros(4, 4))).backward()
-    try:
-        scaler.step(opt)
-    except RuntimeError as err:
-        assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
-        return str(err)
-    return "stepped"
-
-
-def test_a_grad_scaler_is_refused_in_owner_mode_on_every_rank():
-    """``GradScaler.unscale_`` writes without a version, and each rank would find an Inf
-    in its own gradients only: owner mode asks the scaler to call ``step()`` on every
-    rank (``_step_supports_amp_scaling``) and refuses there, before any collective."""
-    for message in run_on_ranks(run_scaler, 2, timeout=120):
-        assert "GradScaler" in message and "bf16" in message, message

@@ -22,6 +22,7 @@ from dmuon.optim.engine.modes import check_layouts, make_engine
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.group_options import GroupDefaults, check_distinct_params
 from dmuon.optim.group_record import GroupRecord
+from dmuon.optim.loss_scaling import scaler_skips, unscale_
 from dmuon.optim.optimizer_state import (
     build_state,
     check_loaded_state,
@@ -140,7 +141,8 @@ class DMuon(torch.optim.Optimizer):
             (``None``: per device, see :func:`~dmuon.optim.default_batch_elements`;
             the results do not depend on it).
         steps_taken: steps this optimizer object has applied.
-        skipped_steps: steps skipped for non-finite gradients (``nonfinite="skip_step"``).
+        skipped_steps: steps skipped for non-finite gradients (``nonfinite="skip_step"``),
+            and in owner mode the steps a loss scaler skipped or that were refused.
 
     Examples:
         >>> import torch
@@ -245,6 +247,7 @@ class DMuon(torch.optim.Optimizer):
         self._engine = SingleEngine()
         self.last_step: StepReport | None = None
         self._deadline: Deadline = Deadline(getattr(self, "timeout", "auto"))
+        self._unscaled_step: int | None = None  # the step whose gradients unscale_ unscaled
 
     @property
     def _rule(self) -> str:
@@ -259,8 +262,8 @@ class DMuon(torch.optim.Optimizer):
     @property
     def _step_supports_amp_scaling(self) -> bool:
         # torch.amp.GradScaler.step then always calls step() (with grad_scale and found_inf
-        # set) instead of skipping it on this rank alone: owner mode refuses it there, on
-        # every rank at once (see step)
+        # set) instead of skipping it on this rank alone: in owner mode a skipped step must
+        # still finish its communication, on every rank (see dmuon.optim.loss_scaling)
         return self.mode == "owner"
 
     @property
@@ -321,17 +324,14 @@ class DMuon(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None``.
         """
+        number = self.steps_taken + self.skipped_steps + 1
+        unscaled, self._unscaled_step = self._unscaled_step == number, None
+        scaler_skip, refusal = False, None
         if hasattr(self, "found_inf"):  # torch.amp.GradScaler.step, in owner mode
-            for attribute in ("found_inf", "grad_scale"):  # the scaler's, left by a raise
-                self.__dict__.pop(attribute, None)
-            raise RuntimeError(
-                "DMuon's owner mode does not take torch.amp.GradScaler (fp16 loss scaling): "
-                "each gradient is reduced to its owner during backward, before the scaler "
-                "could unscale it or find an Inf in it, so it would step on scaled gradients "
-                "and the ranks could disagree on skipping. Train in bf16 "
-                "(torch.autocast(..., dtype=torch.bfloat16) needs no scaler). Nothing was "
-                "updated"
-            )
+            try:
+                scaler_skip = scaler_skips(self, unscaled=unscaled, mode=self.mode)
+            except RuntimeError as err:  # every rank refuses alike: skip together, then raise
+                scaler_skip, refusal = True, err
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -341,7 +341,8 @@ class DMuon(torch.optim.Optimizer):
         report, stepped = run_step(
             self,
             self._engine,
-            self.steps_taken + self.skipped_steps + 1,
+            number,
+            skip=scaler_skip,
             timeout=self._next_deadline(),
             nonfinite=self.nonfinite,
             check_every=self.check_every,
@@ -350,7 +351,32 @@ class DMuon(torch.optim.Optimizer):
         if not stepped:
             self.skipped_steps += 1
         self.last_step = report
+        if refusal is not None:
+            raise refusal
         return loss
+
+    def unscale_(self, scaler: torch.amp.GradScaler) -> None:
+        """``scaler.unscale_(self)``, once the gradients are final: fp16 loss scaling.
+
+        Call it where a training loop calls ``scaler.unscale_(opt)``: after backward,
+        before clipping and ``scaler.step(opt)``. In owner mode it finishes the
+        gradient reductions first, and ``scaler`` must be a ``ShardedGradScaler``
+        (every rank then skips, and scales, alike); ``scaler.step(opt)`` refuses a
+        step without it. See :mod:`dmuon.optim.loss_scaling`::
+
+            scaler = ShardedGradScaler()
+            scaler.scale(loss).backward()
+            opt.unscale_(scaler)
+            dmuon.optim.clip_grad_norm_(opt, 1.0)  # optional
+            scaler.step(opt)
+            scaler.update()
+
+        Raises:
+            TypeError: not a ``torch.amp.GradScaler``, or in owner mode not a
+                ``ShardedGradScaler``.
+        """
+        unscale_(self, scaler)
+        self._unscaled_step = self.steps_taken + self.skipped_steps + 1
 
     def collective_deadline(self) -> float | None:
         """The deadline, in seconds, of DMuon's collectives now (``None``: the group's).

@@ -46,6 +46,7 @@ def run_step(
     engine: Engine,
     number: int,
     *,
+    skip: bool = False,
     timeout: float | None,
     nonfinite: str | None,
     check_every: int | None,
@@ -55,7 +56,8 @@ def run_step(
 
     ``stepped()`` is called once the engine has stepped and returns the number of
     steps taken so far (for ``check_every``); a skipped step (``"skip_step"``) does
-    not call it.
+    not call it. ``skip``: the loss scaler found an Inf (on some rank, the same answer
+    on every rank): agree on the step, finish its communication, step nothing.
     """
     if engine.mode != "owner":
         dedicated = next((e.name for e in engine.params if exchange_of(e.param)), None)
@@ -74,7 +76,7 @@ def run_step(
         with collective_timeout(timeout):
             with report.phase("comm_wait"):  # the guards' flags are communication too
                 engine.begin_step()
-                finite = _agree(engine, nonfinite, number)
+                finite = _agree(engine, None if skip else nonfinite, number) and not skip
             if not finite:
                 engine.skip_step()
             else:

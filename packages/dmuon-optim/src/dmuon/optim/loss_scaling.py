@@ -1,0 +1,119 @@
+"""fp16 loss scaling (``torch.amp``) with DMuon: unscale the gradients the step reads.
+
+A loss scaler multiplies the loss by ``s`` so that fp16 gradients do not underflow;
+before the step the gradients are divided by ``s`` and searched for Inf/NaN
+(``unscale_``), a step with one is skipped and ``s`` lowered, and ``s`` grows again
+after ``growth_interval`` clean steps (``update``)::
+
+    g ← g / s,    skip ⇔ ∃ non-finite g,    s ← s·backoff if skip, s·growth after N clean steps
+
+Every rank must take the same decisions, or the ranks' scales drift apart and their
+gradients are averaged at different scales. Under DDP this holds because the
+gradients are all-reduced during backward. In owner mode it does not: each matrix's
+gradient leaves for its owner during backward, so ``scaler.unscale_(opt)`` right
+after backward would divide this rank's local copies, which the step no longer
+reads, and look for an Inf in them only. :func:`unscale_` first finishes the
+reductions (:meth:`~dmuon.optim.engine.Engine.prepare_grads`), then lets the scaler
+unscale the gradients this rank holds — its owned matrices, the scalar parameters —
+with :class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`, whose
+``unscale_`` sums the Inf flags over its process group: every rank then skips, and
+scales, alike. ``DMuon.step`` (which a scaler calls on every rank in owner mode,
+``_step_supports_amp_scaling``) skips the step on every rank when the scaler found
+an Inf, finishing its communication, and refuses a step whose gradients were not
+unscaled this way (:func:`scaler_skips`).
+
+Source: ``torch.amp.GradScaler`` and FSDP's ``ShardedGradScaler`` (Micikevicius et
+al., *Mixed Precision Training*, ICLR 2018, for dynamic loss scaling).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from dmuon.optim.optimizer import DMuon
+
+__all__ = ["scaler_skips", "unscale_"]
+
+# What the refusals of an owner-mode step say to do instead.
+_RECIPE = (
+    "In owner mode use ShardedGradScaler (torch.distributed.fsdp.sharded_grad_scaler) and "
+    "unscale through the optimizer: scaler.scale(loss).backward(); opt.unscale_(scaler); "
+    "[clip]; scaler.step(opt); scaler.update()"
+)
+
+
+def unscale_(optimizer: DMuon, scaler: torch.amp.GradScaler) -> None:
+    """``scaler.unscale_(optimizer)`` on the gradients ``optimizer``'s step reads.
+
+    Finishes the gradient reductions first (owner mode: each matrix's averaged
+    gradient is then on its owner, the other ranks' ``p.grad`` is ``None``), then
+    calls the scaler's ``unscale_``. In owner mode ``scaler`` must be a
+    :class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` over
+    every rank of the training (its default, the world): its ``unscale_`` sums the
+    Inf flags of the ranks, so they all skip a step, and back off, together; a plain
+    ``torch.amp.GradScaler`` would see this rank's gradients only. Other modes take
+    either scaler (their gradients are final and the same wherever several ranks
+    hold them, as under DDP).
+
+    Raises:
+        TypeError: ``scaler`` is no ``torch.amp.GradScaler``, or (owner mode) not a
+            ``ShardedGradScaler``; nothing was changed.
+    """
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # FSDP's, lazily
+
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    engine = optimizer.engine
+    if engine.mode == "owner" and not isinstance(scaler, ShardedGradScaler):
+        raise TypeError(
+            f"owner mode needs a ShardedGradScaler, got {type(scaler).__name__}: each rank "
+            "holds the averaged gradients of the matrices it owns only, so a GradScaler "
+            "would find an Inf on that rank alone, and the ranks would skip steps and "
+            "scale their losses differently. ShardedGradScaler sums the Inf flags over "
+            "its process group (default: the world). Nothing was changed"
+        )
+    engine.prepare_grads()
+    scaler.unscale_(optimizer)
+
+
+def scaler_skips(optimizer: Any, *, unscaled: bool, mode: str) -> bool:
+    """Whether to skip this step for the loss scaler (owner mode); refuse what cannot be.
+
+    Called by ``DMuon.step`` when a ``GradScaler.step`` has set ``optimizer.found_inf``
+    and ``optimizer.grad_scale`` (it does so on every rank in owner mode).
+    ``unscaled``: the gradients were unscaled this step by :func:`unscale_` (through
+    ``DMuon.unscale_``). A refusal is the same on every rank (what the loop called is
+    the same everywhere) and removes the two attributes (the scaler, interrupted, does
+    not); ``DMuon.step`` then skips the step on every rank, finishing its
+    communication so that the optimizer stays usable, and raises it.
+
+    Raises:
+        RuntimeError: the scaler would have the step unscale the gradients itself
+            (``grad_scale`` is set: ``unscale_`` was not called), or the gradients
+            were unscaled by ``scaler.unscale_(opt)`` before their reductions
+            finished. Nothing was updated.
+    """
+    grad_scale = getattr(optimizer, "grad_scale", None)
+    if grad_scale is None and unscaled:
+        return bool(optimizer.found_inf)  # summed over the ranks by ShardedGradScaler
+    for attribute in ("found_inf", "grad_scale"):
+        optimizer.__dict__.pop(attribute, None)
+    if grad_scale is not None:
+        why = (
+            "scaler.step(opt) was called on still-scaled gradients (no unscale before it), "
+            "and the scaler's own search for an Inf would look at this rank's local "
+            "gradients, which have already left for their owners"
+        )
+    else:
+        why = (
+            "scaler.unscale_(opt) unscaled this rank's local gradients before their "
+            "reductions to the owners had finished: the owners' averaged gradients are "
+            "still scaled"
+        )
+    raise RuntimeError(
+        f"DMuon's {mode!r} mode cannot take this loss-scaled step: {why}. {_RECIPE}. "
+        "Nothing was updated"
+    )

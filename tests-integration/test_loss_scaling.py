@@ -1,0 +1,172 @@
+"""fp16 loss scaling in owner mode equals one process with ``torch.amp.GradScaler``.
+
+Owner mode reduces each matrix's gradient to its owner during backward, so the
+scaler must unscale, and look for an Inf in, the gradients the step reads:
+``opt.unscale_(scaler)`` finishes the reductions first, and ``ShardedGradScaler``
+sums the Inf flags of the ranks. Two ranks train 6 steps with dynamic loss scaling
+(``growth_interval=2``: the scale grows during the run); at step 3 rank 1 alone gets
+an infinite loss (its local gradients non-finite, rank 0's finite). Expected, against
+the same global batches in one process with a plain ``GradScaler``: the same
+parameters (1e-5), the same scale after every step on both ranks (the Inf step
+skipped, backed off, alike), the Inf step counted in ``skipped_steps``. With DMuon's
+clipping between unscale and step too. The steps a scaler cannot serve in owner mode
+are refused on every rank, leave the optimizer usable and change nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dmuon.comm.testing import run_on_ranks
+
+WORLD, STEPS, INF_STEP, ROWS = 2, 6, 3, 4
+SCALER = dict(init_scale=2.0**8, growth_interval=2)
+MAX_NORM = 0.5
+TOLERANCE = 1e-5
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4)
+    )
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(ROWS, 8, generator=g), torch.randn(ROWS, 4, generator=g)
+
+
+def loss_of(m: nn.Module, step: int, rank: int) -> torch.Tensor:
+    x, y = batch(step, rank)
+    loss = F.mse_loss(m(x), y)
+    return loss * float("inf") if (step, rank) == (INF_STEP, 1) else loss
+
+
+def options():
+    return dict(lr=0.02, ns_compute_dtype=torch.float32)
+
+
+def reference(clip: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
+    from dmuon.optim import DMuon, param_groups
+
+    m = model()
+    opt = DMuon(param_groups(m), **options())
+    scaler = torch.amp.GradScaler("cpu", **SCALER)
+    scales = []
+    for t in range(STEPS):
+        loss = sum(loss_of(m, t, r) for r in range(WORLD)) / WORLD
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(float(scaler.get_scale()))
+    return {n: p.detach().clone() for n, p in m.named_parameters()}, scales
+
+
+def train(rank: int, world: int, scalars: str, clip: bool) -> dict[str, object]:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from dmuon.integrations import ddp
+    from dmuon.optim import DMuon, clip_grad_norm_, param_groups
+
+    m = model()
+    ded = ddp.dedicate(m, scalars=scalars)
+    opt = DMuon(param_groups(m), distributed=ded, **options())
+    scaler = ShardedGradScaler(device="cpu", **SCALER)
+    scales = []
+    for t in range(STEPS):
+        scaler.scale(loss_of(m, t, rank)).backward()
+        opt.unscale_(scaler)
+        if clip:
+            clip_grad_norm_(opt, MAX_NORM)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(float(scaler.get_scale()))
+    ded.wait()
+    params = {n: p.detach().clone() for n, p in m.named_parameters()}
+    return {"params": params, "scales": scales, "skipped": opt.skipped_steps, "mode": opt.mode}
+
+
+@pytest.mark.parametrize(
+    ("scalars", "clip"), [("all_reduce", False), ("owner", False), ("all_reduce", True)]
+)
+def test_loss_scaling_in_owner_mode_equals_one_process(scalars, clip):
+    expected, scales = reference(clip)
+    assert scales[INF_STEP] < scales[INF_STEP - 1], "the Inf step did not back off"
+    assert max(scales) > SCALER["init_scale"], "the scale never grew: growth is untested"
+    initial = dict(model().named_parameters())
+    moved = max(float((expected[n] - initial[n].detach()).abs().max()) for n in expected)
+    assert moved > 1e-2, "the reference barely trained: the comparison would prove nothing"
+    for rank, out in enumerate(run_on_ranks(train, WORLD, args=(scalars, clip), timeout=120)):
+        assert out["mode"] == "owner"
+        assert out["scales"] == scales, f"rank {rank}: scales {out['scales']} != {scales}"
+        assert out["skipped"] == 1, f"rank {rank}: skipped {out['skipped']} steps"
+        for name, want in expected.items():
+            diff = float((out["params"][name] - want).abs().max())
+            assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
+def refusals(rank: int, world: int) -> dict[str, str]:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from dmuon.integrations import ddp
+    from dmuon.optim import DMuon, param_groups
+
+    m = model()
+    ded = ddp.dedicate(m)
+    opt = DMuon(param_groups(m), distributed=ded, **options())
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    out: dict[str, str] = {}
+    for how in ("no_unscale", "scaler_unscale"):
+        scaler = ShardedGradScaler(device="cpu", **SCALER)
+        scaler.scale(loss_of(m, 0, rank)).backward()
+        if how == "scaler_unscale":
+            scaler.unscale_(opt)  # this rank's local copies: the owners' gradients stay scaled
+        try:
+            scaler.step(opt)
+            out[how] = "stepped"
+        except RuntimeError as err:
+            out[how] = str(err)
+        assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+        opt.zero_grad()
+    ded.wait()
+    out["unchanged"] = str(all(torch.equal(p, before[n]) for n, p in m.named_parameters()))
+    # still usable: a served step updates
+    scaler = ShardedGradScaler(device="cpu", **SCALER)
+    scaler.scale(loss_of(m, 1, rank)).backward()
+    opt.unscale_(scaler)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    ded.wait()
+    out["then_steps"] = str(any(not torch.equal(p, before[n]) for n, p in m.named_parameters()))
+    plain = torch.amp.GradScaler("cpu", **SCALER)
+    plain.scale(loss_of(m, 2, rank)).backward()
+    try:
+        opt.unscale_(plain)
+        out["plain_scaler"] = "unscaled"
+    except TypeError as err:
+        out["plain_scaler"] = str(err)
+    opt.step()  # the step the loop would have taken: unscale_ refused before changing anything
+    ded.wait()
+    out["skipped"] = str(opt.skipped_steps)
+    return out
+
+
+def test_what_owner_mode_cannot_serve_is_refused_on_every_rank():
+    for out in run_on_ranks(refusals, WORLD, timeout=120):
+        assert "still-scaled gradients" in out["no_unscale"], out["no_unscale"]
+        assert "before their reductions" in out["scaler_unscale"], out["scaler_unscale"]
+        for how in ("no_unscale", "scaler_unscale"):
+            assert "opt.unscale_(scaler)" in out[how] and "Nothing was updated" in out[how]
+        assert "owner mode needs a ShardedGradScaler" in out["plain_scaler"]
+        assert out["unchanged"] == "True" and out["then_steps"] == "True", out
+        assert out["skipped"] == "2", out
