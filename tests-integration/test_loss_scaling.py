@@ -8,9 +8,12 @@ sums the Inf flags of the ranks. Two ranks train 6 steps with dynamic loss scali
 an infinite loss (its local gradients non-finite, rank 0's finite). Expected, against
 the same global batches in one process with a plain ``GradScaler``: the same
 parameters (1e-5), the same scale after every step on both ranks (the Inf step
-skipped, backed off, alike), the Inf step counted in ``skipped_steps``. With DMuon's
-clipping between unscale and step too. The steps a scaler cannot serve in owner mode
-are refused on every rank, leave the optimizer usable and change nothing.
+skipped, backed off, alike), the Inf step counted in ``skipped_steps``. The scalar
+parameters all-reduced or dedicated too; with DMuon's clipping between unscale and
+step too. Under FSDP2 (DTensor scalars beside the owners' plain matrices) it is
+refused: torch's scalers cannot unscale the two kinds in one foreach call. The steps a
+scaler cannot serve in owner mode are refused on every rank, leave the optimizer usable
+and change nothing.
 """
 
 from __future__ import annotations
@@ -96,7 +99,8 @@ def train(rank: int, world: int, scalars: str, clip: bool) -> dict[str, object]:
 
 
 @pytest.mark.parametrize(
-    ("scalars", "clip"), [("all_reduce", False), ("owner", False), ("all_reduce", True)]
+    ("scalars", "clip"),
+    [("all_reduce", False), ("owner", False), ("all_reduce", True)],
 )
 def test_loss_scaling_in_owner_mode_equals_one_process(scalars, clip):
     expected, scales = reference(clip)
@@ -159,6 +163,48 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     ded.wait()
     out["skipped"] = str(opt.skipped_steps)
     return out
+
+
+def _fsdp2(m: nn.Module, world: int):
+    """``m`` with its matrices dedicated (``fsdp.dedicate``) and the rest FSDP2-sharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon.integrations import fsdp
+    from dmuon.optim import DMuon, param_groups
+
+    mesh = init_device_mesh("cpu", (world,))
+    ded = fsdp.dedicate(m, mesh)
+    fully_shard(m, mesh=mesh, ignored_params=ded.params)
+    return DMuon(param_groups(m), distributed=ded, **options()), ded
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    return p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+def fsdp2_refusal(rank: int, world: int) -> str:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    m = model()
+    opt, ded = _fsdp2(m, world)
+    before = {n: _whole(p).clone() for n, p in m.named_parameters()}
+    scaler = ShardedGradScaler(device="cpu", **SCALER)
+    scaler.scale(loss_of(m, 0, rank)).backward()
+    try:
+        opt.unscale_(scaler)
+        message = "unscaled"
+    except NotImplementedError as err:
+        message = str(err)
+    opt.step()  # the step the loop would have taken: unscale_ refused before changing anything
+    ded.wait()
+    assert any(not torch.equal(_whole(p), before[n]) for n, p in m.named_parameters())
+    return message
+
+
+def test_fsdp2_owner_mode_refuses_loss_scaling_before_changing_anything():
+    for message in run_on_ranks(fsdp2_refusal, WORLD, timeout=120):
+        assert "DTensor parameters" in message and "bf16" in message, message
 
 
 def test_what_owner_mode_cannot_serve_is_refused_on_every_rank():

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dmuon.optim.engine.params import is_dtensor
+
 if TYPE_CHECKING:
     from dmuon.optim.optimizer import DMuon
 
@@ -58,9 +60,15 @@ def unscale_(optimizer: DMuon, scaler: torch.amp.GradScaler) -> None:
     either scaler (their gradients are final and the same wherever several ranks
     hold them, as under DDP).
 
+    Owner mode with DTensor parameters (FSDP2's scalars next to the owners' plain
+    matrices, tensor-parallel shards) is not served: torch's scalers unscale all the
+    gradients of one device and dtype in one foreach call, which cannot mix DTensors
+    with plain tensors, or DTensors of different meshes.
+
     Raises:
         TypeError: ``scaler`` is no ``torch.amp.GradScaler``, or (owner mode) not a
             ``ShardedGradScaler``; nothing was changed.
+        NotImplementedError: owner mode with DTensor parameters; nothing was changed.
     """
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # FSDP's, lazily
 
@@ -75,6 +83,16 @@ def unscale_(optimizer: DMuon, scaler: torch.amp.GradScaler) -> None:
             "scale their losses differently. ShardedGradScaler sums the Inf flags over "
             "its process group (default: the world). Nothing was changed"
         )
+    if engine.mode == "owner":
+        sharded = next((e.name for e in engine.params if is_dtensor(e.param)), None)
+        if sharded is not None:
+            raise NotImplementedError(
+                f"fp16 loss scaling in owner mode with DTensor parameters ({sharded!r}; FSDP2 "
+                "or tensor parallelism): torch's scalers unscale a device's gradients in one "
+                "foreach call, which cannot mix DTensors with the owners' plain gradients. "
+                "Train in bf16 (no scaler), or dedicate with dmuon.integrations.ddp. Nothing "
+                "was changed"
+            )
     engine.prepare_grads()
     scaler.unscale_(optimizer)
 
