@@ -169,3 +169,35 @@ def test_average_of_integers_and_unknown_ops_are_rejected():
         assert "op must be 'avg' or 'sum'" in op
     owner = plan_owners([MatrixItem("i", (2, 2), torch.int32)], 2).owner("i")
     assert torch.equal(results[owner][2]["i"], torch.full((2, 2), 3, dtype=torch.int32))
+
+
+def test_check_buckets_names_each_mismatch_as_the_collectives_do():
+    """What ``reduce_to_owners``/``broadcast_from_owners`` check per call unless
+    ``checked=True``: ``check_buckets`` raises the same errors, and passes the buckets
+    ``make_buckets`` made from the plan."""
+    from dmuon.comm import FlatBucket, broadcast_from_owners, check_buckets
+
+    plan = plan_owners(ITEMS, 2)
+    check_buckets(plan, make_buckets(plan))
+    owner = plan.owner("h.0.a")
+
+    def bucket(shapes, owner=owner):
+        return FlatBucket(shapes, dtype=torch.float32, owner=owner)
+
+    cases = {
+        "not an item": ([bucket([("zz", (5, 3))])], "bucket tensor 'zz' is not an item"),
+        "shape": ([bucket([("h.0.a", (3, 5))])], "'h.0.a' has shape (3, 5) but the plan says"),
+        "owner": ([bucket([("h.0.a", (5, 3))], 1 - owner)], "the plan's owner is rank"),
+        "twice": ([bucket([("h.0.a", (5, 3))])] * 2, "'h.0.a' is in more than one bucket"),
+        "rank": ([bucket([("h.0.a", (5, 3))], 7)], "a bucket has owner 7, outside [0, 2)"),
+    }
+    for case, (buckets, text) in cases.items():
+        with pytest.raises(ValueError, match="^check_buckets: ") as err:
+            check_buckets(plan, buckets)
+        assert text in str(err.value), (case, str(err.value))
+    # the collectives check the same (on a one-rank plan: no group needed)
+    one = plan_owners(ITEMS, 1)
+    bad = [FlatBucket([("h.0.a", (3, 5))], dtype=torch.float32, owner=0)]
+    for collective in (reduce_to_owners, broadcast_from_owners):
+        message = error_text(lambda c=collective: c(bad, one))
+        assert message is not None and "'h.0.a' has shape (3, 5) but the plan says" in message

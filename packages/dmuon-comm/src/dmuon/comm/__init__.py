@@ -23,7 +23,7 @@ from dmuon.comm.handles import CommHandle
 from dmuon.comm.items import MatrixItem, layer_key, matrix_items
 from dmuon.comm.majority_vote import VOTE_METHODS, majority_vote
 from dmuon.comm.objects import all_gather_objects
-from dmuon.comm.owner_collectives import broadcast_from_owners, reduce_to_owners
+from dmuon.comm.owner_collectives import broadcast_from_owners, check_buckets, reduce_to_owners
 from dmuon.comm.owner_plan import OwnerPlan, OwnerUnit
 from dmuon.comm.plan_agreement import PlanMismatchError, check_plan_consistency
 from dmuon.comm.planning import DEFAULT_PACK_BELOW, STRATEGIES, plan_owners
@@ -59,6 +59,7 @@ __all__ = [
     "all_gather_updates",
     "broadcast_from_owners",
     "call_roll",
+    "check_buckets",
     "check_plan_consistency",
     "collective_timeout",
     "cost_model",

@@ -121,6 +121,7 @@ class FlatBucket:
         self.buffer = buffer
         self._index = {s.name: s for s in slots}
         self._views = {s.name: buffer[s.offset : s.end].view(s.shape) for s in slots}
+        self._names = tuple(s.name for s in slots)
 
     def __repr__(self) -> str:
         return (
@@ -137,7 +138,7 @@ class FlatBucket:
     @property
     def names(self) -> tuple[str, ...]:
         """Names of the tensors, in layout order."""
-        return tuple(s.name for s in self.slots)
+        return self._names
 
     @property
     def nbytes(self) -> int:

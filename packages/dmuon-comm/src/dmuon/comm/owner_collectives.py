@@ -22,7 +22,7 @@ from dmuon.comm.owner_plan import OwnerPlan
 from dmuon.comm.process_groups import agree, fingerprint, group_rank, group_size
 from dmuon.comm.stats import CommStats, default_stats
 
-__all__ = ["broadcast_from_owners", "reduce_to_owners"]
+__all__ = ["broadcast_from_owners", "check_buckets", "reduce_to_owners"]
 
 
 def _mesh(
@@ -59,6 +59,30 @@ def _mesh(
             f"replicate_group has {r}"
         )
     return S, R, group_rank(replicate_group) * S + group_rank(group)
+
+
+def check_buckets(plan: OwnerPlan, buckets: Sequence[FlatBucket]) -> None:
+    """Check that ``buckets`` fit ``plan``: what the owner collectives check on every call.
+
+    Each bucket is a :class:`~dmuon.comm.FlatBucket` whose owner is a rank of the
+    plan; each of its tensors is an item of the plan, of the plan's shape, owned by
+    the bucket's owner, and in no other bucket. A bucket's layout cannot change, so
+    buckets checked once can be passed to :func:`reduce_to_owners` and
+    :func:`broadcast_from_owners` with ``checked=True`` every step after.
+
+    Raises:
+        ValueError: the first mismatch, naming the tensor and what the plan says.
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.comm import FlatBucket, MatrixItem, check_buckets, plan_owners
+        >>> plan = plan_owners([MatrixItem("w", (2, 2))], 1)
+        >>> check_buckets(plan, [FlatBucket([("w", (2, 3))], dtype=torch.float32, owner=0)])
+        Traceback (most recent call last):
+        ...
+        ValueError: check_buckets: bucket tensor 'w' has shape (2, 3) but the plan says (2, 2)
+    """
+    _check_buckets(plan, buckets, "check_buckets")
 
 
 def _check_buckets(plan: OwnerPlan, buckets: Sequence[FlatBucket], op: str) -> None:
@@ -112,6 +136,7 @@ def reduce_to_owners(
     replicate_group: dist.ProcessGroup | None = None,
     stats: CommStats | None = None,
     verify: bool = False,
+    checked: bool = False,
 ) -> CommHandle[dict[str, torch.Tensor]]:
     """Reduce every bucket to its owner: ``G_owner = (1/N) Σ_ranks G_rank`` (or the sum).
 
@@ -140,6 +165,11 @@ def reduce_to_owners(
             (one small all-gather); a bad input on any rank then raises
             :class:`~dmuon.comm.CollectiveInputError` on every rank instead of
             leaving the others waiting.
+        checked: the buckets are known to match ``plan`` (made by
+            :func:`~dmuon.comm.make_buckets` from it, or passed through
+            :func:`check_buckets`): skip the per-call check of every slot's name,
+            shape and owner — what a loop that reduces the same buckets every step
+            passes. The groups and ``op`` are still checked.
 
     Returns:
         A handle whose ``wait()`` gives ``{name: tensor}`` for the items this rank
@@ -166,7 +196,8 @@ def reduce_to_owners(
     def check() -> tuple[bool, tuple[int, int, int]]:
         average = _reduce_op(op)
         mesh = _mesh(plan, group, replicate_group, name)
-        _check_buckets(plan, buckets, name)
+        if not checked:
+            _check_buckets(plan, buckets, name)
         if average:
             for b in buckets:
                 if not b.dtype.is_floating_point:
@@ -222,6 +253,7 @@ def broadcast_from_owners(
     out: Mapping[str, torch.Tensor] | None = None,
     stats: CommStats | None = None,
     verify: bool = False,
+    checked: bool = False,
 ) -> CommHandle[dict[str, torch.Tensor]]:
     """Send every bucket from its owner to all ranks: ``X_rank ← X_owner``.
 
@@ -241,6 +273,8 @@ def broadcast_from_owners(
             copied into on ``wait()``; names not in ``out`` are left in the buckets.
         stats: where to record bytes; default :func:`~dmuon.comm.default_stats`.
         verify: agree across ranks on valid, matching inputs first (see
+            :func:`reduce_to_owners`).
+        checked: the buckets are known to match ``plan`` (see
             :func:`reduce_to_owners`).
 
     Returns:
@@ -267,7 +301,8 @@ def broadcast_from_owners(
 
     def check() -> tuple[int, int, int]:
         mesh = _mesh(plan, group, replicate_group, name)
-        _check_buckets(plan, buckets, name)
+        if not checked:
+            _check_buckets(plan, buckets, name)
         if out is not None:
             for key, t in out.items():
                 if key not in plan:

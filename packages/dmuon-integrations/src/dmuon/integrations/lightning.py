@@ -312,6 +312,17 @@ class DMuonClipping:
     instead, which clip the averaged gradient whatever the mode; any other optimizer
     goes to the plugin's own method. :func:`with_dmuon_clipping` puts this class in
     front of a plugin's own class; it changes nothing else.
+
+    Examples:
+        >>> import torch
+        >>> from lightning.pytorch.plugins.precision import Precision
+        >>> from dmuon.integrations.lightning import with_dmuon_clipping
+        >>> from dmuon.optim import DMuon
+        >>> w = torch.nn.Parameter(torch.zeros(2, 2))
+        >>> w.grad = torch.full((2, 2), 2.0)  # norm 4
+        >>> with_dmuon_clipping(Precision()).clip_grad_by_norm(DMuon([w]), 1.0)
+        >>> round(w.grad.norm().item(), 4)
+        1.0
     """
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

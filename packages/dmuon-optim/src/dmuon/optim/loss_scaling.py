@@ -28,14 +28,12 @@ al., *Mixed Precision Training*, ICLR 2018, for dynamic loss scaling).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from dmuon.optim.engine.base import Engine
 from dmuon.optim.engine.params import is_dtensor
-
-if TYPE_CHECKING:
-    from dmuon.optim.optimizer import DMuon
 
 __all__ = ["scaler_skips", "unscale_"]
 
@@ -47,8 +45,12 @@ _RECIPE = (
 )
 
 
-def unscale_(optimizer: DMuon, scaler: torch.amp.GradScaler) -> None:
-    """``scaler.unscale_(optimizer)`` on the gradients ``optimizer``'s step reads.
+def unscale_(
+    engine: Engine, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+) -> None:
+    """``scaler.unscale_(optimizer)`` on the gradients the step of ``engine`` reads.
+
+    ``optimizer`` is the DMuon that ``engine`` steps (``DMuon.unscale_`` passes both).
 
     Finishes the gradient reductions first (owner mode: each matrix's averaged
     gradient is then on its owner, the other ranks' ``p.grad`` is ``None``), then
@@ -74,7 +76,6 @@ def unscale_(optimizer: DMuon, scaler: torch.amp.GradScaler) -> None:
 
     if not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-    engine = optimizer.engine
     if engine.mode == "owner" and not isinstance(scaler, ShardedGradScaler):
         raise TypeError(
             f"owner mode needs a ShardedGradScaler, got {type(scaler).__name__}: each rank "

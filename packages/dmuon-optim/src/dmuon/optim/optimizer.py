@@ -375,7 +375,7 @@ class DMuon(torch.optim.Optimizer):
             TypeError: not a ``torch.amp.GradScaler``, or in owner mode not a
                 ``ShardedGradScaler``.
         """
-        unscale_(self, scaler)
+        unscale_(self._engine, self, scaler)
         self._unscaled_step = self.steps_taken + self.skipped_steps + 1
 
     def collective_deadline(self) -> float | None:

@@ -199,6 +199,7 @@ class Publication:
             group=self._publish_group,
             replicate_group=self.replicate_group,
             stats=self.stats,
+            checked=True,  # made by make_buckets from this plan (layer_record.py)
         )
 
     def publish(self, key: str) -> None:

@@ -260,19 +260,29 @@ class Reduction:
         self.end_step()
 
     def _launch(self, layer: OwnerLayer) -> None:
+        # the layer's gradients into their bucket slots: one foreach copy (and one zeroing
+        # for the missing ones) per layer, not a copy per gradient
+        slots: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        missing: list[torch.Tensor] = []
         for b in layer.reduce_buckets + layer.allreduce_buckets:
             for name in b.names:
                 g = self.params[name].grad
                 view = b.view(name)
                 if g is None:
-                    view.zero_()
-                else:
-                    if name in self.split:
-                        self.grad_placements[name] = tuple(g.placements)  # type: ignore[attr-defined]
-                        g = local_tensor(g)
-                    view.copy_(g.reshape(view.shape))
-                    if self.free_local_grads:
-                        self.params[name].grad = None
+                    missing.append(view)
+                    continue
+                if name in self.split:
+                    self.grad_placements[name] = tuple(g.placements)  # type: ignore[attr-defined]
+                    g = local_tensor(g)
+                slots.append(view)
+                grads.append(g.reshape(view.shape))
+                if self.free_local_grads:
+                    self.params[name].grad = None
+        if missing:
+            torch._foreach_zero_(missing)
+        if slots:
+            torch._foreach_copy_(slots, grads)
         if layer.reduce_buckets:
             layer.reduce_handle = reduce_to_owners(
                 layer.reduce_buckets,
@@ -281,6 +291,7 @@ class Reduction:
                 replicate_group=self.replicate_group,
                 stats=self.stats,
                 op=self.reduce_op,
+                checked=True,  # made by make_buckets from this plan (layer_record.py)
             )
         n = self.size
         for b in layer.allreduce_buckets:
