@@ -192,7 +192,7 @@ def test_check_buckets_names_each_mismatch_as_the_collectives_do():
         "rank": ([bucket([("h.0.a", (5, 3))], 7)], "a bucket has owner 7, outside [0, 2)"),
     }
     for case, (buckets, text) in cases.items():
-        with pytest.raises(ValueError, match="^check_buckets: ") as err:
+        with pytest.raises(ValueError, match=r"^check_buckets: ") as err:
             check_buckets(plan, buckets)
         assert text in str(err.value), (case, str(err.value))
     # the collectives check the same (on a one-rank plan: no group needed)
