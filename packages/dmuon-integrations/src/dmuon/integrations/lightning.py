@@ -383,7 +383,7 @@ def with_dmuon_clipping(plugin: Precision) -> Precision:
 
 
 def _rebuild_with_clipping(base: type[Precision], state: dict[str, Any]) -> Precision:
-    plugin = base.__new__(base)
+    plugin: Precision = object.__new__(base)
     plugin.__dict__.update(state)
     return with_dmuon_clipping(plugin)
 
