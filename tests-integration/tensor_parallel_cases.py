@@ -135,3 +135,4 @@ def sequence_batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 SP_OPT = dict(OPT, adamw_lr=0.05)
 SP_CLIP = 0.05  # below every step's norm (≈ 0.7–0.9)
+SP_VALUE = 0.02  # below the largest gradient elements: clip_grad_value_ clamps some

@@ -256,6 +256,9 @@ def test_the_strategys_precision_plugin_clips_a_dmuon_with_dmuons_functions():
     assert with_dmuon_clipping(mine) is mine
     again = pickle.loads(pickle.dumps(mine))  # a spawned process gets the plugin pickled
     assert isinstance(again, DMuonClipping) and type(again) is type(mine)
+    fp16 = with_dmuon_clipping(MixedPrecision("16-mixed", "cpu"))  # state with __getstate__
+    again = pickle.loads(pickle.dumps(fp16))
+    assert type(again) is type(fp16) and isinstance(again.scaler, torch.amp.GradScaler)
     with pytest.raises(TypeError, match="Lightning Precision plugin"):
         with_dmuon_clipping(object())
 
@@ -282,6 +285,68 @@ def test_the_strategys_precision_plugin_clips_a_dmuon_with_dmuons_functions():
         for a, b, c in pairs:
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(c.grad, a.grad, rtol=0, atol=0)
+
+
+def _mixed_precision_clipping(rank: int, world: int) -> dict[str, str]:
+    """Owner mode, Lightning's bf16 ``MixedPrecision`` plugin clipping by norm and by
+    value: the same gradients as DMuon's functions called directly; fp16 (a scaler)
+    refused by name."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+
+    from dmuon.integrations import ddp
+    from dmuon.integrations.lightning import with_dmuon_clipping
+    from dmuon.optim import DMuon, clip_grad_norm_, clip_grad_value_, param_groups
+
+    def owner_model():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+        return m, DMuon(param_groups(m), distributed=ddp.dedicate(m), lr=0.02)
+
+    def backward(m):
+        g = torch.Generator().manual_seed(rank)
+        nn.functional.mse_loss(m(torch.randn(4, 6, generator=g)), torch.zeros(4, 3)).backward()
+
+    out = {}
+    bf16 = with_dmuon_clipping(MixedPrecision("bf16-mixed", "cpu"))
+    cases = (("norm", GradClipAlgorithmType.NORM, clip_grad_norm_, 0.05),
+             ("value", GradClipAlgorithmType.VALUE, clip_grad_value_, 0.01))  # fmt: skip
+    for name, algorithm, direct, value in cases:
+        (m, opt), (ref, ref_opt) = owner_model(), owner_model()
+        backward(m)
+        backward(ref)
+        bf16.clip_gradients(opt, value, algorithm)
+        direct(ref_opt, value)
+        same = all(
+            (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+            for a, b in zip(m.parameters(), ref.parameters(), strict=True)
+        )
+        held = sum(p.grad is not None for p in m.parameters())
+        out[name] = f"same={same} held={held}"
+        opt.step()
+        ref_opt.step()
+    fp16 = with_dmuon_clipping(MixedPrecision("16-mixed", "cpu"))
+    m, opt = owner_model()
+    backward(m)
+    try:
+        fp16.clip_gradients(opt, 0.05, GradClipAlgorithmType.NORM)
+        out["fp16"] = "clipped"
+    except RuntimeError as err:
+        out["fp16"] = str(err)
+    opt.step()
+    return out
+
+
+def test_owner_mode_clips_under_bf16_mixed_precision_and_refuses_fp16():
+    """Lightning's ``MixedPrecision.clip_gradients`` refuses any optimizer that unscales
+    itself (``_step_supports_amp_scaling``, set by owner mode): under ``bf16-mixed`` the
+    strategy's plugin clipped nothing and raised on every rank."""
+    from dmuon.comm.testing import run_on_ranks
+
+    for rank, out in enumerate(run_on_ranks(_mixed_precision_clipping, WORLD, timeout=120)):
+        for name in ("norm", "value"):
+            assert out[name].startswith("same=True") and "held=0" not in out[name], (rank, out)
+        assert "precision='bf16-mixed'" in out["fp16"], (rank, out["fp16"])
 
 
 def _load_checks(rank: int, world: int, tmp: str) -> tuple[int, list[str]]:

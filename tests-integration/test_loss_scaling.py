@@ -165,6 +165,73 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+def sign_mode(rank: int, world: int) -> dict[str, object]:
+    """Sign-Muon's mode: each rank's gradients are its own, so only rank 1 sees the Inf."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from dmuon.optim import DMuon, param_groups
+
+    m = model()
+    opt = DMuon(param_groups(m), rule="sign_muon", mode="sign", **options())
+    plain = torch.amp.GradScaler("cpu", **SCALER)
+    plain.scale(loss_of(m, 0, rank)).backward()
+    try:
+        opt.unscale_(plain)
+        refused = "unscaled"
+    except TypeError as err:
+        refused = str(err)
+    opt.zero_grad()
+    scaler = ShardedGradScaler(device="cpu", **SCALER)
+    scales = []
+    for t in range(STEPS):
+        scaler.scale(loss_of(m, t, rank)).backward()
+        opt.unscale_(scaler)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(float(scaler.get_scale()))
+    params = {n: p.detach().clone() for n, p in m.named_parameters()}
+    return {"refused": refused, "scales": scales, "skipped": opt.skipped_steps, "params": params}
+
+
+def test_sign_mode_skips_and_scales_alike_on_every_rank():
+    """Before, a plain ``GradScaler`` skipped the Inf step on rank 1 alone: the ranks then
+    stepped on different iterations' gradients and their scales drifted (256 vs 128)
+    until a collective timed out."""
+    (a, b) = run_on_ranks(sign_mode, WORLD, timeout=120)
+    for out in (a, b):
+        assert "sign mode needs a ShardedGradScaler" in out["refused"], out["refused"]
+        assert out["skipped"] == 1, out["skipped"]
+        assert out["scales"][INF_STEP] < out["scales"][INF_STEP - 1], out["scales"]
+    assert a["scales"] == b["scales"]
+    for name, p in a["params"].items():
+        assert torch.equal(p, b["params"][name]), f"the ranks' {name} differ"
+
+
+def skip_agreement(rank: int, world: int) -> list[list[int]]:
+    from dmuon.integrations import ddp
+    from dmuon.optim import DMuon, param_groups
+    from dmuon.optim.engine import agree_step
+
+    m = model()
+    opt = DMuon(param_groups(m), distributed=ddp.dedicate(m), **options())
+    out = []
+    for skipper in (1, None):
+        F.mse_loss(m(batch(0, rank)[0]), batch(0, rank)[1]).backward()
+        _, _, skipping = agree_step(opt.engine, 1, check_finite=False, skip=rank == skipper)
+        out.append(skipping)
+        opt.engine.skip_step()
+        opt.zero_grad()
+    return out
+
+
+def test_one_ranks_skip_is_every_ranks():
+    """The step's agreement carries each rank's scaler skip (a ShardedGradScaler over a
+    narrower group than the optimizer's would otherwise let the ranks part ways)."""
+    for out in run_on_ranks(skip_agreement, WORLD, timeout=120):
+        assert out == [[1], []], out
+
+
 def _fsdp2(m: nn.Module, world: int):
     """``m`` with its matrices dedicated (``fsdp.dedicate``) and the rest FSDP2-sharded."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -21,6 +21,7 @@ from tensor_parallel_cases import (
     OPT,
     SP_CLIP,
     SP_OPT,
+    SP_VALUE,
     SPLIT_TOLERANCE,
     STEPS,
     DeepMLP,
@@ -649,7 +650,7 @@ def test_clip_grad_norm_in_single_mode_counts_each_shard_once():
 # ------------------------------------------- SequenceParallel norms: pending sums
 
 
-def run_sequence_parallel(rank, world):
+def run_sequence_parallel(rank, world, by="norm"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import (
@@ -659,7 +660,7 @@ def run_sequence_parallel(rank, world):
         parallelize_module,
     )
 
-    from dmuon.optim import clip_grad_norm_
+    from dmuon.optim import clip_grad_norm_, clip_grad_value_
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     model = SequenceParallelNet()
@@ -678,29 +679,40 @@ def run_sequence_parallel(rank, world):
             2 * 6 * 8
         ).backward()
         partial = [n for n, p in model.named_parameters() if "Partial" in repr(p.grad.placements)]
-        norms.append(float(clip_grad_norm_(opt, SP_CLIP)))
+        if by == "norm":
+            norms.append(float(clip_grad_norm_(opt, SP_CLIP)))
+        else:
+            clip_grad_value_(opt, SP_VALUE)
         opt.step()
         opt.zero_grad()
     return partial, norms, {n: p.detach().full_tensor() for n, p in model.named_parameters()}
 
 
-def test_sequence_parallel_norms_pending_sums_clip_and_step_like_one_process():
+@pytest.mark.parametrize("by", ["norm", "value"])
+def test_sequence_parallel_norms_pending_sums_clip_and_step_like_one_process(by):
     """``clip_grad_norm_`` carries out the pending sums of a ``SequenceParallel`` norm's
     gradient before taking its norm (each rank's local part is only its share of the
-    sequence: counting it as a shard gave 0.9039 for 0.9079, and steps off by 1e-4)."""
+    sequence: counting it as a shard gave 0.9039 for 0.9079, and steps off by 1e-4);
+    ``clip_grad_value_`` before clamping (in-place ``clamp_`` on the Partial gradient
+    raised, after the plain gradients had been clamped)."""
     from dmuon.optim import clip_grad_norm_
 
     model = SequenceParallelNet()
     opt = DMuon(param_groups(model), **SP_OPT)
-    want_norms = []
+    want_norms, clamped = [], 0
     for t in range(STEPS):
         x, y = sequence_batch(t)
         F.mse_loss(model(x), y, reduction="sum").div(y.numel()).backward()
-        want_norms.append(float(clip_grad_norm_(opt, SP_CLIP)))
+        if by == "norm":
+            want_norms.append(float(clip_grad_norm_(opt, SP_CLIP)))
+        else:
+            clamped += sum(int((p.grad.abs() > SP_VALUE).sum()) for p in model.parameters())
+            torch.nn.utils.clip_grad_value_(model.parameters(), SP_VALUE)
         opt.step()
         opt.zero_grad()
+    assert by == "norm" or clamped > 0, "clip_grad_value_ clamped nothing"
     for rank, (partial, norms, got) in enumerate(
-        run_on_ranks(run_sequence_parallel, 2, timeout=120)
+        run_on_ranks(run_sequence_parallel, 2, args=(by,), timeout=120)
     ):
         assert partial == ["norm.weight", "norm.bias"], (rank, partial)  # the case under test
         for a, b in zip(norms, want_norms, strict=True):

@@ -43,6 +43,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -93,9 +94,10 @@ class DMuonStrategy(DDPStrategy):
 
     Gradient clipping (``Trainer(gradient_clip_val=...)``, by norm or by value) of a
     DMuon is :func:`dmuon.optim.clip_grad_norm_` / :func:`dmuon.optim.clip_grad_value_`
-    in either mode: the precision plugin Lightning picks (from ``precision=`` or
-    ``plugins=``) is kept, and its two clipping methods hand a DMuon to DMuon's
-    functions (other optimizers are clipped by the plugin as before).
+    in either mode, in 32-bit and ``"bf16-mixed"`` precision: the precision plugin
+    Lightning picks (from ``precision=`` or ``plugins=``) is kept, and its clipping
+    methods hand a DMuon to DMuon's functions (other optimizers are clipped by the
+    plugin as before). ``"16-mixed"`` (an fp16 loss scaler) is refused in owner mode.
 
     Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``) hold every owner's
     optimizer state, gathered to rank 0 when saving; ``trainer.fit(..., ckpt_path=)``
@@ -325,6 +327,38 @@ class DMuonClipping:
         1.0
     """
 
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Clip a DMuon's gradients by norm or by value (DMuon's functions).
+
+        Lightning's ``MixedPrecision`` refuses to clip for an optimizer that unscales
+        gradients itself (``_step_supports_amp_scaling``, which DMuon's owner mode
+        sets so that a loss scaler calls its step on every rank): with bf16 (no
+        scaler) there is nothing to unscale, so a DMuon is clipped here directly.
+        With an fp16 scaler in owner mode the gradients are still scaled here (Lightning
+        leaves their unscaling to the step, which refuses it): refused.
+        """
+        opt = _unwrap(optimizer)
+        if not isinstance(opt, DMuon):
+            super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)  # type: ignore[misc]
+            return
+        if clip_val <= 0:
+            return
+        if getattr(self, "scaler", None) is not None and opt.mode == "owner":
+            raise RuntimeError(
+                "gradient clipping with Lightning's fp16 loss scaler (precision='16-mixed') in "
+                "DMuon's owner mode: the gradients are still scaled when Lightning clips, and "
+                "the step refuses the scaled gradients; use precision='bf16-mixed' (no scaler)"
+            )
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            self.clip_grad_by_value(optimizer, clip_val)
+        else:
+            self.clip_grad_by_norm(optimizer, clip_val)
+
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         opt = _unwrap(optimizer)
         if isinstance(opt, DMuon):
@@ -341,9 +375,12 @@ class DMuonClipping:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The class is made per plugin class (below): pickle the plugin as its own class
-        # and put the clipping back in front when it is loaded (spawned processes).
+        # and put the clipping back in front when it is loaded (spawned processes); its
+        # state goes through the plugin class's own __getstate__/__setstate__.
         base = type(self).__bases__[1]
-        return (_rebuild_with_clipping, (base, self.__dict__))
+        getstate = getattr(super(), "__getstate__", None)  # object has one from Python 3.11
+        state = getstate() if getstate is not None else self.__dict__
+        return (_new_with_clipping, (base,), state)
 
 
 _CLIPPING_CLASSES: dict[type[Precision], type[Precision]] = {}
@@ -382,9 +419,10 @@ def with_dmuon_clipping(plugin: Precision) -> Precision:
     return plugin
 
 
-def _rebuild_with_clipping(base: type[Precision], state: dict[str, Any]) -> Precision:
+def _new_with_clipping(base: type[Precision]) -> Precision:
+    """An empty ``base`` plugin with :class:`DMuonClipping` in front (pickle then sets
+    its state)."""
     plugin: Precision = object.__new__(base)
-    plugin.__dict__.update(state)
     return with_dmuon_clipping(plugin)
 
 

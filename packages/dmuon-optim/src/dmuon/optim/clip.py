@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from dmuon.comm import wait_work
 from dmuon.comm.process_groups import group_size
+from dmuon.optim.engine.base import summed
 from dmuon.optim.engine.params import is_dtensor
 
 if TYPE_CHECKING:
@@ -137,8 +138,10 @@ def clip_grad_value_(optimizer: DMuon, clip_value: float) -> None:
     rank's local gradient is one term of the average, and clamping the terms is not
     clamping their mean), then clamps the gradients the step reads: the owners'
     reduced matrices and the scalars. Elementwise, so DTensor shards (FSDP2 rows,
-    tensor-parallel shards) are clamped where they live, with no communication.
-    Call it between ``backward()`` and ``step()`` on every rank.
+    tensor-parallel shards) are clamped where they live; a gradient with a pending sum
+    (``Partial``: a ``SequenceParallel`` norm's, each rank holding its share of the
+    sequence) is summed first (one all-reduce over its mesh, by DTensor) and replaced
+    by the sum. Call it between ``backward()`` and ``step()`` on every rank.
 
     Args:
         optimizer: a :class:`~dmuon.optim.DMuon`.
@@ -169,6 +172,15 @@ def clip_grad_value_(optimizer: DMuon, clip_value: float) -> None:
             "averaged (each rank's momentum takes its own gradient before the vote)"
         )
     engine.prepare_grads()
+    # A pending sum (a SequenceParallel norm's Partial gradient: each rank's local part
+    # is its share of the sequence) is carried out first, for every such gradient before
+    # any is clamped: clamping the terms is not clamping their sum.
+    for e in engine.params:
+        g = e.param.grad
+        if g is not None and is_dtensor(g):
+            settled = summed(g)
+            if settled is not g:
+                e.param.grad = settled
     grads = engine.local_grads()
     plain = [g for g in grads if not is_dtensor(g)]
     if plain:

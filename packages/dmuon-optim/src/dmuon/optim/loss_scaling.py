@@ -12,15 +12,18 @@ gradients are averaged at different scales. Under DDP this holds because the
 gradients are all-reduced during backward. In owner mode it does not: each matrix's
 gradient leaves for its owner during backward, so ``scaler.unscale_(opt)`` right
 after backward would divide this rank's local copies, which the step no longer
-reads, and look for an Inf in them only. :func:`unscale_` first finishes the
-reductions (:meth:`~dmuon.optim.engine.Engine.prepare_grads`), then lets the scaler
+reads, and look for an Inf in them only. In ``sign`` mode each rank's gradients are
+its own (never averaged), so a plain scaler finds an Inf on one rank alone.
+:func:`unscale_` first finishes the reductions
+(:meth:`~dmuon.optim.engine.Engine.prepare_grads`), then lets the scaler
 unscale the gradients this rank holds — its owned matrices, the scalar parameters —
 with :class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`, whose
 ``unscale_`` sums the Inf flags over its process group: every rank then skips, and
-scales, alike. ``DMuon.step`` (which a scaler calls on every rank in owner mode,
-``_step_supports_amp_scaling``) skips the step on every rank when the scaler found
-an Inf, finishing its communication, and refuses a step whose gradients were not
-unscaled this way (:func:`scaler_skips`).
+scales, alike. ``DMuon.step`` (which a scaler calls on every rank in these two modes,
+``_step_supports_amp_scaling``) skips the step on every rank when a scaler found an
+Inf — the skip travels in the step's agreement, so one rank's is every rank's —
+finishing its communication, and refuses a step whose gradients were not unscaled
+this way (:func:`scaler_skips`).
 
 Source: ``torch.amp.GradScaler`` and FSDP's ``ShardedGradScaler`` (Micikevicius et
 al., *Mixed Precision Training*, ICLR 2018, for dynamic loss scaling).
@@ -35,13 +38,20 @@ import torch
 from dmuon.optim.engine.base import Engine
 from dmuon.optim.engine.params import is_dtensor
 
-__all__ = ["scaler_skips", "unscale_"]
+__all__ = ["AGREED_MODES", "scaler_skips", "unscale_"]
+
+AGREED_MODES = ("owner", "sign")
+"""The modes whose ranks hold different gradients at the step (owner mode: each its own
+matrices' averages; sign: each its own local gradients), so that a loss scaler's Inf
+flags must be summed over the ranks (``ShardedGradScaler``) and its steps go through
+:func:`unscale_`."""
 
 # What the refusals of an owner-mode step say to do instead.
 _RECIPE = (
-    "In owner mode use ShardedGradScaler (torch.distributed.fsdp.sharded_grad_scaler) and "
-    "unscale through the optimizer: scaler.scale(loss).backward(); opt.unscale_(scaler); "
-    "[clip]; scaler.step(opt); scaler.update()"
+    "Use ShardedGradScaler (torch.distributed.fsdp.sharded_grad_scaler) and unscale "
+    "through the optimizer: scaler.scale(loss).backward(); opt.unscale_(scaler); [clip]; "
+    "scaler.step(opt); scaler.update() (after this refusal, scaler.update() or a new "
+    "scaler before the next iteration)"
 )
 
 
@@ -54,13 +64,15 @@ def unscale_(
 
     Finishes the gradient reductions first (owner mode: each matrix's averaged
     gradient is then on its owner, the other ranks' ``p.grad`` is ``None``), then
-    calls the scaler's ``unscale_``. In owner mode ``scaler`` must be a
+    calls the scaler's ``unscale_``. In owner and ``sign`` mode (:data:`AGREED_MODES`)
+    ``scaler`` must be a
     :class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` over
     every rank of the training (its default, the world): its ``unscale_`` sums the
     Inf flags of the ranks, so they all skip a step, and back off, together; a plain
-    ``torch.amp.GradScaler`` would see this rank's gradients only. Other modes take
-    either scaler (their gradients are final and the same wherever several ranks
-    hold them, as under DDP).
+    ``torch.amp.GradScaler`` would see this rank's gradients only. ``replicated`` and
+    ``single`` mode under DDP take either scaler (their gradients are all-reduced,
+    the same on every rank); ``sharded`` mode's DTensor gradients have their Inf flags
+    reduced by DTensor itself.
 
     Owner mode with DTensor parameters (FSDP2's scalars next to the owners' plain
     matrices, tensor-parallel shards) is not served: torch's scalers unscale all the
@@ -68,29 +80,34 @@ def unscale_(
     with plain tensors, or DTensors of different meshes.
 
     Raises:
-        TypeError: ``scaler`` is no ``torch.amp.GradScaler``, or (owner mode) not a
-            ``ShardedGradScaler``; nothing was changed.
+        TypeError: ``scaler`` is no ``torch.amp.GradScaler``, or (owner, ``sign`` mode)
+            not a ``ShardedGradScaler``; nothing was changed.
         NotImplementedError: owner mode with DTensor parameters; nothing was changed.
     """
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # FSDP's, lazily
 
     if not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-    if engine.mode == "owner" and not isinstance(scaler, ShardedGradScaler):
-        raise TypeError(
-            f"owner mode needs a ShardedGradScaler, got {type(scaler).__name__}: each rank "
-            "holds the averaged gradients of the matrices it owns only, so a GradScaler "
-            "would find an Inf on that rank alone, and the ranks would skip steps and "
-            "scale their losses differently. ShardedGradScaler sums the Inf flags over "
-            "its process group (default: the world). Nothing was changed"
+    if engine.mode in AGREED_MODES and not isinstance(scaler, ShardedGradScaler):
+        held = (
+            "the averaged gradients of the matrices it owns"
+            if engine.mode == "owner"
+            else "its own local gradients"
         )
-    if engine.mode == "owner":
+        raise TypeError(
+            f"{engine.mode} mode needs a ShardedGradScaler, got {type(scaler).__name__}: "
+            f"each rank holds {held} only, so a GradScaler would find an Inf on that rank "
+            "alone, and the ranks would skip steps and scale their losses differently. "
+            "ShardedGradScaler sums the Inf flags over its process group (default: the "
+            "world). Nothing was changed"
+        )
+    if engine.mode in AGREED_MODES:
         sharded = next((e.name for e in engine.params if is_dtensor(e.param)), None)
         if sharded is not None:
             raise NotImplementedError(
-                f"fp16 loss scaling in owner mode with DTensor parameters ({sharded!r}; FSDP2 "
-                "or tensor parallelism): torch's scalers unscale a device's gradients in one "
-                "foreach call, which cannot mix DTensors with the owners' plain gradients. "
+                f"fp16 loss scaling in {engine.mode} mode with DTensor parameters ({sharded!r}; "
+                "FSDP2 or tensor parallelism): torch's scalers unscale a device's gradients in "
+                "one foreach call, which cannot mix DTensors with the owners' plain gradients. "
                 "Train in bf16 (no scaler), or dedicate with dmuon.integrations.ddp. Nothing "
                 "was changed"
             )
@@ -99,10 +116,11 @@ def unscale_(
 
 
 def scaler_skips(optimizer: Any, *, unscaled: bool, mode: str) -> bool:
-    """Whether to skip this step for the loss scaler (owner mode); refuse what cannot be.
+    """Whether this rank's loss scaler asks to skip this step (:data:`AGREED_MODES`);
+    refuse what cannot be served.
 
     Called by ``DMuon.step`` when a ``GradScaler.step`` has set ``optimizer.found_inf``
-    and ``optimizer.grad_scale`` (it does so on every rank in owner mode).
+    and ``optimizer.grad_scale`` (it does so on every rank in :data:`AGREED_MODES`).
     ``unscaled``: the gradients were unscaled this step by :func:`unscale_` (through
     ``DMuon.unscale_``). A refusal is the same on every rank (what the loop called is
     the same everywhere) and removes the two attributes (the scaler, interrupted, does
@@ -117,20 +135,20 @@ def scaler_skips(optimizer: Any, *, unscaled: bool, mode: str) -> bool:
     """
     grad_scale = getattr(optimizer, "grad_scale", None)
     if grad_scale is None and unscaled:
-        return bool(optimizer.found_inf)  # summed over the ranks by ShardedGradScaler
+        return bool(optimizer.found_inf)  # the step's agreement makes any rank's skip all
     for attribute in ("found_inf", "grad_scale"):
         optimizer.__dict__.pop(attribute, None)
     if grad_scale is not None:
         why = (
             "scaler.step(opt) was called on still-scaled gradients (no unscale before it), "
-            "and the scaler's own search for an Inf would look at this rank's local "
-            "gradients, which have already left for their owners"
+            "and the scaler's own search for an Inf would look at this rank's gradients "
+            "alone"
         )
     else:
         why = (
-            "scaler.unscale_(opt) unscaled this rank's local gradients before their "
-            "reductions to the owners had finished: the owners' averaged gradients are "
-            "still scaled"
+            "scaler.unscale_(opt) was called directly: it unscales this rank's local "
+            "gradients (in owner mode before their reductions to the owners finished, the "
+            "owners' averaged gradients staying scaled) and finds an Inf on this rank alone"
         )
     raise RuntimeError(
         f"DMuon's {mode!r} mode cannot take this loss-scaled step: {why}. {_RECIPE}. "

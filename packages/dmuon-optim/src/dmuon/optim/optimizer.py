@@ -22,7 +22,7 @@ from dmuon.optim.engine.modes import check_layouts, make_engine
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.group_options import GroupDefaults, check_distinct_params
 from dmuon.optim.group_record import GroupRecord
-from dmuon.optim.loss_scaling import scaler_skips, unscale_
+from dmuon.optim.loss_scaling import AGREED_MODES, scaler_skips, unscale_
 from dmuon.optim.optimizer_state import (
     build_state,
     check_loaded_state,
@@ -262,9 +262,10 @@ class DMuon(torch.optim.Optimizer):
     @property
     def _step_supports_amp_scaling(self) -> bool:
         # torch.amp.GradScaler.step then always calls step() (with grad_scale and found_inf
-        # set) instead of skipping it on this rank alone: in owner mode a skipped step must
-        # still finish its communication, on every rank (see dmuon.optim.loss_scaling)
-        return self.mode == "owner"
+        # set) instead of skipping it on this rank alone: a skip must be every rank's, and
+        # in owner mode a skipped step still finishes its communication
+        # (see dmuon.optim.loss_scaling)
+        return self.mode in AGREED_MODES
 
     @property
     def engine(self) -> Engine:
@@ -338,16 +339,23 @@ class DMuon(torch.optim.Optimizer):
                 loss = closure()
         for index, group in enumerate(self.param_groups):
             self._records[index].check(group)  # what the caller changed since the last step
-        report, stepped = run_step(
-            self,
-            self._engine,
-            number,
-            skip=scaler_skip,
-            timeout=self._next_deadline(),
-            nonfinite=self.nonfinite,
-            check_every=self.check_every,
-            stepped=self._count_step,
-        )
+        try:
+            report, stepped = run_step(
+                self,
+                self._engine,
+                number,
+                skip=scaler_skip,
+                timeout=self._next_deadline(),
+                nonfinite=self.nonfinite,
+                check_every=self.check_every,
+                stepped=self._count_step,
+            )
+        except BaseException:
+            # a scaler deletes its attributes only when step() returns: a later plain
+            # step must not find them
+            for attribute in ("found_inf", "grad_scale"):
+                self.__dict__.pop(attribute, None)
+            raise
         if not stepped:
             self.skipped_steps += 1
         self.last_step = report
@@ -360,9 +368,9 @@ class DMuon(torch.optim.Optimizer):
 
         Call it where a training loop calls ``scaler.unscale_(opt)``: after backward,
         before clipping and ``scaler.step(opt)``. In owner mode it finishes the
-        gradient reductions first, and ``scaler`` must be a ``ShardedGradScaler``
-        (every rank then skips, and scales, alike); ``scaler.step(opt)`` refuses a
-        step without it. See :mod:`dmuon.optim.loss_scaling`::
+        gradient reductions first; in owner and ``sign`` mode ``scaler`` must be a
+        ``ShardedGradScaler`` (every rank then skips, and scales, alike) and
+        ``scaler.step(opt)`` refuses a step without it. See :mod:`dmuon.optim.loss_scaling`::
 
             scaler = ShardedGradScaler()
             scaler.scale(loss).backward()
@@ -372,8 +380,8 @@ class DMuon(torch.optim.Optimizer):
             scaler.update()
 
         Raises:
-            TypeError: not a ``torch.amp.GradScaler``, or in owner mode not a
-                ``ShardedGradScaler``.
+            TypeError: not a ``torch.amp.GradScaler``, or in owner or ``sign`` mode
+                not a ``ShardedGradScaler``.
         """
         unscale_(self._engine, self, scaler)
         self._unscaled_step = self.steps_taken + self.skipped_steps + 1

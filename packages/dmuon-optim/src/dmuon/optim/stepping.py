@@ -76,7 +76,7 @@ def run_step(
         with collective_timeout(timeout):
             with report.phase("comm_wait"):  # the guards' flags are communication too
                 engine.begin_step()
-                finite = _agree(engine, None if skip else nonfinite, number) and not skip
+                finite = _agree(engine, nonfinite, number, skip)
             if not finite:
                 engine.skip_step()
             else:
@@ -95,14 +95,20 @@ def run_step(
     return report, ran
 
 
-def _agree(engine: Engine, nonfinite: str | None, number: int) -> bool:
-    """Agree with every rank on the step number and whether all gradients are finite
-    (:func:`~dmuon.optim.engine.agree_step`); raise, or say whether to step."""
+def _agree(engine: Engine, nonfinite: str | None, number: int, skip: bool = False) -> bool:
+    """Agree with every rank on the step number, on a loss scaler's skip (``skip``: this
+    rank's scaler found an Inf; any rank's skips every rank) and whether all gradients
+    are finite (:func:`~dmuon.optim.engine.agree_step`); raise, or say whether to step."""
     try:
-        ranks, names = agree_step(engine, number, check_finite=nonfinite is not None)
+        # a scaler's Inf is expected, not an error: no rank checks when any rank skips
+        # (each rank's skip comes from the same agreed Inf flag of its ShardedGradScaler)
+        check = nonfinite is not None and not skip
+        ranks, names, skipping = agree_step(engine, number, check_finite=check, skip=skip)
     except (StepMismatchError, GradientChangedError):
         engine.skip_step()  # nothing in flight: the optimizer stays usable
         raise
+    if skipping:  # some rank's loss scaler found an Inf: every rank skips
+        return False
     if not ranks:
         return True
     if nonfinite == "skip_step":

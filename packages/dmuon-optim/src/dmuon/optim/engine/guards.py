@@ -166,20 +166,24 @@ def nonfinite_ranks(engine: Engine) -> tuple[list[int], list[str]]:
         >>> nonfinite_ranks(opt.engine)
         ([0], ['group0.param0'])
     """
-    return agree_step(engine, None, check_finite=True)
+    ranks, names, _ = agree_step(engine, None, check_finite=True)
+    return ranks, names
 
 
 def agree_step(
-    engine: Engine, number: int | None, *, check_finite: bool
-) -> tuple[list[int], list[str]]:
+    engine: Engine, number: int | None, *, check_finite: bool, skip: bool = False
+) -> tuple[list[int], list[str], list[int]]:
     """Agree with every rank on the step number and (``check_finite``) finiteness.
 
-    One all-reduce of one ``int64`` slot per rank: ``4·number + (2 if this rank changed
-    a gradient after the engine took it) + (1 if it holds a non-finite gradient)``,
-    summed over :meth:`Engine.guard_groups`.
+    One all-reduce of one ``int64`` slot per rank: ``8·number + (4 if this rank asks to
+    skip the step) + (2 if it changed a gradient after the engine took it) + (1 if it
+    holds a non-finite gradient)``, summed over :meth:`Engine.guard_groups`. ``skip``:
+    a loss scaler found an Inf (:mod:`dmuon.optim.loss_scaling`); any rank's skip is
+    every rank's.
 
     Returns:
-        The ranks holding a non-finite gradient, and this rank's bad parameters.
+        The ranks holding a non-finite gradient, this rank's bad parameters, and the
+        ranks that asked to skip.
 
     Raises:
         StepMismatchError: the ranks are at different step numbers (on every rank).
@@ -192,15 +196,15 @@ def agree_step(
     if not groups:
         if changed:
             raise _changed_error([engine.rank], changed, engine)
-        return ([engine.rank] if bad else []), bad
+        return ([engine.rank] if bad else []), bad, ([engine.rank] if skip else [])
     rank, world = _global_rank()
     flags = torch.zeros(world, dtype=torch.int64)
-    flags[rank] = 4 * (number or 0) + 2 * int(bool(changed)) + int(bool(bad))
-    what = "all-reduce of step numbers, changed-gradient and non-finite flags"
+    flags[rank] = 8 * (number or 0) + 4 * int(skip) + 2 * int(bool(changed)) + int(bool(bad))
+    what = "all-reduce of step numbers, skip, changed-gradient and non-finite flags"
     for g in groups:
         wait_work(dist.all_reduce(flags, group=g, async_op=True), what, g)
     slots = flags.tolist()
-    steps = {r: v // 4 for r, v in enumerate(slots) if v}  # every rank of the groups
+    steps = {r: v // 8 for r, v in enumerate(slots) if v}  # every rank of the groups
     if number is not None and len(set(steps.values())) > 1:
         at = ", ".join(f"rank {r} at step {n}" for r, n in steps.items())
         raise StepMismatchError(
@@ -214,7 +218,8 @@ def agree_step(
     changed_ranks = [r for r, v in enumerate(slots) if v & 2]
     if changed_ranks:
         raise _changed_error(changed_ranks, changed, engine)
-    return [r for r, v in enumerate(slots) if v % 2], bad
+    skipping = [r for r, v in enumerate(slots) if v & 4]
+    return [r for r, v in enumerate(slots) if v % 2], bad, skipping
 
 
 def _changed_error(ranks: list[int], names: list[str], engine: Engine) -> GradientChangedError:

@@ -277,12 +277,14 @@ class Reduction:
                     g = local_tensor(g)
                 slots.append(view)
                 grads.append(g.reshape(view.shape))
-                if self.free_local_grads:
-                    self.params[name].grad = None
         if missing:
             torch._foreach_zero_(missing)
         if slots:
             torch._foreach_copy_(slots, grads)
+        if self.free_local_grads:  # once copied: a failed copy leaves the gradients
+            for b in layer.reduce_buckets + layer.allreduce_buckets:
+                for name in b.names:
+                    self.params[name].grad = None
         if layer.reduce_buckets:
             layer.reduce_handle = reduce_to_owners(
                 layer.reduce_buckets,
