@@ -170,12 +170,17 @@ def setup(mode: str, name: str, world: int, opt_kw: dict[str, Any] | None = None
 
 
 def run_modes(
-    rank: int, world: int, name: str, modes: list[str], steps: int = STEPS
+    rank: int,
+    world: int,
+    name: str,
+    modes: list[str],
+    steps: int = STEPS,
+    opt_kw: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Train ``name`` in each mode from the same start; the final parameters per mode."""
     results = {}
     for mode in modes:
-        model, forward, opt, ded = setup(mode, name, world)
+        model, forward, opt, ded = setup(mode, name, world, opt_kw)
         for t in range(steps):
             loss_of(name, forward, *batch(name, t, rank, world)).backward()
             opt.step()

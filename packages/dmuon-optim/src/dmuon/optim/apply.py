@@ -1,4 +1,18 @@
-"""The last step of every matrix rule: decoupled weight decay, then the scaled update."""
+"""The last step of every matrix rule: decoupled weight decay, then the scaled update.
+
+Plain decoupled decay (Loshchilov & Hutter, arXiv 1711.05101) shrinks every entry:
+
+    W ← W·(1 − lr·wd) − lr·s·U
+
+Cautious weight decay (Chen et al., *Cautious Weight Decay*, arXiv 2510.12402) decays
+only the entries where the update and the weight agree in sign — where decay and
+update both pull the entry towards zero — and leaves the others to the update:
+
+    W ← W − lr·wd·𝟙[U⊙W ≥ 0]⊙W − lr·s·U
+
+(``s > 0``, so the sign of ``s·U`` is the sign of ``U``; the mask reads ``W`` before
+the step.)
+"""
 
 from __future__ import annotations
 
@@ -6,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["apply_update"]
+__all__ = ["apply_update", "decay_mask"]
 
 
 @torch.no_grad()
@@ -17,8 +31,12 @@ def apply_update(
     lr: float,
     weight_decay: float,
     scale: float,
+    cautious: bool = False,
 ) -> None:
     """``W ← W·(1 − lr·wd) − lr·scale·U`` for every pair, in two ``torch._foreach_*`` calls.
+
+    With ``cautious``, the decay applies only where ``U⊙W ≥ 0`` (see the module
+    docstring): ``W ← W − lr·wd·𝟙[U⊙W ≥ 0]⊙W − lr·scale·U``.
 
     The weight decay uses the *base* learning rate ``lr`` — not ``lr·scale`` — as in
     Moonlight and ``torch.optim.Muon`` (decoupled weight decay, Loshchilov & Hutter,
@@ -29,7 +47,8 @@ def apply_update(
         updates: the rule's output, each of the shape of its weight.
         lr: the group's learning rate.
         weight_decay: the group's weight decay.
-        scale: the rule's scale (``adjust_lr`` factor and the like).
+        scale: the rule's scale (``adjust_lr`` factor and the like), > 0.
+        cautious: cautious weight decay (the group's ``cautious_weight_decay``).
 
     Examples:
         >>> import torch
@@ -37,9 +56,32 @@ def apply_update(
         >>> apply_update(W, [torch.ones(2, 2)], lr=0.1, weight_decay=0.5, scale=2.0)
         >>> W[0].flatten()[0].item()  # 1·(1 − 0.05) − 0.1·2·1
         0.75
+        >>> W = [torch.tensor([1.0, 1.0])]  # the update agrees with the first entry only
+        >>> apply_update(W, [torch.tensor([1.0, -1.0])], lr=0.1, weight_decay=0.5, scale=2.0,
+        ...              cautious=True)
+        >>> [round(w, 4) for w in W[0].tolist()]  # 1 − 0.05 − 0.2, 1 + 0.2
+        [0.75, 1.2]
     """
     if not params:
         return
+    params, updates = list(params), list(updates)
     if weight_decay != 0.0 and lr != 0.0:
-        torch._foreach_mul_(list(params), 1.0 - lr * weight_decay)
-    torch._foreach_add_(list(params), list(updates), alpha=-lr * scale)
+        if cautious:
+            decayed = decay_mask(params, updates)
+            torch._foreach_mul_(decayed, params)  # 𝟙[U⊙W ≥ 0]⊙W
+            torch._foreach_add_(params, decayed, alpha=-lr * weight_decay)
+        else:
+            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    torch._foreach_add_(params, updates, alpha=-lr * scale)
+
+
+def decay_mask(params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``𝟙[U⊙W ≥ 0]`` per pair, in the weights' dtype: where cautious weight decay applies.
+
+    Examples:
+        >>> import torch
+        >>> decay_mask([torch.tensor([2.0, -1.0, 0.0])], [torch.tensor([3.0, 1.0, -5.0])])
+        [tensor([1., 0., 1.])]
+    """
+    products = torch._foreach_mul(updates, params)
+    return [(u >= 0).to(w.dtype) for u, w in zip(products, params, strict=True)]

@@ -262,6 +262,12 @@ MATRIX_KEYS: dict[str, Option] = {
     "momentum": Option(None, real(0.0, 1.0, hi_open=True), "momentum μ in [0, 1)"),
     "nesterov": Option(None, boolean, "Nesterov look-ahead G + μM instead of M"),
     "weight_decay": Option(None, real(0.0), "decoupled weight decay: W ← W(1 − lr·wd)"),
+    "cautious_weight_decay": Option(
+        None,
+        boolean,
+        "decay only the entries whose update agrees in sign with the weight: "
+        "W ← W − lr·wd·𝟙[U⊙W ≥ 0]⊙W (arXiv 2510.12402)",
+    ),
     "adjust_lr": Option(None, choice(ADJUST_LR), "learning-rate convention of the shape"),
     "ns_method": Option(None, choice(METHODS), "Newton–Schulz iteration: gram or standard"),
     "ns_coefficients": Option(None, _coefficients, "coefficient set name or (a, b, c) triples"),

@@ -82,6 +82,10 @@ class DMuon(torch.optim.Optimizer):
         momentum: μ ∈ [0, 1) (sum form, see :class:`~dmuon.optim.transforms.Momentum`).
         nesterov: use ``G + μM`` instead of ``M``.
         weight_decay: decoupled weight decay of the matrix groups (with the base lr).
+        cautious_weight_decay: decay a matrix entry only where the update agrees with
+            the weight in sign, ``W ← W − lr·wd·𝟙[U⊙W ≥ 0]⊙W − lr·s·U`` (Cautious Weight
+            Decay, Chen et al., arXiv 2510.12402; see :func:`~dmuon.optim.apply_update`).
+            Matrix groups only; AdamW/Lion keep plain decoupled decay.
         adjust_lr: ``"original"``, ``"match_rms_adamw"``, ``"spectral"`` or ``None``.
         ns_method: ``"gram"`` or ``"standard"`` Newton–Schulz.
         ns_coefficients: a coefficient-set name of :mod:`dmuon.kernels` or triples.
@@ -164,6 +168,7 @@ class DMuon(torch.optim.Optimizer):
         momentum: float = 0.95,
         nesterov: bool = True,
         weight_decay: float = 0.0,
+        cautious_weight_decay: bool = False,
         adjust_lr: str | None = "match_rms_adamw",
         ns_method: str = "gram",
         ns_coefficients: Any = "polar_express",
@@ -198,6 +203,7 @@ class DMuon(torch.optim.Optimizer):
             "momentum": momentum,
             "nesterov": nesterov,
             "weight_decay": weight_decay,
+            "cautious_weight_decay": cautious_weight_decay,
             "adjust_lr": adjust_lr,
             "ns_method": ns_method,
             "ns_coefficients": ns_coefficients,

@@ -53,6 +53,7 @@ from dmuon.comm import (
     wait_work,
 )
 from dmuon.comm.torch_compat import all_gather_single
+from dmuon.optim.apply import apply_update
 from dmuon.optim.batches import Entry
 from dmuon.optim.engine.base import Stepper, local_norm_tensors, world_of
 from dmuon.optim.engine.params import EngineParam, is_dtensor, subplan
@@ -218,9 +219,16 @@ class ShardedEngine(PlannedEngine):
                     group = stepper.param_groups[e.group_index]
                     lr, wd = float(group["lr"]), float(group["weight_decay"])
                     w = self._shard(e, e.param.detach())
-                    if wd != 0.0 and lr != 0.0:
-                        w.mul_(1.0 - lr * wd)
-                    w.add_(updates[e.name], alpha=-lr)
+                    # the update arrives scaled (scale · U): apply_update with scale 1,
+                    # on this rank's rows (cautious decay is elementwise)
+                    apply_update(
+                        [w],
+                        [updates[e.name]],
+                        lr=lr,
+                        weight_decay=wd,
+                        scale=1.0,
+                        cautious=bool(group["cautious_weight_decay"]),
+                    )
 
         pipe = Pipeline(self.pipeline_depth, report)
         incoming = {}

@@ -1,0 +1,78 @@
+"""Cautious weight decay against a re-statement of its equation.
+
+Chen et al., *Cautious Weight Decay*, arXiv 2510.12402, eq. for a decoupled optimizer:
+``x ← x − η(u + λ·𝟙[u⊙x ≥ 0]⊙x)``; in DMuon's convention ``u = s·U`` and
+``W ← W − lr·wd·𝟙[U⊙W ≥ 0]⊙W − lr·s·U``. Checked in float64 element by element, and
+on a whole DMuon step against the plain step's update.
+"""
+
+import pytest
+import torch
+
+from dmuon.optim import DMuon, apply_update, param_groups
+
+
+def restated(W, U, lr, wd, scale):
+    """The equation entry by entry, in float64."""
+    out = W.double().clone()
+    for i in range(W.numel()):
+        w, u = float(W.view(-1)[i]), float(U.view(-1)[i])
+        decay = lr * wd * w if u * w >= 0 else 0.0
+        out.view(-1)[i] = w - decay - lr * scale * u
+    return out
+
+
+def test_apply_update_restates_the_equation_with_ties_and_zeros():
+    g = torch.Generator().manual_seed(0)
+    W, U = torch.randn(6, 7, generator=g), torch.randn(6, 7, generator=g)
+    W[0, :3] = 0.0  # u·0 = 0 ≥ 0: decayed (by nothing)
+    U[1, :3] = 0.0  # 0·w = 0 ≥ 0: decayed
+    expected = restated(W, U, 0.1, 0.3, 2.0)
+    got = [W.clone()]
+    apply_update(got, [U], lr=0.1, weight_decay=0.3, scale=2.0, cautious=True)
+    torch.testing.assert_close(got[0].double(), expected, rtol=0, atol=1e-6)
+    plain = [W.clone()]
+    apply_update(plain, [U], lr=0.1, weight_decay=0.3, scale=2.0)
+    agree = (U * W) >= 0
+    assert not torch.equal(plain[0], got[0]) and bool(agree.any()) and not bool(agree.all())
+
+
+def test_a_dmuon_step_decays_where_the_update_agrees_with_the_weight():
+    """Two optimizers on the same weights and gradient: wd = 0 gives the update
+    ``Δ = −lr·s·U``; cautious decay must give ``W − lr·wd·𝟙[U⊙W ≥ 0]⊙W + Δ``."""
+    lr, wd = 0.05, 0.4
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Linear(12, 5)))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    plain = DMuon(param_groups(models[0]), lr=lr, ns_compute_dtype="float32")
+    cautious = DMuon(
+        param_groups(models[1]),
+        lr=lr,
+        weight_decay=wd,
+        cautious_weight_decay=True,
+        ns_compute_dtype="float32",
+    )
+    before = [layer.weight.detach().clone() for layer in models[0]]
+    for m, opt in zip(models, (plain, cautious), strict=True):
+        m(x).square().mean().backward()
+        opt.step()
+    for i, start in enumerate(before):
+        delta = models[0][i].weight.detach() - start  # the plain step: −lr·s·U
+        mask = ((-delta) * start) >= 0  # 𝟙[U⊙W ≥ 0]
+        expected = start - lr * wd * mask * start + delta
+        torch.testing.assert_close(models[1][i].weight.detach(), expected, rtol=0, atol=1e-6)
+        assert 0 < int(mask.sum()) < mask.numel(), "the mask is all or nothing: no test"
+
+
+def test_the_option_is_checked_and_is_a_group_key():
+    w = torch.nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="cautious_weight_decay"):
+        DMuon([w], cautious_weight_decay="yes")
+    opt = DMuon([{"params": [w], "cautious_weight_decay": True}])
+    assert opt.param_groups[0]["cautious_weight_decay"] is True
+    assert (
+        DMuon([torch.nn.Parameter(torch.zeros(3, 3))]).param_groups[0]["cautious_weight_decay"]
+        is False
+    )
