@@ -165,6 +165,51 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+def train_stock(rank: int, world: int, mode: str) -> dict[str, object]:
+    """``replicated`` under stock DDP with torch's ``GradScaler`` and ``sharded`` under
+    stock FSDP2 with ``ShardedGradScaler``: torch's own recipe, ``scaler.unscale_(opt)``."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dmuon.optim import DMuon, param_groups
+
+    m = model()
+    if mode == "replicated":  # the DDP all-reduce gives every rank the Inf
+        forward: nn.Module = DistributedDataParallel(m)
+        scaler = torch.amp.GradScaler("cpu", **SCALER)
+    else:  # DTensor shards: the Inf flags summed by ShardedGradScaler
+        fully_shard(m)
+        forward, scaler = m, ShardedGradScaler(device="cpu", **SCALER)
+    opt = DMuon(param_groups(m), mode=mode, **options())
+    scales = []
+    for t in range(STEPS):
+        scaler.scale(loss_of(forward, t, rank)).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(float(scaler.get_scale()))
+    params = {
+        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+        for n, p in m.named_parameters()
+    }
+    return {"params": params, "scales": scales, "mode": opt.mode}
+
+
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+def test_stock_ddp_and_fsdp2_loss_scaling_equals_one_process(mode):
+    """Where the gradients are all-reduced (DDP) or DTensor shards (FSDP2), torch's own
+    recipe serves: the step is skipped (not called) on every rank alike."""
+    expected, scales = reference(clip=False)
+    for rank, out in enumerate(run_on_ranks(train_stock, WORLD, args=(mode,), timeout=120)):
+        assert out["mode"] == mode
+        assert out["scales"] == scales, f"{mode}, rank {rank}: scales {out['scales']}"
+        for name, want in expected.items():
+            diff = float((out["params"][name] - want).abs().max())
+            assert diff <= TOLERANCE, f"{mode}, rank {rank}: {name} differs by {diff:.2e}"
+
+
 def sign_mode(rank: int, world: int) -> dict[str, object]:
     """Sign-Muon's mode: each rank's gradients are its own, so only rank 1 sees the Inf."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
