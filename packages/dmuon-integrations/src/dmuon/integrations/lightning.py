@@ -54,6 +54,7 @@ from dmuon.integrations.dedication import Dedication
 from dmuon.integrations.hf.state import gather_full_state_dict, missing_state
 from dmuon.optim import DMuon, clip_grad_norm_, clip_grad_value_, param_groups
 from dmuon.optim.engine import exchange_of
+from dmuon.optim.loss_scaling import AGREED_MODES
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -311,9 +312,10 @@ class DMuonClipping:
     :func:`torch.nn.utils.clip_grad_value_` over the optimizer's parameters. For a
     :class:`~dmuon.optim.DMuon` these two methods call
     :func:`dmuon.optim.clip_grad_norm_` and :func:`dmuon.optim.clip_grad_value_`
-    instead, which clip the averaged gradient whatever the mode; any other optimizer
-    goes to the plugin's own method. :func:`with_dmuon_clipping` puts this class in
-    front of a plugin's own class; it changes nothing else.
+    instead, which clip the averaged gradient whatever the mode, and
+    ``clip_gradients`` dispatches a DMuon to them (see its docstring); any other
+    optimizer goes to the plugin's own methods. :func:`with_dmuon_clipping` puts this
+    class in front of a plugin's own class; it changes nothing else.
 
     Examples:
         >>> import torch
@@ -336,11 +338,11 @@ class DMuonClipping:
         """Clip a DMuon's gradients by norm or by value (DMuon's functions).
 
         Lightning's ``MixedPrecision`` refuses to clip for an optimizer that unscales
-        gradients itself (``_step_supports_amp_scaling``, which DMuon's owner mode
-        sets so that a loss scaler calls its step on every rank): with bf16 (no
+        gradients itself (``_step_supports_amp_scaling``, which DMuon's owner and sign
+        modes set so that a loss scaler calls their step on every rank): with bf16 (no
         scaler) there is nothing to unscale, so a DMuon is clipped here directly.
-        With an fp16 scaler in owner mode the gradients are still scaled here (Lightning
-        leaves their unscaling to the step, which refuses it): refused.
+        With an fp16 scaler in those modes the gradients are still scaled here
+        (Lightning leaves their unscaling to the step, which refuses it): refused.
         """
         opt = _unwrap(optimizer)
         if not isinstance(opt, DMuon):
@@ -348,11 +350,12 @@ class DMuonClipping:
             return
         if clip_val <= 0:
             return
-        if getattr(self, "scaler", None) is not None and opt.mode == "owner":
+        if getattr(self, "scaler", None) is not None and opt.mode in AGREED_MODES:
             raise RuntimeError(
                 "gradient clipping with Lightning's fp16 loss scaler (precision='16-mixed') in "
-                "DMuon's owner mode: the gradients are still scaled when Lightning clips, and "
-                "the step refuses the scaled gradients; use precision='bf16-mixed' (no scaler)"
+                f"DMuon's {opt.mode} mode: the gradients are still scaled when Lightning "
+                "clips, and the step refuses the scaled gradients; use "
+                "precision='bf16-mixed' (no scaler)"
             )
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             self.clip_grad_by_value(optimizer, clip_val)
@@ -402,7 +405,7 @@ def with_dmuon_clipping(plugin: Precision) -> Precision:
 
     The plugin object is kept (Lightning and the user may hold it): its class becomes a
     subclass of its own class with :class:`DMuonClipping` in front, so ``isinstance``
-    checks against the plugin's class still hold and everything but the two clipping
+    checks against the plugin's class still hold and everything but the clipping
     methods is the plugin's. A plugin that has the clipping already is returned as is.
 
     Examples:
