@@ -4,7 +4,8 @@
 weight in sign (``dmuon.optim.apply_update``): a mask of the weight and the update
 where both live, so the owner (owner, ``replicated``), the shard's rank (``sharded``)
 and a tensor-parallel shard each apply it to what they hold. A GPT trains 5 steps on
-3 ranks with a large decay (0.5, so the mask moves the weights visibly); every mode
+3 ranks with a large decay (0.5, so the mask moves the weights visibly; AdamW's
+scalars 0.1, cautiously too); every mode
 must reach the single-process parameters, and those must differ from plain decay's,
 so the comparison is about the mask.
 
@@ -20,7 +21,7 @@ from distributed_cases import OPT, STEPS, TOLERANCE, max_diff, reference, run_mo
 from dmuon.comm.testing import run_on_ranks
 
 NAME, WORLD = "gpt", 3
-CAUTIOUS = dict(OPT, weight_decay=0.5, cautious_weight_decay=True)
+CAUTIOUS = dict(OPT, weight_decay=0.5, adamw_weight_decay=0.1, cautious_weight_decay=True)
 MODES = ["owner_fsdp", "owner_ddp", "replicated", "sharded"]
 FLIPS = 8
 

@@ -76,3 +76,50 @@ def test_the_option_is_checked_and_is_a_group_key():
         DMuon([torch.nn.Parameter(torch.zeros(3, 3))]).param_groups[0]["cautious_weight_decay"]
         is False
     )
+
+
+def test_adamw_and_lion_restate_the_equation_in_float64():
+    """AdamW: ``u = m̂/(√v̂ + ε)``; Lion: ``u = sign(β₁m + (1−β₁)g)``; both
+    ``W ← W − lr·(u + wd·𝟙[u⊙W ≥ 0]⊙W)``, over 3 steps, element by element."""
+    from dmuon.optim import adamw_step, lion_step
+
+    lr, wd, (b1, b2), eps = 0.05, 0.3, (0.9, 0.95), 1e-8
+    g = torch.Generator().manual_seed(2)
+    start = torch.randn(40, generator=g, dtype=torch.float64)
+    grads = [torch.randn(40, generator=g, dtype=torch.float64) for _ in range(3)]
+
+    W, t = start.clone(), torch.zeros(())
+    m, v = torch.zeros(40, dtype=torch.float64), torch.zeros(40, dtype=torch.float64)
+    for grad in grads:
+        adamw_step([W], [grad], [m], [v], [t], lr=lr, betas=(b1, b2), eps=eps,
+                   weight_decay=wd, cautious=True)  # fmt: skip
+    want, mm, vv = start.tolist(), [0.0] * 40, [0.0] * 40
+    for step, grad in enumerate(grads, start=1):
+        for i, gi in enumerate(grad.tolist()):
+            mm[i] = b1 * mm[i] + (1 - b1) * gi
+            vv[i] = b2 * vv[i] + (1 - b2) * gi * gi
+            u = (mm[i] / (1 - b1**step)) / ((vv[i] / (1 - b2**step)) ** 0.5 + eps)
+            decay = wd * want[i] if u * want[i] >= 0 else 0.0
+            want[i] -= lr * (u + decay)
+    torch.testing.assert_close(W, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
+
+    W, m, t = start.clone(), torch.zeros(40, dtype=torch.float64), torch.zeros(())
+    for grad in grads:
+        lion_step([W], [grad], [m], [t], lr=lr, betas=(b1, b2), weight_decay=wd, cautious=True)
+    want, mm = start.tolist(), [0.0] * 40
+    for grad in grads:
+        for i, gi in enumerate(grad.tolist()):
+            c = b1 * mm[i] + (1 - b1) * gi
+            u = (c > 0) - (c < 0)
+            decay = wd * want[i] if u * want[i] >= 0 else 0.0
+            want[i] -= lr * (u + decay)
+            mm[i] = b2 * mm[i] + (1 - b2) * gi
+    torch.testing.assert_close(W, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_the_flag_reaches_every_group():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = DMuon(param_groups(model), cautious_weight_decay=True, adamw_weight_decay=0.1)
+    assert all(g["cautious_weight_decay"] is True for g in opt.param_groups)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()  # AdamW's cautious path on the norm and the bias

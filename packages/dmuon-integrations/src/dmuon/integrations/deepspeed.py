@@ -420,6 +420,7 @@ def _scalar_group(
     out.setdefault("lr", lr)
     out.setdefault("betas", defaults["adamw_betas"])
     out.setdefault("weight_decay", defaults["adamw_weight_decay"])
+    out.setdefault("cautious_weight_decay", defaults["cautious_weight_decay"])
     if algorithm == "adamw":
         out.setdefault("eps", defaults["adamw_eps"])
     else:

@@ -173,6 +173,9 @@ def _check_group(group: Mapping[str, Any], index: int) -> dict[str, Any]:
     options = get_scalar_rule(algorithm).options
     for key, option in options.items():
         if key not in group:
+            if option.default is not None:  # an optional key (cautious_weight_decay)
+                out[key] = option.default
+                continue
             accepted = sorted(options)
             raise ValueError(f"{where}: missing {key!r} (accepted keys: {accepted})")
         out[key] = option.check(group[key])

@@ -75,7 +75,9 @@ def apply_update(
     torch._foreach_add_(params, updates, alpha=-lr * scale)
 
 
-def decay_mask(params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+def decay_mask(
+    params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
     """``𝟙[U⊙W ≥ 0]`` per pair, in the weights' dtype: where cautious weight decay applies.
 
     Examples:
@@ -83,5 +85,5 @@ def decay_mask(params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[
         >>> decay_mask([torch.tensor([2.0, -1.0, 0.0])], [torch.tensor([3.0, 1.0, -5.0])])
         [tensor([1., 0., 1.])]
     """
-    products = torch._foreach_mul(updates, params)
+    products = torch._foreach_mul(list(updates), list(params))
     return [(u >= 0).to(w.dtype) for u, w in zip(products, params, strict=True)]

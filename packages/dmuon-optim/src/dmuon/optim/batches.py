@@ -505,7 +505,7 @@ def _run_batch(
             lr=float(group["lr"]),
             weight_decay=float(group["weight_decay"]),
             scale=scale,
-            cautious=bool(group["cautious_weight_decay"]),
+            cautious=bool(group.get("cautious_weight_decay", False)),
         )
     if timings is not None:
         t2 = time.perf_counter()

@@ -323,6 +323,12 @@ SCALAR_OPTIONS: dict[str, Option] = {
     "betas": Option(None, _betas, "(beta1, beta2) in [0, 1)"),
     "eps": Option(None, real(0.0), "denominator guard"),
     "weight_decay": Option(None, real(0.0), "decoupled weight decay"),
+    "cautious_weight_decay": Option(
+        False,
+        boolean,
+        "decay only the entries whose update agrees in sign with the weight "
+        "(arXiv 2510.12402); optional in a hand-built group (absent: plain decay)",
+    ),
 }
 """The keys of the scalar optimizers (:data:`~dmuon.optim.SCALAR_RULES` picks its own
 from them); their defaults come from the ``DMuon`` constructor (``adamw_*``)."""

@@ -84,8 +84,9 @@ class DMuon(torch.optim.Optimizer):
         weight_decay: decoupled weight decay of the matrix groups (with the base lr).
         cautious_weight_decay: decay a matrix entry only where the update agrees with
             the weight in sign, ``W ← W − lr·wd·𝟙[U⊙W ≥ 0]⊙W − lr·s·U`` (Cautious Weight
-            Decay, Chen et al., arXiv 2510.12402; see :func:`~dmuon.optim.apply_update`).
-            Matrix groups only; AdamW/Lion keep plain decoupled decay.
+            Decay, Chen et al., arXiv 2510.12402; see :func:`~dmuon.optim.apply_update`),
+            in every group: AdamW and Lion decay where their own update agrees
+            (:func:`~dmuon.optim.adamw_step`, :func:`~dmuon.optim.lion_step`).
         adjust_lr: ``"original"``, ``"match_rms_adamw"``, ``"spectral"`` or ``None``.
         ns_method: ``"gram"`` or ``"standard"`` Newton–Schulz.
         ns_coefficients: a coefficient-set name of :mod:`dmuon.kernels` or triples.
@@ -221,6 +222,7 @@ class DMuon(torch.optim.Optimizer):
             "betas": adamw_betas,
             "eps": adamw_eps,
             "weight_decay": adamw_weight_decay,
+            "cautious_weight_decay": cautious_weight_decay,
         }
         self._group_defaults = GroupDefaults.build(
             rule, scalar_optimizer, matrix, scalar, rule_options

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
+from dmuon.optim.apply import decay_mask
 from dmuon.optim.hyperparameters import SCALAR_OPTIONS, Option
 
 __all__ = [
@@ -103,6 +104,7 @@ def adamw_step(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    cautious: bool = False,
 ) -> None:
     """One AdamW step (Loshchilov & Hutter, arXiv 1711.05101) with torch's own functional.
 
@@ -111,6 +113,12 @@ def adamw_step(
     exactly :class:`torch.optim.AdamW` (same code path, foreach where torch picks it)
     for fp32/fp64 parameters; fp16/bf16 ones are computed in fp32 (fp32 ``exp_avg``,
     ``exp_avg_sq``) and cast once, so ε = 1e-8 does not round to 0.
+
+    ``cautious`` (Chen et al., *Cautious Weight Decay*, arXiv 2510.12402): the decay
+    applies only where the update ``u = m̂/(√v̂ + ε)`` agrees with the weight in sign,
+    ``W ← W − lr·wd·𝟙[u⊙W ≥ 0]⊙W − lr·u``; ``u`` has the sign of the new ``m`` (the
+    denominator and the bias correction are positive), so the mask is taken from it
+    and the decay applied before torch's functional runs with ``weight_decay=0``.
 
     Examples:
         >>> import torch
@@ -122,12 +130,20 @@ def adamw_step(
         0.9
     """
 
+    masked = cautious and weight_decay != 0.0 and lr != 0.0
+
     def step(
         p: list[torch.Tensor],
         g: list[torch.Tensor],
         buffers: list[list[torch.Tensor]],
         t: list[torch.Tensor],
     ) -> None:
+        if masked and p:
+            # the new first moment, as torch's functional computes it next (lerp)
+            moments = torch._foreach_lerp(buffers[0], g, 1.0 - betas[0])
+            decayed = decay_mask(p, moments)
+            torch._foreach_mul_(decayed, p)  # 𝟙[u⊙W ≥ 0]⊙W
+            torch._foreach_add_(p, decayed, alpha=-lr * weight_decay)
         _torch_adamw(
             p,
             g,
@@ -139,7 +155,7 @@ def adamw_step(
             beta1=betas[0],
             beta2=betas[1],
             lr=lr,
-            weight_decay=weight_decay,
+            weight_decay=0.0 if masked else weight_decay,
             eps=eps,
             maximize=False,
         )
@@ -156,10 +172,12 @@ def lion_step(
     lr: float,
     betas: tuple[float, float],
     weight_decay: float,
+    cautious: bool = False,
 ) -> None:
     """One Lion step (Chen et al., *Symbolic Discovery of Optimization Algorithms*, 2023).
 
-    ``c = β₁m + (1−β₁)g``, ``W ← W(1 − lr·wd) − lr·sign(c)``, ``m ← β₂m + (1−β₂)g``.
+    ``c = β₁m + (1−β₁)g``, ``W ← W(1 − lr·wd) − lr·sign(c)``, ``m ← β₂m + (1−β₂)g``;
+    ``cautious`` (arXiv 2510.12402): ``W ← W − lr·wd·𝟙[sign(c)⊙W ≥ 0]⊙W − lr·sign(c)``.
     Source: arXiv 2302.06675. Lion's updates have RMS 1, so its learning rate is
     typically 3–10× smaller than AdamW's. fp16/bf16 parameters are computed in fp32
     (fp32 ``exp_avg``) and cast once.
@@ -185,7 +203,12 @@ def lion_step(
         directions = torch._foreach_lerp(m, g, 1.0 - beta1)
         torch._foreach_sign_(directions)
         if weight_decay != 0.0 and lr != 0.0:
-            torch._foreach_mul_(p, 1.0 - lr * weight_decay)
+            if cautious:
+                decayed = decay_mask(p, directions)
+                torch._foreach_mul_(decayed, p)  # 𝟙[sign(c)⊙W ≥ 0]⊙W
+                torch._foreach_add_(p, decayed, alpha=-lr * weight_decay)
+            else:
+                torch._foreach_mul_(p, 1.0 - lr * weight_decay)
         torch._foreach_add_(p, directions, alpha=-lr)
         torch._foreach_lerp_(m, g, 1.0 - beta2)
         torch._foreach_add_(t, 1.0)
@@ -209,6 +232,7 @@ def _adamw_update(
         betas=group["betas"],
         eps=float(group["eps"]),
         weight_decay=float(group["weight_decay"]),
+        cautious=bool(group.get("cautious_weight_decay", False)),
     )
 
 
@@ -226,6 +250,7 @@ def _lion_update(
         lr=float(group["lr"]),
         betas=group["betas"],
         weight_decay=float(group["weight_decay"]),
+        cautious=bool(group.get("cautious_weight_decay", False)),
     )
 
 
@@ -248,8 +273,10 @@ class ScalarRule:
     Examples:
         >>> import torch
         >>> rule = get_scalar_rule("adamw")
-        >>> sorted(rule.options), rule.state_shapes(torch.zeros(3))
-        (['betas', 'eps', 'lr', 'weight_decay'], {'step': (), 'exp_avg': (3,), 'exp_avg_sq': (3,)})
+        >>> sorted(rule.options)
+        ['betas', 'cautious_weight_decay', 'eps', 'lr', 'weight_decay']
+        >>> rule.state_shapes(torch.zeros(3))
+        {'step': (), 'exp_avg': (3,), 'exp_avg_sq': (3,)}
     """
 
     name: str
@@ -296,7 +323,7 @@ SCALAR_RULES: dict[str, ScalarRule] = {
     for r in (
         ScalarRule(
             "adamw",
-            _keys("lr", "betas", "eps", "weight_decay"),
+            _keys("lr", "betas", "eps", "weight_decay", "cautious_weight_decay"),
             ("exp_avg", "exp_avg_sq"),
             _adamw_update,
             summary="Adam with decoupled weight decay (torch's own functional)",
@@ -304,7 +331,7 @@ SCALAR_RULES: dict[str, ScalarRule] = {
         ),
         ScalarRule(
             "lion",
-            _keys("lr", "betas", "weight_decay"),
+            _keys("lr", "betas", "weight_decay", "cautious_weight_decay"),
             ("exp_avg",),
             _lion_update,
             summary="the sign of an interpolated momentum",

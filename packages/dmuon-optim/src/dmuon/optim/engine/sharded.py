@@ -227,7 +227,7 @@ class ShardedEngine(PlannedEngine):
                         lr=lr,
                         weight_decay=wd,
                         scale=1.0,
-                        cautious=bool(group["cautious_weight_decay"]),
+                        cautious=bool(group.get("cautious_weight_decay", False)),
                     )
 
         pipe = Pipeline(self.pipeline_depth, report)
