@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -160,6 +161,15 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     except TypeError as err:
         out["plain_scaler"] = str(err)
     opt.step()  # the step the loop would have taken: unscale_ refused before changing anything
+    opt.zero_grad()
+    narrow = ShardedGradScaler(device="cpu", process_group=dist.new_group([0]), **SCALER)
+    narrow.scale(loss_of(m, 4, rank)).backward()
+    try:
+        opt.unscale_(narrow)
+        out["narrow_group"] = "unscaled"
+    except ValueError as err:
+        out["narrow_group"] = str(err)
+    opt.step()
     ded.wait()
     out["skipped"] = str(opt.skipped_steps)
     return out
@@ -271,8 +281,9 @@ def skip_agreement(rank: int, world: int) -> list[list[int]]:
 
 
 def test_one_ranks_skip_is_every_ranks():
-    """The step's agreement carries each rank's scaler skip (a ShardedGradScaler over a
-    narrower group than the optimizer's would otherwise let the ranks part ways)."""
+    """The step's agreement carries each rank's scaler skip: the ranks step or skip
+    together even if their scalers' flags were to differ (a narrower scaler group, which
+    ``opt.unscale_`` refuses, since its scale updates would still differ)."""
     for out in run_on_ranks(skip_agreement, WORLD, timeout=120):
         assert out == [[1], []], out
 
@@ -326,5 +337,6 @@ def test_what_owner_mode_cannot_serve_is_refused_on_every_rank():
         for how in ("no_unscale", "scaler_unscale"):
             assert "opt.unscale_(scaler)" in out[how] and "Nothing was updated" in out[how]
         assert "owner mode needs a ShardedGradScaler" in out["plain_scaler"]
+        assert "process_group spans" in out["narrow_group"], out["narrow_group"]
         assert out["unchanged"] == "True" and out["then_steps"] == "True", out
         assert out["skipped"] == "2", out

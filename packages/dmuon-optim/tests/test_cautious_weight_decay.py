@@ -123,3 +123,22 @@ def test_the_flag_reaches_every_group():
     assert all(g["cautious_weight_decay"] is True for g in opt.param_groups)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()  # AdamW's cautious path on the norm and the bias
+
+
+def test_a_dmuon_pickled_before_the_key_existed_loads_without_it():
+    """An optimizer pickled by an earlier release has no ``cautious_weight_decay`` in its
+    saved defaults nor in its groups: it unpickles with the flag off and steps."""
+    import copy
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    state = DMuon(param_groups(model)).__getstate__()
+    config = copy.deepcopy(state["dmuon_config"])
+    for key in ("matrix_defaults", "scalar_defaults"):
+        del config[key]["cautious_weight_decay"]
+    key = "cautious_weight_decay"
+    groups = [{k: v for k, v in g.items() if k != key} for g in state["param_groups"]]
+    old = DMuon.__new__(DMuon)
+    old.__setstate__({**state, "dmuon_config": config, "param_groups": groups})
+    assert all(g["cautious_weight_decay"] is False for g in old.param_groups)
+    model(torch.randn(2, 4)).sum().backward()
+    old.step()

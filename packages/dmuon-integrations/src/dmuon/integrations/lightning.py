@@ -98,7 +98,8 @@ class DMuonStrategy(DDPStrategy):
     in either mode, in 32-bit and ``"bf16-mixed"`` precision: the precision plugin
     Lightning picks (from ``precision=`` or ``plugins=``) is kept, and its clipping
     methods hand a DMuon to DMuon's functions (other optimizers are clipped by the
-    plugin as before). ``"16-mixed"`` (an fp16 loss scaler) is refused in owner mode.
+    plugin as before). ``"16-mixed"`` (an fp16 loss scaler) is refused in owner and
+    ``sign`` mode.
 
     Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``) hold every owner's
     optimizer state, gathered to rank 0 when saving; ``trainer.fit(..., ckpt_path=)``

@@ -104,13 +104,12 @@ class GroupDefaults:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> GroupDefaults:
-        """The defaults :meth:`to_config` saved."""
+        """The defaults :meth:`to_config` saved (a key added since, e.g.
+        ``cautious_weight_decay``, takes its constructor default)."""
+        matrix = {"cautious_weight_decay": False, **config["matrix_defaults"]}
+        scalar = {"cautious_weight_decay": False, **config["scalar_defaults"]}
         return cls(
-            config["rule"],
-            config["scalar_optimizer"],
-            config["matrix_defaults"],
-            config["scalar_defaults"],
-            config["rule_options"],
+            config["rule"], config["scalar_optimizer"], matrix, scalar, config["rule_options"]
         )
 
     def torch_defaults(self) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dmuon.optim.engine.base import Engine
 from dmuon.optim.engine.params import is_dtensor
@@ -83,6 +84,8 @@ def unscale_(
         TypeError: ``scaler`` is no ``torch.amp.GradScaler``, or (owner, ``sign`` mode)
             not a ``ShardedGradScaler``; nothing was changed.
         NotImplementedError: owner mode with DTensor parameters; nothing was changed.
+        ValueError: (owner, ``sign`` mode) a ``ShardedGradScaler`` over fewer ranks than
+            the world; nothing was changed.
     """
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # FSDP's, lazily
 
@@ -109,6 +112,16 @@ def unscale_(
                 "FSDP2 or tensor parallelism): torch's scalers unscale a device's gradients in "
                 "one foreach call, which cannot mix DTensors with the owners' plain gradients. "
                 "Train in bf16 (no scaler), or dedicate with dmuon.integrations.ddp. Nothing "
+                "was changed"
+            )
+    if engine.mode in AGREED_MODES and dist.is_available() and dist.is_initialized():
+        covered = dist.get_world_size(scaler.process_group)  # type: ignore[attr-defined]
+        if covered != dist.get_world_size():
+            raise ValueError(
+                f"the ShardedGradScaler's process_group spans {covered} of the "
+                f"{dist.get_world_size()} ranks (-1: not this one): its Inf flags and so "
+                "its scale updates would differ between ranks, and the gradients would be "
+                "averaged at different scales. Give it the world (its default). Nothing "
                 "was changed"
             )
     engine.prepare_grads()

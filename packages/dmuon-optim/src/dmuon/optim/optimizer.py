@@ -524,11 +524,15 @@ class DMuon(torch.optim.Optimizer):
             for key, value in config.get("guards", {}).items():
                 setattr(self, key, value)
             self._reset()
-        if getattr(self, "_initialized", False):  # load_state_dict into a live optimizer
+        live = getattr(self, "_initialized", False)  # load_state_dict into a live optimizer
+        if live or config is not None:  # (unpickled: groups get the keys added since)
             groups = [
                 self._group_defaults.normalize(g, i) for i, g in enumerate(state["param_groups"])
             ]
-            check_loaded_state(state["state"], groups, self._engine.on_shard, self._engine.split_of)
+            if live:
+                check_loaded_state(
+                    state["state"], groups, self._engine.on_shard, self._engine.split_of
+                )
             state["param_groups"] = groups
         super().__setstate__(state)
         if config is not None:
