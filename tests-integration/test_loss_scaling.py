@@ -54,23 +54,35 @@ def options():
     return dict(lr=0.02, ns_compute_dtype=torch.float32)
 
 
+def scaled_steps(opt, scaler, loss_at, unscale, clip=None) -> list[float]:
+    """``STEPS`` loss-scaled steps: ``loss_at(t)`` scaled and backpropagated, ``unscale()``,
+    ``clip()`` if given, ``scaler.step``, ``scaler.update``; the scale after each."""
+    scales = []
+    for t in range(STEPS):
+        scaler.scale(loss_at(t)).backward()
+        unscale()
+        if clip is not None:
+            clip()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(float(scaler.get_scale()))
+    return scales
+
+
 def reference(clip: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
     from dmuon.optim import DMuon, param_groups
 
     m = model()
     opt = DMuon(param_groups(m), **options())
     scaler = torch.amp.GradScaler("cpu", **SCALER)
-    scales = []
-    for t in range(STEPS):
-        loss = sum(loss_of(m, t, r) for r in range(WORLD)) / WORLD
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        if clip:
-            torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        scales.append(float(scaler.get_scale()))
+    scales = scaled_steps(
+        opt,
+        scaler,
+        lambda t: sum(loss_of(m, t, r) for r in range(WORLD)) / WORLD,
+        lambda: scaler.unscale_(opt),
+        (lambda: torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM)) if clip else None,
+    )
     return {n: p.detach().clone() for n, p in m.named_parameters()}, scales
 
 
@@ -84,16 +96,13 @@ def train(rank: int, world: int, scalars: str, clip: bool) -> dict[str, object]:
     ded = ddp.dedicate(m, scalars=scalars)
     opt = DMuon(param_groups(m), distributed=ded, **options())
     scaler = ShardedGradScaler(device="cpu", **SCALER)
-    scales = []
-    for t in range(STEPS):
-        scaler.scale(loss_of(m, t, rank)).backward()
-        opt.unscale_(scaler)
-        if clip:
-            clip_grad_norm_(opt, MAX_NORM)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        scales.append(float(scaler.get_scale()))
+    scales = scaled_steps(
+        opt,
+        scaler,
+        lambda t: loss_of(m, t, rank),
+        lambda: opt.unscale_(scaler),
+        (lambda: clip_grad_norm_(opt, MAX_NORM)) if clip else None,
+    )
     ded.wait()
     params = {n: p.detach().clone() for n, p in m.named_parameters()}
     return {"params": params, "scales": scales, "skipped": opt.skipped_steps, "mode": opt.mode}
@@ -192,18 +201,10 @@ def train_stock(rank: int, world: int, mode: str) -> dict[str, object]:
         fully_shard(m)
         forward, scaler = m, ShardedGradScaler(device="cpu", **SCALER)
     opt = DMuon(param_groups(m), mode=mode, **options())
-    scales = []
-    for t in range(STEPS):
-        scaler.scale(loss_of(forward, t, rank)).backward()
-        scaler.unscale_(opt)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        scales.append(float(scaler.get_scale()))
-    params = {
-        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-        for n, p in m.named_parameters()
-    }
+    scales = scaled_steps(
+        opt, scaler, lambda t: loss_of(forward, t, rank), lambda: scaler.unscale_(opt)
+    )
+    params = {n: _whole(p).clone() for n, p in m.named_parameters()}
     return {"params": params, "scales": scales, "mode": opt.mode}
 
 
@@ -237,14 +238,7 @@ def sign_mode(rank: int, world: int) -> dict[str, object]:
         refused = str(err)
     opt.zero_grad()
     scaler = ShardedGradScaler(device="cpu", **SCALER)
-    scales = []
-    for t in range(STEPS):
-        scaler.scale(loss_of(m, t, rank)).backward()
-        opt.unscale_(scaler)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        scales.append(float(scaler.get_scale()))
+    scales = scaled_steps(opt, scaler, lambda t: loss_of(m, t, rank), lambda: opt.unscale_(scaler))
     params = {n: p.detach().clone() for n, p in m.named_parameters()}
     return {"refused": refused, "scales": scales, "skipped": opt.skipped_steps, "params": params}
 

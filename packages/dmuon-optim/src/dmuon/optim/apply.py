@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["apply_update", "decay_mask"]
+__all__ = ["apply_update", "decoupled_decay_"]
 
 
 @torch.no_grad()
@@ -65,25 +65,40 @@ def apply_update(
     if not params:
         return
     params, updates = list(params), list(updates)
-    if weight_decay != 0.0 and lr != 0.0:
-        if cautious:
-            decayed = decay_mask(params, updates)
-            torch._foreach_mul_(decayed, params)  # 𝟙[U⊙W ≥ 0]⊙W
-            torch._foreach_add_(params, decayed, alpha=-lr * weight_decay)
-        else:
-            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    decoupled_decay_(params, updates, lr=lr, weight_decay=weight_decay, cautious=cautious)
     torch._foreach_add_(params, updates, alpha=-lr * scale)
 
 
-def decay_mask(
-    params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
-) -> list[torch.Tensor]:
-    """``𝟙[U⊙W ≥ 0]`` per pair, in the weights' dtype: where cautious weight decay applies.
+@torch.no_grad()
+def decoupled_decay_(
+    params: Sequence[torch.Tensor],
+    directions: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    cautious: bool = False,
+) -> None:
+    """The decay of every optimizer here: ``W ← W·(1 − lr·wd)``, or with ``cautious``
+    ``W ← W − lr·wd·𝟙[D⊙W ≥ 0]⊙W`` (see the module docstring).
+
+    ``directions`` (read with ``cautious`` only): a tensor per weight with the sign of
+    its update — the matrix rule's ``U``, AdamW's new first moment, Lion's sign.
 
     Examples:
         >>> import torch
-        >>> decay_mask([torch.tensor([2.0, -1.0, 0.0])], [torch.tensor([3.0, 1.0, -5.0])])
-        [tensor([1., 0., 1.])]
+        >>> W = [torch.tensor([2.0, -1.0, 0.0])]
+        >>> decoupled_decay_(W, [torch.tensor([3.0, 1.0, -5.0])], lr=0.5, weight_decay=0.5,
+        ...                  cautious=True)
+        >>> W[0].tolist()  # the second entry's update disagrees with it: not decayed
+        [1.5, -1.0, 0.0]
     """
-    products = torch._foreach_mul(list(updates), list(params))
-    return [(u >= 0).to(w.dtype) for u, w in zip(products, params, strict=True)]
+    if weight_decay == 0.0 or lr == 0.0:
+        return
+    params = list(params)
+    if not cautious:
+        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        return
+    products = torch._foreach_mul(list(directions), params)
+    decayed = [(u >= 0).to(w.dtype) for u, w in zip(products, params, strict=True)]
+    torch._foreach_mul_(decayed, params)  # 𝟙[D⊙W ≥ 0]⊙W
+    torch._foreach_add_(params, decayed, alpha=-lr * weight_decay)

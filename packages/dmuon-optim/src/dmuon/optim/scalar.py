@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
-from dmuon.optim.apply import decay_mask
+from dmuon.optim.apply import decoupled_decay_
 from dmuon.optim.hyperparameters import SCALAR_OPTIONS, Option
 
 __all__ = [
@@ -141,9 +141,7 @@ def adamw_step(
         if masked and p:
             # the new first moment, as torch's functional computes it next (lerp)
             moments = torch._foreach_lerp(buffers[0], g, 1.0 - betas[0])
-            decayed = decay_mask(p, moments)
-            torch._foreach_mul_(decayed, p)  # 𝟙[u⊙W ≥ 0]⊙W
-            torch._foreach_add_(p, decayed, alpha=-lr * weight_decay)
+            decoupled_decay_(p, moments, lr=lr, weight_decay=weight_decay, cautious=True)
         _torch_adamw(
             p,
             g,
@@ -202,13 +200,7 @@ def lion_step(
         (m,) = buffers
         directions = torch._foreach_lerp(m, g, 1.0 - beta1)
         torch._foreach_sign_(directions)
-        if weight_decay != 0.0 and lr != 0.0:
-            if cautious:
-                decayed = decay_mask(p, directions)
-                torch._foreach_mul_(decayed, p)  # 𝟙[sign(c)⊙W ≥ 0]⊙W
-                torch._foreach_add_(p, decayed, alpha=-lr * weight_decay)
-            else:
-                torch._foreach_mul_(p, 1.0 - lr * weight_decay)
+        decoupled_decay_(p, directions, lr=lr, weight_decay=weight_decay, cautious=cautious)
         torch._foreach_add_(p, directions, alpha=-lr)
         torch._foreach_lerp_(m, g, 1.0 - beta2)
         torch._foreach_add_(t, 1.0)

@@ -282,9 +282,8 @@ class Reduction:
         if slots:
             torch._foreach_copy_(slots, grads)
         if self.free_local_grads:  # once copied: a failed copy leaves the gradients
-            for b in layer.reduce_buckets + layer.allreduce_buckets:
-                for name in b.names:
-                    self.params[name].grad = None
+            for name in layer.dedicated + layer.replicated:  # the buckets' names
+                self.params[name].grad = None
         if layer.reduce_buckets:
             layer.reduce_handle = reduce_to_owners(
                 layer.reduce_buckets,
@@ -308,11 +307,10 @@ class Reduction:
             # each gradient as it left, its version read once every copy and collective of
             # the layer is under way: after zero_grad(set_to_none=False) the gradients are
             # views of these very buckets and share their version counter
-            for b in layer.reduce_buckets + layer.allreduce_buckets:
-                for name in b.names:
-                    g = self.params[name].grad
-                    if g is not None:
-                        self.taken[name] = (g, g._version)
+            for name in layer.dedicated + layer.replicated:
+                g = self.params[name].grad
+                if g is not None:
+                    self.taken[name] = (g, g._version)
         layer.launched = True
         self.next_launch += 1
 
@@ -330,8 +328,7 @@ class Reduction:
         if not self.flushed:
             raise RuntimeError("flush() must run before the reductions are waited on")
         # before the wait: it writes the buckets (the owner's division, HSDP's second stage)
-        self._note_changes(layer.dedicated)
-        self._note_changes([n for b in layer.allreduce_buckets for n in b.names])
+        self._note_changes(layer.dedicated + layer.replicated)
         owned = layer.reduce_handle.wait() if layer.reduce_handle is not None else {}
         for name in layer.dedicated:
             p = self.params[name]

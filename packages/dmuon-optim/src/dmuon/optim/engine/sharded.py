@@ -213,19 +213,21 @@ class ShardedEngine(PlannedEngine):
 
         def apply(key: str, updates: dict[str, torch.Tensor]) -> None:  # on the local shards
             with report.phase("apply"):
+                by_group: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
                 for e in self.matrices(key):
-                    if not present[e.name]:
-                        continue
-                    group = stepper.param_groups[e.group_index]
-                    lr, wd = float(group["lr"]), float(group["weight_decay"])
-                    w = self._shard(e, e.param.detach())
-                    # the update arrives scaled (scale · U): apply_update with scale 1,
-                    # on this rank's rows (cautious decay is elementwise)
+                    if present[e.name]:
+                        weights, scaled = by_group.setdefault(e.group_index, ([], []))
+                        weights.append(self._shard(e, e.param.detach()))
+                        scaled.append(updates[e.name])
+                for index, (weights, scaled) in by_group.items():
+                    group = stepper.param_groups[index]
+                    # the updates arrive scaled (scale · U): apply_update with scale 1, on
+                    # this rank's rows (cautious decay is elementwise)
                     apply_update(
-                        [w],
-                        [updates[e.name]],
-                        lr=lr,
-                        weight_decay=wd,
+                        weights,
+                        scaled,
+                        lr=float(group["lr"]),
+                        weight_decay=float(group["weight_decay"]),
                         scale=1.0,
                         cautious=bool(group.get("cautious_weight_decay", False)),
                     )
