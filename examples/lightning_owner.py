@@ -6,11 +6,13 @@
     python examples/lightning_owner.py --devices 2 --resume ckpts/epoch=0-step=8.ckpt
     python examples/lightning_owner.py --devices 2 --mode replicated   # keep the DDP wrapper
     python examples/lightning_owner.py --devices 2 --clip-val 0.5      # gradient clipping
+    python examples/lightning_owner.py --devices 2 --precision 16-mixed  # fp16 loss scaling
 
 Each matrix's gradient is reduced to its owner rank only (no DDP all-reduce), the
 owner orthogonalises it and broadcasts the new weight. Lightning's gradient clipping
 clips the averaged gradients (DMuon's clip_grad_norm_ / clip_grad_value_, called by the
-strategy's precision plugin). Checkpoints hold every owner's
+strategy's precision plugin); with fp16 loss scaling every rank skips a step that
+overflowed on any rank (the strategy's ShardedGradScaler). Checkpoints hold every owner's
 momentum and resume exactly. With ``--out PREFIX`` every rank saves its final
 parameters and its reduction counts to ``PREFIX.rank<N>.pt`` (the tests read them).
 """
@@ -21,6 +23,7 @@ import argparse
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -106,6 +109,12 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="save each rank's final parameters here")
     parser.add_argument("--clip-val", type=float, default=None, help="gradient_clip_val")
     parser.add_argument("--clip-algorithm", choices=("norm", "value"), default="norm")
+    parser.add_argument(
+        "--precision", choices=("32-true", "bf16-mixed", "16-mixed"), default="32-true"
+    )
+    parser.add_argument(
+        "--init-scale", type=float, default=2.0**16, help="16-mixed: the loss scale to start from"
+    )
     args = parser.parse_args()
 
     stats = CommStats()  # the bytes this rank's owner collectives move
@@ -121,10 +130,18 @@ def main() -> None:
         strategy = DMuonStrategy(dedicate_options={"stats": stats})
     else:  # Lightning's DDP wrapper, DMuon in replicated mode; checkpoints still whole
         strategy = DMuonStrategy("replicated")
+    precision: dict = {"precision": args.precision}
+    if args.precision == "16-mixed":
+        # On CPU Lightning turns precision="16-mixed" into bf16; the plugin keeps fp16.
+        # (On GPUs pass precision="16-mixed".) DMuonStrategy makes the scaler a
+        # ShardedGradScaler with these settings.
+        scaler = torch.amp.GradScaler("cpu", init_scale=args.init_scale)
+        precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,
+        **precision,
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip_val,  # by DMuon's clip_grad_norm_ or clip_grad_value_
@@ -146,8 +163,16 @@ def main() -> None:
     )
     if args.out:
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
         torch.save(
-            {"params": params, "owned": log.owned, "reductions": log.calls, "mode": opt.mode},
+            {
+                "params": params,
+                "owned": log.owned,
+                "reductions": log.calls,
+                "mode": opt.mode,
+                "loss_scale": scaler.get_scale() if scaler is not None else None,
+                "skipped_steps": opt.skipped_steps,
+            },
             f"{args.out}.rank{trainer.global_rank}.pt",
         )
 

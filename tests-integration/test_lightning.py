@@ -15,6 +15,7 @@ gradient sums. The guide (docs/guides/lightning.md) shows the script verbatim.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import pathlib
 import re
@@ -126,10 +127,26 @@ def _run(script: pathlib.Path, tmp_path: pathlib.Path, *args: str) -> subprocess
     return proc
 
 
-def _owner_reference(example) -> dict[str, torch.Tensor]:
+def _owner_reference(
+    example,
+    *,
+    epochs: int = OWNER_EPOCHS,
+    scaler: torch.amp.GradScaler | None = None,
+    clip: float = CLIP,
+) -> dict[str, torch.Tensor]:
     """The module trained in this process by a plain loop: same global micro-batches,
     Lightning's loss scaling (1/accumulate), torch's clipping by the norm before each
-    step, the scheduler stepped per optimizer step."""
+    step, the scheduler stepped per optimizer step.
+
+    With ``scaler``: fp16 autocast as Lightning's ``MixedPrecision("16-mixed")``, each
+    rank's losses scaled and back-propagated on their own (the fp16 values, and so their
+    overflows, are those of that rank's backward), each rank's micro-batches summed,
+    then the ranks' sums (the order of the owners' reductions), the gradients
+    unscaled, divided by the ranks (the owners' average) and clipped, then
+    ``scaler.step`` (a step with an Inf gradient skipped) and ``scaler.update``; the
+    clipping must then bind on some steps and not on others, or a gradient left
+    scaled would go unseen (Muon's update does not change with the gradient's scale).
+    """
     from torch.utils.data import DistributedSampler
 
     model = example.Regressor()
@@ -138,21 +155,48 @@ def _owner_reference(example) -> dict[str, torch.Tensor]:
     assert opt.mode == "single"
     data = example.dataset(OWNER_SAMPLES)
     samplers = [DistributedSampler(data, num_replicas=WORLD, rank=r, seed=0) for r in range(WORLD)]
+    autocast = torch.autocast("cpu", dtype=torch.half, cache_enabled=False)
     norms = []
-    for epoch in range(OWNER_EPOCHS):
+    for epoch in range(epochs):
         for s in samplers:
             s.set_epoch(epoch)  # Lightning reshuffles every epoch
         loaders = [iter(DataLoader(data, batch_size=PER_RANK, sampler=s)) for s in samplers]
         for _ in range(len(samplers[0]) // (PER_RANK * ACCUMULATE)):
-            for _ in range(ACCUMULATE):
-                losses = [nn.functional.mse_loss(model(x), y) for x, y in map(next, loaders)]
-                (sum(losses) / WORLD / ACCUMULATE).backward()
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-            opt.step()
+            if scaler is None:
+                for _ in range(ACCUMULATE):
+                    losses = [nn.functional.mse_loss(model(x), y) for x, y in map(next, loaders)]
+                    (sum(losses) / WORLD / ACCUMULATE).backward()
+            else:  # each rank's micro-batches summed on their own, then over the ranks
+                summed: list[torch.Tensor] = []
+                for loader in loaders:
+                    opt.zero_grad()
+                    for _ in range(ACCUMULATE):
+                        x, y = next(loader)
+                        with autocast:
+                            loss = nn.functional.mse_loss(model(x), y)
+                        scaler.scale(loss / ACCUMULATE).backward()
+                    grads = [p.grad.clone() for p in model.parameters()]
+                    summed = (
+                        [a + b for a, b in zip(summed, grads, strict=True)] if summed else grads
+                    )
+                for p, g in zip(model.parameters(), summed, strict=True):
+                    p.grad = g
+                scaler.unscale_(opt)
+                for p in model.parameters():
+                    p.grad.div_(WORLD)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
             opt.zero_grad()
             schedule.step()
-    clipped = sum(n > CLIP for n in norms)
-    assert clipped >= len(norms) // 2, f"clipping active at {clipped} of the steps {norms}"
+    clipped = sum(n > clip for n in norms if math.isfinite(n))
+    finite = sum(map(math.isfinite, norms))
+    assert clipped >= finite // 2, f"clipping active at {clipped} of the steps {norms}"
+    if scaler is not None:
+        assert clipped < finite, f"clipping active at every step {norms}"
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -210,6 +254,50 @@ def test_lightning_owner_mode_equals_single_process_and_resumes(tmp_path):
             assert diff <= RESUME_TOLERANCE, f"rank {rank}: resumed {name} differs by {diff:.2e}"
 
 
+FP16_EPOCHS, FP16_INIT_SCALE = 3, 2.0**20  # the first 2 of the 6 steps overflow (checked)
+FP16_CLIP = 0.23  # binds on 2 of the 4 steps taken (norms 0.245, 0.244, 0.218, 0.219)
+# Measured 1.5e-5. The gradients' summation order differs (as in fp32, where it leaves
+# 2e-7), but Newton–Schulz amplifies it more here: fp16-rounded gradients give the
+# momentum a tail of small singular values, where the iteration's gain is largest.
+FP16_TOLERANCE = 1e-4
+
+
+def test_lightning_owner_mode_fp16_loss_scaling_equals_single_process(tmp_path):
+    """DMuonStrategy with Lightning's fp16 ``MixedPrecision`` (a ``GradScaler`` on CPU,
+    started at a loss scale that overflows): the strategy makes it a
+    ``ShardedGradScaler``, the step unscales after the reductions to the owners, and
+    every rank skips exactly the steps a single process with torch's ``GradScaler``
+    skips, ending with its loss scale and (1e-4) its parameters, clipping included.
+
+    Before, owner mode refused fp16: Lightning's ``GradScaler`` looked for an Inf in
+    one rank's gradients only."""
+    common = ["--samples", str(OWNER_SAMPLES), "--epochs", str(FP16_EPOCHS)]
+    common += ["--accumulate", str(ACCUMULATE), "--batch-size", str(PER_RANK)]
+    common += ["--clip-val", str(FP16_CLIP), "--precision", "16-mixed"]
+    common += ["--init-scale", str(FP16_INIT_SCALE)]
+    run = _run(OWNER_SCRIPT, tmp_path, *common, "--out", "fp16")
+    assert run.stdout.count("DMuon mode owner") == WORLD, run.stdout[-2000:]
+
+    example = _example_at(OWNER_SCRIPT)
+    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_INIT_SCALE)
+    expected = _owner_reference(example, epochs=FP16_EPOCHS, scaler=scaler, clip=FP16_CLIP)
+    steps = FP16_EPOCHS * OWNER_SAMPLES // (WORLD * PER_RANK * ACCUMULATE)
+    # Each skip halves the scale, each taken step leaves it (growth_interval 2000).
+    skips = round(math.log2(FP16_INIT_SCALE / scaler.get_scale()))
+    assert 0 < skips < steps, f"{skips} of {steps} steps skipped: nothing shows agreement"
+    initial = dict(example.Regressor().named_parameters())
+    moved = max(float((expected[n] - initial[n].detach()).abs().max()) for n in expected)
+    assert moved > 1e-2, "the reference barely trained: the comparison would prove nothing"
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"fp16.rank{rank}.pt")
+        assert got["mode"] == "owner" and got["owned"], (rank, got["owned"])
+        assert got["skipped_steps"] == skips, (rank, got["skipped_steps"], skips)
+        assert got["loss_scale"] == scaler.get_scale(), (rank, got["loss_scale"])
+        for name in expected:
+            diff = float((got["params"][name] - expected[name]).abs().max())
+            assert diff <= FP16_TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
 def test_dmuon_strategy_refuses_what_it_cannot_serve():
     import lightning as L
 
@@ -241,26 +329,26 @@ def test_the_strategys_precision_plugin_clips_a_dmuon_with_dmuons_functions():
     import lightning as L
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-    from dmuon.integrations.lightning import DMuonClipping, DMuonStrategy, with_dmuon_clipping
+    from dmuon.integrations.lightning import DMuonPrecision, DMuonStrategy, with_dmuon_precision
     from dmuon.optim import DMuon, clip_grad_norm_, clip_grad_value_, param_groups
 
     trainer = L.Trainer(
         strategy=DMuonStrategy(), accelerator="cpu", devices=1, precision="bf16-mixed"
     )
     plugin = trainer.precision_plugin
-    assert isinstance(plugin, MixedPrecision) and isinstance(plugin, DMuonClipping)
+    assert isinstance(plugin, MixedPrecision) and isinstance(plugin, DMuonPrecision)
     assert plugin.precision == "bf16-mixed"
     mine = Precision()
     trainer = L.Trainer(strategy=DMuonStrategy(), accelerator="cpu", devices=1, plugins=[mine])
-    assert trainer.precision_plugin is mine and isinstance(mine, DMuonClipping)
-    assert with_dmuon_clipping(mine) is mine
+    assert trainer.precision_plugin is mine and isinstance(mine, DMuonPrecision)
+    assert with_dmuon_precision(mine) is mine
     again = pickle.loads(pickle.dumps(mine))  # a spawned process gets the plugin pickled
-    assert isinstance(again, DMuonClipping) and type(again) is type(mine)
-    fp16 = with_dmuon_clipping(MixedPrecision("16-mixed", "cpu"))  # state with __getstate__
+    assert isinstance(again, DMuonPrecision) and type(again) is type(mine)
+    fp16 = with_dmuon_precision(MixedPrecision("16-mixed", "cpu"))  # state with __getstate__
     again = pickle.loads(pickle.dumps(fp16))
     assert type(again) is type(fp16) and isinstance(again.scaler, torch.amp.GradScaler)
     with pytest.raises(TypeError, match="Lightning Precision plugin"):
-        with_dmuon_clipping(object())
+        with_dmuon_precision(object())
 
     def grads(seed):
         torch.manual_seed(seed)
@@ -289,13 +377,14 @@ def test_the_strategys_precision_plugin_clips_a_dmuon_with_dmuons_functions():
 
 def _mixed_precision_clipping(rank: int, world: int) -> dict[str, str]:
     """Owner mode, Lightning's bf16 ``MixedPrecision`` plugin clipping by norm and by
-    value: the same gradients as DMuon's functions called directly; fp16 (a scaler)
-    refused by name."""
+    value: the same gradients as DMuon's functions called directly; fp16: with a plain
+    GradScaler refused by name, with a ShardedGradScaler unscaled, then clipped."""
     from lightning.pytorch.plugins.precision import MixedPrecision
     from lightning.pytorch.utilities import GradClipAlgorithmType
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     from dmuon.integrations import ddp
-    from dmuon.integrations.lightning import with_dmuon_clipping
+    from dmuon.integrations.lightning import agree_loss_scaler, with_dmuon_precision
     from dmuon.optim import DMuon, clip_grad_norm_, clip_grad_value_, param_groups
 
     def owner_model():
@@ -308,7 +397,7 @@ def _mixed_precision_clipping(rank: int, world: int) -> dict[str, str]:
         nn.functional.mse_loss(m(torch.randn(4, 6, generator=g)), torch.zeros(4, 3)).backward()
 
     out = {}
-    bf16 = with_dmuon_clipping(MixedPrecision("bf16-mixed", "cpu"))
+    bf16 = with_dmuon_precision(MixedPrecision("bf16-mixed", "cpu"))
     cases = (("norm", GradClipAlgorithmType.NORM, clip_grad_norm_, 0.05),
              ("value", GradClipAlgorithmType.VALUE, clip_grad_value_, 0.01))  # fmt: skip
     for name, algorithm, direct, value in cases:
@@ -325,28 +414,60 @@ def _mixed_precision_clipping(rank: int, world: int) -> dict[str, str]:
         out[name] = f"same={same} held={held}"
         opt.step()
         ref_opt.step()
-    fp16 = with_dmuon_clipping(MixedPrecision("16-mixed", "cpu"))
+
+    def scaled_backward(m, scaler):
+        g = torch.Generator().manual_seed(rank)
+        loss = nn.functional.mse_loss(m(torch.randn(4, 6, generator=g)), torch.zeros(4, 3))
+        scaler.scale(loss).backward()
+
+    # Lightning's fp16 plugin as it comes (a GradScaler): refused by name, nothing unscaled.
+    plain = with_dmuon_precision(MixedPrecision("16-mixed", "cpu"))
     m, opt = owner_model()
-    backward(m)
+    scaled_backward(m, plain.scaler)
     try:
-        fp16.clip_gradients(opt, 0.05, GradClipAlgorithmType.NORM)
-        out["fp16"] = "clipped"
-    except RuntimeError as err:
-        out["fp16"] = str(err)
-    opt.step()
+        plain.clip_gradients(opt, 0.05, GradClipAlgorithmType.NORM)
+        out["plain"] = "clipped"
+    except TypeError as err:
+        out["plain"] = f"{err} unscaled={opt.unscaled}"
+    opt.step()  # finishes the reductions
+    # As DMuonStrategy gives it (a ShardedGradScaler): clipping unscales first, once;
+    # the same gradients as opt.unscale_ + clip_grad_norm_ called directly.
+    agreed = agree_loss_scaler(with_dmuon_precision(MixedPrecision("16-mixed", "cpu")))
+    ref_scaler = ShardedGradScaler(device="cpu")
+    (m, opt), (ref, ref_opt) = owner_model(), owner_model()
+    scaled_backward(m, agreed.scaler)
+    scaled_backward(ref, ref_scaler)
+    agreed.clip_gradients(opt, 0.05, GradClipAlgorithmType.NORM)
+    ref_opt.unscale_(ref_scaler)
+    clip_grad_norm_(ref_opt, 0.05)
+    same = all(
+        (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+        for a, b in zip(m.parameters(), ref.parameters(), strict=True)
+    )
+    out["fp16"] = f"same={same} unscaled={opt.unscaled}"
+    for scaler, o in ((agreed.scaler, opt), (ref_scaler, ref_opt)):
+        scaler.step(o)
+        scaler.update()
+    out["after"] = f"unscaled={opt.unscaled} steps={opt.steps_taken}"
     return out
 
 
-def test_owner_mode_clips_under_bf16_mixed_precision_and_refuses_fp16():
+def test_owner_mode_clips_under_mixed_precision():
     """Lightning's ``MixedPrecision.clip_gradients`` refuses any optimizer that unscales
     itself (``_step_supports_amp_scaling``, set by owner mode): under ``bf16-mixed`` the
-    strategy's plugin clipped nothing and raised on every rank."""
+    strategy's plugin clipped nothing and raised on every rank. Under ``16-mixed`` the
+    plugin unscales through ``DMuon.unscale_`` first (Lightning's manual optimization
+    clips before ``opt.step()``) with the ``ShardedGradScaler`` the strategy gives it;
+    a plain ``GradScaler`` is refused by name before anything is unscaled."""
     from dmuon.comm.testing import run_on_ranks
 
     for rank, out in enumerate(run_on_ranks(_mixed_precision_clipping, WORLD, timeout=120)):
         for name in ("norm", "value"):
             assert out[name].startswith("same=True") and "held=0" not in out[name], (rank, out)
-        assert "precision='bf16-mixed'" in out["fp16"], (rank, out["fp16"])
+        assert "needs a ShardedGradScaler" in out["plain"], (rank, out["plain"])
+        assert out["plain"].endswith("unscaled=False"), (rank, out["plain"])
+        assert out["fp16"] == "same=True unscaled=True", (rank, out["fp16"])
+        assert out["after"] == "unscaled=False steps=1", (rank, out["after"])
 
 
 def _load_checks(rank: int, world: int, tmp: str) -> tuple[int, list[str]]:

@@ -96,13 +96,20 @@ def train(rank: int, world: int, scalars: str, clip: bool) -> dict[str, object]:
     ded = ddp.dedicate(m, scalars=scalars)
     opt = DMuon(param_groups(m), distributed=ded, **options())
     scaler = ShardedGradScaler(device="cpu", **SCALER)
+
+    def unscale() -> None:
+        assert not opt.unscaled, "unscaled before unscale_"
+        opt.unscale_(scaler)
+        assert opt.unscaled, "DMuon.unscaled is False after unscale_"
+
     scales = scaled_steps(
         opt,
         scaler,
         lambda t: loss_of(m, t, rank),
-        lambda: opt.unscale_(scaler),
+        unscale,
         (lambda: clip_grad_norm_(opt, MAX_NORM)) if clip else None,
     )
+    assert not opt.unscaled, "DMuon.unscaled outlived its step"
     ded.wait()
     params = {n: p.detach().clone() for n, p in m.named_parameters()}
     return {"params": params, "scales": scales, "skipped": opt.skipped_steps, "mode": opt.mode}

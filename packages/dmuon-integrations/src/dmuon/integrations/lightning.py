@@ -19,6 +19,9 @@ of a DMuon goes through :func:`dmuon.optim.clip_grad_norm_` and
 (in owner mode each matrix's on its owner, once the reductions have finished); torch's
 functions, which Lightning calls otherwise, would change the local gradients after they
 had left for their owners (owner mode refuses that step, ``GradientChangedError``).
+fp16 loss scaling (``precision="16-mixed"``) works in owner mode too: the strategy gives
+the precision plugin a ``ShardedGradScaler`` (every rank's Inf flags summed), and the
+gradients are unscaled once their reductions have finished.
 
 It also makes Lightning checkpoints whole: Lightning writes the optimizer state of
 rank 0 only, but in owner and replicated mode each matrix's momentum lives on its
@@ -36,12 +39,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
@@ -59,10 +63,11 @@ from dmuon.optim.loss_scaling import AGREED_MODES
 __all__ = [
     "CHECKPOINT_FORMAT",
     "STRATEGY_MODES",
-    "DMuonClipping",
+    "DMuonPrecision",
     "DMuonStrategy",
+    "agree_loss_scaler",
     "dmuon_optimizer",
-    "with_dmuon_clipping",
+    "with_dmuon_precision",
 ]
 
 STRATEGY_MODES = ("owner", "replicated")
@@ -95,11 +100,14 @@ class DMuonStrategy(DDPStrategy):
 
     Gradient clipping (``Trainer(gradient_clip_val=...)``, by norm or by value) of a
     DMuon is :func:`dmuon.optim.clip_grad_norm_` / :func:`dmuon.optim.clip_grad_value_`
-    in either mode, in 32-bit and ``"bf16-mixed"`` precision: the precision plugin
-    Lightning picks (from ``precision=`` or ``plugins=``) is kept, and its clipping
-    methods hand a DMuon to DMuon's functions (other optimizers are clipped by the
-    plugin as before). ``"16-mixed"`` (an fp16 loss scaler) is refused in owner and
-    ``sign`` mode.
+    in either mode and any precision: the precision plugin Lightning picks (from
+    ``precision=`` or ``plugins=``) is kept, and its clipping methods hand a DMuon to
+    DMuon's functions (other optimizers are clipped by the plugin as before; see
+    :class:`DMuonPrecision`). With ``precision="16-mixed"`` in owner mode the plugin's
+    ``GradScaler`` becomes a ``ShardedGradScaler`` with the same settings
+    (:func:`agree_loss_scaler`), so that every rank skips a step with an Inf
+    gradient and scales its loss alike, and the step unscales through
+    :meth:`dmuon.optim.DMuon.unscale_`, after the reductions to the owners.
 
     Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``) hold every owner's
     optimizer state, gathered to rank 0 when saving; ``trainer.fit(..., ckpt_path=)``
@@ -202,11 +210,15 @@ class DMuonStrategy(DDPStrategy):
     def precision_plugin(self) -> Precision:
         """The precision plugin Lightning chose, clipping a DMuon with DMuon's functions."""
         plugin = self._precision_plugin
-        return plugin if plugin is not None else with_dmuon_clipping(Precision())
+        return plugin if plugin is not None else with_dmuon_precision(Precision())
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = None if plugin is None else with_dmuon_clipping(plugin)
+        if plugin is not None:
+            plugin = with_dmuon_precision(plugin)
+            if self._mode == "owner":
+                agree_loss_scaler(plugin)
+        self._precision_plugin = plugin
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -305,8 +317,9 @@ class DMuonStrategy(DDPStrategy):
         super().teardown()
 
 
-class DMuonClipping:
-    """What a precision plugin under :class:`DMuonStrategy` adds: DMuon's gradient clipping.
+class DMuonPrecision:
+    """What a precision plugin under :class:`DMuonStrategy` adds: DMuon's gradient
+    clipping and, in owner and ``sign`` mode, DMuon's fp16 loss-scaled step.
 
     Lightning clips in the precision plugin's ``clip_grad_by_norm`` and
     ``clip_grad_by_value``, with :func:`torch.nn.utils.clip_grad_norm_` and
@@ -315,20 +328,65 @@ class DMuonClipping:
     :func:`dmuon.optim.clip_grad_norm_` and :func:`dmuon.optim.clip_grad_value_`
     instead, which clip the averaged gradient whatever the mode, and
     ``clip_gradients`` dispatches a DMuon to them (see its docstring); any other
-    optimizer goes to the plugin's own methods. :func:`with_dmuon_clipping` puts this
-    class in front of a plugin's own class; it changes nothing else.
+    optimizer goes to the plugin's own methods.
+
+    With an fp16 loss scaler (``precision="16-mixed"``) and a DMuon in owner or
+    ``sign`` mode, :meth:`optimizer_step` unscales through
+    :meth:`dmuon.optim.DMuon.unscale_` (which finishes the reductions to the owners
+    first) before Lightning's ``on_before_optimizer_step`` hooks and clipping, then
+    lets the scaler step and update (see :mod:`dmuon.optim.loss_scaling`). The scaler
+    must be a ``ShardedGradScaler`` over the world: :class:`DMuonStrategy` in owner
+    mode gives ``MixedPrecision`` one in place of Lightning's ``GradScaler``.
+    :func:`with_dmuon_precision` puts this class in front of a plugin's own class; it
+    changes nothing else.
 
     Examples:
         >>> import torch
-        >>> from lightning.pytorch.plugins.precision import Precision
-        >>> from dmuon.integrations.lightning import with_dmuon_clipping
+        >>> from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+        >>> from dmuon.integrations.lightning import with_dmuon_precision
         >>> from dmuon.optim import DMuon
         >>> w = torch.nn.Parameter(torch.zeros(2, 2))
         >>> w.grad = torch.full((2, 2), 2.0)  # norm 4
-        >>> with_dmuon_clipping(Precision()).clip_grad_by_norm(DMuon([w]), 1.0)
+        >>> with_dmuon_precision(Precision()).clip_grad_by_norm(DMuon([w]), 1.0)
         >>> round(w.grad.norm().item(), 4)
         1.0
     """
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """A DMuon's fp16 loss-scaled step in owner or ``sign`` mode; else the plugin's.
+
+        As Lightning's ``MixedPrecision.optimizer_step``, with ``scaler.unscale_(opt)``
+        replaced by ``opt.unscale_(scaler)``: the closure (forward, backward), the
+        unscaling (every rank's Inf flags summed by the ``ShardedGradScaler``), the
+        ``on_before_optimizer_step`` hooks and clipping (on unscaled gradients), then
+        ``scaler.step`` (which skips the step on every rank alike when a rank found an
+        Inf) and ``scaler.update``. A backward that the automatic optimization skipped
+        (the closure returned ``None``) is neither unscaled nor stepped.
+
+        Raises:
+            TypeError: (owner, ``sign`` mode) the plugin's scaler is not a
+                ``ShardedGradScaler`` (see :meth:`dmuon.optim.DMuon.unscale_`).
+        """
+        scaler = getattr(self, "scaler", None)
+        opt = _unwrap(optimizer)
+        if scaler is None or not isinstance(opt, DMuon) or opt.mode not in AGREED_MODES:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[misc]
+        closure_result = closure()
+        skipped_backward = closure_result is None and model.automatic_optimization
+        if not skipped_backward and not opt.unscaled:
+            opt.unscale_(scaler)
+        self._after_closure(model, optimizer)  # type: ignore[attr-defined]
+        if skipped_backward:
+            return closure_result
+        step_output = scaler.step(optimizer, **kwargs)
+        scaler.update()
+        return step_output
 
     def clip_gradients(
         self,
@@ -340,10 +398,12 @@ class DMuonClipping:
 
         Lightning's ``MixedPrecision`` refuses to clip for an optimizer that unscales
         gradients itself (``_step_supports_amp_scaling``, which DMuon's owner and sign
-        modes set so that a loss scaler calls their step on every rank): with bf16 (no
-        scaler) there is nothing to unscale, so a DMuon is clipped here directly.
-        With an fp16 scaler in those modes the gradients are still scaled here
-        (Lightning leaves their unscaling to the step, which refuses it): refused.
+        modes set so that a loss scaler calls their step on every rank), so a DMuon
+        is clipped here directly. With an fp16 scaler in those modes the gradients
+        are unscaled first (:meth:`dmuon.optim.DMuon.unscale_`) unless they already
+        are: under automatic optimization :meth:`optimizer_step` has unscaled them,
+        under manual optimization (``self.clip_gradients`` before ``opt.step()``) it
+        happens here, once per step.
         """
         opt = _unwrap(optimizer)
         if not isinstance(opt, DMuon):
@@ -351,13 +411,9 @@ class DMuonClipping:
             return
         if clip_val <= 0:
             return
-        if getattr(self, "scaler", None) is not None and opt.mode in AGREED_MODES:
-            raise RuntimeError(
-                "gradient clipping with Lightning's fp16 loss scaler (precision='16-mixed') in "
-                f"DMuon's {opt.mode} mode: the gradients are still scaled when Lightning "
-                "clips, and the step refuses the scaled gradients; use "
-                "precision='bf16-mixed' (no scaler)"
-            )
+        scaler = getattr(self, "scaler", None)
+        if scaler is not None and opt.mode in AGREED_MODES and not opt.unscaled:
+            opt.unscale_(scaler)
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             self.clip_grad_by_value(optimizer, clip_val)
         else:
@@ -384,50 +440,85 @@ class DMuonClipping:
         base = type(self).__bases__[1]
         getstate = getattr(super(), "__getstate__", None)  # object has one from Python 3.11
         state = getstate() if getstate is not None else self.__dict__
-        return (_new_with_clipping, (base,), state)
+        return (_new_with_precision, (base,), state)
 
 
-_CLIPPING_CLASSES: dict[type[Precision], type[Precision]] = {}
+_PRECISION_CLASSES: dict[type[Precision], type[Precision]] = {}
 
 
-def _clipping_class(base: type[Precision]) -> type[Precision]:
-    """``DMuonClipping<Base>(DMuonClipping, Base)``, made once per plugin class."""
-    if base not in _CLIPPING_CLASSES:
-        _CLIPPING_CLASSES[base] = type(
-            f"DMuonClipping{base.__name__}",
-            (DMuonClipping, base),
+def _precision_class(base: type[Precision]) -> type[Precision]:
+    """``DMuonPrecision<Base>(DMuonPrecision, Base)``, made once per plugin class."""
+    if base not in _PRECISION_CLASSES:
+        _PRECISION_CLASSES[base] = type(
+            f"DMuonPrecision{base.__name__}",
+            (DMuonPrecision, base),
             {"__module__": __name__, "__doc__": base.__doc__},
         )
-    return _CLIPPING_CLASSES[base]
+    return _PRECISION_CLASSES[base]
 
 
-def with_dmuon_clipping(plugin: Precision) -> Precision:
-    """``plugin``, clipping a DMuon's gradients with DMuon's functions (:class:`DMuonClipping`).
+def with_dmuon_precision(plugin: Precision) -> Precision:
+    """``plugin``, clipping a DMuon's gradients with DMuon's functions (:class:`DMuonPrecision`).
 
     The plugin object is kept (Lightning and the user may hold it): its class becomes a
-    subclass of its own class with :class:`DMuonClipping` in front, so ``isinstance``
+    subclass of its own class with :class:`DMuonPrecision` in front, so ``isinstance``
     checks against the plugin's class still hold and everything but the clipping
     methods is the plugin's. A plugin that has the clipping already is returned as is.
 
     Examples:
         >>> from lightning.pytorch.plugins.precision import MixedPrecision
-        >>> from dmuon.integrations.lightning import DMuonClipping, with_dmuon_clipping
-        >>> plugin = with_dmuon_clipping(MixedPrecision("bf16-mixed", "cpu"))
-        >>> isinstance(plugin, MixedPrecision), isinstance(plugin, DMuonClipping)
+        >>> from dmuon.integrations.lightning import DMuonPrecision, with_dmuon_precision
+        >>> plugin = with_dmuon_precision(MixedPrecision("bf16-mixed", "cpu"))
+        >>> isinstance(plugin, MixedPrecision), isinstance(plugin, DMuonPrecision)
         (True, True)
     """
     if not isinstance(plugin, Precision):
         raise TypeError(f"expected a Lightning Precision plugin, got {type(plugin).__name__}")
-    if not isinstance(plugin, DMuonClipping):
-        plugin.__class__ = _clipping_class(type(plugin))
+    if not isinstance(plugin, DMuonPrecision):
+        plugin.__class__ = _precision_class(type(plugin))
     return plugin
 
 
-def _new_with_clipping(base: type[Precision]) -> Precision:
-    """An empty ``base`` plugin with :class:`DMuonClipping` in front (pickle then sets
+def agree_loss_scaler(plugin: Precision) -> Precision:
+    """``plugin``, its fp16 loss scaler a ``ShardedGradScaler`` over the world.
+
+    Lightning's ``MixedPrecision("16-mixed")`` holds a ``torch.amp.GradScaler``, which
+    looks for Inf/NaN in this rank's gradients only. In owner mode each rank holds
+    the averaged gradients of the matrices it owns, so the ranks would skip steps and
+    scale their losses differently; DMuon's owner-mode step refuses such a scaler
+    (see :mod:`dmuon.optim.loss_scaling`). This puts a
+    :class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` on the same
+    device with the same scale, growth and backoff factors, growth interval and
+    growth tracker (its ``state_dict``) in its place; it sums the ranks' Inf flags.
+    :class:`DMuonStrategy` in owner mode calls this on the plugin Lightning picks. A
+    plugin without a scaler, or with a ``ShardedGradScaler`` already, is unchanged;
+    so is one whose scaler is disabled.
+
+    Examples:
+        >>> from lightning.pytorch.plugins.precision import MixedPrecision
+        >>> from dmuon.integrations.lightning import agree_loss_scaler
+        >>> plugin = agree_loss_scaler(MixedPrecision("16-mixed", "cpu"))
+        >>> type(plugin.scaler).__name__, plugin.scaler.get_scale()
+        ('ShardedGradScaler', 65536.0)
+    """
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler = getattr(plugin, "scaler", None)
+    if not isinstance(plugin, MixedPrecision) or not isinstance(scaler, torch.amp.GradScaler):
+        return plugin
+    if isinstance(scaler, ShardedGradScaler) or not scaler.is_enabled():
+        return plugin
+    agreed = ShardedGradScaler(device=plugin.device)
+    agreed.load_state_dict(scaler.state_dict())
+    plugin.scaler = agreed
+    return plugin
+
+
+def _new_with_precision(base: type[Precision]) -> Precision:
+    """An empty ``base`` plugin with :class:`DMuonPrecision` in front (pickle then sets
     its state)."""
     plugin: Precision = object.__new__(base)
-    return with_dmuon_clipping(plugin)
+    return with_dmuon_precision(plugin)
 
 
 def _unwrap(optimizer: Optimizer) -> Optimizer:

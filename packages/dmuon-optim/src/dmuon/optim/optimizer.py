@@ -394,6 +394,16 @@ class DMuon(torch.optim.Optimizer):
         unscale_(self._engine, self, scaler)
         self._unscaled_step = self.steps_taken + self.skipped_steps + 1
 
+    @property
+    def unscaled(self) -> bool:
+        """Whether :meth:`unscale_` has unscaled the gradients the next step reads.
+
+        ``False`` again once that step has run (taken or skipped). A training loop
+        that may clip before its scaler steps (Lightning's manual optimization)
+        reads it to unscale once per step.
+        """
+        return self._unscaled_step == self.steps_taken + self.skipped_steps + 1
+
     def collective_deadline(self) -> float | None:
         """The deadline, in seconds, of DMuon's collectives now (``None``: the group's).
 
