@@ -5,7 +5,7 @@
     python examples/lightning_owner.py --devices 2 --ckpt-dir ckpts     # a checkpoint per epoch
     python examples/lightning_owner.py --devices 2 --resume ckpts/epoch=0-step=8.ckpt
     python examples/lightning_owner.py --devices 2 --mode replicated   # keep the DDP wrapper
-    python examples/lightning_owner.py --devices 2 --clip-val 0.5      # gradient clipping
+    python examples/lightning_owner.py --devices 2 --clip-val 0.2      # gradient clipping
     python examples/lightning_owner.py --devices 2 --precision 16-mixed  # fp16 loss scaling
 
 Each matrix's gradient is reduced to its owner rank only (no DDP all-reduce), the

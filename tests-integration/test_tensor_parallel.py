@@ -109,7 +109,11 @@ def test_every_mode_but_single_refuses_a_tensor_parallel_mlp_over_all_ranks_on_e
         msg = out["sign"]
         assert msg is not None, f"rank {rank}, sign: no error"
         assert "'fc1.weight'" in msg and COLWISE in msg, (rank, msg)
-        assert "mode='sign'" in msg and "mode='sharded' does" in msg, (rank, msg)
+        # sharded mode steps fc1 (row shards) but not fc2: "leave mode unset" would only
+        # move the refusal to fc2; single mode steps both
+        assert "mode='sign'" in msg and "but not 'fc2.weight'" in msg and ROWWISE in msg, msg
+        assert msg.endswith("pass mode='single'"), (rank, msg)
+        assert "leave mode unset" not in msg, (rank, msg)
         # replicated mode steps shards with owners over *another* group (dp × tp): over
         # the tp ranks themselves it is refused (more in the replicated tests below)
         msg = out["replicated"]

@@ -415,6 +415,10 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
     """
     params = list(params)
     experts = [e.name for e in params if e.matrix and placement_of_param(e).expert_split]
+    layouts = {e.name: placement_of_param(e) for e in params if e.matrix}
+    every = (
+        set.intersection(*(set(supported_by(pl)) for pl in layouts.values())) if layouts else set()
+    )
     for e in params:
         if not e.matrix:
             continue
@@ -422,6 +426,21 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
         modes = supported_by(pl)
         if mode in modes:
             continue
+        if "sharded" in modes and "sharded" not in every:
+            # Sharded mode takes this matrix but not another one: "leave mode unset"
+            # (which picks sharded mode) would only move the refusal to that one.
+            other = next(n for n, o in layouts.items() if "sharded" not in supported_by(o))
+            fits = [m for m in modes if m in every]
+            advice = (
+                f"mode={fits[0]!r} steps every matrix here: pass mode={fits[0]!r}"
+                if fits
+                else "no mode steps every matrix here: give these matrices separate optimizers"
+            )
+            raise ValueError(
+                f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), "
+                f"which mode={mode!r} does not step; mode='sharded' steps it, but not "
+                f"{other!r} ({layouts[other].summary()}, {layouts[other].what()}); {advice}"
+            )
         if not pl.distributed:
             ep = (
                 f"; expert stacks split over a mesh dimension ({experts[0]!r}) beside plain "
