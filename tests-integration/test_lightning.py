@@ -347,6 +347,20 @@ def test_the_strategys_precision_plugin_clips_a_dmuon_with_dmuons_functions():
     fp16 = with_dmuon_precision(MixedPrecision("16-mixed", "cpu"))  # state with __getstate__
     again = pickle.loads(pickle.dumps(fp16))
     assert type(again) is type(fp16) and isinstance(again.scaler, torch.amp.GradScaler)
+    # fp16: owner mode's plugin gets a ShardedGradScaler with the GradScaler's settings,
+    # replicated mode (DDP all-reduces every gradient) keeps Lightning's
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    for mode, kind in (("owner", ShardedGradScaler), ("replicated", torch.amp.GradScaler)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=7)
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+        trainer = L.Trainer(
+            strategy=DMuonStrategy(mode), accelerator="cpu", devices=1, plugins=[plugin]
+        )
+        got = trainer.precision_plugin.scaler
+        assert type(got) is kind, (mode, type(got))
+        assert (got.get_scale(), got.get_growth_interval()) == (8.0, 7), mode
+        assert type(pickle.loads(pickle.dumps(trainer.precision_plugin)).scaler) is kind
     with pytest.raises(TypeError, match="Lightning Precision plugin"):
         with_dmuon_precision(object())
 

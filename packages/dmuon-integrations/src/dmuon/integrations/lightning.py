@@ -508,7 +508,9 @@ def agree_loss_scaler(plugin: Precision) -> Precision:
         return plugin
     if isinstance(scaler, ShardedGradScaler) or not scaler.is_enabled():
         return plugin
-    agreed = ShardedGradScaler(device=plugin.device)
+    # process_group=None: the world when it is used (torch's default is the world group
+    # object as of import, which a pickled plugin, as for spawned processes, cannot carry)
+    agreed = ShardedGradScaler(device=plugin.device, process_group=None)
     agreed.load_state_dict(scaler.state_dict())
     plugin.scaler = agreed
     return plugin
