@@ -371,6 +371,20 @@ class DMuon(torch.optim.Optimizer):
             raise refusal
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``; in owner mode it also drops a step that
+        will not be taken.
+
+        Owner mode reduces each gradient to its owner during backward. A loop that drops
+        a batch after its backward (``loss.backward(); opt.zero_grad()``, no step) leaves
+        those reductions pending; this finishes them on every rank, as a skipped step
+        would, and forgets them, so that the next backward starts a new step. Call it on
+        every rank alike (it communicates when a backward ran since the last step).
+        ``model.zero_grad()`` does not do this.
+        """
+        self._engine.discard_grads()
+        super().zero_grad(set_to_none)
+
     def unscale_(self, scaler: torch.amp.GradScaler) -> None:
         """``scaler.unscale_(self)``, once the gradients are final: fp16 loss scaling.
 

@@ -25,6 +25,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from dmuon.optim.apply import decoupled_decay_
 from dmuon.optim.hyperparameters import SCALAR_OPTIONS, Option
+from dmuon.optim.matrix_split import local_tensor
 
 __all__ = [
     "SCALAR_ALGORITHMS",
@@ -86,7 +87,11 @@ def _step_in_fp32(
     wide_params = [params[i].float() for i in narrow]
     wide_buffers = [[b[i].float() for i in narrow] for b in buffers]
     step(wide_params, [grads[i].float() for i in narrow], wide_buffers, _pick(steps, narrow))
-    torch._foreach_copy_(_pick(params, narrow), wide_params)  # the one rounding
+    # the one rounding; a DTensor (FSDP2's shard) by its local tensor, which writes
+    # through: DTensor has no sharding rule for the foreach copy
+    torch._foreach_copy_(
+        [local_tensor(p) for p in _pick(params, narrow)], [local_tensor(w) for w in wide_params]
+    )
     for b, wide in zip(buffers, wide_buffers, strict=True):
         for i, w in zip(narrow, wide, strict=True):
             if w is not b[i]:

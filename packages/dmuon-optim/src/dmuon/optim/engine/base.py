@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm.process_groups import group_size, twin_groups
-from dmuon.optim.engine.params import EngineParam, collect_params, is_dtensor
+from dmuon.optim.engine.params import EngineParam, collect_params, frozen_params, is_dtensor
 from dmuon.optim.engine.placements import placement_of_param
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.engine.tensor_split import split_of
@@ -105,11 +105,17 @@ class Engine:
         self.world_size = 1
         self.params: list[EngineParam] = []
         self._by_param: dict[int, EngineParam] = {}
+        self._frozen: list[tuple[str, torch.Tensor]] = []
 
     def bind(self, stepper: Stepper) -> None:
-        """Learn the optimizer's parameters (called once, after its groups exist)."""
+        """Learn the optimizer's parameters (called once, after its groups exist).
+
+        A parameter frozen then (``requires_grad=False``) is left out of the plan: the
+        distributed engines refuse a step in which it holds a gradient (:meth:`thawed`).
+        """
         self.params = collect_params(stepper.param_groups)
         self._by_param = {id(e.param): e for e in self.params}
+        self._frozen = frozen_params(stepper.param_groups)
 
     def info(self, p: torch.Tensor) -> EngineParam | None:
         """The engine's view of ``p`` (``None`` for a frozen parameter)."""
@@ -155,6 +161,22 @@ class Engine:
 
     def skip_step(self) -> None:
         """Finish this step's communication without stepping (every rank skips alike)."""
+
+    def discard_grads(self) -> None:
+        """Drop the gradients of a step that will not be taken (``DMuon.zero_grad``): what
+        the backward launched is finished, the next backward starts a new step. Every
+        rank calls it alike (owner mode communicates, as :meth:`skip_step`)."""
+
+    def thawed(self) -> list[str]:
+        """The parameters of the groups that did not require a gradient when the
+        optimizer was built but hold one now (see :meth:`bind`).
+
+        A distributed engine planned without them (owners, buckets, the dedication's
+        hooks): nothing would average their gradients or step them alike on every rank.
+        ``DMuon.step`` refuses such a step on every rank. ``single`` mode takes them as
+        they come (``[]``).
+        """
+        return [name for name, p in self._frozen if p.grad is not None]
 
     def settle(self) -> None:
         """Wait until every parameter holds this step's value (owner mode: publications)."""
@@ -219,6 +241,9 @@ class SingleEngine(Engine):
     def __init__(self) -> None:
         super().__init__()
         self._guards: list[dist.ProcessGroup | None] = []
+
+    def thawed(self) -> list[str]:
+        return []  # stepped from the groups as they are, like torch's optimizers
 
     def bind(self, stepper: Stepper) -> None:
         """Learn the parameters; with DTensor matrices on several ranks, make the twin of

@@ -175,6 +175,17 @@ class OwnerEngine(Engine):
             ex.publication.release_all()
         ex.reduction.end_step()
 
+    def discard_grads(self) -> None:
+        ex = self.exchange
+        red = ex.reduction
+        if red.present:  # the backward launched reductions (or left them to the flush)
+            red.flush()  # every rank's, so the collectives pair up as in a step
+            self.skip_step()
+        elif red.accumulated or red.held_back:  # only no_sync micro-batches: nothing sent
+            if ex.reshard_after_forward:
+                ex.publication.release_all()
+            red.end_step()
+
     def settle(self) -> None:
         if not self.exchange.reshard_after_forward:  # ZeRO-3-like: nothing compared to wait for
             self.exchange.publication.wait_all_published()

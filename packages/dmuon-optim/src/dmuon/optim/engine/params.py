@@ -27,6 +27,7 @@ from dmuon.optim.rules import RULES
 __all__ = [
     "EngineParam",
     "collect_params",
+    "frozen_params",
     "is_dtensor",
     "item_shape",
     "layers_in_order",
@@ -114,6 +115,19 @@ def collect_params(
             layer = layer_of(name)
             item = MatrixItem(name, item_shape(p, group), p.dtype, layer)
             out.append(EngineParam(name, p, gi, i, matrix, layer, item))
+    return out
+
+
+def frozen_params(param_groups: Sequence[Mapping[str, Any]]) -> list[tuple[str, torch.Tensor]]:
+    """The parameters of ``param_groups`` that do not require a gradient, named as
+    :func:`collect_params` names parameters, in group order."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for gi, group in enumerate(param_groups):
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            if not p.requires_grad:
+                name = names[i] if names is not None and i < len(names) else f"group{gi}.param{i}"
+                out.append((name, p))
     return out
 
 

@@ -426,21 +426,6 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
         modes = supported_by(pl)
         if mode in modes:
             continue
-        if "sharded" in modes and "sharded" not in every:
-            # Sharded mode takes this matrix but not another one: "leave mode unset"
-            # (which picks sharded mode) would only move the refusal to that one.
-            other = next(n for n, o in layouts.items() if "sharded" not in supported_by(o))
-            fits = [m for m in modes if m in every]
-            advice = (
-                f"mode={fits[0]!r} steps every matrix here: pass mode={fits[0]!r}"
-                if fits
-                else "no mode steps every matrix here: give these matrices separate optimizers"
-            )
-            raise ValueError(
-                f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), "
-                f"which mode={mode!r} does not step; mode='sharded' steps it, but not "
-                f"{other!r} ({layouts[other].summary()}, {layouts[other].what()}); {advice}"
-            )
         if not pl.distributed:
             ep = (
                 f"; expert stacks split over a mesh dimension ({experts[0]!r}) beside plain "
@@ -479,6 +464,21 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
                 f"which mode={mode!r} does not step; mode='sharded' does: its rows travel to "
                 "an owner over the data-parallel dimension, whose tensor-parallel row steps the "
                 "shards together (leave mode unset, or pass mode='sharded')"
+            )
+        if "sharded" in modes and "sharded" not in every:
+            # Sharded mode takes this matrix but not another one: "leave mode unset"
+            # (which picks sharded mode) would only move the refusal to that one.
+            other = next(n for n, o in layouts.items() if "sharded" not in supported_by(o))
+            fits = [m for m in modes if m in every]
+            advice = (
+                f"mode={fits[0]!r} steps every matrix here: pass mode={fits[0]!r}"
+                if fits
+                else "no mode steps every matrix here: give these matrices separate optimizers"
+            )
+            raise ValueError(
+                f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), "
+                f"which mode={mode!r} does not step; mode='sharded' steps it, but not "
+                f"{other!r} ({layouts[other].summary()}, {layouts[other].what()}); {advice}"
             )
         if "sharded" in modes:
             also = "; mode='single' steps it on its shards" if "single" in modes else ""

@@ -136,6 +136,10 @@ class Reduction:
         self.sync_condition: Callable[[], bool] | None = None
         self.present: set[str] = set()
         self.held_back = 0
+        # gradients accumulated without a reduction this step (no_sync, or a sync
+        # condition that said no): present at the step even if the last micro-batch,
+        # which reduces, gives them nothing more
+        self.accumulated: set[str] = set()
         self.global_present: dict[str, bool] = {}
         self.next_launch = 0
         self.flushed = False
@@ -180,10 +184,15 @@ class Reduction:
     def grad_ready(self, p: torch.Tensor) -> None:
         """A gradient of ``p`` has been accumulated (call from a post-accumulate hook)."""
         if not self.sync:
-            if id(p) in self.name_by_id:
+            name = self.name_by_id.get(id(p))
+            if name is not None:
                 self.held_back += 1
+                self.accumulated.add(name)
             return
         if self.sync_condition is not None and not self.sync_condition():
+            name = self.name_by_id.get(id(p))
+            if name is not None:
+                self.accumulated.add(name)
             return
         name = self.name_by_id.get(id(p))
         if name is None:
@@ -193,7 +202,9 @@ class Reduction:
             raise RuntimeError(
                 f"a second gradient of {name!r} arrived after its layer {layer.key!r} was "
                 "reduced; call backward once per optimizer step, or run the earlier "
-                "micro-batches inside no_sync()"
+                "micro-batches inside no_sync(); to drop a batch after its backward, call "
+                "the optimizer's zero_grad() (DMuon's: it finishes and discards the step's "
+                "reductions)"
             )
         if not self.present and not self.publication.reshard_after_forward:
             # publications finish before this step's reductions
@@ -220,8 +231,10 @@ class Reduction:
         while self.next_launch < len(self.reduce_order):
             self._launch(self.reduce_order[self.next_launch])
         names = sorted(self.params)  # by name: one order on every rank
+        arrived = self.present | self.accumulated
         flags = torch.tensor(
-            [int(n in self.present) for n in names] + [self.held_back], dtype=torch.int32
+            [int(n in arrived) for n in names] + [self.held_back, int(bool(self.present))],
+            dtype=torch.int32,
         )
         for g, size in zip(self.groups, self.sizes, strict=True):
             if size > 1:
@@ -233,10 +246,10 @@ class Reduction:
                 self.stats.record_collective(
                     "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=size
                 )
-        *present, held_back = flags.tolist()
+        *present, held_back, synced = flags.tolist()
         self.global_present = {n: bool(f) for n, f in zip(names, present, strict=True)}
         self.flushed = True
-        if held_back and not any(present):
+        if held_back and not synced:
             self._drain()
             raise UnsyncedGradientsError(
                 f"every gradient of this step was accumulated inside no_sync() ({held_back} "
@@ -389,6 +402,7 @@ class Reduction:
             layer.ready.clear()
             layer.launched = layer.reduced = False
         self.present.clear()
+        self.accumulated.clear()
         self.taken.clear()
         self.changed.clear()
         self.held_back = 0
