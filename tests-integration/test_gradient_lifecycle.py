@@ -10,8 +10,9 @@ Each case found by trying what training loops do (none was covered before):
 * **a parameter that gets gradients only inside ``no_sync()``** (a branch the last
   micro-batch does not use): its accumulated gradient was copied into the owner's
   buffer but the step counted it absent and never stepped it (nor its bias). It is
-  now present at the step: the run equals one process on both micro-batches, also
-  when the dedication's sync condition (DeepSpeed's path) holds the reductions back;
+  now present at the step: the run equals one process on both micro-batches (under
+  ``ddp.dedicate`` and ``fsdp.dedicate``, also with ``free_local_grads``), and when the
+  dedication's sync condition (DeepSpeed's path) holds the reductions back;
 * **a parameter frozen when the optimizer was built, unfrozen later**
   (``param_groups(model, include_frozen=True)``): owner mode never stepped the matrix
   and stepped the bias on each rank's own, unaveraged gradient (the ranks drifted
@@ -68,12 +69,12 @@ def dedicated(setup: str, model: nn.Module, world: int):
     """The model dedicated as ``setup`` says, and what to call it through."""
     from dmuon.integrations import ddp, fsdp
 
-    if setup == "fsdp":
+    if setup in ("fsdp", "fsdp_free"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
-        ded = fsdp.dedicate(model, mesh)
+        ded = fsdp.dedicate(model, mesh, free_local_grads=setup == "fsdp_free")
         fully_shard(model, mesh=mesh, ignored_params=ded.params)
         return ded
     options = {
@@ -166,7 +167,13 @@ def run_branch(rank: int, world: int, setup: str, how: str) -> dict[str, torch.T
 
 @pytest.mark.parametrize(
     ("setup", "how"),
-    [("ddp", "no_sync"), ("ddp_owner_scalars", "no_sync"), ("ddp", "sync_condition")],
+    [
+        ("ddp", "no_sync"),
+        ("ddp_owner_scalars", "no_sync"),
+        ("ddp", "sync_condition"),
+        ("fsdp", "no_sync"),
+        ("fsdp_free", "no_sync"),
+    ],
 )
 def test_a_branch_used_only_inside_no_sync_is_stepped(setup, how):
     expected = branch_reference()

@@ -226,12 +226,14 @@ class Reduction:
         """
         if self.flushed:
             return
+        # an accumulated gradient counts if it is still there (not dropped by a
+        # model.zero_grad() since); asked before the launches below, which may free it
+        arrived = self.present | {n for n in self.accumulated if self.params[n].grad is not None}
         if not self.publication.reshard_after_forward:
             self.publication.wait_all_published()
         while self.next_launch < len(self.reduce_order):
             self._launch(self.reduce_order[self.next_launch])
         names = sorted(self.params)  # by name: one order on every rank
-        arrived = self.present | self.accumulated
         flags = torch.tensor(
             [int(n in arrived) for n in names] + [self.held_back, int(bool(self.present))],
             dtype=torch.int32,
