@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import pytest
 import torch
@@ -110,11 +111,15 @@ def dropped_reference() -> dict[str, torch.Tensor]:
     return params_of(model)
 
 
-def run_dropped(rank: int, world: int, setup: str) -> dict[str, object]:
+def run_dropped(rank: int, world: int, setup: str, clip_first: bool) -> dict[str, object]:
+    from dmuon.optim import clip_grad_norm_
+
     model = Net()
     ded = dedicated(setup, model, world)
     opt = DMuon(param_groups(model), distributed=ded, **OPT)
     loss(model, 0, rank).backward()
+    if clip_first:  # the reductions are finished (flushed) before the batch is dropped
+        clip_grad_norm_(opt, 1.0)
     opt.zero_grad()  # drop batch 0: its reductions are finished and forgotten
     for t in (1, 2):
         loss(model, t, rank).backward()
@@ -124,13 +129,61 @@ def run_dropped(rank: int, world: int, setup: str) -> dict[str, object]:
     return {"params": params_of(model), "taken": opt.steps_taken, "skipped": opt.skipped_steps}
 
 
-@pytest.mark.parametrize("setup", SETUPS)
-def test_a_batch_dropped_after_backward_is_forgotten(setup):
+@pytest.mark.parametrize(
+    ("setup", "clip_first"), [*((s, False) for s in SETUPS), ("ddp", True), ("fsdp", True)]
+)
+def test_a_batch_dropped_after_backward_is_forgotten(setup, clip_first):
     expected = dropped_reference()
-    for rank, out in enumerate(run_on_ranks(run_dropped, WORLD, args=(setup,), timeout=120)):
+    args = (setup, clip_first)
+    for rank, out in enumerate(run_on_ranks(run_dropped, WORLD, args=args, timeout=120)):
         assert (out["taken"], out["skipped"]) == (2, 0), (rank, out["taken"], out["skipped"])
         diff, where = max_diff(out["params"], expected)
         assert diff <= TOLERANCE, f"{setup}, rank {rank}: {where} differs by {diff:.2e}"
+
+
+def run_stalled_drop(rank: int, world: int) -> dict[str, object]:
+    """Rank 1 stalls outside DMuon before dropping its batch: rank 0's zero_grad, which
+    communicates, must give up at DMuon's deadline and say where it was."""
+    from dmuon.comm import CollectiveError
+    from dmuon.comm.testing import rank_store
+
+    model = Net()
+    opt = DMuon(
+        param_groups(model),
+        distributed=dedicated("ddp", model, world),
+        timeout=2.0,
+        store=rank_store(),
+        **OPT,
+    )
+    loss(model, 0, rank).backward()
+    if rank == 1:
+        time.sleep(6)
+    t0 = time.monotonic()
+    try:
+        opt.zero_grad()
+    except CollectiveError as err:
+        return {"error": str(err), "seconds": time.monotonic() - t0}
+    return {"error": None}
+
+
+def test_a_dropped_batch_waits_under_the_step_deadline():
+    out = run_on_ranks(run_stalled_drop, WORLD, timeout=60)[0]
+    assert out["error"] is not None and "DMuon zero_grad" in out["error"], out["error"]
+    assert out["seconds"] < 5, out
+
+
+def test_a_dropped_batch_forgets_its_unscaling():
+    """``opt.unscale_(scaler)`` then ``zero_grad`` (a batch dropped after clipping, as
+    Lightning's manual optimization may): the next batch is unscaled again, not stepped
+    on scaled gradients."""
+    model = Net()
+    opt = DMuon(param_groups(model), **OPT)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(loss(model, 0, 0)).backward()
+    opt.unscale_(scaler)
+    assert opt.unscaled
+    opt.zero_grad()
+    assert not opt.unscaled
 
 
 # ------------------------------------------------- a branch used inside no_sync() only
@@ -185,11 +238,60 @@ def test_a_branch_used_only_inside_no_sync_is_stepped(setup, how):
         assert diff <= TOLERANCE, f"{setup}/{how}, rank {rank}: {where} differs by {diff:.2e}"
 
 
+def unsynced_reference() -> dict[str, torch.Tensor]:
+    """One step on three micro-batches, ``b`` used by the first two only."""
+    model = Net()
+    opt = DMuon(param_groups(model), **OPT)
+    for m in range(3):
+        losses = [loss(model, m, r, use_b=m < 2) for r in range(WORLD)]
+        (sum(losses) / WORLD / 3).backward()
+    opt.step()
+    return params_of(model)
+
+
+def run_unsynced_recovery(rank: int, world: int, setup: str) -> dict[str, object]:
+    """Every micro-batch in no_sync: the step raises; one more backward outside it (not
+    reaching ``b``) and the step go on with all three micro-batches' gradients."""
+    from dmuon.optim import UnsyncedGradientsError
+
+    model = Net()
+    ded = dedicated(setup, model, world)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    with ded.no_sync():
+        for m in range(2):
+            (loss(model, m, rank) / 3).backward()
+    error = None
+    try:
+        opt.step()
+    except UnsyncedGradientsError as err:
+        error = str(err)
+    (loss(model, 2, rank, use_b=False) / 3).backward()
+    opt.step()
+    ded.wait()
+    return {"error": error, "params": params_of(model), "taken": opt.steps_taken}
+
+
+@pytest.mark.parametrize("setup", ["ddp", "fsdp_free"])
+def test_the_unsynced_step_recovers_with_every_accumulated_gradient(setup):
+    """The recovery the error message gives keeps what was accumulated, ``b``'s too
+    (before, the error's drain forgot that ``b`` had a gradient, and with
+    ``free_local_grads`` it had freed every accumulated gradient)."""
+    expected = unsynced_reference()
+    for rank, out in enumerate(
+        run_on_ranks(run_unsynced_recovery, WORLD, args=(setup,), timeout=120)
+    ):
+        assert out["error"] is not None and "outside no_sync()" in out["error"], out["error"]
+        assert out["taken"] == 1, (rank, out["taken"])
+        diff, where = max_diff(out["params"], expected)
+        assert diff <= TOLERANCE, f"{setup}, rank {rank}: {where} differs by {diff:.2e}"
+
+
 # --------------------------------------------- frozen at construction, unfrozen later
-def run_thawed(rank: int, world: int, mode: str) -> dict[str, object]:
+def run_thawed(rank: int, world: int, mode: str, users: str) -> dict[str, object]:
     from torch.nn.parallel import DistributedDataParallel
 
     from dmuon.integrations import ddp
+    from dmuon.optim import ThawedParameterError
 
     model = Net()
     for p in model.b.parameters():
@@ -206,14 +308,14 @@ def run_thawed(rank: int, world: int, mode: str) -> dict[str, object]:
     opt.zero_grad()
     for p in model.b.parameters():
         p.requires_grad_(True)
-    loss(forward, 1, rank).backward()
+    loss(forward, 1, rank, use_b=users == "all" or rank == 0).backward()
     before = params_of(model)
     out: dict[str, object] = {}
     try:
         opt.step()
         out["error"] = None
-    except RuntimeError as err:
-        out["error"] = str(err)
+    except ThawedParameterError as err:
+        out["error"], out["ranks"], out["names"] = str(err), err.ranks, err.names
     out["unchanged"] = max_diff(params_of(model), before)[0] == 0.0
     # frozen again, the optimizer goes on
     for p in model.b.parameters():
@@ -225,13 +327,22 @@ def run_thawed(rank: int, world: int, mode: str) -> dict[str, object]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["owner", "replicated"])
-def test_a_parameter_unfrozen_after_construction_is_refused_on_every_rank(mode):
-    for rank, out in enumerate(run_on_ranks(run_thawed, WORLD, args=(mode,), timeout=120)):
+@pytest.mark.parametrize(
+    ("mode", "users"), [("owner", "all"), ("owner", "rank0"), ("replicated", "rank0")]
+)
+def test_a_parameter_unfrozen_after_construction_is_refused_on_every_rank(mode, users):
+    """``users="rank0"``: the unfrozen branch runs on rank 0 only; rank 1 holds no
+    gradient of it and must refuse too (the flag travels in the step's agreement)."""
+    results = run_on_ranks(run_thawed, WORLD, args=(mode, users), timeout=120)
+    holders = [0, 1] if users == "all" else [0]
+    for rank, out in enumerate(results):
         msg = out["error"]
         assert msg is not None, f"rank {rank}: the thawed branch was taken silently"
-        assert "['b.weight', 'b.bias']" in msg and "did not require a gradient" in msg, msg
-        assert f"Mode {mode!r}" in msg and "Nothing was updated" in msg, msg
+        assert out["ranks"] == holders, (rank, out["ranks"])
+        mine = ["b.weight", "b.bias"] if rank in holders else []
+        assert out["names"] == mine, (rank, out["names"])
+        assert "did not require a gradient" in msg and f"Mode {mode!r}" in msg, msg
+        assert "Nothing was updated on any rank" in msg, msg
         assert out["unchanged"], f"rank {rank}: the refused step changed weights"
         assert out["after"] == (2, True), (rank, out["after"])
 

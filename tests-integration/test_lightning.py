@@ -329,7 +329,12 @@ def test_the_strategys_precision_plugin_clips_a_dmuon_with_dmuons_functions():
     import lightning as L
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-    from dmuon.integrations.lightning import DMuonPrecision, DMuonStrategy, with_dmuon_precision
+    from dmuon.integrations.lightning import (
+        DMuonPrecision,
+        DMuonStrategy,
+        agree_loss_scaler,
+        with_dmuon_precision,
+    )
     from dmuon.optim import DMuon, clip_grad_norm_, clip_grad_value_, param_groups
 
     trainer = L.Trainer(
@@ -361,6 +366,14 @@ def test_the_strategys_precision_plugin_clips_a_dmuon_with_dmuons_functions():
         assert type(got) is kind, (mode, type(got))
         assert (got.get_scale(), got.get_growth_interval()) == (8.0, 7), mode
         assert type(pickle.loads(pickle.dumps(trainer.precision_plugin)).scaler) is kind
+        # Lightning keys the plugin's checkpoint state by its class's __qualname__: the
+        # same as under strategy="ddp", so a checkpoint keeps its loss scale across them
+        assert type(trainer.precision_plugin).__qualname__ == "MixedPrecision"
+    # the plugin given to the strategy itself (set inside DDPStrategy's __init__)
+    given = DMuonStrategy(precision_plugin=MixedPrecision("16-mixed", "cpu"))
+    assert type(given.precision_plugin.scaler) is ShardedGradScaler
+    off = torch.amp.GradScaler("cpu", enabled=False)  # a disabled scaler stays as it is
+    assert agree_loss_scaler(MixedPrecision("16-mixed", "cpu", scaler=off)).scaler is off
     with pytest.raises(TypeError, match="Lightning Precision plugin"):
         with_dmuon_precision(object())
 
@@ -463,6 +476,22 @@ def _mixed_precision_clipping(rank: int, world: int) -> dict[str, str]:
         scaler.step(o)
         scaler.update()
     out["after"] = f"unscaled={opt.unscaled} steps={opt.steps_taken}"
+    # a disabled scaler: nothing to unscale, clipped as under bf16
+    off = with_dmuon_precision(
+        MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", enabled=False))
+    )
+    (m, opt), (ref, ref_opt) = owner_model(), owner_model()
+    backward(m)
+    backward(ref)
+    off.clip_gradients(opt, 0.05, GradClipAlgorithmType.NORM)
+    clip_grad_norm_(ref_opt, 0.05)
+    same = all(
+        (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+        for a, b in zip(m.parameters(), ref.parameters(), strict=True)
+    )
+    out["disabled"] = f"same={same}"
+    opt.step()
+    ref_opt.step()
     return out
 
 
@@ -482,6 +511,7 @@ def test_owner_mode_clips_under_mixed_precision():
         assert out["plain"].endswith("unscaled=False"), (rank, out["plain"])
         assert out["fp16"] == "same=True unscaled=True", (rank, out["fp16"])
         assert out["after"] == "unscaled=False steps=1", (rank, out["after"])
+        assert out["disabled"] == "same=True", (rank, out["disabled"])
 
 
 def _load_checks(rank: int, world: int, tmp: str) -> tuple[int, list[str]]:

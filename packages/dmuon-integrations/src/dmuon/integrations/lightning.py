@@ -166,8 +166,8 @@ class DMuonStrategy(DDPStrategy):
                 "scalars= and dedicate_options= configure owner mode; mode='replicated' keeps "
                 "the DDP wrapper, which all-reduces every gradient"
             )
+        self._mode = mode  # before DDPStrategy's __init__, which may set precision_plugin
         super().__init__(**kwargs)
-        self._mode = mode
         self._dedicate_options = {"scalars": scalars, **dict(dedicate_options or {})}
         self._dedication: Dedication | None = None
 
@@ -373,9 +373,9 @@ class DMuonPrecision:
             TypeError: (owner, ``sign`` mode) the plugin's scaler is not a
                 ``ShardedGradScaler`` (see :meth:`dmuon.optim.DMuon.unscale_`).
         """
-        scaler = getattr(self, "scaler", None)
         opt = _unwrap(optimizer)
-        if scaler is None or not isinstance(opt, DMuon) or opt.mode not in AGREED_MODES:
+        scaler = _agreed_scaler(self, opt)
+        if scaler is None or not isinstance(opt, DMuon):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[misc]
         closure_result = closure()
         skipped_backward = closure_result is None and model.automatic_optimization
@@ -411,8 +411,8 @@ class DMuonPrecision:
             return
         if clip_val <= 0:
             return
-        scaler = getattr(self, "scaler", None)
-        if scaler is not None and opt.mode in AGREED_MODES and not opt.unscaled:
+        scaler = _agreed_scaler(self, opt)
+        if scaler is not None and not opt.unscaled:
             opt.unscale_(scaler)
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             self.clip_grad_by_value(optimizer, clip_val)
@@ -452,7 +452,9 @@ def _precision_class(base: type[Precision]) -> type[Precision]:
         _PRECISION_CLASSES[base] = type(
             f"DMuonPrecision{base.__name__}",
             (DMuonPrecision, base),
-            {"__module__": __name__, "__doc__": base.__doc__},
+            # __qualname__: Lightning keys a checkpoint's precision state by it, so a
+            # checkpoint of strategy="ddp" resumes under DMuonStrategy with its loss scale
+            {"__module__": __name__, "__qualname__": base.__qualname__, "__doc__": base.__doc__},
         )
     return _PRECISION_CLASSES[base]
 
@@ -521,6 +523,15 @@ def _new_with_precision(base: type[Precision]) -> Precision:
     its state)."""
     plugin: Precision = object.__new__(base)
     return with_dmuon_precision(plugin)
+
+
+def _agreed_scaler(plugin: Any, opt: Optimizer) -> torch.amp.GradScaler | None:
+    """The plugin's fp16 loss scaler when it is enabled and ``opt`` is a DMuon whose ranks
+    must agree on its skips (owner, ``sign`` mode); else ``None``."""
+    scaler = getattr(plugin, "scaler", None)
+    if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
+        return None
+    return scaler if isinstance(opt, DMuon) and opt.mode in AGREED_MODES else None
 
 
 def _unwrap(optimizer: Optimizer) -> Optimizer:

@@ -28,6 +28,7 @@ from dmuon.optim.engine import (
     RankDivergenceError,
     StepMismatchError,
     StepReport,
+    ThawedParameterError,
     UnsyncedGradientsError,
 )
 from dmuon.optim.layout import Block, MatrixLayout, matrix_layout
@@ -75,6 +76,7 @@ __all__ = [
     "SignVote",
     "StepMismatchError",
     "StepReport",
+    "ThawedParameterError",
     "UnsyncedGradientsError",
     "__version__",
     "adamw_step",

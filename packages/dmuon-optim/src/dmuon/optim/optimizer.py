@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dmuon.comm import collective_timeout
+from dmuon.comm import CollectiveError, collective_timeout
 from dmuon.comm.roll_call import start_responder
 from dmuon.optim.batches import Bucket, Sink
 from dmuon.optim.deadline import Deadline, check_timeout
@@ -379,10 +379,22 @@ class DMuon(torch.optim.Optimizer):
         a batch after its backward (``loss.backward(); opt.zero_grad()``, no step) leaves
         those reductions pending; this finishes them on every rank, as a skipped step
         would, and forgets them, so that the next backward starts a new step. Call it on
-        every rank alike (it communicates when a backward ran since the last step).
-        ``model.zero_grad()`` does not do this.
+        every rank alike (it communicates when a backward ran since the last step, under
+        ``timeout=`` as a step does); a rank whose dropped backward reached none of the
+        dedication's parameters would not join. ``model.zero_grad()`` does not do this.
+        A dropped step's :meth:`unscale_` is forgotten too (:attr:`unscaled`).
         """
-        self._engine.discard_grads()
+        self._unscaled_step = None
+        try:
+            with collective_timeout(self._deadline.seconds()):
+                self._engine.discard_grads()
+        except CollectiveError as err:
+            e = self._engine
+            raise err.after_roll_call().with_context(
+                f"DMuon zero_grad, dropping a backward's reductions after step "
+                f"{self.steps_taken + self.skipped_steps} (mode {e.mode!r}, rank {e.rank} of "
+                f"{e.world_size})"
+            ) from err
         super().zero_grad(set_to_none)
 
     def unscale_(self, scaler: torch.amp.GradScaler) -> None:

@@ -30,6 +30,7 @@ from dmuon.optim.engine.guards import (
     GradientChangedError,
     NonFiniteGradientError,
     StepMismatchError,
+    ThawedParameterError,
     agree_step,
     check_agreement,
 )
@@ -76,7 +77,6 @@ def run_step(
         with collective_timeout(timeout):
             with report.phase("comm_wait"):  # the guards' flags are communication too
                 engine.begin_step()
-                _refuse_thawed(engine, number)
                 finite = _agree(engine, nonfinite, number, skip)
             if not finite:
                 engine.skip_step()
@@ -96,25 +96,6 @@ def run_step(
     return report, ran
 
 
-def _refuse_thawed(engine: Engine, number: int) -> None:
-    """Refuse a step in which a parameter frozen when the optimizer was built holds a
-    gradient (:meth:`~dmuon.optim.engine.Engine.thawed`), its communication finished."""
-    thawed = engine.thawed()
-    if not thawed:
-        return
-    engine.skip_step()  # nothing left in flight: the optimizer stays usable
-    owner = engine.mode == "owner"
-    built = "the dedication and this optimizer were" if owner else "this optimizer was"
-    raise RuntimeError(
-        f"DMuon step {number}: parameter(s) {thawed[:3]} did not require a gradient when "
-        f"{built} built, and hold one now. Mode {engine.mode!r} planned its owners and "
-        "buffers without them, so nothing would average their gradients across ranks or "
-        f"step them alike. Unfreeze them before {'dedicate() and ' if owner else ''}"
-        "DMuon(...) (to hold a layer still for a while, keep it trainable in a param group "
-        "of its own with lr=0). Nothing was updated on any rank"
-    )
-
-
 def _agree(engine: Engine, nonfinite: str | None, number: int, skip: bool = False) -> bool:
     """Agree with every rank on the step number, on a loss scaler's skip (``skip``: this
     rank's scaler found an Inf; any rank's skips every rank) and whether all gradients
@@ -124,7 +105,7 @@ def _agree(engine: Engine, nonfinite: str | None, number: int, skip: bool = Fals
         # (each rank's skip comes from the same agreed Inf flag of its ShardedGradScaler)
         check = nonfinite is not None and not skip
         ranks, names, skipping = agree_step(engine, number, check_finite=check, skip=skip)
-    except (StepMismatchError, GradientChangedError):
+    except (StepMismatchError, ThawedParameterError, GradientChangedError):
         engine.skip_step()  # nothing in flight: the optimizer stays usable
         raise
     if skipping:  # some rank's loss scaler found an Inf: every rank skips

@@ -52,6 +52,7 @@ __all__ = [
     "NonFiniteGradientError",
     "RankDivergenceError",
     "StepMismatchError",
+    "ThawedParameterError",
     "agree_step",
     "check_agreement",
     "guard_groups",
@@ -91,6 +92,26 @@ class GradientChangedError(RuntimeError):
     Examples:
         >>> GradientChangedError("changed", [0], ["w"]).names
         ['w']
+    """
+
+    def __init__(self, message: str, ranks: list[int], names: list[str]) -> None:
+        super().__init__(message)
+        self.ranks, self.names = ranks, names
+
+
+class ThawedParameterError(RuntimeError):
+    """A parameter that did not require a gradient when the optimizer was built holds one
+    at a step (:meth:`Engine.thawed`): the distributed modes planned without it, so
+    nothing would average its gradient or step it alike. Raised on every rank by the
+    step's agreement, before anything was updated.
+
+    Attributes:
+        ranks: the ranks where such a parameter holds a gradient.
+        names: those parameters on this rank.
+
+    Examples:
+        >>> ThawedParameterError("thawed", [1], []).ranks
+        [1]
     """
 
     def __init__(self, message: str, ranks: list[int], names: list[str]) -> None:
@@ -175,7 +196,8 @@ def agree_step(
 ) -> tuple[list[int], list[str], list[int]]:
     """Agree with every rank on the step number and (``check_finite``) finiteness.
 
-    One all-reduce of one ``int64`` slot per rank: ``8·number + (4 if this rank asks to
+    One all-reduce of one ``int64`` slot per rank: ``16·number + (8 if a parameter
+    frozen when the optimizer was built holds a gradient here) + (4 if this rank asks to
     skip the step) + (2 if it changed a gradient after the engine took it) + (1 if it
     holds a non-finite gradient)``, summed over :meth:`Engine.guard_groups`. ``skip``:
     a loss scaler found an Inf (:mod:`dmuon.optim.loss_scaling`); any rank's skip is
@@ -187,24 +209,35 @@ def agree_step(
 
     Raises:
         StepMismatchError: the ranks are at different step numbers (on every rank).
+        ThawedParameterError: a rank holds a gradient of a parameter frozen when the
+            optimizer was built (:meth:`Engine.thawed`; on every rank).
         GradientChangedError: a rank changed a gradient after the engine had taken it
             (:meth:`Engine.changed_gradients`; on every rank).
     """
     bad = _nonfinite_names(engine) if check_finite else []
     changed = engine.changed_gradients()
+    thawed = engine.thawed()
     groups = [g for g in engine.guard_groups() if g is not None or _global_rank()[1] > 1]
     if not groups:
+        if thawed:
+            raise _thawed_error([engine.rank], thawed, engine, number)
         if changed:
             raise _changed_error([engine.rank], changed, engine)
         return ([engine.rank] if bad else []), bad, ([engine.rank] if skip else [])
     rank, world = _global_rank()
     flags = torch.zeros(world, dtype=torch.int64)
-    flags[rank] = 8 * (number or 0) + 4 * int(skip) + 2 * int(bool(changed)) + int(bool(bad))
-    what = "all-reduce of step numbers, skip, changed-gradient and non-finite flags"
+    flags[rank] = (
+        16 * (number or 0)
+        + 8 * int(bool(thawed))
+        + 4 * int(skip)
+        + 2 * int(bool(changed))
+        + int(bool(bad))
+    )
+    what = "all-reduce of step numbers, thawed, skip, changed-gradient and non-finite flags"
     for g in groups:
         wait_work(dist.all_reduce(flags, group=g, async_op=True), what, g)
     slots = flags.tolist()
-    steps = {r: v // 8 for r, v in enumerate(slots) if v}  # every rank of the groups
+    steps = {r: v // 16 for r, v in enumerate(slots) if v}  # every rank of the groups
     if number is not None and len(set(steps.values())) > 1:
         at = ", ".join(f"rank {r} at step {n}" for r, n in steps.items())
         raise StepMismatchError(
@@ -215,11 +248,32 @@ def agree_step(
             "'skip_step' skips a step with a NaN/Inf gradient on any rank everywhere)",
             steps,
         )
+    thawed_ranks = [r for r, v in enumerate(slots) if v & 8]
+    if thawed_ranks:
+        raise _thawed_error(thawed_ranks, thawed, engine, number)
     changed_ranks = [r for r, v in enumerate(slots) if v & 2]
     if changed_ranks:
         raise _changed_error(changed_ranks, changed, engine)
     skipping = [r for r, v in enumerate(slots) if v & 4]
     return [r for r, v in enumerate(slots) if v % 2], bad, skipping
+
+
+def _thawed_error(
+    ranks: list[int], names: list[str], engine: Engine, number: int | None
+) -> ThawedParameterError:
+    owner = engine.mode == "owner"
+    built = "the dedication and this optimizer were" if owner else "this optimizer was"
+    here = f"; on this rank: {names[:3]}" if names else ""
+    return ThawedParameterError(
+        f"DMuon step {number}: parameter(s) that did not require a gradient when {built} "
+        f"built hold one now, on rank(s) {ranks}{here}. Mode {engine.mode!r} planned its "
+        "owners and buffers without them, so nothing would average their gradients across "
+        f"ranks or step them alike. Unfreeze them before {'dedicate() and ' if owner else ''}"
+        "DMuon(...) (to hold a layer still for a while, keep it trainable in a param group "
+        "of its own with lr=0). Nothing was updated on any rank",
+        ranks,
+        names,
+    )
 
 
 def _changed_error(ranks: list[int], names: list[str], engine: Engine) -> GradientChangedError:

@@ -227,12 +227,13 @@ class Reduction:
         if self.flushed:
             return
         # an accumulated gradient counts if it is still there (not dropped by a
-        # model.zero_grad() since); asked before the launches below, which may free it
+        # model.zero_grad() since)
         arrived = self.present | {n for n in self.accumulated if self.params[n].grad is not None}
         if not self.publication.reshard_after_forward:
             self.publication.wait_all_published()
-        while self.next_launch < len(self.reduce_order):
-            self._launch(self.reduce_order[self.next_launch])
+        # The flags before the launches below: when no rank synchronised a gradient,
+        # nothing was launched anywhere, and nothing is (the accumulated gradients stay
+        # where they are, even under free_local_grads, for the backward that follows).
         names = sorted(self.params)  # by name: one order on every rank
         flags = torch.tensor(
             [int(n in arrived) for n in names] + [self.held_back, int(bool(self.present))],
@@ -249,30 +250,20 @@ class Reduction:
                     "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=size
                 )
         *present, held_back, synced = flags.tolist()
-        self.global_present = {n: bool(f) for n, f in zip(names, present, strict=True)}
-        self.flushed = True
         if held_back and not synced:
-            self._drain()
+            if self.publication.reshard_after_forward:
+                self.publication.release_all()  # what backward materialised, as a step would
+            self.held_back = 0  # the rest of the step's bookkeeping stays for the next backward
             raise UnsyncedGradientsError(
                 f"every gradient of this step was accumulated inside no_sync() ({held_back} "
                 "gradient(s) over the ranks) and none was synchronised (reduced to its owner "
                 "or all-reduced), so step() would move no parameter; run the last "
                 "micro-batch of each accumulation step outside no_sync()"
             )
-
-    def _drain(self) -> None:
-        """Wait for the launched reductions without touching ``p.grad``, then reset."""
-        for layer in self.layers:
-            if layer.reduce_handle is not None:
-                layer.reduce_handle.wait()
-            for w in layer.allreduce_works:
-                wait_work(
-                    w, f"all-reduce of layer {layer.key!r}'s replicated gradients", self.group
-                )
-            layer.reduce_handle, layer.allreduce_works = None, []
-        if self.publication.reshard_after_forward:
-            self.publication.release_all()  # what backward materialised, as a step would
-        self.end_step()
+        self.global_present = {n: bool(f) for n, f in zip(names, present, strict=True)}
+        self.flushed = True
+        while self.next_launch < len(self.reduce_order):
+            self._launch(self.reduce_order[self.next_launch])
 
     def _launch(self, layer: OwnerLayer) -> None:
         # the layer's gradients into their bucket slots: one foreach copy (and one zeroing

@@ -152,9 +152,10 @@ def _owner(plan: OwnerPlan, n: int, z3: bool) -> list[Transfer]:
             _record(bcast, "broadcast", nbytes, n)
             _record(again, "broadcast", nbytes, n)
     # ZeRO-3-like: each layer is broadcast again before its backward
-    # presence flags: one per dedicated item, and one slot counting the gradients held
-    # back by no_sync() (the engine's UnsyncedGradientsError check)
-    presence = _presence(len(plan.items) + 1, n, "backward")
+    # presence flags: one per dedicated item, and two slots for the engine's
+    # UnsyncedGradientsError check (the gradients held back by no_sync(), the ranks that
+    # synchronised one)
+    presence = _presence(len(plan.items) + 2, n, "backward")
     return [reduce, bcast, *([again] if z3 else []), presence]
 
 
