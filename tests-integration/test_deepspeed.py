@@ -61,6 +61,7 @@ REFUSED = [  # (stage, mode, extra config, what the message must say)
     (2, None, {"gradient_clipping": 1.0}, "gradient_clipping is not supported at ZeRO stage 2"),
     (0, "owner", {"managed_gradient_accumulation": False}, "managed_gradient_accumulation=false"),
     (2, None, {"zero_optimization": {"stage": 2, "elastic_checkpoint": True}}, "elastic_ch"),
+    (1, None, {"scheduler": {"type": "WarmupLR"}}, "'scheduler' section is not supported at"),
 ]
 # Training loops that decide per micro-batch whether it ends the step: (name, stage, accumulate)
 LOOPS = [
@@ -189,6 +190,66 @@ def test_supported_stages_equal_single_process_and_refused_ones_raise_on_every_r
             assert says in message, message
 
 
+LOUD = 50.0  # the loss scaled so that the gradient norm exceeds DeepSpeed's default 1.0
+
+
+def loud_reference(world: int, max_norm: float | None) -> dict:
+    """``reference`` on ``LOUD`` times the loss, clipped to ``max_norm`` (torch's) or not."""
+    torch.manual_seed(0)
+    model = build("gpt")
+    opt = DMuon(param_groups(model), **OPT)
+    for t in range(STEPS):
+        losses = [loss_of("gpt", model, *batch("gpt", t, r, world)) for r in range(world)]
+        (LOUD * sum(losses) / world).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+    return full_params(model)
+
+
+def _without_clipping_key(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    params = {}
+    for stage, mode in [(0, "replicated"), (0, "owner"), (2, "owner")]:
+        model = build("gpt")
+        config = deepspeed_config(stage, world)  # no "gradient_clipping": DeepSpeed's 1.0
+        engine, _, _, _ = dmuon_ds.initialize(model, config, mode=mode, **OPT)
+        for t in range(STEPS):
+            engine.backward(LOUD * loss_of("gpt", engine, *batch("gpt", t, rank, world)))
+            engine.step()
+        opt = dmuon_ds.dmuon_of(engine)
+        if opt.mode == "owner":
+            opt.engine.exchange.wait_all_published()
+        params[stage, mode] = full_params(model)
+        dist.barrier()
+    return params
+
+
+@needs_deepspeed
+def test_a_config_without_gradient_clipping_gets_deepspeeds_default_where_it_is_served():
+    """DeepSpeed clips at 1.0 when the key is absent. Stage 0 serves it in both modes (owner
+    mode: DMuon's global-norm clip; before, owner mode did not clip at all). At stage 1/2
+    ZeRO would clip the scalars by their own norm (refused when asked for): DMuon turns the
+    default off there, and the run equals one process without clipping (before, it equalled
+    neither)."""
+    import deepspeed  # noqa: F401
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    clipped = loud_reference(WORLD, GRADIENT_CLIPPING_DEFAULT)
+    free = loud_reference(WORLD, None)
+    assert max_diff(clipped, free)[0] > 1e-4, "the default clip does not bind: the test is void"
+    for rank, params in enumerate(run_on_ranks(_without_clipping_key, WORLD, timeout=600)):
+        for case, want in [
+            ((0, "replicated"), clipped),
+            ((0, "owner"), clipped),
+            ((2, "owner"), free),
+        ]:
+            diff, where = max_diff(params[case], want)
+            assert diff <= TOLERANCE, f"{case}, rank {rank}: {where} differs by {diff:.2e}"
+
+
 def test_check_config_names_the_stage_and_the_supported_ones():
     assert dmuon_ds.check_config({"zero_optimization": {"stage": 1}}) == (1, "owner")
     assert dmuon_ds.check_config({}) == (0, "replicated")
@@ -198,6 +259,10 @@ def test_check_config_names_the_stage_and_the_supported_ones():
         dmuon_ds.check_config({"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0})
     with pytest.raises(dmuon_ds.UnsupportedConfigError, match="'optimizer' section"):
         dmuon_ds.check_config({"optimizer": {"type": "AdamW"}})
+    scheduled = {"scheduler": {"type": "WarmupLR"}}
+    assert dmuon_ds.check_config({"zero_optimization": {"stage": 0}, **scheduled}, "owner")
+    with pytest.raises(dmuon_ds.UnsupportedConfigError, match="dmuon_of\\(engine\\)"):
+        dmuon_ds.check_config({"zero_optimization": {"stage": 2}, **scheduled})
 
 
 def _guide_script() -> str:

@@ -39,3 +39,24 @@ def test_works_without_numpy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "[['', 'x'], ['', 'x']]" in out.stdout
+
+
+def test_small_host_tensors_go_where_the_backend_takes_them(monkeypatch):
+    """``flag_device``: the CPU for gloo and for torch's default ``"cpu:gloo,cuda:nccl"``
+    group, the current CUDA device for NCCL alone (``init_process_group("nccl")``), which
+    has no CPU collectives: DMuon's flags, counts and digests must travel there."""
+    import torch
+    import torch.distributed as dist
+
+    from dmuon.comm.flags import flag_device
+
+    assert flag_device(None) == torch.device("cpu")  # no process group
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for backend, device in [
+        ("gloo", torch.device("cpu")),
+        ("cpu:gloo,cuda:nccl", torch.device("cpu")),
+        ("nccl", torch.device("cuda", 3)),
+    ]:
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        assert flag_device(None) == device, backend

@@ -17,15 +17,10 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm.faults import wait_work
+from dmuon.comm.flags import flag_device
 from dmuon.comm.torch_compat import all_gather_single
 
 __all__ = ["all_gather_objects"]
-
-
-def _device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 _WHAT = "all-gather of picklable objects"
@@ -44,7 +39,7 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [obj]
-    device = _device(group)
+    device = flag_device(group)
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     n = dist.get_world_size(group)
     sizes = torch.empty(n, dtype=torch.int64, device=device)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm.faults import wait_work
+from dmuon.comm.flags import flag_device
 from dmuon.comm.owner_plan import OwnerPlan
 from dmuon.comm.process_groups import group_size
 from dmuon.comm.torch_compat import all_gather_single
@@ -78,9 +79,13 @@ def check_plan_consistency(plan: OwnerPlan, group: dist.ProcessGroup | None = No
         ranks = [dist.get_rank() if dist.is_initialized() else 0]
     else:
         width = len(mine)
-        gathered = torch.empty(n * width, dtype=torch.int64)
+        device = flag_device(group)
+        gathered = torch.empty(n * width, dtype=torch.int64, device=device)
         work = all_gather_single(
-            gathered, torch.tensor(mine, dtype=torch.int64), group=group, async_op=True
+            gathered,
+            torch.tensor(mine, dtype=torch.int64, device=device),
+            group=group,
+            async_op=True,
         )
         wait_work(work, "all-gather of the owner plan's digest", group)
         rows = [gathered[r * width : (r + 1) * width].tolist() for r in range(n)]

@@ -19,10 +19,17 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm.faults import wait_work
+from dmuon.comm.flags import flag_device
 from dmuon.comm.objects import all_gather_objects
 from dmuon.comm.torch_compat import all_gather_single
 
-__all__ = ["CollectiveInputError", "agree", "group_rank", "group_size", "twin_groups"]
+__all__ = [
+    "CollectiveInputError",
+    "agree",
+    "group_rank",
+    "group_size",
+    "twin_groups",
+]
 
 T = TypeVar("T")
 
@@ -133,8 +140,9 @@ def agree(
     mismatched: set[int] = set()
     for g in active:
         n = dist.get_world_size(g)
-        mine = torch.tensor([int(bad), fingerprint_value], dtype=torch.int64)
-        everyone = torch.empty(2 * n, dtype=torch.int64)
+        device = flag_device(g)
+        mine = torch.tensor([int(bad), fingerprint_value], dtype=torch.int64, device=device)
+        everyone = torch.empty(2 * n, dtype=torch.int64, device=device)
         work = all_gather_single(everyone, mine, group=g, async_op=True)
         wait_work(work, f"all-gather of the {op!r} check's flags", g)
         flags, prints = everyone[0::2].tolist(), everyone[1::2].tolist()

@@ -170,12 +170,16 @@ def check_config(
                 f"zero_optimization.{key} is not supported with DMuon (ZeRO-Offload runs "
                 "DeepSpeed's own CPU optimizer)"
             )
-    if mode == "owner" and stage > 0 and _clipping(cfg) > 0.0:
+    if mode == "owner" and stage > 0 and _clipping(cfg, absent=0.0) > 0.0:
         raise UnsupportedConfigError(
             f"gradient_clipping is not supported at ZeRO stage {stage}: ZeRO would clip the "
             "scalars by their own norm, without the matrices held by DMuon's owners; drop it, "
             "or use stage 0 (owner mode: DMuon clips by the global norm; replicated: "
             "DeepSpeed clips the averaged gradients)"
+        )
+    if mode == "owner" and stage > 0 and "scheduler" in cfg:
+        raise UnsupportedConfigError(
+            _SCHEDULER_REFUSAL.format(stage=stage, what="a 'scheduler' section")
         )
     if mode == "owner" and not cfg.get("managed_gradient_accumulation", True):
         raise UnsupportedConfigError(
@@ -193,8 +197,24 @@ def check_config(
     return stage, mode
 
 
-def _clipping(cfg: Mapping[str, Any]) -> float:
-    return float(cfg.get("gradient_clipping", 0.0) or 0.0)
+_SCHEDULER_REFUSAL = (
+    "{what} is not supported at ZeRO stage {stage}: DeepSpeed's LR scheduler sees the "
+    "optimizer ZeRO wraps, whose param groups are the scalar ones only, so DMuon's matrix "
+    "groups would keep their first lr. Schedule both yourself: a torch scheduler on "
+    "dmuon_of(engine) (the matrix groups) and one on the optimizer initialize returns (the "
+    "scalar groups), stepped after engine.step() at each accumulation boundary; or use "
+    "stage 0, where DeepSpeed's scheduler reaches every group"
+)
+
+
+def _clipping(cfg: Mapping[str, Any], absent: float | None = None) -> float:
+    """The config's ``gradient_clipping``; when the key is absent, ``absent``, or
+    DeepSpeed's own default (``GRADIENT_CLIPPING_DEFAULT``: 1.0), which it then applies."""
+    if "gradient_clipping" not in cfg and absent is not None:
+        return absent
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    return float(cfg.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT) or 0.0)
 
 
 def initialize(
@@ -279,6 +299,10 @@ def initialize(
     if not dist.is_initialized():
         deepspeed.init_distributed()
     cfg = _load(config)
+    if mode == "owner" and stage > 0 and (initialize_options or {}).get("lr_scheduler"):
+        raise UnsupportedConfigError(
+            _SCHEDULER_REFUSAL.format(stage=stage, what="initialize_options['lr_scheduler']")
+        )
     chosen: list[dict[str, Any]] = [
         {**g, "params": list(g["params"])}
         for g in (param_groups(model) if groups is None else groups)
@@ -300,6 +324,9 @@ def initialize(
             client.register_step_pre_hook(clip)
     else:
         cfg["zero_allow_untested_optimizer"] = True
+        # ZeRO-1/2 would clip the scalars by their own norm at DeepSpeed's default (1.0)
+        # when the key is absent; an explicit value was refused by check_config
+        cfg["gradient_clipping"] = 0.0
         client = _owner_client(model, chosen, dmuon_options, dict(dedicate_options or {}))
     out = deepspeed.initialize(
         model=model, optimizer=client, config=cfg, **dict(initialize_options or {})

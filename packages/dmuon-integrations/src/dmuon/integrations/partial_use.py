@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dmuon.comm import collective_timeout, wait_work
+from dmuon.comm.flags import flag_device
 
 __all__ = ["PartialUseError", "install_partial_use_check"]
 
@@ -103,7 +104,9 @@ def install_partial_use_check(
     def agree(module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or not groups:
             return
-        flags = torch.tensor([int(n in used) for n in order], dtype=torch.int32)
+        flags = torch.tensor(
+            [int(n in used) for n in order], dtype=torch.int32, device=flag_device(groups[0])
+        )
         sizes = 1
         with collective_timeout(timeout()):
             for g in groups:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon.comm import wait_work
+from dmuon.comm.flags import flag_device
 from dmuon.integrations.checkpoint.compat import expected_state_shapes
 from dmuon.integrations.checkpoint.deadline import checkpoint_deadline
 from dmuon.integrations.checkpoint.holders import Holding, holdings
@@ -157,10 +158,10 @@ def owner_steps(optimizer: DMuon, owned: Sequence[Holding]) -> dict[str, torch.T
     for i, h in enumerate(owned):
         by_group.setdefault(id(h.group), []).append(i)
     for indices in by_group.values():
-        part = values[indices].clone()
         group = owned[indices[0]].group
+        part = values[indices].to(flag_device(group), copy=True)
         wait_work(dist.all_reduce(part, group=group, async_op=True), "all-reduce of steps", group)
-        values[indices] = part
+        values[indices] = part.to(values.device)
     return {
         h.fqn: values[i].to(optimizer.state[h.param]["step"].dtype) for i, h in enumerate(owned)
     }

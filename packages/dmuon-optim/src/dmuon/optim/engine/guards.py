@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import wait_work
+from dmuon.comm.flags import flag_device
 from dmuon.comm.process_groups import twin_groups
 from dmuon.comm.torch_compat import all_gather_single
 from dmuon.optim.engine.base import Engine
@@ -225,7 +226,7 @@ def agree_step(
             raise _changed_error([engine.rank], changed, engine)
         return ([engine.rank] if bad else []), bad, ([engine.rank] if skip else [])
     rank, world = _global_rank()
-    flags = torch.zeros(world, dtype=torch.int64)
+    flags = torch.zeros(world, dtype=torch.int64, device=flag_device(groups[0]))
     flags[rank] = (
         16 * (number or 0)
         + 8 * int(bool(thawed))
@@ -366,12 +367,14 @@ def check_agreement(engine: Engine) -> int:
     groups = engine.guard_groups()
     if not groups or not params:
         return len(params)
-    sums = torch.tensor([_checksum(e.param) for e in params], dtype=torch.int64)
+    sums = torch.tensor(
+        [_checksum(e.param) for e in params], dtype=torch.int64, device=flag_device(groups[0])
+    )
     names: list[str] = []
     who: list[list[int]] = []
     for g in groups:
         n = dist.get_world_size(g)
-        flat = torch.empty(n * sums.numel(), dtype=torch.int64)
+        flat = torch.empty(n * sums.numel(), dtype=torch.int64, device=sums.device)
         wait_work(
             all_gather_single(flat, sums, group=g, async_op=True),
             "all-gather of parameter checksums",

@@ -24,6 +24,7 @@ from dmuon.comm import (
     check_plan_consistency,
     wait_work,
 )
+from dmuon.comm.flags import flag_device
 from dmuon.comm.torch_compat import all_gather_single
 
 __all__ = ["ModelMismatchError", "check_model_consistency", "plan_with_replicated"]
@@ -135,10 +136,10 @@ def check_model_consistency(
     # Pass a shard group's verdict on across the replicate groups: each holds one
     # rank of every shard group, so if any shard group disagreed every rank learns
     # it (and its message) here, and no rank goes on alone.
-    flags = torch.empty(R, dtype=torch.int64)
-    work = all_gather_single(
-        flags, torch.tensor([int(err is not None)]), group=replicate_group, async_op=True
-    )
+    device = flag_device(replicate_group)
+    flags = torch.empty(R, dtype=torch.int64, device=device)
+    verdict = torch.tensor([int(err is not None)], dtype=torch.int64, device=device)
+    work = all_gather_single(flags, verdict, group=replicate_group, async_op=True)
     wait_work(work, "all-gather of the plan check's verdicts", replicate_group)
     if bool(flags.any()):
         texts = all_gather_objects(None if err is None else str(err), group=replicate_group)

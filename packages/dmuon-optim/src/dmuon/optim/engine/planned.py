@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import CommHandle, CommStats, OwnerPlan, default_stats, plan_owners, wait_work
+from dmuon.comm.flags import flag_device
 from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.base import Engine, Stepper, world_of
 from dmuon.optim.engine.guards import guard_groups
@@ -142,7 +143,11 @@ class PlannedEngine(Engine):
         """Which parameters have a gradient on at least one rank (one small all-reduce)."""
         # by name: the ranks may list the same parameters in different orders
         params = sorted(self.params if extra is None else extra, key=lambda e: e.name)
-        flags = torch.tensor([int(e.param.grad is not None) for e in params], dtype=torch.int32)
+        flags = torch.tensor(
+            [int(e.param.grad is not None) for e in params],
+            dtype=torch.int32,
+            device=flag_device(self.group),
+        )
         n = group_size(self.group)
         if n > 1:
             wait_work(

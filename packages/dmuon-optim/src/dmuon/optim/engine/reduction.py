@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import CommStats, OwnerPlan, reduce_to_owners, wait_work
+from dmuon.comm.flags import flag_device
 from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.layer_record import OwnerLayer
 from dmuon.optim.engine.owner_split import as_gradient
@@ -238,6 +239,7 @@ class Reduction:
         flags = torch.tensor(
             [int(n in arrived) for n in names] + [self.held_back, int(bool(self.present))],
             dtype=torch.int32,
+            device=flag_device(self.groups[0]),
         )
         for g, size in zip(self.groups, self.sizes, strict=True):
             if size > 1:

@@ -52,6 +52,7 @@ from dmuon.comm import (
     shard_range,
     wait_work,
 )
+from dmuon.comm.flags import flag_device
 from dmuon.comm.torch_compat import all_gather_single
 from dmuon.optim.apply import apply_update
 from dmuon.optim.batches import Entry
@@ -302,12 +303,14 @@ def _held_experts(
     """
     experts = sorted(experts, key=lambda e: e.name)
     mine = torch.tensor(
-        [math.prod(local_tensor(e.param).shape[:-2]) for e in experts], dtype=torch.int64
+        [math.prod(local_tensor(e.param).shape[:-2]) for e in experts],
+        dtype=torch.int64,
+        device=flag_device(group),
     )
     _, n = world_of(group)
     counts = mine.unsqueeze(0)
     if n > 1:
-        counts = torch.empty(n * len(experts), dtype=torch.int64)  # flat: what gloo takes
+        counts = torch.empty(n * len(experts), dtype=torch.int64, device=mine.device)  # flat
         wait_work(
             all_gather_single(counts, mine, group=group, async_op=True),
             "all-gather of each rank's expert counts (sharded mode's plan)",
