@@ -117,6 +117,9 @@ def test_module_factory_model():
         (["llama-3.2-3b", "--ep", "2"], "--ep 2: llama-3.2-3b is a dense model"),
         (["gpt2", "--device", "TPU"], "neither a preset"),
         (["bert-base"], "neither a preset"),
+        (["gpt2", "--fwd-bwd-ms", "inf"], "--fwd-bwd-ms) must be a finite number > 0"),
+        (["gpt2", "--ns-steps", "0"], "--ns-steps) must be an integer ≥ 1"),
+        (["json:loads"], "the factory raised TypeError"),
     ],
 )
 def test_bad_input_exits_2_naming_it(args, message):

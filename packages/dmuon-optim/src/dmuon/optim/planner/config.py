@@ -360,8 +360,14 @@ def _from_factory(target: str) -> ModelSpec:
             f"model {target!r}: cannot import {attr!r} from module {module_name!r} ({err}); "
             "give 'package.module:function' of a function that returns an nn.Module"
         ) from err
-    with torch.device("meta"):
-        model = factory()
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as err:  # the user's code: say where it failed, not a traceback
+        raise ConfigError(
+            f"model {target!r}: the factory raised {type(err).__name__}: {err} (it is called "
+            "with no arguments, under torch.device('meta'))"
+        ) from err
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(
             f"model {target!r}: the factory returned {type(model).__name__}, not an nn.Module"

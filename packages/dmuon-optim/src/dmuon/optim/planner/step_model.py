@@ -51,6 +51,7 @@ of peak rate ``F`` (FLOP/s) and memory bandwidth ``B_mem``:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,8 +134,14 @@ class TrainingShape:
             )
         if not 0 < self.mfu <= 1:
             raise ValueError(f"mfu must be in (0, 1], got {self.mfu!r}")
-        if self.fwd_bwd_s is not None and not self.fwd_bwd_s > 0:
-            raise ValueError(f"fwd_bwd_s (--fwd-bwd-ms) must be > 0, got {self.fwd_bwd_s!r}")
+        if self.fwd_bwd_s is not None and not 0 < self.fwd_bwd_s < math.inf:
+            raise ValueError(
+                f"fwd_bwd_s (--fwd-bwd-ms) must be a finite number > 0, got {self.fwd_bwd_s!r}"
+            )
+        if isinstance(self.ns_steps, bool) or not isinstance(self.ns_steps, int):
+            raise ValueError(f"ns_steps (--ns-steps) must be an integer ≥ 1, got {self.ns_steps!r}")
+        if self.ns_steps < 1:
+            raise ValueError(f"ns_steps (--ns-steps) must be an integer ≥ 1, got {self.ns_steps!r}")
         if self.method not in ("gram", "standard"):
             raise ValueError(f"method must be 'gram' or 'standard', got {self.method!r}")
         for flag, value in (("--tp", self.tp), ("--ep", self.ep)):
