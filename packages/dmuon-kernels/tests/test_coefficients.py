@@ -70,6 +70,7 @@ def test_explicit_triples_are_accepted():
         ("nope", 5, "unknown coefficient set 'nope'"),
         ([(1.0, 2.0)], 5, r"coefficients\[0\] must be an \(a, b, c\) triple"),
         ([], 5, "at least one"),
+        ((3.4, -4.7, 2.0), 5, r"coefficients\[0\] must be an \(a, b, c\) triple, got 3.4"),
         ("keller", 0, "steps must be a positive integer"),
         ("keller", 2.5, "steps must be a positive integer"),
     ],

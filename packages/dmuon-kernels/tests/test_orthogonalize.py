@@ -216,8 +216,24 @@ def test_bad_input_raises_naming_shape_and_dtype(G, match):
         ({"steps": 0}, "steps must be a positive integer, got 0"),
         ({"restarts": (5,)}, r"restarts must be iteration indices in \[1, 5\)"),
         ({"restarts": (0,)}, r"restarts must be iteration indices in \[1, 5\)"),
+        ({"restarts": 2}, r"restarts must be a sequence of iteration indices in \[1, 5\)"),
+        ({"eps": -1.0}, "eps must be a finite number > 0, got -1.0"),
+        ({"eps": float("nan")}, "eps must be a finite number > 0, got nan"),
+        ({"compute_dtype": torch.int32}, "compute_dtype must be None .* got torch.int32"),
+        ({"compute_dtype": "float32"}, "compute_dtype must be None .* got 'float32'"),
+        ({"steps": 3, "restarts": (3,)}, r"restarts must be iteration indices in \[1, 3\)"),
     ],
 )
 def test_bad_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         orthogonalize(torch.randn(4, 8), **kwargs)
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_short_schedules_run_without_the_default_restart(steps):
+    """The default restart (2,) lies past a 1- or 2-step schedule: the call runs as with
+    ``restarts=()`` (it raised, and so did ``DMuon(ns_steps=2)``)."""
+    G = torch.randn(2, 6, 10, generator=torch.Generator().manual_seed(0))
+    got = orthogonalize(G, steps=steps, compute_dtype=torch.float32)
+    want = orthogonalize(G, steps=steps, restarts=(), compute_dtype=torch.float32)
+    assert torch.equal(got, want)

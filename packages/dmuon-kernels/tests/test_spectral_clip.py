@@ -65,3 +65,11 @@ def test_zero_and_empty():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         spectral_clip(torch.randn(3, 4), **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+def test_an_infinite_tau_clips_nothing(mode):
+    """``tau=inf``: every singular value is below it; the input comes back (it raised)."""
+    M = torch.randn(6, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    out = spectral_clip(M, float("inf"), mode=mode)
+    assert torch.equal(out, M) and out is not M

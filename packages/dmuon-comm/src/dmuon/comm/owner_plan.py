@@ -15,16 +15,22 @@ __all__ = ["OwnerPlan", "OwnerUnit", "natural_key"]
 _DIGITS = re.compile(r"(\d+)")
 
 
-def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+def natural_key(name: str) -> tuple[tuple[tuple[int, int | str], ...], str]:
     """Sort key that orders ``layers.2`` before ``layers.10``.
+
+    Numbers compare as numbers; names they make equal (``w1``, ``w01``) by the name
+    itself, so that an order by this key never depends on the order it started from.
 
     Examples:
         >>> sorted(["h.10.w", "h.2.w", "h.1.w"], key=natural_key)
         ['h.1.w', 'h.2.w', 'h.10.w']
+        >>> sorted(["w1", "w01"], key=natural_key) == sorted(["w01", "w1"], key=natural_key)
+        True
     """
-    return tuple(
-        (0, int(part)) if part.isdigit() else (1, part) for part in _DIGITS.split(name) if part
+    parts = tuple(
+        (0, int(part)) if part.isdecimal() else (1, part) for part in _DIGITS.split(name) if part
     )
+    return parts, name
 
 
 @dataclass(frozen=True)

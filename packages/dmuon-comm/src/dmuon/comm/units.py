@@ -29,7 +29,7 @@ class Unit:
     cost: float
 
     @property
-    def key(self) -> tuple[float, tuple[tuple[int, int | str], ...]]:
+    def key(self) -> tuple[float, tuple[tuple[tuple[int, int | str], ...], str]]:
         # Longest first; ties by name so that the order never depends on input order.
         return (-self.cost, natural_key(self.items[0].name))
 

@@ -200,8 +200,11 @@ def resolve_coefficients(coefficients: str | Sequence[Sequence[float]], steps: i
         return get_coefficients(coefficients, steps)
     triples: list[Triple] = []
     for i, t in enumerate(coefficients):
-        if len(t) != 3:
-            raise ValueError(f"coefficients[{i}] must be an (a, b, c) triple, got {tuple(t)!r}")
+        if not isinstance(t, Sequence) or isinstance(t, str) or len(t) != 3:
+            raise ValueError(
+                f"coefficients[{i}] must be an (a, b, c) triple, got {t!r}: coefficients is a "
+                "set's name or a list of triples (a flat (a, b, c)? wrap it: [(a, b, c)])"
+            )
         triples.append((float(t[0]), float(t[1]), float(t[2])))
     if not triples:
         raise ValueError("coefficients must hold at least one (a, b, c) triple")

@@ -26,7 +26,9 @@ class NSOptions:
     Attributes:
         coefficients: coefficient-set name or explicit ``(a, b, c)`` triples.
         steps: number of Newton–Schulz steps.
-        restarts: Gram restarts (ignored by the standard iteration).
+        restarts: Gram restarts (ignored by the standard iteration). The default,
+            ``(2,)``, applies to schedules of more than 2 steps; 1 or 2 steps have no
+            iteration to restart at, and run without.
         eps: relative guard of the normalisation.
         compute_dtype: dtype of the matmuls; ``None``: per device and method.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
@@ -56,8 +58,24 @@ class NSOptions:
                 are invalid.
         """
         schedule = resolve_coefficients(self.coefficients, self.steps)
-        restarts = check_restarts(self.restarts, self.steps) if method == "gram" else ()
-        return schedule, restarts
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)):
+            raise ValueError(f"eps must be a number > 0, got {self.eps!r}")
+        if not 0 < self.eps < float("inf"):
+            raise ValueError(f"eps must be a finite number > 0, got {self.eps!r}")
+        dtype = self.compute_dtype
+        if dtype is not None and (
+            not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
+        ):
+            raise ValueError(
+                "compute_dtype must be None (per device and method) or a floating-point "
+                f"torch.dtype (torch.float32, torch.bfloat16, ...), got {dtype!r}"
+            )
+        if method != "gram":
+            return schedule, ()
+        restarts = self.restarts
+        if restarts == DEFAULTS.restarts and self.steps <= max(DEFAULTS.restarts):
+            restarts = ()  # the default restart lies past a 1- or 2-step schedule
+        return schedule, check_restarts(restarts, self.steps)
 
 
 DEFAULTS = NSOptions()
@@ -66,6 +84,11 @@ DEFAULTS = NSOptions()
 
 def check_restarts(restarts: Sequence[int], steps: int) -> tuple[int, ...]:
     """Validate restart iterations: integers in ``[1, steps)``, returned sorted and unique."""
+    if isinstance(restarts, (str, bytes)) or not isinstance(restarts, Sequence):
+        raise ValueError(
+            f"restarts must be a sequence of iteration indices in [1, {steps}), e.g. (2,) or "
+            f"(), got {restarts!r}"
+        )
     out = set()
     for r in restarts:
         if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < steps:

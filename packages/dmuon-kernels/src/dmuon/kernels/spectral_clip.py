@@ -138,6 +138,8 @@ def spectral_clip(
         raise ValueError(f"tau must be > 0, got {tau!r}")
     if mode not in ("hard", "soft"):
         raise ValueError(f"mode must be 'hard' or 'soft', got {mode!r}")
+    if tau == float("inf"):  # nothing to clip
+        return M.clone()
     if steps is None:
         steps = 12 if mode == "hard" else 30
     if M.numel() == 0:
