@@ -60,3 +60,7 @@ def test_empty_is_zero_and_bad_method_raises():
     assert ns_flops(0, 10) == 0
     with pytest.raises(ValueError, match="method must be 'gram' or 'standard', got 'svd'"):
         ns_flops(4, 8, method="svd")
+    for bad in ({"m": -4}, {"steps": -1}, {"batch": -2}):
+        args = {"m": 4, "n": 8, **bad}
+        with pytest.raises(ValueError, match="must be ≥ 0"):
+            ns_flops(args.pop("m"), args.pop("n"), **args)

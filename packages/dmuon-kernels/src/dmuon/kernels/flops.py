@@ -37,12 +37,19 @@ def ns_flops(
       (2s²l). Five steps with a restart at 2: ``8s²l + 28s³``. Square matrices run
       the standard iteration.
 
+    Raises:
+        ValueError: unknown ``method`` or a negative size, step count or batch.
+
     Examples:
         >>> ns_flops(768, 3072, method="standard")  # 5·(4·768²·3072 + 2·768³)
         40768634880
     """
     if method not in ("gram", "standard"):
         raise ValueError(f"method must be 'gram' or 'standard', got {method!r}")
+    if min(m, n, steps, batch) < 0:
+        raise ValueError(
+            f"m, n, steps and batch must be ≥ 0, got m={m}, n={n}, steps={steps}, batch={batch}"
+        )
     s, l = min(m, n), max(m, n)
     if s == 0 or steps == 0 or batch == 0:
         return 0
