@@ -263,6 +263,10 @@ def test_check_config_names_the_stage_and_the_supported_ones():
     assert dmuon_ds.check_config({"zero_optimization": {"stage": 0}, **scheduled}, "owner")
     with pytest.raises(dmuon_ds.UnsupportedConfigError, match="dmuon_of\\(engine\\)"):
         dmuon_ds.check_config({"zero_optimization": {"stage": 2}, **scheduled})
+    # an empty section is no scheduler (DeepSpeed needs its type)
+    assert dmuon_ds.check_config({"zero_optimization": {"stage": 2}, "scheduler": {}})
+    with pytest.raises(dmuon_ds.UnsupportedConfigError, match="resolve it before"):
+        dmuon_ds.check_config({"zero_optimization": {"stage": 2}, "gradient_clipping": "auto"})
 
 
 def _guide_script() -> str:

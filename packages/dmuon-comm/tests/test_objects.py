@@ -57,6 +57,7 @@ def test_small_host_tensors_go_where_the_backend_takes_them(monkeypatch):
         ("gloo", torch.device("cpu")),
         ("cpu:gloo,cuda:nccl", torch.device("cpu")),
         ("nccl", torch.device("cuda", 3)),
+        ("cuda:nccl", torch.device("cuda", 3)),
     ]:
         monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
         assert flag_device(None) == device, backend

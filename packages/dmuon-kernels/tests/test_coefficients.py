@@ -62,6 +62,8 @@ def test_documented_band_holds_on_the_promised_interval(name):
 
 def test_explicit_triples_are_accepted():
     assert resolve_coefficients([(2.0, -1.5, 0.5)], 3) == ((2.0, -1.5, 0.5),) * 3
+    # any rows of three numbers: a tensor's too
+    assert resolve_coefficients(torch.tensor([[2.0, -1.5, 0.5]]), 3) == ((2.0, -1.5, 0.5),) * 3
 
 
 @pytest.mark.parametrize(

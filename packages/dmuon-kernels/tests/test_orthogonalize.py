@@ -237,3 +237,7 @@ def test_short_schedules_run_without_the_default_restart(steps):
     got = orthogonalize(G, steps=steps, compute_dtype=torch.float32)
     want = orthogonalize(G, steps=steps, restarts=(), compute_dtype=torch.float32)
     assert torch.equal(got, want)
+    # the default given as a list is the default too
+    assert torch.equal(
+        orthogonalize(G, steps=steps, restarts=[2], compute_dtype=torch.float32), want
+    )

@@ -260,3 +260,15 @@ def test_gloo_ranks_all_reducing_the_gram_matrix_equal_the_whole_matrix():
     assert not failed, failed
     O = torch.cat([torch.tensor(results[r], dtype=torch.float64) for r in range(world)], dim=-1)
     assert rel_err(O, expected_output(G, "polar_express")) < 1e-10
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_short_schedules_run_without_the_default_restart(steps):
+    """1 or 2 steps: no restart to take (the default (2,) raised, and so did DMuon's
+    ``ns_steps=2`` on tensor-parallel matrices)."""
+    G = torch.randn(64, 256, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    O = tp_gram_newton_schulz(
+        G, split_dim=-1, reduce=identity, steps=steps, compute_dtype=torch.float64
+    )
+    ref = gram_newton_schulz(G, steps=steps, restarts=(), compute_dtype=torch.float64)
+    assert rel_err(O, ref) < 1e-12

@@ -29,6 +29,9 @@ def flag_device(group: dist.ProcessGroup | None) -> torch.device:
     """
     if not dist.is_available() or not dist.is_initialized():
         return torch.device("cpu")
-    if str(dist.get_backend(group)) == "nccl":
+    backend = str(dist.get_backend(group))
+    # "nccl", or a device map without a CPU entry ("cuda:nccl")
+    devices = {entry.split(":")[0] for entry in backend.split(",") if ":" in entry}
+    if backend == "nccl" or (devices and "cpu" not in devices and "cuda" in devices):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

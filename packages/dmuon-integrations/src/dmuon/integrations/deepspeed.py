@@ -177,7 +177,7 @@ def check_config(
             "or use stage 0 (owner mode: DMuon clips by the global norm; replicated: "
             "DeepSpeed clips the averaged gradients)"
         )
-    if mode == "owner" and stage > 0 and "scheduler" in cfg:
+    if mode == "owner" and stage > 0 and cfg.get("scheduler"):
         raise UnsupportedConfigError(
             _SCHEDULER_REFUSAL.format(stage=stage, what="a 'scheduler' section")
         )
@@ -212,9 +212,19 @@ def _clipping(cfg: Mapping[str, Any], absent: float | None = None) -> float:
     DeepSpeed's own default (``GRADIENT_CLIPPING_DEFAULT``: 1.0), which it then applies."""
     if "gradient_clipping" not in cfg and absent is not None:
         return absent
-    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+    if "gradient_clipping" in cfg:
+        value = cfg["gradient_clipping"]
+    else:
+        from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
 
-    return float(cfg.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT) or 0.0)
+        value = GRADIENT_CLIPPING_DEFAULT
+    try:
+        return float(value or 0.0)
+    except (TypeError, ValueError):
+        raise UnsupportedConfigError(
+            f"gradient_clipping must be a number, got {value!r} (an 'auto' of a Hugging Face "
+            "template is resolved by its Trainer; resolve it before calling initialize)"
+        ) from None
 
 
 def initialize(
@@ -282,6 +292,10 @@ def initialize(
         >>> engine, optimizer, _, _ = initialize(model, config, lr=0.02)  # doctest: +SKIP
     """
     stage, mode = check_config(config, mode)
+    if mode == "owner" and stage > 0 and (initialize_options or {}).get("lr_scheduler"):
+        raise UnsupportedConfigError(  # before any collective, like check_config's
+            _SCHEDULER_REFUSAL.format(stage=stage, what="initialize_options['lr_scheduler']")
+        )
     for key in ("mode", "distributed", "process_group"):
         if key in dmuon_options:
             raise ValueError(
@@ -299,10 +313,6 @@ def initialize(
     if not dist.is_initialized():
         deepspeed.init_distributed()
     cfg = _load(config)
-    if mode == "owner" and stage > 0 and (initialize_options or {}).get("lr_scheduler"):
-        raise UnsupportedConfigError(
-            _SCHEDULER_REFUSAL.format(stage=stage, what="initialize_options['lr_scheduler']")
-        )
     chosen: list[dict[str, Any]] = [
         {**g, "params": list(g["params"])}
         for g in (param_groups(model) if groups is None else groups)

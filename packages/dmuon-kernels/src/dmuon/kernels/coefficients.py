@@ -200,7 +200,7 @@ def resolve_coefficients(coefficients: str | Sequence[Sequence[float]], steps: i
         return get_coefficients(coefficients, steps)
     triples: list[Triple] = []
     for i, t in enumerate(coefficients):
-        if not isinstance(t, Sequence) or isinstance(t, str) or len(t) != 3:
+        if isinstance(t, (str, bytes)) or not hasattr(t, "__len__") or len(t) != 3:
             raise ValueError(
                 f"coefficients[{i}] must be an (a, b, c) triple, got {t!r}: coefficients is a "
                 "set's name or a list of triples (a flat (a, b, c)? wrap it: [(a, b, c)])"

@@ -73,7 +73,11 @@ class NSOptions:
         if method != "gram":
             return schedule, ()
         restarts = self.restarts
-        if restarts == DEFAULTS.restarts and self.steps <= max(DEFAULTS.restarts):
+        if (
+            isinstance(restarts, Sequence)
+            and tuple(restarts) == tuple(DEFAULTS.restarts)
+            and self.steps <= max(DEFAULTS.restarts)
+        ):
             restarts = ()  # the default restart lies past a 1- or 2-step schedule
         return schedule, check_restarts(restarts, self.steps)
 

@@ -153,7 +153,7 @@ def tp_gram_newton_schulz(
     X = (X / (norm + eps)[:, None, None]).to(dtype).contiguous()
     gram_side = X.shape[-2]
     if restarts is None:
-        restarts = tuple(range(1, steps)) if gram_side > split_size else (2,)
+        restarts = tuple(range(1, steps)) if gram_side > split_size else (2,) if steps > 2 else ()
     restarts_t = check_restarts(restarts, steps)
 
     def gram(Y: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,13 @@ def clip_grad_norm_(
     engine = optimizer.engine
     engine.prepare_grads()
     counted, copies, groups = engine.norm_parts()
-    device = counted[0].device if counted else torch.device("cpu")
+    # a rank that counts no gradient (it owns no matrix) must still meet the others'
+    # all-reduce on their device: the parameters', not the host
+    device = (
+        counted[0].device
+        if counted
+        else next((e.param.device for e in engine.params), torch.device("cpu"))
+    )
     inf = math.isinf(norm_type)
     if counted:
         if inf:

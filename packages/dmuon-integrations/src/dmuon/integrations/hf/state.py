@@ -154,7 +154,8 @@ def gather_full_state_dict(optimizer: Any) -> dict[str, Any]:
                 # the state's own dtype (bf16 with state_dtype="bfloat16"), not the weight's
                 dtype = torch.float32 if key == "step" else state_dtype_of(group, p.dtype)
                 if owner == engine.rank:
-                    value = st[key].detach().to(dtype).reshape(shapes[key])
+                    # on the parameter's device: a step counter may live on the host
+                    value = st[key].detach().to(p.device, dtype).reshape(shapes[key])
                 else:
                     value = torch.empty(shapes[key], dtype=dtype, device=p.device)
                 pending.setdefault((owner, dtype), []).append((st, key, value))

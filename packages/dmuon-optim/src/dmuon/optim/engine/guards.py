@@ -341,7 +341,7 @@ def _checksum(t: torch.Tensor) -> int:
     bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[x.element_size()]
     ints = x.view(bits).to(torch.int64)
     # Weight by position so that two swapped elements do not cancel.
-    weights = torch.arange(1, x.numel() + 1, dtype=torch.int64) % 8191 + 1
+    weights = torch.arange(1, x.numel() + 1, dtype=torch.int64, device=x.device) % 8191 + 1
     return int((ints * weights).sum())
 
 
