@@ -34,6 +34,7 @@ import time
 
 import pytest
 import torch
+from distributed_cases import full_params, max_diff
 from torch import nn
 
 from dmuon.comm.testing import run_on_ranks
@@ -86,19 +87,6 @@ def dedicated(setup: str, model: nn.Module, world: int):
     return ddp.dedicate(model, **options)
 
 
-def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-        for n, p in model.named_parameters()
-    }
-
-
-def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
-    return max((float((got[n] - want[n]).abs().max()), n) for n in want)
-
-
 # ---------------------------------------------------------- a batch dropped after backward
 def dropped_reference() -> dict[str, torch.Tensor]:
     """Steps 1 and 2 on their global batches; batch 0 never seen."""
@@ -108,7 +96,7 @@ def dropped_reference() -> dict[str, torch.Tensor]:
         (sum(loss(model, t, r) for r in range(WORLD)) / WORLD).backward()
         opt.step()
         opt.zero_grad()
-    return params_of(model)
+    return full_params(model)
 
 
 def run_dropped(rank: int, world: int, setup: str, clip_first: bool) -> dict[str, object]:
@@ -126,7 +114,7 @@ def run_dropped(rank: int, world: int, setup: str, clip_first: bool) -> dict[str
         opt.step()
         opt.zero_grad()
     ded.wait()
-    return {"params": params_of(model), "taken": opt.steps_taken, "skipped": opt.skipped_steps}
+    return {"params": full_params(model), "taken": opt.steps_taken, "skipped": opt.skipped_steps}
 
 
 @pytest.mark.parametrize(
@@ -197,7 +185,7 @@ def branch_reference() -> dict[str, torch.Tensor]:
             (sum(losses) / WORLD / 2).backward()
         opt.step()
         opt.zero_grad()
-    return params_of(model)
+    return full_params(model)
 
 
 def run_branch(rank: int, world: int, setup: str, how: str) -> dict[str, torch.Tensor]:
@@ -215,7 +203,7 @@ def run_branch(rank: int, world: int, setup: str, how: str) -> dict[str, torch.T
         opt.step()
         opt.zero_grad()
     ded.wait()
-    return params_of(model)
+    return full_params(model)
 
 
 @pytest.mark.parametrize(
@@ -230,7 +218,7 @@ def run_branch(rank: int, world: int, setup: str, how: str) -> dict[str, torch.T
 )
 def test_a_branch_used_only_inside_no_sync_is_stepped(setup, how):
     expected = branch_reference()
-    initial = params_of(Net())
+    initial = full_params(Net())
     moved = float((expected["b.weight"] - initial["b.weight"]).abs().max())
     assert moved > 1e-3, "the branch barely moved in one process: the test would prove nothing"
     for rank, got in enumerate(run_on_ranks(run_branch, WORLD, args=(setup, how), timeout=120)):
@@ -246,7 +234,7 @@ def unsynced_reference() -> dict[str, torch.Tensor]:
         losses = [loss(model, m, r, use_b=m < 2) for r in range(WORLD)]
         (sum(losses) / WORLD / 3).backward()
     opt.step()
-    return params_of(model)
+    return full_params(model)
 
 
 def run_unsynced_recovery(rank: int, world: int, setup: str) -> dict[str, object]:
@@ -268,7 +256,7 @@ def run_unsynced_recovery(rank: int, world: int, setup: str) -> dict[str, object
     (loss(model, 2, rank, use_b=False) / 3).backward()
     opt.step()
     ded.wait()
-    return {"error": error, "params": params_of(model), "taken": opt.steps_taken}
+    return {"error": error, "params": full_params(model), "taken": opt.steps_taken}
 
 
 @pytest.mark.parametrize("setup", ["ddp", "fsdp_free"])
@@ -309,21 +297,21 @@ def run_thawed(rank: int, world: int, mode: str, users: str) -> dict[str, object
     for p in model.b.parameters():
         p.requires_grad_(True)
     loss(forward, 1, rank, use_b=users == "all" or rank == 0).backward()
-    before = params_of(model)
+    before = full_params(model)
     out: dict[str, object] = {}
     try:
         opt.step()
         out["error"] = None
     except ThawedParameterError as err:
         out["error"], out["ranks"], out["names"] = str(err), err.ranks, err.names
-    out["unchanged"] = max_diff(params_of(model), before)[0] == 0.0
+    out["unchanged"] = max_diff(full_params(model), before)[0] == 0.0
     # frozen again, the optimizer goes on
     for p in model.b.parameters():
         p.requires_grad_(False)
     opt.zero_grad()
     loss(forward, 2, rank).backward()
     opt.step()
-    out["after"] = (opt.steps_taken, max_diff(params_of(model), before)[0] > 0)
+    out["after"] = (opt.steps_taken, max_diff(full_params(model), before)[0] > 0)
     return out
 
 
@@ -372,7 +360,7 @@ def run_bf16(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
             opt.step()
             opt.zero_grad()
         opt.engine.settle()  # owner mode: the last publications are in
-        out[setup] = params_of(model)
+        out[setup] = full_params(model)
     return out
 
 
@@ -388,7 +376,7 @@ def test_bf16_parameters_train_under_fsdp2_as_under_ddp_dedicate():
     for bit); sharded mode averages the bf16 gradients in FSDP2's reduce-scatter, whose
     rounding differs, and may differ by about one bf16 ulp of a matrix's largest weight
     per step (measured: 2 ulps after 3 steps); each weight moved by more than that."""
-    initial = params_of(Net().to(torch.bfloat16))
+    initial = full_params(Net().to(torch.bfloat16))
     for rank, out in enumerate(run_on_ranks(run_bf16, WORLD, timeout=120)):
         for name, want in out["ddp"].items():
             assert ulps(want, initial[name]) > 4, f"rank {rank}: {name} barely trained"

@@ -100,12 +100,11 @@ def collect_params(
     out: list[EngineParam] = []
     seen: dict[str, int] = {}
     for gi, group in enumerate(param_groups):
-        names = group.get("param_names")
         matrix = group["rule"] in RULES
         for i, p in enumerate(group["params"]):
             if not p.requires_grad:
                 continue
-            name = names[i] if names is not None and i < len(names) else f"group{gi}.param{i}"
+            name = _name(group, gi, i)
             if name in seen:
                 raise ValueError(
                     f"two parameters are both named {name!r} (param groups {seen[name]} and "
@@ -121,14 +120,18 @@ def collect_params(
 def frozen_params(param_groups: Sequence[Mapping[str, Any]]) -> list[tuple[str, torch.Tensor]]:
     """The parameters of ``param_groups`` that do not require a gradient, named as
     :func:`collect_params` names parameters, in group order."""
-    out: list[tuple[str, torch.Tensor]] = []
-    for gi, group in enumerate(param_groups):
-        names = group.get("param_names")
-        for i, p in enumerate(group["params"]):
-            if not p.requires_grad:
-                name = names[i] if names is not None and i < len(names) else f"group{gi}.param{i}"
-                out.append((name, p))
-    return out
+    return [
+        (_name(group, gi, i), p)
+        for gi, group in enumerate(param_groups)
+        for i, p in enumerate(group["params"])
+        if not p.requires_grad
+    ]
+
+
+def _name(group: Mapping[str, Any], gi: int, i: int) -> str:
+    """Parameter ``i`` of group ``gi``: its ``param_names`` entry, or ``group{gi}.param{i}``."""
+    names = group.get("param_names")
+    return names[i] if names is not None and i < len(names) else f"group{gi}.param{i}"
 
 
 def layers_in_order(params: Iterable[EngineParam]) -> list[str]:

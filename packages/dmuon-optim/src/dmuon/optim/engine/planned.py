@@ -95,6 +95,7 @@ class PlannedEngine(Engine):
     def bind(self, stepper: Stepper) -> None:
         super().bind(stepper)
         self.rank, self.world_size = world_of(self.group)
+        self.flag_device = flag_device(self.group)  # where the presence flags travel
         matrices = [e for e in self.params if self.planned(e)]
         self.plan = plan_owners([e.item for e in matrices], self.world_size, **self.plan_options)
         if self.world_size > 1:  # a group of one (dp = 1 on a dp × tp mesh): nothing to agree
@@ -146,7 +147,7 @@ class PlannedEngine(Engine):
         flags = torch.tensor(
             [int(e.param.grad is not None) for e in params],
             dtype=torch.int32,
-            device=flag_device(self.group),
+            device=self.flag_device,
         )
         n = group_size(self.group)
         if n > 1:

@@ -149,6 +149,7 @@ class Reduction:
         self.grad_placements: dict[str, tuple[object, ...]] = {}
         # fixed for the exchange's life, so not asked again per gradient and step
         self.size = group_size(group)
+        self.flag_device = flag_device(group)  # where the presence flags travel
         self.groups = [group] if replicate_group is None else [group, replicate_group]
         self.sizes = [group_size(g) for g in self.groups]
         self.split = frozenset(name for name, p in params.items() if is_dtensor(p))
@@ -184,18 +185,13 @@ class Reduction:
 
     def grad_ready(self, p: torch.Tensor) -> None:
         """A gradient of ``p`` has been accumulated (call from a post-accumulate hook)."""
-        if not self.sync:
-            name = self.name_by_id.get(id(p))
-            if name is not None:
-                self.held_back += 1
-                self.accumulated.add(name)
-            return
-        if self.sync_condition is not None and not self.sync_condition():
-            name = self.name_by_id.get(id(p))
-            if name is not None:
-                self.accumulated.add(name)
-            return
         name = self.name_by_id.get(id(p))
+        held = not self.sync  # no_sync(); the sync condition is not asked then
+        if held or (self.sync_condition is not None and not self.sync_condition()):
+            if name is not None:
+                self.held_back += held  # counted for UnsyncedGradientsError: no_sync's only
+                self.accumulated.add(name)
+            return
         if name is None:
             return
         layer = self.by_key[self.layer_of[name]]
@@ -239,7 +235,7 @@ class Reduction:
         flags = torch.tensor(
             [int(n in arrived) for n in names] + [self.held_back, int(bool(self.present))],
             dtype=torch.int32,
-            device=flag_device(self.groups[0]),
+            device=self.flag_device,
         )
         for g, size in zip(self.groups, self.sizes, strict=True):
             if size > 1:
