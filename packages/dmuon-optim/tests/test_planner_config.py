@@ -123,6 +123,31 @@ def test_a_bad_config_names_the_field(tmp_path, change, field):
         load_model(str(path))
 
 
+@pytest.mark.parametrize(
+    ("preset", "change", "message"),
+    [
+        ("llama-3.1-8b", {"num_attention_heads": 24}, r"'hidden_size' \(4096\) must be a multiple "
+         r"of 'num_attention_heads' \(24\)"),
+        ("llama-3.1-8b", {"num_key_value_heads": 5}, r"'num_attention_heads' \(32\) must be a "
+         r"multiple of 'num_key_value_heads' \(5\)"),
+        ("gpt2", {"n_head": 5}, r"'n_embd' \(768\) must be a multiple of 'n_head' \(5\)"),
+    ],
+)  # fmt: skip
+def test_heads_that_do_not_divide_are_refused(preset, change, message):
+    cfg = {**PRESETS[preset], **change}
+    with pytest.raises(ConfigError, match=message):
+        spec_from_hf_config(cfg, name=preset)
+
+
+def test_an_explicit_head_dim_frees_the_heads_from_hidden_size():
+    # 24 heads of 128 (3072 wide) on hidden_size 4096, not a multiple of 24: legal with head_dim
+    cfg = {**PRESETS["qwen3-8b"], "num_attention_heads": 24, "num_key_value_heads": 8}
+    assert cfg.get("head_dim") == 128
+    spec = spec_from_hf_config(cfg, name="qwen3")
+    q = next(i for i in spec.matrices if i.name.endswith("q_proj.weight"))
+    assert q.shape == (24 * 128, cfg["hidden_size"])
+
+
 def test_moe_config_without_expert_count_names_it():
     cfg = dict(PRESETS["mixtral-8x7b"])
     del cfg["num_local_experts"]

@@ -114,6 +114,15 @@ def _field(cfg: Mapping[str, Any], key: str, default: Any = None, *, where: str)
     return value
 
 
+def _divides(d: int, d_key: str, n: int, n_key: str, where: str) -> None:
+    """Refuse a config whose ``n_key`` is not a multiple of ``d_key`` (no such model exists)."""
+    if n % d:
+        raise ConfigError(
+            f"{where}: field {n_key!r} ({n}) must be a multiple of {d_key!r} ({d}); "
+            "a model with this config cannot be built"
+        )
+
+
 def spec_from_hf_config(
     cfg: Mapping[str, Any], *, name: str = "config", dtype: torch.dtype = torch.bfloat16
 ) -> ModelSpec:
@@ -147,7 +156,7 @@ def spec_from_hf_config(
 def _gpt2(cfg: Mapping[str, Any], name: str, dtype: torch.dtype) -> ModelSpec:
     f = lambda k, d=None: _field(cfg, k, d, where=name)  # noqa: E731
     H, L, V, P = f("n_embd"), f("n_layer"), f("vocab_size"), f("n_positions")
-    f("n_head")
+    _divides(f("n_head"), "n_head", H, "n_embd", name)  # GPT-2's heads split n_embd
     inner = cfg.get("n_inner") or 4 * H
     mats: list[MatrixItem] = []
     scalars: list[tuple[str, int]] = [
@@ -188,6 +197,10 @@ def _llama_like(cfg: Mapping[str, Any], name: str, dtype: torch.dtype) -> ModelS
     H, L, V = f("hidden_size"), f("num_hidden_layers"), f("vocab_size")
     nh = f("num_attention_heads")
     nkv = f("num_key_value_heads", nh)
+    # grouped-query attention: every key/value head serves the same number of query heads
+    _divides(nkv, "num_key_value_heads", nh, "num_attention_heads", name)
+    if not cfg.get("head_dim"):  # without head_dim the heads split hidden_size
+        _divides(nh, "num_attention_heads", H, "hidden_size", name)
     hd = cfg.get("head_dim") or H // nh
     hd = _field({"head_dim": hd, "model_type": kind}, "head_dim", where=name)
     # Qwen2 (and Qwen2-MoE) carry q/k/v biases; Llama/Mistral only with attention_bias.
