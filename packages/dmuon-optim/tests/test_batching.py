@@ -81,25 +81,33 @@ def test_expert_stack_equals_its_matrices_one_by_one(rule):
         assert (value - expected).abs().max() < 1e-12
 
 
-def test_conv_weight_is_one_flattened_matrix_per_parameter():
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_conv_weight_is_one_flattened_matrix_per_parameter(rule):
     # Two conv weights of the same shape share a bucket (batched) but are never
-    # flattened together: each must equal Muon on its own (out, in·k·k) matrix.
+    # flattened together: each must equal the rule on its own (out, in·k·k) matrix,
+    # rows = output channels (NorMuon's and Dion3's per-row state has one value per
+    # output channel; a transposed flattening would pass Muon, whose update and
+    # match_rms_adamw factor are symmetric in m and n, but not them).
     shape = (6, 3, 3, 3)
     w0 = [randn(*shape, seed=i) for i in range(2)]
     convs = [torch.nn.Parameter(w.clone()) for w in w0]
     hp = dict(momentum=0.9, nesterov=True, lr=0.05, weight_decay=0.1)
     hp |= dict(adjust_lr="match_rms_adamw", ns_coefficients="polar_express", ns_steps=5)
+    hp |= {k: o.default for k, o in RULES[rule].options.items()}
 
     def grads(t):
         return [randn(*shape, seed=10 * t + i) for i in range(2)]
 
-    opt = run([{"params": convs, "flatten": True}], grads, **F64)
+    opt = run([{"params": convs, "flatten": True}], grads, rule=rule, **F64)
     for i, w in enumerate(w0):
-        W, st = w.reshape(6, 27).clone(), init_state("muon", 6, 27)
+        W, st = w.reshape(6, 27).clone(), init_state(rule, 6, 27)
         for t in range(3):
-            W = rule_step("muon", W, grads(t)[i].reshape(6, 27), st, hp, t + 1)
+            W = rule_step(rule, W, grads(t)[i].reshape(6, 27), st, hp, t + 1)
         assert (convs[i].detach().reshape(6, 27) - W).abs().max() < 1e-12
-        assert opt.state[convs[i]]["momentum_buffer"].shape == shape
+        for key, value in st.items():
+            kept = opt.state[convs[i]][key]
+            assert kept.shape == (shape if value.dim() == 2 else shape[:1]), key
+            assert (kept.reshape(value.shape) - value).abs().max() < 1e-12, key
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,10 @@ CASES = [(r, {}) for r in sorted(RULES)] + [
     ("muon", {"adjust_lr": "spectral", "ns_coefficients": "keller", "ns_method": "standard"}),
     ("muon", {"adjust_lr": None, "momentum": 0.0}),
     ("adamuon", {"sign": False}),
+    # ε comparable to V (G ~ N(0, 1), so V ~ 0.05–0.2): where ε sits (inside the root,
+    # the paper's) and the absence of bias correction both move the step; at the default
+    # ε = 1e-16 neither is visible
+    ("muon2", {"eps": 0.25}),
     ("musec", {"clip_mode": "soft"}),
     ("musec", {"clip_tau": 2.0}),
     ("sign_muon", {"local_polar": True}),

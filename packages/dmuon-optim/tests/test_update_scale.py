@@ -1,4 +1,4 @@
-"""The size of AdaMuon's, Dion2's and Dion3's steps, against their papers' equations.
+"""The size of AdaMuon's, Dion2's, Dion3's and Sign-Muon's steps, against their papers' equations.
 
 ``adjust_lr="match_rms_adamw"`` (the default) promises an update of RMS 0.2 (Moonlight,
 arXiv 2502.16982, eq. 4), so that AdamW's learning rate carries over. Each test
@@ -13,6 +13,8 @@ What they establish (issue 17; the rule pages quote them):
   ``0.2·√fraction`` (0.1 at the default fraction 0.25). This is the papers'
   convention (microsoft/dion: ``X[sel] −= lr·√(m/n)·O``, the same lr as its Muon),
   reproduced exactly with ``adjust_lr="spectral"``.
+* Sign-Muon's step ``S/‖S‖₂`` has Muon's spectral norm under every convention but
+  not its RMS: 0.12–0.15 with ``"match_rms_adamw"``, not 0.2.
 """
 
 import math
@@ -130,3 +132,18 @@ def test_dion2_with_spectral_scaling_is_the_papers_step(m, n):
     paper = torch.zeros_like(Mw)
     paper[sel] = math.sqrt(m / n) * O
     torch.testing.assert_close(step, paper.T if cols else paper, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize(("m", "n"), [(64, 64), (128, 512), (512, 128)])
+def test_sign_muon_step_has_muons_spectral_norm_and_a_smaller_rms(m, n):
+    # S = sign(polar(M)) / ‖S‖₂, times the adjust_lr factor: Muon's spectral norm
+    # (0.2·√max(m, n) with "match_rms_adamw"), but a ±1 matrix has ‖S‖₂ ≥ √max(m, n),
+    # and the step's RMS, 0.2·√max(m, n)/‖S‖₂, is below Muon's 0.2 (the page's figures).
+    G = grads(m, n, count=1)
+    (step,), hp = run("sign_muon", G)
+    S = torch.sign(polar(G[0] + hp["momentum"] * G[0]))
+    paper = 0.2 * math.sqrt(max(m, n)) * S / torch.linalg.matrix_norm(S, ord=2)
+    spectral = float(torch.linalg.matrix_norm(step, ord=2))
+    assert spectral == pytest.approx(0.2 * math.sqrt(max(m, n)), rel=1e-9)
+    assert 0.11 < rms(step) < 0.16
+    assert rms(step) == pytest.approx(rms(paper), rel=NS_RTOL)
