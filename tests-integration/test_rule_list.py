@@ -3,11 +3,15 @@
 The ``DMuon`` docstring's list of matrix rules, the table of the algorithms index
 (``docs/algorithms/index.md``) and the rule pages of the mkdocs navigation name the
 rules of :data:`dmuon.optim.RULES`, in its order, each with its page. Adding a rule
-to ``rules.py`` without its page and rows fails here, and so does a stale row.
+to ``rules.py`` without its page and rows fails here, and so does a stale row. Each
+rule page's "Hyperparameters" table lists the rule's own options with their defaults
+(:attr:`Rule.options`), and its "State" table the buffers the rule declares
+(:meth:`Rule.state_specs`) and ``step``.
 """
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 
@@ -36,6 +40,44 @@ def nav_rules(mkdocs_yml: str) -> list[str]:
     return [p for p in pages if p not in NOT_RULES]
 
 
+def page_tables(markdown: str) -> dict[str, dict[str, str]]:
+    """A rule page's ``| key | default | meaning |`` and ``| key | shape | meaning |``
+    tables, as ``{"default": {key: cell}, "shape": {key: cell}}``."""
+    tables: dict[str, dict[str, str]] = {}
+    head = r"^\| key \| (default|shape) \| meaning \|\n\|[-|]+\|\n((?:\|.*\|\n)+)"
+    for m in re.finditer(head, markdown, re.M):
+        rows = tables.setdefault(m.group(1), {})
+        for line in m.group(2).splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            key = re.fullmatch(r"`(\w+)`", cells[0])
+            if key:
+                rows[key.group(1)] = cells[1]
+    return tables
+
+
+def documented_defaults(markdown: str) -> dict[str, object]:
+    """The "default" column of a rule page, each cell read as a Python literal."""
+    cells = page_tables(markdown).get("default", {})
+    return {k: ast.literal_eval(v.strip("`")) for k, v in cells.items()}
+
+
+def test_each_rule_page_lists_its_options_with_the_code_defaults():
+    for name, rule in RULES.items():
+        text = (ROOT / "docs" / "algorithms" / f"{name}.md").read_text()
+        options = {k: o.default for k, o in rule.options.items()}
+        documented = documented_defaults(text)
+        assert documented == options, f"{name}.md's Hyperparameters table differs from the code"
+        for k, v in documented.items():  # 1 == 1.0 == True: the types must agree too
+            assert type(v) is type(options[k]), f"{name}.md: {k} = {v!r}, code: {options[k]!r}"
+
+
+def test_each_rule_page_lists_the_state_the_rule_declares():
+    for name, rule in RULES.items():
+        text = (ROOT / "docs" / "algorithms" / f"{name}.md").read_text()
+        state = list(page_tables(text).get("shape", {}))
+        assert state == [s.name for s in rule.state_specs()] + ["step"], f"{name}.md's State table"
+
+
 def test_the_docstring_lists_every_rule_in_order():
     assert docstring_rules(DMuon.__doc__ or "") == list(RULES)
 
@@ -60,3 +102,9 @@ def test_the_checks_fail_on_a_drifted_list():
     assert table_rules(table) != list(RULES)
     nav = "      - algorithms/index.md\n      - Muon: algorithms/muon.md\n"
     assert nav_rules(nav) == ["muon"] != list(RULES)
+    page = "| key | default | meaning |\n|---|---|---|\n| `beta2` | `0.9` | decay |\n"
+    assert (
+        documented_defaults(page)
+        == {"beta2": 0.9}
+        != {k: o.default for k, o in RULES["normuon"].options.items()}
+    )
