@@ -394,8 +394,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"demo-{device}-w{args.world}" + ("" if args.size == "small" else f"-{args.size}")
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    plot(result, args.out / f"{stem}.png")
     print_table(result)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # `nox -s demo` installs it; a bare `python benchmarks/demo.py` may not
+        print(f"wrote {args.out / (stem + '.json')} (no figure: pip install matplotlib)")
+        return 0
+    plot(result, args.out / f"{stem}.png")
     print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')}")
     return 0
 
