@@ -27,6 +27,16 @@ def test_dmuon_is_a_namespace_package_spread_over_the_distributions():
         assert not any(str(f).replace("\\", "/") == "dmuon/__init__.py" for f in files)
 
 
+@pytest.mark.parametrize("name", PACKAGES)
+def test_each_distribution_is_typed(name):
+    """PEP 561: a ``py.typed`` marker in each installed package (``dmuon`` itself is a
+    namespace package, so each subpackage carries its own), and the classifier."""
+    files = importlib.metadata.files(f"dmuon-{name}") or []
+    assert f"dmuon/{name}/py.typed" in {str(f).replace("\\", "/") for f in files}
+    classifiers = importlib.metadata.metadata(f"dmuon-{name}").get_all("Classifier") or []
+    assert "Typing :: Typed" in classifiers
+
+
 def test_declared_dependencies_follow_the_layering():
     def requires(dist):
         reqs = importlib.metadata.requires(dist) or []

@@ -127,6 +127,17 @@ def test_bad_input_exits_2_naming_it(args, message):
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+def test_plot_without_matplotlib_exits_2_before_the_work(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises
+    png = tmp_path / "overhead.png"
+    done = call("gpt2", "--gpus", "4", "--plot", str(png))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        "dmuon-plan: error: --plot needs matplotlib: pip install 'dmuon-optim[plan]'"
+    )
+    assert done.stdout == "" and not png.exists()  # refused before any table
+
+
 def test_bad_input_exits_2_from_the_console_entry():
     done = run("gpt2", "--gpus", "0")
     assert done.returncode == 2 and "gpus must be an int ≥ 1" in done.stderr, done.stderr

@@ -139,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.plot:  # before the work, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install 'dmuon-optim[plan]'") from None
     spec = load_model(args.model, dtype=_DTYPES[args.dtype])
     if args.calibrate:
         from dmuon.optim.planner.calibrate import calibrate
