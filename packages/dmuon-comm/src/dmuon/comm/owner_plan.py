@@ -104,7 +104,7 @@ class OwnerPlan:
     strategy: str = "lpt"
     solver: str = "lpt"
     _index: dict[str, int] = field(init=False, repr=False, compare=False)
-    _by_rank: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    _by_rank: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.items) != len(self.owners):
@@ -123,10 +123,11 @@ class OwnerPlan:
         if len(index) != len(self.items):
             raise ValueError("item names must be unique")
         object.__setattr__(self, "_index", index)
-        by_rank: list[list[int]] = [[] for _ in range(self.world_size)]
+        # the ranks that own something (a plan over many more ranks than items stays small)
+        by_rank: dict[int, list[int]] = {}
         for k, owner in enumerate(self.owners):
-            by_rank[owner].append(k)
-        object.__setattr__(self, "_by_rank", tuple(tuple(ks) for ks in by_rank))
+            by_rank.setdefault(owner, []).append(k)
+        object.__setattr__(self, "_by_rank", {r: tuple(ks) for r, ks in by_rank.items()})
 
     # -- lookups -----------------------------------------------------------------
 
@@ -175,7 +176,7 @@ class OwnerPlan:
     def items_of(self, rank: int) -> tuple[MatrixItem, ...]:
         """The items ``rank`` owns, in canonical order."""
         self._check_rank(rank)
-        return tuple(self.items[k] for k in self._by_rank[rank])
+        return tuple(self.items[k] for k in self._by_rank.get(rank, ()))
 
     def names_of(self, rank: int) -> tuple[str, ...]:
         """Names of the items ``rank`` owns, in canonical order."""

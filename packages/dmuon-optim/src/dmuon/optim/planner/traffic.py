@@ -32,12 +32,12 @@ does it for the dedicated matrices.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from dmuon.comm import CommStats, OwnerPlan
+from dmuon.comm import CommStats, MatrixItem, OwnerPlan
 from dmuon.comm.cost_model import cost_model
 from dmuon.optim.engine.params import subplan
 from dmuon.optim.planner.config import ModelSpec
@@ -116,15 +116,20 @@ def _collective(op: str, collective: str, phase: str, n: int) -> Transfer:
     return Transfer(op, collective, phase, [0.0] * n, [0.0] * n, group_size=n)
 
 
-def _record(t: Transfer, collective: str, nbytes: int, n: int, calls: int = 1) -> None:
-    """Add ``calls`` collectives as CommStats.record_collective counts them, on every rank."""
+def _record(t: Transfer, collective: str, nbytes: int | Sequence[int], n: int) -> None:
+    """Add collectives of ``nbytes`` each (one per entry of a sequence) as
+    CommStats.record_collective counts them; every rank sends and receives the same."""
+    sizes = [nbytes] if isinstance(nbytes, int) else list(nbytes)
+    if not sizes:
+        return
     stats = CommStats()
-    stats.record_collective(t.op, collective, nbytes=nbytes, world_size=n)
+    for size in sizes:
+        stats.record_collective(t.op, collective, nbytes=size, world_size=n)
     s = stats[t.op]
-    for r in range(n):
-        t.sent[r] += calls * s.bytes_sent
-        t.received[r] += calls * s.bytes_received
-    t.collectives += calls
+    # one pass over the ranks for all of them (O(n), not O(n) per collective)
+    t.sent = [x + s.bytes_sent for x in t.sent]
+    t.received = [x + s.bytes_received for x in t.received]
+    t.collectives += len(sizes)
 
 
 def _presence(count: int, n: int, phase: str) -> Transfer:
@@ -141,16 +146,17 @@ def _owner(plan: OwnerPlan, n: int, z3: bool) -> list[Transfer]:
     layers = _layers(plan)
     for t in (reduce, bcast, again):
         t.rounds = len(layers)
+    sizes: list[int] = []
     for _, part in layers:
         # one bucket per (owner, dtype) of the layer: make_buckets, alignment 1
         buckets: dict[tuple[int, torch.dtype], int] = {}
         for item in part.items:
             key = (part.owner(item.name), item.dtype)
             buckets[key] = buckets.get(key, 0) + item.nbytes
-        for nbytes in buckets.values():
-            _record(reduce, "reduce", nbytes, n)
-            _record(bcast, "broadcast", nbytes, n)
-            _record(again, "broadcast", nbytes, n)
+        sizes.extend(buckets.values())
+    _record(reduce, "reduce", sizes, n)
+    _record(bcast, "broadcast", sizes, n)
+    _record(again, "broadcast", sizes, n)
     # ZeRO-3-like: each layer is broadcast again before its backward
     # presence flags: one per dedicated item, and two slots for the engine's
     # UnsyncedGradientsError check (the gradients held back by no_sync(), the ranks that
@@ -163,14 +169,26 @@ def _replicated(plan: OwnerPlan, n: int) -> list[Transfer]:
     t = _collective("all_gather_updates", "all_gather", "step", n)
     layers = _layers(plan)
     t.rounds = len(layers)
+    sizes: list[int] = []
     for _, part in layers:
-        for dtype in dict.fromkeys(i.dtype for i in part.items):
-            volume = max(
-                sum(i.numel for i in part.items_of(r) if i.dtype == dtype) for r in range(n)
-            )
-            if volume:
-                _record(t, "all_gather", volume * dtype.itemsize, n)
+        for dtype, by_owner in _volumes(part, lambda i: i.numel).items():
+            # the all-gather moves the largest owner's share from every rank
+            sizes.append(max(by_owner.values()) * dtype.itemsize)
+    _record(t, "all_gather", [s for s in sizes if s], n)
     return [t]
+
+
+def _volumes(
+    part: OwnerPlan, size: Callable[[MatrixItem], int]
+) -> dict[torch.dtype, dict[int, int]]:
+    """Per dtype (in the order of the items), ``size`` summed per owning rank (ranks
+    that own nothing of a dtype are left out: their volume is 0)."""
+    out: dict[torch.dtype, dict[int, int]] = {}
+    for item in part.items:
+        by_owner = out.setdefault(item.dtype, {})
+        owner = part.owner(item.name)
+        by_owner[owner] = by_owner.get(owner, 0) + size(item)
+    return out
 
 
 def _sharded(plan: OwnerPlan, n: int, params: int) -> list[Transfer]:
@@ -179,23 +197,20 @@ def _sharded(plan: OwnerPlan, n: int, params: int) -> list[Transfer]:
     layers = _layers(plan)
     there.rounds = back.rounds = len(layers)
     for _, part in layers:
-        for dtype in dict.fromkeys(i.dtype for i in part.items):
-            volume = [
-                sum(
-                    -(-i.shape[0] // n) * math.prod(i.shape[1:])
-                    for i in part.items_of(r)
-                    if i.dtype == dtype
-                )
-                for r in range(n)
-            ]
-            if not sum(volume):
+        shard = lambda i: -(-i.shape[0] // n) * math.prod(i.shape[1:])  # noqa: E731
+        for dtype, by_owner in _volumes(part, shard).items():
+            total = sum(by_owner.values())
+            if not total:
                 continue
             e = dtype.itemsize
+            # rank `me` sends its shard of every other owner's matrices and receives the
+            # shards of its own from the n − 1 others; the reverse all-to-all mirrors it
             for me in range(n):
-                there.sent[me] += (sum(volume) - volume[me]) * e
-                there.received[me] += (n - 1) * volume[me] * e
-                back.sent[me] += (n - 1) * volume[me] * e
-                back.received[me] += (sum(volume) - volume[me]) * e
+                mine = by_owner.get(me, 0)
+                there.sent[me] += (total - mine) * e
+                there.received[me] += (n - 1) * mine * e
+                back.sent[me] += (n - 1) * mine * e
+                back.received[me] += (total - mine) * e
             there.collectives += 1
             back.collectives += 1
     return [there, back, _presence(params, n, "step")]
