@@ -1,4 +1,4 @@
-"""Driver of test_hf_trainer.py: runs the guide's script (hf_trainer_example.py) in
+"""Driver of test_hf_trainer.py: runs the guide's script (examples/hf_trainer.py) in
 several configurations in one process — transformers is imported once — and writes
 ``result-<rank>.json`` with what the test checks.
 
@@ -13,7 +13,7 @@ import os
 import sys
 
 import torch
-from hf_trainer_example import main
+from hf_trainer import main  # examples/ is on the path (test_hf_trainer.py)
 from safetensors.torch import load_file
 
 from dmuon.integrations.hf import missing_state

@@ -1,6 +1,6 @@
 """DMuon in the Hugging Face Trainer: one process and torchrun with two gloo ranks.
 
-Each launch runs the guide's script (``hf_trainer_example.py``) several times in one
+Each launch runs the guide's script (``examples/hf_trainer.py``) several times in one
 process through ``hf_trainer_check.py`` — transformers is imported once per launch —
 with a real ``transformers.Trainer`` on a tiny Llama built from a config (no
 download): six optimizer steps of two accumulated micro-batches each, a cosine
@@ -31,6 +31,7 @@ needs_hf = pytest.mark.skipif(
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
+EXAMPLE = ROOT / "examples" / "hf_trainer.py"  # the guide's script
 # A cold import of transformers takes tens of seconds on a loaded 2-core machine; the
 # training itself takes a few. The timeouts only stop a hang.
 TIMEOUT_S = 420
@@ -39,7 +40,7 @@ TIMEOUT_S = 420
 def _launch(cmd: list[str], out: pathlib.Path) -> list[dict]:
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(EXAMPLE.parent), env.get("PYTHONPATH", "")])
     # A session of its own, so a timeout stops torchrun and every rank it started.
     proc = subprocess.Popen(
         cmd,
@@ -152,7 +153,7 @@ def test_stock_trainer_checkpoint_under_torchrun_is_refused_on_every_rank(ddp):
 
 def test_guide_shows_the_script_the_tests_run():
     guide = (ROOT / "docs" / "guides" / "hf-trainer.md").read_text()
-    script = (HERE / "hf_trainer_example.py").read_text()
+    script = EXAMPLE.read_text()
     assert f"```python\n{script}```" in guide, "docs/guides/hf-trainer.md must show the script"
 
 

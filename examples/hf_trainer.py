@@ -1,8 +1,8 @@
 """Train a tiny Llama with DMuon from the Hugging Face Trainer.
 
-One process:            python hf_trainer_example.py --output-dir out
+One process:            python examples/hf_trainer.py --output-dir out
 Two ranks (CPU, gloo):  python -m torch.distributed.run --nproc_per_node 2 \
-                            hf_trainer_example.py --output-dir out
+                            examples/hf_trainer.py --output-dir out
 Resume:                 add --resume out/checkpoint-3
 Stock Trainer:          add --stock-trainer (DMuon through optimizer_cls_and_kwargs)
 
