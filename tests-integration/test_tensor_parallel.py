@@ -724,3 +724,56 @@ def test_sequence_parallel_norms_pending_sums_clip_and_step_like_one_process(by)
         for name, p in model.named_parameters():
             diff = (got[name] - p.detach()).abs().max().item()
             assert diff <= SPLIT_TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
+# Matrices with a dimension smaller than the tensor-parallel group: torch.chunk (and
+# DTensor's Shard) gives rank 1 of 2 an empty shard, (1, 8) split by rows and (6, 1) by
+# columns; (5, 4) split 3 + 2 beside them.
+EMPTY_SHARDS = (((1, 8), 0), ((6, 1), 1), ((5, 4), 0))
+
+
+def empty_shard_grads(t: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(400 + t)
+    return [torch.randn(shape, generator=g) for shape, _ in EMPTY_SHARDS]
+
+
+def empty_shard_weights() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(399)
+    return [torch.randn(shape, generator=g) for shape, _ in EMPTY_SHARDS]
+
+
+def run_empty_shards(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    params = [
+        nn.Parameter(distribute_tensor(w, mesh, [Shard(d)]))
+        for w, (_, d) in zip(empty_shard_weights(), EMPTY_SHARDS, strict=True)
+    ]
+    opt = DMuon(params, mode="single", tp_path=path, **OPT)
+    for t in range(STEPS):
+        for p, g, (_, d) in zip(params, empty_shard_grads(t), EMPTY_SHARDS, strict=True):
+            p.grad = distribute_tensor(g, mesh, [Shard(d)])
+        opt.step()
+    return [tuple(p.to_local().shape) for p in params], [p.detach().full_tensor() for p in params]
+
+
+@pytest.mark.parametrize("path", ["gram", "gather"])
+def test_empty_tensor_parallel_shards_take_part_in_the_step_and_equal_one_process(path):
+    """A rank whose shard of a matrix is empty (a dimension smaller than the group) steps
+    it with the others, on both paths, instead of refusing it alone (which left the
+    other ranks waiting in the Gram all-reduce)."""
+    results = run_on_ranks(run_empty_shards, 2, args=(path,), timeout=120)
+    params = [nn.Parameter(w) for w in empty_shard_weights()]
+    opt = DMuon(params, **OPT)
+    for t in range(STEPS):
+        for p, g in zip(params, empty_shard_grads(t), strict=True):
+            p.grad = g
+        opt.step()
+    assert results[1][0][:2] == [(0, 8), (6, 0)], results[1][0]  # the empty shards
+    for rank, (_, got) in enumerate(results):
+        for i, (p, w) in enumerate(zip(params, empty_shard_weights(), strict=True)):
+            assert (p.detach() - w).abs().max().item() > 1e-3  # the reference moved
+            diff = (got[i] - p.detach()).abs().max().item()
+            assert diff <= SPLIT_TOLERANCE, f"rank {rank}, matrix {i}: differs by {diff:.2e}"

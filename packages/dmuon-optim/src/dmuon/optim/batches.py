@@ -245,6 +245,12 @@ def build_buckets(
             assert split is not None
             local = torch.empty(split.shape, dtype=p.dtype, device="meta")
         layout = matrix_layout(local, dict(group), name_of(i))
+        if split is not None and not layout.blocks and layout.flat[0] == 1:
+            # An empty shard of an uneven split (a dimension smaller than the group, as
+            # torch.chunk cuts it) holds no matrix, but its rank still takes part in
+            # every collective of the group's batch: it is one empty matrix.
+            _, M, _ = layout.flat
+            layout = MatrixLayout(layout.param_shape, layout.flat, (Block(0, M, 1, M),), None)
         if split is not None and not layout.whole:
             raise ValueError(
                 f"{name_of(i)}: split_sizes, num_heads and flatten cut a matrix into blocks, "
