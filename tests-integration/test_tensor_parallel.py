@@ -777,3 +777,93 @@ def test_empty_tensor_parallel_shards_take_part_in_the_step_and_equal_one_proces
             assert (p.detach() - w).abs().max().item() > 1e-3  # the reference moved
             diff = (got[i] - p.detach()).abs().max().item()
             assert diff <= SPLIT_TOLERANCE, f"rank {rank}, matrix {i}: differs by {diff:.2e}"
+
+
+class NarrowMLP(nn.Module):
+    """fc1 (8 → 1) then fc2 (1 → 5): one row, one column (and fc1's one bias) over 2
+    ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(2)
+            self.fc1 = nn.Linear(8, 1)
+            self.fc2 = nn.Linear(1, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def narrow_batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + t)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 5, generator=g)
+
+
+def run_narrow_tp(rank, world, mode):
+    """``single`` mode on a tp mesh of 2; owner mode (``dedicate``) on dp 2 × tp 2, each dp
+    row half of every batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from dmuon.integrations import ddp
+
+    if mode == "single":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        tp, rows, row = mesh, 1, 0
+    else:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        tp, rows, row = mesh["tp"], 2, mesh.get_coordinate()[0]
+    model = NarrowMLP()
+    parallelize_module(
+        model,
+        tp,
+        {
+            "fc1": ColwiseParallel(output_layouts=Replicate()),
+            "fc2": RowwiseParallel(input_layouts=Replicate()),
+        },
+    )
+    ded = ddp.dedicate(model, mesh) if mode == "owner" else None
+    opt = DMuon(param_groups(model), mode=mode, distributed=ded, **OPT)
+    placements = []
+    for t in range(STEPS):
+        x, y = narrow_batch(t)
+        h = len(x) // rows
+        F.mse_loss(model(x[h * row : h * row + h]), y[h * row : h * row + h]).backward()
+        placements.append({n: str(p.grad.placements) for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    if ded is not None:
+        ded.wait()
+    return placements, {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("mode", "world"), [("single", 2), ("owner", 4)])
+def test_gradients_laid_out_unlike_their_parameters_are_stepped_as_the_parameters_shards(
+    mode, world
+):
+    """DTensor's backward gives a layer with fewer rows (columns) than ranks a
+    ``Replicate()`` gradient of its ``Shard(0)`` (``Shard(1)``) weight and bias: its local
+    part is the whole gradient, not the shard. The step (owner mode: the reduction) lays
+    it out as the parameter first, and the result equals one process."""
+    results = run_on_ranks(run_narrow_tp, world, args=(mode,), timeout=120)
+    model = NarrowMLP()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = DMuon(param_groups(model), **OPT)
+    for t in range(STEPS):
+        x, y = narrow_batch(t)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    # what makes the case: torch's backward hands out Replicate() gradients here
+    assert results[0][0][0]["fc1.weight"] == "(Replicate(),)", results[0][0]
+    assert results[0][0][0]["fc1.bias"] == "(Replicate(),)", results[0][0]
+    for rank, (_, got) in enumerate(results):
+        for name, want in model.named_parameters():
+            assert (want.detach() - initial[name]).abs().max().item() > 1e-3
+            diff = (got[name] - want.detach()).abs().max().item()
+            assert diff <= SPLIT_TOLERANCE, f"{mode}, rank {rank}: {name} differs by {diff:.2e}"
