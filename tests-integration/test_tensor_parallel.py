@@ -800,8 +800,8 @@ def narrow_batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_narrow_tp(rank, world, mode):
-    """``single`` mode on a tp mesh of 2; owner mode (``dedicate``) on dp 2 × tp 2, each dp
-    row half of every batch."""
+    """``single`` mode on a tp mesh of 2; owner mode (``dedicate``) and replicated mode
+    (owners over dp) on dp 2 × tp 2, each dp row half of every batch."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
@@ -828,13 +828,18 @@ def run_narrow_tp(rank, world, mode):
         },
     )
     ded = ddp.dedicate(model, mesh) if mode == "owner" else None
-    opt = DMuon(param_groups(model), mode=mode, distributed=ded, **OPT)
+    dp = mesh["dp"].get_group() if mode == "replicated" else None
+    opt = DMuon(param_groups(model), mode=mode, distributed=ded, process_group=dp, **OPT)
     placements = []
     for t in range(STEPS):
         x, y = narrow_batch(t)
         h = len(x) // rows
         F.mse_loss(model(x[h * row : h * row + h]), y[h * row : h * row + h]).backward()
         placements.append({n: str(p.grad.placements) for n, p in model.named_parameters()})
+        if dp is not None:  # DDP's average over dp, shard by shard
+            for p in model.parameters():
+                torch.distributed.all_reduce(p.grad.to_local(), group=dp)
+                p.grad.to_local().div_(2)
         opt.step()
         opt.zero_grad()
     if ded is not None:
@@ -842,14 +847,15 @@ def run_narrow_tp(rank, world, mode):
     return placements, {n: p.detach().full_tensor() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize(("mode", "world"), [("single", 2), ("owner", 4)])
+@pytest.mark.parametrize(("mode", "world"), [("single", 2), ("owner", 4), ("replicated", 4)])
 def test_gradients_laid_out_unlike_their_parameters_are_stepped_as_the_parameters_shards(
     mode, world
 ):
     """DTensor's backward gives a layer with fewer rows (columns) than ranks a
     ``Replicate()`` gradient of its ``Shard(0)`` (``Shard(1)``) weight and bias: its local
     part is the whole gradient, not the shard. The step (owner mode: the reduction) lays
-    it out as the parameter first, and the result equals one process."""
+    it out as the parameter first, and the result equals one process. In replicated mode
+    the tp rank with the empty shards all-gathers only empty matrices over dp."""
     results = run_on_ranks(run_narrow_tp, world, args=(mode,), timeout=120)
     model = NarrowMLP()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
