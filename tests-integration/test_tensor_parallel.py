@@ -799,6 +799,9 @@ def narrow_batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 8, generator=g), torch.randn(16, 5, generator=g)
 
 
+NARROW_CLIP = 0.05  # below every step's gradient norm (≈ 0.7–1.0): every step is clipped
+
+
 def run_narrow_tp(rank, world, mode):
     """``single`` mode on a tp mesh of 2; owner mode (``dedicate``) and replicated mode
     (owners over dp) on dp 2 × tp 2, each dp row half of every batch."""
@@ -811,6 +814,7 @@ def run_narrow_tp(rank, world, mode):
     )
 
     from dmuon.integrations import ddp
+    from dmuon.optim import clip_grad_norm_
 
     if mode == "single":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -830,7 +834,7 @@ def run_narrow_tp(rank, world, mode):
     ded = ddp.dedicate(model, mesh) if mode == "owner" else None
     dp = mesh["dp"].get_group() if mode == "replicated" else None
     opt = DMuon(param_groups(model), mode=mode, distributed=ded, process_group=dp, **OPT)
-    placements = []
+    placements, norms = [], []
     for t in range(STEPS):
         x, y = narrow_batch(t)
         h = len(x) // rows
@@ -840,11 +844,13 @@ def run_narrow_tp(rank, world, mode):
             for p in model.parameters():
                 torch.distributed.all_reduce(p.grad.to_local(), group=dp)
                 p.grad.to_local().div_(2)
+        norms.append(float(clip_grad_norm_(opt, NARROW_CLIP)))
         opt.step()
         opt.zero_grad()
     if ded is not None:
         ded.wait()
-    return placements, {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    return placements, full, norms
 
 
 @pytest.mark.parametrize(("mode", "world"), [("single", 2), ("owner", 4), ("replicated", 4)])
@@ -853,22 +859,30 @@ def test_gradients_laid_out_unlike_their_parameters_are_stepped_as_the_parameter
 ):
     """DTensor's backward gives a layer with fewer rows (columns) than ranks a
     ``Replicate()`` gradient of its ``Shard(0)`` (``Shard(1)``) weight and bias: its local
-    part is the whole gradient, not the shard. The step (owner mode: the reduction) lays
-    it out as the parameter first, and the result equals one process. In replicated mode
-    the tp rank with the empty shards all-gathers only empty matrices over dp."""
+    part is the whole gradient, not the shard. The step and ``clip_grad_norm_`` (owner
+    mode: the reduction) lay it out as the parameter first (replicated mode counted the
+    whole gradient on every tp rank in the norm), and the result equals one process, every
+    step clipped. In replicated mode the tp rank with the empty shards all-gathers only
+    empty matrices over dp."""
+    from dmuon.optim import clip_grad_norm_
+
     results = run_on_ranks(run_narrow_tp, world, args=(mode,), timeout=120)
     model = NarrowMLP()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = DMuon(param_groups(model), **OPT)
+    norms = []
     for t in range(STEPS):
         x, y = narrow_batch(t)
         F.mse_loss(model(x), y).backward()
+        norms.append(float(clip_grad_norm_(opt, NARROW_CLIP)))
         opt.step()
         opt.zero_grad()
     # what makes the case: torch's backward hands out Replicate() gradients here
     assert results[0][0][0]["fc1.weight"] == "(Replicate(),)", results[0][0]
     assert results[0][0][0]["fc1.bias"] == "(Replicate(),)", results[0][0]
-    for rank, (_, got) in enumerate(results):
+    assert min(norms) > NARROW_CLIP, norms
+    for rank, (_, got, got_norms) in enumerate(results):
+        assert got_norms == pytest.approx(norms, rel=1e-5), (mode, rank, got_norms, norms)
         for name, want in model.named_parameters():
             assert (want.detach() - initial[name]).abs().max().item() > 1e-3
             diff = (got[name] - want.detach()).abs().max().item()

@@ -198,7 +198,10 @@ class Engine:
         return [e for e in self.params if not is_dtensor(e.param)]
 
     def prepare_grads(self) -> None:
-        """Make every gradient this rank holds final (owner mode: finish the reductions)."""
+        """Make every gradient this rank holds final (owner mode: finish the reductions;
+        here: lay DTensor gradients out as their parameters, so that the norms count this
+        rank's shards, :func:`~dmuon.optim.engine.tensor_split.settle_split_grads`)."""
+        settle_split_grads(self.params)
 
     def changed_gradients(self) -> list[str]:
         """Parameters whose gradient this rank changed after the engine had taken it for a
