@@ -887,3 +887,29 @@ def test_gradients_laid_out_unlike_their_parameters_are_stepped_as_the_parameter
             assert (want.detach() - initial[name]).abs().max().item() > 1e-3
             diff = (got[name] - want.detach()).abs().max().item()
             assert diff <= SPLIT_TOLERANCE, f"{mode}, rank {rank}: {name} differs by {diff:.2e}"
+
+
+def run_heads_on_shards(rank, world, key):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    # 8 rows over 2 ranks (4 + 4: each shard cut alike), and 1 row (1 + 0: an empty shard)
+    params = [
+        nn.Parameter(distribute_tensor(torch.ones(rows, 6), mesh, [Shard(0)])) for rows in (8, 1)
+    ]
+    return [
+        error(lambda p=p: DMuon([{"params": [p], **key}], mode="single", **OPT)) for p in params
+    ]
+
+
+@pytest.mark.parametrize("key", [{"num_heads": 2}, {"split_sizes": (4, 4)}, {"num_heads": (2,)}])
+def test_heads_and_split_sizes_of_a_tensor_parallel_matrix_are_refused_on_every_rank(key):
+    """``num_heads`` / ``split_sizes`` would cut each rank's shard into matrices of its own
+    (2 heads of 2 rows per shard, not 2 heads of 4 rows of the whole) whose Gram matrices
+    the group then summed: silently wrong (0.9e-2 off one process after 3 steps). They are
+    refused on every rank (a matrix with an empty shard too)."""
+    results = run_on_ranks(run_heads_on_shards, 2, args=(key,), timeout=60)
+    for rank, (cut, empty) in enumerate(results):
+        assert cut is not None and "tensor-parallel shards do not hold whole" in cut, (rank, cut)
+        assert empty is not None, rank  # refused (here by the whole shape's check) on every rank
