@@ -846,7 +846,7 @@ def run_narrow_tp(rank, world, mode):
                 p.grad.to_local().div_(2)
         norms.append(float(clip_grad_norm_(opt, NARROW_CLIP)))
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=bool(t % 2))  # zeroed gradients, then none
     if ded is not None:
         ded.wait()
     full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
@@ -862,8 +862,9 @@ def test_gradients_laid_out_unlike_their_parameters_are_stepped_as_the_parameter
     part is the whole gradient, not the shard. The step and ``clip_grad_norm_`` (owner
     mode: the reduction) lay it out as the parameter first (replicated mode counted the
     whole gradient on every tp rank in the norm), and the result equals one process, every
-    step clipped. In replicated mode the tp rank with the empty shards all-gathers only
-    empty matrices over dp."""
+    step clipped. ``zero_grad(set_to_none=False)`` drops those gradients (torch cannot add
+    the next backward's in place to them). In replicated mode the tp rank with the empty
+    shards all-gathers only empty matrices over dp."""
     from dmuon.optim import clip_grad_norm_
 
     results = run_on_ranks(run_narrow_tp, world, args=(mode,), timeout=120)
