@@ -724,3 +724,193 @@ def test_sequence_parallel_norms_pending_sums_clip_and_step_like_one_process(by)
         for name, p in model.named_parameters():
             diff = (got[name] - p.detach()).abs().max().item()
             assert diff <= SPLIT_TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
+# Matrices with a dimension smaller than the tensor-parallel group: torch.chunk (and
+# DTensor's Shard) gives rank 1 of 2 an empty shard, (1, 8) split by rows and (6, 1) by
+# columns; (5, 4) split 3 + 2 beside them.
+EMPTY_SHARDS = (((1, 8), 0), ((6, 1), 1), ((5, 4), 0))
+
+
+def empty_shard_grads(t: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(400 + t)
+    return [torch.randn(shape, generator=g) for shape, _ in EMPTY_SHARDS]
+
+
+def empty_shard_weights() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(399)
+    return [torch.randn(shape, generator=g) for shape, _ in EMPTY_SHARDS]
+
+
+def run_empty_shards(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    params = [
+        nn.Parameter(distribute_tensor(w, mesh, [Shard(d)]))
+        for w, (_, d) in zip(empty_shard_weights(), EMPTY_SHARDS, strict=True)
+    ]
+    opt = DMuon(params, mode="single", tp_path=path, **OPT)
+    for t in range(STEPS):
+        for p, g, (_, d) in zip(params, empty_shard_grads(t), EMPTY_SHARDS, strict=True):
+            p.grad = distribute_tensor(g, mesh, [Shard(d)])
+        opt.step()
+    return [tuple(p.to_local().shape) for p in params], [p.detach().full_tensor() for p in params]
+
+
+@pytest.mark.parametrize("path", ["gram", "gather"])
+def test_empty_tensor_parallel_shards_take_part_in_the_step_and_equal_one_process(path):
+    """A rank whose shard of a matrix is empty (a dimension smaller than the group) steps
+    it with the others, on both paths, instead of refusing it alone (which left the
+    other ranks waiting in the Gram all-reduce)."""
+    results = run_on_ranks(run_empty_shards, 2, args=(path,), timeout=120)
+    params = [nn.Parameter(w) for w in empty_shard_weights()]
+    opt = DMuon(params, **OPT)
+    for t in range(STEPS):
+        for p, g in zip(params, empty_shard_grads(t), strict=True):
+            p.grad = g
+        opt.step()
+    assert results[1][0][:2] == [(0, 8), (6, 0)], results[1][0]  # the empty shards
+    for rank, (_, got) in enumerate(results):
+        for i, (p, w) in enumerate(zip(params, empty_shard_weights(), strict=True)):
+            assert (p.detach() - w).abs().max().item() > 1e-3  # the reference moved
+            diff = (got[i] - p.detach()).abs().max().item()
+            assert diff <= SPLIT_TOLERANCE, f"rank {rank}, matrix {i}: differs by {diff:.2e}"
+
+
+class NarrowMLP(nn.Module):
+    """fc1 (8 → 1) then fc2 (1 → 5): one row, one column (and fc1's one bias) over 2
+    ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(2)
+            self.fc1 = nn.Linear(8, 1)
+            self.fc2 = nn.Linear(1, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def narrow_batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + t)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 5, generator=g)
+
+
+NARROW_CLIP = 0.05  # below every step's gradient norm (≈ 0.7–1.0): every step is clipped
+
+
+def run_narrow_tp(rank, world, mode):
+    """``single`` mode on a tp mesh of 2; owner mode (``dedicate``) and replicated mode
+    (owners over dp) on dp 2 × tp 2, each dp row half of every batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from dmuon.integrations import ddp
+    from dmuon.optim import clip_grad_norm_
+
+    if mode == "single":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        tp, rows, row = mesh, 1, 0
+    else:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        tp, rows, row = mesh["tp"], 2, mesh.get_coordinate()[0]
+    model = NarrowMLP()
+    parallelize_module(
+        model,
+        tp,
+        {
+            "fc1": ColwiseParallel(output_layouts=Replicate()),
+            "fc2": RowwiseParallel(input_layouts=Replicate()),
+        },
+    )
+    ded = ddp.dedicate(model, mesh) if mode == "owner" else None
+    dp = mesh["dp"].get_group() if mode == "replicated" else None
+    opt = DMuon(param_groups(model), mode=mode, distributed=ded, process_group=dp, **OPT)
+    placements, norms = [], []
+    for t in range(STEPS):
+        x, y = narrow_batch(t)
+        h = len(x) // rows
+        F.mse_loss(model(x[h * row : h * row + h]), y[h * row : h * row + h]).backward()
+        placements.append({n: str(p.grad.placements) for n, p in model.named_parameters()})
+        if dp is not None:  # DDP's average over dp, shard by shard
+            for p in model.parameters():
+                torch.distributed.all_reduce(p.grad.to_local(), group=dp)
+                p.grad.to_local().div_(2)
+        norms.append(float(clip_grad_norm_(opt, NARROW_CLIP)))
+        opt.step()
+        opt.zero_grad(set_to_none=bool(t % 2))  # zeroed gradients, then none
+    if ded is not None:
+        ded.wait()
+    full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    return placements, full, norms
+
+
+@pytest.mark.parametrize(("mode", "world"), [("single", 2), ("owner", 4), ("replicated", 4)])
+def test_gradients_laid_out_unlike_their_parameters_are_stepped_as_the_parameters_shards(
+    mode, world
+):
+    """DTensor's backward gives a layer with fewer rows (columns) than ranks a
+    ``Replicate()`` gradient of its ``Shard(0)`` (``Shard(1)``) weight and bias: its local
+    part is the whole gradient, not the shard. The step and ``clip_grad_norm_`` (owner
+    mode: the reduction) lay it out as the parameter first (replicated mode counted the
+    whole gradient on every tp rank in the norm), and the result equals one process, every
+    step clipped. ``zero_grad(set_to_none=False)`` drops those gradients (torch cannot add
+    the next backward's in place to them). In replicated mode the tp rank with the empty
+    shards all-gathers only empty matrices over dp."""
+    from dmuon.optim import clip_grad_norm_
+
+    results = run_on_ranks(run_narrow_tp, world, args=(mode,), timeout=120)
+    model = NarrowMLP()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = DMuon(param_groups(model), **OPT)
+    norms = []
+    for t in range(STEPS):
+        x, y = narrow_batch(t)
+        F.mse_loss(model(x), y).backward()
+        norms.append(float(clip_grad_norm_(opt, NARROW_CLIP)))
+        opt.step()
+        opt.zero_grad()
+    # what makes the case: torch's backward hands out Replicate() gradients here
+    assert results[0][0][0]["fc1.weight"] == "(Replicate(),)", results[0][0]
+    assert results[0][0][0]["fc1.bias"] == "(Replicate(),)", results[0][0]
+    assert min(norms) > NARROW_CLIP, norms
+    for rank, (_, got, got_norms) in enumerate(results):
+        assert got_norms == pytest.approx(norms, rel=1e-5), (mode, rank, got_norms, norms)
+        for name, want in model.named_parameters():
+            assert (want.detach() - initial[name]).abs().max().item() > 1e-3
+            diff = (got[name] - want.detach()).abs().max().item()
+            assert diff <= SPLIT_TOLERANCE, f"{mode}, rank {rank}: {name} differs by {diff:.2e}"
+
+
+def run_heads_on_shards(rank, world, key):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    # 8 rows over 2 ranks (4 + 4: each shard cut alike), and 1 row (1 + 0: an empty shard)
+    params = [
+        nn.Parameter(distribute_tensor(torch.ones(rows, 6), mesh, [Shard(0)])) for rows in (8, 1)
+    ]
+    return [
+        error(lambda p=p: DMuon([{"params": [p], **key}], mode="single", **OPT)) for p in params
+    ]
+
+
+@pytest.mark.parametrize("key", [{"num_heads": 2}, {"split_sizes": (4, 4)}, {"num_heads": (2,)}])
+def test_heads_and_split_sizes_of_a_tensor_parallel_matrix_are_refused_on_every_rank(key):
+    """``num_heads`` / ``split_sizes`` would cut each rank's shard into matrices of its own
+    (2 heads of 2 rows per shard, not 2 heads of 4 rows of the whole) whose Gram matrices
+    the group then summed: silently wrong (0.9e-2 off one process after 3 steps). They are
+    refused on every rank (a matrix with an empty shard too)."""
+    results = run_on_ranks(run_heads_on_shards, 2, args=(key,), timeout=60)
+    for rank, (cut, empty) in enumerate(results):
+        assert cut is not None and "tensor-parallel shards do not hold whole" in cut, (rank, cut)
+        assert empty is not None, rank  # refused (here by the whole shape's check) on every rank

@@ -127,6 +127,28 @@ def test_all_gather_updates_gives_every_rank_every_owners_update(world):
     run_on_ranks(body, world, timeout=60)
 
 
+def test_all_gather_updates_of_empty_items_only_fills_out_and_returns_them():
+    """A plan whose every item of a dtype is empty (the empty tensor-parallel shards of a
+    rank's column in replicated mode) sends nothing for it, and still hands back every
+    item and fills ``out`` (it raised KeyError on the empty items)."""
+
+    def body(rank, n):
+        items = [MatrixItem("a", (0, 8)), MatrixItem("b", (5, 0)), MatrixItem("c", (2, 3))]
+        items += [MatrixItem("d", (0, 3), torch.bfloat16)]
+        plan = plan_owners(items, n)
+        updates = {
+            name: torch.full(plan.item(name).shape, 1.0 + rank, dtype=plan.item(name).dtype)
+            for name in plan.names_of(rank)
+        }
+        out = {i.name: torch.zeros(i.shape, dtype=i.dtype) for i in items if i.name != "c"}
+        got = all_gather_updates(updates, plan, out=out).wait()
+        assert sorted(got) == ["a", "b", "c", "d"]
+        assert {name: tuple(t.shape) for name, t in got.items()} == {i.name: i.shape for i in items}
+        assert torch.equal(got["c"], torch.full((2, 3), 1.0 + plan.owner("c")))
+
+    run_on_ranks(body, 2, timeout=60)
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_shard_all_to_all_rebuilds_full_matrices_and_returns_the_right_shards(world):
     def body(rank, n):

@@ -85,9 +85,10 @@ def all_gather_updates(
     works, received = [], []
     for dtype, per_rank in items_by_dtype(plan, n):
         volume = max(sum(i.numel for i in its) for its in per_rank)
-        if volume == 0:
-            continue
         device = next(iter(updates.values())).device if updates else None
+        if volume == 0:  # only empty items (the empty shards of an uneven split): no send
+            received.append((torch.empty(0, dtype=dtype, device=device), per_rank, 0))
+            continue
         send = torch.zeros(volume, dtype=dtype, device=device)
         offset = 0
         for item in per_rank[me]:

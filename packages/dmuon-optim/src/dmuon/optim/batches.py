@@ -244,7 +244,23 @@ def build_buckets(
         if gathered:  # the rule runs on the whole matrix: laid out (and its state) whole
             assert split is not None
             local = torch.empty(split.shape, dtype=p.dtype, device="meta")
+        if split is not None and _cuts_matrices(group):
+            # decided from the group, the same on every rank of the split's group: the
+            # shards' layouts differ (uneven, empty) and same-shape heads merge into one
+            # block, so a layout would let some ranks (or all: per-head matrices of a
+            # shard, their Gram matrices summed over the group) step it wrongly
+            raise ValueError(
+                f"{name_of(i)}: split_sizes and num_heads cut a matrix into blocks, which its "
+                "tensor-parallel shards do not hold whole; drop them for this parameter "
+                "(give it its own param group)"
+            )
         layout = matrix_layout(local, dict(group), name_of(i))
+        if split is not None and not layout.blocks and layout.flat[0] == 1:
+            # An empty shard of an uneven split (a dimension smaller than the group, as
+            # torch.chunk cuts it) holds no matrix, but its rank still takes part in
+            # every collective of the group's batch: it is one empty matrix.
+            _, M, _ = layout.flat
+            layout = MatrixLayout(layout.param_shape, layout.flat, (Block(0, M, 1, M),), None)
         if split is not None and not layout.whole:
             raise ValueError(
                 f"{name_of(i)}: split_sizes, num_heads and flatten cut a matrix into blocks, "
@@ -295,6 +311,14 @@ def build_buckets(
                 _copy_old(t, old_state(p), s.name)
                 new_state[p][s.name] = t
     return list(buckets.values()), new_state
+
+
+def _cuts_matrices(group: Mapping[str, Any]) -> bool:
+    """Whether the group keys ``split_sizes`` or ``num_heads`` cut each parameter into
+    several matrices."""
+    heads = group.get("num_heads") or 1
+    counts = tuple(heads) if isinstance(heads, (tuple, list)) else (heads,)
+    return bool(group.get("split_sizes")) or any(int(h) != 1 for h in counts)
 
 
 def _state_block(b: Bucket, e: Entry, spec: StateSpec, st: Mapping[str, torch.Tensor]):

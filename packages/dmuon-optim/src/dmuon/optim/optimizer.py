@@ -20,6 +20,7 @@ from dmuon.optim.deadline import Deadline, check_timeout
 from dmuon.optim.engine.base import Engine, SingleEngine
 from dmuon.optim.engine.modes import check_layouts, make_engine
 from dmuon.optim.engine.report import StepReport
+from dmuon.optim.engine.tensor_split import drop_relaid_grads
 from dmuon.optim.group_options import GroupDefaults, check_distinct_params
 from dmuon.optim.group_record import GroupRecord
 from dmuon.optim.loss_scaling import AGREED_MODES, scaler_skips, unscale_
@@ -395,6 +396,8 @@ class DMuon(torch.optim.Optimizer):
                 f"{self.steps_taken + self.skipped_steps} (mode {e.mode!r}, rank {e.rank} of "
                 f"{e.world_size})"
             ) from err
+        if not set_to_none:  # gradients the step laid out anew: the next backward's differ
+            drop_relaid_grads(p for g in self.param_groups for p in g["params"])
         super().zero_grad(set_to_none)
 
     def unscale_(self, scaler: torch.amp.GradScaler) -> None:

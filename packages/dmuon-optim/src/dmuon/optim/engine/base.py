@@ -30,7 +30,7 @@ from dmuon.comm.process_groups import group_size, twin_groups
 from dmuon.optim.engine.params import EngineParam, collect_params, frozen_params, is_dtensor
 from dmuon.optim.engine.placements import placement_of_param
 from dmuon.optim.engine.report import StepReport
-from dmuon.optim.engine.tensor_split import split_of
+from dmuon.optim.engine.tensor_split import settle_split_grads, split_of
 from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.vote import SignVote
 
@@ -157,7 +157,10 @@ class Engine:
 
     def begin_step(self) -> None:
         """Issue what every rank issues before the step's own collectives (owner mode:
-        launch the reductions not launched yet), so guards may add collectives after it."""
+        launch the reductions not launched yet), so guards may add collectives after it:
+        here, lay every DTensor matrix's gradient out as its parameter
+        (:func:`~dmuon.optim.engine.tensor_split.settle_split_grads`)."""
+        settle_split_grads(self.params)
 
     def skip_step(self) -> None:
         """Finish this step's communication without stepping (every rank skips alike)."""
@@ -195,7 +198,10 @@ class Engine:
         return [e for e in self.params if not is_dtensor(e.param)]
 
     def prepare_grads(self) -> None:
-        """Make every gradient this rank holds final (owner mode: finish the reductions)."""
+        """Make every gradient this rank holds final (owner mode: finish the reductions;
+        here: lay DTensor gradients out as their parameters, so that the norms count this
+        rank's shards, :func:`~dmuon.optim.engine.tensor_split.settle_split_grads`)."""
+        settle_split_grads(self.params)
 
     def changed_gradients(self) -> list[str]:
         """Parameters whose gradient this rank changed after the engine had taken it for a

@@ -237,6 +237,8 @@ class MatrixPlacement:
         """In words, how the matrix is laid out.
 
         Examples:
+            >>> MatrixPlacement("w", ("Replicate()",), ("tp",)).what().split(" (")[0]
+            'replicated whole'
             >>> rows = MatrixPlacement("w", ("Shard(dim=1)", "Shard(dim=0)"), ("efsdp", "ep"),
             ...                        ((0, 1, False), (1, 0, False)), ndim=3, stack=True)
             >>> rows.what().split(":")[0]  # torchtitan's FSDP2 when efsdp × ep > num_experts
@@ -286,6 +288,11 @@ class MatrixPlacement:
             )
         if self.unknown:
             return "laid out by a placement DMuon does not know"
+        if not self.shards:
+            return (
+                "replicated whole (Replicate() on every mesh dimension): step it as a plain "
+                "tensor, or shard it"
+            )
         return "split by rows over one mesh dimension"
 
 

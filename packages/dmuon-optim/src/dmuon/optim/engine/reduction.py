@@ -39,6 +39,7 @@ from dmuon.optim.engine.layer_record import OwnerLayer
 from dmuon.optim.engine.owner_split import as_gradient
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.engine.publication import Publication
+from dmuon.optim.engine.tensor_split import laid_out_as, mark_relaid
 from dmuon.optim.matrix_split import local_tensor
 
 __all__ = ["Reduction", "UnsyncedGradientsError"]
@@ -277,6 +278,11 @@ class Reduction:
                     missing.append(view)
                     continue
                 if name in self.split:
+                    # a Replicate() gradient of a shard is cut to it (pending sums stay)
+                    settled = laid_out_as(g, self.params[name], partial=False)
+                    if settled is not g:
+                        g = settled
+                        mark_relaid(self.params[name])
                     self.grad_placements[name] = tuple(g.placements)  # type: ignore[attr-defined]
                     g = local_tensor(g)
                 slots.append(view)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dmuon.comm import CommStats, default_stats, shard_range, wait_work
 from dmuon.comm.torch_compat import all_gather_single
@@ -45,6 +46,10 @@ __all__ = [
     "GATHER_STATS_NAME",
     "STATS_NAME",
     "check_split_groups",
+    "drop_relaid_grads",
+    "laid_out_as",
+    "mark_relaid",
+    "settle_split_grads",
     "sharded_split_of",
     "split_group_of",
     "split_groups",
@@ -260,3 +265,60 @@ def split_groups(params: Iterable[EngineParam]) -> list[dist.ProcessGroup]:
         if split is not None:
             found.setdefault(tuple(dist.get_process_group_ranks(split[1])), split[1])
     return [found[k] for k in sorted(found)]
+
+
+def laid_out_as(g: torch.Tensor, p: torch.Tensor, partial: bool = True) -> torch.Tensor:
+    """The DTensor gradient ``g`` with the placements of its DTensor parameter ``p``
+    (``g`` itself when they agree, or either is a plain tensor; with ``partial`` false,
+    also a gradient with a pending sum, ``Partial``, which is left to the step).
+
+    DTensor's sharding propagation may hand the backward a gradient of other placements
+    than the parameter's: a ``ColwiseParallel`` layer with fewer rows than ranks gets a
+    ``Replicate()`` gradient of its ``Shard(0)`` weight, whose local part is the whole
+    gradient, not the shard the engines step. DTensor's ``redistribute`` lays it out as
+    ``p``: a local slice from ``Replicate()``, a collective of the group otherwise."""
+    if not is_dtensor(p) or not is_dtensor(g):
+        return g
+    placements = tuple(p.placements)  # type: ignore[attr-defined]
+    have = tuple(g.placements)  # type: ignore[attr-defined]
+    if have == placements or (not partial and any(pl.is_partial() for pl in have)):
+        return g
+    return g.redistribute(p.device_mesh, placements)  # type: ignore[attr-defined]
+
+
+_RELAID = WeakIdKeyDictionary()
+"""The parameters whose gradient was laid out anew (:func:`mark_relaid`)."""
+
+
+def settle_split_grads(params: Iterable[EngineParam]) -> None:
+    """Lay the gradient of every DTensor parameter among ``params`` out as the parameter
+    (:func:`laid_out_as`) before a step reads ``p.grad.to_local()`` as this rank's shard
+    (its experts), or torch's in-place scalar steps meet a gradient of other placements
+    than their parameter; a scalar's pending sum (``Partial``, a ``SequenceParallel``
+    norm's) is left to its step. A redistribution that communicates is issued alike on
+    every rank: placements are the same on every rank, and ``params`` in one order. The
+    next backward gives such a parameter a gradient of the other placements again, which
+    torch cannot add in place to the replaced one: ``DMuon.zero_grad`` drops it
+    (:func:`drop_relaid_grads`) even with ``set_to_none=False``."""
+    for e in params:
+        g = e.param.grad
+        if g is not None:
+            settled = laid_out_as(g, e.param, partial=e.matrix)
+            if settled is not g:
+                e.param.grad = settled
+                mark_relaid(e.param)
+
+
+def mark_relaid(p: torch.Tensor) -> None:
+    """Note that ``p``'s gradient was laid out anew, with the parameter's placements
+    (:func:`drop_relaid_grads`)."""
+    _RELAID[p] = True
+
+
+def drop_relaid_grads(params: Iterable[torch.Tensor]) -> None:
+    """Set to ``None`` the gradients among ``params`` that :func:`settle_split_grads`
+    replaced (zeroing them would leave the next backward a gradient of the parameter's
+    placements to accumulate into, in place, which torch refuses)."""
+    for p in params:
+        if _RELAID.pop(p, None) is not None:
+            p.grad = None
