@@ -106,6 +106,7 @@ class Engine:
         self.params: list[EngineParam] = []
         self._by_param: dict[int, EngineParam] = {}
         self._frozen: list[tuple[str, torch.Tensor]] = []
+        self._dtensors: list[EngineParam] = []  # whose gradients settle_split_grads lays out
 
     def bind(self, stepper: Stepper) -> None:
         """Learn the optimizer's parameters (called once, after its groups exist).
@@ -116,6 +117,7 @@ class Engine:
         self.params = collect_params(stepper.param_groups)
         self._by_param = {id(e.param): e for e in self.params}
         self._frozen = frozen_params(stepper.param_groups)
+        self._dtensors = [e for e in self.params if is_dtensor(e.param)]
 
     def info(self, p: torch.Tensor) -> EngineParam | None:
         """The engine's view of ``p`` (``None`` for a frozen parameter)."""
@@ -160,7 +162,7 @@ class Engine:
         launch the reductions not launched yet), so guards may add collectives after it:
         here, lay every DTensor matrix's gradient out as its parameter
         (:func:`~dmuon.optim.engine.tensor_split.settle_split_grads`)."""
-        settle_split_grads(self.params)
+        settle_split_grads(self._dtensors)
 
     def skip_step(self) -> None:
         """Finish this step's communication without stepping (every rank skips alike)."""
@@ -201,7 +203,7 @@ class Engine:
         """Make every gradient this rank holds final (owner mode: finish the reductions;
         here: lay DTensor gradients out as their parameters, so that the norms count this
         rank's shards, :func:`~dmuon.optim.engine.tensor_split.settle_split_grads`)."""
-        settle_split_grads(self.params)
+        settle_split_grads(self._dtensors)
 
     def changed_gradients(self) -> list[str]:
         """Parameters whose gradient this rank changed after the engine had taken it for a
