@@ -1,4 +1,6 @@
-"""No module of a package imports, directly or through others, a module that imports it.
+"""No module of a package imports, directly or through others, a module that imports it;
+and imports go down the layers only (kernels and comm import neither each other nor the
+packages above them, optim imports kernels and comm, integrations optim and comm).
 
 The graph is read from the source with :mod:`ast`, not by importing, and counts
 every ``import``: at module level, inside functions (deferred imports are how
@@ -118,3 +120,49 @@ def test_the_check_finds_a_cycle_hidden_in_a_function_or_under_type_checking(tmp
     (pkg / "engine" / "base.py").write_text("class Engine: ...\n")
     (pkg / "a.py").write_text("")
     assert cycles(import_graph(modules_of(tmp_path / "src"))) == []
+
+
+#: the dmuon packages each package may import (itself included): its declared dependencies
+LAYERS = {
+    "kernels": {"kernels"},
+    "comm": {"comm"},
+    "optim": {"kernels", "comm", "optim"},
+    "integrations": {"comm", "optim", "integrations"},
+}
+
+
+def dmuon_imports(src: pathlib.Path) -> dict[str, set[str]]:
+    """Each ``dmuon`` package imported anywhere under ``src`` → the files importing it."""
+    found: dict[str, set[str]] = {}
+    for f in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue  # a relative import stays inside its package
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "dmuon" and len(parts) > 1:
+                    found.setdefault(parts[1], set()).add(f.relative_to(src).as_posix())
+    return found
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_imports_go_down_the_layers(package):
+    found = dmuon_imports(ROOT / "packages" / f"dmuon-{package}" / "src")
+    assert package in found  # the scan found the package's own imports
+    upward = {p: sorted(files) for p, files in found.items() if p not in LAYERS[package]}
+    assert upward == {}, f"dmuon.{package} imports packages it may not: {upward}"
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    pkg = tmp_path / "src" / "dmuon" / "comm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from dmuon.comm import x\n")
+    (pkg / "x.py").write_text("def f():\n    from dmuon.optim import DMuon\n")
+    assert dmuon_imports(tmp_path / "src") == {
+        "comm": {"dmuon/comm/__init__.py"},
+        "optim": {"dmuon/comm/x.py"},
+    }

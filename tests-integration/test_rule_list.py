@@ -12,6 +12,7 @@ rule page's "Hyperparameters" table lists the rule's own options with their defa
 from __future__ import annotations
 
 import ast
+import itertools
 import pathlib
 import re
 
@@ -76,6 +77,23 @@ def test_each_rule_page_lists_the_state_the_rule_declares():
         text = (ROOT / "docs" / "algorithms" / f"{name}.md").read_text()
         state = list(page_tables(text).get("shape", {}))
         assert state == [s.name for s in rule.state_specs()] + ["step"], f"{name}.md's State table"
+
+
+def rules_docstring(source: str) -> str:
+    """The attribute docstring of ``RULES`` in ``rules.py`` (the string after it)."""
+    body = ast.parse(source).body
+    for node, after in itertools.pairwise(body):
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "RULES":
+            assert isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+            return str(after.value.value)
+    raise AssertionError("rules.py no longer documents RULES")
+
+
+def test_the_rules_docstring_names_every_rule_in_order():
+    import dmuon.optim.rules as rules
+
+    doc = rules_docstring(pathlib.Path(rules.__file__).read_text())
+    assert re.findall(r"``(\w+)``", doc.split(":", 1)[1].split(". ")[0]) == list(RULES)
 
 
 def test_the_docstring_lists_every_rule_in_order():

@@ -121,8 +121,10 @@ def make_engine(
         engine = ReplicatedEngine(process_group, pipeline_depth=pipeline_depth)
     elif mode == "sharded":
         engine = ShardedEngine(process_group, pipeline_depth=pipeline_depth)
-    else:
+    elif mode == "sign":
         engine = SignEngine(process_group, pipeline_depth=pipeline_depth)
+    else:  # MODES is checked before; a mode added there must be given its engine here
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     engine.bind(opt)
     return engine
 
