@@ -603,3 +603,59 @@ def test_owner_checkpoints_round_trip_through_the_strategy_under_zero3_like(tmp_
 
     owned = run_on_ranks(_owner_checkpoint_checks, WORLD, args=(str(tmp_path),), timeout=120)
     assert all(owned), f"a rank owns no matrix: {owned}"
+
+
+# ------------------------------------------------------ more cases (lightning_cases.py)
+CASES_SCRIPT = pathlib.Path(__file__).resolve().parent / "lightning_cases.py"
+
+
+def _run_case(tmp_path: pathlib.Path, case: str) -> list[dict[str, torch.Tensor]]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [*map(str, sorted((ROOT / "packages").glob("*/src"))), env.get("PYTHONPATH", "")]
+    )
+    out = tmp_path / case
+    cmd = [sys.executable, str(CASES_SCRIPT), "--case", case, "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return [torch.load(f"{out}.rank{r}.pt") for r in range(WORLD)]
+
+
+def test_a_second_optimizer_stepped_before_dmuon_reads_the_averaged_gradients(tmp_path):
+    """Manual optimization, ``[AdamW(biases), DMuon(matrices)]`` under DMuonStrategy, each
+    clipped with ``self.clip_gradients`` and stepped in that order: both ranks end with
+    the parameters of one process (plain loop, torch's clipping) to 1e-5.
+
+    In owner mode the hooks all-reduce the biases' gradients while backward runs and
+    DMuon's step waits for them; the strategy now waits before another optimizer clips
+    or steps. Before, the AdamW clipped and stepped this rank's own gradients (then
+    DMuon raised ``GradientChangedError``; without clipping the ranks' biases drifted
+    apart, 1e-2 from one process, silently).
+    """
+    import lightning_cases as cases
+
+    ranks = _run_case(tmp_path, "two_optimizers")
+
+    model = cases.TwoOptimizers()
+    matrices, biases = cases.split(model)
+    opts = [
+        torch.optim.AdamW(biases, lr=cases.ADAMW_LR),
+        cases.DMuon([{"params": matrices}], **cases.DMUON),  # single mode
+    ]
+    data = cases.dataset()
+    norms = []
+    for rows in cases.RankBatches(len(data), rank=None):
+        x, y = data[rows]
+        nn.functional.mse_loss(model(x), y).backward()
+        for opt in opts:
+            params = [p for g in opt.param_groups for p in g["params"]]
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, cases.CLIP)))
+            opt.step()
+        for opt in opts:
+            opt.zero_grad()
+    assert min(norms) > cases.CLIP, f"clipping inactive at some step: {norms}"
+    expected = {n: p.detach() for n, p in model.named_parameters()}
+    for rank, got in enumerate(ranks):
+        for name, want in expected.items():
+            diff = float((got[name] - want).abs().max())
+            assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
