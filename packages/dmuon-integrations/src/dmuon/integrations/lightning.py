@@ -111,7 +111,8 @@ class DMuonStrategy(DDPStrategy):
 
     Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``) hold every owner's
     optimizer state, gathered to rank 0 when saving; ``trainer.fit(..., ckpt_path=)``
-    gives each rank its share back, at any world size (one process included). Other
+    gives each rank its share back, at any world size (one process included:
+    ``DMuonStrategy()`` with ``devices=1``; other strategies cannot read it). Other
     optimizers in ``configure_optimizers`` are saved and loaded as Lightning does.
 
     Args:
