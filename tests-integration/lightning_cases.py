@@ -12,6 +12,8 @@ Cases:
 * ``two_optimizers``: manual optimization with ``configure_optimizers`` returning
   ``[AdamW(biases), DMuon(matrices)]`` (the AdamW first), each clipped by norm with
   ``self.clip_gradients`` and stepped in that order.
+* ``adamw_only``: ``configure_optimizers`` returns a plain AdamW (no DMuon) under
+  ``DMuonStrategy``: refused on every rank when the optimizers are set up.
 """
 
 from __future__ import annotations
@@ -95,7 +97,22 @@ class TwoOptimizers(L.LightningModule):
         ]
 
 
-CASES = {"two_optimizers": TwoOptimizers}
+class AdamWOnly(TwoOptimizers):
+    """No DMuon under DMuonStrategy's owner mode (automatic optimization)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = True
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=ADAMW_LR)
+
+
+CASES = {"two_optimizers": TwoOptimizers, "adamw_only": AdamWOnly}
 
 
 def main() -> None:

@@ -609,7 +609,9 @@ def test_owner_checkpoints_round_trip_through_the_strategy_under_zero3_like(tmp_
 CASES_SCRIPT = pathlib.Path(__file__).resolve().parent / "lightning_cases.py"
 
 
-def _run_case(tmp_path: pathlib.Path, case: str) -> list[dict[str, torch.Tensor]]:
+def _run_case(
+    tmp_path: pathlib.Path, case: str, *, fails: bool = False
+) -> list[dict[str, torch.Tensor]] | str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(
         [*map(str, sorted((ROOT / "packages").glob("*/src"))), env.get("PYTHONPATH", "")]
@@ -617,6 +619,9 @@ def _run_case(tmp_path: pathlib.Path, case: str) -> list[dict[str, torch.Tensor]
     out = tmp_path / case
     cmd = [sys.executable, str(CASES_SCRIPT), "--case", case, "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    if fails:
+        assert proc.returncode != 0, proc.stdout[-4000:]
+        return proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return [torch.load(f"{out}.rank{r}.pt") for r in range(WORLD)]
 
@@ -635,6 +640,7 @@ def test_a_second_optimizer_stepped_before_dmuon_reads_the_averaged_gradients(tm
     import lightning_cases as cases
 
     ranks = _run_case(tmp_path, "two_optimizers")
+    assert isinstance(ranks, list)
 
     model = cases.TwoOptimizers()
     matrices, biases = cases.split(model)
@@ -678,3 +684,16 @@ def test_an_owner_mode_checkpoint_resumed_without_dmuon_strategy_says_what_to_do
     with pytest.raises(ValueError, match="resume under DMuonStrategy") as err:
         opt.load_state_dict(entry)
     assert "owner mode" in str(err.value)
+
+
+def test_owner_mode_without_a_dmuon_is_refused_on_every_rank(tmp_path):
+    """``configure_optimizers`` returning a plain AdamW under DMuonStrategy (owner mode):
+    no step would broadcast the owners' matrices. Every rank raises when the optimizers
+    are set up, naming ``dmuon_optimizer``. Before: the second backward stopped with "a
+    second gradient of 'net.4.bias' arrived after its layer 'net.4' was reduced; call
+    backward once per optimizer step ...", which named neither cause nor fix."""
+    output = _run_case(tmp_path, "adamw_only", fails=True)
+    for rank in range(WORLD):
+        assert f"[rank{rank}]: ValueError: DMuonStrategy (owner mode)" in output, output[-4000:]
+    assert "configure_optimizers returned ['AdamW']" in output
+    assert "dmuon_optimizer(self" in output

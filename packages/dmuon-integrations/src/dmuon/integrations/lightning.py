@@ -209,6 +209,34 @@ class DMuonStrategy(DDPStrategy):
         if self._precision_plugin is not None:
             self._precision_plugin._dmuon_dedication = self._dedication  # type: ignore[attr-defined]
 
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """As ``DDPStrategy``; in owner mode a DMuon must step the dedicated matrices.
+
+        Raises:
+            ValueError: (owner mode, every rank alike) ``configure_optimizers`` returned
+                no DMuon built on the strategy's dedication: without its step each
+                matrix's averaged gradient would stay on its owner rank and no weight
+                would be broadcast (the second backward stopped with "a second gradient
+                ... arrived after its layer was reduced", which named neither cause nor fix).
+        """
+        super().setup_optimizers(trainer)
+        ded = self._dedication
+        if ded is None:
+            return
+        if not any(
+            isinstance(o, DMuon) and getattr(o.engine, "exchange", None) is ded.exchange
+            for o in map(_unwrap, self.optimizers)
+        ):
+            names = [type(_unwrap(o)).__name__ for o in self.optimizers]
+            raise ValueError(
+                f"DMuonStrategy (owner mode) reduces each matrix's gradient to one owner "
+                f"rank, whose DMuon steps it and broadcasts the new weight, but "
+                f"configure_optimizers returned {names}, no DMuon on the strategy's "
+                "dedication: return dmuon_optimizer(self, ...) (or DMuon(..., "
+                "distributed=self.trainer.strategy.dedication)), beside any other optimizer; "
+                "or train under strategy='ddp' / DMuonStrategy('replicated')"
+            )
+
     def optimizer_step(
         self,
         optimizer: Optimizer,
