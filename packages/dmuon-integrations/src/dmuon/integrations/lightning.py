@@ -111,7 +111,8 @@ class DMuonStrategy(DDPStrategy):
 
     Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``) hold every owner's
     optimizer state, gathered to rank 0 when saving; ``trainer.fit(..., ckpt_path=)``
-    gives each rank its share back, at any world size (one process included). Other
+    gives each rank its share back, at any world size (one process included:
+    ``DMuonStrategy()`` with ``devices=1``; other strategies cannot read it). Other
     optimizers in ``configure_optimizers`` are saved and loaded as Lightning does.
 
     Args:
@@ -205,6 +206,64 @@ class DMuonStrategy(DDPStrategy):
                 "resume with trainer.fit(new_module, ckpt_path=...)"
             )
         self._dedication = ddp.dedicate(self.model, **self._dedicate_options)
+        if self._precision_plugin is not None:
+            self._precision_plugin._dmuon_dedication = self._dedication  # type: ignore[attr-defined]
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """As ``DDPStrategy``; in owner mode a DMuon must step the dedicated matrices.
+
+        Raises:
+            ValueError: (owner mode, every rank alike) ``configure_optimizers`` returned
+                no DMuon built on the strategy's dedication: without its step each
+                matrix's averaged gradient would stay on its owner rank and no weight
+                would be broadcast (the second backward stopped with "a second gradient
+                ... arrived after its layer was reduced", which named neither cause nor fix).
+        """
+        super().setup_optimizers(trainer)
+        ded = self._dedication
+        if ded is None:
+            return
+        if not any(
+            isinstance(o, DMuon) and getattr(o.engine, "exchange", None) is ded.exchange
+            for o in map(_unwrap, self.optimizers)
+        ):
+            names = [type(_unwrap(o)).__name__ for o in self.optimizers]
+            raise ValueError(
+                f"DMuonStrategy (owner mode) reduces each matrix's gradient to one owner "
+                f"rank, whose DMuon steps it and broadcasts the new weight, but "
+                f"configure_optimizers returned {names}, no DMuon on the strategy's "
+                "dedication: return dmuon_optimizer(self, ...) (or DMuon(..., "
+                "distributed=self.trainer.strategy.dedication)), beside any other optimizer; "
+                "or train under strategy='ddp' / DMuonStrategy('replicated')"
+            )
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """As ``DDPStrategy``; an optimizer other than DMuon (an AdamW over the
+        all-reduced parameters, beside the DMuon) steps on finished reductions.
+
+        In owner mode the hooks all-reduce the scalar parameters' gradients while
+        backward runs, and DMuon's step waits for them. An optimizer stepped before the
+        DMuon (``configure_optimizers`` returning ``[adamw, dmuon]``) would read this
+        rank's own gradients, or a half-reduced bucket: the ranks' weights would drift
+        apart. Its closure (forward and backward) is followed by the wait here, before
+        Lightning's ``on_before_optimizer_step`` hooks, clipping and the step.
+        """
+        ded = self._dedication
+        if ded is None or isinstance(_unwrap(optimizer), DMuon):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_reductions() -> Any:
+            output = closure()
+            _finish_reductions(ded)
+            return output
+
+        return super().optimizer_step(optimizer, closure_then_reductions, model, **kwargs)
 
     @property
     def precision_plugin(self) -> Precision:
@@ -314,6 +373,8 @@ class DMuonStrategy(DDPStrategy):
             self._dedication.wait()
             self._dedication.remove()
             self._dedication = None
+            if self._precision_plugin is not None:
+                self._precision_plugin._dmuon_dedication = None  # type: ignore[attr-defined]
         super().teardown()
 
 
@@ -407,6 +468,11 @@ class DMuonPrecision:
         """
         opt = _unwrap(optimizer)
         if not isinstance(opt, DMuon):
+            # another optimizer's gradients (the all-reduced scalars under DMuonStrategy's
+            # owner mode) are clipped once their reductions have finished
+            ded = getattr(self, "_dmuon_dedication", None)
+            if ded is not None:
+                _finish_reductions(ded)
             super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)  # type: ignore[misc]
             return
         if clip_val <= 0:
@@ -532,6 +598,15 @@ def _agreed_scaler(plugin: Any, opt: Optimizer) -> torch.amp.GradScaler | None:
     if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
         return None
     return scaler if isinstance(opt, DMuon) and opt.mode in AGREED_MODES else None
+
+
+def _finish_reductions(ded: Dedication) -> None:
+    """Finish this step's gradient reductions (owner mode) when a backward started them:
+    every all-reduced gradient is then the average on every rank. DMuon's step, which
+    waits for them too, finds them done. A no-op after that step (nothing pending)."""
+    reduction = ded.exchange.reduction
+    if reduction.present:
+        reduction.wait_all_reduced()
 
 
 def _unwrap(optimizer: Optimizer) -> Optimizer:

@@ -101,6 +101,16 @@ def check_state_dict_keys(state_dict: Any) -> None:
     if not isinstance(state_dict, Mapping):
         raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     missing = [k for k in ("state", "param_groups") if k not in state_dict]
+    if missing and state_dict.get("format") == "dmuon.full_state_dict":
+        # dmuon.integrations.lightning.CHECKPOINT_FORMAT: a Lightning checkpoint's entry
+        raise ValueError(
+            "this is the whole optimizer state of a DMuon in owner mode, as "
+            "dmuon.integrations.lightning.DMuonStrategy writes it into a Lightning "
+            "checkpoint (every owner's share, by parameter name), not a state dict of "
+            "this optimizer: resume under DMuonStrategy (any number of devices, one "
+            "included), which gives each rank its share (outside Lightning: "
+            "dmuon.integrations.checkpoint.load_full_state_dict with this dict's 'optim')"
+        )
     if missing:
         raise ValueError(
             f"state dict is missing key(s) {missing}; an optimizer state dict has "
