@@ -12,6 +12,7 @@ and a model whose ranks all use every expert trains as before.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,3 +71,74 @@ def test_a_parameter_used_on_some_ranks_only_is_named_on_every_rank_before_backw
 
 def test_every_expert_used_everywhere_trains_as_before():
     assert [r["error"] for r in run_on_ranks(train, 2, args=(False,), timeout=60)] == [None] * 2
+
+
+# ------------------------------------------------- owner mode over DDP: the launch order
+# A layer used on some ranks only (rank 0 runs `extra`, rank 1 skips it): rank 0 launches
+# every layer's reduction in backward; rank 1 stops at `extra`, whose gradients never
+# arrive there, and launches it and the layers after it (zeros for `extra`) at the step's
+# flush. The flush's presence flags must not be matched against rank 0's reductions: both
+# ranks waited until the step's deadline, then raised on the flags' all-reduce. Now the
+# step equals one process that averages the two ranks' losses (DDP's average, with
+# `extra`'s gradient absent on rank 1).
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.a = nn.Linear(8, 8)
+            self.extra = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.b(h)
+
+
+STEPS = 3
+OPT = dict(lr=0.02, ns_compute_dtype=torch.float32)  # fp32 Newton–Schulz: compared to 1e-5
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _chain_owner(rank: int, world: int, scalars: str) -> dict[str, torch.Tensor]:
+    from dmuon.integrations import ddp
+
+    model = Chain()
+    ded = ddp.dedicate(model, scalars=scalars)
+    opt = DMuon(param_groups(model), distributed=ded, timeout=15, **OPT)
+    for step in range(STEPS):
+        out = model(_batch(step, rank), use_extra=rank == 0)
+        F.mse_loss(out, torch.zeros(4, 2)).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.engine.settle()  # the last step's publications are in
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _chain_one_process() -> dict[str, torch.Tensor]:
+    model = Chain()
+    opt = DMuon(param_groups(model), **OPT)
+    for step in range(STEPS):
+        losses = [
+            F.mse_loss(model(_batch(step, r), use_extra=r == 0), torch.zeros(4, 2)) for r in (0, 1)
+        ]
+        (sum(losses) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("scalars", ["all_reduce", "owner"])
+def test_a_layer_used_on_some_ranks_only_steps_as_one_process_in_owner_mode(scalars):
+    want = _chain_one_process()
+    for rank, got in enumerate(run_on_ranks(_chain_owner, 2, args=(scalars,), timeout=90)):
+        for name in want:
+            diff = float((got[name] - want[name]).abs().max())
+            assert diff < 1e-5, f"rank {rank}: {name} differs by {diff:.2e}"

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from dmuon.comm import CommStats, OwnerPlan, reduce_to_owners, wait_work
 from dmuon.comm.flags import flag_device
-from dmuon.comm.process_groups import group_size
+from dmuon.comm.process_groups import group_size, twin_groups
 from dmuon.optim.engine.layer_record import OwnerLayer
 from dmuon.optim.engine.owner_split import as_gradient
 from dmuon.optim.engine.params import is_dtensor
@@ -153,6 +153,16 @@ class Reduction:
         self.flag_device = flag_device(group)  # where the presence flags travel
         self.groups = [group] if replicate_group is None else [group, replicate_group]
         self.sizes = [group_size(g) for g in self.groups]
+        # The presence flags travel on twins of the groups (the same ranks, communicators
+        # of their own). A rank that did not use a layer launches it, and every layer
+        # after it in the reduction order, only at the flush, after the flags; a rank that
+        # used every layer launched them all in backward, before the flags. On the
+        # reductions' own group the two orders would meet the flags' all-reduce against a
+        # reduction, and both ranks would wait until the step's deadline.
+        self.flag_groups = [
+            twin_groups([g])[0] if size > 1 else g
+            for g, size in zip(self.groups, self.sizes, strict=True)
+        ]
         self.split = frozenset(name for name, p in params.items() if is_dtensor(p))
         # each gradient copied into a bucket, as it was then (the gradient object and its
         # version): a change after that would not reach the owner
@@ -238,7 +248,7 @@ class Reduction:
             dtype=torch.int32,
             device=self.flag_device,
         )
-        for g, size in zip(self.groups, self.sizes, strict=True):
+        for g, size in zip(self.flag_groups, self.sizes, strict=True):
             if size > 1:
                 wait_work(
                     dist.all_reduce(flags, group=g, async_op=True),
