@@ -12,7 +12,9 @@ Detection (``mode=None``): a dedication (``distributed=`` or dedicated
 parameters) means ``owner``; DTensor matrices mean ``sharded``; no process group,
 or a group of one, means ``single``. Otherwise the optimizer cannot know whether
 the gradients were averaged (DDP) or are local, and guessing wrong is silently
-wrong — so it raises and asks for ``mode="replicated"`` or ``mode="sign"``.
+wrong — so it raises and asks for ``mode="replicated"`` (DDP averaged them),
+``mode="sign"`` (local gradients), ``mode="single"`` (every rank does all the work) or a
+``dedicate()`` for owner mode.
 """
 
 from __future__ import annotations
