@@ -207,7 +207,8 @@ class DMuonStrategy(DDPStrategy):
             )
         self._dedication = ddp.dedicate(self.model, **self._dedicate_options)
         if self._precision_plugin is not None:
-            self._precision_plugin._dmuon_dedication = self._dedication  # type: ignore[attr-defined]
+            plugin: Any = self._precision_plugin  # DMuonPrecision's attribute (any plugin)
+            plugin._dmuon_dedication = self._dedication
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """As ``DDPStrategy``; in owner mode a DMuon must step the dedicated matrices.
@@ -374,7 +375,8 @@ class DMuonStrategy(DDPStrategy):
             self._dedication.remove()
             self._dedication = None
             if self._precision_plugin is not None:
-                self._precision_plugin._dmuon_dedication = None  # type: ignore[attr-defined]
+                plugin: Any = self._precision_plugin
+                plugin._dmuon_dedication = None
         super().teardown()
 
 
