@@ -59,6 +59,7 @@ from dmuon.integrations.hf.state import gather_full_state_dict, missing_state
 from dmuon.optim import DMuon, clip_grad_norm_, clip_grad_value_, param_groups
 from dmuon.optim.engine import exchange_of
 from dmuon.optim.loss_scaling import AGREED_MODES
+from dmuon.optim.optimizer_state import FULL_STATE_FORMAT
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -74,7 +75,7 @@ STRATEGY_MODES = ("owner", "replicated")
 """The modes of :class:`DMuonStrategy`: ``"owner"`` dedicates the model (no DDP wrapper),
 ``"replicated"`` keeps Lightning's DDP wrapper and only makes checkpoints whole."""
 
-CHECKPOINT_FORMAT = "dmuon.full_state_dict"
+CHECKPOINT_FORMAT = FULL_STATE_FORMAT
 """The ``"format"`` of an owner-mode entry of a checkpoint's ``"optimizer_states"``:
 ``{"format": CHECKPOINT_FORMAT, "optim": ..., "dmuon": ...}``, the optimizer part of
 :func:`dmuon.integrations.checkpoint.full_state_dict` (the weights are the checkpoint's

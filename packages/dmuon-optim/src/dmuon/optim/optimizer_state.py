@@ -24,6 +24,7 @@ from dmuon.optim.scalar import SCALAR_ALGORITHMS, scalar_state_dtype, scalar_sta
 from dmuon.optim.state_precision import state_dtype_of
 
 __all__ = [
+    "FULL_STATE_FORMAT",
     "build_state",
     "check_loaded_state",
     "check_state_dict_keys",
@@ -31,6 +32,12 @@ __all__ = [
     "refuse_foreign_placeholders",
     "reload_scalar_state",
 ]
+
+FULL_STATE_FORMAT = "dmuon.full_state_dict"
+"""The ``"format"`` tag of a whole owner-mode optimizer state kept under one key, as
+``dmuon.integrations.lightning.DMuonStrategy`` writes it into a checkpoint (its
+``CHECKPOINT_FORMAT``): not a state dict of one optimizer, which
+:func:`check_state_dict_keys` says when one is loaded as such."""
 
 
 def build_state(
@@ -101,8 +108,7 @@ def check_state_dict_keys(state_dict: Any) -> None:
     if not isinstance(state_dict, Mapping):
         raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     missing = [k for k in ("state", "param_groups") if k not in state_dict]
-    if missing and state_dict.get("format") == "dmuon.full_state_dict":
-        # dmuon.integrations.lightning.CHECKPOINT_FORMAT: a Lightning checkpoint's entry
+    if missing and state_dict.get("format") == FULL_STATE_FORMAT:  # a Lightning checkpoint's
         raise ValueError(
             "this is the whole optimizer state of a DMuon in owner mode, as "
             "dmuon.integrations.lightning.DMuonStrategy writes it into a Lightning "

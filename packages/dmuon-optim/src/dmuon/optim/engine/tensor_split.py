@@ -319,6 +319,8 @@ def drop_relaid_grads(params: Iterable[torch.Tensor]) -> None:
     """Set to ``None`` the gradients among ``params`` that :func:`settle_split_grads`
     replaced (zeroing them would leave the next backward a gradient of the parameter's
     placements to accumulate into, in place, which torch refuses)."""
+    if not _RELAID:  # no gradient was laid out anew (no tensor parallelism): nothing to look up
+        return
     for p in params:
         if _RELAID.pop(p, None) is not None:
             p.grad = None
