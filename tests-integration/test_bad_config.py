@@ -60,6 +60,21 @@ def _fsdp_dedicate(model: nn.Module, **options) -> object:
     return fsdp.dedicate(model, **options)
 
 
+def _dedicate_without_process_group() -> None:
+    from unittest import mock
+
+    from dmuon.integrations import ddp
+
+    with mock.patch.dict("os.environ", {"WORLD_SIZE": "2"}):  # as torchrun sets it
+        ddp.dedicate(net())
+
+
+def _dedicate_ddp_wrapped(rank: int, world: int) -> None:
+    from dmuon.integrations import ddp
+
+    ddp.dedicate(nn.parallel.DistributedDataParallel(net()))
+
+
 def _deepspeed_zero3() -> None:
     check_config({"zero_optimization": {"stage": 3}})
 
@@ -148,8 +163,10 @@ CASES = [
          "lr must be a finite real number >= 0.0, got -1.0"),
     Case("lr-nan", "`lr=float('nan')`", lambda: DMuon([W()], lr=float("nan")), ValueError,
          "lr must be a finite real number"),
-    Case("lr-string", "`lr='0.1'` (a string)", lambda: DMuon([W()], lr="0.1"), ValueError,
-         "lr must be a finite real number >= 0.0, got '0.1'"),
+    Case("lr-string", "`lr='1e-3'` (a string, as PyYAML reads `1e-3`)",
+         lambda: DMuon([W()], lr="1e-3"), ValueError,
+         "lr must be a finite real number >= 0.0, got the string '1e-3': pass a number, "
+         "float('1e-3')"),
     Case("momentum-one", "`momentum=1.0`", lambda: DMuon([W()], momentum=1.0), ValueError,
          "momentum must be a real number in [0.0, 1.0), got 1.0"),
     Case("momentum-negative", "`momentum=-0.1`", lambda: DMuon([W()], momentum=-0.1),
@@ -181,6 +198,12 @@ CASES = [
     Case("rule-option-unknown", "`DMuon(..., rule='muon', beta2=0.9)` (NorMuon's option)",
          lambda: DMuon([W()], rule="muon", beta2=0.9), ValueError,
          "unknown option(s) ['beta2'] for rule(s) ['muon']"),
+    Case("adamw-keyword", "`DMuon(..., betas=(0.9, 0.95))` (AdamW's keyword)",
+         lambda: DMuon([W()], betas=(0.9, 0.95)), ValueError,
+         "unknown option(s) ['betas'] for rule(s) ['muon'] (betas= is adamw_betas= here"),
+    Case("param-groups-of-parameters", "`param_groups(model.parameters())`",
+         lambda: param_groups(net().parameters()), TypeError,
+         "call param_groups(model), not param_groups(model.parameters())"),
     Case("rule-option-range", "`rule='dion2', fraction=1.5`",
          lambda: DMuon([W()], rule="dion2", fraction=1.5), ValueError,
          "fraction must be a real number in (0.0, 1.0], got 1.5"),
@@ -231,6 +254,12 @@ CASES = [
     Case("dedicate-reduce-op", "`fsdp.dedicate(model, reduce_op='mean')`",
          lambda: _fsdp_dedicate(net(), reduce_op="mean"), ValueError,
          "reduce_op must be 'avg' (gradients averaged over the ranks"),
+    Case("dedicate-without-process-group",
+         "`dedicate()` under `torchrun` (`WORLD_SIZE=2`) without `init_process_group()`",
+         _dedicate_without_process_group, RuntimeError,
+         "Call torch.distributed.init_process_group() on every rank before dedicate()"),
+    Case("dedicate-ddp-wrapped", "`ddp.dedicate(DistributedDataParallel(model))`",
+         _dedicate_ddp_wrapped, TypeError, "Pass the model itself, dedicate(model)", 2),
     Case("dedicate-after-fully-shard", "`fsdp.dedicate()` after `fully_shard()`",
          _dedicate_after_fully_shard, ValueError, "dedicate() was called after fully_shard()", 2),
     Case("optimizer-before-dedicate", "`DMuon(...)` built before `dedicate()`",

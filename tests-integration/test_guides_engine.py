@@ -67,3 +67,43 @@ def test_guide_script_trains_like_one_process(name, world):
         for n, value in params.items():
             diff = float((value - expected[n]).abs().max())
             assert diff <= TOLERANCE, f"{name}, rank {rank}: {n} differs by {diff:.2e}"
+
+
+class _Placed(Exception):
+    """Raised by the stand-in model when the script moves it to its device."""
+
+
+class _StandInModel:
+    def to(self, device: torch.device):
+        raise _Placed(device)
+
+
+# tensor_parallel.py still tests get_backend() == "nccl" (it goes with its guide page, under
+# rework): add it here with the same fix.
+TORCHRUN_DEFAULT_GROUP = ["fsdp2", "ddp", "hsdp"]
+
+
+@pytest.mark.parametrize("name", TORCHRUN_DEFAULT_GROUP)
+def test_guide_script_picks_cuda_under_torchruns_default_group(name, monkeypatch):
+    """Under ``torchrun`` on GPUs the scripts call ``init_process_group()`` without a
+    backend: torch makes a ``"cpu:gloo,cuda:nccl"`` group whose ``get_backend()`` is
+    ``"undefined"``, and the script must still train on its GPU (not on the CPU over
+    gloo). Played on a CPU: the group's answers and two CUDA devices are stood in, the
+    model is a stand-in that stops the script where it is placed."""
+    import torch.distributed as dist
+
+    script = load(name)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "undefined")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(script, "init_device_mesh", lambda *a, **k: None, raising=False)
+    monkeypatch.setattr(script, "Model", _StandInModel)
+    with pytest.raises(_Placed) as placed:
+        script.train(steps=1)
+    assert placed.value.args[0] == torch.device("cuda", 1), (
+        f"{name} placed its model on {placed.value.args[0]}"
+    )

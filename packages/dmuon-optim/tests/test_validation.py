@@ -159,3 +159,38 @@ def test_sparse_gradients_are_refused():
 def test_every_rule_builds_with_defaults():
     for rule in RULES:
         DMuon([mat(6, 8)], rule=rule)
+
+
+def _language_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.embed_tokens = nn.Embedding(16, 8)
+    model.up = nn.Linear(8, 32, bias=False)
+    model.lm_head = nn.Linear(8, 16, bias=False)
+    return model
+
+
+def test_embedding_and_head_in_a_matrix_group_warn_naming_them_and_the_fix():
+    """``DMuon(model.named_parameters())`` of a model without biases and norms raises no
+    1-D error, and would orthogonalise the embedding and the head: it warns, naming them."""
+    model = _language_model()
+    with pytest.warns(UserWarning, match="named like an embedding or an output head") as caught:
+        DMuon(model.named_parameters())
+    text = " ".join(str(w.message) for w in caught)
+    assert "'embed_tokens.weight', 'lm_head.weight'" in text
+    assert "'up.weight'" not in text
+    assert "dmuon.optim.param_groups(model)" in text and "rule='adamw'" in text
+
+
+def test_param_groups_and_deliberate_choices_do_not_warn():
+    import warnings
+
+    from dmuon.optim import param_groups
+
+    model = _language_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DMuon(param_groups(model))
+        DMuon(param_groups(model, matrix=lambda name, p: p.ndim == 2))  # chosen on purpose
+        DMuon([("up.weight", model.up.weight)])  # a hidden matrix alone
+        DMuon([{"params": [model.embed_tokens.weight], "rule": "adamw"}])

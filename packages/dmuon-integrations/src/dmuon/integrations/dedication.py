@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,6 +156,35 @@ def _fsdp_modules(model: nn.Module) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def check_unwrapped_and_launched(model: nn.Module) -> None:
+    """Refuse the two set-up slips a first ``dedicate()`` meets, before any collective.
+
+    A model already wrapped in ``DistributedDataParallel``: DDP would all-reduce the
+    gradients that ``dedicate`` reduces to their owners. A process that a launcher started
+    as one of several (``WORLD_SIZE`` > 1, as ``torchrun`` sets it) but that has not called
+    ``init_process_group``: without a process group ``dedicate`` plans for one rank, and
+    every process would train alone.
+
+    Raises:
+        TypeError: ``model`` is a ``DistributedDataParallel``.
+        RuntimeError: ``WORLD_SIZE`` > 1 and torch.distributed is not initialised.
+    """
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            "dedicate() was given a DistributedDataParallel: dedicate replaces the DDP wrapper "
+            "(it reduces each matrix's gradient to its owner, DDP would all-reduce them too). "
+            "Pass the model itself, dedicate(model), and do not wrap it; to keep the wrapper, "
+            "use DMuon(param_groups(ddp_model.module), mode='replicated') without dedicate()"
+        )
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1 and not dist.is_initialized():
+        raise RuntimeError(
+            f"dedicate(): WORLD_SIZE={launched} says this process is one of {launched} (torchrun), "
+            "but torch.distributed is not initialised, so every process would train alone. Call "
+            "torch.distributed.init_process_group() on every rank before dedicate()"
+        )
+
+
 def build_dedication(
     model: nn.Module,
     mesh: Any,
@@ -188,7 +218,9 @@ def build_dedication(
     Raises:
         ValueError: a parameter already sharded by FSDP2, a DTensor owner mode does not
             take (named with its placements), or nothing to dedicate.
+        TypeError, RuntimeError: see :func:`check_unwrapped_and_launched`.
     """
+    check_unwrapped_and_launched(model)
     dedicated, rest = split_parameters(
         model, predicate, layer_of=layer_of, dedicate_rest=dedicate_rest
     )

@@ -96,6 +96,8 @@ def dedicate(
     Raises:
         ValueError: a bad mesh, a ``reduce_op`` other than ``"avg"``/``"sum"``, or no
             parameter to dedicate.
+        RuntimeError: a process ``torchrun`` started (``WORLD_SIZE`` > 1) that has not
+            called ``init_process_group``.
         dmuon.optim.ModelMismatchError: the ranks' models differ.
 
     Examples:

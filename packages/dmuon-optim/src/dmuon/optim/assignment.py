@@ -10,6 +10,7 @@ overridable.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +125,51 @@ def _vocabulary_head(modules: Iterable[nn.Module]) -> nn.Linear | None:
     return wide[-1] if wide else None
 
 
+def embedding_like(name: str, head_names: Sequence[str] = DEFAULT_HEAD_NAMES) -> bool:
+    """Whether parameter ``name`` is named like an embedding or an output head.
+
+    Its module's name (the last component before the parameter's) is one of
+    ``head_names`` or contains ``emb`` (``embed_tokens``, ``tok_embeddings``), or is
+    GPT-2's ``wte``/``wpe``. Only names are seen: a parameter handed to
+    :class:`~dmuon.optim.DMuon` without one cannot be judged.
+
+    Examples:
+        >>> from dmuon.optim.assignment import embedding_like
+        >>> embedding_like("model.embed_tokens.weight"), embedding_like("lm_head.weight")
+        (True, True)
+        >>> embedding_like("layers.0.mlp.up_proj.weight")
+        False
+    """
+    parts = name.split(".")
+    module = parts[-2] if len(parts) > 1 else ""
+    return module in head_names or "emb" in module or module in ("wte", "wpe")
+
+
+def warn_embedding_matrices(groups: Sequence[Mapping[str, Any]], matrix_rules: Any) -> None:
+    """Warn (``UserWarning``) when a matrix group holds parameters named like embeddings
+    or heads, as ``DMuon(model.named_parameters())`` of a model without biases and norms
+    does: Muon is for hidden weight matrices, and :func:`param_groups` sends these to
+    AdamW."""
+    names = [
+        name
+        for g in groups
+        if g.get("rule") in matrix_rules
+        for name in g.get("param_names") or ()
+        if embedding_like(name)
+    ]
+    if names:
+        shown = ", ".join(repr(n) for n in names[:4]) + (", …" if len(names) > 4 else "")
+        warnings.warn(
+            f"DMuon: a matrix rule will update {shown}, named like an embedding or an output "
+            "head. Muon is for hidden weight matrices; embeddings and heads train with AdamW: "
+            "build the groups with dmuon.optim.param_groups(model), which sends them to AdamW, "
+            "or put them in a group with rule='adamw' (to orthogonalise them anyway, choose them "
+            "with param_groups(model, matrix=...))",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def param_groups(
     model: nn.Module,
     *,
@@ -188,6 +234,7 @@ def param_groups(
         The groups, with ``.assignments`` and ``.summary()``.
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module`` (e.g. ``model.parameters()``).
         ValueError: both predicates claim a parameter.
 
     Examples:
@@ -200,6 +247,12 @@ def param_groups(
         [('matrix', ['1.weight']), ('scalar: embeddings and head', ['0.weight', '3.weight']),
          ('scalar: norms, biases and scalars', ['1.bias', '2.weight', '2.bias', '3.bias'])]
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"param_groups takes the model (an nn.Module), got {type(model).__name__}: call "
+            "param_groups(model), not param_groups(model.parameters()); it needs the modules "
+            "to tell embeddings, heads and norms from hidden matrices"
+        )
     owners: dict[int, list[tuple[str, nn.Module]]] = {}
     order: list[tuple[str, torch.Tensor]] = []
     modules = list(model.named_modules(remove_duplicate=False))

@@ -38,6 +38,8 @@ __all__ = [
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# torch.optim.AdamW's keywords, which DMuon's constructor spells for its scalar groups
+SCALAR_KEYWORDS = {"betas": "adamw_betas", "eps": "adamw_eps"}
 # The structural keys a group's buckets depend on; changing them after construction
 # would silently mismatch the state, so step() refuses.
 STRUCTURE = ("rule", "flatten", "split_sizes", "num_heads", "state_dtype")
@@ -128,8 +130,19 @@ class GroupDefaults:
         unused = sorted(set(self.rule_options) - used)
         if unused:
             rules_used = sorted({g["rule"] for g in groups} & set(RULES) | {self.rule})
+            renamed = [
+                f"{key}= is {SCALAR_KEYWORDS[key]}= here"
+                for key in unused
+                if key in SCALAR_KEYWORDS
+            ]
+            hint = (
+                f" ({'; '.join(renamed)}: DMuon's keywords for the AdamW/Lion of the scalar "
+                "groups start with adamw_)"
+                if renamed
+                else ""
+            )
             raise ValueError(
-                f"unknown option(s) {unused} for rule(s) {rules_used}; accepted options: "
+                f"unknown option(s) {unused} for rule(s) {rules_used}{hint}; accepted options: "
                 f"{sorted(used)}"
             )
 

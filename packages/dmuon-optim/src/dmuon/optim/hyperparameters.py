@@ -95,6 +95,14 @@ class Option:
     doc: str
 
 
+def _parses_as_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def real(
     lo: float = -math.inf,
     hi: float = math.inf,
@@ -113,6 +121,12 @@ def real(
     def check(value: Any) -> float:
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
+        if isinstance(value, str) and _parses_as_float(value):
+            # YAML 1.1 (PyYAML) reads 1e-3 as a string; so does argparse without type=float
+            raise ValueError(
+                f"must be {what}, got the string {value!r}: pass a number, "
+                f"float({value!r}) (a YAML file or the command line gives a string)"
+            )
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"must be {what}, got {value!r}")
         v = float(value)

@@ -15,6 +15,7 @@ import torch
 
 from dmuon.comm import CollectiveError, collective_timeout
 from dmuon.comm.roll_call import start_responder
+from dmuon.optim.assignment import ParamGroups, warn_embedding_matrices
 from dmuon.optim.batches import Bucket, Sink
 from dmuon.optim.deadline import Deadline, check_timeout
 from dmuon.optim.engine.base import Engine, SingleEngine
@@ -31,6 +32,7 @@ from dmuon.optim.optimizer_state import (
     refuse_foreign_placeholders,
     reload_scalar_state,
 )
+from dmuon.optim.rules import RULES
 from dmuon.optim.scalar import SCALAR_ALGORITHMS
 from dmuon.optim.stepping import check_guard_options, run_step, step_matrices, step_scalars
 from dmuon.optim.vote import SignVote, local_vote
@@ -231,6 +233,8 @@ class DMuon(torch.optim.Optimizer):
         self._reset()
         super().__init__(params, self._group_defaults.torch_defaults())
         self._group_defaults.check_options_used(self.param_groups)
+        if not isinstance(params, ParamGroups):  # param_groups(model) chose its matrices
+            warn_embedding_matrices(self.param_groups, RULES)
         with collective_timeout(self._deadline.seconds()):  # the plan's and model's checks
             self._engine: Engine = make_engine(
                 self,
