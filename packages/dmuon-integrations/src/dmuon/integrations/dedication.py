@@ -288,8 +288,10 @@ def _check_dtensors(
     placements and groups are the same everywhere), before any collective.
 
     Taken on a ``dp × tp`` mesh: a dedicated 2-D matrix split over ``tp`` alone
-    (:attr:`~dmuon.optim.engine.placements.MatrixPlacement.tensor_split`), a dedicated or
-    all-reduced scalar laid out over ``tp`` alone. Refused: anything sharded over the
+    (:attr:`~dmuon.optim.engine.placements.MatrixPlacement.tensor_split`), a dedicated
+    matrix replicated whole over ``tp`` alone (its owner's ``tp`` row steps its copies
+    alike: :attr:`~dmuon.optim.engine.placements.MatrixPlacement.replicated_whole`), a
+    dedicated or all-reduced scalar laid out over ``tp`` alone. Refused: anything sharded over the
     planning group itself (FSDP2's rows: dedicate before ``fully_shard``), expert splits,
     other layouts, and tensor parallelism with ``reshard_after_forward``.
     """
@@ -314,7 +316,11 @@ def _check_dtensors(
         name = item.name
         pl = placement_of(p, name, stack=p.dim() > 2 and len(item.shape) > 2)
         matrix = p.dim() >= 2
-        taken = tensor_parallel and not crosses(p) and (pl.tensor_split or not matrix)
+        taken = (
+            tensor_parallel
+            and not crosses(p)
+            and (pl.tensor_split or pl.replicated_whole or not matrix)
+        )
         if taken and reshard_after_forward:
             raise ValueError(
                 f"parameter {name!r} is tensor-parallel ({pl.summary()}): owner mode over a "
@@ -330,7 +336,8 @@ def _check_dtensors(
             if pl.expert_split
             else ""
         )
-        if pl.tensor_split and not tensor_parallel and not crosses(p):  # TP beside a 1-D group
+        beside = (pl.tensor_split or pl.replicated_whole) and not crosses(p)
+        if beside and not tensor_parallel:  # TP beside a 1-D group
             how = (
                 "tensor-parallel matrices (parallelize_module on a 'tp' mesh dimension) are "
                 "stepped by owner mode over a 2-D dp × tp mesh: pass the whole 2-D "
@@ -345,7 +352,8 @@ def _check_dtensors(
                 "fully_shard(model, mesh=mesh, ignored_params=ded.params), so FSDP2 leaves the "
                 "dedicated matrices to their owners; owner mode takes tensor-parallel "
                 "matrices split over the tp dimension of a dp × tp mesh (Shard(0) or "
-                "Shard(1) there, Replicate() elsewhere): keep this one out of the "
+                "Shard(1) there, Replicate() elsewhere), or replicated whole over it: keep this "
+                "one out of the "
                 "dedication (predicate=)"
             )
         raise ValueError(

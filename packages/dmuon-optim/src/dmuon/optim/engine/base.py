@@ -107,6 +107,7 @@ class Engine:
         self._by_param: dict[int, EngineParam] = {}
         self._frozen: list[tuple[str, torch.Tensor]] = []
         self._dtensors: list[EngineParam] = []  # whose gradients settle_split_grads lays out
+        self._whole: frozenset[int] = frozenset()  # ids of the replicated-whole DTensor matrices
 
     def bind(self, stepper: Stepper) -> None:
         """Learn the optimizer's parameters (called once, after its groups exist).
@@ -118,6 +119,11 @@ class Engine:
         self._by_param = {id(e.param): e for e in self.params}
         self._frozen = frozen_params(stepper.param_groups)
         self._dtensors = [e for e in self.params if is_dtensor(e.param)]
+        self._whole = frozenset(
+            id(e.param)
+            for e in self._dtensors
+            if e.matrix and placement_of_param(e).replicated_whole
+        )
 
     def info(self, p: torch.Tensor) -> EngineParam | None:
         """The engine's view of ``p`` (``None`` for a frozen parameter)."""
@@ -140,8 +146,17 @@ class Engine:
         """Whether this engine steps ``p`` on this rank's local part of it (a DTensor's
         ``to_local()``) rather than whole: a matrix split over a tensor-parallel group
         (:meth:`split_of`), or a stack whose experts are split over a mesh dimension
-        (each rank steps its own, whole)."""
-        return self.split_of(p) is not None
+        (each rank steps its own, whole), or a replicated-whole DTensor matrix
+        (:meth:`replicated_whole`), whose local part is the whole matrix."""
+        return self.split_of(p) is not None or self.replicated_whole(p)
+
+    def replicated_whole(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is a DTensor matrix with ``Replicate()`` on every mesh dimension
+        (:attr:`~dmuon.optim.engine.placements.MatrixPlacement.replicated_whole`): the rule
+        steps its local tensor, the whole matrix, as it steps a plain one — DTensor
+        arithmetic on it would dispatch every op of the chain through DTensor, and the
+        buckets batch plain tensors."""
+        return id(p) in self._whole
 
     def group_of(self, p: torch.Tensor) -> str | None:
         """The pipeline group of ``p``."""
@@ -278,14 +293,16 @@ class SingleEngine(Engine):
         return split_of(p, info.name if info is not None else "")
 
     def on_shard(self, p: torch.Tensor) -> bool:
-        """A tensor-parallel matrix, and an expert stack split over its expert dimension
+        """A tensor-parallel matrix, an expert stack split over its expert dimension
         (:attr:`~dmuon.optim.engine.placements.MatrixPlacement.expert_split`: each rank
-        steps the experts it holds, as one batch, with no collective)."""
+        steps the experts it holds, as one batch, with no collective), and a matrix
+        replicated whole (each rank steps its copy, the gradient's pending sums carried out
+        first by :meth:`begin_step`)."""
         info = self.info(p)
         if info is None or not is_dtensor(p):
             return self.split_of(p) is not None
         pl = placement_of_param(info)
-        return pl.tensor_split or pl.expert_split
+        return pl.tensor_split or pl.expert_split or pl.replicated_whole
 
     def norm_parts(
         self,

@@ -52,7 +52,7 @@ from dmuon.optim.engine.owner_split import check_split_model, local_plan
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.publication import Publication
 from dmuon.optim.engine.reduction import Reduction
-from dmuon.optim.engine.tensor_split import split_groups
+from dmuon.optim.engine.tensor_split import tensor_groups
 
 __all__ = ["OwnerExchange", "exchange_of", "format_description"]
 
@@ -120,8 +120,8 @@ class OwnerExchange:
         plan: the owner plan, by the whole shapes.
         local_plan: the plan the buckets and collectives use: ``plan`` with this rank's
             local shape of every tensor-parallel DTensor (``plan`` itself without them).
-        tensor_groups: the ``tp`` groups the dedicated matrices are split over (none
-            without tensor parallelism).
+        tensor_groups: the ``tp`` groups the dedicated matrices are split over, or held
+            whole over (a ``Replicate()`` DTensor; none without tensor parallelism).
 
     Raises:
         ValueError: a parameter dedicated twice, a plan that does not cover the items,
@@ -192,8 +192,8 @@ class OwnerExchange:
                 raise ValueError(f"parameter {item.name!r} is dedicated twice")
         self.layers, self._params, self._layer_of = group_layers(dedicated, replicated, plan)
         self._by_key = {layer.key: layer for layer in self.layers}
-        self.tensor_groups = split_groups(
-            EngineParam(i.name, p, 0, 0, True, "", i) for i, p in dedicated
+        self.tensor_groups = tensor_groups(
+            (EngineParam(i.name, p, 0, 0, True, "", i) for i, p in dedicated), group
         )
         # One model check before anything else travels (no-op on one rank).
         if self.tensor_groups:

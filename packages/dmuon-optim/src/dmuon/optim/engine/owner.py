@@ -28,7 +28,7 @@ from dmuon.optim.engine.base import Engine, Stepper, local_norm_tensors
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.report import StepReport
-from dmuon.optim.engine.tensor_split import split_of
+from dmuon.optim.engine.tensor_split import laid_out_as, mark_relaid, split_of
 from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.rules import get_rule
 
@@ -52,6 +52,8 @@ class OwnerEngine(Engine):
         self._keys: list[str] = []
         self._scalars_by_layer: dict[str | None, list[tuple[int, list[torch.Tensor]]]] = {}
         self._matrix_groups: list[int] = []
+        # per layer, the replicated-whole DTensor matrices this rank owns (settle_owned)
+        self._whole_by_layer: dict[str, list[torch.Tensor]] = {}
 
     def bind(self, stepper: Stepper) -> None:
         super().bind(stepper)
@@ -114,6 +116,13 @@ class OwnerEngine(Engine):
             for key, params in mine.items():
                 by_layer.setdefault(key, []).append((index, params))
         self._scalars_by_layer = by_layer
+        whole: dict[str, list[torch.Tensor]] = {}
+        for e in ours:
+            if self.replicated_whole(e.param) and self.steps(e.param):
+                key = self.group_of(e.param)
+                assert key is not None
+                whole.setdefault(key, []).append(e.param)
+        self._whole_by_layer = whole
 
     def _dedicated(self, p: torch.Tensor) -> bool:
         # the ids are collected by bind(), which the optimizer calls right after making
@@ -222,6 +231,7 @@ class OwnerEngine(Engine):
         for key in self._keys:
             with report.phase("comm_wait"):
                 ex.reduction.wait_reduced(key)
+                self._settle_owned(key)
             for index in self._matrix_groups:
                 stepper.step_matrices(index, key, report)
             with report.phase("scalar"):
@@ -234,6 +244,29 @@ class OwnerEngine(Engine):
             for index, params in self._scalars_by_layer.get(None, ()):
                 stepper.step_scalars(groups[index], params)
         ex.reduction.end_step()
+
+    def _settle_owned(self, key: str) -> None:
+        """Carry out the pending sums (``Partial``) of the reduced gradients of layer
+        ``key``'s replicated-whole DTensor matrices this rank owns, before the rule reads
+        their local tensors as the whole gradient.
+
+        Such a gradient travels over ``dp`` as it arrived (its local part has the
+        parameter's shape, and summing over ``tp`` commutes with the reduction over ``dp``),
+        so only the owner's ``tp`` row pays the all-reduce over ``tp``. Every rank of that
+        row owns the same matrices (one plan) and settles them in one order, after the
+        step's agreement (which spans ``tp``: ``OwnerExchange.tensor_groups``). A split
+        matrix's pending sum was laid out before its reduction
+        (:func:`~dmuon.optim.engine.tensor_split.laid_out_as`), since its local part is not
+        the shard's shape.
+        """
+        for p in self._whole_by_layer.get(key, ()):
+            g = p.grad
+            if g is None:
+                continue
+            settled = laid_out_as(g, p)
+            if settled is not g:
+                p.grad = settled
+                mark_relaid(p)  # DMuon.zero_grad drops it (see drop_relaid_grads)
 
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
         ex = self.exchange

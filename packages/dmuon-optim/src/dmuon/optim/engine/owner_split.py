@@ -25,6 +25,12 @@ Scalar parameters that are DTensors over ``tp`` (a colwise layer's bias, a
 ``SequenceParallel`` norm) are all-reduced (or reduced to their owner) by their
 local parts over ``dp``; a gradient that is a pending sum over ``tp`` (``Partial``)
 keeps its placements, and the step carries the sum out as DTensor arithmetic does.
+A matrix replicated whole over ``tp`` (``Replicate()`` on every mesh dimension) travels
+the same way, its local tensor being the whole matrix; its owner's ``tp`` row carries
+out a pending sum before the rule (``OwnerEngine``). A split matrix's pending sum is
+laid out as its shard before the reduction
+(:func:`~dmuon.optim.engine.tensor_split.laid_out_as`): its local part is the whole
+matrix's shape, not the shard's the buckets hold.
 
 A DTensor parameter's local tensor cannot be made a view of a broadcast bucket
 through public APIs (``to_local()`` hands out a new alias each call, and setting

@@ -27,6 +27,13 @@ none (a plain tensor)                  ``single``, ``owner``, ``replicated``,
                                        of a ``dp × tp`` mesh, the owner's
                                        ``tp`` row stepping the shards
                                        (:mod:`~dmuon.optim.engine.owner_split`)
+``Replicate()`` on every mesh          ``single``, ``replicated`` and
+dimension (a layer kept whole inside   ``owner``: every rank holds the whole
+a tensor-parallel model)               matrix, stepped as a plain one on its
+                                       local tensor after its gradient's
+                                       pending sums (``Partial``) are
+                                       carried out (:attr:`MatrixPlacement.
+                                       replicated_whole`)
 ``Shard(1)`` over one mesh dimension,  ``single`` on the shards (a rowwise
 ``Replicate()`` over the others        tensor-parallel layer's columns);
                                        ``replicated`` and ``owner`` over
@@ -134,6 +141,25 @@ class MatrixPlacement:
         if len(self.shards) != 1 or self.shards[0][2] or self.partial or self.unknown:
             return None
         return self.shards[0][1]
+
+    @property
+    def replicated_whole(self) -> bool:
+        """A DTensor with ``Replicate()`` on every mesh dimension: each rank holds the whole
+        parameter (a small layer kept replicated inside a tensor-parallel model, as
+        torchtitan's ``NoParallel`` router gate). Its local tensor *is* the matrix, so the
+        modes that step plain matrices step it the same way, on ``to_local()``; only its
+        gradient needs care: DTensor may hand it a pending sum (``Partial()``, e.g. when the
+        layer reads a sequence-sharded activation), which is carried out (summed over that
+        mesh dimension, DTensor's meaning) before the rule reads it. Any number of
+        dimensions: the group's layout (``flatten``, ``split_sizes``, ``num_heads``) cuts
+        the whole local tensor as it cuts a plain one.
+
+        Examples:
+            >>> whole = MatrixPlacement("gate.weight", ("Replicate()",), ("tp",))
+            >>> whole.replicated_whole, supported_by(whole)
+            (True, ('single', 'replicated', 'owner'))
+        """
+        return self.distributed and not (self.shards or self.partial or self.unknown)
 
     @property
     def row_sharded(self) -> bool:
@@ -289,10 +315,7 @@ class MatrixPlacement:
         if self.unknown:
             return "laid out by a placement DMuon does not know"
         if not self.shards:
-            return (
-                "replicated whole (Replicate() on every mesh dimension): step it as a plain "
-                "tensor, or shard it"
-            )
+            return "replicated whole (Replicate() on every mesh dimension)"
         return "split by rows over one mesh dimension"
 
 
@@ -388,6 +411,8 @@ def supported_by(pl: MatrixPlacement) -> tuple[str, ...]:
     """
     if not pl.distributed:
         return ("single", "owner", "replicated", "sign")
+    if pl.replicated_whole:
+        return ("single", "replicated", "owner")
     if pl.sharded_split:
         return ("sharded",)
     if pl.whole_experts and not pl.expert_split:  # over several mesh dims
@@ -465,6 +490,23 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
                 "experts it holds, as one batch of whole matrices, with no gather (expert "
                 f"parallelism): pass mode='single'{replicated}{sharded}"
             )
+        if pl.replicated_whole:
+            why = (
+                "FSDP2 shards every parameter it manages (this one would be Shard(0) over dp, "
+                "which sharded mode steps); a DTensor replicated on every mesh dimension is "
+                "one FSDP2 does not manage, so nothing would average its gradient over the "
+                "data-parallel ranks: pass its module to fully_shard, or "
+                if mode == "sharded"
+                else "Sign-Muon votes on each rank's local gradient, which a replicated "
+                "DTensor's placements do not describe: "
+            )
+            raise ValueError(
+                f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), "
+                f"which mode={mode!r} does not step. {why}use mode='single' (every rank steps "
+                "the whole matrix), mode='replicated' (one owner steps it, the result is "
+                "all-gathered) or owner mode (dmuon.integrations.ddp.dedicate(model, mesh)), "
+                "which step it whole after carrying out its gradient's pending sums (Partial)"
+            )
         if pl.sharded_split:
             raise ValueError(
                 f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), "
@@ -509,7 +551,8 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
             f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}); no "
             f"execution mode of DMuon steps it yet (asked: mode={mode!r}), and orthogonalising "
             "its shard as if it were the whole matrix would be silently wrong. Supported: "
-            "plain tensors (modes single, owner, replicated, sign); FSDP2 over tensor "
+            "plain tensors (modes single, owner, replicated, sign); Replicate() on every "
+            "mesh dimension (modes single, owner, replicated); FSDP2 over tensor "
             "parallelism (mode='sharded'); a 2-D matrix with Shard(0) "
             "or Shard(1) over one mesh dimension and Replicate() elsewhere (mode='single' or, "
             "owners over the other ranks, mode='replicated', on the shards; Shard(0) also "

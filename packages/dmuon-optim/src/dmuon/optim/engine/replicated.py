@@ -14,6 +14,9 @@ steps it together, each rank its shard, with the tensor-parallel Gram Newton–S
 (:mod:`~dmuon.optim.engine.tensor_split`: all-reduces of the small Gram matrix over
 ``tp``), and the all-gather over ``dp`` carries each rank's shard. No matrix is
 gathered over ``tp``; the work of each is divided by ``tp`` and spread over ``dp``.
+A matrix replicated whole over ``tp`` (``Replicate()`` on every mesh dimension) is
+stepped like a plain one on its local tensor, by its owner's ``tp`` row alike, after its
+gradient's pending sum (``Partial``) has been carried out at the start of the step.
 
 Expert parallelism (a ``dp × ep`` mesh, ``process_group`` the ``dp`` group): an expert
 stack split over ``ep`` (:mod:`~dmuon.optim.engine.expert_split`) is planned by its
@@ -75,11 +78,14 @@ class ReplicatedEngine(PlannedEngine):
         return split_of(p, info.name if info is not None else "")
 
     def on_shard(self, p: torch.Tensor) -> bool:
-        """A tensor-parallel matrix, and an expert stack split over ``ep`` (its owner steps
-        the experts this rank's replicas hold)."""
+        """A tensor-parallel matrix, an expert stack split over ``ep`` (its owner steps
+        the experts this rank's replicas hold), and a matrix replicated whole (its owner
+        steps its local tensor, the whole matrix, and the all-gather carries it)."""
         info = self.info(p)
-        return self.split_of(p) is not None or (
-            info is not None and expert_group_of(info) is not None
+        return (
+            self.split_of(p) is not None
+            or self.replicated_whole(p)
+            or (info is not None and expert_group_of(info) is not None)
         )
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
@@ -122,9 +128,10 @@ class ReplicatedEngine(PlannedEngine):
             owner = self.owner_of(e.param)
             if not (owner == self.rank or (owner is None and self.rank == 0)):
                 continue
-            if not is_dtensor(g):
+            if not is_dtensor(g) or self.replicated_whole(e.param):
+                # the same on every rank of its mesh, as a plain gradient on every tp rank
                 if tp_first:
-                    out.append(g)
+                    out.append(local_tensor(g))
             elif owner is not None:
                 out.append(local_tensor(g))  # a split matrix: this rank's shard
             else:

@@ -54,6 +54,7 @@ __all__ = [
     "split_group_of",
     "split_groups",
     "split_of",
+    "tensor_groups",
     "tensor_parallel_shape",
 ]
 
@@ -267,21 +268,68 @@ def split_groups(params: Iterable[EngineParam]) -> list[dist.ProcessGroup]:
     return [found[k] for k in sorted(found)]
 
 
+def tensor_groups(params: Iterable[EngineParam], group: Any) -> list[dist.ProcessGroup]:
+    """The distinct process groups, other than the planning ``group``, whose ranks hold parts
+    or copies of the matrices among ``params`` and must step them together: the groups the
+    split matrices are split over (:func:`split_groups`), and the mesh dimensions a
+    replicated-whole DTensor matrix
+    (:attr:`~dmuon.optim.engine.placements.MatrixPlacement.replicated_whole`) is held over
+    that cross ``group`` in this rank alone (its ``tp`` group beside owners over ``dp``).
+
+    The owner's row carries out such a matrix's pending sum (``Partial``) with one
+    all-reduce over that group after the reduction over ``dp``, so the row must agree on a
+    skipped step first, and its gradient norm is counted once over the group.
+    """
+    params = list(params)
+    found = {tuple(dist.get_process_group_ranks(g)): g for g in split_groups(params)}
+    if not dist.is_available() or not dist.is_initialized():
+        return [found[k] for k in sorted(found)]
+    me = dist.get_rank()
+    planning = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    for e in params:
+        if not (e.matrix and e.param.dim() >= 2 and is_dtensor(e.param)):
+            continue
+        if not placement_of_param(e).replicated_whole:
+            continue
+        mesh = e.param.device_mesh  # type: ignore[attr-defined]
+        for d in range(mesh.ndim):
+            ranks = tuple(dist.get_process_group_ranks(mesh.get_group(d)))
+            if len(ranks) > 1 and set(ranks) & planning == {me}:
+                found.setdefault(ranks, mesh.get_group(d))
+    return [found[k] for k in sorted(found)]
+
+
 def laid_out_as(g: torch.Tensor, p: torch.Tensor, partial: bool = True) -> torch.Tensor:
     """The DTensor gradient ``g`` with the placements of its DTensor parameter ``p``
     (``g`` itself when they agree, or either is a plain tensor; with ``partial`` false,
-    also a gradient with a pending sum, ``Partial``, which is left to the step).
+    also a gradient with a pending sum, ``Partial``, whose local part is shaped like the
+    parameter's: pending only over dimensions the parameter is replicated on, which is left to
+    the step).
 
     DTensor's sharding propagation may hand the backward a gradient of other placements
     than the parameter's: a ``ColwiseParallel`` layer with fewer rows than ranks gets a
     ``Replicate()`` gradient of its ``Shard(0)`` weight, whose local part is the whole
-    gradient, not the shard the engines step. DTensor's ``redistribute`` lays it out as
-    ``p``: a local slice from ``Replicate()``, a collective of the group otherwise."""
+    gradient, not the shard the engines step; a ``Shard(1)`` (rowwise) weight that meets
+    a token-sharded DTensor activation is all-gathered by DTensor, and its gradient comes
+    back ``Partial()``: each rank's local part is a whole-matrix partial sum. DTensor's
+    ``redistribute`` lays it out as ``p``: a local slice from ``Replicate()``, a
+    collective of the group otherwise (a reduce-scatter from ``Partial``). A pending sum
+    over a dimension the parameter is replicated on (a ``SequenceParallel`` norm's, or a
+    replicated matrix's) has the parameter's local shape: owner mode reduces it over
+    ``dp`` as it is (the sum over ``tp`` commutes with that reduction) and carries it out
+    afterwards, on the owner's ``tp`` row only (``partial`` false); a pending sum over a
+    dimension the parameter is split on has a local part of another shape, which cannot
+    travel in the parameter's buckets, and is always laid out here."""
     if not is_dtensor(p) or not is_dtensor(g):
         return g
     placements = tuple(p.placements)  # type: ignore[attr-defined]
     have = tuple(g.placements)  # type: ignore[attr-defined]
-    if have == placements or (not partial and any(pl.is_partial() for pl in have)):
+    if have == placements:
+        return g
+    # decided from the placements, the same on every rank (the local shapes are not: an
+    # uneven split can give one rank the whole dimension, and it would skip a collective)
+    pending = zip(have, placements, strict=True)
+    if not partial and all(a == b or (a.is_partial() and b.is_replicate()) for a, b in pending):
         return g
     return g.redistribute(p.device_mesh, placements)  # type: ignore[attr-defined]
 

@@ -1,0 +1,221 @@
+"""Tensor-parallel models whose matrices are replicated whole, or whose gradients arrive as
+pending sums (``Partial``), stepped like one process in ``single``, ``replicated`` and
+``owner`` mode.
+
+Two layouts torch's DTensor produces in real models, which no earlier test covered:
+
+* a matrix kept whole inside a tensor-parallel model (``Replicate()`` on every mesh
+  dimension: torchtitan's ``NoParallel`` router gate). Its gradient is ``Replicate()``
+  when the layer reads a replicated activation (``head`` below) and a pending sum over
+  ``tp`` when it reads a token-sharded one (``mix``): each ``tp`` rank's local part is the
+  gradient of its tokens only. Every mode must carry the sum out before the rule and
+  keep the parameter a DTensor with its placements;
+* a rowwise (``Shard(1)``) weight that reads a token-sharded activation (``tok``):
+  DTensor all-gathers the weight in the forward and hands back a ``Partial()`` gradient,
+  whose local part is a whole-matrix partial sum, not the shard. Owner mode reduced that
+  local part over ``dp`` into the shard's bucket (a shape error in the backward hook);
+  it must be laid out as the shard (a reduce-scatter over ``tp``) first.
+
+The reference is one process on the same global batches, with clipping engaged.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tensor_parallel_cases import OPT, SPLIT_TOLERANCE, STEPS, error
+from torch import nn
+
+from dmuon.comm.testing import run_on_ranks
+from dmuon.optim import DMuon, clip_grad_norm_, param_groups
+
+TOKENS = 8  # per global batch: 2 dp rows × 2 tp ranks × 2 tokens
+CLIP = 0.1  # below every step's gradient norm (≥ 0.15 in both models): every step is clipped
+
+
+class PendingNet(nn.Module):
+    """``tok`` (8 → 8), ``mix`` (8 → 8), ``fc1`` (8 → 12), ``fc2`` (12 → 8), ``head``
+    (8 → 6). Over ``tp`` (:func:`parallelize`): ``tok`` rowwise on token-sharded input
+    (a ``Partial`` gradient of a split matrix), ``mix`` whole on token-sharded input (a
+    ``Partial`` gradient of a replicated matrix), ``fc1`` colwise (gathering the tokens),
+    ``fc2`` rowwise back to a replicated activation, ``head`` whole on it (a
+    ``Replicate()`` gradient). ``whole=False`` leaves ``mix`` and ``head`` out."""
+
+    def __init__(self, whole: bool = True) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(7)
+            self.tok = nn.Linear(8, 8)
+            self.mix = nn.Linear(8, 8) if whole else None
+            self.fc1 = nn.Linear(8, 12)
+            self.fc2 = nn.Linear(12, 8)
+            self.head = nn.Linear(8, 6) if whole else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.tok(x))
+        if self.mix is not None:
+            h = torch.tanh(self.mix(h))
+        h = F.relu(self.fc2(F.relu(self.fc1(h))))
+        return self.head(h) if self.head is not None else h
+
+
+def batch(t: int, whole: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(700 + t)
+    return torch.randn(TOKENS, 8, generator=g), torch.randn(TOKENS, 6 if whole else 8, generator=g)
+
+
+def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, y)
+
+
+def parallelize(model: PendingNet, tp) -> PendingNet:
+    """``model`` over the 1-D ``tp`` mesh, with torch's public APIs only (``distribute_module``
+    is how torchtitan's ``NoParallel`` keeps a layer whole)."""
+    from torch.distributed.tensor import (
+        DTensor,
+        Replicate,
+        Shard,
+        distribute_module,
+        distribute_tensor,
+    )
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    def on(placement):
+        def inputs(mod, args, mesh):
+            return (DTensor.from_local(args[0], mesh, [placement], run_check=False),)
+
+        return inputs
+
+    def local(mod, out, mesh):
+        return out.to_local()
+
+    def rowwise_weight(name, mod, mesh):
+        for key, p in list(mod.named_parameters(recurse=False)):
+            pl = [Shard(1)] if key == "weight" else [Replicate()]
+            mod.register_parameter(key, nn.Parameter(distribute_tensor(p.detach(), mesh, pl)))
+
+    tokens = Shard(0)  # each tp rank its tokens
+    distribute_module(model.tok, tp, rowwise_weight, on(tokens), local)
+    if model.mix is not None:
+        distribute_module(model.mix, tp, None, on(tokens), local)  # Replicate() parameters
+        distribute_module(model.head, tp, None, on(Replicate()), local)
+    parallelize_module(
+        model,
+        tp,
+        {
+            "fc1": ColwiseParallel(input_layouts=tokens),
+            "fc2": RowwiseParallel(output_layouts=Replicate()),
+        },
+    )
+    return model
+
+
+def reference(whole: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = PendingNet(whole)
+    opt = DMuon(param_groups(model), **OPT)
+    norms = []
+    for t in range(STEPS):
+        x, y = batch(t, whole)
+        loss_of(model(x), y).backward()
+        norms.append(float(clip_grad_norm_(opt, CLIP)))
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def run_pending(rank, world, mode, whole):
+    """``single``: tp 2, each rank half the tokens of every batch. ``replicated`` and
+    ``owner``: dp 2 × tp 2, each dp row half of every batch (averaged over dp: by hand as
+    DDP would, or by the dedication), each tp rank half of its row's tokens."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+    from dmuon.optim.matrix_split import local_tensor
+
+    if mode == "single":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        tp, rows, row = mesh, 1, 0
+    else:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        tp, rows, row = mesh["tp"], 2, mesh.get_coordinate()[0]
+    model = parallelize(PendingNet(whole), tp)
+    ded = ddp.dedicate(model, mesh) if mode == "owner" else None
+    dp = mesh["dp"].get_group() if mode == "replicated" else None
+    opt = DMuon(param_groups(model), mode=mode, distributed=ded, process_group=dp, **OPT)
+    placements, norms = [], []
+    n_tp, me = tp.size(), tp.get_local_rank()
+    for t in range(STEPS):
+        x, y = batch(t, whole)
+        rows_of = slice(TOKENS // rows * row, TOKENS // rows * (row + 1))
+        x, y = x[rows_of], y[rows_of]
+        mine = x.chunk(n_tp)[me]  # this tp rank's tokens; the output is every token's
+        loss_of(model(mine), y).backward()
+        placements.append({n: str(p.grad.placements) for n, p in model.named_parameters()})
+        if dp is not None:  # DDP's average over dp, local part by local part
+            for p in model.parameters():
+                dist.all_reduce(local_tensor(p.grad), group=dp)
+                local_tensor(p.grad).div_(2)
+        norms.append(float(clip_grad_norm_(opt, CLIP)))
+        opt.step()
+        opt.zero_grad(set_to_none=bool(t % 2))  # zeroed gradients, then none
+    if ded is not None:
+        ded.wait()
+    kept = {n: str(p.placements) for n, p in model.named_parameters()}
+    full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    return placements, kept, full, norms
+
+
+CASES = [("single", 2, True), ("replicated", 4, True), ("owner", 4, True), ("owner", 4, False)]
+
+
+@pytest.mark.parametrize(("mode", "world", "whole"), CASES)
+def test_replicated_matrices_and_pending_sums_step_like_one_process(mode, world, whole):
+    expected, want_norms = reference(whole)
+    initial = {n: p.detach().clone() for n, p in PendingNet(whole).named_parameters()}
+    assert min(want_norms) > CLIP, f"clipping never engaged: {want_norms}"
+    results = run_on_ranks(run_pending, world, args=(mode, whole), timeout=240)
+    for rank, (placements, kept, got, norms) in enumerate(results):
+        # what makes the case: the layouts DTensor's backward hands out
+        grads = placements[0]
+        assert grads["tok.weight"] == "(Partial(sum),)", (rank, grads)  # a split matrix's
+        if whole:
+            assert grads["mix.weight"] == "(Partial(sum),)", (rank, grads)
+            assert grads["head.weight"] == "(Replicate(),)", (rank, grads)
+            assert kept["mix.weight"] == kept["head.weight"] == "(Replicate(),)", kept
+        assert kept["tok.weight"] == "(Shard(dim=1),)", kept
+        for a, b in zip(norms, want_norms, strict=True):
+            assert abs(a - b) <= 1e-5 * b, f"{mode}, rank {rank}: norm {a} vs {b}"
+        for name, want in expected.items():
+            assert (want - initial[name]).abs().max().item() > 1e-3, name  # the reference moved
+            diff = (got[name] - want).abs().max().item()
+            assert diff <= SPLIT_TOLERANCE, f"{mode}, rank {rank}: {name} differs by {diff:.2e}"
+
+
+def run_refused(rank, world, mode):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = parallelize(PendingNet(), mesh)
+    groups = [{"params": [model.mix.weight, model.head.weight]}]  # whole matrices only
+    rule = {"rule": "sign_muon"} if mode == "sign" else {}
+    return error(lambda: DMuon(groups, mode=mode, **rule))
+
+
+@pytest.mark.parametrize("mode", ["sharded", "sign"])
+def test_sharded_and_sign_mode_refuse_a_replicated_matrix_saying_why_on_every_rank(mode):
+    """Sharded mode relies on FSDP2 to average the gradients it steps, and FSDP2 shards
+    every parameter it manages: a matrix replicated on every mesh dimension is one it
+    does not manage. Sign mode votes on local gradients. Both refuse, naming the
+    parameter, its placements and the modes that step it."""
+    for rank, msg in enumerate(run_on_ranks(run_refused, 2, args=(mode,), timeout=120)):
+        assert msg is not None, f"rank {rank}: mode={mode!r} took a replicated matrix"
+        assert "'group0.param0'" in msg and "(Replicate(),) on mesh dims ('tp',)" in msg, msg
+        assert "mode='single'" in msg and "mode='replicated'" in msg, msg
+        why = "FSDP2 shards every parameter it manages" if mode == "sharded" else "Sign-Muon votes"
+        assert why in msg, msg
