@@ -29,6 +29,7 @@ from dmuon.optim.optimizer_state import (
     check_loaded_state,
     check_state_dict_keys,
     refuse_foreign_placeholders,
+    reload_matrix_state,
     reload_scalar_state,
 )
 from dmuon.optim.scalar import SCALAR_ALGORITHMS
@@ -525,8 +526,11 @@ class DMuon(torch.optim.Optimizer):
         finally:
             for handle in handles:
                 handle.remove()
-        # torch cast the fp32 scalar state of fp16/bf16 parameters down; undo it
-        reload_scalar_state(self.param_groups, self.state, seen[-1] if seen else state_dict)
+        # torch cast the state of fp16/bf16 parameters to their dtype (fp32 scalar state,
+        # matrix state with state_dtype="float32"); undo it
+        loaded = seen[-1] if seen else state_dict
+        reload_scalar_state(self.param_groups, self.state, loaded)
+        reload_matrix_state(self.param_groups, self.state, loaded)
 
     def state_dict(self) -> dict[str, Any]:
         """The state dict of ``torch.optim.Optimizer``, plus ``"distributed"``: the mode,

@@ -161,11 +161,12 @@ def _listify(node: Any) -> Any:
 
 def _read_checked(
     path: str, model: nn.Module, optimizer: DMuon
-) -> tuple[list[Any], list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+) -> tuple[list[Any], list[dict[str, Any]], dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Phase 1 of :func:`load`: the small entries (groups, extra), then every check.
 
     Between :func:`settle` and :func:`release` (the model's state dict is read).
-    Returns the holdings, the saved groups, the small entries and the model's state dict.
+    Returns the holdings, the saved groups, the small entries, the model's state dict
+    and the dtype of every saved tensor (by flat key).
     """
     held = holdings(model, optimizer)
     metadata = _read_metadata(path).state_dict_metadata
@@ -202,7 +203,10 @@ def _read_checked(
     model_sd: dict[str, Any] = get_model_state_dict(model)
     model_shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
     check_compatible(held, optimizer, model_shapes, saved_shapes, groups)
-    return held, groups, small, model_sd
+    saved_dtypes = {
+        k: v.properties.dtype for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)
+    }
+    return held, groups, small, model_sd, saved_dtypes
 
 
 @torch.no_grad()
@@ -281,10 +285,11 @@ def load(
     path = os.fspath(path)
     settle(optimizer)
     try:
-        held, groups, small, model_sd = _read_checked(path, model, optimizer)
+        held, groups, small, model_sd, saved_dtypes = _read_checked(path, model, optimizer)
         # Phase 2: the tensors. The model loads in place; the optimizer into fresh
-        # tensors that load_state_dict then copies into its stacked buffers.
-        targets = state_targets(optimizer, held)
+        # tensors (of the saved dtypes) that load_state_dict then copies into its
+        # stacked buffers.
+        targets = state_targets(optimizer, held, saved_dtypes)
         with _quiet_single_process():
             dcp.load({"model": model_sd, "optim": {"state": targets}}, checkpoint_id=path)
         with checkpoint_deadline(optimizer, "DMuon checkpoint load"):
