@@ -214,7 +214,8 @@ def check(path: str | os.PathLike[str], model: nn.Module, optimizer: DMuon) -> N
     """Check that :func:`load` would accept ``path`` for ``model`` and ``optimizer``.
 
     Everything :func:`load` checks before it changes anything — the checkpoint is
-    complete, every key is there with a fitting shape, the groups and rules match —
+    complete, every key is there with a fitting shape, the groups and rules match and
+    the groups' hyperparameters check —
     without loading a tensor. For loaders that restore other state first (the
     DeepSpeed integration) and must not stop halfway. Collective like :func:`load`.
 
@@ -266,7 +267,8 @@ def load(
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint.
         CheckpointMismatchError: a missing key, a shape that differs, a group with
-            another rule or other parameters (nothing is changed).
+            another rule, other parameters or hyperparameters that do not check
+            (nothing is changed).
 
     Examples:
         >>> import tempfile, torch
