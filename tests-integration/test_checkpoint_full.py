@@ -56,8 +56,8 @@ def test_full_state_dict_from_2_ranks_resumes_in_one_process(tmp_path, mode):
 # ------------------------------------------------------------------- errors
 
 
-def _mlp(width=8):
-    torch.manual_seed(0)
+def _mlp(width=8, seed=0):
+    torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 2))
 
 
@@ -97,6 +97,29 @@ def test_a_different_rule_is_named(saved):
     model = _mlp()
     opt = DMuon(param_groups(model), rule="normuon")
     _both_fail(saved, model, opt, r"saved with rule 'muon', the optimizer runs 'normuon'")
+
+
+def test_groups_that_do_not_check_are_refused_before_the_weights_change(tmp_path):
+    # a group key this version does not know (a checkpoint of another release, an edited
+    # one) or a value it refuses: refused by DMuon.load_state_dict, but only after the
+    # model had loaded the checkpoint's weights (and check() accepted it)
+    model = _mlp()
+    opt = DMuon(param_groups(model), **OPT)
+    model(torch.randn(3, 4)).square().mean().backward()
+    opt.step()
+    opt.param_groups[0]["momentum"] = 1.5
+    opt.param_groups[1]["retired_option"] = 1
+    checkpoint.save(tmp_path, model, opt)
+    full = checkpoint.full_state_dict(model, opt)
+    fresh = _mlp(seed=1)
+    fresh_opt = DMuon(param_groups(fresh), **OPT)
+    match = (
+        r"param group 0: momentum must be .*\n"
+        r".*param group 1: unknown key\(s\) \['retired_option'\]"
+    )
+    with pytest.raises(CheckpointMismatchError, match=match):
+        checkpoint.check(tmp_path, fresh, fresh_opt)
+    _both_fail((tmp_path, full), fresh, fresh_opt, match)
 
 
 def test_an_incomplete_checkpoint_is_refused(tmp_path):

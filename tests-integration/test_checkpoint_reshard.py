@@ -1,4 +1,5 @@
-"""A DCP checkpoint written at 4 ranks resumes at 2 ranks and in one process.
+"""A DCP checkpoint written at 4 ranks resumes at 2 ranks and in one process; one
+written at 2 ranks resumes at 4 (every mode, replicated included).
 
 The same small GPT (tests-integration/distributed_cases.py) trains 5 steps at 4
 ranks, in owner mode under FSDP2 (matrices dedicated, ``fully_shard`` for the
@@ -39,10 +40,10 @@ def train(forward, opt, rank, world, start, stop):
         opt.zero_grad()
 
 
-def run_save(rank, world, root):
+def run_save(rank, world, root, modes=MODES):
     """Train TOTAL steps, saving after SAVE_AT; the final weights and what the ranks saved."""
     out = {}
-    for mode in MODES:
+    for mode in modes:
         model, forward, opt, ded = setup(mode, NAME, world)
         train(forward, opt, rank, world, 0, SAVE_AT)
         keys = sorted(
@@ -59,10 +60,10 @@ def run_save(rank, world, root):
     return out
 
 
-def run_resume(rank, world, root):
+def run_resume(rank, world, root, modes=MODES):
     """Load each mode's checkpoint at this world size and train to TOTAL."""
     out = {}
-    for mode in MODES:
+    for mode in modes:
         model, forward, opt, ded = setup(mode, NAME, world)
         extra = checkpoint.load(os.path.join(root, mode), model, opt)
         train(forward, opt, rank, world, extra["step"], TOTAL)
@@ -104,6 +105,19 @@ def test_dcp_checkpoint_at_4_ranks_resumes_at_2_and_at_1(tmp_path):
     weights_only = single_resume(os.path.join(root, "owner_fsdp"), load_optimizer=False)
     miss, _ = max_diff(weights_only, saved[0]["owner_fsdp"]["params"])
     assert miss > 100 * TOLERANCE, "the optimizer state made no difference: the test proves nothing"
+
+
+def test_dcp_checkpoint_at_2_ranks_resumes_at_4(tmp_path):
+    # the world grows: ranks 2 and 3 own matrices no saved rank held, and read them from
+    # the pieces ranks 0 and 1 wrote; replicated mode (stock DDP) included
+    modes = [*MODES, "replicated"]
+    root = str(tmp_path)
+    saved = run_on_ranks(run_save, 2, args=(root, modes), timeout=300)
+    resumed = run_on_ranks(run_resume, 4, args=(root, modes), timeout=300)
+    for mode in modes:
+        for rank in range(4):
+            diff, where = max_diff(resumed[rank][mode], saved[0][mode]["params"])
+            assert diff <= TOLERANCE, f"{mode} at 4 ranks, rank {rank}: {where} off by {diff:.2e}"
 
 
 def _assert_owner_state_saved_once(path):

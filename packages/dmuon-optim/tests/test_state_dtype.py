@@ -240,3 +240,34 @@ def test_fp32_state_for_a_bf16_model_computes_in_fp32():
         # the apply runs in the weights' dtype (W − lr·U with U rounded to bf16, in bf16):
         # within a bf16 ulp or two of the fp32 step (2⁻⁹ for these |W| < 0.5)
         torch.testing.assert_close(p.float(), q, rtol=2**-7, atol=4e-3)
+
+
+@pytest.mark.parametrize("rule", ["muon", "normuon"])
+def test_state_dict_round_trip_keeps_fp32_state_of_a_bf16_model_exactly(rule):
+    # torch's load_state_dict casts every state tensor to its parameter's dtype: fp32
+    # momentum of bf16 weights came back through bf16 (2⁻⁹ relative off), and the
+    # resumed run left the uninterrupted one
+    def step(model: Tiny, opt: DMuon, t: int) -> None:
+        x, y = _data(t)
+        torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    model = Tiny().to(torch.bfloat16)
+    opt = DMuon(param_groups(model), rule=rule, state_dtype="float32", **OPT)
+    for t in range(3):
+        step(model, opt, t)
+    saved = opt.state_dict()
+    before = [v.clone() for v in _matrix_state(opt)]
+    fresh_model = Tiny().to(torch.bfloat16)
+    fresh_model.load_state_dict(model.state_dict())
+    fresh = DMuon(param_groups(fresh_model), rule=rule, state_dtype="float32", **OPT)
+    fresh.load_state_dict(saved)
+    for a, b in zip(before, _matrix_state(fresh), strict=True):
+        assert b.dtype == torch.float32
+        assert torch.equal(a, b)
+    for t in range(3, 5):
+        step(model, opt, t)
+        step(fresh_model, fresh, t)
+    for p, q in zip(model.parameters(), fresh_model.parameters(), strict=True):
+        assert torch.equal(p, q)

@@ -8,7 +8,7 @@ the step in ``stepping.py``, the execution modes in ``engine/``. ``DMuon`` is th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from dmuon.optim.optimizer_state import (
     check_loaded_state,
     check_state_dict_keys,
     refuse_foreign_placeholders,
+    reload_matrix_state,
     reload_scalar_state,
 )
 from dmuon.optim.rules import RULES
@@ -529,8 +530,54 @@ class DMuon(torch.optim.Optimizer):
         finally:
             for handle in handles:
                 handle.remove()
-        # torch cast the fp32 scalar state of fp16/bf16 parameters down; undo it
-        reload_scalar_state(self.param_groups, self.state, seen[-1] if seen else state_dict)
+        # torch cast the state of fp16/bf16 parameters to their dtype (fp32 scalar state,
+        # matrix state with state_dtype="float32"); undo it
+        loaded = seen[-1] if seen else state_dict
+        reload_scalar_state(self.param_groups, self.state, loaded)
+        reload_matrix_state(self.param_groups, self.state, loaded)
+
+    def check_param_groups(self, param_groups: Sequence[Mapping[str, Any]]) -> None:
+        """Check saved param groups as :meth:`load_state_dict` would, changing nothing.
+
+        Group ``i`` of ``param_groups`` (a state dict's ``"param_groups"``; its
+        ``params``, ids or names, are not read) goes with this optimizer's group ``i``
+        and its parameters: its keys and values are completed and checked as the
+        constructor checks a group. For checkpoint loaders that must refuse a checkpoint
+        before they change the model (:mod:`dmuon.integrations.checkpoint`).
+
+        Raises:
+            ValueError: another number of groups, or groups with an unknown key, a
+                value that does not check or a rule that cannot step their parameters
+                (each named as the constructor names it, one line per group).
+
+        Examples:
+            >>> import torch
+            >>> opt = DMuon([torch.nn.Parameter(torch.zeros(4, 4))])
+            >>> saved = opt.state_dict()["param_groups"]
+            >>> opt.check_param_groups(saved)
+            >>> saved[0]["momentum"] = 1.5
+            >>> opt.check_param_groups(saved)  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: param group 0: momentum must be ...
+        """
+        if len(param_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{len(param_groups)} param group(s) given, the optimizer has "
+                f"{len(self.param_groups)}"
+            )
+        problems = []
+        for index, (saved, live) in enumerate(zip(param_groups, self.param_groups, strict=True)):
+            group = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+            group["params"] = live["params"]
+            if "param_names" in live:
+                group["param_names"] = live["param_names"]
+            try:
+                self._group_defaults.normalize(group, index)
+            except (ValueError, TypeError) as err:
+                problems.append(str(err))
+        if problems:
+            raise ValueError("\n".join(problems))
 
     def state_dict(self) -> dict[str, Any]:
         """The state dict of ``torch.optim.Optimizer``, plus ``"distributed"``: the mode,

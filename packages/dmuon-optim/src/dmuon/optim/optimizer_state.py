@@ -30,6 +30,7 @@ __all__ = [
     "check_state_dict_keys",
     "expected_state_shapes",
     "refuse_foreign_placeholders",
+    "reload_matrix_state",
     "reload_scalar_state",
 ]
 
@@ -296,6 +297,39 @@ def reload_scalar_state(
                     value.copy_(other)
                 else:
                     mine[key] = other.to(device=p.device, dtype=dtype, copy=True)
+
+
+def reload_matrix_state(
+    groups: list[dict[str, Any]], state: Mapping[Any, Any], state_dict: Mapping[str, Any]
+) -> None:
+    """Copy the matrix rules' saved buffers of ``state_dict`` once more, into ``state``.
+
+    ``torch.optim.Optimizer.load_state_dict`` casts every floating state tensor to its
+    parameter's dtype before :func:`build_state` copies it into the stacked buffers of
+    the group's ``state_dtype``: the fp32 momentum of bf16 weights
+    (``state_dtype="float32"``) would come back rounded to bf16. Called after it, this
+    copies each saved buffer that torch cast (its dtype is not the parameter's) and
+    whose shape matches into the live buffer, in place (the buffers stay views of their
+    bucket). Placeholders and entries it cannot match are left as they are.
+    """
+    saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
+    if not isinstance(saved_groups, list) or not isinstance(saved_state, Mapping):
+        return
+    for live, saved in zip(groups, saved_groups, strict=False):
+        if live.get("rule") in SCALAR_ALGORITHMS or not isinstance(saved, Mapping):
+            continue
+        for p, pid in zip(live["params"], saved.get("params", ()), strict=False):
+            mine, theirs = state.get(p), saved_state.get(pid)
+            if not isinstance(mine, dict) or not isinstance(theirs, Mapping):
+                continue
+            for key, value in mine.items():
+                other = theirs.get(key)
+                if key == "step" or not isinstance(other, torch.Tensor) or value.numel() == 0:
+                    continue
+                if not other.is_floating_point() or other.dtype == p.dtype:
+                    continue  # torch did not cast it
+                if other.shape == value.shape and type(other) is type(value):
+                    value.copy_(other)
 
 
 def _placeholder(p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

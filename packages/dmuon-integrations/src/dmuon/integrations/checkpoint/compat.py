@@ -6,7 +6,8 @@ Both formats (DCP and the single-file full state dict) name the same things:
 convention of ``torch.distributed.checkpoint.state_dict``). Before anything is
 changed, :func:`check_compatible` compares what the checkpoint holds with what the
 model and optimizer expect and raises one error naming the missing keys, the
-shapes that differ or the group whose rule differs. :func:`load_into_optimizer`
+shapes that differ, the group whose rule differs and the group hyperparameters that
+do not check (an unknown key, a value out of range). :func:`load_into_optimizer`
 then gives the values to ``DMuon.load_state_dict``, which validates again and
 rebuilds the stacked state buffers.
 """
@@ -43,7 +44,7 @@ class CheckpointMismatchError(ValueError):
 
     Raised on every rank before anything is changed. The message lists each
     problem: a missing key, a shape that differs, a group whose rule
-    or parameters differ.
+    or parameters differ, a group hyperparameter that does not check.
 
     Attributes:
         problems: one line per problem.
@@ -140,6 +141,11 @@ def check_compatible(
                     f"param group {gi} holds other parameters in the checkpoint: missing "
                     f"{lacking[:4]}, unexpected {surplus[:4]}"
                 )
+        if not problems:  # the hyperparameters load_state_dict will check, checked now
+            try:
+                optimizer.check_param_groups(groups)
+            except ValueError as err:
+                problems.extend(str(err).splitlines())
     for h in holdings:
         group = current[h.group_index]
         for key, shape in expected_state_shapes(h, group).items():

@@ -161,11 +161,12 @@ def _listify(node: Any) -> Any:
 
 def _read_checked(
     path: str, model: nn.Module, optimizer: DMuon
-) -> tuple[list[Any], list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+) -> tuple[list[Any], list[dict[str, Any]], dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Phase 1 of :func:`load`: the small entries (groups, extra), then every check.
 
     Between :func:`settle` and :func:`release` (the model's state dict is read).
-    Returns the holdings, the saved groups, the small entries and the model's state dict.
+    Returns the holdings, the saved groups, the small entries, the model's state dict
+    and the dtype of every saved tensor (by flat key).
     """
     held = holdings(model, optimizer)
     metadata = _read_metadata(path).state_dict_metadata
@@ -202,7 +203,10 @@ def _read_checked(
     model_sd: dict[str, Any] = get_model_state_dict(model)
     model_shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
     check_compatible(held, optimizer, model_shapes, saved_shapes, groups)
-    return held, groups, small, model_sd
+    saved_dtypes = {
+        k: v.properties.dtype for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)
+    }
+    return held, groups, small, model_sd, saved_dtypes
 
 
 @torch.no_grad()
@@ -210,7 +214,8 @@ def check(path: str | os.PathLike[str], model: nn.Module, optimizer: DMuon) -> N
     """Check that :func:`load` would accept ``path`` for ``model`` and ``optimizer``.
 
     Everything :func:`load` checks before it changes anything — the checkpoint is
-    complete, every key is there with a fitting shape, the groups and rules match —
+    complete, every key is there with a fitting shape, the groups and rules match and
+    the groups' hyperparameters check —
     without loading a tensor. For loaders that restore other state first (the
     DeepSpeed integration) and must not stop halfway. Collective like :func:`load`.
 
@@ -262,7 +267,8 @@ def load(
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint.
         CheckpointMismatchError: a missing key, a shape that differs, a group with
-            another rule or other parameters (nothing is changed).
+            another rule, other parameters or hyperparameters that do not check
+            (nothing is changed).
 
     Examples:
         >>> import tempfile, torch
@@ -281,10 +287,11 @@ def load(
     path = os.fspath(path)
     settle(optimizer)
     try:
-        held, groups, small, model_sd = _read_checked(path, model, optimizer)
+        held, groups, small, model_sd, saved_dtypes = _read_checked(path, model, optimizer)
         # Phase 2: the tensors. The model loads in place; the optimizer into fresh
-        # tensors that load_state_dict then copies into its stacked buffers.
-        targets = state_targets(optimizer, held)
+        # tensors (of the saved dtypes) that load_state_dict then copies into its
+        # stacked buffers.
+        targets = state_targets(optimizer, held, saved_dtypes)
         with _quiet_single_process():
             dcp.load({"model": model_sd, "optim": {"state": targets}}, checkpoint_id=path)
         with checkpoint_deadline(optimizer, "DMuon checkpoint load"):

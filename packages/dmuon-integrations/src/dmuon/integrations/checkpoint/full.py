@@ -188,7 +188,8 @@ def load_full_state_dict(model: nn.Module, optimizer: DMuon, state_dict: Mapping
 
     Raises:
         CheckpointMismatchError: a missing key, a shape that differs, a group with
-            another rule or other parameters (nothing is changed).
+            another rule, other parameters or hyperparameters that do not check
+            (nothing is changed).
 
     Examples:
         >>> import torch

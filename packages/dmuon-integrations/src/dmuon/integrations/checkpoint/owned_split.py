@@ -81,13 +81,18 @@ def split_to_save(optimizer: DMuon, h: Holding, key: str) -> torch.Tensor:
     return as_saved(full[_rows_here(h, shape[0])].contiguous(), h.param)
 
 
-def split_target(optimizer: DMuon, h: Holding, key: str) -> torch.Tensor:
-    """An empty DTensor, laid out as :func:`split_to_save` saves state ``key``, to load into."""
+def split_target(
+    optimizer: DMuon, h: Holding, key: str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """An empty DTensor, laid out as :func:`split_to_save` saves state ``key``, to load
+    into (of ``dtype``, the saved one; default: the live state's)."""
     shape = owner_shapes(optimizer, h)[key]
     value = optimizer.state[h.param][key]
     rows = _rows_here(h, shape[0])
     piece = torch.empty(
-        (rows.stop - rows.start, *shape[1:]), dtype=value.dtype, device=value.device
+        (rows.stop - rows.start, *shape[1:]),
+        dtype=value.dtype if dtype is None else dtype,
+        device=value.device,
     )
     return as_saved(piece, h.param)
 

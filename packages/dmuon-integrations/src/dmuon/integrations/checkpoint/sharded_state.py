@@ -23,7 +23,7 @@ from every saved piece), the other ranks read nothing for it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -167,7 +167,11 @@ def owner_steps(optimizer: DMuon, owned: Sequence[Holding]) -> dict[str, torch.T
     }
 
 
-def state_targets(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, dict[str, torch.Tensor]]:
+def state_targets(
+    optimizer: DMuon,
+    held: Sequence[Holding],
+    saved_dtypes: Mapping[str, torch.dtype] | None = None,
+) -> dict[str, dict[str, torch.Tensor]]:
     """Fresh tensors this rank loads optimizer state into (``fqn → key → tensor``).
 
     An owned parameter's state is read whole by its owner and not at all by the
@@ -175,23 +179,42 @@ def state_targets(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, dict[s
     (a DTensor reads its shard). A tensor-parallel matrix's state held by its owner's
     ``tp`` row is read in pieces laid out like the parameter, which
     :func:`~dmuon.integrations.checkpoint.owned_split.to_owners` gathers to the owners.
+
+    ``saved_dtypes`` (``optim.state.<fqn>.<key>`` → dtype, from the checkpoint's
+    metadata): a floating tensor is read in the dtype it was saved in, not the live
+    state's, so fp32 state loaded into an optimizer built with
+    ``state_dtype="bfloat16"`` is not rounded on the way (the checkpoint's groups,
+    which the load restores, say fp32, and the state is rebuilt so).
     """
+
+    def dtype(fqn: str, key: str, live: torch.dtype) -> torch.dtype:
+        saved = (saved_dtypes or {}).get(f"optim.state.{fqn}.{key}")
+        if saved is None or not (saved.is_floating_point and live.is_floating_point):
+            return live
+        return saved
+
     out: dict[str, dict[str, torch.Tensor]] = {}
     for h in held:
         current = optimizer.state[h.param]
         if h.owner is None:
-            out[h.fqn] = {k: torch.empty_like(as_saved(v, h.param)) for k, v in current.items()}
+            out[h.fqn] = {
+                k: torch.empty_like(as_saved(v, h.param), dtype=dtype(h.fqn, k, v.dtype))
+                for k, v in current.items()
+            }
             continue
         entry = {"step": torch.empty_like(current["step"])}
         if h.split:  # every rank reads its piece; owned_split.to_owners gathers them
             for key in owner_shapes(optimizer, h):
                 if key != "step":
-                    entry[key] = split_target(optimizer, h, key)
+                    live = current[key].dtype
+                    entry[key] = split_target(optimizer, h, key, dtype(h.fqn, key, live))
         elif h.held_here():
             shapes = expected_state_shapes(h, optimizer.param_groups[h.group_index])
             for key, shape in shapes.items():
                 if key != "step":
                     v = current[key]
-                    entry[key] = torch.empty(shape, dtype=v.dtype, device=v.device)
+                    entry[key] = torch.empty(
+                        shape, dtype=dtype(h.fqn, key, v.dtype), device=v.device
+                    )
         out[h.fqn] = entry
     return out
