@@ -69,6 +69,13 @@ def _dedicate_without_process_group() -> None:
         ddp.dedicate(net())
 
 
+def _optimizer_without_process_group(mode: str | None) -> None:
+    from unittest import mock
+
+    with mock.patch.dict("os.environ", {"WORLD_SIZE": "2"}):  # as torchrun sets it
+        DMuon(param_groups(net()), mode=mode)
+
+
 def _dedicate_ddp_wrapped(rank: int, world: int) -> None:
     from dmuon.integrations import ddp
 
@@ -258,6 +265,15 @@ CASES = [
          "`dedicate()` under `torchrun` (`WORLD_SIZE=2`) without `init_process_group()`",
          _dedicate_without_process_group, RuntimeError,
          "Call torch.distributed.init_process_group() on every rank before dedicate()"),
+    Case("optimizer-without-process-group",
+         "`DMuon(...)` (no `mode`) under `torchrun` (`WORLD_SIZE=2`) without "
+         "`init_process_group()`",
+         lambda: _optimizer_without_process_group(None), RuntimeError,
+         "Call torch.distributed.init_process_group() on every rank before DMuon(...)"),
+    Case("replicated-without-process-group",
+         "`DMuon(..., mode='replicated')` under `torchrun` without `init_process_group()`",
+         lambda: _optimizer_without_process_group("replicated"), RuntimeError,
+         "says this process is one of 2 (torchrun or another launcher started it)"),
     Case("dedicate-ddp-wrapped", "`ddp.dedicate(DistributedDataParallel(model))`",
          _dedicate_ddp_wrapped, TypeError, "Pass the model itself, dedicate(model)", 2),
     Case("dedicate-after-fully-shard", "`fsdp.dedicate()` after `fully_shard()`",

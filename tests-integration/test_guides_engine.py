@@ -80,7 +80,7 @@ class _StandInModel:
 
 # tensor_parallel.py still tests get_backend() == "nccl" (it goes with its guide page, under
 # rework): add it here with the same fix.
-TORCHRUN_DEFAULT_GROUP = ["fsdp2", "ddp", "hsdp"]
+TORCHRUN_DEFAULT_GROUP = ["fsdp2", "ddp", "hsdp", "tensor_parallel"]
 
 
 @pytest.mark.parametrize("name", TORCHRUN_DEFAULT_GROUP)

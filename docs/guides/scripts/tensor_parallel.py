@@ -33,10 +33,12 @@ from guide_model import Model, batch
 
 def train(steps: int = 50) -> dict[str, torch.Tensor]:
     if not dist.is_initialized():
-        dist.init_process_group()  # torchrun's environment
+        dist.init_process_group()  # torchrun's environment; with CUDA: "cpu:gloo,cuda:nccl"
     rank, world = dist.get_rank(), dist.get_world_size()
-    cuda = dist.get_backend() == "nccl"
+    cuda = "nccl" in dist.get_backend_config()  # not get_backend(): "undefined" for that default
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
 
     model = Model().to(device)

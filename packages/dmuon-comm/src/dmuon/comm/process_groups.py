@@ -12,6 +12,7 @@ layout) raises :class:`CollectiveInputError` on *every* rank instead of hanging.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
 
@@ -26,6 +27,7 @@ from dmuon.comm.torch_compat import all_gather_single
 __all__ = [
     "CollectiveInputError",
     "agree",
+    "check_launched",
     "group_rank",
     "group_size",
     "twin_groups",
@@ -76,6 +78,38 @@ def group_size(group: dist.ProcessGroup | None) -> int:
             raise ValueError("group was given but torch.distributed is not initialised")
         return 1
     return dist.get_world_size(group)
+
+
+def check_launched(what: str) -> None:
+    """Refuse to go on alone in a process a launcher started as one of several.
+
+    ``torchrun`` (and every launcher built on torch's elastic agent, DeepSpeed's,
+    ``accelerate launch``) sets ``WORLD_SIZE`` for each process it starts. A process that
+    reads ``WORLD_SIZE`` > 1 but has not called ``torch.distributed.init_process_group``
+    sees no process group: a world of one, in which every process would plan, step and
+    train alone without an error. Called where such a slip would be silent.
+
+    Args:
+        what: the call that needs the process group, named in the error
+            (``"dedicate()"``).
+
+    Raises:
+        RuntimeError: ``WORLD_SIZE`` > 1 and torch.distributed is not initialised.
+
+    Examples:
+        >>> check_launched("DMuon(...)")  # WORLD_SIZE unset here: nothing to say
+    """
+    launched = os.environ.get("WORLD_SIZE", "1").strip()
+    if not launched.isdigit() or int(launched) <= 1:
+        return
+    if dist.is_available() and dist.is_initialized():
+        return
+    raise RuntimeError(
+        f"{what}: WORLD_SIZE={launched} says this process is one of {launched} (torchrun or "
+        "another launcher started it), but torch.distributed is not initialised, so every "
+        f"process would train alone. Call torch.distributed.init_process_group() on every rank "
+        f"before {what}"
+    )
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +12,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dmuon.comm import CollectiveError, CommStats, OwnerPlan, collective_timeout, plan_owners
-from dmuon.comm.process_groups import group_size
+from dmuon.comm.process_groups import check_launched, group_size
 from dmuon.integrations.hooks import install_hooks
 from dmuon.integrations.selection import (
     Predicate,
@@ -176,13 +175,7 @@ def check_unwrapped_and_launched(model: nn.Module) -> None:
             "Pass the model itself, dedicate(model), and do not wrap it; to keep the wrapper, "
             "use DMuon(param_groups(ddp_model.module), mode='replicated') without dedicate()"
         )
-    launched = os.environ.get("WORLD_SIZE", "1")
-    if launched.isdigit() and int(launched) > 1 and not dist.is_initialized():
-        raise RuntimeError(
-            f"dedicate(): WORLD_SIZE={launched} says this process is one of {launched} (torchrun), "
-            "but torch.distributed is not initialised, so every process would train alone. Call "
-            "torch.distributed.init_process_group() on every rank before dedicate()"
-        )
+    check_launched("dedicate()")
 
 
 def build_dedication(

@@ -42,12 +42,7 @@ import warnings
 from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -55,11 +50,21 @@ from torch.optim import Optimizer
 from dmuon.integrations import ddp
 from dmuon.integrations.checkpoint import full_state_dict, load_full_state_dict
 from dmuon.integrations.dedication import Dedication
+from dmuon.integrations.extras import missing_extra
 from dmuon.integrations.hf.state import gather_full_state_dict, missing_state
 from dmuon.optim import DMuon, clip_grad_norm_, clip_grad_value_, param_groups
 from dmuon.optim.engine import exchange_of
 from dmuon.optim.loss_scaling import AGREED_MODES
 from dmuon.optim.optimizer_state import FULL_STATE_FORMAT
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+except ModuleNotFoundError as err:  # named: the extra to install
+    raise missing_extra(err, __name__, "lightning") from err
 
 __all__ = [
     "CHECKPOINT_FORMAT",

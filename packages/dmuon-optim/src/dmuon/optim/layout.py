@@ -119,8 +119,9 @@ class MatrixLayout:
 
 def _flat_shape(shape: tuple[int, ...], flatten: bool | None, where: str) -> tuple[int, int, int]:
     if len(shape) < 2:
+        shown = "" if "shape" in where else f" (shape {shape})"  # where may name it already
         raise ValueError(
-            f"{where} has shape {shape} ({len(shape)}-D); matrix rules take parameters with "
+            f"{where} is {len(shape)}-D{shown}; matrix rules take parameters with "
             "at least 2 dimensions. Put 0-D and 1-D parameters (biases, norms, scalars) in a "
             "group with rule 'adamw' or 'lion' — dmuon.optim.param_groups(model) does this"
         )

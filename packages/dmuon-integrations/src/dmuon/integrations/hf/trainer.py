@@ -22,11 +22,15 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from transformers import Trainer
-
+from dmuon.integrations.extras import missing_extra
 from dmuon.integrations.hf.factory import build_dmuon
 from dmuon.integrations.hf.state import gather_full_state_dict, missing_state, unwrap_optimizer
 from dmuon.optim import DMuon
+
+try:
+    from transformers import Trainer
+except ModuleNotFoundError as err:  # named: the extra to install
+    raise missing_extra(err, __name__, "hf") from err
 
 __all__ = ["DMuonTrainer"]
 

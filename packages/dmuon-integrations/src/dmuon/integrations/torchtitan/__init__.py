@@ -14,15 +14,20 @@
   (import it explicitly: it needs torchtitan's trainer dependencies).
 """
 
-from dmuon.integrations.torchtitan.config import dmuon_optimizer
-from dmuon.integrations.torchtitan.container import DMuonOptimizersContainer
-from dmuon.integrations.torchtitan.options import IMPLEMENTATION_KEYS, OPTIMIZER_NAME
-from dmuon.integrations.torchtitan.owners import (
-    OwnerLayout,
-    dedicate_for_owners,
-    owner_layout,
-    parallelize_for_owners,
-)
+from dmuon.integrations.extras import missing_extra
+
+try:
+    from dmuon.integrations.torchtitan.config import dmuon_optimizer
+    from dmuon.integrations.torchtitan.container import DMuonOptimizersContainer
+    from dmuon.integrations.torchtitan.options import IMPLEMENTATION_KEYS, OPTIMIZER_NAME
+    from dmuon.integrations.torchtitan.owners import (
+        OwnerLayout,
+        dedicate_for_owners,
+        owner_layout,
+        parallelize_for_owners,
+    )
+except ModuleNotFoundError as err:  # named: the extra to install
+    raise missing_extra(err, __name__, "torchtitan") from err
 
 __all__ = [
     "IMPLEMENTATION_KEYS",

@@ -286,7 +286,10 @@ def _changed_error(ranks: list[int], names: list[str], engine: Engine) -> Gradie
         "clip_grad_norm_, p.grad.mul_(...), a new p.grad) would be lost. Nothing was "
         "updated on any rank, and this iteration's gradients are spent: zero_grad() and go on "
         "with the next backward. Clip with dmuon.optim.clip_grad_norm_(opt, max_norm) or "
-        "dmuon.optim.clip_grad_value_(opt, clip_value), which clip the reduced gradients",
+        "dmuon.optim.clip_grad_value_(opt, clip_value), which clip the reduced gradients. "
+        "A model wrapped in DistributedDataParallel after dedicate() does this too (DDP "
+        "all-reduces the gradients in place after backward): dedicate() replaces DDP, so "
+        "drop the wrapper",
         ranks,
         names,
     )

@@ -14,7 +14,9 @@ or a group of one, means ``single``. Otherwise the optimizer cannot know whether
 the gradients were averaged (DDP) or are local, and guessing wrong is silently
 wrong — so it raises and asks for ``mode="replicated"`` (DDP averaged them),
 ``mode="sign"`` (local gradients), ``mode="single"`` (every rank does all the work) or a
-``dedicate()`` for owner mode.
+``dedicate()`` for owner mode. A process a launcher started as one of several
+(``WORLD_SIZE`` > 1) without a process group is refused too, rather than detected as
+``single`` (every process would train alone); ``mode="single"`` said outright is taken.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dmuon.comm.process_groups import group_size
+from dmuon.comm.process_groups import check_launched, group_size
 from dmuon.optim.engine.base import Engine, SingleEngine, Stepper
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
 from dmuon.optim.engine.owner import OwnerEngine
@@ -98,10 +100,15 @@ def make_engine(
                 "averages them (DMuon then orthogonalises each matrix on one owner and "
                 "all-gathers the results), mode='sign' for Sign-Muon on local gradients, "
                 "mode='single' to have every rank do all the work, or use "
-                "dmuon.integrations.fsdp.dedicate / ddp.dedicate for owner mode"
+                "dmuon.integrations.fsdp.dedicate / ddp.dedicate for owner mode (then build "
+                "DMuon after dedicate(), with distributed= its result: a dedication made "
+                "after the optimizer is not seen)"
             )
         else:
+            check_launched("DMuon(...)")  # torchrun without a process group: not single
             mode = "single"
+    elif mode in ("replicated", "sign"):
+        check_launched(f"DMuon(mode={mode!r})")
     if mode == "owner" and exchange is None:
         raise ValueError(
             "mode='owner' needs dedicated parameters: call dmuon.integrations.fsdp.dedicate "
