@@ -50,3 +50,26 @@ def test_the_adamw_rule_is_bitwise_torch_adamw():
         reference.step()
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)  # the same code path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_torch_adamw_foreach_and_loop_give_the_same_bits(dtype, weight_decay):
+    # adamw_step takes torch's multi-tensor path for plain tensors (scalar._foreach) where
+    # torch.optim.AdamW picks the per-parameter loop on a CPU: both must give the same bits
+    g = torch.Generator().manual_seed(1)
+    shapes = [(16,), (1,), (7, 3), (300,), (64, 65)]
+    loop = [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in shapes]
+    multi = [torch.nn.Parameter(p.detach().clone()) for p in loop]
+    kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    a = torch.optim.AdamW(loop, foreach=False, **kw)
+    b = torch.optim.AdamW(multi, foreach=True, **kw)
+    for k in range(6):
+        for p, q in zip(loop, multi, strict=True):
+            p.grad = torch.randn(p.shape, generator=g, dtype=dtype) * 10.0 ** (k - 3)
+            q.grad = p.grad.clone()
+        a.step()
+        b.step()
+    for p, q in zip(loop, multi, strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(a.state[p]["exp_avg_sq"], b.state[q]["exp_avg_sq"])

@@ -70,6 +70,10 @@ class Entry:
         local: the rule steps this rank's local part of the parameter (a DTensor's
             ``to_local()``): a tensor-parallel shard, or the whole experts of a stack
             split over its expert dimension.
+        count: the number of matrices of this block (fixed with its layout and block,
+            which do not change after construction).
+        plain: the block is the whole parameter, one 2-D matrix: its gradient goes into
+            a batch as it is (stacked) and its update is one matrix of the batch.
 
     Examples:
         >>> import torch
@@ -89,10 +93,13 @@ class Entry:
     block: Block
     start: int
     local: bool = False
+    count: int = field(init=False, repr=False, compare=False)
+    plain: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def count(self) -> int:
-        return self.layout.count(self.block)
+    def __post_init__(self) -> None:
+        # read several times per entry and step: computed once
+        self.count = self.layout.count(self.block)
+        self.plain = self.layout.whole and self.count == 1 and len(self.layout.param_shape) == 2
 
     def tensor_block(self, t: torch.Tensor) -> torch.Tensor:
         """This block of a parameter-shaped tensor: ``t`` itself or a 4-D view."""
@@ -370,6 +377,13 @@ def _chunks(part: list[Entry], per_entry: int, limit: int) -> list[list[Entry]]:
     return out
 
 
+def active_entries(b: Bucket, grads: Mapping[torch.Tensor, torch.Tensor] | None) -> list[Entry]:
+    """The entries of ``b`` that have a gradient (``param.grad``, or a key of ``grads``)."""
+    if grads is None:
+        return [e for e in b.entries if e.param.grad is not None]
+    return [e for e in b.entries if e.param in grads]
+
+
 @torch.no_grad()
 def step_bucket(
     b: Bucket,
@@ -382,6 +396,7 @@ def step_bucket(
     grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
     sink: Sink | None = None,
     timings: dict[str, float] | None = None,
+    active: list[Entry] | None = None,
 ) -> int:
     """Run ``rule`` on the entries of ``b`` that have a gradient and apply the update.
 
@@ -398,7 +413,9 @@ def step_bucket(
     update, ``(count, m, n)``, instead of having it applied (the caller applies
     ``W ← W·(1 − lr·wd) − lr·scale·update`` where the weight lives); ``timings``
     accumulates the seconds spent in the rule (``"rule"``) and in applying
-    (``"apply"``).
+    (``"apply"``). ``active``: the entries of ``b`` that have a gradient (``p.grad``, or
+    in ``grads``), in bucket order, when the caller has listed them already
+    (:func:`~dmuon.optim.stepping.step_matrices`); ``None``: listed here.
 
     Returns:
         The number of matrices the rule ran on.
@@ -416,17 +433,16 @@ def step_bucket(
         >>> [bool(state[m.weight]["momentum_buffer"].any()) for m in model[:2]]
         [True, False]
     """
-    if grads is None:
-        active = [e for e in b.entries if e.param.grad is not None]
-    else:
-        active = [e for e in b.entries if e.param in grads]
+    if active is None:
+        active = active_entries(b, grads)
     if not active:
         return 0
-    for e in active:
-        g = e.param.grad if grads is None else grads[e.param]
-        assert g is not None
-        if g.is_sparse:
-            raise RuntimeError("DMuon does not support sparse gradients")
+    if grads is None:
+        sparse = [e for e in active if e.param.grad.is_sparse]  # type: ignore[union-attr]
+    else:
+        sparse = [e for e in active if grads[e.param].is_sparse]
+    if sparse:
+        raise RuntimeError("DMuon does not support sparse gradients")
     if rule.uses_step:
         parts: dict[int, list[Entry]] = {}
         for e in active:
@@ -468,6 +484,11 @@ def _run_batch(
         assert b.split is not None and b.split.gather is not None
         shards = torch.stack([g.reshape(g.shape[-2], g.shape[-1]) for g in source])  # type: ignore[union-attr]
         G = b.split.gather(shards)
+    elif len(part) > 1 and all(
+        e.plain and g.shape == b.shape  # type: ignore[union-attr]
+        for e, g in zip(part, source, strict=True)
+    ):  # whole (m, n) matrices: stacked, one copy (what cat of their (1, m, n) views gives)
+        G = torch.stack(source)  # type: ignore[arg-type]
     else:
         batch = [e.batch(g) for e, g in zip(part, source, strict=True)]  # type: ignore[arg-type]
         G = batch[0] if len(batch) == 1 else torch.cat(batch)
@@ -522,7 +543,10 @@ def _run_batch(
     else:
         weights = [local_tensor(e.param) if e.local else e.param for e in part]
         targets = [e.tensor_block(w) for e, w in zip(part, weights, strict=True)]
-        updates = [c.reshape(t.shape) for c, t in zip(U.split(counts), targets, strict=True)]
+        if all(e.plain and t.shape == U.shape[1:] for e, t in zip(part, targets, strict=True)):
+            updates = list(U.unbind(0))  # each entry one matrix of the batch, in its shape
+        else:
+            updates = [c.reshape(t.shape) for c, t in zip(U.split(counts), targets, strict=True)]
         apply_update(
             targets,
             updates,

@@ -242,7 +242,7 @@ def param_name(names: list[str] | None, i: int, group_index: int, p: Any) -> str
 
 def structure_of(group: Mapping[str, Any]) -> tuple[Any, ...]:
     """What a group's buckets depend on (:data:`STRUCTURE` and its parameters)."""
-    return (*(group.get(k) for k in STRUCTURE), tuple(id(p) for p in group["params"]))
+    return (*(group.get(k) for k in STRUCTURE), tuple(map(id, group["params"])))
 
 
 def accepted_options(rule_name: str) -> Mapping[str, Any]:

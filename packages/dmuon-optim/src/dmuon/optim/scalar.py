@@ -39,6 +39,9 @@ __all__ = [
 ]
 
 _NARROW = (torch.float16, torch.bfloat16)
+# the tensor types torch's foreach kernels take (torch.optim's own test, before DTensor
+# adds itself to it)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def scalar_state_dtype(param: torch.Tensor) -> torch.dtype:
@@ -115,7 +118,8 @@ def adamw_step(
 
     ``m ← β₁m + (1−β₁)g``, ``v ← β₂v + (1−β₂)g²``,
     ``W ← W(1 − lr·wd) − lr·m̂/(√v̂ + ε)`` with bias-corrected ``m̂``, ``v̂``:
-    exactly :class:`torch.optim.AdamW` (same code path, foreach where torch picks it)
+    exactly :class:`torch.optim.AdamW` (torch's functional; its multi-tensor path for
+    plain tensors, which gives the bits of the per-parameter loop torch picks on a CPU)
     for fp32/fp64 parameters; fp16/bf16 ones are computed in fp32 (fp32 ``exp_avg``,
     ``exp_avg_sq``) and cast once, so ε = 1e-8 does not round to 0.
 
@@ -154,6 +158,7 @@ def adamw_step(
             buffers[1],
             [],
             t,
+            foreach=_foreach(p, g),
             amsgrad=False,
             beta1=betas[0],
             beta2=betas[1],
@@ -164,6 +169,24 @@ def adamw_step(
         )
 
     _step_in_fp32(step, params, grads, (exp_avgs, exp_avg_sqs), steps)
+
+
+def _foreach(params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool | None:
+    """``True`` (torch's multi-tensor AdamW) for plain tensors whose gradients match them in
+    dtype and device, else ``None`` (torch picks, as ``torch.optim.AdamW`` does).
+
+    Torch picks foreach on CUDA already; on a CPU it picks the loop of one Python call
+    per op and parameter (``_single_tensor_adam``), which costs about as much as the
+    rest of a DMuon step for a model of many small parameters. On a CPU torch's foreach
+    ops run the same per-tensor kernels in one C++ loop, in the same order: the same
+    bits (``tests/test_scalar_rules.py`` compares the two paths).
+    """
+    for p, g in zip(params, grads, strict=True):
+        if type(p) not in _PLAIN or type(g) not in _PLAIN:
+            return None
+        if p.dtype != g.dtype or p.device != g.device:
+            return None
+    return True
 
 
 def lion_step(

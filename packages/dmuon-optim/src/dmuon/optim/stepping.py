@@ -21,10 +21,10 @@ import torch
 
 from dmuon.comm import CollectiveError, collective_timeout
 from dmuon.comm.roll_call import note_phase
-from dmuon.optim.batches import Bucket, Sink, step_bucket
+from dmuon.optim.batches import Bucket, Sink, active_entries, step_bucket
 from dmuon.optim.deadline import check_timeout
 from dmuon.optim.engine.base import Engine, Stepper
-from dmuon.optim.engine.exchange import exchange_of
+from dmuon.optim.engine.exchange import any_dedicated, exchange_of
 from dmuon.optim.engine.guards import (
     NONFINITE_POLICIES,
     GradientChangedError,
@@ -60,7 +60,7 @@ def run_step(
     not call it. ``skip``: the loss scaler found an Inf (on some rank, the same answer
     on every rank): agree on the step, finish its communication, step nothing.
     """
-    if engine.mode != "owner":
+    if engine.mode != "owner" and any_dedicated():  # no dedication in this process: none
         dedicated = next((e.name for e in engine.params if exchange_of(e.param)), None)
         if dedicated is not None:
             raise RuntimeError(
@@ -141,19 +141,19 @@ def step_matrices(
     """Run matrix group ``index``'s rule on ``buckets`` (same-shape batches)."""
     if not buckets:
         return
+    # each bucket's entries with a gradient, listed once for the step (step_bucket's active)
+    lists = [active_entries(b, grads) for b in buckets]
     active: dict[int, tuple[torch.Tensor, int]] = {}  # id → (parameter, index in its group)
-    for b in buckets:
-        for e in b.entries:
-            has = e.param.grad is not None if grads is None else e.param in grads
-            if has:
-                active[id(e.param)] = (e.param, e.index)
+    for entries in lists:
+        for e in entries:
+            active[id(e.param)] = (e.param, e.index)
     if not active:
         return
     torch._foreach_add_([state[p]["step"] for p, _ in active.values()], 1.0)
     rule = get_rule(group["rule"])
     names = group.get("param_names")
     timings: dict[str, float] = {}
-    for b in buckets:
+    for b, entries in zip(buckets, lists, strict=True):
         ran = step_bucket(
             b,
             group,
@@ -164,6 +164,7 @@ def step_matrices(
             grads=grads,
             sink=sink,
             timings=timings,
+            active=entries,
         )
         report.matrices += ran
         report.rule_calls += int(ran > 0)

@@ -54,7 +54,7 @@ from dmuon.optim.engine.publication import Publication
 from dmuon.optim.engine.reduction import Reduction
 from dmuon.optim.engine.tensor_split import tensor_groups
 
-__all__ = ["OwnerExchange", "exchange_of", "format_description"]
+__all__ = ["OwnerExchange", "any_dedicated", "exchange_of", "format_description"]
 
 # id(parameter) → (weak reference to it, its exchange). Keyed by id: tensors compare
 # elementwise, so they cannot be dictionary keys by value.
@@ -67,6 +67,12 @@ def exchange_of(p: torch.Tensor) -> OwnerExchange | None:
     if entry is None or entry[0]() is not p:
         return None
     return entry[1]
+
+
+def any_dedicated() -> bool:
+    """Whether any parameter of this process may be dedicated (``False``: none is, and
+    :func:`exchange_of` answers ``None`` for every parameter without a lookup)."""
+    return bool(_REGISTRY)
 
 
 def _register(p: torch.Tensor, exchange: OwnerExchange) -> None:

@@ -300,39 +300,93 @@ def _changed_error(ranks: list[int], names: list[str], engine: Engine) -> Gradie
 FUSED_DEVICES = ("cuda",)
 
 
+# Gradients of at most this many entries are checked together on a CPU: flattened into
+# chunks of at most SMALL_CHUNK entries, one sum per chunk (see _nonfinite_names).
+SMALL_GRAD = 1 << 12
+SMALL_CHUNK = 1 << 20
+
+
 def _nonfinite_names(engine: Engine) -> list[str]:
     """This rank's parameters whose gradient holds NaN or Inf."""
-    entries = [
-        (e, _local(e.param.grad))
-        for e in engine.params
-        if e.param.grad is not None and _local(e.param.grad).numel() > 0
-    ]
-    sparse = [e.name for e, g in entries if g.is_sparse]
-    if sparse:
-        raise RuntimeError(f"DMuon does not support sparse gradients (parameter {sparse[0]!r})")
+    entries = []
+    for e in engine.params:
+        g = e.param.grad
+        if g is None:
+            continue
+        g = _local(g)
+        if g.numel() > 0:
+            if g.is_sparse:
+                name = e.name
+                raise RuntimeError(f"DMuon does not support sparse gradients (parameter {name!r})")
+            entries.append((e, g))
     if not entries:
         return []
-    grads = [g.detach() for _, g in entries]
-    # A finite sum proves every entry finite (an Inf or NaN entry makes every partial sum
-    # it enters, and so the sum, Inf or NaN), and a sum is one cheap read. Only a gradient
-    # whose sum is not finite (a NaN/Inf entry, or finite entries whose sum overflows) is
-    # decided by the exact max|g|: on one x86 core, torch 2.13, the ∞-norms of the 112
-    # gradients of the Llama-1B/4 benchmark took 263 ms a step, their sums 24 ms. On a
-    # GPU a sum per gradient is a kernel launch per gradient: there the ℓ1 norms
-    # (Σ|g|, finite for the same reason) come from torch._foreach_norm, a few fused
-    # launches for all of them.
-    firsts: Sequence[torch.Tensor]
-    if grads[0].device.type in FUSED_DEVICES:
-        firsts = torch._foreach_norm(grads, 1)
-    else:
-        firsts = [g.sum() for g in grads]
-    sums = torch.isfinite(torch.stack([t.float() for t in firsts]))
-    if bool(sums.all()):
-        return []
-    suspects = [i for i, fine in enumerate(sums.tolist()) if not fine]
-    worst = torch._foreach_norm([grads[i] for i in suspects], math.inf)
-    ok = torch.isfinite(torch.stack([n.float() for n in worst])).tolist()
+    with torch.no_grad():
+        grads = [g for _, g in entries]
+        # A finite sum proves every entry finite (an Inf or NaN entry makes every partial
+        # sum it enters, and so the sum, Inf or NaN), and a sum is one cheap read. Only a
+        # gradient whose sum is not finite (a NaN/Inf entry, or finite entries whose sum
+        # overflows) is decided by the exact max|g|: on one x86 core, torch 2.13, the
+        # ∞-norms of the 112 gradients of the Llama-1B/4 benchmark took 263 ms a step, their
+        # sums 24 ms. On a GPU a sum per gradient is a kernel launch per gradient: there the
+        # ℓ1 norms (Σ|g|, finite for the same reason) come from torch._foreach_norm, a few
+        # fused launches for all of them. On a CPU a sum costs a few µs of dispatch however
+        # small the gradient: the small ones (biases, norms) are summed together, flattened
+        # into chunks, and only a chunk whose sum is not finite is summed gradient by
+        # gradient (the same answer, see _suspects).
+        if grads[0].device.type in FUSED_DEVICES:
+            firsts = torch._foreach_norm(grads, 1)
+            suspects = _not_finite(firsts)
+        else:
+            suspects = _suspects(grads)
+        if not suspects:
+            return []
+        worst = torch._foreach_norm([grads[i] for i in suspects], math.inf)
+        ok = torch.isfinite(torch.stack([n.float() for n in worst])).tolist()
     return [entries[i][0].name for i, fine in zip(suspects, ok, strict=True) if not fine]
+
+
+def _not_finite(sums: Sequence[torch.Tensor], index: Sequence[int] | None = None) -> list[int]:
+    """The positions (or ``index``'s entries) of the sums that are not finite."""
+    finite = torch.isfinite(torch.stack([t.float() for t in sums]))
+    if bool(finite.all()):
+        return []
+    at = range(len(sums)) if index is None else index
+    return [i for i, fine in zip(at, finite.tolist(), strict=True) if not fine]
+
+
+def _suspects(grads: Sequence[torch.Tensor]) -> list[int]:
+    """The positions of the gradients whose sum is not finite (on a CPU), in order.
+
+    The CPU gradients of at most :data:`SMALL_GRAD` entries are summed together, flat, in
+    chunks of at most :data:`SMALL_CHUNK` entries (one copy each); a chunk whose sum is
+    finite proves each of its gradients finite, the gradients of any other chunk are summed
+    one by one, as every other gradient is — so the answer is each gradient's own sum's.
+    """
+    alone: list[int] = []
+    chunks: list[list[int]] = [[]]
+    size = 0
+    for i, g in enumerate(grads):
+        n = g.numel()
+        if n > SMALL_GRAD or not g.is_cpu:
+            alone.append(i)
+            continue
+        if size + n > SMALL_CHUNK:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(i)
+        size += n
+    suspects = _not_finite([grads[i].sum() for i in alone], alone) if alone else []
+    for part in chunks:
+        if not part:
+            continue
+        if len(part) > 1:
+            total = torch.cat([grads[i].flatten() for i in part]).sum()
+        else:
+            total = grads[part[0]].sum()
+        if not bool(torch.isfinite(total)):
+            suspects += _not_finite([grads[i].sum() for i in part], part)
+    return sorted(suspects)
 
 
 def _checksum(t: torch.Tensor) -> int:

@@ -35,13 +35,21 @@ __all__ = [
 ]
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_DTENSOR: list[type] = []  # the DTensor class, once imported (lazily: a slow import)
+
+
 def is_dtensor(t: object) -> bool:
     """True for a ``torch.distributed.tensor.DTensor`` (FSDP2's sharded parameters)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
+    if type(t) in _PLAIN:  # the common case, answered without an import or isinstance
         return False
-    return isinstance(t, DTensor)
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # pragma: no cover - torch without distributed
+            return False
+        _DTENSOR.append(DTensor)
+    return isinstance(t, _DTENSOR[0])
 
 
 @dataclass(frozen=True, eq=False)
