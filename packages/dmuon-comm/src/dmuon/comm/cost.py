@@ -42,7 +42,7 @@ class NSCost:
     (it mirrors :func:`dmuon.kernels.ns_flops`); the byte term covers the
     memory-bound element-wise work around the products (momentum, normalisation,
     casts, the update), which dominates for small matrices; ``call_overhead``
-    stands for the ~25–30 kernel launches of one call. Only the ratios between
+    stands for the ~25–40 kernel launches of one call. Only the ratios between
     the three terms matter for balancing; the defaults describe a current
     datacentre GPU. Pass measured rates (or measured costs to
     :func:`~dmuon.comm.plan_owners`) when you know better.
