@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dmuon.integrations.extras import EXTRAS, missing_extra
+from dmuon.integrations.extras import EXTRAS, raise_missing_extra
 
 CASES = [
     ("dmuon.integrations.lightning", "lightning", "lightning"),
@@ -37,10 +37,10 @@ def test_missing_framework_names_its_extra(module, dependency, extra, monkeypatc
 def test_other_missing_modules_are_not_translated():
     # a module no extra brings: the original error, so a real bug is not disguised
     err = ModuleNotFoundError("No module named 'yaml'", name="yaml")
-    assert missing_extra(err, "dmuon.integrations.lightning", "lightning") is err
+    assert raise_missing_extra(err, "dmuon.integrations.lightning", "lightning") is None
     # nor another extra's module: triton comes with [torchtitan], not with [lightning]
     err = ModuleNotFoundError("No module named 'triton'", name="triton")
-    assert missing_extra(err, "dmuon.integrations.lightning", "lightning") is err
+    assert raise_missing_extra(err, "dmuon.integrations.lightning", "lightning") is None
 
 
 def test_extras_are_the_distributions():

@@ -50,7 +50,7 @@ from torch.optim import Optimizer
 from dmuon.integrations import ddp
 from dmuon.integrations.checkpoint import full_state_dict, load_full_state_dict
 from dmuon.integrations.dedication import Dedication
-from dmuon.integrations.extras import missing_extra
+from dmuon.integrations.extras import raise_missing_extra
 from dmuon.integrations.hf.state import gather_full_state_dict, missing_state
 from dmuon.optim import DMuon, clip_grad_norm_, clip_grad_value_, param_groups
 from dmuon.optim.engine import exchange_of
@@ -64,7 +64,8 @@ try:
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
     from lightning.pytorch.utilities import GradClipAlgorithmType
 except ModuleNotFoundError as err:  # named: the extra to install
-    raise missing_extra(err, __name__, "lightning") from err
+    raise_missing_extra(err, __name__, "lightning")
+    raise
 
 __all__ = [
     "CHECKPOINT_FORMAT",

@@ -22,7 +22,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from dmuon.integrations.extras import missing_extra
+from dmuon.integrations.extras import raise_missing_extra
 from dmuon.integrations.hf.factory import build_dmuon
 from dmuon.integrations.hf.state import gather_full_state_dict, missing_state, unwrap_optimizer
 from dmuon.optim import DMuon
@@ -30,7 +30,8 @@ from dmuon.optim import DMuon
 try:
     from transformers import Trainer
 except ModuleNotFoundError as err:  # named: the extra to install
-    raise missing_extra(err, __name__, "hf") from err
+    raise_missing_extra(err, __name__, "hf")
+    raise
 
 __all__ = ["DMuonTrainer"]
 

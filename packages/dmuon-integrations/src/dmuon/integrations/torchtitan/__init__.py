@@ -14,7 +14,7 @@
   (import it explicitly: it needs torchtitan's trainer dependencies).
 """
 
-from dmuon.integrations.extras import missing_extra
+from dmuon.integrations.extras import raise_missing_extra
 
 try:
     from dmuon.integrations.torchtitan.config import dmuon_optimizer
@@ -27,7 +27,8 @@ try:
         parallelize_for_owners,
     )
 except ModuleNotFoundError as err:  # named: the extra to install
-    raise missing_extra(err, __name__, "torchtitan") from err
+    raise_missing_extra(err, __name__, "torchtitan")
+    raise
 
 __all__ = [
     "IMPLEMENTATION_KEYS",
