@@ -22,7 +22,10 @@ own time limit:
    planner (GEMM, Newton–Schulz on Llama-3.1-8B's shapes, AdamW's bandwidth);
 7. ``benchmarks/compile_check.py`` (full mode): ``torch.compile`` with inductor after
    ``ddp.dedicate(reshard_after_forward=True)`` and under FSDP2's sharded mode, equal
-   to eager and without recompiles after the first step.
+   to eager and without recompiles after the first step;
+8. ``benchmarks/step_overhead.py --device cuda``: the host cost of an optimizer step per
+   parameter on tiny matrices, DMuon against AdamW (foreach and fused), where a GPU step
+   is bound by the host.
 
 Everything lands in ``--out`` (default ``$OUT``, the folder the GPU tool returns, else
 ``benchmarks/results/gpu-run``): ``gpu-run.json`` (versions, each step's command,
@@ -88,7 +91,7 @@ IMAGE_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2
 def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
     """(name, command, time limit in seconds) of each step for ``mode``.
 
-    The limits add up to 560 s (full) and 175 s (quick): under the 8 and 3 minutes the
+    The limits add up to 560 s (full) and 180 s (quick): under the 8 and 3 minutes the
     GPU tool's budget leaves for one rerun. ``dry-run`` runs the same steps on a CPU at
     tiny sizes.
     """
@@ -104,6 +107,7 @@ def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
     # torch.compile after dedicate, inductor on the GPU: the ZeRO-3-like owner mode (every
     # hook DMuon installs) and sharded mode (FSDP2's own hooks); aot_eager in the dry run
     cc = ("--modes", "owner_ddp_z3,sharded")
+    dev = ("--device", "cuda")
     if mode == "dry-run":
         return [
             ("gpu_check", [py, str(b / "gpu_check.py"), "--dry-run", "--budget", "240", *o], 300),
@@ -121,26 +125,29 @@ def steps(mode: str, out: pathlib.Path) -> list[tuple[str, list[str], float]]:
                 120,
             ),
             ("compile", [py, str(b / "compile_check.py"), "--dry-run", *cc, *o], 90),
+            ("step_overhead", [py, str(b / "step_overhead.py"), "--quick", "--no-world", *o], 60),
         ]
     if mode == "quick":
         return [
-            ("gpu_check", [py, str(b / "gpu_check.py"), "--quick", "--budget", "100", *o], 110),
+            ("gpu_check", [py, str(b / "gpu_check.py"), "--quick", "--budget", "90", *o], 100),
             ("step_single", [py, str(b / "step.py"), "--single", "--quick", *o], 25),
             ("kernels", [py, str(b / "kernels.py"), "--quick", *o], 25),
             ("tp_gram", [py, str(b / "tp_gram.py"), "--min-run-time", "0.1", *tp], 20),
+            ("step_overhead", [py, str(b / "step_overhead.py"), "--quick", *dev, *o], 10),
         ]
     return [
-        ("gpu_check", [py, str(b / "gpu_check.py"), "--budget", "200", *o], 230),
-        ("step_single", [py, str(b / "step.py"), "--single", *o], 100),
+        ("gpu_check", [py, str(b / "gpu_check.py"), "--budget", "190", *o], 220),
+        ("step_single", [py, str(b / "step.py"), "--single", *o], 90),
         ("kernels", [py, str(b / "kernels.py"), "--min-run-time", "0.3", *o], 60),
         ("tp_gram", [py, str(b / "tp_gram.py"), "--min-run-time", "0.3", *tp], 25),
         ("profile", [py, str(b / "profile_ns.py"), "--device", "cuda", "--repeats", "3", *o], 45),
         (
             "calibrate",
             [*plan, "--calibrate", str(out / "plan-profile-cuda.json"), *gpu, "--json"],
-            40,
+            35,
         ),
         ("compile", [py, str(b / "compile_check.py"), *cc, *o], 60),
+        ("step_overhead", [py, str(b / "step_overhead.py"), "--rounds", "3", *dev, *o], 25),
     ]
 
 

@@ -25,8 +25,16 @@ each added parameter adds) and the ratio to AdamW. ``--out`` gets
 ``step-overhead-<device>.json`` (``-quick`` with ``--quick``) with the machine (CPU model,
 native bf16, torch, threads, load average) and a PNG of µs per parameter against ``L``.
 
+With ``--device cuda`` the single-process setups run on the GPU (the two-rank ones are
+left out: they need one GPU per rank), each timed step ends with
+``torch.cuda.synchronize()`` (so a figure is the host's or the device's time, whichever is
+longer), and ``adamw_fused`` (``torch.optim.AdamW(fused=True)``) joins them; the file is
+``step-overhead-cuda.json``. This is where the host cost matters: the GPU's math for
+these tiny matrices is a few µs.
+
     python benchmarks/step_overhead.py                      # depths 8 32 128
     python benchmarks/step_overhead.py --quick --out OUT_DIR   # a tiny run (the test's)
+    python benchmarks/step_overhead.py --device cuda        # on a GPU (benchmarks/gpu_run.py)
 """
 
 from __future__ import annotations
@@ -93,9 +101,21 @@ def params_of(depth: int) -> int:
     return 4 * depth
 
 
+def single_setups(device: str) -> tuple[str, ...]:
+    """The single-process setups on ``device``: fused AdamW too on a GPU.
+
+    Examples:
+        >>> single_setups("cpu")
+        ('sgd', 'adamw', 'dmuon', 'dmuon_ns1')
+    """
+    return SINGLE_SETUPS + (("adamw_fused",) if device == "cuda" else ())
+
+
 def _optimizer(setup: str, model: nn.Module) -> Any:
     from dmuon.optim import DMuon, param_groups
 
+    if setup == "adamw_fused":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     if setup == "sgd":
         return torch.optim.SGD(model.parameters(), lr=1e-3, foreach=True)
     if setup == "adamw":
@@ -117,27 +137,42 @@ def _quartiles(samples: Sequence[float]) -> dict[str, float]:
 
 
 def run_single(
-    depths: Sequence[int], width: int, rounds: int, repeats: int, warmup: int
+    depths: Sequence[int],
+    width: int,
+    rounds: int,
+    repeats: int,
+    warmup: int,
+    device: str = "cpu",
 ) -> dict[str, dict[int, dict[str, float]]]:
-    """``opt.step()`` of every single-process setup: setup → depth → µs quartiles."""
-    samples: dict[str, dict[int, list[float]]] = {s: {d: [] for d in depths} for s in SINGLE_SETUPS}
+    """``opt.step()`` of every single-process setup: setup → depth → µs quartiles (on a
+    GPU each step is synchronised before its clock stops)."""
+    setups = single_setups(device)
+    samples: dict[str, dict[int, list[float]]] = {s: {d: [] for d in depths} for s in setups}
     built: dict[tuple[str, int], Any] = {}
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     for depth in depths:
-        for setup in SINGLE_SETUPS:
+        for setup in setups:
             torch.manual_seed(0)
-            model = Stack(depth, width)
-            model(torch.randn(4, width)).square().mean().backward()  # fixed gradients
+            model = Stack(depth, width).to(device)
+            x = torch.randn(4, width, device=device)
+            model(x).square().mean().backward()  # fixed gradients
             opt = _optimizer(setup, model)
             for _ in range(warmup):
                 opt.step()
             built[setup, depth] = (model, opt)
     for _ in range(rounds):
         for depth in depths:
-            for setup in SINGLE_SETUPS:
+            for setup in setups:
                 _, opt = built[setup, depth]
                 for _ in range(repeats):
+                    sync()
                     t0 = time.perf_counter()
                     opt.step()
+                    sync()
                     samples[setup][depth].append(time.perf_counter() - t0)
     return {s: {d: _quartiles(v) for d, v in by.items()} for s, by in samples.items()}
 
@@ -363,7 +398,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the ranks")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--tag", default="", help="added to the file names (e.g. before)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the single-process setups run (cuda: no two-rank setups)",
+    )
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
     depths = args.depths or ([2, 4] if args.quick else list(DEPTHS))
     if len(depths) < 2:
         parser.error("--depths needs at least two depths for the slope")
@@ -374,9 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     print(f"timing steps of L in {depths} layers of {width}×{width} ...", flush=True)
-    single = run_single(depths, width, rounds, repeats, warmup)
+    single = run_single(depths, width, rounds, repeats, warmup, args.device)
     world = None
-    if not args.no_world:
+    if not args.no_world and args.device == "cpu":
         world = run_world(depths, width, rounds, repeats, warmup, args.world, args.timeout)
     result: dict[str, Any] = {
         "depths": depths,
@@ -384,9 +427,10 @@ def main(argv: list[str] | None = None) -> int:
         "params": {str(d): params_of(d) for d in depths},
         "rounds": rounds,
         "repeats": repeats,
-        "world": None if args.no_world else args.world,
+        "world": None if world is None else args.world,
+        "device": args.device,
         "rows": summarise(depths, single, world),
-        "meta": machine_info("cpu"),
+        "meta": machine_info(args.device),
     }
     result["meta"]["load_average_1min"] = {
         "before": load_before,
@@ -394,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print_table(result)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "step-overhead-cpu" + ("-quick" if args.quick else "")
+    stem = f"step-overhead-{args.device}" + ("-quick" if args.quick else "")
     stem += f"-{args.tag}" if args.tag else ""
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, args.out / f"{stem}.png")
