@@ -151,6 +151,48 @@ def test_stock_trainer_checkpoint_under_torchrun_is_refused_on_every_rank(ddp):
         assert "DMuonTrainer" in r["refused"]
 
 
+def _tiny_llama():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2)  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+@needs_hf
+def test_optim_args_configure_dmuon(tmp_path):
+    """``TrainingArguments(optim_args=...)`` — ``--optim_args`` on a command line parsed by
+    ``HfArgumentParser`` — reaches DMuon in DMuonTrainer and in the stock Trainer's factory
+    (before, it was silently ignored: momentum 0.95, 5 steps, betas from adam_beta*).
+    It wins over the mapped arguments; ``dmuon_options`` / the factory's keywords win over it."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from dmuon.integrations.hf import DMuonTrainer, optimizer_cls_and_kwargs
+
+    args = TrainingArguments(
+        str(tmp_path), learning_rate=1e-2, adam_beta1=0.9, adam_beta2=0.95, use_cpu=True,
+        report_to=[], disable_tqdm=True,
+        optim_args="momentum=0.8, ns_steps=3, nesterov=False, adamw_betas=(0.8, 0.99), "
+                   "adamw_lr=1e-3, ns_compute_dtype=float32",
+    )  # fmt: skip
+    dmuon = DMuonTrainer(model=_tiny_llama(), args=args, dmuon_options={"ns_steps": 4})
+    factory = optimizer_cls_and_kwargs(args, ns_steps=4)
+    stock = Trainer(model=_tiny_llama(), args=args, optimizer_cls_and_kwargs=factory)
+    for trainer in (dmuon, stock):
+        matrix, scalar = trainer.create_optimizer().param_groups[:2]
+        assert (matrix["momentum"], matrix["ns_steps"], matrix["nesterov"]) == (0.8, 4, False)
+        assert matrix["ns_compute_dtype"] in ("float32", torch.float32)
+        assert (matrix["lr"], scalar["lr"], tuple(scalar["betas"])) == (1e-2, 1e-3, (0.8, 0.99))
+    # a misspelt name is refused, as DMuon(momentun=...) is; a malformed item is named
+    for text, match in (("momentun=0.8", "momentun"), ("momentum", "'momentum'.*name=value")):
+        args.optim_args = text
+        with pytest.raises(ValueError, match=match):
+            DMuonTrainer(model=_tiny_llama(), args=args).create_optimizer()
+
+
 def test_guide_shows_the_script_the_tests_run():
     guide = (ROOT / "docs" / "guides" / "hf-trainer.md").read_text()
     script = EXAMPLE.read_text()
