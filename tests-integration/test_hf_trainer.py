@@ -7,7 +7,7 @@ download): six optimizer steps of two accumulated micro-batches each, a cosine
 schedule with warmup, gradient clipping, checkpoints at steps 3 and 6. The
 references are computed another way: the resumed run is compared with the
 uninterrupted one, the stock Trainer with DMuonTrainer, the gathered optimizer state
-with a single process's.
+with a single process's, two ranks with one process over the same global batch.
 """
 
 from __future__ import annotations
@@ -149,6 +149,24 @@ def test_stock_trainer_checkpoint_under_torchrun_is_refused_on_every_rank(ddp):
     for r in ddp:  # resuming from it raises on both ranks (none is left waiting)
         assert r["refused"] is not None and "lacks 7 entries" in r["refused"], r["refused"]
         assert "DMuonTrainer" in r["refused"]
+
+
+@needs_hf
+def test_accumulation_and_clipping_two_ranks_equal_one_process(single, ddp):
+    """Two ranks × 2 sequences × 2 micro-batches and one process × 4 × 2 see the same 8
+    sequences per step: DMuon steps once per accumulation boundary, and Trainer's
+    clipping (active at every step) acts on the all-reduced gradients, so the weights agree.
+    Observed: 1.4e-7 at most (fp32, sums in another order). A DMuon step per micro-batch
+    on two ranks (6 steps of 4 sequences) is off by 3.5e-2; the same run unclipped by 1e-3."""
+    from safetensors.torch import load_file
+
+    one, two = single["global"], ddp[0]["global"]
+    assert one["steps"] == two["steps"] == ddp[1]["global"]["steps"] == 3
+    assert min(one["grad_norms"]) > 0.5  # above max_grad_norm=0.05: every step clipped
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+    a, b = load_file(one["weights"]), load_file(two["weights"])
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert diff <= 2e-6, diff
 
 
 def _tiny_llama():
