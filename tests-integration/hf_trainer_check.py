@@ -13,14 +13,41 @@ import os
 import sys
 
 import torch
-from hf_trainer import main  # examples/ is on the path (test_hf_trainer.py)
-from safetensors.torch import load_file
+from hf_trainer import CountingData, main, tiny_llama  # examples/ is on the path
+from safetensors.torch import load_file, save_file
+from transformers import TrainingArguments
 
-from dmuon.integrations.hf import missing_state
+from dmuon.integrations.hf import DMuonTrainer, missing_state, unwrap_optimizer
 
 
 def _weights(checkpoint: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(checkpoint, "model.safetensors"))
+
+
+def same_global_batch(out: str, world: int) -> dict[str, object]:
+    """Three steps of 8 sequences in order (no shuffle): one process takes 4 per
+    micro-batch, each of two ranks 2; two micro-batches per step; clipping at 0.05 (below
+    the gradient norm of ~0.9, so every step clips). Writes the final weights."""
+    args = TrainingArguments(
+        output_dir=f"{out}/global", max_steps=3, per_device_train_batch_size=4 // world,
+        gradient_accumulation_steps=2, train_sampling_strategy="sequential", max_grad_norm=0.05,
+        learning_rate=1e-2, weight_decay=0.01, lr_scheduler_type="cosine", warmup_steps=1,
+        logging_steps=1, save_strategy="no", seed=0, use_cpu=True,
+        ddp_backend="gloo" if world > 1 else None, ddp_find_unused_parameters=False,
+        report_to=[], disable_tqdm=True,
+    )  # fmt: skip
+    trainer = DMuonTrainer(model=tiny_llama(), args=args, train_dataset=CountingData(n=32),
+                           dmuon_options={"ns_compute_dtype": "float32"})  # fmt: skip
+    trainer.train()
+    weights = f"{out}/global-weights.safetensors"
+    if trainer.is_world_process_zero():
+        save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, weights)
+    log = trainer.state.log_history
+    return {
+        "weights": weights,
+        "steps": unwrap_optimizer(trainer.optimizer).steps_taken,
+        "grad_norms": [e["grad_norm"] for e in log if "grad_norm" in e],
+    }
 
 
 def run(out: str) -> dict[str, object]:
@@ -51,6 +78,8 @@ def run(out: str) -> dict[str, object]:
     result["stock"] = stock["losses"]
     stock_sd = torch.load(f"{out}/stock/checkpoint-3/optimizer.pt", weights_only=True)
     result["stock_missing"] = missing_state(stock_sd)
+    # 5. The same global batch on either launch (see same_global_batch).
+    result["global"] = same_global_batch(out, world)
     if world > 1:
         # 4. The stock checkpoint lacks rank 1's momentum: DMuonTrainer refuses it.
         try:

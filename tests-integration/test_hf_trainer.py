@@ -7,7 +7,7 @@ download): six optimizer steps of two accumulated micro-batches each, a cosine
 schedule with warmup, gradient clipping, checkpoints at steps 3 and 6. The
 references are computed another way: the resumed run is compared with the
 uninterrupted one, the stock Trainer with DMuonTrainer, the gathered optimizer state
-with a single process's.
+with a single process's, two ranks with one process over the same global batch.
 """
 
 from __future__ import annotations
@@ -149,6 +149,66 @@ def test_stock_trainer_checkpoint_under_torchrun_is_refused_on_every_rank(ddp):
     for r in ddp:  # resuming from it raises on both ranks (none is left waiting)
         assert r["refused"] is not None and "lacks 7 entries" in r["refused"], r["refused"]
         assert "DMuonTrainer" in r["refused"]
+
+
+@needs_hf
+def test_accumulation_and_clipping_two_ranks_equal_one_process(single, ddp):
+    """Two ranks × 2 sequences × 2 micro-batches and one process × 4 × 2 see the same 8
+    sequences per step: DMuon steps once per accumulation boundary, and Trainer's
+    clipping (active at every step) acts on the all-reduced gradients, so the weights agree.
+    Observed: 1.4e-7 at most (fp32, sums in another order). A DMuon step per micro-batch
+    on two ranks (6 steps of 4 sequences) is off by 3.5e-2; the same run unclipped by 1e-3."""
+    from safetensors.torch import load_file
+
+    one, two = single["global"], ddp[0]["global"]
+    assert one["steps"] == two["steps"] == ddp[1]["global"]["steps"] == 3
+    assert min(one["grad_norms"]) > 0.5  # above max_grad_norm=0.05: every step clipped
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+    a, b = load_file(one["weights"]), load_file(two["weights"])
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert diff <= 2e-6, diff
+
+
+def _tiny_llama():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2)  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+@needs_hf
+def test_optim_args_configure_dmuon(tmp_path):
+    """``TrainingArguments(optim_args=...)`` — ``--optim_args`` on a command line parsed by
+    ``HfArgumentParser`` — reaches DMuon in DMuonTrainer and in the stock Trainer's factory
+    (before, it was silently ignored: momentum 0.95, 5 steps, betas from adam_beta*).
+    It wins over the mapped arguments; ``dmuon_options`` / the factory's keywords win over it."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from dmuon.integrations.hf import DMuonTrainer, optimizer_cls_and_kwargs
+
+    args = TrainingArguments(
+        str(tmp_path), learning_rate=1e-2, adam_beta1=0.9, adam_beta2=0.95, use_cpu=True,
+        report_to=[], disable_tqdm=True,
+        optim_args="momentum=0.8, ns_steps=3, nesterov=False, adamw_betas=(0.8, 0.99), "
+                   "adamw_lr=1e-3, ns_compute_dtype=float32",
+    )  # fmt: skip
+    dmuon = DMuonTrainer(model=_tiny_llama(), args=args, dmuon_options={"ns_steps": 4})
+    factory = optimizer_cls_and_kwargs(args, ns_steps=4)
+    stock = Trainer(model=_tiny_llama(), args=args, optimizer_cls_and_kwargs=factory)
+    for trainer in (dmuon, stock):
+        matrix, scalar = trainer.create_optimizer().param_groups[:2]
+        assert (matrix["momentum"], matrix["ns_steps"], matrix["nesterov"]) == (0.8, 4, False)
+        assert matrix["ns_compute_dtype"] in ("float32", torch.float32)
+        assert (matrix["lr"], scalar["lr"], tuple(scalar["betas"])) == (1e-2, 1e-3, (0.8, 0.99))
+    # a misspelt name is refused, as DMuon(momentun=...) is; a malformed item is named
+    for text, match in (("momentun=0.8", "momentun"), ("momentum", "'momentum'.*name=value")):
+        args.optim_args = text
+        with pytest.raises(ValueError, match=match):
+            DMuonTrainer(model=_tiny_llama(), args=args).create_optimizer()
 
 
 def test_guide_shows_the_script_the_tests_run():

@@ -9,12 +9,14 @@
                                 in Trainer's own grouping)
 ``adam_beta1``, ``adam_beta2``  ``adamw_betas`` of the scalar groups
 ``adam_epsilon``                ``adamw_eps``
+``optim_args``                  any DMuon argument, ``"momentum=0.9, ns_steps=3"``
+                                (see :func:`dmuon_kwargs`)
 ==============================  =====================================================
 
 Every other DMuon argument (``rule``, ``momentum``, ``ns_steps``, ...) is passed as
-a keyword and wins over the mapping. The default ``adjust_lr="match_rms_adamw"``
-gives every matrix update the RMS of an AdamW update, so a ``learning_rate`` that
-works with Trainer's AdamW is a good start.
+a keyword and wins over the mapping and over ``optim_args``. The default
+``adjust_lr="match_rms_adamw"`` gives every matrix update the RMS of an AdamW update,
+so a ``learning_rate`` that works with Trainer's AdamW is a good start.
 
 The execution mode follows the launch: one process is ``single``; under torchrun
 Trainer wraps the model in DDP, which all-reduces every gradient, so the mode is
@@ -25,6 +27,7 @@ and Trainer always wraps the model in DDP itself.
 
 from __future__ import annotations
 
+import ast
 from typing import Any
 
 import torch.distributed as dist
@@ -48,9 +51,16 @@ def _world_size() -> int:
 def dmuon_kwargs(args: Any, **overrides: Any) -> dict[str, Any]:
     """DMuon's keyword arguments from ``TrainingArguments`` (see the module table).
 
+    ``args.optim_args`` (``--optim_args`` on a command line ``HfArgumentParser``
+    reads) holds DMuon arguments as ``"name=value, ..."``: each value is read as a
+    Python literal (``0.9``, ``3``, ``False``, ``None``, ``(0.9, 0.99)``) or else
+    taken as a string (``rule=normuon``, ``ns_compute_dtype=float32``). They replace
+    the mapped arguments; ``overrides`` replace both. A name DMuon does not take is
+    refused when the optimizer is built, as ``DMuon(name=...)`` is.
+
     Args:
         args: a ``transformers.TrainingArguments`` (anything with its attributes).
-        **overrides: DMuon arguments that replace the mapped ones.
+        **overrides: DMuon arguments that replace the mapped ones and ``optim_args``.
 
     Returns:
         The keyword arguments, with ``mode`` set for the launch (``"replicated"``
@@ -64,6 +74,13 @@ def dmuon_kwargs(args: Any, **overrides: Any) -> dict[str, Any]:
         >>> kw = dmuon_kwargs(args, momentum=0.9)
         >>> kw["lr"], kw["adamw_betas"], kw["weight_decay"], kw["momentum"], kw["mode"]
         (0.0003, (0.9, 0.98), 0.1, 0.9, 'single')
+        >>> args.optim_args = "momentum=0.8, ns_steps=3, rule=normuon, adamw_betas=(0.9, 0.99)"
+        >>> kw = dmuon_kwargs(args, ns_steps=4)
+        >>> kw["momentum"], kw["ns_steps"], kw["rule"], kw["adamw_betas"]
+        (0.8, 4, 'normuon', (0.9, 0.99))
+
+    Raises:
+        ValueError: an ``optim_args`` item that is not ``name=value``.
     """
     kwargs: dict[str, Any] = {
         "lr": float(args.learning_rate),
@@ -73,8 +90,59 @@ def dmuon_kwargs(args: Any, **overrides: Any) -> dict[str, Any]:
         "adamw_weight_decay": float(args.weight_decay),
         "mode": "replicated" if _world_size() > 1 else "single",
     }
+    kwargs.update(_parse_optim_args(getattr(args, "optim_args", None)))
     kwargs.update(overrides)
     return kwargs
+
+
+def _parse_optim_args(text: str | None) -> dict[str, Any]:
+    """``TrainingArguments.optim_args`` as keyword arguments (see :func:`dmuon_kwargs`).
+
+    Items are separated by commas outside brackets and quotes, so a tuple value keeps
+    its commas.
+
+    Raises:
+        ValueError: an item that is not ``name=value`` (named, with the whole text).
+
+    Examples:
+        >>> _parse_optim_args("momentum=0.9, nesterov=False, adamw_betas=(0.9, 0.99), rule=normuon")
+        {'momentum': 0.9, 'nesterov': False, 'adamw_betas': (0.9, 0.99), 'rule': 'normuon'}
+        >>> _parse_optim_args(None)
+        {}
+    """
+    out: dict[str, Any] = {}
+    if not text or not text.strip():
+        return out
+    items: list[str] = []
+    depth, quote, start = 0, "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    for item in items:
+        name, eq, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not item.strip():
+            continue  # a trailing comma
+        if not eq or not name.isidentifier():
+            raise ValueError(
+                f"optim_args item {item.strip()!r} is not name=value (in optim_args={text!r}); "
+                "write DMuon's arguments as 'momentum=0.9, ns_steps=3'"
+            )
+        try:
+            out[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[name] = value  # a bare word: rule=normuon, ns_compute_dtype=float32
+    return out
 
 
 def build_dmuon(
