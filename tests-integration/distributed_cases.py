@@ -67,12 +67,78 @@ class Mixed(nn.Module):
         return self.head(h.mean(dim=1))
 
 
+class Conv1D(nn.Module):
+    """Hugging Face's ``Conv1D`` (GPT-2's linear layer): ``weight`` stored ``(in, out)``.
+
+    A local copy, so that the tests do not need ``transformers``; ``param_groups`` tells it
+    by its class name and ``nf``, as it tells transformers' own.
+    """
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf) / math.sqrt(nx))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
+        return out.view(*x.shape[:-1], self.nf)
+
+
+class ToyGPT2Attention(nn.Module):
+    """GPT-2's attention in miniature: ``q, k, v = c_attn(x).split(split_size, dim=2)``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.split_size = d
+        self.c_attn = Conv1D(3 * d, d)
+        self.c_proj = Conv1D(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.c_attn(x).split(self.split_size, dim=2)
+        att = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1)
+        return self.c_proj(att @ v)
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.attn = ToyGPT2Attention(d)
+        self.c_fc = Conv1D(3 * d, d)  # non-square, (in, out) = (d, 3d)
+        self.c_out = Conv1D(d, 3 * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        return x + self.attn(h) + self.c_out(F.gelu(self.c_fc(h)))
+
+
+class Conv1DModel(nn.Module):
+    """GPT-2-like blocks of ``Conv1D`` layers on ``Mixed``'s data: transposed weights."""
+
+    def __init__(self, seed: int = 0, channels: int = 3, d: int = 8) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.stem = nn.Linear(channels, d)
+            self.blocks = nn.ModuleList(GPT2Block(d) for _ in range(2))
+            self.head = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x.transpose(1, 2))  # (B, T, d)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.mean(dim=1))
+
+
 def build(name: str) -> nn.Module:
     """A fresh model, the same on every rank."""
     if name == "gpt":
         return GPT(GPTConfig.tiny(seq_len=16, seed=1))
     if name == "mixed":
         return Mixed(seed=1)
+    if name == "conv1d":
+        return Conv1DModel(seed=1)
     raise ValueError(name)
 
 

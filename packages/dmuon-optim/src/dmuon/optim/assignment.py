@@ -41,6 +41,62 @@ DEFAULT_HEAD_NAMES = ("lm_head", "head", "output", "classifier")
 Predicate = Callable[[str, torch.Tensor], bool]
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face ``Conv1D`` (GPT-2, GPT, …): a linear layer whose
+    ``weight`` is stored ``(in, out)``, the transpose of ``nn.Linear``'s.
+
+    Told by duck typing, without importing ``transformers``: its class is named ``Conv1D``,
+    it has an int ``nf`` (the output features) and a 2-D ``weight`` of shape ``(nx, nf)``.
+    ``torch.nn.Conv1d`` (lower-case d, a real convolution) is not one.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> class Conv1D(nn.Module):  # transformers.pytorch_utils.Conv1D
+        ...     def __init__(self, nf, nx):
+        ...         super().__init__()
+        ...         self.nf, self.nx = nf, nx
+        ...         self.weight = nn.Parameter(torch.zeros(nx, nf))
+        >>> is_conv1d(Conv1D(48, 16)), is_conv1d(nn.Linear(16, 48)), is_conv1d(nn.Conv1d(4, 4, 3))
+        (True, False, False)
+    """
+    if type(module).__name__ != "Conv1D":
+        return False
+    nf = getattr(module, "nf", None)
+    weight = getattr(module, "weight", None)
+    return (
+        isinstance(nf, int)
+        and isinstance(weight, torch.Tensor)
+        and weight.ndim == 2
+        and weight.shape[1] == nf
+    )
+
+
+def _gpt2_qkv_split(
+    name: str, module: nn.Module, parents: Mapping[str, nn.Module]
+) -> tuple[int, ...] | None:
+    """The ``split_sizes`` of GPT-2's fused attention projection ``c_attn``, else ``None``.
+
+    Hugging Face's ``GPT2Attention`` (``transformers.models.gpt2.modeling_gpt2``) holds
+    ``c_attn = Conv1D(3 * embed_dim, embed_dim)`` and computes
+    ``q, k, v = self.c_attn(x).split(self.split_size, dim=2)`` with ``split_size ==
+    embed_dim``; as cross-attention, ``c_attn = Conv1D(2 * embed_dim, embed_dim)`` gives
+    ``k, v`` the same way. Its output columns — the rows of the transposed matrix DMuon
+    steps — are thus ``split_size``-wide blocks, one per projection. Recognised by the
+    parent's class name ending in ``GPT2Attention`` and its int ``split_size``; layout
+    checked against transformers 5's source.
+    """
+    parent_name, _, child = name.rpartition(".")
+    parent = parents.get(parent_name)
+    if child != "c_attn" or parent is None or not type(parent).__name__.endswith("GPT2Attention"):
+        return None
+    size = getattr(parent, "split_size", None)
+    nf = getattr(module, "nf", 0)
+    if not isinstance(size, int) or size <= 0 or nf % size or nf // size not in (2, 3):
+        return None
+    return (size,) * (nf // size)
+
+
 @dataclass(frozen=True)
 class Assignment:
     """Where one parameter went and why.
@@ -199,7 +255,14 @@ def param_groups(
        be as wide as the vocabulary stays a hidden matrix).
     6. Any parameter of a norm layer → scalar optimizer.
     7. Convolution weights → matrix rule with ``flatten=True``: each is one
-       ``(out, in·kernel)`` matrix, flattened per parameter, never across.
+       ``(out, in·kernel)`` matrix, flattened per parameter, never across. Hugging
+       Face's ``Conv1D`` weights (GPT-2; stored ``(in, out)``, the transpose of
+       ``nn.Linear``'s; told without importing ``transformers``, see :func:`is_conv1d`)
+       → matrix rule with ``transposed=True``: each is stepped as its ``(out, in)``
+       transpose, so row statistics, ``adjust_lr`` and ``split_sizes``/``num_heads``
+       act on its output neurons. GPT-2's fused ``attn.c_attn`` (q|k|v along its
+       columns) gets ``split_sizes=(E, E, E)`` (``(E, E)``, k|v, in cross-attention),
+       unless ``split_sizes`` names it.
     8. 2-D weights → matrix rule. ``nn.MultiheadAttention.in_proj_weight`` gets
        ``split_sizes=(E, E, E)`` (q, k, v orthogonalised separately); names matching a
        regular expression of ``split_sizes`` / ``num_heads`` get those. A 2-D
@@ -211,7 +274,7 @@ def param_groups(
        Hugging Face's fused ``gate_up_proj`` ``(E, 2I, H)``: ``{r"gate_up_proj$": (I, I)}``
        orthogonalises gate and up separately).
 
-    Groups: one matrix group per distinct (``flatten``, ``split_sizes``,
+    Groups: one matrix group per distinct (``flatten``, ``transposed``, ``split_sizes``,
     ``num_heads``); a scalar group for embeddings and heads; a scalar group for
     norms, biases and scalars with ``weight_decay=0.0`` (unless
     ``decay_norms_and_biases``). Matrix groups name no ``"rule"`` (they take
@@ -256,6 +319,7 @@ def param_groups(
     owners: dict[int, list[tuple[str, nn.Module]]] = {}
     order: list[tuple[str, torch.Tensor]] = []
     modules = list(model.named_modules(remove_duplicate=False))
+    by_name = dict(modules)
     vocab_head = _vocabulary_head(m for _, m in modules)
     for mod_name, module in modules:
         for pname, p in module.named_parameters(recurse=False):
@@ -296,6 +360,7 @@ def param_groups(
             and n.rsplit(".", 1)[-1] == "weight"
             and ((n.rsplit(".", 2)[-2] if n.count(".") else "") in head_names or m is vocab_head)
         ]
+        conv1d = [(n, m) for (n, m) in mods if n.rsplit(".", 1)[-1] == "weight" and is_conv1d(m)]
         scalar_key = ("scalar: embeddings and head",)
         small_key = ("scalar: norms, biases and scalars",)
         if force_scalar:
@@ -303,7 +368,9 @@ def param_groups(
             reason = "scalar predicate"
         elif force_matrix:
             reason = "matrix predicate"
-            if p.ndim > 2:
+            if conv1d:
+                group = put(("matrix: Conv1D (in, out)", True), {"transposed": True}, name, p)
+            elif p.ndim > 2:
                 conv = any(isinstance(m, _CONVS) for m in is_weight_of)
                 group = put(
                     ("matrix: conv" if conv else "matrix: stacks", conv),
@@ -335,6 +402,28 @@ def param_groups(
         elif any(isinstance(m, _CONVS) for m in is_weight_of):
             group = put(("matrix: conv", True), {"flatten": True}, name, p)
             reason = "conv weight, one flattened matrix (out, in·kernel)"
+        elif conv1d:
+            mod_name = conv1d[0][0].rsplit(".", 1)[0]
+            sizes = _match(split_sizes, name)
+            gpt2 = None if sizes is not None else _gpt2_qkv_split(mod_name, conv1d[0][1], by_name)
+            sizes = gpt2 if sizes is None else sizes
+            heads_n = _match(num_heads, name)
+            extra: dict[str, Any] = {"transposed": True}
+            label = "matrix: Conv1D (in, out)"
+            if sizes is not None:
+                extra["split_sizes"] = tuple(sizes)
+                label += f" {tuple(sizes)}"
+            if heads_n is not None:
+                extra["num_heads"] = heads_n if isinstance(heads_n, int) else tuple(heads_n)
+                label += f" {extra['num_heads']}"
+            group = put((label, True), extra, name, p)
+            reason = "Conv1D weight (in, out), stepped as its transpose (out, in)" + (
+                ", q|k|v split (GPT-2 c_attn)"
+                if gpt2 is not None
+                else ", cut by split_sizes/num_heads"
+                if len(extra) > 1
+                else ""
+            )
         elif p.ndim == 2:
             sizes = _match(split_sizes, name)
             heads_n = _match(num_heads, name)
@@ -354,7 +443,7 @@ def param_groups(
                 sizes_t = tuple(sizes) if sizes is not None else None
                 heads_v = heads_n if isinstance(heads_n, int) or heads_n is None else tuple(heads_n)
                 label = "matrix: fused" if sizes_t else "matrix: per-head"
-                extra: dict[str, Any] = {}
+                extra = {}
                 if sizes_t is not None:
                     extra["split_sizes"] = sizes_t
                 if heads_v is not None:

@@ -11,8 +11,10 @@ equal QKV splits, per-head views) owns one stacked buffer per state key,
 ``(B, m, n)`` or ``(B, m)``, and ``optimizer.state[p][key]`` is a *view* of the
 parameter's slice of it, in the parameter's shape: the rule updates the stacked
 buffer in place and the per-parameter state is current. Parameters cut into
-blocks of different shapes (an unequal QKV split) keep their own state tensors;
-their buckets gather the blocks before the rule and scatter them back after.
+blocks of different shapes (an unequal QKV split), and weights stored ``(in, out)``
+(``transposed``: the rule sees their transposes), keep their own state tensors, in
+the parameter's shape; their buckets gather the blocks before the rule and scatter
+them back after.
 Both paths give the same numbers. When some parameters of a bucket have no
 gradient, only the others are gathered — state of the rest is not touched.
 
@@ -251,6 +253,15 @@ def build_buckets(
         if gathered:  # the rule runs on the whole matrix: laid out (and its state) whole
             assert split is not None
             local = torch.empty(split.shape, dtype=p.dtype, device="meta")
+        if split is not None and group.get("transposed"):
+            # a split names the dimension of the stored (in, out) weight, which the rule
+            # sees transposed: its Gram all-reduce and shard offsets would be the wrong ones
+            raise ValueError(
+                f"{name_of(i)}: a weight stored (in, out) (the group key 'transposed', "
+                "Hugging Face's Conv1D) is split over a tensor-parallel group; DMuon does not "
+                "step such a split yet. Replicate it over the tensor-parallel dimension, or "
+                "store it (out, in) as nn.Linear does"
+            )
         if split is not None and _cuts_matrices(group):
             # decided from the group, the same on every rank of the split's group: the
             # shards' layouts differ (uneven, empty) and same-shape heads merge into one

@@ -42,7 +42,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SCALAR_KEYWORDS = {"betas": "adamw_betas", "eps": "adamw_eps"}
 # The structural keys a group's buckets depend on; changing them after construction
 # would silently mismatch the state, so step() refuses.
-STRUCTURE = ("rule", "flatten", "split_sizes", "num_heads", "state_dtype")
+STRUCTURE = ("rule", "flatten", "transposed", "split_sizes", "num_heads", "state_dtype")
 
 
 @dataclass
@@ -107,8 +107,8 @@ class GroupDefaults:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> GroupDefaults:
         """The defaults :meth:`to_config` saved (a key added since, e.g.
-        ``cautious_weight_decay``, takes its constructor default)."""
-        matrix = {"cautious_weight_decay": False, **config["matrix_defaults"]}
+        ``cautious_weight_decay`` or ``transposed``, takes its constructor default)."""
+        matrix = {"cautious_weight_decay": False, "transposed": False, **config["matrix_defaults"]}
         scalar = {"cautious_weight_decay": False, **config["scalar_defaults"]}
         return cls(
             config["rule"], config["scalar_optimizer"], matrix, scalar, config["rule_options"]

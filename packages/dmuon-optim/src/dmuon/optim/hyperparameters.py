@@ -308,6 +308,12 @@ MATRIX_KEYS: dict[str, Option] = {
         "parameters with more than 2 dims: True = one (dim0, rest) matrix (conv), "
         "False = a batch of matrices over the leading dims (expert stacks)",
     ),
+    "transposed": Option(
+        None,
+        boolean,
+        "2-D weights stored (in, out), Hugging Face's Conv1D: the rule sees each as its "
+        "transpose (out, in), rows = output neurons (param_groups sets it)",
+    ),
     "split_sizes": Option(
         None, _sizes, "row blocks orthogonalised separately (fused QKV), summing to the rows"
     ),

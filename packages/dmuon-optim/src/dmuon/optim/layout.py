@@ -6,7 +6,12 @@ Every parameter of a matrix group is first viewed as ``(L, M, N)``:
 * ``flatten=True`` (conv weights ``(out, in, *kernel)``) → ``(1, out, in·∏kernel)``,
   one matrix per parameter (never across parameters);
 * ``flatten=False`` (expert stacks ``(E, m, n)``, any ``(..., m, n)``) →
-  ``(∏leading, m, n)``, a batch of matrices.
+  ``(∏leading, m, n)``, a batch of matrices;
+* ``transposed=True`` (a 2-D weight stored ``(in, out)``, Hugging Face's ``Conv1D`` of
+  GPT-2) → ``(1, out, in)``: the matrix is its transpose, so that its rows are its output
+  neurons as a rule expects (row statistics, ``adjust_lr``, row selections, and the
+  blocks below). Its views (:meth:`MatrixLayout.block_view`) are transposed views of the
+  parameter, and its state is kept in the parameter's own shape.
 
 Then its ``M`` rows are cut into *blocks*: ``split_sizes`` (fused QKV) gives
 consecutive row blocks, and ``num_heads`` splits each block's rows into per-head
@@ -61,6 +66,8 @@ class MatrixLayout:
         flat: the ``(L, M, N)`` view.
         blocks: the row blocks, in row order.
         flatten: the ``flatten`` setting the layout was made with.
+        transposed: the parameter is stored ``(in, out)`` and seen as its transpose
+            (the group key ``transposed``); then ``flat`` is ``(1, out, in)``.
 
     Examples:
         >>> import torch
@@ -75,11 +82,13 @@ class MatrixLayout:
     flat: tuple[int, int, int]
     blocks: tuple[Block, ...]
     flatten: bool | None
+    transposed: bool = False
 
     @property
     def whole(self) -> bool:
-        """One block covering every row: the parameter is one contiguous batch."""
-        return len(self.blocks) == 1
+        """One block covering every row and the parameter stored as the rule sees it: the
+        parameter is one contiguous batch (never for a ``transposed`` one)."""
+        return len(self.blocks) == 1 and not self.transposed
 
     def count(self, block: Block) -> int:
         """Number of matrices in ``block``."""
@@ -100,10 +109,11 @@ class MatrixLayout:
         """A view of ``block`` in the parameter-shaped ``t``: ``(L, heads, rows, N)``.
 
         For a whole-parameter block on a contiguous tensor this is contiguous and
-        ``.view(count, rows, N)`` is free.
+        ``.view(count, rows, N)`` is free. For a ``transposed`` layout it is a view of
+        ``t.mT``: writing into it writes the parameter's columns.
         """
         L, M, N = self.flat
-        v = t.view(L, M, N)
+        v = t.mT.unsqueeze(0) if self.transposed else t.view(L, M, N)
         if block.rows != M:
             v = v.narrow(1, block.row_start, block.rows)
         return v.unflatten(1, (block.heads, block.matrix_rows))
@@ -117,7 +127,17 @@ class MatrixLayout:
         return v.unflatten(1, (block.heads, block.matrix_rows))
 
 
-def _flat_shape(shape: tuple[int, ...], flatten: bool | None, where: str) -> tuple[int, int, int]:
+def _flat_shape(
+    shape: tuple[int, ...], flatten: bool | None, where: str, transposed: bool = False
+) -> tuple[int, int, int]:
+    if transposed and len(shape) != 2:
+        raise ValueError(
+            f"{where} has shape {shape} ({len(shape)}-D); the group key 'transposed' is for "
+            "2-D weights stored (in, out), as Hugging Face's Conv1D stores them; give this "
+            "parameter a group without it"
+        )
+    if transposed:
+        return (1, shape[1], shape[0])
     if len(shape) < 2:
         shown = "" if "shape" in where else f" (shape {shape})"  # where may name it already
         raise ValueError(
@@ -139,8 +159,8 @@ def _flat_shape(shape: tuple[int, ...], flatten: bool | None, where: str) -> tup
 
 
 def matrix_layout(param: torch.Tensor, group: dict[str, Any], where: str) -> MatrixLayout:
-    """The :class:`MatrixLayout` of ``param`` under the group keys ``flatten``, ``split_sizes``
-    and ``num_heads``.
+    """The :class:`MatrixLayout` of ``param`` under the group keys ``flatten``, ``transposed``,
+    ``split_sizes`` and ``num_heads``.
 
     Args:
         param: the parameter.
@@ -148,7 +168,8 @@ def matrix_layout(param: torch.Tensor, group: dict[str, Any], where: str) -> Mat
         where: how to name the parameter in errors.
 
     Raises:
-        ValueError: a 0-/1-D parameter, a >2-D one without ``flatten``, split sizes
+        ValueError: a 0-/1-D parameter, a >2-D one without ``flatten`` (or with
+            ``transposed``), split sizes
             that do not sum to the rows, or heads that do not divide a block.
 
     Examples:
@@ -157,10 +178,15 @@ def matrix_layout(param: torch.Tensor, group: dict[str, Any], where: str) -> Mat
         >>> lay = matrix_layout(qkv, {"split_sizes": (64, 64, 64), "num_heads": 4}, "qkv")
         >>> tuple((lay.count(b), lay.matrix_shape(b)) for b in lay.blocks)
         ((12, (16, 64)),)
+        >>> c_attn = torch.zeros(64, 3 * 64)  # GPT-2's Conv1D: (in, out), q|k|v by columns
+        >>> lay = matrix_layout(c_attn, {"transposed": True, "split_sizes": (64, 64, 64)}, "c")
+        >>> lay.flat, tuple((lay.count(b), lay.matrix_shape(b)) for b in lay.blocks)
+        ((1, 192, 64), ((3, (64, 64)),))
     """
     shape = tuple(param.shape)
     flatten = group.get("flatten")
-    L, M, N = _flat_shape(shape, flatten, where)
+    transposed = bool(group.get("transposed"))
+    L, M, N = _flat_shape(shape, flatten, where, transposed)
     split = group.get("split_sizes") or (M,)
     if sum(split) != M:
         raise ValueError(
@@ -191,4 +217,4 @@ def matrix_layout(param: torch.Tensor, group: dict[str, Any], where: str) -> Mat
         start += rows
     if L == 0 or N == 0 or M == 0:
         blocks = []
-    return MatrixLayout(shape, (L, M, N), tuple(blocks), flatten)
+    return MatrixLayout(shape, (L, M, N), tuple(blocks), flatten, transposed)

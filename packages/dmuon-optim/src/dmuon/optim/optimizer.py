@@ -217,6 +217,7 @@ class DMuon(torch.optim.Optimizer):
             "state_dtype": state_dtype,
             "state_rounding": state_rounding,
             "flatten": None,
+            "transposed": False,
             "split_sizes": None,
             "num_heads": None,
             "tp_path": tp_path,
