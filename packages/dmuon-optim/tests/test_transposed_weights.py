@@ -230,3 +230,27 @@ def test_gpt2_from_transformers_is_grouped_with_transposed_weights_and_a_qkv_spl
     ids = torch.randint(0, 64, (2, 8))
     model(ids, labels=ids).loss.backward()
     opt.step()
+
+
+def test_a_state_dict_saved_before_the_key_existed_loads_and_resumes_bit_for_bit():
+    """Groups saved without ``transposed`` (state dicts of earlier versions) load; the
+    state of an ``nn.Linear`` model is what it was, and the steps after are the same."""
+
+    def run(strip: bool) -> torch.Tensor:
+        model = linear_model()
+        opt = optimizer(model, "normuon")
+        for i, (x, y) in enumerate(data()):
+            if i == 2:
+                saved = copy.deepcopy(opt.state_dict())
+                if strip:
+                    for g in saved["param_groups"]:
+                        g.pop("transposed", None)
+                opt = optimizer(model, "normuon")
+                opt.load_state_dict(saved)
+                assert all(g["transposed"] is False for g in opt.param_groups if "momentum" in g)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    assert torch.equal(run(False), run(True))
