@@ -126,3 +126,32 @@ def test_the_checks_fail_on_a_drifted_list():
         == {"beta2": 0.9}
         != {k: o.default for k, o in RULES["normuon"].options.items()}
     )
+
+
+def common_keys_table(markdown: str) -> dict[str, str]:
+    """Key → documented default of the "Hyperparameters common to every matrix rule" table
+    of the algorithms index (a row may name several keys, with as many defaults)."""
+    section = markdown.split("## Hyperparameters common to every matrix rule", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    table: dict[str, str] = {}
+    for keys, defaults in re.findall(r"^\| (`[^|]+`) \| ([^|]+) \|", section, re.M):
+        names = re.findall(r"`(\w+)`", keys)
+        values = [v.strip().strip("`") for v in defaults.split(",")]
+        assert len(values) == len(names), f"row {keys}: {len(names)} keys, defaults {defaults}"
+        table.update(zip(names, values, strict=True))
+    return table
+
+
+def test_common_keys_table_is_matrix_keys_with_the_constructors_defaults():
+    # every common group key is documented, none that is not one, and a key the
+    # constructor takes shows the constructor's default
+    import inspect
+
+    from dmuon.optim.hyperparameters import MATRIX_KEYS
+
+    table = common_keys_table((ROOT / "docs" / "algorithms" / "index.md").read_text())
+    assert sorted(table) == sorted(MATRIX_KEYS)
+    signature = inspect.signature(DMuon.__init__).parameters
+    for key, shown in table.items():
+        if key in signature:  # "1e-3", "True", '"gram"' read as Python literals
+            assert ast.literal_eval(shown) == signature[key].default, (key, shown)
