@@ -85,3 +85,70 @@ def test_a_tensor_parallel_transposed_weight_is_refused_on_every_rank():
                 rank,
                 err,
             )
+
+
+CHECKPOINT_MODES = ["owner_fsdp", "owner_ddp", "sharded"]
+SAVE_AT, TOTAL = 2, 4
+CHECKPOINT_OPT = dict(OPT, rule="normuon", adjust_lr="spectral")
+
+
+def _train(forward, opt, rank, world, start, stop):
+    from distributed_cases import batch, loss_of
+
+    for t in range(start, stop):
+        loss_of("conv1d", forward, *batch("conv1d", t, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def run_checkpoint(rank, world, root):
+    """Per mode: train TOTAL steps saving a DCP checkpoint after SAVE_AT (the uninterrupted
+    run), then a fresh model and optimizer load it and train to TOTAL."""
+    import os
+
+    import torch.distributed as dist
+    from distributed_cases import setup
+
+    from dmuon.integrations import checkpoint
+
+    out = {}
+    for mode in CHECKPOINT_MODES:
+        path = os.path.join(root, mode)
+        runs = []
+        for resume in (False, True):
+            model, forward, opt, ded = setup(mode, "conv1d", world, CHECKPOINT_OPT)
+            if resume:
+                start = checkpoint.load(path, model, opt)["step"]
+            else:
+                _train(forward, opt, rank, world, 0, SAVE_AT)
+                checkpoint.save(path, model, opt, extra={"step": SAVE_AT})
+                start = SAVE_AT
+            _train(forward, opt, rank, world, start, TOTAL)
+            if ded is not None:
+                ded.wait()
+            runs.append(full_params(model))
+            dist.barrier()
+        out[mode] = runs
+    return out
+
+
+def test_dcp_checkpoint_of_transposed_weights_resumes_exactly(tmp_path):
+    """A DCP checkpoint of a Conv1D model (state in the parameter's ``(in, out)`` shape,
+    NorMuon's per-row state one value per output) resumes at the same world size as the
+    uninterrupted run, bit for bit, in owner mode under FSDP2 and as a DDP replacement and
+    in sharded mode; and into one process within the modes' tolerance."""
+    from distributed_cases import setup
+
+    from dmuon.integrations import checkpoint
+
+    results = run_on_ranks(run_checkpoint, WORLD, args=(str(tmp_path),), timeout=240)
+    for mode in CHECKPOINT_MODES:
+        for rank in range(WORLD):
+            straight, resumed = results[rank][mode]
+            diff, where = max_diff(resumed, straight)
+            assert diff == 0.0, f"{mode}, rank {rank}: {where} differs by {diff:.2e}"
+        model, forward, opt, _ = setup("single", "conv1d", 1, CHECKPOINT_OPT)
+        start = checkpoint.load(str(tmp_path / mode), model, opt)["step"]
+        _train(forward, opt, 0, 1, start, TOTAL)
+        diff, where = max_diff(full_params(model), results[0][mode][0])
+        assert diff <= TOLERANCE, f"{mode} into one process: {where} off by {diff:.2e}"
