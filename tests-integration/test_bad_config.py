@@ -216,7 +216,12 @@ CASES = [
          "unknown rule 'sgd'; expected one of"),
     Case("rule-option-unknown", "`DMuon(..., rule='muon', beta2=0.9)` (NorMuon's option)",
          lambda: DMuon([W()], rule="muon", beta2=0.9), ValueError,
-         "unknown option(s) ['beta2'] for rule(s) ['muon']"),
+         "unknown option(s) ['beta2'] for rule(s) ['muon'] (beta2= is an option of rule(s) "
+         "['adamuon', 'dion3', 'muon2', 'normuon'])"),
+    Case("keyword-misspelt", "`DMuon(..., adamw_lrr=1e-3)` (a misspelt keyword)",
+         lambda: DMuon([W()], adamw_lrr=1e-3), ValueError,
+         "unknown option(s) ['adamw_lrr'] for rule(s) ['muon'] (adamw_lrr=: did you mean "
+         "adamw_lr=?)"),
     Case("adamw-keyword", "`DMuon(..., betas=(0.9, 0.95))` (AdamW's keyword)",
          lambda: DMuon([W()], betas=(0.9, 0.95)), ValueError,
          "unknown option(s) ['betas'] for rule(s) ['muon'] (betas= is adamw_betas= here"),
