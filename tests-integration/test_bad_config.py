@@ -90,6 +90,18 @@ def _deepspeed_zero2_replicated() -> None:
     check_config({"zero_optimization": {"stage": 2}}, mode="replicated")
 
 
+def _deepspeed_initialize_with_dmuon() -> None:
+    # What deepspeed.initialize(model=model, optimizer=DMuon(...), ...) does at ZeRO stage
+    # 1/2: each group's parameters become one flat fp32 partition of the rank.
+    model = net()
+    opt = DMuon(param_groups(model), lr=0.02)
+    for group in opt.param_groups:
+        flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for p in group["params"]]))
+        flat.grad = torch.zeros_like(flat)
+        group["params"] = [flat]
+    opt.step()
+
+
 def _two_groups() -> None:
     w = W()
     DMuon([{"params": [w]}, {"params": [w]}])
@@ -204,7 +216,12 @@ CASES = [
          "unknown rule 'sgd'; expected one of"),
     Case("rule-option-unknown", "`DMuon(..., rule='muon', beta2=0.9)` (NorMuon's option)",
          lambda: DMuon([W()], rule="muon", beta2=0.9), ValueError,
-         "unknown option(s) ['beta2'] for rule(s) ['muon']"),
+         "unknown option(s) ['beta2'] for rule(s) ['muon'] (beta2= is an option of rule(s) "
+         "['adamuon', 'dion3', 'muon2', 'normuon'])"),
+    Case("keyword-misspelt", "`DMuon(..., adamw_lrr=1e-3)` (a misspelt keyword)",
+         lambda: DMuon([W()], adamw_lrr=1e-3), ValueError,
+         "unknown option(s) ['adamw_lrr'] for rule(s) ['muon'] (adamw_lrr=: did you mean "
+         "adamw_lr=?)"),
     Case("adamw-keyword", "`DMuon(..., betas=(0.9, 0.95))` (AdamW's keyword)",
          lambda: DMuon([W()], betas=(0.9, 0.95)), ValueError,
          "unknown option(s) ['betas'] for rule(s) ['muon'] (betas= is adamw_betas= here"),
@@ -302,6 +319,10 @@ CASES = [
     Case("deepspeed-zero2-replicated", "DeepSpeed ZeRO stage 2 with `mode='replicated'`",
          _deepspeed_zero2_replicated, UnsupportedConfigError,
          "is not supported at ZeRO stage 2 (ZeRO-1/2 would hand DMuon flat slices"),
+    Case("deepspeed-initialize-dmuon",
+         "`deepspeed.initialize(model=..., optimizer=DMuon(...))` at ZeRO stage 1/2 "
+         "(flat partitions in DMuon's groups)", _deepspeed_initialize_with_dmuon,
+         RuntimeError, "build it with dmuon.integrations.deepspeed.initialize(model, config, ...)"),
 ]  # fmt: skip
 
 

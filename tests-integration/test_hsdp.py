@@ -30,10 +30,10 @@ def run_hsdp(rank, world):
     from torch.distributed.fsdp import fully_shard
 
     from dmuon.comm import CommStats
-    from dmuon.integrations import fsdp
+    from dmuon.integrations import checkpoint, fsdp
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    out, stages = {}, None
+    out, stages, saved = {}, None, {}
     for mode in ("owner", "sharded"):
         model = build(NAME)
         kw = dict(OPT)
@@ -57,13 +57,23 @@ def run_hsdp(rank, world):
             ded.wait()
             stages = stats.as_dict()
         out[mode] = full_params(model)
-    return out, stages
+        # checkpoints: refused in owner mode with what to do instead (the guide's advice);
+        # stock HSDP (sharded mode) gathers its state
+        try:
+            checkpoint.full_state_dict(model, opt)
+            saved[mode] = "saved"
+        except ValueError as err:
+            saved[mode] = str(err)
+    return out, stages, saved
 
 
 def test_hsdp_2x2_equals_one_process():
     expected = reference(NAME, 4)
     results = run_on_ranks(run_hsdp, 4, timeout=180)
-    for rank, (params, stages) in enumerate(results):
+    for rank, (params, stages, saved) in enumerate(results):
+        assert saved["sharded"] == "saved", saved
+        advice = "train stock HSDP instead (fully_shard on the 2-D mesh without dedicate"
+        assert advice in saved["owner"], saved
         for mode, got in params.items():
             diff, where = max_diff(got, expected)
             assert diff <= TOLERANCE, f"HSDP {mode}, rank {rank}: {where} differs by {diff:.2e}"

@@ -73,3 +73,17 @@ def test_changelog_has_a_section_for_the_installed_version(dist):
     assert re.search(rf"^## {re.escape(version)}( |$)", changelog, re.MULTILINE), (
         f"{dist} {version} has no '## {version}' section in its CHANGELOG.md"
     )
+
+
+@pytest.mark.parametrize("dist", DISTRIBUTIONS)
+def test_readme_shows_how_to_install_every_extra(dist):
+    # The README is the distribution's description on the package index: what a newcomer
+    # reads before installing. dmuon-integrations' said "Status: skeleton ... its public
+    # API is not written yet" and named neither [lightning] nor [torchtitan]; dmuon-optim's
+    # named none of its extras.
+    readme = (ROOT / "packages" / dist / "README.md").read_text()
+    extras = importlib.metadata.metadata(dist).get_all("Provides-Extra") or []
+    missing = [e for e in extras if f'pip install "{dist}[{e}]"' not in readme]
+    assert not missing, f"packages/{dist}/README.md shows no `pip install` of {missing}"
+    for stale in ("skeleton", "not written yet", "comes next"):
+        assert stale not in readme, f"packages/{dist}/README.md still says {stale!r}"

@@ -102,6 +102,27 @@ def test_module_factory_model():
     assert set(json.loads(done.stdout)["modes"]) == {"adamw", "vanilla", "owner", "sharded"}
 
 
+def test_module_factory_found_in_the_current_directory(monkeypatch, tmp_path):
+    # The dmuon-plan console script's sys.path starts at its bin directory, not the current
+    # one (as `python -m` does): `dmuon-plan mymodel:build` next to mymodel.py said "No
+    # module named 'mymodel'". The factory's module is looked up in the current directory.
+    (tmp_path / "plan_cwd_model.py").write_text(
+        "from torch import nn\n\ndef build():\n    return nn.Linear(64, 32)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    cwd = os.getcwd()
+    monkeypatch.setattr(
+        sys, "path", [p for p in sys.path if os.path.abspath(p or os.curdir) != cwd]
+    )
+    monkeypatch.delitem(sys.modules, "plan_cwd_model", raising=False)
+    path_before = list(sys.path)
+    done = call("plan_cwd_model:build", "--gpus", "2", "--json", "--mode", "owner")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["model"]["matrices"] == 1
+    assert sys.path == path_before  # the directory is not left on the path
+    sys.modules.pop("plan_cwd_model", None)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

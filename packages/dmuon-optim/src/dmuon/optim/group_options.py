@@ -11,9 +11,10 @@ rule can take, each error naming the group, the key or the parameter.
 
 from __future__ import annotations
 
+import difflib
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -43,6 +44,24 @@ SCALAR_KEYWORDS = {"betas": "adamw_betas", "eps": "adamw_eps"}
 # The structural keys a group's buckets depend on; changing them after construction
 # would silently mismatch the state, so step() refuses.
 STRUCTURE = ("rule", "flatten", "transposed", "split_sizes", "num_heads", "state_dtype")
+
+
+def _did_you_mean(unknown: list[str], used: set[str], keywords: Collection[str]) -> str:
+    """A hint per unknown keyword: the rules that take it (``beta2`` is NorMuon's), or the
+    closest of the rules' options and the constructor's ``keywords`` for a misspelt one
+    (``adamw_lr`` and ``mode`` are not rule options: the error's accepted list lacks them)."""
+    takers: dict[str, list[str]] = {}
+    for name in RULES:
+        for key in get_rule(name).options:
+            takers.setdefault(key, []).append(name)
+    known = sorted(set(used) | set(keywords) | set(takers))
+    hints = []
+    for key in unknown:
+        if key in takers:
+            hints.append(f"{key}= is an option of rule(s) {sorted(takers[key])}")
+        elif match := difflib.get_close_matches(key, known, 1, 0.75):
+            hints.append(f"{key}=: did you mean {match[0]}=?")
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 @dataclass
@@ -121,8 +140,11 @@ class GroupDefaults:
             defaults[key] = self.rule_options.get(key, opt.default)
         return defaults
 
-    def check_options_used(self, groups: list[dict[str, Any]]) -> None:
-        """Raise if a caller's rule option is taken by no rule of the groups."""
+    def check_options_used(
+        self, groups: list[dict[str, Any]], keywords: Collection[str] = ()
+    ) -> None:
+        """Raise if a caller's rule option is taken by no rule of the groups (``keywords``:
+        the constructor's own, offered for a misspelt one)."""
         used = set(MATRIX_KEYS) | set(get_rule(self.rule).options)
         for group in groups:
             if group["rule"] in RULES:
@@ -141,6 +163,7 @@ class GroupDefaults:
                 if renamed
                 else ""
             )
+            hint += _did_you_mean([k for k in unused if k not in SCALAR_KEYWORDS], used, keywords)
             raise ValueError(
                 f"unknown option(s) {unused} for rule(s) {rules_used}{hint}; accepted options: "
                 f"{sorted(used)}"

@@ -78,7 +78,7 @@ class GroupRecord:
             raise RuntimeError(
                 f"{where} changed its structure ({', '.join(STRUCTURE)} or its "
                 "parameters) after construction; create a new optimizer or use "
-                "add_param_group"
+                "add_param_group" + self._flattened_hint(group)
             )
         params = group["params"]
         # one pass each, in C where it can be; on a difference the loop below finds the
@@ -103,6 +103,24 @@ class GroupRecord:
                     "nn.Embedding(sparse=True)); use dense gradients"
                 )
         self._check_values(group, where)
+
+    def _flattened_hint(self, group: Mapping[str, Any]) -> str:
+        """What to do when the group's matrices were replaced by flat 1-D tensors: what
+        DeepSpeed's ZeRO stage 1/2 does to the groups of a client optimizer handed to
+        ``deepspeed.initialize`` (one flat partition per group and rank)."""
+        params = group["params"]
+        if (
+            params
+            and all(p.dim() == 1 for p in params)
+            and any(len(shape) >= 2 for shape in self.shapes)
+        ):
+            return (
+                ". Its matrices were replaced by flat 1-D tensors, as DeepSpeed's ZeRO does "
+                "to a client optimizer given to deepspeed.initialize (Muon would "
+                "orthogonalise pieces of matrices): build it with "
+                "dmuon.integrations.deepspeed.initialize(model, config, ...) instead"
+            )
+        return ""
 
     def _check_values(self, group: dict[str, Any], where: str) -> None:
         """Check each value the caller replaced since the last step (:meth:`check`)."""

@@ -8,6 +8,7 @@ the step in ``stepping.py``, the execution modes in ``engine/``. ``DMuon`` is th
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -234,7 +235,7 @@ class DMuon(torch.optim.Optimizer):
         )
         self._reset()
         super().__init__(params, self._group_defaults.torch_defaults())
-        self._group_defaults.check_options_used(self.param_groups)
+        self._group_defaults.check_options_used(self.param_groups, _KEYWORDS)
         if not isinstance(params, ParamGroups):  # param_groups(model) chose its matrices
             warn_embedding_matrices(self.param_groups, RULES)
         with collective_timeout(self._deadline.seconds()):  # the plan's and model's checks
@@ -631,3 +632,11 @@ class DMuon(torch.optim.Optimizer):
         self._initialized = True
         for index in range(len(self.param_groups)):
             self._rebuild(index)
+
+
+# The constructor's own keywords, offered when a misspelt one reaches the rule options.
+_KEYWORDS = tuple(
+    p.name
+    for p in inspect.signature(DMuon.__init__).parameters.values()
+    if p.kind is p.KEYWORD_ONLY or p.name == "lr"
+)

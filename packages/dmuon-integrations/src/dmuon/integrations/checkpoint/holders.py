@@ -115,7 +115,10 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
     if exchange is not None and exchange.replicate_group is not None:
         raise ValueError(
             "checkpointing HSDP owner mode (a 2-D mesh) is not supported yet: each "
-            "owner slot spans a replicate group; checkpoint a 1-D FSDP2 or DDP run"
+            "owner slot spans a replicate group. To checkpoint hybrid sharding, train stock "
+            "HSDP instead (fully_shard on the 2-D mesh without dedicate: DMuon runs in "
+            "sharded mode, whose checkpoints save and reshard), or dedicate over a 1-D "
+            "mesh (FSDP2 or DDP)"
         )
     names = model_fqns(model)
     out: list[Holding] = []

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -365,13 +367,30 @@ def spec_from_module(model: torch.nn.Module, name: str = "module") -> ModelSpec:
 
 
 def _from_factory(target: str) -> ModelSpec:
+    # The current directory is searched first, as by ``python -m dmuon.optim.planner``: the
+    # ``dmuon-plan`` console script's sys.path starts at its own bin directory instead, so
+    # ``dmuon-plan mymodel:build`` next to mymodel.py would not find it. It stays on the
+    # path while the factory runs (which may import more of the user's modules).
+    cwd = os.getcwd()
+    added = not any(os.path.abspath(entry or os.curdir) == cwd for entry in sys.path)
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        return _build_factory(target)
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+def _build_factory(target: str) -> ModelSpec:
     module_name, _, attr = target.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise ConfigError(
             f"model {target!r}: cannot import {attr!r} from module {module_name!r} ({err}); "
-            "give 'package.module:function' of a function that returns an nn.Module"
+            "give 'package.module:function' of a function that returns an nn.Module, its "
+            "module importable from the current directory or PYTHONPATH"
         ) from err
     try:
         with torch.device("meta"):
