@@ -9,7 +9,7 @@ under the same keys. Matrix state is views into one stacked buffer per shape
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -276,27 +276,18 @@ def reload_scalar_state(
     exactly, and a dict saved with fp16/bf16 state (before DMuon kept it in fp32) is
     widened. Matrix state and entries it cannot match are left as they are.
     """
-    saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
-    if not isinstance(saved_groups, list) or not isinstance(saved_state, Mapping):
-        return
-    for live, saved in zip(groups, saved_groups, strict=False):
-        if live.get("rule") not in SCALAR_ALGORITHMS or not isinstance(saved, Mapping):
-            continue
-        for p, pid in zip(live["params"], saved.get("params", ()), strict=False):
-            mine, theirs = state.get(p), saved_state.get(pid)
-            if not isinstance(mine, dict) or not isinstance(theirs, Mapping):
+    for p, mine, theirs in _saved_states(groups, state, state_dict, scalar=True):
+        dtype = scalar_state_dtype(p)
+        for key, value in list(mine.items()):
+            other = theirs.get(key)
+            if key == "step" or not isinstance(other, torch.Tensor):
                 continue
-            dtype = scalar_state_dtype(p)
-            for key, value in list(mine.items()):
-                other = theirs.get(key)
-                if key == "step" or not isinstance(other, torch.Tensor):
-                    continue
-                if not other.is_floating_point() or other.shape != value.shape:
-                    continue
-                if value.dtype == dtype:
-                    value.copy_(other)
-                else:
-                    mine[key] = other.to(device=p.device, dtype=dtype, copy=True)
+            if not other.is_floating_point() or other.shape != value.shape:
+                continue
+            if value.dtype == dtype:
+                value.copy_(other)
+            else:
+                mine[key] = other.to(device=p.device, dtype=dtype, copy=True)
 
 
 def reload_matrix_state(
@@ -312,24 +303,38 @@ def reload_matrix_state(
     whose shape matches into the live buffer, in place (the buffers stay views of their
     bucket). Placeholders and entries it cannot match are left as they are.
     """
+    for p, mine, theirs in _saved_states(groups, state, state_dict, scalar=False):
+        for key, value in mine.items():
+            other = theirs.get(key)
+            if key == "step" or not isinstance(other, torch.Tensor) or value.numel() == 0:
+                continue
+            if not other.is_floating_point() or other.dtype == p.dtype:
+                continue  # torch did not cast it
+            if other.shape == value.shape and type(other) is type(value):
+                value.copy_(other)
+
+
+def _saved_states(
+    groups: list[dict[str, Any]],
+    state: Mapping[Any, Any],
+    state_dict: Mapping[str, Any],
+    *,
+    scalar: bool,
+) -> Iterator[tuple[torch.Tensor, dict[str, Any], Mapping[str, Any]]]:
+    """``(parameter, its live state, its saved state)`` for each parameter of the scalar
+    groups (``scalar``) or of the matrix groups, matched to ``state_dict`` by group and
+    position as ``torch.optim.Optimizer.load_state_dict`` matches them; a group or entry
+    that does not match is passed over."""
     saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
     if not isinstance(saved_groups, list) or not isinstance(saved_state, Mapping):
         return
     for live, saved in zip(groups, saved_groups, strict=False):
-        if live.get("rule") in SCALAR_ALGORITHMS or not isinstance(saved, Mapping):
+        if (live.get("rule") in SCALAR_ALGORITHMS) != scalar or not isinstance(saved, Mapping):
             continue
         for p, pid in zip(live["params"], saved.get("params", ()), strict=False):
             mine, theirs = state.get(p), saved_state.get(pid)
-            if not isinstance(mine, dict) or not isinstance(theirs, Mapping):
-                continue
-            for key, value in mine.items():
-                other = theirs.get(key)
-                if key == "step" or not isinstance(other, torch.Tensor) or value.numel() == 0:
-                    continue
-                if not other.is_floating_point() or other.dtype == p.dtype:
-                    continue  # torch did not cast it
-                if other.shape == value.shape and type(other) is type(value):
-                    value.copy_(other)
+            if isinstance(mine, dict) and isinstance(theirs, Mapping):
+                yield p, mine, theirs
 
 
 def _placeholder(p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -28,7 +28,7 @@ from dmuon.optim.engine.base import Engine, Stepper, local_norm_tensors
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.report import StepReport
-from dmuon.optim.engine.tensor_split import laid_out_as, mark_relaid, split_of
+from dmuon.optim.engine.tensor_split import settle_split_grads, split_of
 from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.rules import get_rule
 
@@ -53,7 +53,7 @@ class OwnerEngine(Engine):
         self._scalars_by_layer: dict[str | None, list[tuple[int, list[torch.Tensor]]]] = {}
         self._matrix_groups: list[int] = []
         # per layer, the replicated-whole DTensor matrices this rank owns (settle_owned)
-        self._whole_by_layer: dict[str, list[torch.Tensor]] = {}
+        self._whole_by_layer: dict[str, list[EngineParam]] = {}
 
     def bind(self, stepper: Stepper) -> None:
         super().bind(stepper)
@@ -116,12 +116,12 @@ class OwnerEngine(Engine):
             for key, params in mine.items():
                 by_layer.setdefault(key, []).append((index, params))
         self._scalars_by_layer = by_layer
-        whole: dict[str, list[torch.Tensor]] = {}
+        whole: dict[str, list[EngineParam]] = {}
         for e in ours:
             if self.replicated_whole(e.param) and self.steps(e.param):
                 key = self.group_of(e.param)
                 assert key is not None
-                whole.setdefault(key, []).append(e.param)
+                whole.setdefault(key, []).append(e)
         self._whole_by_layer = whole
 
     def _dedicated(self, p: torch.Tensor) -> bool:
@@ -257,16 +257,11 @@ class OwnerEngine(Engine):
         step's agreement (which spans ``tp``: ``OwnerExchange.tensor_groups``). A split
         matrix's pending sum was laid out before its reduction
         (:func:`~dmuon.optim.engine.tensor_split.laid_out_as`), since its local part is not
-        the shard's shape.
+        the shard's shape. These are matrices, so their pending sums are carried out
+        (:func:`~dmuon.optim.engine.tensor_split.settle_split_grads`, which also marks them
+        for ``DMuon.zero_grad`` to drop).
         """
-        for p in self._whole_by_layer.get(key, ()):
-            g = p.grad
-            if g is None:
-                continue
-            settled = laid_out_as(g, p)
-            if settled is not g:
-                p.grad = settled
-                mark_relaid(p)  # DMuon.zero_grad drops it (see drop_relaid_grads)
+        settle_split_grads(self._whole_by_layer.get(key, ()))
 
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
         ex = self.exchange
