@@ -54,6 +54,19 @@ class DeepMLP(nn.Module):
         return self.fc4(F.relu(self.fc3(h)))
 
 
+def mode_mesh(mode: str, world: int):
+    """``(mesh, tp, rows, row)`` of a tensor-parallel test in ``mode``: ``single`` on a tp
+    mesh of ``world``; ``replicated`` and ``owner`` on dp 2 × tp ``world/2`` (the dp rows
+    each take ``1/rows`` of every batch; ``row`` is this rank's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if mode == "single":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        return mesh, mesh, 1, 0
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    return mesh, mesh["tp"], 2, mesh.get_coordinate()[0]
+
+
 def deep_batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(200 + t)
     return torch.randn(16, 12, generator=g), torch.randn(16, 6, generator=g)

@@ -29,6 +29,7 @@ from tensor_parallel_cases import (
     clipped_reference,
     deep_batch,
     error,
+    mode_mesh,
     sequence_batch,
     tp_deep_mlp,
     train_steps,
@@ -805,7 +806,6 @@ NARROW_CLIP = 0.05  # below every step's gradient norm (≈ 0.7–1.0): every st
 def run_narrow_tp(rank, world, mode):
     """``single`` mode on a tp mesh of 2; owner mode (``dedicate``) and replicated mode
     (owners over dp) on dp 2 × tp 2, each dp row half of every batch."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -816,12 +816,7 @@ def run_narrow_tp(rank, world, mode):
     from dmuon.integrations import ddp
     from dmuon.optim import clip_grad_norm_
 
-    if mode == "single":
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        tp, rows, row = mesh, 1, 0
-    else:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
-        tp, rows, row = mesh["tp"], 2, mesh.get_coordinate()[0]
+    mesh, tp, rows, row = mode_mesh(mode, world)
     model = NarrowMLP()
     parallelize_module(
         model,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tensor_parallel_cases import OPT, SPLIT_TOLERANCE, STEPS, error
+from tensor_parallel_cases import OPT, SPLIT_TOLERANCE, STEPS, error, mode_mesh
 from torch import nn
 
 from dmuon.comm.testing import run_on_ranks
@@ -133,17 +133,11 @@ def run_pending(rank, world, mode, whole):
     ``owner``: dp 2 × tp 2, each dp row half of every batch (averaged over dp: by hand as
     DDP would, or by the dedication), each tp rank half of its row's tokens."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon.integrations import ddp
     from dmuon.optim.matrix_split import local_tensor
 
-    if mode == "single":
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        tp, rows, row = mesh, 1, 0
-    else:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
-        tp, rows, row = mesh["tp"], 2, mesh.get_coordinate()[0]
+    mesh, tp, rows, row = mode_mesh(mode, world)
     model = parallelize(PendingNet(whole), tp)
     ded = ddp.dedicate(model, mesh) if mode == "owner" else None
     dp = mesh["dp"].get_group() if mode == "replicated" else None
