@@ -261,7 +261,9 @@ class OwnerEngine(Engine):
         (:func:`~dmuon.optim.engine.tensor_split.settle_split_grads`, which also marks them
         for ``DMuon.zero_grad`` to drop).
         """
-        settle_split_grads(self._whole_by_layer.get(key, ()))
+        whole = self._whole_by_layer.get(key)
+        if whole:  # most layers hold none: no call for them
+            settle_split_grads(whole)
 
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
         ex = self.exchange
