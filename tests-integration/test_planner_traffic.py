@@ -36,12 +36,13 @@ def measure(rank, world, mode):
         if ded is not None:
             ded.wait()
         recorded = {k: (v.bytes_sent, v.bytes_received) for k, v in default_stats().ops.items()}
+        counts = {k: v.collectives for k, v in default_stats().ops.items()}
     if mode.startswith("owner"):
         plan = ded.plan
     else:
         plan = opt._engine.plan
     torch.distributed.barrier()
-    return recorded, plan
+    return recorded, plan, counts
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -60,7 +61,7 @@ def test_planner_bytes_equal_commstats_on_gloo_ranks(mode, world):
     kind = {"owner_fsdp": "owner", "owner_fsdp_z3": "owner-z3"}.get(mode, mode)
     # the CPU engine batches at most 2**20 matrix entries per rule call
     predicted = dmuon_transfers(spec, plan, kind, batch_limit=1 << 20)
-    for rank, (recorded, _) in enumerate(out):
+    for rank, (recorded, _, counts) in enumerate(out):
         mine = per_rank_ops(predicted, rank)
         moved = {k: v for k, v in recorded.items() if v != (0.0, 0.0)}
         assert sorted(moved) == sorted(k for k, v in mine.items() if v != (0.0, 0.0)), (
@@ -70,3 +71,10 @@ def test_planner_bytes_equal_commstats_on_gloo_ranks(mode, world):
         )
         for op, (sent, received) in moved.items():
             assert mine[op] == (pytest.approx(sent), pytest.approx(received)), (rank, op)
+        if kind.startswith("owner"):
+            # and as many collectives: one per owner and dtype of each unit (owner mode
+            # packs the small layers of this GPT into one, ZeRO-3-like does not)
+            for t in predicted:
+                if t.op in ("reduce_to_owners", "broadcast_from_owners"):
+                    issued = sum(x.collectives for x in predicted if x.op == t.op)
+                    assert counts[t.op] == issued, (rank, t.op, counts[t.op], issued)

@@ -64,8 +64,11 @@ def test_ddp_dedicate_names_owners_all_reduced_and_hooks():
     assert ded.owned == ded.names and ded.rank == 0 and ded.owner_of("conv.weight") == 0
     assert "head.weight" in ded.all_reduced
     assert ded.params == {net.blocks[0].weight, net.blocks[1].weight, net.conv.weight}
-    # + 1: the state-dict pre-hook that waits for broadcasts in flight
-    assert len(ded.handles) == 3 + len(ded.all_reduced) + len(ded.exchange.layer_keys()) + 1
+    # a forward pre-hook per layer (its module; the small layers are packed, each
+    # member keeps its hook) + 1: the state-dict pre-hook that waits for broadcasts
+    layers = sum(len(ded.exchange.layer(k).members) for k in ded.exchange.layer_keys())
+    assert layers == 6  # blocks.0, blocks.1, conv, emb, head, norm
+    assert len(ded.handles) == 3 + len(ded.all_reduced) + layers + 1
     assert "blocks.0" in ded.summary() and "Dedication(kind='ddp'" in repr(ded)
     ded.remove()
     assert ded.handles == []

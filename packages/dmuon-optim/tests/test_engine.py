@@ -103,7 +103,8 @@ def test_owner_mode_on_one_rank_equals_single_and_is_found_from_the_parameters()
     owned = train(b, opt, x, y, before_step=lambda: [ready(p) for p in exchange.params])
     for p, q in zip(single, owned, strict=True):
         assert torch.equal(p, q)
-    assert opt.last_step.groups == 3  # one pipeline group per layer (0, 2, 4)
+    # one pipeline group per unit: the three small layers (0, 2, 4) are one pack
+    assert exchange.layer_keys() == ["0..4"] and opt.last_step.groups == 1
 
 
 def test_owner_mode_skips_a_matrix_no_rank_has_a_gradient_for():

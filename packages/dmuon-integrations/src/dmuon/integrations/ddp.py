@@ -27,6 +27,7 @@ from dmuon.integrations.buffers import broadcast_buffers as _broadcast_buffers
 from dmuon.integrations.buffers import install_buffer_broadcast
 from dmuon.integrations.dedication import Dedication, build_dedication
 from dmuon.integrations.selection import Predicate, mesh_groups, tensor_parallel_dim
+from dmuon.optim.engine import DEFAULT_PACK_MB
 
 __all__ = ["SCALAR_MODES", "dedicate"]
 
@@ -42,6 +43,7 @@ def dedicate(
     reshard_after_forward: bool = False,
     strategy: str = "lpt",
     layer_of: Callable[[str], str] = layer_key,
+    layer_pack_mb: float = DEFAULT_PACK_MB,
     broadcast_buffers: bool = True,
     stats: CommStats | None = None,
     **plan_options: Any,
@@ -70,6 +72,12 @@ def dedicate(
             between layers (see :func:`dmuon.integrations.fsdp.dedicate`).
         strategy: owner planning strategy (see :func:`dmuon.comm.plan_owners`).
         layer_of: name → layer key (the unit of reduction and publication).
+        layer_pack_mb: consecutive layers whose parameters hold at most this many MiB
+            together are reduced and published as one unit (one collective per owner and
+            pack, not per owner and layer: on a model of many small layers the
+            collectives' latency bounds the step); default 1 MiB (DDP's first bucket),
+            ``0``: every layer alone. Ignored (layers alone) with
+            ``reshard_after_forward`` or tensor-parallel parameters.
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every
             rank here and before every forward run with gradients enabled, as DDP does
             by default (:mod:`dmuon.integrations.buffers`); ``False``: each rank keeps
@@ -109,6 +117,7 @@ def dedicate(
         predicate=predicate,
         strategy=strategy,
         layer_of=layer_of,
+        layer_pack_mb=layer_pack_mb,
         stats=stats,
         all_reduce_rest=scalars == "all_reduce",
         kind="ddp",

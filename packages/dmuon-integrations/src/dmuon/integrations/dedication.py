@@ -22,7 +22,7 @@ from dmuon.integrations.selection import (
 )
 from dmuon.optim import OwnerExchange
 from dmuon.optim import deadline as auto_deadline
-from dmuon.optim.engine import format_description
+from dmuon.optim.engine import DEFAULT_PACK_MB, format_description
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.engine.placements import placement_of
 
@@ -193,6 +193,7 @@ def build_dedication(
     reshard_after_forward: bool = False,
     reduce_op: str = "avg",
     free_local_grads: bool = False,
+    layer_pack_mb: float = DEFAULT_PACK_MB,
 ) -> Dedication:
     """Plan owners for ``model``'s dedicated parameters, build their exchange, hook it in.
 
@@ -258,6 +259,7 @@ def build_dedication(
                 reshard_after_forward=reshard_after_forward,
                 reduce_op=reduce_op,
                 free_local_grads=free_local_grads,
+                layer_pack_mb=layer_pack_mb,
             )
     except CollectiveError as err:
         raise err.with_context(

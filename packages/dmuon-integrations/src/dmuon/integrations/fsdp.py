@@ -28,6 +28,7 @@ from dmuon.comm.process_groups import group_size
 from dmuon.integrations.dedication import Dedication, build_dedication
 from dmuon.integrations.partial_use import install_partial_use_check
 from dmuon.integrations.selection import Predicate
+from dmuon.optim.engine import DEFAULT_PACK_MB
 from dmuon.optim.engine.guards import guard_groups
 
 __all__ = ["dedicate"]
@@ -43,6 +44,7 @@ def dedicate(
     free_local_grads: bool = False,
     strategy: str = "lpt",
     layer_of: Callable[[str], str] = layer_key,
+    layer_pack_mb: float = DEFAULT_PACK_MB,
     stats: CommStats | None = None,
     **plan_options: Any,
 ) -> Dedication:
@@ -87,6 +89,12 @@ def dedicate(
             :func:`dmuon.comm.plan_owners`).
         layer_of: name → layer key; a layer is the unit of reduction, publication and
             pipelining (default :func:`dmuon.comm.layer_key`: ``blocks.3``).
+        layer_pack_mb: consecutive layers whose parameters hold at most this many MiB
+            together are reduced and published as one unit (one collective per owner and
+            pack, not per owner and layer: on a model of many small layers the
+            collectives' latency bounds the step); default 1 MiB (DDP's first bucket),
+            ``0``: every layer alone. Ignored (layers alone) with
+            ``reshard_after_forward`` or tensor-parallel parameters.
         stats: where bytes are recorded (default :func:`dmuon.comm.default_stats`).
         **plan_options: more arguments of :func:`dmuon.comm.plan_owners`.
 
@@ -115,6 +123,7 @@ def dedicate(
         predicate=predicate,
         strategy=strategy,
         layer_of=layer_of,
+        layer_pack_mb=layer_pack_mb,
         stats=stats,
         reshard_after_forward=reshard_after_forward,
         reduce_op=reduce_op,

@@ -9,7 +9,9 @@ Only public module and tensor hooks are used (no framework internals):
   layer was started;
 * ``module.register_forward_pre_hook`` on each layer's module: before the layer
   runs → ``exchange.publication.forward_enter``, which waits for that layer's published
-  weights only (the later layers' broadcasts keep travelling meanwhile);
+  weights only (the later layers' broadcasts keep travelling meanwhile); a pack of
+  small layers (:func:`~dmuon.optim.engine.layer_record.pack_layers`) has the hook on
+  each of its layers' modules, and the first to run waits for the whole pack;
 * with ``reshard_after_forward`` (ZeRO-3-like) also ``register_forward_hook`` →
   ``exchange.publication.forward_exit`` (free the layer on non-owners) and
   ``register_full_backward_pre_hook`` → ``exchange.publication.backward_enter`` (bring it back
@@ -99,19 +101,22 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
         return hook
 
     for key in exchange.layer_keys():
-        module = module_of_layer(model, key)
-        handles.append(
-            module.register_forward_pre_hook(call(exchange.publication.forward_enter, key))
-        )
-        if exchange.reshard_after_forward:
+        # a pack of small layers (never under ZeRO-3-like) waits before whichever of its
+        # layers runs first; the wait is for the whole pack, the other hooks find it done
+        members = (module_of_layer(model, k) for k in exchange.layer(key).members)
+        for module in {id(m): m for m in members}.values():
             handles.append(
-                module.register_forward_hook(call(exchange.publication.forward_exit, key))
+                module.register_forward_pre_hook(call(exchange.publication.forward_enter, key))
             )
-            handles.append(
-                module.register_full_backward_pre_hook(
-                    call(exchange.publication.backward_enter, key)
+            if exchange.reshard_after_forward:
+                handles.append(
+                    module.register_forward_hook(call(exchange.publication.forward_exit, key))
                 )
-            )
+                handles.append(
+                    module.register_full_backward_pre_hook(
+                        call(exchange.publication.backward_enter, key)
+                    )
+                )
     handles.append(model.register_state_dict_pre_hook(_current_weights(exchange)))
     return handles
 

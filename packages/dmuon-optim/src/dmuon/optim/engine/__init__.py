@@ -17,7 +17,7 @@ from dmuon.optim.engine.guards import (
     guard_groups,
     nonfinite_ranks,
 )
-from dmuon.optim.engine.layer_record import OwnerLayer
+from dmuon.optim.engine.layer_record import DEFAULT_PACK_MB, OwnerLayer
 from dmuon.optim.engine.model_agreement import ModelMismatchError, check_model_consistency
 from dmuon.optim.engine.modes import MODES, make_engine
 from dmuon.optim.engine.owner import OwnerEngine
@@ -37,6 +37,7 @@ from dmuon.optim.engine.sharded import ShardedEngine
 from dmuon.optim.engine.sign import SignEngine
 
 __all__ = [
+    "DEFAULT_PACK_MB",
     "MODES",
     "NONFINITE_POLICIES",
     "PHASES",

@@ -46,7 +46,7 @@ from dmuon.comm import (
     default_stats,
 )
 from dmuon.comm.process_groups import group_rank, group_size
-from dmuon.optim.engine.layer_record import OwnerLayer, group_layers
+from dmuon.optim.engine.layer_record import DEFAULT_PACK_MB, OwnerLayer, group_layers, pack_layers
 from dmuon.optim.engine.model_agreement import check_model_consistency, plan_with_replicated
 from dmuon.optim.engine.owner_split import check_split_model, local_plan
 from dmuon.optim.engine.params import EngineParam, is_dtensor
@@ -115,6 +115,13 @@ class OwnerExchange:
             FSDP2's DTensor ones (a trainer's own norm over every ``p.grad``, torchtitan's,
             would otherwise mix the two). Default ``False``: the local gradients stay until
             the step.
+        layer_pack_mb: consecutive layers (natural order) are packed into one unit of
+            reduction, step and publication while the pack's parameters hold at most
+            this many MiB (:func:`~dmuon.optim.engine.layer_record.pack_layers`): one
+            collective per owner and pack instead of per owner and layer, which is
+            what bounds the step of a model of many small layers. Default 1 MiB, DDP's
+            first bucket; ``0``: one unit per layer. Not packed: ZeRO-3-like
+            (``reshard_after_forward``) and tensor-parallel models.
 
     Attributes:
         reduction: the reduction side (:class:`~dmuon.optim.engine.Reduction`): the
@@ -157,7 +164,17 @@ class OwnerExchange:
         reshard_after_forward: bool = False,
         reduce_op: str = "avg",
         free_local_grads: bool = False,
+        layer_pack_mb: float = DEFAULT_PACK_MB,
     ) -> None:
+        if (
+            isinstance(layer_pack_mb, bool)
+            or not isinstance(layer_pack_mb, int | float)
+            or not layer_pack_mb >= 0
+        ):
+            raise ValueError(
+                f"layer_pack_mb must be a number of MiB >= 0 (0: every layer reduced and "
+                f"published on its own), got {layer_pack_mb!r}"
+            )
         if reduce_op not in ("avg", "sum"):
             raise ValueError(
                 f"reduce_op must be 'avg' (gradients averaged over the ranks, as DDP and "
@@ -197,7 +214,14 @@ class OwnerExchange:
             if exchange_of(p) is not None:
                 raise ValueError(f"parameter {item.name!r} is dedicated twice")
         self.layers, self._params, self._layer_of = group_layers(dedicated, replicated, plan)
-        self._by_key = {layer.key: layer for layer in self.layers}
+        if not (split or reshard_after_forward):
+            # ZeRO-3-like frees a layer after its own forward; a tensor-parallel layer's
+            # shards are stepped by its owner's tp row: both stay one layer a unit
+            self.layers, self._layer_of = pack_layers(
+                self.layers, self._params, self._layer_of, int(layer_pack_mb * 2**20)
+            )
+        # by its key, and a pack by each of its layers' keys too
+        self._by_key = {k: layer for layer in self.layers for k in {layer.key, *layer.members}}
         self.tensor_groups = tensor_groups(
             (EngineParam(i.name, p, 0, 0, True, "", i) for i, p in dedicated), group
         )
@@ -277,16 +301,20 @@ class OwnerExchange:
         return self._layer_of[name]
 
     def layer_keys(self) -> list[str]:
-        """Layer keys, in natural (forward) order."""
+        """The keys of the units of the step (layers, or packs of small layers:
+        :attr:`OwnerLayer.members <dmuon.optim.engine.layer_record.OwnerLayer>`), in
+        natural (forward) order."""
         return [layer.key for layer in self.layers]
 
     def layer_names(self, key: str) -> list[str]:
-        """The dedicated and replicated parameter names of layer ``key``."""
+        """The dedicated and replicated parameter names of layer ``key`` (of the whole
+        pack, for a key of a layer packed with others)."""
         layer = self._by_key[key]
         return [*layer.dedicated, *layer.replicated]
 
     def layer(self, key: str) -> OwnerLayer:
-        """The record of layer ``key`` (its parameters, buckets and traffic in flight)."""
+        """The record of layer ``key`` (its parameters, buckets and traffic in flight):
+        a key of :meth:`layer_keys`, or of a layer packed into one of them."""
         return self._by_key[key]
 
     def wait_all_published(self) -> None:

@@ -7,6 +7,12 @@ reduction side, ``reduction.py``) fills and reads the reduction fields,
 :class:`~dmuon.optim.engine.Publication` (the broadcast side, ``publication.py``)
 the publication fields. Both hold the same :class:`OwnerLayer` objects, in natural
 (forward) layer order.
+
+A record is the unit of the step's pipeline: one reduction, one step and one
+publication per owner. Layers too small to pay for a collective of their own are
+packed together first (:func:`pack_layers`), as DDP packs gradients into buckets:
+on a model of many small layers the per-collective latency, not the bytes, bounds
+the step (``benchmarks/step_overhead.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +26,11 @@ from dmuon.comm import CommHandle, FlatBucket, MatrixItem, OwnerPlan, make_bucke
 from dmuon.comm.owner_plan import natural_key
 from dmuon.optim.matrix_split import local_tensor
 
-__all__ = ["OwnerLayer", "group_layers"]
+__all__ = ["DEFAULT_PACK_MB", "OwnerLayer", "group_layers", "pack_layers"]
+
+DEFAULT_PACK_MB = 1.0
+"""Default size limit of a pack of consecutive layers (:func:`pack_layers`), MiB:
+PyTorch DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
 
 
 @dataclass(eq=False)
@@ -28,7 +38,10 @@ class OwnerLayer:
     """One layer of an owner-mode model: its parameters, buffers and in-flight traffic.
 
     Attributes:
-        key: the layer key (``blocks.3``), the unit of the step's pipeline.
+        key: the layer key (``blocks.3``), the unit of the step's pipeline; a pack of
+            several layers is named ``first..last`` (``blocks.0..blocks.7``).
+        members: the layer keys it holds, in natural order (``(key,)`` for one layer;
+            the forward pre-hooks go on each member's module).
         dedicated: names of its dedicated parameters (stepped by their owners).
         replicated: names of its all-reduced parameters (stepped by every rank).
         reduce_buckets: flat buffers the dedicated gradients are reduced to owners in.
@@ -45,6 +58,7 @@ class OwnerLayer:
     """
 
     key: str
+    members: tuple[str, ...] = ()
     dedicated: list[str] = field(default_factory=list)
     replicated: list[str] = field(default_factory=list)
     reduce_buckets: list[FlatBucket] = field(default_factory=list)
@@ -57,6 +71,10 @@ class OwnerLayer:
     reduced: bool = False
     publish_handle: CommHandle | None = None
     resident: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            self.members = (self.key,)
 
     @property
     def expected(self) -> int:
@@ -123,3 +141,72 @@ def group_layers(
         layer_of[name] = key
         layers.setdefault(key, OwnerLayer(key)).replicated.append(name)
     return [layers[k] for k in sorted(layers, key=natural_key)], params, layer_of
+
+
+def pack_layers(
+    layers: Sequence[OwnerLayer],
+    params: Mapping[str, torch.Tensor],
+    layer_of: Mapping[str, str],
+    max_bytes: int,
+) -> tuple[list[OwnerLayer], dict[str, str]]:
+    """Pack consecutive small layers into one record each, up to ``max_bytes``.
+
+    Greedy in natural (forward) order: a pack takes the next layer while the bytes of
+    its parameters (dedicated and replicated, each rank's local part) stay within
+    ``max_bytes``; a layer larger than that is a pack of its own. A pack is reduced,
+    stepped and published as one layer: one collective per owner instead of one per
+    owner *and* layer. Its gradients start travelling when the last of its layers'
+    gradients has arrived (the first layer's, in backward), so a pack trades a
+    little overlap with backward for fewer collectives; layers worth overlapping are
+    larger than the default limit (:data:`DEFAULT_PACK_MB`) and stay alone.
+
+    Args:
+        layers: the records in natural order, with no buckets yet.
+        params: every parameter by name.
+        layer_of: each name's layer key.
+        max_bytes: the limit; ``0``: every layer its own record (nothing packed).
+
+    Returns:
+        The packed records and each name's pack key.
+
+    Examples:
+        >>> import torch
+        >>> layers = [OwnerLayer(f"b.{i}", replicated=[f"b.{i}.w"]) for i in range(3)]
+        >>> params = {f"b.{i}.w": torch.zeros(4) for i in range(3)}  # 16 bytes each
+        >>> packed, of = pack_layers(layers, params, {n: n[:3] for n in params}, 32)
+        >>> [(p.key, p.members) for p in packed], of["b.1.w"]
+        ([('b.0..b.1', ('b.0', 'b.1')), ('b.2', ('b.2',))], 'b.0..b.1')
+    """
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0 (0: no packing), got {max_bytes}")
+    if max_bytes == 0 or len(layers) < 2:
+        return list(layers), dict(layer_of)
+    runs: list[list[OwnerLayer]] = []
+    size = 0
+    for layer in layers:
+        nbytes = sum(
+            local_tensor(params[n]).numel() * params[n].element_size()
+            for n in (*layer.dedicated, *layer.replicated)
+        )
+        if runs and size + nbytes <= max_bytes:
+            runs[-1].append(layer)
+            size += nbytes
+        else:
+            runs.append([layer])
+            size = nbytes
+    packed: list[OwnerLayer] = []
+    out = dict(layer_of)
+    for run in runs:
+        if len(run) == 1:
+            packed.append(run[0])
+            continue
+        pack = OwnerLayer(
+            f"{run[0].key}..{run[-1].key}",
+            members=tuple(m for layer in run for m in layer.members),
+            dedicated=[n for layer in run for n in layer.dedicated],
+            replicated=[n for layer in run for n in layer.replicated],
+        )
+        for n in (*pack.dedicated, *pack.replicated):
+            out[n] = pack.key
+        packed.append(pack)
+    return packed, out

@@ -12,7 +12,7 @@ formulas of :func:`~dmuon.comm.cost_model`.
 ========== ========================================================== ==========
 mode       DMuon's collectives per step                                phase
 ========== ========================================================== ==========
-owner      ``reduce`` of every matrix to its owner, per layer bucket   backward
+owner      ``reduce`` of every matrix to its owner, per unit bucket    backward
            ``broadcast`` of every matrix from its owner                forward
 owner-z3   as owner, and a second ``broadcast`` before backward        both
 replicated one ``all_gather`` of the updates per layer and dtype,       step
@@ -23,6 +23,11 @@ sign       one packed majority vote (``all_to_all`` + ``all_gather`` of step
            ⌈numel/8N⌉ bytes) per batched rule call; an ``all_reduce``
            of the scalar gradients
 ========== ========================================================== ==========
+
+Owner mode's unit is a layer, or a pack of consecutive small layers
+(:func:`~dmuon.optim.engine.layer_record.pack_layers`; its matrices: the scalars are
+FSDP2's): one bucket per owner and dtype of a unit, one round of latency per unit.
+``owner-z3`` keeps one layer a unit.
 
 Every mode but ``owner``/``owner-z3`` and ``replicated`` also all-reduces the int32
 gradient-presence flags of the parameters it steps (``presence_flags``); owner mode
@@ -39,6 +44,8 @@ import torch
 
 from dmuon.comm import CommStats, MatrixItem, OwnerPlan
 from dmuon.comm.cost_model import cost_model
+from dmuon.comm.owner_plan import natural_key
+from dmuon.optim.engine.layer_record import DEFAULT_PACK_MB
 from dmuon.optim.engine.params import subplan
 from dmuon.optim.planner.config import ModelSpec
 
@@ -139,19 +146,41 @@ def _presence(count: int, n: int, phase: str) -> Transfer:
     return t
 
 
+def _owner_units(plan: OwnerPlan, max_bytes: int) -> list[list[MatrixItem]]:
+    """The items of each unit of the owner-mode step, as the exchange makes them: the
+    layers (an item's ``layer``, else its name) in natural order, consecutive ones
+    packed while their matrices hold at most ``max_bytes``
+    (:func:`~dmuon.optim.engine.layer_record.pack_layers`; ``0``: a layer a unit)."""
+    by_layer: dict[str, list[MatrixItem]] = {}
+    for item in plan.items:
+        by_layer.setdefault(item.layer if item.layer is not None else item.name, []).append(item)
+    units: list[list[MatrixItem]] = []
+    size = 0
+    for key in sorted(by_layer, key=natural_key):
+        items = by_layer[key]
+        nbytes = sum(i.nbytes for i in items)
+        if units and max_bytes and size + nbytes <= max_bytes:
+            units[-1].extend(items)
+            size += nbytes
+        else:
+            units.append(list(items))
+            size = nbytes
+    return units
+
+
 def _owner(plan: OwnerPlan, n: int, z3: bool) -> list[Transfer]:
     reduce = _collective("reduce_to_owners", "reduce", "backward", n)
     bcast = _collective("broadcast_from_owners", "broadcast", "forward", n)
     again = _collective("broadcast_from_owners", "broadcast", "backward", n)
-    layers = _layers(plan)
+    units = _owner_units(plan, 0 if z3 else int(DEFAULT_PACK_MB * 2**20))
     for t in (reduce, bcast, again):
-        t.rounds = len(layers)
+        t.rounds = len(units)
     sizes: list[int] = []
-    for _, part in layers:
-        # one bucket per (owner, dtype) of the layer: make_buckets, alignment 1
+    for items in units:
+        # one bucket per (owner, dtype) of the unit: make_buckets, alignment 1
         buckets: dict[tuple[int, torch.dtype], int] = {}
-        for item in part.items:
-            key = (part.owner(item.name), item.dtype)
+        for item in items:
+            key = (plan.owner(item.name), item.dtype)
             buckets[key] = buckets.get(key, 0) + item.nbytes
         sizes.extend(buckets.values())
     _record(reduce, "reduce", sizes, n)

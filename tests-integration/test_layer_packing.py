@@ -1,0 +1,195 @@
+"""Owner mode packs consecutive small layers into one unit of reduction and publication.
+
+On a model of many small layers the collectives' latency, not their bytes, bounds the
+owner-mode step (three collectives per layer: the reduction to the owners, the
+scalars' all-reduce, the publication). ``layer_pack_mb`` (default 1 MiB, DDP's first
+bucket) packs consecutive layers, in natural order, while their parameters hold at
+most that many MiB: one collective per owner and pack.
+
+Checked here: the greedy packing by bytes against a hand count; two gloo ranks with
+packing give the single-process result of the same global batch and exactly the
+unpacked owner mode's weights, with the collectives counted per pack; a pack's
+forward pre-hooks wait for the whole pack before whichever of its layers runs first
+(a model whose forward order is not its names' order); ZeRO-3-like stays one layer a
+unit; bad values are refused naming the argument.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from dmuon.comm.testing import run_on_ranks
+from dmuon.optim.engine.layer_record import OwnerLayer, pack_layers
+
+WIDTH = 8
+DEPTH = 6
+STEPS = 3
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(torch.tanh(self.linear(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def batch(step: int) -> torch.Tensor:
+    """The global batch of a step (4 rows; rank r of 2 takes rows 2r, 2r+1)."""
+    return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(100 + step))
+
+
+def test_pack_layers_is_greedy_by_bytes_in_natural_order():
+    sizes = [4, 4, 4, 16, 2, 2]  # float32 elements: 16, 16, 16, 64, 8, 8 bytes
+    params = {f"l.{i}.w": torch.zeros(n) for i, n in enumerate(sizes)}
+    layers = [OwnerLayer(f"l.{i}", replicated=[f"l.{i}.w"]) for i in range(len(sizes))]
+    layer_of = {f"l.{i}.w": f"l.{i}" for i in range(len(sizes))}
+    packed, of = pack_layers(layers, params, layer_of, 32)
+    # 16+16 = 32 fits; +16 does not; 64 alone (over the limit); 8+8 fits
+    assert [p.members for p in packed] == [("l.0", "l.1"), ("l.2",), ("l.3",), ("l.4", "l.5")]
+    assert [p.key for p in packed] == ["l.0..l.1", "l.2", "l.3", "l.4..l.5"]
+    assert packed[0].replicated == ["l.0.w", "l.1.w"] and packed[0].expected == 2
+    assert of["l.1.w"] == "l.0..l.1" and of["l.2.w"] == "l.2" and of["l.5.w"] == "l.4..l.5"
+    unpacked, same = pack_layers(layers, params, layer_of, 0)
+    assert [p.key for p in unpacked] == [f"l.{i}" for i in range(6)] and same == layer_of
+    with pytest.raises(ValueError, match="max_bytes"):
+        pack_layers(layers, params, layer_of, -1)
+
+
+@pytest.mark.parametrize("bad", [-1, "1", True, float("nan")])
+def test_a_bad_pack_size_is_refused_naming_it(bad):
+    from dmuon.integrations import ddp
+
+    with pytest.raises(ValueError, match="layer_pack_mb"):
+        ddp.dedicate(Stack(), layer_pack_mb=bad)
+
+
+def test_zero3_like_keeps_one_layer_a_unit():
+    from dmuon.integrations import fsdp
+
+    ded = fsdp.dedicate(Stack(), reshard_after_forward=True)
+    assert ded.exchange.layer_keys() == [f"blocks.{i}" for i in range(DEPTH)]
+    packed = fsdp.dedicate(Stack())
+    assert packed.exchange.layer_keys() == [f"blocks.0..blocks.{DEPTH - 1}"]
+
+
+def _train(rank, world, pack_mb):
+    from dmuon.comm import CommStats
+    from dmuon.integrations import ddp
+    from dmuon.optim import DMuon, param_groups
+
+    model = Stack()
+    stats = CommStats()
+    ded = ddp.dedicate(model, layer_pack_mb=pack_mb, stats=stats)
+    opt = DMuon(param_groups(model), distributed=ded, lr=0.02, ns_compute_dtype="float32")
+    calls = []
+    for t in range(STEPS):
+        x = batch(t)[2 * rank : 2 * rank + 2]
+        stats.reset()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ded.wait()
+        calls.append(
+            (stats["reduce_to_owners"].collectives, stats["broadcast_from_owners"].collectives)
+        )
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return weights, calls, ded.exchange.layer_keys()
+
+
+def test_two_ranks_packed_equal_unpacked_and_one_process():
+    from dmuon.optim import DMuon, param_groups
+
+    packed = run_on_ranks(_train, 2, args=(1.0,), timeout=120)
+    unpacked = run_on_ranks(_train, 2, args=(0,), timeout=120)
+    model = Stack()
+    opt = DMuon(param_groups(model), lr=0.02, ns_compute_dtype="float32")
+    for t in range(STEPS):
+        # DDP's loss: each rank's mean over its half; the gradient average is the
+        # mean over the whole batch
+        model(batch(t)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    (w0, calls, keys), (w1, _, _) = packed
+    assert keys == [f"blocks.0..blocks.{DEPTH - 1}"]
+    assert unpacked[0][2] == [f"blocks.{i}" for i in range(DEPTH)]
+    for name, p in model.named_parameters():
+        assert torch.equal(w0[name], w1[name]), name  # the ranks agree bit for bit
+        assert torch.equal(w0[name], unpacked[0][0][name]), name  # as unpacked
+        torch.testing.assert_close(w0[name], p.detach(), rtol=0, atol=1e-6)
+    # per step: one reduce and one broadcast per owner holding a matrix of the pack,
+    # against one per layer unpacked
+    owners = 2
+    assert calls == [(owners, owners)] * STEPS
+    assert unpacked[0][1] == [(DEPTH, DEPTH)] * STEPS
+
+
+def test_the_planner_counts_the_collectives_of_the_packs():
+    from dmuon.comm import plan_owners
+    from dmuon.optim.planner.config import spec_from_module
+    from dmuon.optim.planner.traffic import dmuon_transfers
+
+    spec = spec_from_module(Stack(), "stack")
+    plan = plan_owners(spec.matrices, 2)
+
+    def issued(mode):
+        ts = dmuon_transfers(spec, plan, mode)
+        return {t.op: (t.collectives, t.rounds) for t in ts if t.op != "presence_flags"}
+
+    # one unit (the matrices of the six layers hold 1.5 KiB): a reduce and a broadcast
+    # per owner, one round of latency, as test_two_ranks_packed... records
+    assert issued("owner") == {"reduce_to_owners": (2, 1), "broadcast_from_owners": (2, 1)}
+    # ZeRO-3-like: a unit per layer, each layer's matrix one collective, twice broadcast
+    assert issued("owner-z3") == {
+        "reduce_to_owners": (DEPTH, DEPTH),
+        "broadcast_from_owners": (DEPTH, DEPTH),
+    }
+
+
+class Reordered(nn.Module):
+    """Layers named against their forward order: ``z`` runs before ``a``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.z = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(torch.tanh(self.z(x)))
+
+
+def _first_layer_to_run_waits(rank, world):
+    from dmuon.integrations import ddp
+    from dmuon.optim import DMuon, param_groups
+
+    model = Reordered()
+    ded = ddp.dedicate(model)
+    keys = ded.exchange.layer_keys()
+    opt = DMuon(param_groups(model), distributed=ded, lr=0.02)
+    model(batch(0)).square().mean().backward()
+    opt.step()
+    publication = ded.exchange.publication
+    pending = publication.pending_publications()
+    model.z(batch(1))  # the pack is a..z: z, its last member, runs first
+    return keys, pending, publication.pending_publications()
+
+
+def test_the_first_layer_of_a_pack_to_run_waits_for_the_whole_pack():
+    for keys, pending, after in run_on_ranks(_first_layer_to_run_waits, 2, timeout=120):
+        assert keys == ["a..z"]
+        assert pending == ["a..z"] and after == []
