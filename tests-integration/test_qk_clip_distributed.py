@@ -16,13 +16,17 @@ the weights live differently:
 * ``owner_fsdp``: ``fsdp.dedicate`` (matrices owned, biases FSDP2 DTensors).
 
 ``scale_rows_`` itself is checked on DTensors of 5 rows (uneven shards, 3 + 2) placed
-``Shard(0)``, ``Shard(1)``, ``Replicate()`` and ``(Replicate(), Shard(0))`` (HSDP).
+``Shard(0)``, ``Shard(1)``, ``Replicate()`` and ``(Replicate(), Shard(0))`` (HSDP), and
+on their transposes with ``dim=1`` (5 columns: a weight stored ``(in, out)``).
 
 In ``adamw_fsdp`` and ``owner_fsdp`` the ``QKClip`` is made before ``fully_shard``
 replaces the parameters: it must scale the ones the modules hold at the step.
 
-A tiny Hugging Face Llama (grouped-query attention, q/k biases, ``sdpa``) does the
-same under FSDP2 (``sharded``) and ``ddp.dedicate`` (owner mode).
+A tiny Hugging Face Llama (grouped-query attention, q/k biases, ``sdpa``) and a tiny
+GPT-2 (the fused ``c_attn`` stored ``(in, out)``, its q and k *columns* scaled; split
+q|k|v by ``param_groups``, so in owner mode its three blocks may have different
+owners) do the same under FSDP2 (``sharded``, whose ``Shard(0)`` of ``c_attn`` cuts
+its input rows) and ``ddp.dedicate`` (owner mode).
 
 The reference trains the same model in this process on the mean of the ranks'
 losses, calling the same ``QKClip`` (its hooks see every rank's rows, so its
@@ -193,6 +197,10 @@ def run_placements(rank: int, world: int) -> dict[str, torch.Tensor]:
         d = distribute_tensor(w.clone(), m, placements)
         scale_rows_(d, f)
         out[name] = d.full_tensor()
+        # the same values stored (in, out), as GPT-2's Conv1D: the factors scale columns
+        d = distribute_tensor(w.T.contiguous(), m, placements)
+        scale_rows_(d, f, dim=1)
+        out[f"columns_{name}"] = d.full_tensor().T
     bias = distribute_tensor(w[:, 0].clone(), mesh, [Shard(0)])
     scale_rows_(bias, f)
     out["bias"] = bias.full_tensor()
@@ -244,7 +252,7 @@ def test_every_layout_clips_as_one_process(world):
             assert torch.equal(got, want), f"{name}: {got} != {want}"
 
 
-# ------------------------------------------------- Hugging Face Llama (GQA, biases)
+# ------------------------------------ Hugging Face Llama (GQA, biases) and GPT-2 (Conv1D)
 
 HF_MODES = ["hf_sharded", "hf_owner_ddp"]
 
@@ -273,21 +281,54 @@ def tiny_llama() -> nn.Module:
     return model
 
 
+def tiny_gpt2() -> nn.Module:
+    """GPT-2: fused ``c_attn`` stored (in, out), split q|k|v by ``param_groups``; no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=32,
+        n_positions=16,
+        n_embd=16,
+        n_layer=2,
+        n_head=4,
+        attn_pdrop=0.0,
+        embd_pdrop=0.0,
+        resid_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="sdpa",
+    )
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight[:, :32].mul_(60.0)  # the q and k columns
+            block.attn.c_attn.bias.normal_()
+    return model
+
+
+HF_MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
+
+
+def blocks(model: nn.Module) -> nn.ModuleList:
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
+
+
 def tokens(step: int, rank: int, world: int) -> torch.Tensor:
     ids = torch.randint(0, 32, (GLOBAL_BATCH, 6), generator=torch.Generator().manual_seed(step))
     return ids[rank * GLOBAL_BATCH // world : (rank + 1) * GLOBAL_BATCH // world]
 
 
-def llama_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def hf_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
-def llama_reference(world: int, clip: bool = True) -> dict[str, torch.Tensor]:
-    model = tiny_llama()
+def hf_reference(kind: str, world: int, clip: bool = True) -> dict[str, torch.Tensor]:
+    model = HF_MODELS[kind]()
     opt = DMuon(param_groups(model), **OPT)
     qk = QKClip(model, tau=TAU) if clip else None
     for t in range(STEPS):
-        (sum(llama_loss(model, tokens(t, r, world)) for r in range(world)) / world).backward()
+        (sum(hf_loss(model, tokens(t, r, world)) for r in range(world)) / world).backward()
         opt.step()
         opt.zero_grad()
         if qk is not None:
@@ -295,7 +336,7 @@ def llama_reference(world: int, clip: bool = True) -> dict[str, torch.Tensor]:
     return full(model)
 
 
-def run_llama(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
+def run_hf(rank: int, world: int, kind: str) -> dict[str, dict[str, torch.Tensor]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -303,12 +344,12 @@ def run_llama(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
 
     out = {}
     for mode in HF_MODES:
-        model = tiny_llama()
+        model = HF_MODELS[kind]()
         kw = {}
         ded = None
         if mode == "hf_sharded":
             mesh = init_device_mesh("cpu", (world,))
-            for layer in model.model.layers:
+            for layer in blocks(model):
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
         else:
@@ -318,7 +359,7 @@ def run_llama(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
         qk = QKClip(model, tau=TAU)
         clipped = 0
         for t in range(STEPS):
-            llama_loss(model, tokens(t, rank, world)).backward()
+            hf_loss(model, tokens(t, rank, world)).backward()
             opt.step()
             opt.zero_grad()
             clipped += qk.step().clipped_heads
@@ -330,13 +371,14 @@ def run_llama(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def test_hugging_face_llama_clips_as_one_process():
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_hugging_face_attention_clips_as_one_process(kind):
     pytest.importorskip("transformers")
     world = 2
-    expected = llama_reference(world)
-    teeth, where = max_diff(expected, llama_reference(world, clip=False))
+    expected = hf_reference(kind, world)
+    teeth, where = max_diff(expected, hf_reference(kind, world, clip=False))
     assert teeth > 1e-2, f"the clip barely changed the run ({where}): the test would prove nothing"
-    results = run_on_ranks(run_llama, world, timeout=180)
+    results = run_on_ranks(run_hf, world, args=(kind,), timeout=180)
     for mode in HF_MODES:
         for rank in range(world):
             diff, where = max_diff(results[rank][mode], expected)

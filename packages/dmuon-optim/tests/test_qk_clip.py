@@ -379,6 +379,127 @@ def test_hugging_face_attention_equals_the_paper_restated(kind, bias, impl):
     assert report.clipped_heads > 0
 
 
+# ------------------------------------------------------- Hugging Face GPT-2 (Conv1D)
+
+
+def tiny_gpt2(by_layer: bool = False, cross: bool = False):
+    """GPT-2 with its fused ``c_attn`` stored (in, out); no dropout, so a forward is exact."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(3)
+    config = GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        attn_pdrop=0.0,
+        embd_pdrop=0.0,
+        resid_pdrop=0.0,
+        scale_attn_by_inverse_layer_idx=by_layer,  # layer 1's scale: 1/(√d · 2)
+        add_cross_attention=cross,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(config).double()
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight[:, :64].mul_(30.0)  # q and k columns: logits blow up
+            block.attn.c_attn.bias.normal_()
+    return model
+
+
+def gpt2_logits_max(attn, hidden, pad):
+    """``S^h`` per head written out: q = x W_q + b_q, k = x W_k + b_k from c_attn's columns."""
+    E, H, d = 32, 4, 8
+    w, b = attn.c_attn.weight.detach(), attn.c_attn.bias.detach()
+    q = hidden @ w[:, :E] + b[:E]
+    k = hidden @ w[:, E : 2 * E] + b[E : 2 * E]
+    L = hidden.shape[1]
+    keep = torch.ones(L, L, dtype=torch.bool).tril()[None] & pad[:, None, :]
+    s = torch.empty(H, dtype=torch.float64)
+    for h in range(H):
+        cols = slice(h * d, (h + 1) * d)
+        logits = q[..., cols] @ k[..., cols].transpose(1, 2) * attn.scaling
+        s[h] = logits.masked_fill(~keep, -math.inf).max()
+    return s
+
+
+@pytest.mark.parametrize(
+    ("impl", "alpha", "by_layer", "padded"),
+    [("eager", 0.5, False, True), ("sdpa", 0.5, True, False), ("sdpa", 0.3, False, True)],
+)
+def test_gpt2_attention_equals_the_paper_restated(impl, alpha, by_layer, padded):
+    model = tiny_gpt2(by_layer)
+    model.config._attn_implementation = impl
+    captured = {}
+
+    def grab(name):
+        def hook(mod, args):
+            captured[name] = args[0].detach()  # ln_1's output: c_attn's input
+
+        return hook
+
+    for name, mod in model.named_modules():
+        if name.endswith(".attn"):
+            mod.register_forward_pre_hook(grab(name))
+    clip = QKClip(model, tau=TAU, alpha=alpha)
+    assert [a.name for a in clip.attentions] == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    pad = torch.ones(2, 7, dtype=torch.bool)
+    if padded:
+        pad[1, :2] = False  # left padding of sample 1
+    model(input_ids=ids, attention_mask=pad.long() if padded else None, use_cache=False)
+    before = {n: model.get_submodule(n).c_attn for n in captured}
+    before = {n: (c.weight.detach().clone(), c.bias.detach().clone()) for n, c in before.items()}
+    s_max = {n: gpt2_logits_max(model.get_submodule(n), x, pad) for n, x in captured.items()}
+    report = clip.step()
+    assert report.clipped_heads > 0
+    for name, s in s_max.items():
+        torch.testing.assert_close(report.max_logits[name].double(), s, rtol=1e-9, atol=0)
+        eta = torch.clamp(TAU / s, max=1.0)
+        w, b = before[name]
+        want_w, want_b = w.clone(), b.clone()
+        for h in range(4):  # head h: query columns 8h.., key columns 32 + 8h..; v untouched
+            q, k = slice(8 * h, 8 * h + 8), slice(32 + 8 * h, 32 + 8 * h + 8)
+            want_w[:, q] *= eta[h] ** alpha
+            want_b[q] *= eta[h] ** alpha
+            want_w[:, k] *= eta[h] ** (1 - alpha)
+            want_b[k] *= eta[h] ** (1 - alpha)
+        c_attn = model.get_submodule(name).c_attn
+        torch.testing.assert_close(c_attn.weight.detach(), want_w, rtol=1e-12, atol=0)
+        torch.testing.assert_close(c_attn.bias.detach(), want_b, rtol=1e-12, atol=0)
+        assert torch.equal(c_attn.weight[:, 64:], w[:, 64:]), "the value columns changed"
+        # on the same inputs, every head is now at most τ, a clipped head exactly τ
+        after = gpt2_logits_max(model.get_submodule(name), captured[name], pad)
+        clipped = s > TAU
+        assert bool((after <= TAU * (1 + 1e-12)).all()), f"{name}: {after} over τ"
+        torch.testing.assert_close(after[clipped], torch.full_like(after[clipped], TAU))
+        torch.testing.assert_close(after[~clipped], s[~clipped], rtol=1e-12, atol=0)
+
+
+def test_gpt2_cross_attention_is_refused_and_self_attention_can_be_named():
+    model = tiny_gpt2(cross=True)
+    match = r"attention 'transformer.h.0.crossattention' \(GPT2Attention\) is cross-attention"
+    with pytest.raises(ValueError, match=match + r".*pass modules=\[...\] naming"):
+        QKClip(model, tau=TAU)
+    names = [f"transformer.h.{i}.attn" for i in range(2)]
+    assert [a.name for a in QKClip(model, tau=TAU, modules=names).attentions] == names
+
+
+def test_transposed_head_rows_are_columns():
+    c_attn = torch.zeros(4, 12)  # (in, out): 2 heads of 2 in each of q | k | v
+    bias = torch.zeros(12)
+    part = HeadRows(c_attn, "key", 2, bias=bias, offset=4, transposed=True)
+    assert part.rows(2) == [[4, 5], [6, 7]]
+    with pytest.raises(ValueError, match=r"need 14 rows; the weight has 12 columns"):
+        HeadRows(c_attn, "key", 2, offset=10, transposed=True).rows(2)
+    with pytest.raises(ValueError, match=r"bias of shape \(4,\) does not match .* 12 output"):
+        HeadRows(c_attn, "query", 2, bias=torch.zeros(4), transposed=True)
+    with pytest.raises(ValueError, match=r"transposed=True is for a matrix .* got shape \(12,\)"):
+        HeadRows(bias, "query", 2, transposed=True)
+
+
 # ------------------------------------------------------------------- bad input
 
 

@@ -178,7 +178,11 @@ def test_a_split_transposed_matrix_steps_like_its_column_blocks_as_linear_weight
     assert opt_fused.state[fused]["row_second_moment"].shape == (3 * E,)
 
 
-def test_state_dict_round_trip_of_transposed_weights_resumes_exactly():
+@pytest.mark.parametrize("saved_as", ["views", "contiguous"])
+def test_state_dict_round_trip_of_transposed_weights_resumes_exactly(saved_as):
+    """``saved_as="contiguous"``: the state as earlier versions kept (and saved) it, a
+    contiguous tensor in the parameter's shape; it loads into the stacked buffers."""
+
     def run(split: bool) -> torch.Tensor:
         model = conv1d_model(linear_model())
         opt = optimizer(model, "normuon")
@@ -186,6 +190,10 @@ def test_state_dict_round_trip_of_transposed_weights_resumes_exactly():
         for i, (x, y) in enumerate(batches):
             if split and i == 2:
                 saved = copy.deepcopy(opt.state_dict())
+                if saved_as == "contiguous":
+                    for st in saved["state"].values():
+                        for k, v in st.items():
+                            st[k] = v.contiguous() if v.dim() == 2 else v
                 opt = optimizer(model, "normuon")
                 opt.load_state_dict(saved)
             opt.zero_grad()
@@ -193,10 +201,27 @@ def test_state_dict_round_trip_of_transposed_weights_resumes_exactly():
             opt.step()
         w = model[0].weight
         assert opt.state[w]["momentum_buffer"].shape == w.shape
-        assert opt.state[w]["momentum_buffer"].is_contiguous()
         return torch.cat([m.weight.detach().flatten() for m in model if isinstance(m, Conv1D)])
 
     assert torch.equal(run(False), run(True))
+
+
+def test_transposed_state_is_a_view_of_the_stacked_buffer():
+    """No copy of the state in and out of the batch each step: the parameter's state is
+    the transposed view of its slice of the bucket's buffer (as an ``nn.Linear``'s is its
+    slice), and the rule's in-place update is what ``optimizer.state`` holds."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(24, 8), nn.Tanh(), Conv1D(8, 24), nn.Tanh(), Conv1D(24, 8))
+    opt = optimizer(model, "normuon")
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    first, third = model[0].weight, model[4].weight  # (8, 24) each: one bucket
+    for w in (first, third):
+        m = opt.state[w]["momentum_buffer"]
+        assert m.shape == w.shape and m.mT.is_contiguous(), (m.shape, m.stride())
+        assert bool(m.any()), "the rule's update of the buffer is not in the state"
+    storage = [opt.state[w]["momentum_buffer"].untyped_storage().data_ptr() for w in (first, third)]
+    assert storage[0] == storage[1], "two weights of one bucket do not share its buffer"
 
 
 def test_transposed_is_refused_for_more_than_two_dims():

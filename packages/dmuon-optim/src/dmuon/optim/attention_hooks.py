@@ -1,6 +1,6 @@
 """Forward hooks that record each attention layer's per-head maximum logit.
 
-Two kinds of modules are recognised; anything else is described by the user with an
+Three kinds of modules are recognised; anything else is described by the user with an
 :class:`~dmuon.optim.qk_heads.AttentionHeads` and its maxima passed to
 :meth:`QKClip.record <dmuon.optim.QKClip.record>` (the callback for custom
 attention).
@@ -17,6 +17,17 @@ attention).
   without padding) the logits are causal when ``module.is_causal`` (it is for these
   models). Modules with a QK-norm (``q_norm``/``k_norm``: Qwen3, OLMo2) are refused:
   the norm undoes a scale of ``W_q``, so the clip could not bound their logits.
+* **Hugging Face GPT-2 self-attention** (``GPT2Attention``, by duck typing): a
+  module with a ``Conv1D`` ``c_attn`` of ``3·embed_dim`` outputs, stored
+  ``(embed_dim, 3·embed_dim)`` — the queries, keys and values of every head side by
+  side in its columns — and ``num_heads``, ``head_dim``, ``split_size``, ``scaling``
+  and ``is_cross_attention``. The hook on ``c_attn`` keeps its output (no extra
+  matmul): ``q``, ``k`` are its first two ``embed_dim`` columns, cut into heads as the
+  module does; no rotary embedding; ``scale = module.scaling`` (which includes
+  ``scale_attn_by_inverse_layer_idx``); the mask as for Llama above. The clip scales
+  the query and key *columns* of ``c_attn.weight`` and the matching entries of
+  ``c_attn.bias``. Cross-attention (``is_cross_attention``: queries from
+  ``q_attn``, keys from the encoder) is refused.
 * **``nn.MultiheadAttention``**: the forward hook projects the query and key inputs
   again with the query and key rows of ``in_proj_weight`` (or ``q_proj_weight`` and
   ``k_proj_weight``) and its bias — two extra ``(E × E)`` matmuls per token — and
@@ -41,22 +52,37 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from dmuon.optim.assignment import is_conv1d
 from dmuon.optim.attention_logits import allowed_from_mask, head_max_logits
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.qk_heads import AttentionHeads, HeadRows
 
 __all__ = ["KINDS", "attention_heads", "attention_kind", "install_hooks"]
 
-#: The attention modules recognised: ``"hf"`` (Llama/Qwen2/Mistral) and ``"mha"``.
-KINDS = ("hf", "mha")
+#: The attention modules recognised: ``"hf"`` (Llama/Qwen2/Mistral), ``"gpt2"``
+#: (GPT-2's fused ``Conv1D`` ``c_attn``) and ``"mha"``.
+KINDS = ("hf", "gpt2", "mha")
+
+SUPPORTED = (
+    "Hugging Face Llama/Qwen2/Mistral attention, Hugging Face GPT-2 self-attention, "
+    "nn.MultiheadAttention"
+)
 
 Record = Callable[[str, torch.Tensor], None]
 
 
 def attention_kind(module: nn.Module) -> str | None:
-    """``"hf"``, ``"mha"`` or ``None`` (not an attention module recognised here)."""
+    """``"hf"``, ``"gpt2"``, ``"mha"`` or ``None`` (not an attention module recognised here)."""
     if isinstance(module, nn.MultiheadAttention):
         return "mha"
+    c_attn = getattr(module, "c_attn", None)
+    if (
+        isinstance(c_attn, nn.Module)
+        and is_conv1d(c_attn)
+        and all(hasattr(module, a) for a in ("num_heads", "head_dim", "split_size", "scaling"))
+        and hasattr(module, "is_cross_attention")
+    ):
+        return "gpt2"
     config = getattr(module, "config", None)
     if (
         isinstance(getattr(module, "q_proj", None), nn.Linear)
@@ -102,6 +128,8 @@ def attention_heads(name: str, module: nn.Module) -> AttentionHeads:
             if b is not None:  # the bias stays packed [q | k | v]
                 parts += (HeadRows(b, "query", hd, offset=0), HeadRows(b, "key", hd, offset=E))
         return AttentionHeads(name, H, H, parts)
+    if kind == "gpt2":
+        return _gpt2_heads(name, module)
     if kind == "hf":
         norms = (getattr(module, "q_norm", None), getattr(module, "k_norm", None))
         if any(n is not None for n in norms):
@@ -125,19 +153,46 @@ def attention_heads(name: str, module: nn.Module) -> AttentionHeads:
         )
     raise TypeError(
         f"module {name!r} of type {type(module).__module__}.{type(module).__qualname__} is not an "
-        "attention module QK-clip recognises (Hugging Face Llama/Qwen2/Mistral attention, "
-        "nn.MultiheadAttention); describe it with AttentionHeads and record its maxima with "
-        "QKClip.record"
+        f"attention module QK-clip recognises ({SUPPORTED}); describe it with AttentionHeads "
+        "and record its maxima with QKClip.record"
     )
+
+
+def _gpt2_heads(name: str, module: nn.Module) -> AttentionHeads:
+    """GPT-2's heads: query columns ``[0, E)`` and key columns ``[E, 2E)`` of ``c_attn``."""
+    what = f"attention {name!r} ({type(module).__name__})"
+    if module.is_cross_attention:
+        raise ValueError(
+            f"{what} is cross-attention (queries from q_attn, keys and values from c_attn over "
+            "the encoder's states), which QK-clip does not support; pass modules=[...] naming "
+            "the self-attention modules only"
+        )
+    m: Any = module
+    H, hd, E = int(m.num_heads), int(m.head_dim), int(m.split_size)
+    c: Any = module.c_attn
+    shape = tuple(c.weight.shape)
+    if H * hd != E or shape[1] != 3 * E:
+        raise ValueError(
+            f"{what}: c_attn.weight of shape {shape} is not (embed_dim, 3·embed_dim) with "
+            f"embed_dim = num_heads·head_dim = {H}·{hd} (split_size {E}); QK-clip reads the "
+            "queries and keys from its first two embed_dim columns"
+        )
+    w, b = c.weight, c.bias
+    parts = (
+        HeadRows(w, "query", hd, bias=b, offset=0, transposed=True),
+        HeadRows(w, "key", hd, bias=b, offset=E, transposed=True),
+    )
+    return AttentionHeads(name, H, H, parts)
 
 
 def install_hooks(
     name: str, module: nn.Module, heads: AttentionHeads, record: Record, max_elements: int
 ) -> list[RemovableHandle]:
     """Install the hooks that call ``record(name, maxima)`` after each forward of ``module``."""
-    if attention_kind(module) == "mha":
+    kind = attention_kind(module)
+    if kind == "mha":
         return _install_mha(name, module, heads, record, max_elements)
-    return _install_hf(name, module, heads, record, max_elements)
+    return _install_hf(name, module, heads, record, max_elements, gpt2=kind == "gpt2")
 
 
 def _plain(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -156,10 +211,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _install_hf(
-    name: str, module: nn.Module, heads: AttentionHeads, record: Record, max_elements: int
+    name: str,
+    module: nn.Module,
+    heads: AttentionHeads,
+    record: Record,
+    max_elements: int,
+    *,
+    gpt2: bool = False,
 ) -> list[RemovableHandle]:
+    """Llama-like (``q_proj``, ``k_proj``, rotary) or, with ``gpt2``, GPT-2 (``c_attn``)."""
     state: dict[str, Any] = {}
     hd = int(module.head_dim)  # type: ignore[arg-type]
+    E = int(module.split_size) if gpt2 else 0  # type: ignore[arg-type]
     sig = inspect.signature(module.forward)
 
     def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -177,6 +240,11 @@ def _install_hf(
                 state[slot] = output.detach()
 
         return hook
+
+    def keep_qk(mod: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        if state.get("on"):  # q | k | v along the last dimension, as GPT2Attention splits it
+            out = output.detach()
+            state["q"], state["k"] = out[..., :E], out[..., E : 2 * E]
 
     def post(mod: nn.Module, args: Any, output: Any) -> None:
         if not state.get("on") or "q" not in state or "k" not in state:
@@ -211,10 +279,16 @@ def _install_hf(
         )
         record(name, maxima)
 
+    if gpt2:
+        keepers = [module.c_attn.register_forward_hook(keep_qk)]  # type: ignore[union-attr]
+    else:
+        keepers = [
+            module.q_proj.register_forward_hook(keep("q")),  # type: ignore[union-attr]
+            module.k_proj.register_forward_hook(keep("k")),  # type: ignore[union-attr]
+        ]
     return [
         module.register_forward_pre_hook(pre, with_kwargs=True),
-        module.q_proj.register_forward_hook(keep("q")),  # type: ignore[union-attr]
-        module.k_proj.register_forward_hook(keep("k")),  # type: ignore[union-attr]
+        *keepers,
         module.register_forward_hook(post),
     ]
 

@@ -6,15 +6,17 @@ batch — one ``torch.cat`` of the gradients, one batched Newton–Schulz call, 
 ``torch._foreach_*`` calls to apply — never a per-parameter loop of kernels.
 
 State lives where a batch can use it without copies. A bucket whose parameters
-are each one contiguous block (plain 2-D weights, conv weights, expert stacks,
-equal QKV splits, per-head views) owns one stacked buffer per state key,
-``(B, m, n)`` or ``(B, m)``, and ``optimizer.state[p][key]`` is a *view* of the
-parameter's slice of it, in the parameter's shape: the rule updates the stacked
-buffer in place and the per-parameter state is current. Parameters cut into
-blocks of different shapes (an unequal QKV split), and weights stored ``(in, out)``
-(``transposed``: the rule sees their transposes), keep their own state tensors, in
+are each one block (plain 2-D weights, conv weights, expert stacks, equal QKV
+splits, per-head views, and weights stored ``(in, out)``: ``transposed``, the rule
+sees their transposes) owns one stacked buffer per state key, ``(B, m, n)`` or
+``(B, m)``, and ``optimizer.state[p][key]`` is a *view* of the parameter's slice of
+it, in the parameter's shape (:meth:`~dmuon.optim.layout.MatrixLayout.state_view`; for
+a ``transposed`` weight a transposed view, so not contiguous): the rule updates the
+stacked buffer in place and the per-parameter state is current. Parameters cut into
+blocks of different shapes (an unequal QKV split) keep their own state tensors, in
 the parameter's shape; their buckets gather the blocks before the rule and scatter
-them back after.
+them back after. (A ``transposed`` weight's gradient is still copied into the batch
+and its update into the weight's columns: the rule needs ``(m, n)`` matrices.)
 Both paths give the same numbers. When some parameters of a bucket have no
 gradient, only the others are gathered — state of the rest is not touched.
 
@@ -304,7 +306,7 @@ def build_buckets(
         new_state[p] = {"step": step}
 
     for b in buckets.values():
-        if not all(e.layout.whole for e in b.entries):
+        if not all(e.layout.stacks for e in b.entries):
             continue
         m, n = b.shape
         dtype = state_dtype_of(group, b.dtype)  # group["state_dtype"] or the parameters'
@@ -315,7 +317,8 @@ def build_buckets(
         for e in b.entries:
             shapes = state_shapes(rule, e.layout)
             for s in specs:
-                view = b.buffers[s.name][e.start : e.start + e.count].view(shapes[s.name])
+                piece = b.buffers[s.name][e.start : e.start + e.count]
+                view = e.layout.state_view(piece, shapes[s.name])
                 _copy_old(view, old_state(e.param), s.name)
                 new_state[e.param][s.name] = view
 

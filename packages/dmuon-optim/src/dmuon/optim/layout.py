@@ -11,7 +11,8 @@ Every parameter of a matrix group is first viewed as ``(L, M, N)``:
   GPT-2) → ``(1, out, in)``: the matrix is its transpose, so that its rows are its output
   neurons as a rule expects (row statistics, ``adjust_lr``, row selections, and the
   blocks below). Its views (:meth:`MatrixLayout.block_view`) are transposed views of the
-  parameter, and its state is kept in the parameter's own shape.
+  parameter, and its state is seen in the parameter's own shape
+  (:meth:`MatrixLayout.state_view`: a transposed view of the rule's ``(m, n)`` state).
 
 Then its ``M`` rows are cut into *blocks*: ``split_sizes`` (fused QKV) gives
 consecutive row blocks, and ``num_heads`` splits each block's rows into per-head
@@ -89,6 +90,36 @@ class MatrixLayout:
         """One block covering every row and the parameter stored as the rule sees it: the
         parameter is one contiguous batch (never for a ``transposed`` one)."""
         return len(self.blocks) == 1 and not self.transposed
+
+    @property
+    def stacks(self) -> bool:
+        """One block covering every row: the parameter's matrices are one run of a bucket's
+        batch, so its state can be a slice of the bucket's stacked buffers
+        (:meth:`state_view`), ``transposed`` or not."""
+        return len(self.blocks) == 1
+
+    def state_view(self, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The parameter's state seen in ``shape`` from its contiguous slice ``t`` of a
+        stacked buffer (``(count, m, n)`` matrix state or ``(count, m)`` row state).
+
+        ``shape`` is the parameter's shape (matrix state) or :attr:`row_state_shape`. For a
+        ``transposed`` layout, matrix state is ``t`` seen ``(out, in)`` and transposed: a
+        view in the parameter's ``(in, out)`` shape whose columns are the rule's rows, so
+        that the rule updates the buffer in place and the parameter's state is current
+        (no copy in or out; its strides are those of a transposed matrix).
+
+        Examples:
+            >>> import torch
+            >>> c_attn = torch.zeros(8, 24)  # (in, out), q|k|v by columns
+            >>> lay = matrix_layout(c_attn, {"transposed": True, "split_sizes": (8, 8, 8)}, "c")
+            >>> buf = torch.arange(3 * 8 * 8.0).view(3, 8, 8)  # the rule's three (8, 8)
+            >>> v = lay.state_view(buf, (8, 24))
+            >>> v.shape, v.data_ptr() == buf.data_ptr(), bool((v[:, 8:16] == buf[1].T).all())
+            (torch.Size([8, 24]), True, True)
+        """
+        if self.transposed and len(shape) == 2:  # matrix state (row state is 1-D)
+            return t.view(self.flat[1], self.flat[2]).mT
+        return t.view(shape)
 
     def count(self, block: Block) -> int:
         """Number of matrices in ``block``."""

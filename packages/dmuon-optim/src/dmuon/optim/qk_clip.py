@@ -23,6 +23,11 @@ Distributed training: each rank records the maxima of its own micro-batches; one
 initialised, else this process alone). The factors are then the same on every rank
 and each rank scales the values it holds:
 
+GPT-2's fused ``c_attn`` (a ``Conv1D``, stored ``(in, out)``) holds ``q|k|v`` in its
+columns: head ``h``'s query columns take ``η_h^α``, its key columns ``η_h^{1−α}``, the
+matching entries of the bias alike, the value columns nothing
+(:class:`~dmuon.optim.HeadRows` with ``transposed=True``).
+
 * replicated weights (plain tensors: DDP, DMuon ``replicated``/``single`` mode):
   every rank scales its copy identically, so the copies stay equal;
 * DTensor weights (FSDP2's ``Shard(0)``, DMuon ``sharded`` mode): each rank scales
@@ -101,7 +106,8 @@ class QKClip:
             ``[0, 1]`` (the paper: 0.5).
         modules: the attention modules to clip (modules or their names in
             ``model``); default: every recognised attention module of ``model``
-            (Hugging Face Llama/Qwen2/Mistral attention, ``nn.MultiheadAttention``).
+            (Hugging Face Llama/Qwen2/Mistral attention, Hugging Face GPT-2
+            self-attention, ``nn.MultiheadAttention``).
             Pass ``[]`` to clip only ``heads``.
         heads: custom attention layers (:class:`~dmuon.optim.AttentionHeads`); their
             forward calls :meth:`record` with its per-head maxima (e.g. from
@@ -169,7 +175,8 @@ class QKClip:
             unknown = sorted(k for k in kinds if "attention" in k.lower())
             raise ValueError(
                 f"no attention module found in {type(model).__name__} (recognised: Hugging Face "
-                "Llama/Qwen2/Mistral attention, nn.MultiheadAttention"
+                "Llama/Qwen2/Mistral attention, Hugging Face GPT-2 self-attention, "
+                "nn.MultiheadAttention"
                 + (f"; found unrecognised {unknown}" if unknown else "")
                 + "); describe custom attention with heads=[AttentionHeads(...)] and call "
                 "QKClip.record from its forward"
@@ -274,10 +281,10 @@ class QKClip:
             return report
         for ex in _exchanges(attentions):
             ex.wait_all_published()  # every rank holds the owners' weights of this step
-        for tensor, factors in scale_vectors(
+        for tensor, factors, dim in scale_vectors(
             attentions, [etas[a.name] for a in attentions], self.alpha
         ):
-            scale_rows_(tensor, factors)
+            scale_rows_(tensor, factors, dim=dim)
         return report
 
     def remove(self) -> None:

@@ -22,6 +22,11 @@ group; the ``min`` over the group is this project's statement of it.)
 A bias is a row of its own: ``q = W_q x + b_q``, so ``b_q``'s rows take the factor of
 ``W_q``'s rows (Qwen2 has q/k biases) and ``q`` is scaled exactly. Rotary embeddings
 are linear in ``q`` and ``k``, so a factor on the rows passes through them.
+
+"Rows" are output features. A weight stored ``(in_features, out_features)`` (Hugging
+Face's ``Conv1D``: GPT-2's fused ``c_attn``, ``q|k|v = x W + b``) has them as its
+columns; :class:`HeadRows` says so with ``transposed=True`` and the factors scale its
+columns (and its bias's entries).
 """
 
 from __future__ import annotations
@@ -43,11 +48,13 @@ class HeadRows:
     """One part of every head in a projection's rows (its bias, if any, alike).
 
     Head ``h``'s part is rows ``offset + h·stride + [0, count)`` of ``weight``
-    (and of ``bias``). Query roles count ``heads`` heads, ``"key"`` counts
-    ``kv_heads`` (see :class:`AttentionHeads`).
+    (and of ``bias``): output features, the weight's columns when ``transposed``.
+    Query roles count ``heads`` heads, ``"key"`` counts ``kv_heads`` (see
+    :class:`AttentionHeads`).
 
     Attributes:
-        weight: the projection weight ``(out_features, in_features)`` — a plain
+        weight: the projection weight ``(out_features, in_features)`` (or
+            ``(in_features, out_features)`` with ``transposed``) — a plain
             tensor or a DTensor (any shard of rows or columns) — or a bias
             ``(out_features,)`` on its own (a packed bias whose weights are apart).
         role: one of :data:`ROLES`.
@@ -57,12 +64,17 @@ class HeadRows:
             ``nn.MultiheadAttention``'s packed ``in_proj_weight``).
         stride: rows from one head's part to the next (default ``count``; larger
             when the heads interleave parts, e.g. MLA's ``[q^C | q^R]`` per head).
+        transposed: ``weight`` is a matrix stored ``(in_features, out_features)``
+            (Hugging Face's ``Conv1D``, GPT-2): the rows above are its columns.
 
     Examples:
         >>> import torch
         >>> w = torch.nn.Linear(4, 2 * 3).weight  # 2 heads of (2 non-rotary + 1 rotary) rows
         >>> HeadRows(w, "query_rope", count=1, offset=2, stride=3).rows(2)
         [[2], [5]]
+        >>> c_attn = torch.zeros(4, 3 * 4)  # GPT-2's Conv1D: (in, out), q|k|v by columns
+        >>> HeadRows(c_attn, "key", count=2, offset=4, transposed=True).rows(2)
+        [[4, 5], [6, 7]]
     """
 
     weight: torch.Tensor
@@ -71,6 +83,7 @@ class HeadRows:
     bias: torch.Tensor | None = None
     offset: int = 0
     stride: int | None = None
+    transposed: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -86,20 +99,38 @@ class HeadRows:
                 f"weight must be a matrix (out_features, in_features) or a bias, got shape "
                 f"{tuple(self.weight.shape)}"
             )
-        if self.bias is not None and tuple(self.bias.shape) != (self.weight.shape[0],):
+        if self.transposed and self.weight.dim() != 2:
             raise ValueError(
-                f"bias of shape {tuple(self.bias.shape)} does not match weight rows "
-                f"{self.weight.shape[0]}"
+                f"transposed=True is for a matrix stored (in_features, out_features), got "
+                f"shape {tuple(self.weight.shape)}"
             )
+        if self.bias is not None and tuple(self.bias.shape) != (self.out_features,):
+            raise ValueError(
+                f"bias of shape {tuple(self.bias.shape)} does not match the weight's "
+                f"{self.out_features} output features (weight shape {tuple(self.weight.shape)}"
+                + (", stored (in, out)" if self.transposed else "")
+                + ")"
+            )
+
+    @property
+    def out_dim(self) -> int:
+        """The dimension of ``weight`` that holds the rows (1 when ``transposed``)."""
+        return 1 if self.transposed else 0
+
+    @property
+    def out_features(self) -> int:
+        """How many rows (output features) ``weight`` has."""
+        return int(self.weight.shape[self.out_dim])
 
     def rows(self, heads: int) -> list[list[int]]:
         """The rows of each of ``heads`` heads (checked against the weight's rows)."""
         stride = self.count if self.stride is None else self.stride
         last = self.offset + (heads - 1) * stride + self.count
-        if last > self.weight.shape[0]:
+        if last > self.out_features:
+            what = "columns (output features, stored (in, out))" if self.transposed else "rows"
             raise ValueError(
                 f"{heads} heads of {self.count} rows (offset {self.offset}, stride {stride}) "
-                f"need {last} rows; the weight has {self.weight.shape[0]}"
+                f"need {last} rows; the weight has {self.out_features} {what}"
             )
         return [
             list(range(self.offset + h * stride, self.offset + h * stride + self.count))
@@ -189,22 +220,30 @@ def row_factors(
 
 def scale_vectors(
     attentions: Sequence[AttentionHeads], etas: Sequence[torch.Tensor], alpha: float
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every touched tensor (weights and biases) with its full per-row factor vector.
+) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """Every touched tensor (weights and biases) with its full per-row factor vector and
+    the dimension the vector runs along (1 for a ``transposed`` weight's columns).
 
-    Parts that share a tensor (``nn.MultiheadAttention``'s packed ``in_proj_weight``)
-    multiply into one vector, so each tensor is scaled once.
+    Parts that share a tensor (``nn.MultiheadAttention``'s packed ``in_proj_weight``,
+    GPT-2's ``c_attn``) multiply into one vector, so each tensor is scaled once.
     """
-    vectors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    vectors: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
     for attention, eta in zip(attentions, etas, strict=True):
         for part, f in row_factors(attention, eta, alpha):
             heads = attention.kv_heads if part.role == "key" else attention.heads
             index = torch.tensor(part.rows(heads), device=f.device)  # (heads, count)
-            for t in (part.weight, part.bias):
+            for t, dim in ((part.weight, part.out_dim), (part.bias, 0)):
                 if t is None:
                     continue
                 if id(t) not in vectors:
-                    vectors[id(t)] = (t, torch.ones(t.shape[0], device=f.device, dtype=f.dtype))
+                    ones = torch.ones(t.shape[dim], device=f.device, dtype=f.dtype)
+                    vectors[id(t)] = (t, ones, dim)
+                elif vectors[id(t)][2] != dim:
+                    raise ValueError(
+                        f"attention {attention.name!r}: a tensor of shape {tuple(t.shape)} is "
+                        "described both as (out, in) and as (in, out) (transposed); describe "
+                        "every part of one weight alike"
+                    )
                 vec = vectors[id(t)][1]
                 vec[index.flatten()] *= f[:, None].expand_as(index).flatten()
     return list(vectors.values())
