@@ -104,8 +104,9 @@ def test_state_dicts_have_the_same_keys_on_every_rank_and_owners_hold_the_values
         assert report["mode"] == "owner" and report["world_size"] == 2
         assert set(report["seconds"]) <= {*PHASES, "total"}
         assert sorted(report["stepped"]) == owned
-        # layers: blocks.0, blocks.1 and the all-reduced lm_head, norm_f, tok_emb
-        assert report["groups"] == 5
+        # layers blocks.0, blocks.1 and the all-reduced lm_head, norm_f, tok_emb: small,
+        # so one pack (layer_pack_mb)
+        assert report["groups"] == 1
 
 
 def test_a_single_process_reports_its_step():
