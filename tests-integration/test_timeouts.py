@@ -63,7 +63,9 @@ def build(mode: str, world: int):
     forward: nn.Module = model
     kw = dict(OPT, timeout=DMUON_TIMEOUT, store=rank_store())
     if mode == "owner":
-        kw["distributed"] = ddp.dedicate(model)
+        # a layer a unit (these small layers would be one pack): the fault strikes
+        # between two layers' steps, while the first layer's publication is in flight
+        kw["distributed"] = ddp.dedicate(model, layer_pack_mb=0)
     elif mode == "replicated":
         forward = DDP(model)
         kw["mode"] = "replicated"
