@@ -60,7 +60,10 @@ def predicted(run, mode, tp_path):
     )
     link = Link("engine", DEFAULT_BANDWIDTH, alpha=DEFAULT_ALPHA, efficiency=1.0, source="")
     cluster = ClusterProfile(device, 4, 4, link, link)
-    shape = TrainingShape(global_tokens=1024, tp=2, tp_path=tp_path)
+    # the Gram matrices travel in the run's Newton–Schulz compute dtype (fp32 on CPU), the
+    # gathered shards in the parameters' (fp32)
+    ns_dtype = cfg.ns_compute_dtype or "float32"
+    shape = TrainingShape(global_tokens=1024, tp=2, tp_path=tp_path, ns_compute_dtype=ns_dtype)
     p = predict(spec, cluster, shape, modes=(mode,))
     moved = [t for t in p.modes[mode].transfers if t.inside_ns]
     # dp rank r's tp row: global ranks 2r and 2r + 1 (tp innermost), both alike

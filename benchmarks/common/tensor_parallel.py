@@ -55,10 +55,14 @@ def predicted_split_bytes(opt: Any) -> float | None:
     whole matrix gathers) priced by :func:`dmuon.comm.tensor_parallel_path`. ``None``
     for an optimizer that is not DMuon. The engine chooses per batch of same-shape
     matrices (the α terms grow with the batch), this per matrix: a borderline shape may
-    go the other way; the Gram path's two scalars are counted as 8 bytes each."""
+    go the other way; the Gram path's two scalars are counted as 8 bytes each. Each path
+    is priced in what it sends: the Gram matrices in the compute dtype, the gathered
+    shards in the chain's."""
     from dmuon.comm import tensor_parallel_path
+    from dmuon.kernels import default_compute_dtype
     from dmuon.optim import DMuon, get_rule
     from dmuon.optim.rules import RULES
+    from dmuon.optim.transforms.base import resolve_compute_dtype
 
     if not isinstance(opt, DMuon):
         return None
@@ -72,11 +76,21 @@ def predicted_split_bytes(opt: Any) -> float | None:
             if split is None or split.world_size < 2 or not engine.steps(p):
                 continue
             m, n = split.shape
+            # the Gram matrices travel in the compute dtype, the gathered shards in the
+            # chain's: the parameter's, widened to fp32 under state_dtype
+            compute = resolve_compute_dtype(group["ns_compute_dtype"])
+            if compute is None:
+                compute = default_compute_dtype(p.device, "gram")
+            chain = p.dtype
+            if group.get("state_dtype") is not None:
+                chain = torch.promote_types(p.dtype, torch.float32)
             choice = tensor_parallel_path(
                 m,
                 n,
                 split.dim,
                 split.world_size,
+                gram_element_size=compute.itemsize,
+                gather_element_size=chain.itemsize,
                 method=group["ns_method"],
                 steps=group["ns_steps"],
             )

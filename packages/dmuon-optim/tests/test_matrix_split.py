@@ -12,6 +12,7 @@ with real DTensors on gloo ranks, is ``tests-integration/test_tensor_parallel.py
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -141,3 +142,35 @@ def test_a_rule_that_needs_the_whole_matrix_refuses_a_split():
 def test_matrix_split_checks_its_dimension():
     with pytest.raises(ValueError, match="-2 \\(rows\\) or -1 \\(columns\\), got 0"):
         MatrixSplit(0, (4, 8), lambda t, op: t, ("one",))
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "compute", "sizes", "gathers"),
+    [
+        (torch.float32, "float16", (2, 4), False),  # fp16 Gram matrices: half the bytes
+        (torch.float32, "float32", (4, 4), True),
+        (torch.bfloat16, "float32", (4, 2), True),  # bf16 shards gathered, fp32 Gram
+    ],
+)
+def test_auto_path_prices_the_gram_in_the_compute_dtype_and_the_gather_in_x(
+    x_dtype, compute, sizes, gathers
+):
+    """``tp_path="auto"`` on a 4096 × 5120 matrix split by rows over 4 (Gram side 5120,
+    the long one): the Gram all-reduces travel in ``ns_compute_dtype``, the gathered
+    shards in the chain's dtype (``X``'s), and the choice is the one
+    ``tensor_parallel_path`` makes at those sizes. At one size for both (4 bytes, as
+    before) the fp16 case gathered."""
+    from dmuon.comm import tensor_parallel_path
+    from dmuon.optim.transforms.base import StepContext
+
+    m, n, t = 4096, 5120, 4
+    X = torch.empty(1, m // t, n, dtype=x_dtype, device="meta")  # shapes and dtype only
+    split = MatrixSplit(-2, (m, n), lambda x, op: x, ("tp", (0, 1, 2, 3)), world_size=t)
+    split = dataclasses.replace(split, gather=lambda x: x)
+    ctx = StepContext(X, HP | {"ns_compute_dtype": compute, "tp_path": "auto"}, split=split)
+    gram_e, gather_e = sizes
+    want = tensor_parallel_path(
+        m, n, -2, t, gram_element_size=gram_e, gather_element_size=gather_e, steps=5
+    )
+    assert (want.path == "gather") == gathers
+    assert ctx._gathers(X, "gram", 5) == gathers

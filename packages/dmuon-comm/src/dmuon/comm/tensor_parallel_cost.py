@@ -12,6 +12,9 @@ two ways (the DMuon issue's paths (a) and (b)):
       flops = 4(1 + r)·g²·l + (8·steps − 6 − 6r)·g³
       comm  = (1 + r) all-reduces of g² elements, plus two scalars
 
+  The Gram matrices travel in the Newton–Schulz compute dtype (``gram_element_size``:
+  fp16's 2 bytes on a GPU by default, :func:`dmuon.kernels.default_compute_dtype`).
+
   The kernel restarts at step 2 when ``g`` is the short side of the whole matrix, and
   at every step when it is the long side (its exactness needs it), so the Gram path
   is cheap exactly when the unsplit side is the short one.
@@ -20,6 +23,9 @@ two ways (the DMuon issue's paths (a) and (b)):
 
       flops = ns_flops(m, n)          (not divided by t)
       comm  = one all-gather of m·n elements
+
+  The shards travel in the dtype of the rule's chain (``gather_element_size``: the
+  parameter's, or fp32 under ``state_dtype``), not the compute dtype.
 
 Each is priced as ``flops / flops_per_second`` plus the α–β time of its collectives
 (:func:`~dmuon.comm.cost_model`); :func:`tensor_parallel_path` picks the cheaper.
@@ -85,6 +91,8 @@ def tensor_parallel_path(
     world_size: int,
     *,
     element_size: int = 4,
+    gram_element_size: int | None = None,
+    gather_element_size: int | None = None,
     batch: int = 1,
     method: str = "gram",
     steps: int = 5,
@@ -100,7 +108,12 @@ def tensor_parallel_path(
         n: whole columns.
         split_dim: ``-2`` (rows split) or ``-1`` (columns split).
         world_size: ranks of the tensor-parallel group.
-        element_size: bytes per element of what travels.
+        element_size: bytes per element of what travels, on both paths unless one of
+            the two below is given.
+        gram_element_size: bytes per element of the Gram matrices the Gram path
+            all-reduces: the Newton–Schulz compute dtype's (default ``element_size``).
+        gather_element_size: bytes per element of the shards the gather path
+            all-gathers: the dtype of the rule's chain (default ``element_size``).
         batch: matrices stepped together.
         method: the Newton–Schulz method the gather path runs on the whole matrix.
         steps: Newton–Schulz steps.
@@ -116,13 +129,20 @@ def tensor_parallel_path(
         'gram'
         >>> tensor_parallel_path(1024, 4096, -2, 4).path  # the unsplit side is the long one
         'gather'
+        >>> fp16 = tensor_parallel_path(4096, 1024, -2, 4, gram_element_size=2)  # fp16 Gram
+        >>> fp32 = tensor_parallel_path(4096, 1024, -2, 4)
+        >>> fp16.gram_bytes < fp32.gram_bytes, fp16.gather_bytes == fp32.gather_bytes
+        (True, True)
     """
     if split_dim not in (-2, -1):
         raise ValueError(f"split_dim must be -2 (rows) or -1 (columns), got {split_dim!r}")
-    if min(m, n, world_size, batch, element_size) < 1:
+    gram_e = element_size if gram_element_size is None else gram_element_size
+    gather_e = element_size if gather_element_size is None else gather_element_size
+    if min(m, n, world_size, batch, element_size, gram_e, gather_e) < 1:
         raise ValueError(
-            f"m, n, world_size, batch and element_size must be ≥ 1, got m={m}, n={n}, "
-            f"world_size={world_size}, batch={batch}, element_size={element_size}"
+            f"m, n, world_size, batch and the element sizes must be ≥ 1, got m={m}, n={n}, "
+            f"world_size={world_size}, batch={batch}, element_size={element_size}, "
+            f"gram_element_size={gram_element_size}, gather_element_size={gather_element_size}"
         )
     g, split = (n, m) if split_dim == -2 else (m, n)
     local = -(-split // world_size)
@@ -130,14 +150,14 @@ def tensor_parallel_path(
     r = len(restarts)
     gram_flops = batch * (4 * (1 + r) * g * g * local + max(8 * steps - 6 - 6 * r, 0) * g**3)
     reduce = cost_model(
-        "all_reduce", batch * g * g * element_size, world_size, alpha=alpha, bandwidth=bandwidth
+        "all_reduce", batch * g * g * gram_e, world_size, alpha=alpha, bandwidth=bandwidth
     )
     scalar = cost_model("all_reduce", 8, world_size, alpha=alpha, bandwidth=bandwidth)
     gram_seconds = gram_flops / flops_per_second + (1 + r) * reduce.seconds + 2 * scalar.seconds
     gram_bytes = (1 + r) * reduce.bytes_sent + 2 * scalar.bytes_sent
     whole_flops = ns_flops(m, n, method=method, steps=steps, batch=batch)
     gather = cost_model(
-        "all_gather", batch * m * n * element_size, world_size, alpha=alpha, bandwidth=bandwidth
+        "all_gather", batch * m * n * gather_e, world_size, alpha=alpha, bandwidth=bandwidth
     )
     gather_seconds = whole_flops / flops_per_second + gather.seconds
     path = "gather" if gather_seconds < gram_seconds else "gram"

@@ -18,8 +18,9 @@ the *unsplit* dimension.
 
 Traffic per matrix, in the compute dtype of ``b`` bytes, with ``r`` restarts:
 ``(r + 1)`` all-reduces of ``s² · b`` bytes (``s`` the unsplit side) plus two
-scalars, against ``(t − 1)/t · m n · b`` to gather the shards and as much to
-scatter the result: the Gram path wins when ``s`` is the short side.
+scalars, against ``(t − 1)/t · m n · b_x`` to gather the shards, in the dtype of
+their ``b_x`` bytes (not the compute dtype), and as much to scatter the result: the
+Gram path wins when ``s`` is the short side.
 
 The normalisation is the one of :func:`~dmuon.kernels.gram_newton_schulz`,
 ``X = G / (‖G‖_F + eps · max|G|)``, with the maximum and the squared norm reduced

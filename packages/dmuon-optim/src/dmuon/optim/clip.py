@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import wait_work
+from dmuon.comm import collective_timeout, wait_work
 from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.base import summed
 from dmuon.optim.engine.params import is_dtensor
 
 if TYPE_CHECKING:
+    from dmuon.optim.engine.base import Engine
     from dmuon.optim.optimizer import DMuon
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_"]
@@ -54,7 +55,10 @@ def clip_grad_norm_(
     norm is the norm of the averaged global gradient in every mode, computed with
     one all-reduce of per-rank partial sums (``max`` for ``norm_type=inf``). In owner
     mode it first finishes the gradient reductions (the step would wait for them
-    anyway). Call it between ``backward()`` and ``step()`` on every rank.
+    anyway). Its collectives wait under DMuon's deadline
+    (:meth:`~dmuon.optim.DMuon.collective_deadline`), as a step's do: a rank that does
+    not come makes the others raise :class:`~dmuon.comm.CollectiveError`. Call it
+    between ``backward()`` and ``step()`` on every rank.
 
     Args:
         optimizer: a :class:`~dmuon.optim.DMuon`.
@@ -84,6 +88,16 @@ def clip_grad_norm_(
         raise ValueError(f"max_norm must be ≥ 0, got {max_norm}")
     if not norm_type > 0:
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
+    # its collectives (the reductions it finishes, the pending sums it carries out, the
+    # norm's all-reduce) wait under DMuon's deadline, as a step's do
+    with collective_timeout(optimizer.collective_deadline()):
+        return _clip_norm(optimizer, max_norm, norm_type, error_if_nonfinite)
+
+
+def _clip_norm(
+    optimizer: DMuon, max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> torch.Tensor:
+    """:func:`clip_grad_norm_` after its checks."""
     engine = optimizer.engine
     engine.prepare_grads()
     counted, copies, groups = engine.norm_parts()
@@ -146,8 +160,10 @@ def clip_grad_value_(optimizer: DMuon, clip_value: float) -> None:
     reduced matrices and the scalars. Elementwise, so DTensor shards (FSDP2 rows,
     tensor-parallel shards) are clamped where they live; a gradient with a pending sum
     (``Partial``: a ``SequenceParallel`` norm's, each rank holding its share of the
-    sequence) is summed first (one all-reduce over its mesh, by DTensor) and replaced
-    by the sum. Call it between ``backward()`` and ``step()`` on every rank.
+    sequence) is summed first (one all-reduce over its mesh dimension) and replaced
+    by the sum. Its collectives wait under DMuon's deadline
+    (:meth:`~dmuon.optim.DMuon.collective_deadline`), as a step's do. Call it between
+    ``backward()`` and ``step()`` on every rank.
 
     Args:
         optimizer: a :class:`~dmuon.optim.DMuon`.
@@ -177,6 +193,12 @@ def clip_grad_value_(optimizer: DMuon, clip_value: float) -> None:
             "clip_grad_value_ in sign mode is not supported: the matrix gradients are never "
             "averaged (each rank's momentum takes its own gradient before the vote)"
         )
+    with collective_timeout(optimizer.collective_deadline()):  # as clip_grad_norm_'s
+        _clamp(engine, clip_value)
+
+
+def _clamp(engine: Engine, clip_value: float) -> None:
+    """:func:`clip_grad_value_` after its checks."""
     engine.prepare_grads()
     # A pending sum (a SequenceParallel norm's Partial gradient: each rank's local part
     # is its share of the sequence) is carried out first, for every such gradient before

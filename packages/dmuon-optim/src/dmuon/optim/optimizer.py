@@ -427,7 +427,8 @@ class DMuon(torch.optim.Optimizer):
             TypeError: not a ``torch.amp.GradScaler``, or in owner or ``sign`` mode
                 not a ``ShardedGradScaler``.
         """
-        unscale_(self._engine, self, scaler)
+        with collective_timeout(self.collective_deadline()):  # the reductions it finishes
+            unscale_(self._engine, self, scaler)
         self._unscaled_step = self.steps_taken + self.skipped_steps + 1
 
     @property
@@ -445,7 +446,8 @@ class DMuon(torch.optim.Optimizer):
 
         What ``timeout=`` gives at this point of training (for ``"auto"``, from the
         iterations measured so far): the steps run under it, and so do the
-        collectives of DMuon's checkpoint functions
+        collectives of :meth:`unscale_`, of :func:`~dmuon.optim.clip_grad_norm_` and
+        :func:`~dmuon.optim.clip_grad_value_`, and of DMuon's checkpoint functions
         (:mod:`dmuon.integrations.checkpoint`).
 
         Examples:

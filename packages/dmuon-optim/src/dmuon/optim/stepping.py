@@ -35,6 +35,7 @@ from dmuon.optim.engine.guards import (
     check_agreement,
 )
 from dmuon.optim.engine.report import StepReport
+from dmuon.optim.engine.tensor_split import settle_pending_grads
 from dmuon.optim.rules import get_rule
 from dmuon.optim.scalar import get_scalar_rule
 from dmuon.optim.vote import SignVote
@@ -186,6 +187,10 @@ def step_scalars(
     params = [p for p in candidates if p.grad is not None]
     if not params:
         return
+    # a DTensor gradient's pending sums (Partial), carried out under the deadline; plain
+    # gradients are looked at here, without a call per step into another module
+    if any(type(p.grad) is not torch.Tensor for p in params):
+        settle_pending_grads(params)
     grads = [p.grad for p in params]
     if any(g.is_sparse for g in grads):  # type: ignore[union-attr]
         raise RuntimeError("DMuon does not support sparse gradients")

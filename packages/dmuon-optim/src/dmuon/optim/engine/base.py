@@ -29,6 +29,7 @@ import torch.distributed as dist
 from dmuon.comm.process_groups import group_size, twin_groups
 from dmuon.optim.engine.params import EngineParam, collect_params, frozen_params, is_dtensor
 from dmuon.optim.engine.placements import placement_of_param
+from dmuon.optim.engine.relayout import summed
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.engine.tensor_split import settle_split_grads, split_of
 from dmuon.optim.matrix_split import MatrixSplit
@@ -352,23 +353,6 @@ def world_of(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if n == 1:
         return 0, 1
     return dist.get_rank(group), n
-
-
-def summed(g: torch.Tensor) -> torch.Tensor:
-    """A DTensor gradient with its pending sums (``Partial``) carried out: what a
-    ``SequenceParallel`` norm's weight gets, each rank's sum over its part of the
-    sequence. Its local part is not a part of the gradient until the group has added
-    them (one all-reduce, by DTensor's ``redistribute``); other gradients are
-    returned as they are."""
-    if not is_dtensor(g):
-        return g
-    placements = tuple(g.placements)  # type: ignore[attr-defined]
-    if not any(pl.is_partial() for pl in placements):
-        return g
-    from torch.distributed.tensor import Replicate
-
-    settled = [Replicate() if pl.is_partial() else pl for pl in placements]
-    return g.redistribute(g.device_mesh, settled)  # type: ignore[attr-defined]
 
 
 def local_norm_tensors(params: Iterable[EngineParam]) -> list[torch.Tensor]:

@@ -32,7 +32,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import CommStats, OwnerPlan, reduce_to_owners, wait_work
+from dmuon.comm import (
+    CommStats,
+    OwnerPlan,
+    collective_timeout,
+    current_timeout,
+    reduce_to_owners,
+    wait_work,
+)
 from dmuon.comm.flags import flag_device
 from dmuon.comm.process_groups import group_size, twin_groups
 from dmuon.optim.engine.layer_record import OwnerLayer
@@ -288,8 +295,10 @@ class Reduction:
                     missing.append(view)
                     continue
                 if name in self.split:
-                    # a Replicate() gradient of a shard is cut to it (pending sums stay)
-                    settled = laid_out_as(g, self.params[name], partial=False)
+                    # a Replicate() gradient of a shard is cut to it (pending sums stay);
+                    # a collective waits under the step's deadline, the hooks' outside it
+                    with collective_timeout(current_timeout() or self.publication.timeout):
+                        settled = laid_out_as(g, self.params[name], partial=False, name=name)
                     if settled is not g:
                         g = settled
                         mark_relaid(self.params[name])

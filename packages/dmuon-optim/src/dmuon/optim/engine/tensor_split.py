@@ -40,6 +40,7 @@ from dmuon.comm.torch_compat import all_gather_single
 from dmuon.optim.engine.expert_split import expert_group_of
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.placements import placement_of, placement_of_param
+from dmuon.optim.engine.relayout import relaid, summed
 from dmuon.optim.matrix_split import MatrixSplit
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "drop_relaid_grads",
     "laid_out_as",
     "mark_relaid",
+    "settle_pending_grads",
     "settle_split_grads",
     "sharded_split_of",
     "split_group_of",
@@ -299,7 +301,9 @@ def tensor_groups(params: Iterable[EngineParam], group: Any) -> list[dist.Proces
     return [found[k] for k in sorted(found)]
 
 
-def laid_out_as(g: torch.Tensor, p: torch.Tensor, partial: bool = True) -> torch.Tensor:
+def laid_out_as(
+    g: torch.Tensor, p: torch.Tensor, partial: bool = True, name: str = ""
+) -> torch.Tensor:
     """The DTensor gradient ``g`` with the placements of its DTensor parameter ``p``
     (``g`` itself when they agree, or either is a plain tensor; with ``partial`` false,
     also a gradient with a pending sum, ``Partial``, whose local part is shaped like the
@@ -311,9 +315,11 @@ def laid_out_as(g: torch.Tensor, p: torch.Tensor, partial: bool = True) -> torch
     ``Replicate()`` gradient of its ``Shard(0)`` weight, whose local part is the whole
     gradient, not the shard the engines step; a ``Shard(1)`` (rowwise) weight that meets
     a token-sharded DTensor activation is all-gathered by DTensor, and its gradient comes
-    back ``Partial()``: each rank's local part is a whole-matrix partial sum. DTensor's
-    ``redistribute`` lays it out as ``p``: a local slice from ``Replicate()``, a
-    collective of the group otherwise (a reduce-scatter from ``Partial``). A pending sum
+    back ``Partial()``: each rank's local part is a whole-matrix partial sum.
+    :func:`~dmuon.optim.engine.relayout.relaid` lays it out as ``p``: a local slice from
+    ``Replicate()``, a collective of the group otherwise (a reduce-scatter from ``Partial``,
+    an all-reduce to ``Replicate()``), waited under DMuon's deadline and named (``name``, the
+    parameter's) in the error of a rank that does not come. A pending sum
     over a dimension the parameter is replicated on (a ``SequenceParallel`` norm's, or a
     replicated matrix's) has the parameter's local shape: owner mode reduces it over
     ``dp`` as it is (the sum over ``tp`` commutes with that reduction) and carries it out
@@ -331,7 +337,7 @@ def laid_out_as(g: torch.Tensor, p: torch.Tensor, partial: bool = True) -> torch
     pending = zip(have, placements, strict=True)
     if not partial and all(a == b or (a.is_partial() and b.is_replicate()) for a, b in pending):
         return g
-    return g.redistribute(p.device_mesh, placements)  # type: ignore[attr-defined]
+    return relaid(g, placements, name)
 
 
 _RELAID = WeakIdKeyDictionary()
@@ -343,18 +349,37 @@ def settle_split_grads(params: Iterable[EngineParam]) -> None:
     (:func:`laid_out_as`) before a step reads ``p.grad.to_local()`` as this rank's shard
     (its experts), or torch's in-place scalar steps meet a gradient of other placements
     than their parameter; a scalar's pending sum (``Partial``, a ``SequenceParallel``
-    norm's) is left to its step. A redistribution that communicates is issued alike on
-    every rank: placements are the same on every rank, and ``params`` in one order. The
-    next backward gives such a parameter a gradient of the other placements again, which
+    norm's) is left to its step (:func:`settle_pending_grads`). A redistribution that
+    communicates is issued alike on every rank (placements are the same on every rank,
+    and ``params`` in one order) and waited under DMuon's deadline
+    (:func:`~dmuon.optim.engine.relayout.relaid`). The next backward gives such a
+    parameter a gradient of the other placements again, which
     torch cannot add in place to the replaced one: ``DMuon.zero_grad`` drops it
     (:func:`drop_relaid_grads`) even with ``set_to_none=False``."""
     for e in params:
         g = e.param.grad
         if g is not None:
-            settled = laid_out_as(g, e.param, partial=e.matrix)
+            settled = laid_out_as(g, e.param, partial=e.matrix, name=e.name)
             if settled is not g:
                 e.param.grad = settled
                 mark_relaid(e.param)
+
+
+def settle_pending_grads(params: Iterable[torch.Tensor]) -> None:
+    """Carry out the pending sums (``Partial``) of the DTensor gradients of ``params``
+    (:func:`~dmuon.optim.engine.relayout.summed`: an all-reduce under DMuon's deadline),
+    before a scalar rule reads them: a ``SequenceParallel`` norm's weight, a bias that
+    reads a token-sharded activation. Left to the rule, DTensor's arithmetic would carry
+    each out by itself, once per operation that reads it, with no deadline. Every rank
+    that steps them calls this with the same parameters in one order. Each one replaced
+    is marked for ``DMuon.zero_grad`` to drop (:func:`drop_relaid_grads`)."""
+    for p in params:
+        g = p.grad
+        if g is not None and is_dtensor(g):
+            settled = summed(g)
+            if settled is not g:
+                p.grad = settled
+                mark_relaid(p)
 
 
 def mark_relaid(p: torch.Tensor) -> None:

@@ -103,6 +103,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="dtype of the matrix rule's state (DMuon's state_dtype; default: the parameter's)",
     )
+    p.add_argument(
+        "--ns-compute-dtype",
+        choices=("float16", "bfloat16", "float32"),
+        default="float16",
+        help="Newton–Schulz compute dtype (DMuon's ns_compute_dtype), in which the tp Gram "
+        "path's all-reduces travel (default float16, a GPU's for Gram Newton–Schulz)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON (schema in the docs)")
     p.add_argument("--plot", metavar="PNG", help="write overhead vs GPUs (8 → 1024)")
     p.add_argument(
@@ -179,6 +186,7 @@ def _run(args: argparse.Namespace) -> int:
         tp_path=args.tp_path,
         rule=args.rule,
         state_dtype=args.state_dtype,
+        ns_compute_dtype=args.ns_compute_dtype,
     )
     prediction = predict(spec, cluster, shape, modes=("adamw", "vanilla", *_modes(args.mode)))
     if args.plot:

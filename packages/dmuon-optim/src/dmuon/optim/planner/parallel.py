@@ -35,13 +35,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from dmuon.comm import MatrixItem, NSCost, OwnerPlan, plan_owners, tensor_parallel_path
-from dmuon.kernels import ns_flops
+from dmuon.kernels import default_compute_dtype, ns_flops
 from dmuon.optim.engine.tensor_split import GATHER_STATS_NAME, STATS_NAME
 from dmuon.optim.planner.config import ModelSpec
 from dmuon.optim.planner.profiles import ClusterProfile
 from dmuon.optim.planner.traffic import Transfer, dmuon_transfers, ring_transfer
 
+GPU_GRAM_ELEMENT_SIZE = default_compute_dtype("cuda", "gram").itemsize
+"""Bytes per element of the Gram matrices the tensor-parallel Gram path all-reduces on a
+GPU: the default compute dtype of Gram Newton–Schulz there is fp16
+(:func:`dmuon.kernels.default_compute_dtype`)."""
+
+NS_COMPUTE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+"""Bytes per element of each Newton–Schulz compute dtype the planner takes
+(``--ns-compute-dtype``): what the Gram path's all-reduces send per element."""
+
 __all__ = [
+    "GPU_GRAM_ELEMENT_SIZE",
+    "NS_COMPUTE_BYTES",
     "Layout",
     "SplitChoice",
     "expert_transfers",
@@ -253,10 +264,17 @@ def tp_choices(
     method: str,
     steps: int,
     tp_path: str = "auto",
+    state_dtype: str | None = None,
+    gram_element_size: int = GPU_GRAM_ELEMENT_SIZE,
 ) -> dict[str, SplitChoice]:
     """The path of every split matrix (``tp_path="auto"``: the cheaper by
     :func:`dmuon.comm.tensor_parallel_path` at the profile's Newton–Schulz rate and the
     tp link; ``"gram"``/``"gather"`` forced), with its seconds, FLOPs and bytes.
+
+    Each path is priced in the bytes it sends: the Gram matrices in the Newton–Schulz
+    compute dtype (``gram_element_size``, default :data:`GPU_GRAM_ELEMENT_SIZE`), the
+    gathered shards in the dtype of the rule's chain — the parameter's, or at least fp32
+    under ``state_dtype`` (DMuon's ``state_dtype``: the chain then runs widened).
 
     The FLOPs of a path are the function's own price of it at 1 FLOP/s over a free link
     (``α = 0``, infinite bandwidth): the count it charges, not a second formula.
@@ -272,7 +290,14 @@ def tp_choices(
         dim = lay.splits.get(item.name)
         if dim is None:
             continue
-        common = dict(element_size=item.element_size, batch=item.batch, method=method, steps=steps)
+        chain = item.element_size if state_dtype is None else max(item.element_size, 4)
+        common = dict(
+            gram_element_size=gram_element_size,
+            gather_element_size=chain,
+            batch=item.batch,
+            method=method,
+            steps=steps,
+        )
         m, n = item.rows, item.cols
         priced = tensor_parallel_path(
             m,

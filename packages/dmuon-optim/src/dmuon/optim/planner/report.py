@@ -171,6 +171,7 @@ def to_json(p: Prediction) -> dict[str, Any]:
             "tp_path": s.tp_path,
             "rule": s.rule,
             "state_dtype": s.state_dtype,
+            "ns_compute_dtype": s.ns_compute_dtype,
         },
         "plan": {
             "world_size": plan.world_size,

@@ -61,6 +61,7 @@ from dmuon.optim.engine.params import subplan
 from dmuon.optim.planner.config import ModelSpec
 from dmuon.optim.planner.memory import memory_per_rank
 from dmuon.optim.planner.parallel import (
+    NS_COMPUTE_BYTES,
     Layout,
     SplitChoice,
     expert_transfers,
@@ -110,6 +111,9 @@ class TrainingShape:
             ``normuon``: also one value per row).
         state_dtype: the dtype of the matrix rule's state (DMuon's ``state_dtype``):
             ``None`` (the parameter's), ``"float32"`` or ``"bfloat16"``.
+        ns_compute_dtype: the Newton–Schulz compute dtype (DMuon's ``ns_compute_dtype``),
+            in which the tensor-parallel Gram path's all-reduces travel: ``"float16"``
+            (a GPU's default for Gram Newton–Schulz), ``"bfloat16"`` or ``"float32"``.
     """
 
     global_tokens: int = 4 * 1024 * 1024
@@ -124,6 +128,7 @@ class TrainingShape:
     tp_path: str = "auto"
     rule: str = "muon"
     state_dtype: str | None = None
+    ns_compute_dtype: str = "float16"
 
     def __post_init__(self) -> None:
         if isinstance(self.global_tokens, bool) or not isinstance(self.global_tokens, int):
@@ -151,6 +156,11 @@ class TrainingShape:
             raise ValueError(f"--tp-path must be auto, gram or gather, got {self.tp_path!r}")
         if self.rule not in RULES:
             raise ValueError(f"--rule must be one of {sorted(RULES)}, got {self.rule!r}")
+        if self.ns_compute_dtype not in NS_COMPUTE_BYTES:
+            raise ValueError(
+                f"--ns-compute-dtype must be one of {sorted(NS_COMPUTE_BYTES)}, "
+                f"got {self.ns_compute_dtype!r}"
+            )
         if self.state_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(
                 f"--state-dtype must be float32 or bfloat16 (or unset: the parameter's dtype), "
@@ -328,7 +338,14 @@ def predict(
     mine = (*lay.dense, *(i for i in local.matrices if len(i.shape) > 2 and lay.ep > 1))
     single = plan_owners(mine, 1, cost=cost)
     choices = tp_choices(
-        spec, lay, cluster, method=shape.method, steps=shape.ns_steps, tp_path=shape.tp_path
+        spec,
+        lay,
+        cluster,
+        method=shape.method,
+        steps=shape.ns_steps,
+        tp_path=shape.tp_path,
+        state_dtype=shape.state_dtype,
+        gram_element_size=NS_COMPUTE_BYTES[shape.ns_compute_dtype],
     )
     # what travels over dp is each rank's shard of a split matrix
     local_plan = plan

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from dmuon.comm import tensor_parallel_path
-from dmuon.kernels import orthogonalize, tp_gram_newton_schulz
+from dmuon.kernels import default_compute_dtype, orthogonalize, tp_gram_newton_schulz
 from dmuon.optim.hyperparameters import COMPUTE_DTYPES, REQUIRED, Option, boolean
 from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.vote import SignVote, local_vote
@@ -147,7 +147,8 @@ class StepContext:
     def _gathers(self, X: torch.Tensor, method: str, steps: int) -> bool:
         """Whether a split batch takes the gather path: the group key ``tp_path``, or with
         ``"auto"`` :func:`dmuon.comm.tensor_parallel_path` on the whole shape (the same
-        answer on every rank of the group)."""
+        answer on every rank of the group), each path priced in the bytes it sends: the
+        Gram matrices in the Newton–Schulz compute dtype, the shards in ``X``'s dtype."""
         split = self.split
         if split is None or split.gather is None or split.world_size < 2:
             return False
@@ -156,8 +157,21 @@ class StepContext:
             return bool(path == "gather")
         m, n = split.shape
         batch = max(1, math.prod(X.shape[:-2]))  # the same on every rank, empty shards too
+        # each path priced in what it sends: the Gram matrices in the compute dtype (as
+        # tp_gram_newton_schulz resolves it), the gathered shards in X's, the chain's
+        compute = resolve_compute_dtype(self.hp["ns_compute_dtype"])
+        if compute is None:
+            compute = default_compute_dtype(X.device, "gram")
         choice = tensor_parallel_path(
-            m, n, split.dim, split.world_size, batch=batch, method=method, steps=steps
+            m,
+            n,
+            split.dim,
+            split.world_size,
+            gram_element_size=compute.itemsize,
+            gather_element_size=X.element_size(),
+            batch=batch,
+            method=method,
+            steps=steps,
         )
         return choice.path == "gather"
 
