@@ -213,3 +213,51 @@ def test_sharded_and_sign_mode_refuse_a_replicated_matrix_saying_why_on_every_ra
         assert "mode='single'" in msg and "mode='replicated'" in msg, msg
         why = "FSDP2 shards every parameter it manages" if mode == "sharded" else "Sign-Muon votes"
         assert why in msg, msg
+
+
+def run_counted(rank, world, mode):
+    """One step of :class:`PendingNet` (no clipping), the pending sums' bytes counted from
+    the engine's ``CommStats`` (the default one: no stats were passed)."""
+    import torch.distributed as dist
+
+    from dmuon.comm import default_stats
+    from dmuon.optim.engine.relayout import PENDING_SUM_STATS_NAME
+    from dmuon.optim.matrix_split import local_tensor
+
+    mesh, tp, rows, row = mode_mesh(mode, world)
+    model = parallelize(PendingNet(), tp)
+    dp = mesh["dp"].get_group() if mode == "replicated" else None
+    opt = DMuon(param_groups(model), mode=mode, process_group=dp, **OPT)
+    x, y = batch(0)
+    rows_of = slice(TOKENS // rows * row, TOKENS // rows * (row + 1))
+    mine = x[rows_of].chunk(tp.size())[tp.get_local_rank()]
+    loss_of(model(mine), y[rows_of]).backward()
+    if dp is not None:
+        for p in model.parameters():
+            dist.all_reduce(local_tensor(p.grad), group=dp)
+    default_stats().reset()
+    opt.step()
+    return default_stats()[PENDING_SUM_STATS_NAME]
+
+
+@pytest.mark.parametrize(("mode", "world"), [("single", 2), ("replicated", 4)])
+def test_pending_sums_are_counted_as_the_collectives_they_are(mode, world):
+    """Every collective that carries out a pending sum over ``tp`` is recorded under
+    ``"tensor_parallel_pending_sum"``, with the bytes it hands to torch: counted by hand
+    from :class:`PendingNet`'s layouts (fp32, tp 2, every rank alike):
+
+    ============  =================================================  =========
+    parameter     collective over tp                                 bytes
+    ============  =================================================  =========
+    tok.weight    reduce-scatter of 2 padded blocks 8 × 4 (gloo: an  2·32·4 = 256
+                  all-reduce of them), Partial → Shard(1)
+    mix.weight    all-reduce of its 8 × 8 local part                 64·4 = 256
+    tok.bias      all-reduce of its 8 entries (a scalar's step)      32
+    mix.bias      all-reduce of its 8 entries                        32
+    ============  =================================================  =========
+
+    An all-reduce over 2 ranks sends and receives ``2(t−1)/t = 1`` times its buffer."""
+    for rank, got in enumerate(run_on_ranks(run_counted, world, args=(mode,), timeout=240)):
+        assert got.collectives == 4, (mode, rank, got)
+        assert got.payload_bytes == 256 + 256 + 32 + 32, (mode, rank, got)
+        assert got.bytes_sent == got.bytes_received == 576.0, (mode, rank, got)
