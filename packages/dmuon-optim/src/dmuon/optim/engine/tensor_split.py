@@ -12,7 +12,8 @@ Gram matrix over the group at the start and at each restart, never a gather.
 
 Per matrix of shape ``m × n`` split ``t`` ways along ``n`` (columns; rows: swap),
 with ``r`` Gram restarts, in the compute dtype of ``b`` bytes: ``(r + 1)`` all-reduces
-of ``m² · b`` bytes plus two scalars, and ``2·m·n·(n/t)``-scale products on each rank
+of ``m² · b`` bytes, and the normalisation's two of ``B`` and ``B + 1`` fp32 entries
+for a batch of ``B`` matrices, and ``2·m·n·(n/t)``-scale products on each rank
 instead of the whole ``m·n·n``.
 
 ``single`` mode steps split matrices this way (every data-parallel replica repeats
