@@ -7,8 +7,11 @@ optimizer's ``timeout=2``. Rank 0 must leave the save with a
 collective and says which save it was in — not wait for the process group's 30
 minutes (``run_on_ranks``' 60 s would turn that into a failure). Cases: the DCP save
 and the one-file ``full_state_dict`` in owner mode (the owners' ``step`` all-reduce,
-the broadcasts and sends of owned state), and ``gather_full_state_dict`` in
-replicated mode (the Hugging Face Trainer's path: the owners' broadcasts).
+the broadcasts and sends of owned state), ``full_state_dict`` of a tensor-parallel
+model in ``single`` mode (the weights' and the momenta's shards gathered over ``tp``:
+``checkpoint/whole.py``, where DTensor's ``full_tensor()`` waited for the process
+group), and ``gather_full_state_dict`` in replicated mode (the Hugging Face Trainer's
+path: the owners' broadcasts).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ ABSENT = 1
 WHAT = {
     "dcp": "DMuon checkpoint save",
     "full": "DMuon checkpoint save (full)",
+    "tp": "DMuon checkpoint save (full)",
     "hf": "DMuon state gather (gather_full_state_dict)",
 }
 
@@ -49,12 +53,24 @@ def run_save(rank: int, world: int, how: str, directory: str):
     kw = dict(OPT, timeout=DMUON_TIMEOUT, store=rank_store())
     forward: nn.Module = model
     ded = None
-    if how == "hf":
+    seed = rank
+    if how == "tp":  # the first and second layers over tp 2; every rank the same batch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        kw["mode"], seed = "single", 0
+    elif how == "hf":
         forward, kw["mode"] = DDP(model), "replicated"
     else:
         ded = kw["distributed"] = ddp.dedicate(model)
     opt = DMuon(param_groups(model), **kw)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
     F.mse_loss(forward(x), torch.zeros(4, 2)).backward()
     opt.step()
     if ded is not None:
@@ -66,7 +82,7 @@ def run_save(rank: int, world: int, how: str, directory: str):
     try:
         if how == "dcp":
             checkpoint.save(directory, model, opt)
-        elif how == "full":
+        elif how in ("full", "tp"):
             checkpoint.full_state_dict(model, opt)
         else:
             gather_full_state_dict(opt)
@@ -75,7 +91,7 @@ def run_save(rank: int, world: int, how: str, directory: str):
     return {"error": None}
 
 
-@pytest.mark.parametrize("how", ["dcp", "full", "hf"])
+@pytest.mark.parametrize("how", ["dcp", "full", "tp", "hf"])
 def test_a_rank_missing_from_a_save_is_named_at_the_deadline(tmp_path, how):
     with pytest.raises(RankFailure) as info:
         run_on_ranks(run_save, 2, args=(how, str(tmp_path / "ckpt")), timeout=60)
@@ -88,4 +104,10 @@ def test_a_rank_missing_from_a_save_is_named_at_the_deadline(tmp_path, how):
     assert saver.value["reason"] == "timeout", text
     assert text.startswith(WHAT[how]), text
     assert f"no answer within {DMUON_TIMEOUT:g} s" in text, text
+    assert saver.value["seconds"] < 4 * DMUON_TIMEOUT, saver.value  # not when rank 1 left
+    if how == "tp":
+        # the first gather of the model's weights; single mode (one rank to its engine)
+        # starts no roll-call responder, so the error cannot name the absent rank
+        assert "the all-gather of '0.weight' (Shard(0) over mesh dim 'tp')" in text, text
+        return
     assert f"rank {ABSENT} (" in text and "alive but not in a DMuon collective" in text, text

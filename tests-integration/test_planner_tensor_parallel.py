@@ -78,9 +78,10 @@ def test_planner_tp_bytes_equal_the_engines_at_dp2_tp2(run, setup):
     got = predicted(run, mode, tp_path)
     for rank, (mine, rec) in enumerate(zip(got, recorded, strict=True)):
         assert mine == rec["predicted"], (setup, rank, mine, rec)
-        # the planner, as predicted_split_bytes, counts the Gram path's two scalar
-        # all-reduces per matrix as 8 bytes each; CommStats recorded 64 bytes fewer in
-        # 14.2 MB on the Gram path, and exactly the same bytes on the gather path
+        # the planner, as predicted_split_bytes, prices the Gram path's normalisation per
+        # matrix (a max of 4 bytes, a sum of 8); the engine sends it once per batch of
+        # same-shape matrices, 4 bytes fewer per extra matrix: CommStats recorded 16
+        # bytes fewer in 14.2 MB on the Gram path, exactly the same on the gather path
         assert mine == pytest.approx(rec["measured"], rel=1e-5), (setup, rank, mine, rec)
 
 

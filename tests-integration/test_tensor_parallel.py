@@ -909,3 +909,43 @@ def test_heads_and_split_sizes_of_a_tensor_parallel_matrix_are_refused_on_every_
     for rank, (cut, empty) in enumerate(results):
         assert cut is not None and "tensor-parallel shards do not hold whole" in cut, (rank, cut)
         assert empty is not None, rank  # refused (here by the whole shape's check) on every rank
+
+
+def run_gram_batch(rank, world, count):
+    """One ``single``-mode step of ``count`` same-shape colwise weights 16 × 8 (one batch of
+    the Gram path), what the split's ``reduce`` counted."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(11)
+    params = []
+    for _ in range(count):
+        w = nn.Parameter(distribute_tensor(torch.randn(16, 8, generator=g), mesh, [Shard(0)]))
+        local = torch.randn(16, 8, generator=g).chunk(world)[rank]
+        w.grad = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+        params.append(w)
+    opt = DMuon(params, mode="single", tp_path="gram", **OPT)
+    default_stats().reset()
+    opt.step()
+    return default_stats()[STATS_NAME]
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_the_gram_path_sends_what_tensor_parallel_path_prices(count):
+    """A batch of ``B`` weights 16 × 8 split by rows over 2 ranks (Gram side 8, the short
+    one: one restart) all-reduces, in fp32: the ``B`` Gram matrices 8 × 8 twice, the
+    ``B`` maxima, then the ``B`` squared norms and the split size. The bytes recorded on
+    real ranks are that hand count, and what :func:`dmuon.comm.tensor_parallel_path`
+    prices for the batch (it priced the normalisation at 8 bytes a collective whatever
+    ``B``: 4 bytes too many for one matrix, 12 too few for three)."""
+    from dmuon.comm import tensor_parallel_path
+
+    b = count
+    by_hand = 2 * b * 8 * 8 * 4 + b * 4 + (b + 1) * 4
+    priced = tensor_parallel_path(16, 8, -2, 2, batch=b, element_size=4).gram_bytes
+    for rank, got in enumerate(run_on_ranks(run_gram_batch, 2, args=(count,), timeout=120)):
+        assert got.collectives == 4, (rank, got)  # 2 Gram matrices, a max, a sum: one batch
+        assert got.payload_bytes == by_hand, (rank, got, by_hand)
+        # over 2 ranks a ring all-reduce sends 2(t − 1)/t = 1 times its buffer
+        assert got.bytes_sent == pytest.approx(priced, rel=1e-12), (rank, got, priced)

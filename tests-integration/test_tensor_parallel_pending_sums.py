@@ -213,3 +213,64 @@ def test_sharded_and_sign_mode_refuse_a_replicated_matrix_saying_why_on_every_ra
         assert "mode='single'" in msg and "mode='replicated'" in msg, msg
         why = "FSDP2 shards every parameter it manages" if mode == "sharded" else "Sign-Muon votes"
         assert why in msg, msg
+
+
+def run_counted(rank, world, mode):
+    """One step of :class:`PendingNet` (no clipping), the pending sums' bytes counted from
+    the backward on in the engine's ``CommStats`` (the default one: no stats were
+    passed)."""
+    import torch.distributed as dist
+
+    from dmuon.comm import default_stats
+    from dmuon.integrations import ddp
+    from dmuon.optim.engine.relayout import PENDING_SUM_STATS_NAME
+    from dmuon.optim.matrix_split import local_tensor
+
+    mesh, tp, rows, row = mode_mesh(mode, world)
+    model = parallelize(PendingNet(), tp)
+    ded = ddp.dedicate(model, mesh) if mode == "owner" else None
+    dp = mesh["dp"].get_group() if mode == "replicated" else None
+    opt = DMuon(param_groups(model), mode=mode, distributed=ded, process_group=dp, **OPT)
+    x, y = batch(0)
+    rows_of = slice(TOKENS // rows * row, TOKENS // rows * (row + 1))
+    mine = x[rows_of].chunk(tp.size())[tp.get_local_rank()]
+    default_stats().reset()  # owner mode lays the rowwise weight out in the backward
+    loss_of(model(mine), y[rows_of]).backward()
+    if dp is not None:
+        for p in model.parameters():
+            dist.all_reduce(local_tensor(p.grad), group=dp)
+    opt.step()
+    if ded is not None:
+        ded.wait()
+    return default_stats()[PENDING_SUM_STATS_NAME]
+
+
+# fp32, tp 2, per rank: tok.weight's reduce-scatter of 2 padded blocks 8 × 4 (gloo: an
+# all-reduce of them), mix.weight's all-reduce of its 8 × 8 local part, tok.bias's and
+# mix.bias's of 8 entries each (the scalar step)
+TOK, MIX, BIASES = 2 * 8 * 4 * 4, 8 * 8 * 4, 2 * 8 * 4
+
+
+@pytest.mark.parametrize(("mode", "world"), [("single", 2), ("replicated", 4), ("owner", 4)])
+def test_pending_sums_are_counted_as_the_collectives_they_are(mode, world):
+    """Every collective that carries out a pending sum over ``tp`` is recorded under
+    ``"tensor_parallel_pending_sum"``, with the bytes it hands to torch, counted by hand
+    from :class:`PendingNet`'s layouts (:data:`TOK`, :data:`MIX`, :data:`BIASES`): every
+    rank all four in ``single`` and ``replicated`` mode; in owner mode ``mix.weight``'s
+    only on its owner's tp row (its gradient travels over ``dp`` as a pending sum).
+    An all-reduce over 2 ranks sends and receives ``2(t−1)/t = 1`` times its buffer."""
+    got = run_on_ranks(run_counted, world, args=(mode,), timeout=240)
+    if mode != "owner":
+        for rank, s in enumerate(got):
+            assert s.collectives == 4, (mode, rank, s)
+            assert s.payload_bytes == TOK + MIX + BIASES, (mode, rank, s)
+            assert s.bytes_sent == s.bytes_received == TOK + MIX + BIASES, (mode, rank, s)
+        return
+    rows = [got[0:2], got[2:4]]  # dp rows of the dp 2 × tp 2 mesh (tp innermost)
+    owners = [r for r, pair in enumerate(rows) if pair[0].collectives == 4]
+    assert len(owners) == 1, got  # one tp row owns mix.weight
+    for r, pair in enumerate(rows):
+        mix = MIX if r in owners else 0
+        for s in pair:
+            assert s.collectives == 3 + (mix > 0), (r, s)
+            assert s.payload_bytes == s.bytes_sent == TOK + mix + BIASES, (r, s)

@@ -177,6 +177,7 @@ def test_every_wait_site_is_timed_or_listed_with_its_reason():
         ("plan_agreement.py", "check_plan_consistency"),
         ("objects.py", "all_gather_objects"),
         ("full.py", "_gather_owned"),  # checkpoints: checkpoint/deadline.py
+        ("whole.py", "_gathered"),  # DTensors made whole for a checkpoint
         ("sharded_state.py", "_gathered_state"),
         ("sharded_state.py", "owner_steps"),
         ("state.py", "gather_full_state_dict"),

@@ -55,7 +55,9 @@ def predicted_split_bytes(opt: Any) -> float | None:
     whole matrix gathers) priced by :func:`dmuon.comm.tensor_parallel_path`. ``None``
     for an optimizer that is not DMuon. The engine chooses per batch of same-shape
     matrices (the α terms grow with the batch), this per matrix: a borderline shape may
-    go the other way; the Gram path's two scalars are counted as 8 bytes each. Each path
+    go the other way, and a batch of ``B`` matrices sends its normalisation's
+    ``B + (B + 1)`` fp32 entries in two all-reduces, where ``B`` single matrices are priced
+    at ``1 + 2`` each (``4·(B − 1)`` bytes more, before the ring's factor). Each path
     is priced in what it sends: the Gram matrices in the compute dtype, the gathered
     shards in the chain's."""
     from dmuon.comm import tensor_parallel_path

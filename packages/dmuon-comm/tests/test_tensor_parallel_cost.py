@@ -18,9 +18,10 @@ def test_prices_restate_the_module_formulas():
     local = -(-m // t)
     flops = b * (4 * (1 + r) * n * n * local + (8 * steps - 6 - 6 * r) * n**3)
     reduce = cost_model("all_reduce", b * n * n * 4, t, alpha=alpha, bandwidth=bw)
-    scalar = cost_model("all_reduce", 8, t, alpha=alpha, bandwidth=bw)
+    maxima = cost_model("all_reduce", b * 4, t, alpha=alpha, bandwidth=bw)  # b fp32 maxima
+    norms = cost_model("all_reduce", (b + 1) * 4, t, alpha=alpha, bandwidth=bw)  # + split size
     assert got.gram_seconds == pytest.approx(
-        flops / rate + (1 + r) * reduce.seconds + 2 * scalar.seconds
+        flops / rate + (1 + r) * reduce.seconds + maxima.seconds + norms.seconds
     )
     gather = cost_model("all_gather", b * m * n * 4, t, alpha=alpha, bandwidth=bw)
     assert got.gather_seconds == pytest.approx(ns_flops(m, n, batch=b) / rate + gather.seconds)
@@ -40,7 +41,8 @@ def test_each_path_is_priced_in_the_bytes_it_sends(gram_e, gather_e):
         m, n, -2, t, batch=b, gram_element_size=gram_e, gather_element_size=gather_e
     )
     gram = (1 + r) * 2 * (t - 1) / t * (b * n * n * gram_e)  # the Gram all-reduces
-    scalars = 2 * 2 * (t - 1) / t * 8  # the normalisation's max and sum, priced at 8 bytes
+    # the normalisation: the b maxima, then the b squared norms and the split size, fp32
+    scalars = 2 * (t - 1) / t * (b * 4 + (b + 1) * 4)
     assert got.gram_bytes == pytest.approx(gram + scalars, rel=1e-12)
     assert got.gather_bytes == pytest.approx((t - 1) / t * (b * m * n * gather_e), rel=1e-12)
     # element_size is the default of both, and neither size reaches the other path's price

@@ -10,10 +10,13 @@ two ways (the DMuon issue's paths (a) and (b)):
   split side ``L``::
 
       flops = 4(1 + r)·g²·l + (8·steps − 6 − 6r)·g³
-      comm  = (1 + r) all-reduces of g² elements, plus two scalars
+      comm  = (1 + r) all-reduces of b·g² elements, and the normalisation's two:
+              b maxima, then b squared norms and the split size (b + 1)
 
   The Gram matrices travel in the Newton–Schulz compute dtype (``gram_element_size``:
-  fp16's 2 bytes on a GPU by default, :func:`dmuon.kernels.default_compute_dtype`).
+  fp16's 2 bytes on a GPU by default, :func:`dmuon.kernels.default_compute_dtype`); the
+  normalisation's ``b`` and ``b + 1`` entries in fp32 (:data:`NORMALISATION_ELEMENT_SIZE`:
+  the kernel normalises in fp32 before the cast down, in fp64 for fp64 shards).
 
   The kernel restarts at step 2 when ``g`` is the short side of the whole matrix, and
   at every step when it is the long side (its exactness needs it), so the Gram path
@@ -41,7 +44,17 @@ from dmuon.comm.cost import NSCost
 from dmuon.comm.cost_model import DEFAULT_ALPHA, DEFAULT_BANDWIDTH, cost_model
 from dmuon.comm.flops import ns_flops
 
-__all__ = ["TensorParallelPath", "gram_restarts", "tensor_parallel_path"]
+__all__ = [
+    "NORMALISATION_ELEMENT_SIZE",
+    "TensorParallelPath",
+    "gram_restarts",
+    "tensor_parallel_path",
+]
+
+NORMALISATION_ELEMENT_SIZE = 4
+"""Bytes per entry of the Gram path's two normalisation all-reduces (the batch's maxima,
+then its squared norms with the split size appended): fp32, what
+:func:`dmuon.kernels.tp_gram_newton_schulz` normalises in (fp64 shards: 8)."""
 
 
 @dataclass(frozen=True)
@@ -152,9 +165,15 @@ def tensor_parallel_path(
     reduce = cost_model(
         "all_reduce", batch * g * g * gram_e, world_size, alpha=alpha, bandwidth=bandwidth
     )
-    scalar = cost_model("all_reduce", 8, world_size, alpha=alpha, bandwidth=bandwidth)
-    gram_seconds = gram_flops / flops_per_second + (1 + r) * reduce.seconds + 2 * scalar.seconds
-    gram_bytes = (1 + r) * reduce.bytes_sent + 2 * scalar.bytes_sent
+    # the normalisation: one all-reduce of the batch's maxima, one of its squared norms
+    # with the split size appended (b and b + 1 fp32 entries)
+    e = NORMALISATION_ELEMENT_SIZE
+    maxima = cost_model("all_reduce", batch * e, world_size, alpha=alpha, bandwidth=bandwidth)
+    norms = cost_model("all_reduce", (batch + 1) * e, world_size, alpha=alpha, bandwidth=bandwidth)
+    gram_seconds = (
+        gram_flops / flops_per_second + (1 + r) * reduce.seconds + maxima.seconds + norms.seconds
+    )
+    gram_bytes = (1 + r) * reduce.bytes_sent + maxima.bytes_sent + norms.bytes_sent
     whole_flops = ns_flops(m, n, method=method, steps=steps, batch=batch)
     gather = cost_model(
         "all_gather", batch * m * n * gather_e, world_size, alpha=alpha, bandwidth=bandwidth

@@ -17,14 +17,16 @@ by columns and the Gram matrix is ``GᵀG``: the side of the Gram matrix is alwa
 the *unsplit* dimension.
 
 Traffic per matrix, in the compute dtype of ``b`` bytes, with ``r`` restarts:
-``(r + 1)`` all-reduces of ``s² · b`` bytes (``s`` the unsplit side) plus two
-scalars, against ``(t − 1)/t · m n · b_x`` to gather the shards, in the dtype of
+``(r + 1)`` all-reduces of ``s² · b`` bytes (``s`` the unsplit side) plus the
+normalisation's two (below), against ``(t − 1)/t · m n · b_x`` to gather the shards, in the dtype of
 their ``b_x`` bytes (not the compute dtype), and as much to scatter the result: the
 Gram path wins when ``s`` is the short side.
 
 The normalisation is the one of :func:`~dmuon.kernels.gram_newton_schulz`,
 ``X = G / (‖G‖_F + eps · max|G|)``, with the maximum and the squared norm reduced
-over the shards (a ``"max"`` and a ``"sum"`` of one number per matrix).
+over the shards: a ``"max"`` of one number per matrix, then a ``"sum"`` of one per
+matrix and the split dimension's size — for a batch of ``B`` matrices ``B`` and
+``B + 1`` entries, in fp32 (fp64 for fp64 shards), whatever the compute dtype.
 
 When the Gram side is the *long* side (a wide matrix split by rows, a tall one by
 columns), ``R`` is rank-deficient and evolving it between restarts amplifies the

@@ -206,7 +206,7 @@ def _clamp(engine: Engine, clip_value: float) -> None:
     for e in engine.params:
         g = e.param.grad
         if g is not None and is_dtensor(g):
-            settled = summed(g)
+            settled = summed(g, e.name, engine.stats)
             if settled is not g:
                 e.param.grad = settled
     grads = engine.local_grads()

@@ -501,7 +501,7 @@ class DMuon(torch.optim.Optimizer):
         self, group: Mapping[str, Any], params: list[torch.Tensor] | None = None
     ) -> None:
         """AdamW/Lion on ``params`` (default: the group's) that have a gradient."""
-        step_scalars(group, self.state, params)
+        step_scalars(group, self.state, params, self._engine.stats)
 
     # ------------------------------------------------------------- state dicts
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dmuon.comm import CollectiveError, collective_timeout
+from dmuon.comm import CollectiveError, CommStats, collective_timeout
 from dmuon.comm.roll_call import note_phase
 from dmuon.optim.batches import Bucket, Sink, active_entries, step_bucket
 from dmuon.optim.deadline import check_timeout
@@ -180,9 +180,11 @@ def step_scalars(
     group: Mapping[str, Any],
     state: Mapping[torch.Tensor, dict[str, Any]],
     params: list[torch.Tensor] | None = None,
+    stats: CommStats | None = None,
 ) -> None:
     """The group's scalar rule (AdamW/Lion) on ``params`` (default: the group's) that have a
-    gradient."""
+    gradient; the pending sums of DTensor gradients carried out first are counted in
+    ``stats`` (the engine's)."""
     candidates = group["params"] if params is None else params
     params = [p for p in candidates if p.grad is not None]
     if not params:
@@ -190,7 +192,7 @@ def step_scalars(
     # a DTensor gradient's pending sums (Partial), carried out under the deadline; plain
     # gradients are looked at here, without a call per step into another module
     if any(type(p.grad) is not torch.Tensor for p in params):
-        settle_pending_grads(params)
+        settle_pending_grads(params, stats)
     grads = [p.grad for p in params]
     if any(g.is_sparse for g in grads):  # type: ignore[union-attr]
         raise RuntimeError("DMuon does not support sparse gradients")

@@ -10,10 +10,23 @@ for each with :func:`dmuon.comm.wait_work` under the optimizer's
 so the waiting ranks raise :class:`dmuon.comm.CollectiveError` naming the rank that
 is missing, as in a step.
 
-The collectives of torch's own checkpoint machinery that these functions call
-(DCP's planning and writes, ``get_model_state_dict``, ``DTensor.full_tensor``,
-``distribute_tensor``) wait under the process group's timeout: torch gives them no
-deadline of their own.
+DTensors are made whole and cut back by :mod:`~dmuon.integrations.checkpoint.whole`
+under the same deadline: the one-file
+:func:`~dmuon.integrations.checkpoint.full_state_dict` gathers the model's and the
+optimizer's tensor-parallel and FSDP2 shards with DMuon's own all-gathers (torch's
+``get_model_state_dict(..., full_state_dict=True)`` and ``DTensor.full_tensor`` did,
+untimed), :func:`~dmuon.integrations.checkpoint.load_full_state_dict` cuts every
+shard from the dict each rank holds, with no collective (torch's
+``set_model_state_dict(..., full_state_dict=True)`` scattered rank 0's), and
+torchtitan's load gathers the owners' rows the same way.
+
+What still waits under the process group's timeout, because torch gives it no
+deadline of its own: DCP's planning, reads and writes (``save``/``load``); the
+owner-rooted scatter of FSDP2-sharded owner state
+(``distribute_tensor(..., src_data_rank=owner)``, ``sharded_state.py``); and the
+gathers of layouts ``whole_tensor`` leaves to ``DTensor.full_tensor()`` — two mesh
+dimensions sharding one tensor dimension (FSDP2 over tensor parallelism,
+``_StridedShard``) or a pending sum.
 """
 
 from __future__ import annotations

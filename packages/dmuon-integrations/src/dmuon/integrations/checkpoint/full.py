@@ -20,11 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from dmuon.comm import wait_work
 from dmuon.integrations.checkpoint.compat import (
@@ -39,6 +35,7 @@ from dmuon.integrations.checkpoint.holders import Holding, holdings, release, se
 from dmuon.integrations.checkpoint.owned_split import saved_entry, split_from_full
 from dmuon.integrations.checkpoint.sharded_state import group_records, owner_steps
 from dmuon.integrations.checkpoint.split_state import as_saved
+from dmuon.integrations.checkpoint.whole import shard_of, whole_tensor
 from dmuon.optim import DMuon
 from dmuon.optim.engine.params import is_dtensor
 
@@ -111,13 +108,19 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
     settle(optimizer)
     try:
         with checkpoint_deadline(optimizer, "DMuon checkpoint save (full)"):
-            model_sd: dict[str, Any] = get_model_state_dict(
-                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
-            # On a CPU, DSD hands back plain parameters themselves: copy them here, before
-            # release() frees the weights this rank does not own (reshard_after_forward),
-            # and so that the dict does not follow the training that goes on.
-            model_sd = {k: v.detach().clone() for k, v in model_sd.items()} if _rank0() else {}
+            # Each rank's own part (no collective), gathered whole by DMuon's all-gathers
+            # under the deadline (whole.py), not by DSD's full_state_dict, whose gathers
+            # wait for the process group's timeout. On a CPU a plain (or replicated)
+            # parameter is the live tensor itself: copy it here, before release() frees
+            # the weights this rank does not own (reshard_after_forward), and so that the
+            # dict does not follow the training that goes on.
+            model_sd: dict[str, Any] = {}
+            for fqn, value in get_model_state_dict(model).items():
+                whole = whole_tensor(value, fqn) if isinstance(value, torch.Tensor) else value
+                if _rank0():
+                    model_sd[fqn] = (
+                        whole.detach().cpu().clone() if isinstance(whole, torch.Tensor) else whole
+                    )
             steps = owner_steps(optimizer, [h for h in held if h.owner is not None])
             state: dict[str, dict[str, torch.Tensor]] = {}
             from dmuon.integrations.checkpoint.compat import expected_state_shapes
@@ -128,7 +131,7 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
                 entry: dict[str, torch.Tensor] = {}
                 if h.split:  # the owner's tp row holds it (owned_split.py): assemble it
                     for key, saved in saved_entry(optimizer, h, steps[h.fqn]).items():
-                        whole = saved.full_tensor() if is_dtensor(saved) else saved  # type: ignore[attr-defined]
+                        whole = whole_tensor(saved, f"{h.fqn}.{key}")
                         entry[key] = whole.cpu().clone()
                     state[h.fqn] = entry if _rank0() else {}
                     continue
@@ -141,9 +144,9 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
                     elif h.owner is not None:
                         full = _gather_owned(h, value, shapes[key])
                     elif is_dtensor(stored):
-                        # a Replicate DTensor's full_tensor() on a CPU is the live state
+                        # a Replicate DTensor's whole tensor on a CPU is the live state
                         # itself: copy, so the dict does not follow the training
-                        full = stored.full_tensor().cpu().clone()
+                        full = whole_tensor(stored, f"{h.fqn}.{key}").cpu().clone()
                     else:
                         full = value.detach().cpu().clone()
                     if full is not None:
@@ -221,8 +224,16 @@ def load_full_state_dict(model: nn.Module, optimizer: DMuon, state_dict: Mapping
             _flat_shapes(state_dict),
             groups,
         )
+        # every rank holds the whole dict: each cuts its own shards (no collective), where
+        # DSD's full_state_dict would scatter rank 0's with no deadline
         set_model_state_dict(
-            model, dict(state_dict["model"]), options=StateDictOptions(full_state_dict=True)
+            model,
+            {
+                fqn: shard_of(full.to(local[fqn].device), local[fqn])
+                if is_dtensor(local.get(fqn))
+                else full
+                for fqn, full in state_dict["model"].items()
+            },
         )
         saved = state_dict["optim"]["state"]
         values: dict[str, dict[str, torch.Tensor]] = {}
@@ -242,14 +253,7 @@ def load_full_state_dict(model: nn.Module, optimizer: DMuon, state_dict: Mapping
                     if h.held_here():
                         entry[key] = full.to(value.device).clone()
                 elif is_dtensor(form):
-                    from torch.distributed.tensor import distribute_tensor
-
-                    entry[key] = distribute_tensor(
-                        full.to(value.device),
-                        form.device_mesh,
-                        form.placements,
-                        src_data_rank=None,  # every rank has the whole: slice, no traffic
-                    )
+                    entry[key] = shard_of(full.to(value.device), form)  # a slice, no traffic
                 else:
                     entry[key] = full.to(value.device).clone()
             values[h.fqn] = entry

@@ -32,6 +32,7 @@ from dmuon.integrations.checkpoint.deadline import checkpoint_deadline
 from dmuon.integrations.checkpoint.holders import Holding, holdings, release, settle
 from dmuon.integrations.checkpoint.owned_split import to_owners
 from dmuon.integrations.checkpoint.sharded_state import state_to_save
+from dmuon.integrations.checkpoint.whole import whole_tensor
 from dmuon.optim import DMuon
 
 __all__ = ["container_state", "load_container_state"]
@@ -48,12 +49,6 @@ def container_state(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
         release(optimizer)
 
 
-def _whole(value: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
 def _held_values(
     held: Sequence[Holding], saved: Mapping[str, Mapping[str, torch.Tensor]]
 ) -> dict[str, dict[str, torch.Tensor]]:
@@ -68,12 +63,12 @@ def _held_values(
         entry = dict(saved[h.fqn])
         if h.owner is not None and not h.split:
             # Shard(0) rows over the owners' group → the whole tensor at its owner.
-            # Every rank of the group calls full_tensor in the same (holdings) order.
+            # Every rank of the group gathers in the same (holdings) order.
             kept = {"step": entry["step"]}
             for key, value in entry.items():
                 if key == "step":
                     continue
-                whole = _whole(value)
+                whole = whole_tensor(value, f"{h.fqn}.{key}")  # under the load's deadline
                 if h.held_here():
                     kept[key] = whole
             entry = kept

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from dmuon.comm import CommStats, default_stats
 from dmuon.comm.process_groups import group_size, twin_groups
 from dmuon.optim.engine.params import EngineParam, collect_params, frozen_params, is_dtensor
 from dmuon.optim.engine.placements import placement_of_param
@@ -97,11 +98,15 @@ class Engine:
         rank: this rank in the engine's ranks (HSDP: ``i·S + j``).
         world_size: the number of those ranks.
         params: the optimizer's trainable parameters, named and layered.
+        stats: where the engine's collectives count their bytes (the planned modes
+            take it as an argument; here :func:`dmuon.comm.default_stats`): among them the
+            pending sums of tensor-parallel gradients this base class carries out.
     """
 
     mode = "single"
 
     def __init__(self) -> None:
+        self.stats: CommStats = default_stats()
         self.rank = 0
         self.world_size = 1
         self.params: list[EngineParam] = []
@@ -178,7 +183,7 @@ class Engine:
         launch the reductions not launched yet), so guards may add collectives after it:
         here, lay every DTensor matrix's gradient out as its parameter
         (:func:`~dmuon.optim.engine.tensor_split.settle_split_grads`)."""
-        settle_split_grads(self._dtensors)
+        settle_split_grads(self._dtensors, self.stats)
 
     def skip_step(self) -> None:
         """Finish this step's communication without stepping (every rank skips alike)."""
@@ -219,7 +224,7 @@ class Engine:
         """Make every gradient this rank holds final (owner mode: finish the reductions;
         here: lay DTensor gradients out as their parameters, so that the norms count this
         rank's shards, :func:`~dmuon.optim.engine.tensor_split.settle_split_grads`)."""
-        settle_split_grads(self._dtensors)
+        settle_split_grads(self._dtensors, self.stats)
 
     def changed_gradients(self) -> list[str]:
         """Parameters whose gradient this rank changed after the engine had taken it for a
@@ -291,7 +296,7 @@ class SingleEngine(Engine):
     def split_of(self, p: torch.Tensor) -> MatrixSplit | None:
         """A tensor-parallel matrix is stepped on its shards (:mod:`.tensor_split`)."""
         info = self.info(p)
-        return split_of(p, info.name if info is not None else "")
+        return split_of(p, info.name if info is not None else "", self.stats)
 
     def on_shard(self, p: torch.Tensor) -> bool:
         """A tensor-parallel matrix, an expert stack split over its expert dimension
@@ -323,7 +328,7 @@ class SingleEngine(Engine):
         copies: list[float] = []
         for g in grads:
             if is_dtensor(g):
-                g = summed(g)
+                g = summed(g, stats=self.stats)
                 mesh = g.device_mesh  # type: ignore[attr-defined]
                 replicas = math.prod(
                     mesh.size(d)
@@ -355,16 +360,18 @@ def world_of(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), n
 
 
-def local_norm_tensors(params: Iterable[EngineParam]) -> list[torch.Tensor]:
+def local_norm_tensors(
+    params: Iterable[EngineParam], stats: CommStats | None = None
+) -> list[torch.Tensor]:
     """Local parts of DTensor gradients counted once: the shard on the first replica
-    (pending sums, ``Partial``, carried out first: :func:`summed`)."""
+    (pending sums, ``Partial``, carried out first: :func:`summed`, counted in ``stats``)."""
     out: list[torch.Tensor] = []
     for e in params:
         g = e.param.grad
         if g is None:
             continue
         if is_dtensor(g):
-            g = summed(g)
+            g = summed(g, e.name, stats)
             from torch.distributed.tensor import Replicate
 
             mesh = g.device_mesh  # type: ignore[attr-defined]

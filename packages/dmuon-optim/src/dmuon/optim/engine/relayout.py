@@ -39,16 +39,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import shard_range, wait_work
+from dmuon.comm import CommStats, default_stats, shard_range, wait_work
 from dmuon.comm.torch_compat import reduce_scatter_single
 from dmuon.optim.engine.params import is_dtensor
 
-__all__ = ["relaid", "summed"]
+__all__ = ["PENDING_SUM_STATS_NAME", "relaid", "summed"]
+
+PENDING_SUM_STATS_NAME = "tensor_parallel_pending_sum"
+"""The name under which :class:`dmuon.comm.CommStats` counts the collectives that carry
+out a tensor-parallel gradient's pending sums (:func:`relaid`, :func:`summed`)."""
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def relaid(g: torch.Tensor, placements: Sequence[Any], name: str = "") -> torch.Tensor:
+def relaid(
+    g: torch.Tensor, placements: Sequence[Any], name: str = "", stats: CommStats | None = None
+) -> torch.Tensor:
     """The DTensor ``g`` with ``placements`` (on its own mesh), made by the changes of the
     module's table, each collective waited under the current deadline.
 
@@ -56,6 +62,8 @@ def relaid(g: torch.Tensor, placements: Sequence[Any], name: str = "") -> torch.
         g: a DTensor (a gradient).
         placements: the placements wanted, one per mesh dimension.
         name: the parameter's name, for the errors (``""``: unnamed).
+        stats: where the collectives' bytes are counted (:data:`PENDING_SUM_STATS_NAME`);
+            default :func:`dmuon.comm.default_stats`.
 
     Raises:
         dmuon.comm.CollectiveError: a collective failed or did not finish in time.
@@ -76,22 +84,23 @@ def relaid(g: torch.Tensor, placements: Sequence[Any], name: str = "") -> torch.
     sharded = any(pl.is_shard() and mesh.size(d) > 1 for d, pl in enumerate(have))
     order = reversed(range(len(have))) if sharded else range(len(have))
     local = g.to_local()  # type: ignore[attr-defined]
+    stats = stats if stats is not None else default_stats()
     with torch.no_grad():
         for d in order:
             if have[d] == want[d]:
                 continue
-            local = _change(local, have, want, d, mesh, name)
+            local = _change(local, have, want, d, mesh, name, stats)
             have[d] = want[d]
     return DTensor.from_local(local, mesh, want, run_check=False, shape=g.shape, stride=g.stride())
 
 
-def summed(g: torch.Tensor, name: str = "") -> torch.Tensor:
+def summed(g: torch.Tensor, name: str = "", stats: CommStats | None = None) -> torch.Tensor:
     """A DTensor gradient with its pending sums (``Partial``) carried out: what a
     ``SequenceParallel`` norm's weight gets, each rank's sum over its part of the
     sequence. Its local part is not a part of the gradient until the group has added
     them (one all-reduce per pending mesh dimension, under DMuon's deadline:
-    :func:`relaid`; ``name``, the parameter's, for its errors); other gradients are returned as they
-    are."""
+    :func:`relaid`; ``name``, the parameter's, for its errors; ``stats``, where its bytes are
+    counted); other gradients are returned as they are."""
     if not is_dtensor(g):
         return g
     placements = tuple(g.placements)  # type: ignore[attr-defined]
@@ -100,7 +109,7 @@ def summed(g: torch.Tensor, name: str = "") -> torch.Tensor:
     from torch.distributed.tensor import Replicate
 
     settled = [Replicate() if pl.is_partial() else pl for pl in placements]
-    return relaid(g, settled, name)
+    return relaid(g, settled, name, stats)
 
 
 def _change(
@@ -110,6 +119,7 @@ def _change(
     d: int,
     mesh: Any,
     name: str,
+    stats: CommStats,
 ) -> torch.Tensor:
     """``local`` after the change of mesh dimension ``d`` from ``have[d]`` to ``want[d]``."""
     src, dst = have[d], want[d]
@@ -128,6 +138,10 @@ def _change(
         out = local.clone(memory_format=torch.contiguous_format)
         op = _OPS.get(src.reduce_op, dist.ReduceOp.SUM)
         if t > 1:
+            nbytes = out.numel() * out.element_size()
+            stats.record_collective(
+                PENDING_SUM_STATS_NAME, "all_reduce", nbytes=nbytes, world_size=t
+            )
             work = dist.all_reduce(out, op=op, group=group, async_op=True)
             wait_work(work, f"the all-reduce of {of} {where}", group)
         return out / t if src.reduce_op == "avg" else out
@@ -138,7 +152,7 @@ def _change(
         if src.is_replicate() or t == 1:
             return local.narrow(dim, *shard_range(size, t, me)).contiguous()
         what = f"the reduce-scatter of {of} {where}"
-        return _reduce_scatter(local, dim, src.reduce_op, group, t, me, what)
+        return _reduce_scatter(local, dim, src.reduce_op, group, t, me, what, stats)
     raise NotImplementedError(
         f"the gradient of {name or 'a parameter'!r} is laid out {tuple(have)} and must become "
         f"{want} on mesh dims {tuple(names)}: DMuon changes {src} to {dst} on mesh dim "
@@ -149,7 +163,14 @@ def _change(
 
 
 def _reduce_scatter(
-    local: torch.Tensor, dim: int, reduce_op: str, group: Any, t: int, me: int, what: str
+    local: torch.Tensor,
+    dim: int,
+    reduce_op: str,
+    group: Any,
+    t: int,
+    me: int,
+    what: str,
+    stats: CommStats,
 ) -> torch.Tensor:
     """This rank's chunk along ``dim`` (``torch.chunk``'s) of the sum over ``group`` of the
     ranks' ``local``: every chunk padded to the largest, stacked along dim 0, one
@@ -168,15 +189,20 @@ def _reduce_scatter(
     send = torch.cat(blocks, dim=0).contiguous()
     op = _OPS.get(reduce_op, dist.ReduceOp.SUM)
     rows = int(blocks[0].shape[0])
+    nbytes = send.numel() * send.element_size()  # the t padded blocks, as either sends
     if dist.get_backend(group) == "gloo":
         # gloo's reduce-scatter ignores its wait's timeout (torch 2.13: a peer 4 s late held
         # a 1 s wait for 4 s; its all-reduce raised at 1 s), and its result is the all-reduce's
         # block, bitwise: the all-reduce, then this rank's block
+        stats.record_collective(PENDING_SUM_STATS_NAME, "all_reduce", nbytes=nbytes, world_size=t)
         work = dist.all_reduce(send, op=op, group=group, async_op=True)
         wait_work(work, what, group)
         out = send.narrow(0, me * rows, rows)
     else:
         out = local.new_empty(blocks[0].shape)
+        stats.record_collective(
+            PENDING_SUM_STATS_NAME, "reduce_scatter", nbytes=nbytes, world_size=t
+        )
         work = reduce_scatter_single(out, send, op=op, group=group, async_op=True)
         wait_work(work, what, group)
     out = out / t if reduce_op == "avg" else out

@@ -135,7 +135,8 @@ class ReplicatedEngine(PlannedEngine):
             elif owner is not None:
                 out.append(local_tensor(g))  # a split matrix: this rank's shard
             else:
-                out.extend(local_norm_tensors([e]))  # its shard, once over Replicate dims
+                # its shard, once over Replicate dims
+                out.extend(local_norm_tensors([e], self.stats))
         return out, [self.group] + ([tp] if tp is not None else [])
 
     def _split_group(self) -> dist.ProcessGroup | None:

@@ -12,7 +12,8 @@ Gram matrix over the group at the start and at each restart, never a gather.
 
 Per matrix of shape ``m × n`` split ``t`` ways along ``n`` (columns; rows: swap),
 with ``r`` Gram restarts, in the compute dtype of ``b`` bytes: ``(r + 1)`` all-reduces
-of ``m² · b`` bytes plus two scalars, and ``2·m·n·(n/t)``-scale products on each rank
+of ``m² · b`` bytes, and the normalisation's two of ``B`` and ``B + 1`` fp32 entries
+for a batch of ``B`` matrices, and ``2·m·n·(n/t)``-scale products on each rank
 instead of the whole ``m·n·n``.
 
 ``single`` mode steps split matrices this way (every data-parallel replica repeats
@@ -302,7 +303,11 @@ def tensor_groups(params: Iterable[EngineParam], group: Any) -> list[dist.Proces
 
 
 def laid_out_as(
-    g: torch.Tensor, p: torch.Tensor, partial: bool = True, name: str = ""
+    g: torch.Tensor,
+    p: torch.Tensor,
+    partial: bool = True,
+    name: str = "",
+    stats: CommStats | None = None,
 ) -> torch.Tensor:
     """The DTensor gradient ``g`` with the placements of its DTensor parameter ``p``
     (``g`` itself when they agree, or either is a plain tensor; with ``partial`` false,
@@ -318,8 +323,10 @@ def laid_out_as(
     back ``Partial()``: each rank's local part is a whole-matrix partial sum.
     :func:`~dmuon.optim.engine.relayout.relaid` lays it out as ``p``: a local slice from
     ``Replicate()``, a collective of the group otherwise (a reduce-scatter from ``Partial``,
-    an all-reduce to ``Replicate()``), waited under DMuon's deadline and named (``name``, the
-    parameter's) in the error of a rank that does not come. A pending sum
+    an all-reduce to ``Replicate()``), waited under DMuon's deadline, named (``name``, the
+    parameter's) in the error of a rank that does not come, and counted in ``stats``
+    (default :func:`dmuon.comm.default_stats`) under
+    :data:`~dmuon.optim.engine.relayout.PENDING_SUM_STATS_NAME`. A pending sum
     over a dimension the parameter is replicated on (a ``SequenceParallel`` norm's, or a
     replicated matrix's) has the parameter's local shape: owner mode reduces it over
     ``dp`` as it is (the sum over ``tp`` commutes with that reduction) and carries it out
@@ -337,14 +344,14 @@ def laid_out_as(
     pending = zip(have, placements, strict=True)
     if not partial and all(a == b or (a.is_partial() and b.is_replicate()) for a, b in pending):
         return g
-    return relaid(g, placements, name)
+    return relaid(g, placements, name, stats)
 
 
 _RELAID = WeakIdKeyDictionary()
 """The parameters whose gradient was laid out anew (:func:`mark_relaid`)."""
 
 
-def settle_split_grads(params: Iterable[EngineParam]) -> None:
+def settle_split_grads(params: Iterable[EngineParam], stats: CommStats | None = None) -> None:
     """Lay the gradient of every DTensor parameter among ``params`` out as the parameter
     (:func:`laid_out_as`) before a step reads ``p.grad.to_local()`` as this rank's shard
     (its experts), or torch's in-place scalar steps meet a gradient of other placements
@@ -352,31 +359,33 @@ def settle_split_grads(params: Iterable[EngineParam]) -> None:
     norm's) is left to its step (:func:`settle_pending_grads`). A redistribution that
     communicates is issued alike on every rank (placements are the same on every rank,
     and ``params`` in one order) and waited under DMuon's deadline
-    (:func:`~dmuon.optim.engine.relayout.relaid`). The next backward gives such a
+    (:func:`~dmuon.optim.engine.relayout.relaid`), its bytes counted in ``stats``
+    (default :func:`dmuon.comm.default_stats`). The next backward gives such a
     parameter a gradient of the other placements again, which
     torch cannot add in place to the replaced one: ``DMuon.zero_grad`` drops it
     (:func:`drop_relaid_grads`) even with ``set_to_none=False``."""
     for e in params:
         g = e.param.grad
         if g is not None:
-            settled = laid_out_as(g, e.param, partial=e.matrix, name=e.name)
+            settled = laid_out_as(g, e.param, partial=e.matrix, name=e.name, stats=stats)
             if settled is not g:
                 e.param.grad = settled
                 mark_relaid(e.param)
 
 
-def settle_pending_grads(params: Iterable[torch.Tensor]) -> None:
+def settle_pending_grads(params: Iterable[torch.Tensor], stats: CommStats | None = None) -> None:
     """Carry out the pending sums (``Partial``) of the DTensor gradients of ``params``
     (:func:`~dmuon.optim.engine.relayout.summed`: an all-reduce under DMuon's deadline),
     before a scalar rule reads them: a ``SequenceParallel`` norm's weight, a bias that
     reads a token-sharded activation. Left to the rule, DTensor's arithmetic would carry
     each out by itself, once per operation that reads it, with no deadline. Every rank
-    that steps them calls this with the same parameters in one order. Each one replaced
+    that steps them calls this with the same parameters in one order; the bytes are
+    counted in ``stats`` (default :func:`dmuon.comm.default_stats`). Each one replaced
     is marked for ``DMuon.zero_grad`` to drop (:func:`drop_relaid_grads`)."""
     for p in params:
         g = p.grad
         if g is not None and is_dtensor(g):
-            settled = summed(g)
+            settled = summed(g, stats=stats)
             if settled is not g:
                 p.grad = settled
                 mark_relaid(p)

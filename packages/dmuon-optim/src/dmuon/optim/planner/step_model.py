@@ -564,7 +564,9 @@ def assumptions(
             f"dp {lay.dp} × tp {lay.tp}, tp innermost ({tp_link.name} link); "
             f"{len(lay.splits)} matrices split (q/k/v, gate/up by rows; o, down by columns), "
             "embeddings, head, routers and experts whole; owners planned over dp by whole "
-            "shapes, dp traffic carries shards")))  # fmt: skip
+            "shapes, dp traffic carries shards; every gradient arrives laid out as its "
+            "parameter (no sequence parallelism): no pending sums over tp "
+            "(tensor_parallel_pending_sum) are predicted")))  # fmt: skip
         rows.append(("tensor-parallel path", (
             f"{paths.count('gram')} Gram, {paths.count('gather')} gather "
             f"(--tp-path {shape.tp_path}: dmuon.comm.tensor_parallel_path at the profile's "
