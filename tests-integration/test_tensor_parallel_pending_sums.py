@@ -217,18 +217,19 @@ def test_sharded_and_sign_mode_refuse_a_replicated_matrix_saying_why_on_every_ra
 
 def run_counted(rank, world, mode):
     """One step of :class:`PendingNet` (no clipping), the pending sums' bytes counted from
-    the backward on in the engine's ``CommStats`` (the default one: no stats were
-    passed)."""
+    the backward on in the engine's ``CommStats``: the default one, or in owner mode the
+    dedication's own (``dedicate(stats=...)``), the default then left untouched."""
     import torch.distributed as dist
 
-    from dmuon.comm import default_stats
+    from dmuon.comm import CommStats, default_stats
     from dmuon.integrations import ddp
     from dmuon.optim.engine.relayout import PENDING_SUM_STATS_NAME
     from dmuon.optim.matrix_split import local_tensor
 
     mesh, tp, rows, row = mode_mesh(mode, world)
     model = parallelize(PendingNet(), tp)
-    ded = ddp.dedicate(model, mesh) if mode == "owner" else None
+    own = CommStats()
+    ded = ddp.dedicate(model, mesh, stats=own) if mode == "owner" else None
     dp = mesh["dp"].get_group() if mode == "replicated" else None
     opt = DMuon(param_groups(model), mode=mode, distributed=ded, process_group=dp, **OPT)
     x, y = batch(0)
@@ -242,6 +243,8 @@ def run_counted(rank, world, mode):
     opt.step()
     if ded is not None:
         ded.wait()
+        assert PENDING_SUM_STATS_NAME not in default_stats(), default_stats().as_dict()
+        return own[PENDING_SUM_STATS_NAME]
     return default_stats()[PENDING_SUM_STATS_NAME]
 
 

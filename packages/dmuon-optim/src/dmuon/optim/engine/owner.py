@@ -43,6 +43,7 @@ class OwnerEngine(Engine):
     def __init__(self, exchange: OwnerExchange) -> None:
         super().__init__()
         self.exchange = exchange
+        self.stats = exchange.stats  # the dedication's: the tp sums count where its bytes do
         self.rank = exchange.rank
         self.world_size = exchange.world_size
         # Made by bind(), read by every step (one dictionary lookup per parameter, not a
@@ -263,7 +264,7 @@ class OwnerEngine(Engine):
         """
         whole = self._whole_by_layer.get(key)
         if whole:  # most layers hold none: no call for them
-            settle_split_grads(whole)
+            settle_split_grads(whole, self.stats)
 
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
         ex = self.exchange
@@ -286,7 +287,7 @@ class OwnerEngine(Engine):
             if is_dtensor(g):
                 if tp is not None and not tp_first and not _spans(g, tp):
                     continue  # FSDP2's rows over dp alone: the same on every tp rank
-                out.extend(local_norm_tensors([e]))  # its shard, once over Replicate dims
+                out.extend(local_norm_tensors([e], self.stats))  # its shard, once per Replicate
             elif tp_first:
                 out.append(g)  # dedicated: only the owner still holds it
         groups = [ex.group] if ex.replicate_group is None else [ex.group, ex.replicate_group]

@@ -298,7 +298,9 @@ class Reduction:
                     # a Replicate() gradient of a shard is cut to it (pending sums stay);
                     # a collective waits under the step's deadline, the hooks' outside it
                     with collective_timeout(current_timeout() or self.publication.timeout):
-                        settled = laid_out_as(g, self.params[name], partial=False, name=name)
+                        settled = laid_out_as(
+                            g, self.params[name], partial=False, name=name, stats=self.stats
+                        )
                     if settled is not g:
                         g = settled
                         mark_relaid(self.params[name])
