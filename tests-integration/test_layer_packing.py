@@ -193,3 +193,27 @@ def test_the_first_layer_of_a_pack_to_run_waits_for_the_whole_pack():
     for keys, pending, after in run_on_ranks(_first_layer_to_run_waits, 2, timeout=120):
         assert keys == ["a..z"]
         assert pending == ["a..z"] and after == []
+
+
+# --------------------------------------------------------------------------- defects
+# Found by an adversarial review of packing; each test below failed before its fix.
+
+
+def test_layers_on_different_devices_are_packed_apart():
+    # A pack's buffers live on one device (its first parameter's). Before, two small
+    # layers on different devices were packed together and the second one's weights
+    # could not be made views of the pack's buffer: "dedicated parameter 'l.1.w' is on
+    # meta but was dedicated on cpu". The meta device stands in for a second device (no
+    # accelerator in CI): the exchange only allocates on it.
+    from dmuon.comm import MatrixItem, plan_owners
+    from dmuon.optim import OwnerExchange
+
+    devices = ["cpu", "cpu", "meta", "meta", "cpu"]
+    items = [MatrixItem(f"l.{i}.w", (4, 4), layer=f"l.{i}") for i in range(len(devices))]
+    params = [nn.Parameter(torch.ones(4, 4, device=d)) for d in devices]
+    ex = OwnerExchange(list(zip(items, params, strict=True)), plan=plan_owners(items, 1))
+    assert ex.layer_keys() == ["l.0..l.1", "l.2..l.3", "l.4"]
+    for i, d in enumerate(devices):
+        assert ex.param(f"l.{i}.w").device.type == d
+        (bucket,) = ex.layer(f"l.{i}").publish_buckets
+        assert bucket.buffer.device.type == d
