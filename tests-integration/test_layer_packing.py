@@ -217,3 +217,34 @@ def test_layers_on_different_devices_are_packed_apart():
         assert ex.param(f"l.{i}.w").device.type == d
         (bucket,) = ex.layer(f"l.{i}").publish_buckets
         assert bucket.buffer.device.type == d
+
+
+def test_an_unbounded_pack_size_packs_every_layer():
+    # float("inf"): no limit. Before: OverflowError (int() of an infinite byte count).
+    from dmuon.integrations import ddp
+
+    ded = ddp.dedicate(Stack(), layer_pack_mb=float("inf"))
+    assert ded.exchange.layer_keys() == [f"blocks.0..blocks.{DEPTH - 1}"]
+
+
+def _packs_differently(rank, world):
+    from dmuon.integrations import ddp
+    from dmuon.optim import ModelMismatchError
+
+    try:
+        ddp.dedicate(Stack(), layer_pack_mb=1.0 if rank == 0 else 0)
+    except ModelMismatchError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_that_pack_differently_are_told_on_every_rank_before_any_reduction():
+    # Before: the ranks' buckets differed in size and gloo aborted rank 1 in the first
+    # broadcast ("Received data size doesn't match expected size"; NCCL would hang or
+    # mix the buffers). Now the model check, which compares each parameter's unit,
+    # raises on every rank, naming the parameter, both units and the argument.
+    for text in run_on_ranks(_packs_differently, 2, timeout=60):
+        assert text is not None
+        assert "rank 1 has parameter 'blocks.0.linear.weight' in layer 'blocks.0', " in text
+        assert f"rank 0 in 'blocks.0..blocks.{DEPTH - 1}'" in text
+        assert "layer_pack_mb" in text
