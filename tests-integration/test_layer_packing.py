@@ -227,6 +227,20 @@ def test_an_unbounded_pack_size_packs_every_layer():
     assert ded.exchange.layer_keys() == [f"blocks.0..blocks.{DEPTH - 1}"]
 
 
+def test_deepspeed_zero_stages_pass_the_pack_size_on():
+    # DeepSpeed ZeRO 1/2 in owner mode build the dedication themselves from
+    # dedicate_options; before, layer_pack_mb went on to plan_owners: TypeError.
+    from dmuon.integrations.deepspeed import _owner_client
+    from dmuon.optim import param_groups
+
+    unpacked, packed = ["blocks.0", "blocks.1"], ["blocks.0..blocks.1"]
+    for options, keys in (({"layer_pack_mb": 0}, unpacked), ({}, packed)):
+        model = Stack()
+        del model.blocks[2:]
+        client = _owner_client(model, param_groups(model), {}, options)
+        assert client.dmuon.engine.exchange.layer_keys() == keys
+
+
 def _packs_differently(rank, world):
     from dmuon.integrations import ddp
     from dmuon.optim import ModelMismatchError
