@@ -262,3 +262,34 @@ def test_ranks_that_pack_differently_are_told_on_every_rank_before_any_reduction
         assert "rank 1 has parameter 'blocks.0.linear.weight' in layer 'blocks.0', " in text
         assert f"rank 0 in 'blocks.0..blocks.{DEPTH - 1}'" in text
         assert "layer_pack_mb" in text
+
+
+def _waits_by_a_packed_layer_key(rank, world):
+    from dmuon.integrations import ddp
+    from dmuon.optim import DMuon, param_groups
+
+    model = Stack()
+    ded = ddp.dedicate(model)
+    opt = DMuon(param_groups(model), distributed=ded, lr=0.02)
+    model(batch(0)[2 * rank : 2 * rank + 2]).square().mean().backward()
+    reduction, publication = ded.exchange.reduction, ded.exchange.publication
+    reduction.flush()
+    reduction.wait_reduced("blocks.2")  # a layer's key: its pack's reductions
+    reduced = ded.exchange.layer("blocks.0").reduced
+    reduction.wait_all_reduced()
+    reduction.end_step()
+    opt.zero_grad()
+    model(batch(1)[2 * rank : 2 * rank + 2]).square().mean().backward()
+    opt.step()
+    pending = publication.pending_publications()
+    publication.wait_published("blocks.3")  # a layer's key: its pack's publication
+    return reduced, pending, publication.pending_publications()
+
+
+def test_the_exchange_sides_take_the_key_of_a_packed_layer():
+    # exchange.layer("blocks.3") finds the pack; the reduction's and the publication's
+    # waits by a layer key (public API, exchange.reduction / exchange.publication) did
+    # not: KeyError 'blocks.2'. They now act on the layer's pack.
+    for reduced, pending, after in run_on_ranks(_waits_by_a_packed_layer_key, 2, timeout=60):
+        assert reduced
+        assert pending == [f"blocks.0..blocks.{DEPTH - 1}"] and after == []
