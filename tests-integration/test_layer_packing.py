@@ -14,6 +14,8 @@ forward pre-hooks wait for the whole pack before whichever of its layers runs fi
 unit; bad values are refused naming the argument.
 """
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -293,3 +295,85 @@ def test_the_exchange_sides_take_the_key_of_a_packed_layer():
     for reduced, pending, after in run_on_ranks(_waits_by_a_packed_layer_key, 2, timeout=60):
         assert reduced
         assert pending == [f"blocks.0..blocks.{DEPTH - 1}"] and after == []
+
+
+# ------------------------------------------------------- scenarios that hold (kept)
+
+
+class Branchy(nn.Module):
+    """Small layers, one pack: ``extra`` runs on some ranks or micro-batches only,
+    ``idle`` on none; ``w`` is held by the root (its key names no module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.a = nn.Linear(WIDTH, WIDTH)
+            self.extra = nn.Linear(WIDTH, WIDTH)
+            self.idle = nn.Linear(WIDTH, WIDTH)
+            self.b = nn.Linear(WIDTH, WIDTH)
+            self.w = nn.Parameter(torch.randn(WIDTH, WIDTH) / 3)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return torch.tanh(self.b(h)) @ self.w
+
+
+def _uses_extra(case: str, rank: int, micro: int) -> bool:
+    # "partial": rank 0 only; "no_sync": rank 1, in the micro-batch run inside no_sync()
+    # only (the reducing one does not reach it)
+    return rank == 0 if case == "partial" else (rank == 1 and micro == 0)
+
+
+def _rows(step: int, micro: int) -> torch.Tensor:
+    return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(10 * step + micro))
+
+
+def _branchy(rank, world, case, pack_mb):
+    from dmuon.integrations import ddp
+    from dmuon.optim import DMuon, param_groups
+
+    model = Branchy()
+    ded = ddp.dedicate(model, layer_pack_mb=pack_mb)
+    opt = DMuon(param_groups(model), distributed=ded, lr=0.02, ns_compute_dtype="float32")
+    micros = 2 if case == "no_sync" else 1
+    for t in range(STEPS):
+        for micro in range(micros):
+            x = _rows(t, micro)[2 * rank : 2 * rank + 2]
+            with ded.no_sync() if micro < micros - 1 else contextlib.nullcontext():
+                loss = model(x, _uses_extra(case, rank, micro)).square().mean() / micros
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+    ded.wait()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, ded.exchange.layer_keys()
+
+
+@pytest.mark.parametrize("case", ["partial", "no_sync"])
+def test_a_layer_some_ranks_skip_inside_a_pack_steps_as_one_process(case):
+    # The pack completes on the ranks that used every layer and is launched by the
+    # flush on the others (the flags on their own communicator); `idle` has no
+    # gradient anywhere and is not stepped. Packed = unpacked bit for bit (2 ranks), and
+    # = one process on the global batch (the mean of the ranks' losses) to fp32 rounding.
+    from dmuon.optim import DMuon, param_groups
+
+    packed = run_on_ranks(_branchy, 2, args=(case, 1.0), timeout=60)
+    unpacked = run_on_ranks(_branchy, 2, args=(case, 0), timeout=60)
+    model = Branchy()
+    opt = DMuon(param_groups(model), lr=0.02, ns_compute_dtype="float32")
+    micros = 2 if case == "no_sync" else 1
+    for t in range(STEPS):
+        for micro in range(micros):
+            for r in range(2):
+                x = _rows(t, micro)[2 * r : 2 * r + 2]
+                (model(x, _uses_extra(case, r, micro)).square().mean() / micros / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    assert packed[0][1] == ["a..w"] and len(unpacked[0][1]) == 5
+    for name, p in model.named_parameters():
+        for rank in range(2):
+            assert torch.equal(packed[rank][0][name], unpacked[rank][0][name]), (rank, name)
+        torch.testing.assert_close(packed[0][0][name], p.detach(), rtol=0, atol=1e-6)
+    assert torch.equal(packed[0][0]["idle.weight"], Branchy().idle.weight.detach())
