@@ -377,3 +377,48 @@ def test_a_layer_some_ranks_skip_inside_a_pack_steps_as_one_process(case):
             assert torch.equal(packed[rank][0][name], unpacked[rank][0][name]), (rank, name)
         torch.testing.assert_close(packed[0][0][name], p.detach(), rtol=0, atol=1e-6)
     assert torch.equal(packed[0][0]["idle.weight"], Branchy().idle.weight.detach())
+
+
+def _checkpointed(rank, world, root, pack_mb, save):
+    """Train steps 0-1 and save (``save``), or load; then steps 2-3, on the global batch
+    of 12 rows split over the ranks."""
+    import torch.distributed as dist
+
+    from dmuon.integrations import checkpoint, ddp
+    from dmuon.optim import DMuon, param_groups
+
+    model = Branchy()
+    ded = ddp.dedicate(model, layer_pack_mb=pack_mb)
+    opt = DMuon(param_groups(model), distributed=ded, lr=0.02, ns_compute_dtype="float32")
+
+    def train(steps):
+        n = 12 // world
+        for t in steps:
+            x = torch.randn(12, WIDTH, generator=torch.Generator().manual_seed(t))
+            model(x[rank * n : (rank + 1) * n], True).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    if save:
+        train(range(2))
+        checkpoint.save(root, model, opt)
+    else:
+        checkpoint.load(root, model, opt)
+    train(range(2, 4))
+    ded.wait()
+    dist.barrier()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_a_checkpoint_saved_packed_resumes_unpacked_and_at_another_world_size(tmp_path):
+    # The optimizer state is kept by parameter, not by unit: a packed run's checkpoint
+    # resumes unpacked (bit for bit on 2 ranks) and packed on 3 ranks (other sums over
+    # the ranks: fp32 rounding).
+    packed = str(tmp_path / "packed")
+    want = run_on_ranks(_checkpointed, 2, args=(packed, 1.0, True), timeout=60)[0]
+    got = run_on_ranks(_checkpointed, 2, args=(packed, 0, False), timeout=60)[0]
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    got = run_on_ranks(_checkpointed, 3, args=(packed, 1.0, False), timeout=60)[0]
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6)
