@@ -49,16 +49,16 @@ class ModelMismatchError(PlanMismatchError):
         self.differences = differences
 
 
-Entry = tuple[str, tuple[int, ...], str, str | None]
+_Entry = tuple[str, tuple[int, ...], str, str | None]
 
 
-def _parameter_list(plan: OwnerPlan) -> list[Entry]:
+def _parameter_list(plan: OwnerPlan) -> list[_Entry]:
     return [
         (i.name, tuple(i.shape), str(i.dtype).removeprefix("torch."), i.layer) for i in plan.items
     ]
 
 
-def _differences(lists: list[list[Entry]], ranks: list[int]) -> list[str]:
+def _differences(lists: list[list[_Entry]], ranks: list[int]) -> list[str]:
     """Lines naming each parameter that is not the same on every rank."""
     # The reference is the most common list (ties: the lowest rank's).
     keys = [repr(x) for x in lists]
