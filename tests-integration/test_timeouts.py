@@ -12,7 +12,8 @@ own timeout (60 s) is the guard that turns a hang into a failure; DMuon's
 Faults are injected inside ``step()``: the dying rank wraps its optimizer's
 per-layer matrix step so that it dies after stepping its first layer, while the
 others are already waiting for its results (owner broadcasts, all-gathers,
-all-to-alls).
+all-to-alls). With owner mode's default packing of small layers, the dying rank
+instead stops between a pack's reduction and its publication.
 """
 
 from __future__ import annotations
@@ -77,14 +78,14 @@ def build(mode: str, world: int):
     return model, forward, DMuon(param_groups(model), **kw)
 
 
-def faulty(matrix_step, fault: str):
-    """``matrix_step`` that dies (or stops) after its second call: mid-step."""
-    calls = []
+def faulty(matrix_step, fault: str, calls: int = 2):
+    """``matrix_step`` that dies (or stops) after its ``calls``-th call: mid-step."""
+    made = []
 
     def step(*args, **kwargs):
         matrix_step(*args, **kwargs)
-        calls.append(1)
-        if len(calls) == 2:
+        made.append(1)
+        if len(made) == calls:
             if fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             # "hang": alive, but not joining the next collective for 4 deadlines; then it
@@ -166,3 +167,46 @@ def test_a_rank_that_stops_answering_makes_the_others_raise_at_the_deadline():
         assert o.value["dead_rank"] is None, text
         assert f"rank {FAULTY} (" in text and "alive but not in a DMuon collective" in text, text
         assert "'DMuon step 2'" in text, text
+
+
+def run_pack_fault(rank: int, world: int):
+    """Owner mode with the default packing (Net's four small layers are one pack): the
+    faulty rank dies in step 2 after the pack's reduction and step, before its
+    publication; the others wait for the pack's broadcast in their next forward."""
+    from dmuon.integrations import ddp
+
+    model = Net()
+    ded = ddp.dedicate(model)
+    opt = DMuon(
+        param_groups(model), distributed=ded, **dict(OPT, timeout=DMUON_TIMEOUT, store=rank_store())
+    )
+    g = torch.Generator().manual_seed(rank)
+    for step in range(1, 4):
+        if rank == FAULTY and step == 2:
+            # the pack's key never reaches the real publish: no broadcast from this rank
+            ded.exchange.publication.publish = faulty(lambda key: None, "kill", calls=1)
+        try:
+            F.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 2)).backward()
+            opt.step()
+        except CollectiveError as err:
+            return {"error": str(err), "dead_rank": err.dead_rank}
+        opt.zero_grad()
+    return {"error": None}
+
+
+def test_a_rank_killed_between_a_packs_reduction_and_its_publication():
+    with pytest.raises(RankFailure) as caught:
+        run_on_ranks(run_pack_fault, WORLD, timeout=60)
+    failure = caught.value
+    assert not failure.timed_out, str(failure)  # nobody hung until run_on_ranks' timeout
+    assert failure.outcomes[FAULTY].status == "died"
+    for o in failure.outcomes:
+        if o.rank == FAULTY:
+            continue
+        assert o.status == "ok", f"rank {o.rank}: {o.summary()}\n{o.traceback}"
+        text = o.value["error"]
+        assert text is not None, f"rank {o.rank} finished its steps without noticing"
+        # waiting for the pack's weights, named by its first and last layer
+        assert "before layer 'blocks.0..head' runs" in text, text
+        assert "waiting for the weights published by DMuon step 2" in text, text
+        assert o.value["dead_rank"] == FAULTY, text

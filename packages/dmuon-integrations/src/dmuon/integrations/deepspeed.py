@@ -59,6 +59,7 @@ from dmuon.integrations.dedication import build_dedication
 from dmuon.integrations.deepspeed_checkpoint import load_checkpoint, save_checkpoint
 from dmuon.integrations.deepspeed_optimizer import ZeroClientOptimizer, dmuon_of
 from dmuon.optim import RULES, SCALAR_ALGORITHMS, DMuon, clip_grad_norm_, param_groups
+from dmuon.optim.engine import DEFAULT_PACK_MB
 from dmuon.optim.group_options import renamed_rule_key
 
 __all__ = [
@@ -269,7 +270,8 @@ def initialize(
             whose rule is a matrix rule go to DMuon, ``"scalar"``/``"adamw"``/
             ``"lion"`` groups to the scalar optimizer.
         dedicate_options: more arguments for the owner plan (``strategy``,
-            ``layer_of``, ``stats``, ...; see :func:`dmuon.integrations.fsdp.dedicate`).
+            ``layer_of``, ``layer_pack_mb``, ``stats``, ...; see
+            :func:`dmuon.integrations.fsdp.dedicate`).
         initialize_options: more arguments of ``deepspeed.initialize``
             (``training_data``, ``lr_scheduler``, ...).
         **dmuon_options: arguments of :class:`~dmuon.optim.DMuon` (``lr``,
@@ -430,6 +432,7 @@ def _owner_client(
         predicate=lambda _name, p: id(p) in matrices,
         strategy=dedicate_options.pop("strategy", "lpt"),
         layer_of=dedicate_options.pop("layer_of", layer_key),
+        layer_pack_mb=dedicate_options.pop("layer_pack_mb", DEFAULT_PACK_MB),
         stats=dedicate_options.pop("stats", None),
         all_reduce_rest=False,
         kind="deepspeed",

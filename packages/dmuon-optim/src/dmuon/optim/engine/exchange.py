@@ -32,6 +32,7 @@ parameters (no packing copies). Move the model to its device before dedicating i
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -120,8 +121,10 @@ class OwnerExchange:
             this many MiB (:func:`~dmuon.optim.engine.layer_record.pack_layers`): one
             collective per owner and pack instead of per owner and layer, which is
             what bounds the step of a model of many small layers. Default 1 MiB, DDP's
-            first bucket; ``0``: one unit per layer. Not packed: ZeRO-3-like
-            (``reshard_after_forward``) and tensor-parallel models.
+            first bucket; ``0``: one unit per layer; ``float("inf")``: no limit. Never
+            packed together: layers on different devices. Not packed: ZeRO-3-like
+            (``reshard_after_forward``) and tensor-parallel models. Every rank must pack
+            alike (checked: :class:`~dmuon.optim.ModelMismatchError` on every rank).
 
     Attributes:
         reduction: the reduction side (:class:`~dmuon.optim.engine.Reduction`): the
@@ -217,8 +220,10 @@ class OwnerExchange:
         if not (split or reshard_after_forward):
             # ZeRO-3-like frees a layer after its own forward; a tensor-parallel layer's
             # shards are stepped by its owner's tp row: both stay one layer a unit
+            # (float("inf"): no limit, which int() of the product would refuse)
+            max_bytes = int(min(layer_pack_mb * 2**20, sys.maxsize))
             self.layers, self._layer_of = pack_layers(
-                self.layers, self._params, self._layer_of, int(layer_pack_mb * 2**20)
+                self.layers, self._params, self._layer_of, max_bytes
             )
         # by its key, and a pack by each of its layers' keys too
         self._by_key = {k: layer for layer in self.layers for k in {layer.key, *layer.members}}
@@ -229,7 +234,11 @@ class OwnerExchange:
         if self.tensor_groups:
             check_split_model(plan_with_replicated(plan, replicated), group, self.tensor_groups)
         else:
-            check_model_consistency(plan_with_replicated(plan, replicated), group, replicate_group)
+            # each parameter's unit too: ranks that pack their layers differently (another
+            # layer_pack_mb) would reduce and publish buffers of other sizes
+            check_model_consistency(
+                plan_with_replicated(plan, replicated, self._layer_of), group, replicate_group
+            )
         self.local_plan = local_plan(plan, self._params)
         for layer in self.layers:
             layer.dedicated.sort(key=plan.index)

@@ -153,12 +153,15 @@ def pack_layers(
 
     Greedy in natural (forward) order: a pack takes the next layer while the bytes of
     its parameters (dedicated and replicated, each rank's local part) stay within
-    ``max_bytes``; a layer larger than that is a pack of its own. A pack is reduced,
-    stepped and published as one layer: one collective per owner instead of one per
-    owner *and* layer. Its gradients start travelling when the last of its layers'
-    gradients has arrived (the first layer's, in backward), so a pack trades a
-    little overlap with backward for fewer collectives; layers worth overlapping are
-    larger than the default limit (:data:`DEFAULT_PACK_MB`) and stay alone.
+    ``max_bytes`` and the layer is on the pack's device (a record's buffers are on one
+    device, :meth:`OwnerLayer.make_buckets`, so the layers of a model spread over
+    devices are packed per device); a layer larger than that is a pack of its own. A
+    pack is reduced, stepped and published as one layer: one collective per owner
+    instead of one per owner *and* layer. Its gradients start travelling when the last
+    of its layers' gradients has arrived (the first layer's, in backward), so a pack
+    trades a little overlap with backward for fewer collectives; layers worth
+    overlapping are larger than the default limit (:data:`DEFAULT_PACK_MB`) and stay
+    alone.
 
     Args:
         layers: the records in natural order, with no buckets yet.
@@ -183,17 +186,18 @@ def pack_layers(
         return list(layers), dict(layer_of)
     runs: list[list[OwnerLayer]] = []
     size = 0
+    device = None
     for layer in layers:
-        nbytes = sum(
-            local_tensor(params[n]).numel() * params[n].element_size()
-            for n in (*layer.dedicated, *layer.replicated)
-        )
-        if runs and size + nbytes <= max_bytes:
+        names = (*layer.dedicated, *layer.replicated)
+        nbytes = sum(local_tensor(params[n]).numel() * params[n].element_size() for n in names)
+        # the device make_buckets puts the layer's buffers on
+        here = params[names[0]].device
+        if runs and size + nbytes <= max_bytes and here == device:
             runs[-1].append(layer)
             size += nbytes
         else:
             runs.append([layer])
-            size = nbytes
+            size, device = nbytes, here
     packed: list[OwnerLayer] = []
     out = dict(layer_of)
     for run in runs:

@@ -11,7 +11,8 @@ the ranks exchange their parameter lists to say *which* parameter differs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -48,23 +49,28 @@ class ModelMismatchError(PlanMismatchError):
         self.differences = differences
 
 
-def _parameter_list(plan: OwnerPlan) -> list[tuple[str, tuple[int, ...], str]]:
-    return [(i.name, tuple(i.shape), str(i.dtype).removeprefix("torch.")) for i in plan.items]
+_Entry = tuple[str, tuple[int, ...], str, str | None]
 
 
-def _differences(
-    lists: list[list[tuple[str, tuple[int, ...], str]]], ranks: list[int]
-) -> list[str]:
+def _parameter_list(plan: OwnerPlan) -> list[_Entry]:
+    return [
+        (i.name, tuple(i.shape), str(i.dtype).removeprefix("torch."), i.layer) for i in plan.items
+    ]
+
+
+def _differences(lists: list[list[_Entry]], ranks: list[int]) -> list[str]:
     """Lines naming each parameter that is not the same on every rank."""
     # The reference is the most common list (ties: the lowest rank's).
     keys = [repr(x) for x in lists]
     ref_k = max(range(len(keys)), key=lambda k: (keys.count(keys[k]), -k))
-    ref = {name: (shape, dtype) for name, shape, dtype in lists[ref_k]}
+    ref = {name: (shape, dtype) for name, shape, dtype, _ in lists[ref_k]}
+    ref_layer = {name: layer for name, _, _, layer in lists[ref_k]}
     lines: list[str] = []
     for k, items in enumerate(lists):
         if keys[k] == keys[ref_k]:
             continue
-        mine = {name: (shape, dtype) for name, shape, dtype in items}
+        mine = {name: (shape, dtype) for name, shape, dtype, _ in items}
+        layer = {name: key for name, _, _, key in items}
         who = f"rank {ranks[k]}"
         base = f"rank {ranks[ref_k]}"
         for name in mine.keys() - ref.keys():
@@ -76,6 +82,12 @@ def _differences(
                 lines.append(
                     f"{who} has parameter {name!r} with shape {mine[name][0]} {mine[name][1]}, "
                     f"{base} has {ref[name][0]} {ref[name][1]}"
+                )
+            elif layer[name] != ref_layer[name]:
+                # the same parameters grouped into other units: other buffers would travel
+                lines.append(
+                    f"{who} has parameter {name!r} in layer {layer[name]!r}, {base} in "
+                    f"{ref_layer[name]!r}"
                 )
         if len(lines) > 20:
             lines.append("…")
@@ -96,6 +108,11 @@ def _check_group(plan: OwnerPlan, group: dist.ProcessGroup | None) -> ModelMisma
         text = "the ranks hold different models, so their collectives would not match:\n"
         text += "\n".join(f"  {line}" for line in lines) if lines else str(err)
         text += "\n  build the same model on every rank (same config, same frozen parameters)"
+        if any(" in layer " in line for line in lines):
+            text += (
+                ", grouped into the same layers (layer_of) and packs of layers (layer_pack_mb; "
+                "a pack is named 'first..last')"
+            )
         return ModelMismatchError(text, err.digests, lines)
     return None
 
@@ -159,13 +176,28 @@ def _folded(plan: OwnerPlan, size: int, fold: Callable[[int], int]) -> OwnerPlan
 
 
 def plan_with_replicated(
-    plan: OwnerPlan, replicated: Sequence[tuple[str, str, torch.Tensor]]
+    plan: OwnerPlan,
+    replicated: Sequence[tuple[str, str, torch.Tensor]],
+    unit_of: Mapping[str, str] | None = None,
 ) -> OwnerPlan:
     """``plan`` plus the all-reduced ``(name, layer, parameter)`` triples (owner 0).
 
     For :func:`check_model_consistency` only: the model check then covers the
-    parameters a DDP replacement all-reduces as well as the dedicated ones.
+    parameters a DDP replacement all-reduces as well as the dedicated ones, and with
+    ``unit_of`` (name → the key of its unit of reduction and publication: its layer,
+    or its pack of layers) each parameter's unit in place of its layer, so that ranks
+    that pack their layers differently are told before their buffers differ.
     """
+    if unit_of is not None:
+        plan = OwnerPlan(
+            tuple(replace(i, layer=unit_of.get(i.name, i.layer)) for i in plan.items),
+            plan.owners,
+            (),
+            plan.loads,
+            plan.world_size,
+            plan.replicate_size,
+        )
+        replicated = [(n, unit_of.get(n, key), p) for n, key, p in replicated]
     if not replicated:
         return plan
     extra = tuple(

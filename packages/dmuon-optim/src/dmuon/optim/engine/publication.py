@@ -109,8 +109,10 @@ class Publication:
         reshard_after_forward: bool,
     ) -> None:
         self.layers = list(layers)
-        self._by_key = {layer.key: layer for layer in self.layers}
-        self._position = {layer.key: i for i, layer in enumerate(self.layers)}
+        # by its key, and a pack of small layers by each of its layers' keys too
+        self._by_key = {k: layer for layer in self.layers for k in (layer.key, *layer.members)}
+        self._position = {k: i for i, layer in enumerate(self.layers) for k in layer.members}
+        self._position.update((layer.key, i) for i, layer in enumerate(self.layers))
         # every layer before this position has no broadcast in flight: a forward's waits
         # go on from where the previous one stopped (work linear in the depth per forward)
         self._finished = 0
@@ -231,7 +233,9 @@ class Publication:
             ) from err
 
     def wait_published(self, key: str) -> None:
-        """Make layer ``key`` hold the owners' weights (the forward pre-hook calls this).
+        """Make layer ``key`` hold the owners' weights (the forward pre-hook calls this);
+        the key of a layer packed with others (:attr:`OwnerLayer.members
+        <dmuon.optim.engine.layer_record.OwnerLayer>`) stands for its whole pack.
 
         ZeRO-2-like: wait for its publication (and every earlier layer's, so that the
         second stage of HSDP broadcasts is issued in one order on every rank).

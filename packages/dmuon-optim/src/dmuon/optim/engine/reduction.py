@@ -132,7 +132,8 @@ class Reduction:
         self.layers = list(layers)
         self.reduce_op = reduce_op
         self.free_local_grads = free_local_grads
-        self.by_key = {layer.key: layer for layer in self.layers}
+        # by its key, and a pack of small layers by each of its layers' keys too
+        self.by_key = {k: layer for layer in self.layers for k in (layer.key, *layer.members)}
         self.params = params
         self.layer_of = layer_of
         self.plan = plan
@@ -346,7 +347,8 @@ class Reduction:
         self.next_launch += 1
 
     def wait_reduced(self, key: str) -> None:
-        """Finish layer ``key``'s reductions and set its gradients.
+        """Finish layer ``key``'s reductions and set its gradients (the key of a layer
+        packed with others: its whole pack's).
 
         Afterwards the owner's ``p.grad`` is the averaged (``reduce_op="sum"``: summed)
         gradient (a view into the reduction buffer) for every parameter some rank had a
