@@ -351,8 +351,8 @@ EXTRA_IMPORTS: dict[str, tuple[str, ...]] = {
     "dmuon-optim[deepspeed]": ("deepspeed", "dmuon.integrations.deepspeed"),
     "dmuon-optim[hf]": ("transformers", "accelerate", "dmuon.integrations.hf"),
     "dmuon-optim[plan]": ("rich", "matplotlib"),
-    "dmuon-integrations[lightning]": ("lightning", "dmuon.integrations.lightning"),
-    "dmuon-integrations[torchtitan]": (
+    "dmuon-optim[lightning]": ("lightning", "dmuon.integrations.lightning"),
+    "dmuon-optim[torchtitan]": (
         "torchtitan",
         "dmuon.integrations.torchtitan",
         "dmuon.integrations.torchtitan.recipes",

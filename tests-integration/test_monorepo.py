@@ -48,7 +48,7 @@ def test_declared_dependencies_follow_the_layering():
     # integrations imports dmuon.comm itself: declared, not left to dmuon-optim
     assert {"dmuon-optim", "dmuon-comm"} <= requires("dmuon-integrations")
     extras = importlib.metadata.metadata("dmuon-optim").get_all("Provides-Extra")
-    assert {"fsdp", "deepspeed", "hf"} <= set(extras)
+    assert {"fsdp", "deepspeed", "hf", "lightning", "torchtitan"} <= set(extras)
 
 
 def test_ci_runs_the_readme_test_command():

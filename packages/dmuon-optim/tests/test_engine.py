@@ -122,6 +122,24 @@ def test_owner_mode_skips_a_matrix_no_rank_has_a_gradient_for():
     assert opt.state[model[0].weight]["step"].item() == 1
 
 
+def test_the_reductions_start_with_a_gradient_or_a_flush_and_end_with_the_step():
+    model, x, y = model_and_data()
+    exchange = dedicate_by_hand(model)
+    red = exchange.reduction
+    opt = DMuon(param_groups(model), distributed=exchange)
+    assert not red.started()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    assert not red.started()  # no hook here: nothing reported yet
+    red.grad_ready(model[0].weight)
+    assert red.started()
+    opt.step()
+    assert not red.started()  # the step ended them
+    red.flush()  # no gradient arrived: the flush alone starts them (zeros sent)
+    assert red.started()
+    opt.zero_grad()  # a discarded step ends them too
+    assert not red.started()
+
+
 def test_a_second_gradient_after_the_layer_was_reduced_is_an_error():
     model, _, _ = model_and_data()
     exchange = dedicate_by_hand(model)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from dmuon.optim import SCALAR_ALGORITHMS, DMuon, get_scalar_rule
+from dmuon.optim.batches import sparse_gradient_error
 from dmuon.optim.optimizer_state import reload_scalar_state
 from dmuon.optim.scalar import scalar_state_dtype
 from dmuon.optim.stepping import step_scalars
@@ -111,7 +112,15 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
         return loss
 
     def _scalar_step(self, group: Mapping[str, Any]) -> None:
-        """The same scalar rule step as DMuon's scalar groups (``dmuon.optim.stepping``)."""
+        """The same scalar rule step as DMuon's scalar groups (``dmuon.optim.stepping``).
+
+        Raises:
+            RuntimeError: a gradient is sparse (named); nothing of the group is stepped.
+        """
+        # DMuon.step checks its own groups for sparse gradients; these are ZeRO's
+        for i, p in enumerate(group["params"]):
+            if p.grad is not None and p.grad.is_sparse:
+                raise sparse_gradient_error(_scalar_name(group, i, p))
         for p in group["params"]:
             if p.grad is not None:
                 self._state_of(p, group["rule"])
@@ -159,6 +168,15 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
         """Clear the scalar parameters' and the matrices' gradients."""
         super().zero_grad(set_to_none=set_to_none)
         self.dmuon.zero_grad(set_to_none=set_to_none)
+
+
+def _scalar_name(group: Mapping[str, Any], i: int, p: torch.Tensor) -> str:
+    """How errors name parameter ``i`` of a scalar group (ZeRO shows one group at a time:
+    no index among the groups)."""
+    names = group.get("param_names")
+    name = repr(names[i]) if names is not None and i < len(names) else str(i)
+    where = f"scalar group {group['name']!r}" if "name" in group else "a scalar group"
+    return f"parameter {name} of {where} (shape {tuple(p.shape)})"
 
 
 def _check_group(group: Mapping[str, Any], index: int) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 ``dmuon.integrations`` itself needs only torch and the other dmuon packages; the
 modules for a framework import that framework, which comes with an extra of the
-distribution (``pip install "dmuon-integrations[lightning]"``). A module imported
+distribution (``pip install "dmuon-integrations[lightning]"``; ``dmuon-optim`` has each of
+them too, under the same name, and installs this one with it). A module imported
 without its extra raises :func:`raise_missing_extra`'s error, which says which extra to
 install, instead of a bare ``ModuleNotFoundError`` from inside the framework's import.
 """

@@ -614,7 +614,7 @@ def _finish_reductions(ded: Dedication) -> None:
     every all-reduced gradient is then the average on every rank. DMuon's step, which
     waits for them too, finds them done. A no-op after that step (nothing pending)."""
     reduction = ded.exchange.reduction
-    if reduction.present:
+    if reduction.started():
         reduction.wait_all_reduced()
 
 

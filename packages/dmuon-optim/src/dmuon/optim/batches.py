@@ -398,6 +398,27 @@ def active_entries(b: Bucket, grads: Mapping[torch.Tensor, torch.Tensor] | None)
     return [e for e in b.entries if e.param in grads]
 
 
+def sparse_gradient_error(name: str) -> RuntimeError:
+    """The error for a sparse gradient of ``name`` (a parameter, as errors name one):
+    the buckets stack dense gradients, and the rules read them."""
+    return RuntimeError(
+        f"DMuon does not support sparse gradients: {name} has one (e.g. "
+        "nn.Embedding(sparse=True)); use dense gradients"
+    )
+
+
+def _refuse_sparse(
+    active: list[Entry], grads: Mapping[torch.Tensor, torch.Tensor] | None, group: Mapping[str, Any]
+) -> None:
+    """Raise, naming the parameter, if an entry of ``active`` has a sparse gradient."""
+    for e in active:
+        g = e.param.grad if grads is None else grads[e.param]
+        if g is not None and g.is_sparse:
+            names = group.get("param_names")
+            name = names[e.index] if names is not None and e.index < len(names) else e.index
+            raise sparse_gradient_error(f"parameter {name!r} (shape {tuple(e.param.shape)})")
+
+
 @torch.no_grad()
 def step_bucket(
     b: Bucket,
@@ -434,6 +455,11 @@ def step_bucket(
     Returns:
         The number of matrices the rule ran on.
 
+    Raises:
+        RuntimeError: an entry's gradient is sparse (named), when ``active`` is
+            ``None``; with ``active`` given, the caller has checked (``DMuon.step``
+            does, before any engine steps).
+
     Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon, build_buckets, get_rule, param_groups
@@ -447,16 +473,11 @@ def step_bucket(
         >>> [bool(state[m.weight]["momentum_buffer"].any()) for m in model[:2]]
         [True, False]
     """
-    if active is None:
+    if active is None:  # called on its own (DMuon.step refused a sparse gradient before)
         active = active_entries(b, grads)
+        _refuse_sparse(active, grads, group)
     if not active:
         return 0
-    if grads is None:
-        sparse = [e for e in active if e.param.grad.is_sparse]  # type: ignore[union-attr]
-    else:
-        sparse = [e for e in active if grads[e.param].is_sparse]
-    if sparse:
-        raise RuntimeError("DMuon does not support sparse gradients")
     if rule.uses_step:
         parts: dict[int, list[Entry]] = {}
         for e in active:

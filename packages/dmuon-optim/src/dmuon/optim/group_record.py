@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dmuon.optim.batches import sparse_gradient_error
 from dmuon.optim.group_options import (
     STRUCTURE,
     accepted_options,
@@ -35,7 +36,10 @@ class GroupRecord:
     Taken when the group's state is (re)built. :meth:`check` runs at every step,
     before anything is stepped, and costs one pass over the group's parameters and
     keys (identity and shape comparisons; a value is re-checked only when the
-    caller replaced it, as an LR scheduler does every step).
+    caller replaced it, as an LR scheduler does every step). It is the only check of
+    the step for sparse gradients: every mode's engine, the finiteness guard, the
+    buckets and the scalar rules run after it (and the gradients they read afterwards,
+    reduced or gathered by the engine, are dense).
 
     Attributes:
         index: the group's position in ``param_groups``.
@@ -97,11 +101,7 @@ class GroupRecord:
                     "shape; keep the shape, or build a new optimizer for the new parameters"
                 )
             if p.grad is not None and p.grad.is_sparse:
-                name = param_name(names, i, self.index, p)
-                raise RuntimeError(
-                    f"DMuon does not support sparse gradients: {name} has one (e.g. "
-                    "nn.Embedding(sparse=True)); use dense gradients"
-                )
+                raise sparse_gradient_error(param_name(names, i, self.index, p))
         self._check_values(group, where)
 
     def _flattened_hint(self, group: Mapping[str, Any]) -> str:

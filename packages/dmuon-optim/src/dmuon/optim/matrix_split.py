@@ -89,6 +89,13 @@ class MatrixSplit:
         return self.shape[0] * self.shape[1]
 
 
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+"""The types of a plain (not distributed) tensor, tested with ``type(t) in ...``: the
+common case, answered without importing DTensor or an ``isinstance`` (``is_dtensor``);
+also the tensor types torch's foreach kernels take (torch.optim's own test, before
+DTensor adds itself to it)."""
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: a DTensor's local shard (a view that writes through), or
     ``t`` itself.

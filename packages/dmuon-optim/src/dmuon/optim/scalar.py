@@ -25,7 +25,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from dmuon.optim.apply import decoupled_decay_
 from dmuon.optim.hyperparameters import SCALAR_OPTIONS, Option
-from dmuon.optim.matrix_split import local_tensor
+from dmuon.optim.matrix_split import PLAIN_TENSOR_TYPES, local_tensor
 
 __all__ = [
     "SCALAR_ALGORITHMS",
@@ -39,9 +39,6 @@ __all__ = [
 ]
 
 _NARROW = (torch.float16, torch.bfloat16)
-# the tensor types torch's foreach kernels take (torch.optim's own test, before DTensor
-# adds itself to it)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def scalar_state_dtype(param: torch.Tensor) -> torch.dtype:
@@ -182,7 +179,7 @@ def _foreach(params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool | No
     bits (``tests/test_scalar_rules.py`` compares the two paths).
     """
     for p, g in zip(params, grads, strict=True):
-        if type(p) not in _PLAIN or type(g) not in _PLAIN:
+        if type(p) not in PLAIN_TENSOR_TYPES or type(g) not in PLAIN_TENSOR_TYPES:
             return None
         if p.dtype != g.dtype or p.device != g.device:
             return None

@@ -193,9 +193,9 @@ def step_scalars(
     # gradients are looked at here, without a call per step into another module
     if any(type(p.grad) is not torch.Tensor for p in params):
         settle_pending_grads(params, stats)
+    # a sparse gradient was refused before: by DMuon.step (GroupRecord.check), by
+    # ZeroClientOptimizer.step for DeepSpeed's groups
     grads = [p.grad for p in params]
-    if any(g.is_sparse for g in grads):  # type: ignore[union-attr]
-        raise RuntimeError("DMuon does not support sparse gradients")
     get_scalar_rule(group["rule"]).update(
         params,
         grads,  # type: ignore[arg-type]

@@ -44,6 +44,7 @@ from dmuon.comm import wait_work
 from dmuon.comm.flags import flag_device
 from dmuon.comm.process_groups import twin_groups
 from dmuon.comm.torch_compat import all_gather_single
+from dmuon.optim.batches import sparse_gradient_error
 from dmuon.optim.engine.base import Engine
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 
@@ -179,6 +180,9 @@ def nonfinite_ranks(engine: Engine) -> tuple[list[int], list[str]]:
 
     Every rank of ``engine``'s groups must call it at the same point of the step.
 
+    Raises:
+        RuntimeError: a gradient on this rank is sparse (named, before any collective).
+
     Examples:
         >>> import torch
         >>> from dmuon.optim import DMuon
@@ -188,6 +192,11 @@ def nonfinite_ranks(engine: Engine) -> tuple[list[int], list[str]]:
         >>> nonfinite_ranks(opt.engine)
         ([0], ['group0.param0'])
     """
+    # DMuon.step refuses a sparse gradient before its guards run; called on its own, here
+    for e in engine.params:
+        if e.param.grad is not None and e.param.grad.is_sparse:
+            shape = tuple(e.param.shape)
+            raise sparse_gradient_error(f"parameter {e.name!r} (shape {shape})")
     ranks, names, _ = agree_step(engine, None, check_finite=True)
     return ranks, names
 
@@ -314,10 +323,7 @@ def _nonfinite_names(engine: Engine) -> list[str]:
         if g is None:
             continue
         g = _local(g)
-        if g.numel() > 0:
-            if g.is_sparse:
-                name = e.name
-                raise RuntimeError(f"DMuon does not support sparse gradients (parameter {name!r})")
+        if g.numel() > 0:  # a sparse gradient was refused before (GroupRecord.check)
             entries.append((e, g))
     if not entries:
         return []

@@ -188,7 +188,7 @@ class OwnerEngine(Engine):
     def discard_grads(self) -> None:
         ex = self.exchange
         red = ex.reduction
-        if red.present or red.flushed:  # reductions launched, or left to the flush
+        if red.started():  # reductions launched, or left to the flush
             red.flush()  # every rank's, so the collectives pair up as in a step
             self.skip_step()
         elif red.accumulated or red.held_back:  # only no_sync micro-batches: nothing sent

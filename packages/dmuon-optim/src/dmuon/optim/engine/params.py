@@ -22,6 +22,7 @@ import torch
 
 from dmuon.comm import MatrixItem, OwnerPlan, OwnerUnit, layer_key
 from dmuon.comm.owner_plan import natural_key
+from dmuon.optim.matrix_split import PLAIN_TENSOR_TYPES
 from dmuon.optim.rules import RULES
 
 __all__ = [
@@ -35,13 +36,12 @@ __all__ = [
 ]
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DTENSOR: list[type] = []  # the DTensor class, once imported (lazily: a slow import)
 
 
 def is_dtensor(t: object) -> bool:
     """True for a ``torch.distributed.tensor.DTensor`` (FSDP2's sharded parameters)."""
-    if type(t) in _PLAIN:  # the common case, answered without an import or isinstance
+    if type(t) in PLAIN_TENSOR_TYPES:  # the common case: no import, no isinstance
         return False
     if not _DTENSOR:
         try:

@@ -410,6 +410,12 @@ class Reduction:
             return as_gradient(p, local, self.grad_placements.get(name))
         return local.view(p.shape)
 
+    def started(self) -> bool:
+        """Whether this step's reductions have begun on this rank: a gradient arrived
+        (:meth:`grad_ready`) or :meth:`flush` ran, since the last :meth:`end_step`. Then a
+        step, a skipped step or a discarded one has them to finish."""
+        return bool(self.present) or self.flushed
+
     def wait_all_reduced(self) -> None:
         """:meth:`flush`, then :meth:`wait_reduced` for every layer in forward order."""
         self.flush()

@@ -1,0 +1,70 @@
+"""A sparse gradient is refused by name on the integrations' ways into a step: owner mode
+(``ddp.dedicate``, two gloo ranks), where ``DMuon.step`` checks before the engine waits
+for the reductions, and DeepSpeed's ``ZeroClientOptimizer``, which steps ZeRO's scalar
+groups itself (not through ``DMuon.step``). Nothing is stepped. The other modes:
+``packages/dmuon-optim/tests/test_sparse_gradients.py``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from dmuon.comm.testing import run_on_ranks
+from dmuon.integrations import ddp
+from dmuon.integrations.deepspeed_optimizer import ZeroClientOptimizer
+from dmuon.optim import DMuon, param_groups
+
+MESSAGE = r"sparse gradients: parameter {name}.*nn\.Embedding\(sparse=True\)\); use dense"
+CASES = [(n, nf) for n in ("0.weight", "1.bias") for nf in ("raise", None)]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+
+
+def _owner_refusals(rank: int, world: int) -> list[str]:
+    """Each of CASES after a backward that launched the reductions: the error's text."""
+    texts = []
+    for name, nonfinite in CASES:
+        model = _model()
+        opt = DMuon(param_groups(model), distributed=ddp.dedicate(model), nonfinite=nonfinite)
+        assert opt.mode == "owner"
+        model(torch.randn(3, 6)).sum().backward()
+        p = dict(model.named_parameters())[name]
+        p.grad = p.grad.to_sparse()
+        before = [q.detach().clone() for q in model.parameters()]
+        with pytest.raises(RuntimeError) as err:
+            opt.step()
+        assert all(torch.equal(a, q) for a, q in zip(before, model.parameters(), strict=True))
+        opt.zero_grad()  # every rank alike: finishes and drops the launched reductions
+        texts.append(str(err.value))
+    return texts
+
+
+def test_owner_mode_names_the_parameter_on_every_rank():
+    for texts in run_on_ranks(_owner_refusals, 2, timeout=120):
+        for text, (name, _) in zip(texts, CASES, strict=True):
+            assert re.search(MESSAGE.format(name=repr(name)), text), text
+
+
+def test_zero_client_optimizer_names_a_sparse_scalar_gradient():
+    # fails before: step_scalars said "DMuon does not support sparse gradients", no name
+    model = _model()
+    dmuon = DMuon([model[0].weight, model[2].weight], lr=0.02)
+    group = {"params": [model[0].bias, model[1].weight], "param_names": ["0.bias", "1.weight"]}
+    opt = ZeroClientOptimizer(
+        [{**group, "rule": "adamw", "lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8,
+          "weight_decay": 0.0}],
+        dmuon,
+    )  # fmt: skip
+    model(torch.randn(3, 6)).sum().backward()
+    model[1].weight.grad = model[1].weight.grad.to_sparse()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=MESSAGE.format(name="'1.weight'")):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert not opt.state  # nothing of the group stepped, no state made
