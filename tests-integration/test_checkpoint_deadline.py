@@ -111,3 +111,51 @@ def test_a_rank_missing_from_a_save_is_named_at_the_deadline(tmp_path, how):
         assert "the all-gather of '0.weight' (Shard(0) over mesh dim 'tp')" in text, text
         return
     assert f"rank {ABSENT} (" in text and "alive but not in a DMuon collective" in text, text
+
+
+def run_late_to_scatter(rank: int, world: int):
+    """Owner mode, one step; then rank 1 stalls for four deadlines just before the save's
+    first owner-rooted scatter (at the mesh it is made on), rank 0 goes on into it."""
+    from dmuon.integrations import checkpoint, ddp
+    from dmuon.integrations.checkpoint import sharded_state
+
+    model = _net()
+    ded = ddp.dedicate(model)
+    kw = dict(OPT, timeout=DMUON_TIMEOUT, store=rank_store())
+    opt = DMuon(param_groups(model), distributed=ded, **kw)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    F.mse_loss(model(x), torch.zeros(4, 2)).backward()
+    opt.step()
+    ded.wait()
+    if rank == ABSENT:
+        mesh = sharded_state._mesh
+
+        def late(*args):
+            time.sleep(4 * DMUON_TIMEOUT)
+            return mesh(*args)
+
+        sharded_state._mesh = late  # type: ignore[assignment]
+    t0 = time.monotonic()
+    try:
+        checkpoint.optimizer_state_dict(model, opt)
+    except CollectiveError as err:
+        return {"error": str(err), "reason": err.reason, "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
+def test_a_rank_late_to_an_owners_scatter_is_named_at_the_deadline():
+    """The DCP save's scatter of owner-held state into row blocks over the owners' group
+    (``sharded_state.scattered``) waits under the optimizer's deadline: rank 0 raises
+    ``CollectiveError`` naming the scatter at the 2 s deadline. Before, torch's
+    ``distribute_tensor(..., src_data_rank=owner)`` scattered with no deadline: rank 0
+    waited until rank 1 came, 8 s later (the process group's 30 min for a rank that
+    never comes)."""
+    saver = run_on_ranks(run_late_to_scatter, 2, timeout=60)[0]
+    text = saver["error"]
+    assert text is not None, f"rank 0 waited for the late rank: {saver}"
+    assert saver["reason"] == "timeout", text
+    assert text.startswith(WHAT["dcp"]), text
+    assert "scatter of rank " in text and "'momentum_buffer' of " in text, text
+    assert f"rank {ABSENT} (" in text and "alive but not in a DMuon collective" in text, text
+    assert f"no answer within {DMUON_TIMEOUT:g} s" in text, text
+    assert saver["seconds"] < 4 * DMUON_TIMEOUT, saver  # not when rank 1 came

@@ -136,3 +136,47 @@ def test_full_state_dict_gathers_the_model_as_dsds_full_state_dict_bitwise():
     for layout in ("tp", "fsdp"):
         same = run_on_ranks(run_full, 2, args=(layout,), timeout=120)[0]
         assert same and all(same.values()), (layout, same)
+
+
+def run_scattered(rank: int, world: int) -> list[tuple[str, bool]]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dmuon.integrations.checkpoint.sharded_state import scattered
+
+    mesh = DeviceMesh.from_group(torch.distributed.group.WORLD, "cpu")
+    out = []
+    shapes = [(5, 7), (1, 4), (world + 1, 3), (4, 2, 3), (7,)]  # uneven, empty shards, 3-D, 1-D
+    for k, shape in enumerate(shapes):
+        for dtype in (torch.float32, torch.bfloat16):
+            for owner in (0, world - 1):
+                full = torch.randn(shape, generator=torch.Generator().manual_seed(k)).to(dtype)
+                full.view(-1)[0] = -0.0  # a negative zero survives a copy, not a sum
+                mine = full if rank == owner else torch.full(shape, float("nan"), dtype=dtype)
+                want = distribute_tensor(mine, mesh, [Shard(0)], src_data_rank=owner)
+                got = scattered(mine, mesh, owner, f"case {k}")
+                a, b = got.to_local(), want.to_local()
+                same = (
+                    got.placements == want.placements
+                    and got.shape == want.shape
+                    and got.stride() == want.stride()
+                    and a.shape == b.shape
+                    and a.dtype == b.dtype
+                    and torch.equal(
+                        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+                    )
+                )
+                out.append((f"{shape} {dtype} from rank {owner}", same))
+    return out
+
+
+def test_scattered_equals_distribute_tensor_from_the_owner_bitwise():
+    """The owner-rooted scatter of a checkpoint's owner-held state (``sharded_state``)
+    gives ``distribute_tensor(full, mesh, [Shard(0)], src_data_rank=owner)``'s DTensor
+    bit for bit — same shape, stride and local blocks, uneven and empty row blocks, bf16,
+    owners first and last — with the other ranks' ``full`` NaN (only the owner's is read).
+    Its wait under the deadline is ``test_checkpoint_deadline.py``'s."""
+    for world in (2, 3):
+        for rank, results in enumerate(run_on_ranks(run_scattered, world, timeout=120)):
+            bad = [case for case, same in results if not same]
+            assert results and not bad, f"{world} ranks, rank {rank}: {bad}"
