@@ -296,3 +296,40 @@ def check_counted(got, mode):
         for s in pair:
             assert s.collectives == 3 + (mix > 0), (r, s)
             assert s.payload_bytes == s.bytes_sent == TOK + mix + BIASES, (r, s)
+
+
+def run_clamped(rank, world):
+    """Three steps of :class:`PendingNet` over tp 2 (``single``), each clamped by
+    ``clip_grad_value_`` and zeroed with ``set_to_none=False``: each step's ``tok.bias``
+    gradient layout and pending-sum collectives counted in the default ``CommStats``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.comm import default_stats
+    from dmuon.optim import clip_grad_value_
+    from dmuon.optim.engine.relayout import PENDING_SUM_STATS_NAME
+
+    tp = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = parallelize(PendingNet(), tp)
+    opt = DMuon(param_groups(model), mode="single", **OPT)
+    out = []
+    for t in range(3):
+        x, y = batch(t)
+        default_stats().reset()
+        loss_of(model(x.chunk(world)[rank]), y).backward()
+        layout = str(model.tok.bias.grad.placements)
+        clip_grad_value_(opt, 0.01)
+        opt.step()
+        out.append((layout, default_stats()[PENDING_SUM_STATS_NAME].collectives))
+        opt.zero_grad(set_to_none=False)
+    return out
+
+
+def test_clip_grad_value_leaves_the_sums_for_zero_grad_to_drop():
+    """``clip_grad_value_`` carries a scalar's pending sum out and leaves it in ``p.grad``,
+    marked like the step's: ``zero_grad(set_to_none=False)`` drops it, so the next backward
+    hands a pending sum again, which DMuon carries out under its deadline (4 counted
+    collectives a step: tok.weight's, mix.weight's, the two biases'). Before, the zeroed
+    sum stayed, and the next backward added its pending sum to it in DTensor's own
+    untimed all-reduce: ``Replicate()`` gradients and 2 counted collectives from step 2 on."""
+    for rank, steps in enumerate(run_on_ranks(run_clamped, 2, timeout=120)):
+        assert steps == [("(Partial(sum),)", 4)] * 3, (rank, steps)
