@@ -11,7 +11,10 @@ the broadcasts and sends of owned state), ``full_state_dict`` of a tensor-parall
 model in ``single`` mode (the weights' and the momenta's shards gathered over ``tp``:
 ``checkpoint/whole.py``, where DTensor's ``full_tensor()`` waited for the process
 group), and ``gather_full_state_dict`` in replicated mode (the Hugging Face Trainer's
-path: the owners' broadcasts).
+path: the owners' broadcasts). Two more: a rank late to the DCP save's owner-rooted
+scatter (``sharded_state.scattered``, where ``distribute_tensor(..., src_data_rank=owner)``
+waited untimed), and a rank missing from ``full_state_dict`` of FSDP2 over tensor
+parallelism (the ``_StridedShard`` rows, which ``full_tensor()`` gathered untimed).
 """
 
 from __future__ import annotations
@@ -111,3 +114,103 @@ def test_a_rank_missing_from_a_save_is_named_at_the_deadline(tmp_path, how):
         assert "the all-gather of '0.weight' (Shard(0) over mesh dim 'tp')" in text, text
         return
     assert f"rank {ABSENT} (" in text and "alive but not in a DMuon collective" in text, text
+
+
+def run_late_to_scatter(rank: int, world: int):
+    """Owner mode, one step; then rank 1 stalls for four deadlines just before the save's
+    first owner-rooted scatter (at the mesh it is made on), rank 0 goes on into it."""
+    from dmuon.integrations import checkpoint, ddp
+    from dmuon.integrations.checkpoint import sharded_state
+
+    model = _net()
+    ded = ddp.dedicate(model)
+    kw = dict(OPT, timeout=DMUON_TIMEOUT, store=rank_store())
+    opt = DMuon(param_groups(model), distributed=ded, **kw)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    F.mse_loss(model(x), torch.zeros(4, 2)).backward()
+    opt.step()
+    ded.wait()
+    if rank == ABSENT:
+        mesh = sharded_state._mesh
+
+        def late(*args):
+            time.sleep(4 * DMUON_TIMEOUT)
+            return mesh(*args)
+
+        sharded_state._mesh = late  # type: ignore[assignment]
+    t0 = time.monotonic()
+    try:
+        checkpoint.optimizer_state_dict(model, opt)
+    except CollectiveError as err:
+        return {"error": str(err), "reason": err.reason, "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
+def test_a_rank_late_to_an_owners_scatter_is_named_at_the_deadline():
+    """The DCP save's scatter of owner-held state into row blocks over the owners' group
+    (``sharded_state.scattered``) waits under the optimizer's deadline: rank 0 raises
+    ``CollectiveError`` naming the scatter at the 2 s deadline. Before, torch's
+    ``distribute_tensor(..., src_data_rank=owner)`` scattered with no deadline: rank 0
+    waited until rank 1 came, 8 s later (the process group's 30 min for a rank that
+    never comes)."""
+    saver = run_on_ranks(run_late_to_scatter, 2, timeout=60)[0]
+    text = saver["error"]
+    assert text is not None, f"rank 0 waited for the late rank: {saver}"
+    assert saver["reason"] == "timeout", text
+    assert text.startswith(WHAT["dcp"]), text
+    assert "scatter of rank " in text and "'momentum_buffer' of " in text, text
+    assert f"rank {ABSENT} (" in text and "alive but not in a DMuon collective" in text, text
+    assert f"no answer within {DMUON_TIMEOUT:g} s" in text, text
+    assert saver["seconds"] < 4 * DMUON_TIMEOUT, saver  # not when rank 1 came
+
+
+def run_strided(rank: int, world: int):
+    """FSDP2 over dp 2 of tensor parallelism over tp 2, one step; then rank 2 (rank 0's dp
+    partner) does not save, the others call ``full_state_dict``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from dmuon.integrations import checkpoint
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _net()
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    opt = DMuon(param_groups(model), **dict(OPT, timeout=DMUON_TIMEOUT))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(mesh.get_coordinate()[0]))
+    F.mse_loss(model(x), torch.zeros(4, 2)).backward()
+    opt.step()
+    if rank == 2:  # takes another branch: never saves, then leaves
+        time.sleep(4 * DMUON_TIMEOUT)
+        raise SystemExit("the absent rank gives up")
+    t0 = time.monotonic()
+    try:
+        checkpoint.full_state_dict(model, opt)
+    except CollectiveError as err:
+        return {"error": str(err), "reason": err.reason, "seconds": time.monotonic() - t0}
+    return {"error": None}
+
+
+def test_a_rank_missing_from_an_fsdp_over_tensor_parallel_gather_is_named_at_the_deadline():
+    """``full_state_dict`` of FSDP2 over tensor parallelism gathers the ``_StridedShard``
+    rows over ``dp`` (then ``tp``) with DMuon's own all-gathers: rank 0 raises
+    ``CollectiveError`` at the deadline naming the gather over ``dp`` of the first weight,
+    whose partner never came. Before, ``DTensor.full_tensor()`` gathered them with no
+    deadline: rank 0 waited until rank 2 left (a raw gloo error), or 30 min."""
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(run_strided, 4, timeout=60)
+    failure = info.value
+    assert not failure.timed_out, str(failure)
+    saver = failure.outcomes[0]
+    assert saver.status == "ok", f"rank 0: {saver.summary()}\n{saver.traceback}"
+    text = saver.value["error"]
+    assert text is not None, "rank 0 saved without the absent rank"
+    assert saver.value["reason"] == "timeout", text
+    assert text.startswith(WHAT["full"]), text
+    assert "the all-gather of '0.weight' (_StridedShard(0, 2) over mesh dim 'dp')" in text, text
+    assert saver.value["seconds"] < 4 * DMUON_TIMEOUT, saver.value  # not when rank 2 left

@@ -50,9 +50,9 @@ def run_stalled(rank: int, world: int, where: str) -> dict:
     if where == "owner" and stalls:  # only the owner's row carries out mix.weight's sum
         settle = owner_engine.settle_split_grads
 
-        def late(*args, **kwargs):
+        def late(params, *args):
             time.sleep(STALL)
-            settle(*args, **kwargs)
+            settle(params, *args)
 
         owner_engine.settle_split_grads = late  # type: ignore[assignment]
     x, y = batch(0)

@@ -215,10 +215,11 @@ def test_sharded_and_sign_mode_refuse_a_replicated_matrix_saying_why_on_every_ra
         assert why in msg, msg
 
 
-def run_counted(rank, world, mode):
-    """One step of :class:`PendingNet` (no clipping), the pending sums' bytes counted from
-    the backward on in the engine's ``CommStats``: the default one, or in owner mode the
-    dedication's own (``dedicate(stats=...)``), the default then left untouched."""
+def run_counted(rank, world, mode, clip=False):
+    """One step of :class:`PendingNet` (``clip``: with ``clip_grad_norm_`` before it), the
+    pending sums' bytes counted from the backward on in the engine's ``CommStats``: the
+    default one, or in owner mode the dedication's own (``dedicate(stats=...)``), the
+    default then left untouched."""
     import torch.distributed as dist
 
     from dmuon.comm import CommStats, default_stats
@@ -240,6 +241,8 @@ def run_counted(rank, world, mode):
     if dp is not None:
         for p in model.parameters():
             dist.all_reduce(local_tensor(p.grad), group=dp)
+    if clip:
+        clip_grad_norm_(opt, CLIP)
     opt.step()
     if ded is not None:
         ded.wait()
@@ -262,7 +265,23 @@ def test_pending_sums_are_counted_as_the_collectives_they_are(mode, world):
     rank all four in ``single`` and ``replicated`` mode; in owner mode ``mix.weight``'s
     only on its owner's tp row (its gradient travels over ``dp`` as a pending sum).
     An all-reduce over 2 ranks sends and receives ``2(t−1)/t = 1`` times its buffer."""
-    got = run_on_ranks(run_counted, world, args=(mode,), timeout=240)
+    check_counted(run_on_ranks(run_counted, world, args=(mode,), timeout=240), mode)
+
+
+@pytest.mark.parametrize(("mode", "world"), [("single", 2), ("replicated", 4), ("owner", 4)])
+def test_clipping_carries_each_pending_sum_out_once(mode, world):
+    """``clip_grad_norm_`` carries out the pending sums it needs for the norm and leaves
+    them in ``p.grad``: the step that follows finds them settled and sums nothing again, so
+    a clipped step makes the collectives of an unclipped one, no more (the clip summed a
+    scalar's pending sum for its norm only, and the step summed it again: 6 all-reduces
+    per rank in ``single`` mode instead of 4). The results stay the one process's
+    (:func:`test_replicated_matrices_and_pending_sums_step_like_one_process`, clipped)."""
+    check_counted(run_on_ranks(run_counted, world, args=(mode, True), timeout=240), mode)
+
+
+def check_counted(got, mode):
+    """The hand count of :func:`test_pending_sums_are_counted_as_the_collectives_they_are`
+    against ``got``, each rank's ``CommStats`` entry."""
     if mode != "owner":
         for rank, s in enumerate(got):
             assert s.collectives == 4, (mode, rank, s)
@@ -277,3 +296,40 @@ def test_pending_sums_are_counted_as_the_collectives_they_are(mode, world):
         for s in pair:
             assert s.collectives == 3 + (mix > 0), (r, s)
             assert s.payload_bytes == s.bytes_sent == TOK + mix + BIASES, (r, s)
+
+
+def run_clamped(rank, world):
+    """Three steps of :class:`PendingNet` over tp 2 (``single``), each clamped by
+    ``clip_grad_value_`` and zeroed with ``set_to_none=False``: each step's ``tok.bias``
+    gradient layout and pending-sum collectives counted in the default ``CommStats``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.comm import default_stats
+    from dmuon.optim import clip_grad_value_
+    from dmuon.optim.engine.relayout import PENDING_SUM_STATS_NAME
+
+    tp = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = parallelize(PendingNet(), tp)
+    opt = DMuon(param_groups(model), mode="single", **OPT)
+    out = []
+    for t in range(3):
+        x, y = batch(t)
+        default_stats().reset()
+        loss_of(model(x.chunk(world)[rank]), y).backward()
+        layout = str(model.tok.bias.grad.placements)
+        clip_grad_value_(opt, 0.01)
+        opt.step()
+        out.append((layout, default_stats()[PENDING_SUM_STATS_NAME].collectives))
+        opt.zero_grad(set_to_none=False)
+    return out
+
+
+def test_clip_grad_value_leaves_the_sums_for_zero_grad_to_drop():
+    """``clip_grad_value_`` carries a scalar's pending sum out and leaves it in ``p.grad``,
+    marked like the step's: ``zero_grad(set_to_none=False)`` drops it, so the next backward
+    hands a pending sum again, which DMuon carries out under its deadline (4 counted
+    collectives a step: tok.weight's, mix.weight's, the two biases'). Before, the zeroed
+    sum stayed, and the next backward added its pending sum to it in DTensor's own
+    untimed all-reduce: ``Replicate()`` gradients and 2 counted collectives from step 2 on."""
+    for rank, steps in enumerate(run_on_ranks(run_clamped, 2, timeout=120)):
+        assert steps == [("(Partial(sum),)", 4)] * 3, (rank, steps)

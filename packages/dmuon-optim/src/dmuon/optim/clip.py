@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from dmuon.comm import collective_timeout, wait_work
 from dmuon.comm.process_groups import group_size
-from dmuon.optim.engine.base import summed
 from dmuon.optim.engine.params import is_dtensor
+from dmuon.optim.engine.tensor_split import settle_pending_grad
 
 if TYPE_CHECKING:
     from dmuon.optim.engine.base import Engine
@@ -100,6 +100,16 @@ def _clip_norm(
     """:func:`clip_grad_norm_` after its checks."""
     engine = optimizer.engine
     engine.prepare_grads()
+    # A scalar's pending sum (a SequenceParallel norm's Partial gradient) is carried out
+    # here once, on every rank that holds it, and left in p.grad for the step, which then
+    # sums nothing again: the clip scales the sum, as one process scales its gradient.
+    # Where only the ranks that count it summed it, the data-parallel replicas of a scalar
+    # would step c·(g₁ + g₂) on some and c·g₁ + c·g₂ on others (a rounding apart). A
+    # matrix's is carried out where the norm counts it (the ranks that step it).
+    for e in engine.params:
+        g = e.param.grad
+        if g is not None and not e.matrix and is_dtensor(g):
+            settle_pending_grad(e.param, g, e.name, engine.stats)
     counted, copies, groups = engine.norm_parts()
     # a rank that counts no gradient (it owns no matrix) must still meet the others'
     # all-reduce on their device: the parameters', not the host
@@ -203,12 +213,11 @@ def _clamp(engine: Engine, clip_value: float) -> None:
     # A pending sum (a SequenceParallel norm's Partial gradient: each rank's local part
     # is its share of the sequence) is carried out first, for every such gradient before
     # any is clamped: clamping the terms is not clamping their sum.
+    # The sum stays in p.grad, marked for zero_grad (the step sums nothing again).
     for e in engine.params:
         g = e.param.grad
         if g is not None and is_dtensor(g):
-            settled = summed(g, e.name, engine.stats)
-            if settled is not g:
-                e.param.grad = settled
+            settle_pending_grad(e.param, g, e.name, engine.stats)
     grads = engine.local_grads()
     plain = [g for g in grads if not is_dtensor(g)]
     if plain:

@@ -18,15 +18,19 @@ optimizer's tensor-parallel and FSDP2 shards with DMuon's own all-gathers (torch
 untimed), :func:`~dmuon.integrations.checkpoint.load_full_state_dict` cuts every
 shard from the dict each rank holds, with no collective (torch's
 ``set_model_state_dict(..., full_state_dict=True)`` scattered rank 0's), and
-torchtitan's load gathers the owners' rows the same way.
+torchtitan's load gathers the owners' rows the same way. The DCP save's scatter of
+owner-held state into row blocks over the owners' group is DMuon's own too
+(:func:`~dmuon.integrations.checkpoint.sharded_state.scattered`, where
+``distribute_tensor(..., src_data_rank=owner)`` scattered, untimed).
+
+FSDP2 over tensor parallelism (``_StridedShard`` rows) is gathered by
+:func:`~dmuon.integrations.checkpoint.whole.whole_tensor` too, over ``dp`` then ``tp``.
 
 What still waits under the process group's timeout, because torch gives it no
-deadline of its own: DCP's planning, reads and writes (``save``/``load``); the
-owner-rooted scatter of FSDP2-sharded owner state
-(``distribute_tensor(..., src_data_rank=owner)``, ``sharded_state.py``); and the
-gathers of layouts ``whole_tensor`` leaves to ``DTensor.full_tensor()`` — two mesh
-dimensions sharding one tensor dimension (FSDP2 over tensor parallelism,
-``_StridedShard``) or a pending sum.
+deadline of its own: DCP's planning, reads and writes (``save``/``load``); and the
+``DTensor.full_tensor()`` of layouts ``whole_tensor`` leaves to it — a pending sum
+(``Partial``, which no parameter or optimizer state is) and any other nesting of two
+or more mesh dimensions on one tensor dimension.
 """
 
 from __future__ import annotations

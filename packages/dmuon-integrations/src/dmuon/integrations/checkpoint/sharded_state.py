@@ -8,7 +8,8 @@
 
 with the same keys on every rank (DCP plans the save collectively). A tensor an
 owner holds whole is scattered from the owner into a ``Shard(0)`` DTensor over the
-owners' group (``distribute_tensor(..., src_data_rank=owner)``): each rank
+owners' group (:func:`scattered`: ``distribute_tensor(..., src_data_rank=owner)``'s
+result, bitwise, from a scatter waited under the checkpoint's deadline): each rank
 contributes its rows, so the tensor is written once, in pieces, with no rank
 holding a second full copy, and DCP records it as one global tensor that any world
 size can read back. Its ``step`` counter, advanced only by the owner, is made
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmuon.comm import wait_work
+from dmuon.comm import shard_range, wait_work
 from dmuon.comm.flags import flag_device
 from dmuon.integrations.checkpoint.compat import expected_state_shapes
 from dmuon.integrations.checkpoint.deadline import checkpoint_deadline
@@ -39,7 +40,7 @@ from dmuon.integrations.checkpoint.owned_split import owner_shapes, saved_entry,
 from dmuon.integrations.checkpoint.split_state import as_saved
 from dmuon.optim import DMuon
 
-__all__ = ["group_records", "optimizer_state_dict", "state_targets", "state_to_save"]
+__all__ = ["group_records", "optimizer_state_dict", "scattered", "state_targets", "state_to_save"]
 
 
 def _mesh(group: Any, device: torch.device) -> Any:
@@ -131,11 +132,47 @@ def _gathered_state(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, Any]
             mk = (id(h.group), full.device.type)
             if mk not in meshes:
                 meshes[mk] = _mesh(h.group, full.device)
-            from torch.distributed.tensor import Shard, distribute_tensor
-
-            entry[key] = distribute_tensor(full, meshes[mk], [Shard(0)], src_data_rank=h.owner)
+            what = f"scatter of rank {h.owner}'s {key!r} of {h.fqn}"
+            entry[key] = scattered(full, meshes[mk], h.owner, what)
         state[h.fqn] = entry
     return {"state": state, "param_groups": group_records(optimizer, held)}
+
+
+def scattered(full: torch.Tensor, mesh: Any, owner: int, what: str) -> torch.Tensor:
+    """``full``, held by rank ``owner`` of the 1-D ``mesh``'s group, as a ``Shard(0)``
+    DTensor on ``mesh``: the owner cuts it into ``torch.chunk``'s blocks of rows (as
+    DTensor's ``Shard``, uneven and empty blocks included) padded with zeros to the
+    largest, and one scatter hands each rank its block, waited by
+    :func:`dmuon.comm.wait_work` under the current deadline (``what`` names it in the
+    error). A scatter only copies, so the result is ``distribute_tensor(full, mesh,
+    [Shard(0)], src_data_rank=owner)``'s bitwise, whose functional scatter has no
+    deadline. The other ranks' ``full`` gives only the shape, dtype and device.
+
+    Raises:
+        dmuon.comm.CollectiveError: a rank of the group did not join in time.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    group = mesh.get_group(0)
+    n, me = int(mesh.size(0)), int(mesh.get_local_rank(0))
+    rows = int(full.shape[0])
+    chunk = -(-rows // n)
+    out = full.new_empty((chunk, *full.shape[1:]))
+    blocks = None
+    if me == owner:
+        blocks = []
+        for r in range(n):
+            start, size = shard_range(rows, n, r)
+            block = full.new_zeros((chunk, *full.shape[1:]))
+            block.narrow(0, 0, size).copy_(full.narrow(0, start, size))
+            blocks.append(block)
+    if out.numel() > 0:  # the shape is every rank's: all skip an empty scatter alike
+        work = dist.scatter(out, blocks, group_src=owner, group=group, async_op=True)
+        wait_work(work, what, group)
+    local = out.narrow(0, 0, shard_range(rows, n, me)[1])
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+    )
 
 
 def owner_steps(optimizer: DMuon, owned: Sequence[Holding]) -> dict[str, torch.Tensor]:

@@ -18,9 +18,13 @@ until the process group's own timeout (gloo: 30 minutes). Here:
   collective at all (``distribute_tensor(..., src_data_rank=None)``: the same values as
   a scatter from rank 0 when every rank holds the same whole tensor).
 
-Layouts :func:`whole_tensor` does not gather itself — a pending sum (``Partial``), or
-two mesh dimensions sharding one tensor dimension (FSDP2 over tensor parallelism's
-``_StridedShard``) — are left to ``full_tensor()``, whose wait is the process group's.
+FSDP2 over tensor parallelism (a tensor dimension sharded over ``tp``, then over ``dp``:
+``_StridedShard`` on ``dp``, ``Shard`` on ``tp``) is gathered the same way, over ``dp``
+first. Layouts :func:`whole_tensor` does not gather itself are left to
+``full_tensor()``, whose wait is the process group's: a pending sum (``Partial``: no
+parameter or optimizer state is one; a sum, unlike a gather, is bitwise DTensor's only
+when its all-reduces are DTensor's, over the same buffers in the same order) and any
+other two or more mesh dimensions sharding one tensor dimension.
 """
 
 from __future__ import annotations
@@ -38,25 +42,59 @@ __all__ = ["gathers_itself", "shard_of", "whole_tensor"]
 
 def gathers_itself(t: torch.Tensor) -> bool:
     """Whether :func:`whole_tensor` gathers the DTensor ``t`` with its own collectives:
-    every placement ``Replicate()`` or a plain ``Shard(d)``, no two mesh dimensions
-    sharding the same tensor dimension (``False`` for anything else, and plain tensors).
+    every placement ``Replicate()`` or a plain ``Shard(d)``, each tensor dimension sharded
+    over one mesh dimension, or over two as FSDP2 over tensor parallelism lays it out
+    (:func:`_gathers`); ``False`` for anything else (a pending sum), and plain tensors.
 
     Examples:
         >>> import torch
         >>> gathers_itself(torch.zeros(2))
         False
     """
-    if not is_dtensor(t):
-        return False
-    from torch.distributed.tensor import Replicate, Shard
+    return is_dtensor(t) and _gathers(t) is not None
 
-    dims: list[int] = []
-    for pl in t.placements:  # type: ignore[attr-defined]
-        if type(pl) is Shard:
-            dims.append(pl.dim % t.dim())
-        elif not isinstance(pl, Replicate):
-            return False
-    return len(dims) == len(set(dims))
+
+def _gathers(t: torch.Tensor) -> list[tuple[int, int]] | None:
+    """The all-gathers that make the DTensor ``t`` whole, in order: ``(mesh dim, size of
+    the tensor dimension it puts together)``; ``None`` for a layout left to
+    ``full_tensor()``.
+
+    A plain ``Shard(d)`` on mesh dimension ``i`` is one gather over ``i`` to the whole
+    size. FSDP2 over tensor parallelism shards a dimension over ``tp`` first, then the
+    ``tp`` shard over ``dp`` (DTensor writes it ``_StridedShard(d, split_factor=size of
+    tp)`` on ``dp``, ``Shard(d)`` on ``tp``, ``dp`` outer): each rank holds
+    ``torch.chunk``'s block of its ``tp`` block, so the gather over ``dp`` comes first, to
+    this rank's ``tp`` block, then the one over ``tp``, to the whole.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    placements = list(t.placements)  # type: ignore[attr-defined]
+    by_dim: dict[int, list[int]] = {}
+    for d, pl in enumerate(placements):
+        if isinstance(pl, Replicate):
+            continue
+        if not isinstance(pl, Shard | _StridedShard):  # a pending sum
+            return None
+        by_dim.setdefault(pl.dim % t.dim(), []).append(d)
+    out: list[tuple[int, int]] = []
+    for dim, dims in sorted(by_dim.items()):
+        whole = int(t.shape[dim])
+        if len(dims) == 1 and type(placements[dims[0]]) is Shard:
+            out.append((dims[0], whole))
+            continue
+        if len(dims) != 2:
+            return None
+        outer, inner = placements[dims[0]], placements[dims[1]]
+        n_inner = int(mesh.size(dims[1]))
+        strided = type(outer) is _StridedShard and outer.split_factor == n_inner
+        if not (strided and type(inner) is Shard):
+            return None
+        me_inner = int(mesh.get_local_rank(dims[1]))
+        out.append((dims[0], shard_range(whole, n_inner, me_inner)[1]))
+        out.append((dims[1], whole))
+    return out
 
 
 @torch.no_grad()
@@ -83,21 +121,26 @@ def whole_tensor(t: torch.Tensor, name: str = "") -> torch.Tensor:
     """
     if not is_dtensor(t):
         return t
-    if not gathers_itself(t):
+    gathers = _gathers(t)
+    if gathers is None:
         return t.full_tensor()  # type: ignore[attr-defined]
     mesh = t.device_mesh  # type: ignore[attr-defined]
     names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
     local = t.to_local()  # type: ignore[attr-defined]
-    for d, pl in enumerate(t.placements):  # type: ignore[attr-defined]
+    placements = t.placements  # type: ignore[attr-defined]
+    for d, size in gathers:
         n = int(mesh.size(d))
-        if pl.is_replicate() or n == 1:
+        if n == 1:
             continue
+        pl = placements[d]
         dim = pl.dim % t.dim()
+        strided = getattr(pl, "split_factor", None)  # _StridedShard's
+        how = f"Shard({dim})" if strided is None else f"_StridedShard({dim}, {strided})"
         what = (
-            f"the all-gather of {name or 'a checkpoint tensor'!r} (Shard({dim}) over mesh "
+            f"the all-gather of {name or 'a checkpoint tensor'!r} ({how} over mesh "
             f"dim {names[d]!r})"
         )
-        local = _gathered(local, dim, int(t.shape[dim]), mesh.get_group(d), n, what)
+        local = _gathered(local, dim, size, mesh.get_group(d), n, what)
     return local
 
 

@@ -30,9 +30,8 @@ from dmuon.comm import CommStats, default_stats
 from dmuon.comm.process_groups import group_size, twin_groups
 from dmuon.optim.engine.params import EngineParam, collect_params, frozen_params, is_dtensor
 from dmuon.optim.engine.placements import placement_of_param
-from dmuon.optim.engine.relayout import summed
 from dmuon.optim.engine.report import StepReport
-from dmuon.optim.engine.tensor_split import settle_split_grads, split_of
+from dmuon.optim.engine.tensor_split import settle_pending_grad, settle_split_grads, split_of
 from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.vote import SignVote
 
@@ -326,9 +325,13 @@ class SingleEngine(Engine):
             return grads, [1.0] * len(grads), []
         out: list[torch.Tensor] = []
         copies: list[float] = []
-        for g in grads:
+        for e in self.params:
+            g = e.param.grad
+            if g is None:
+                continue
             if is_dtensor(g):
-                g = summed(g, stats=self.stats)
+                # the sum stays in p.grad (marked for zero_grad): the step sums nothing again
+                g = settle_pending_grad(e.param, g, e.name, self.stats)
                 mesh = g.device_mesh  # type: ignore[attr-defined]
                 replicas = math.prod(
                     mesh.size(d)
@@ -364,14 +367,15 @@ def local_norm_tensors(
     params: Iterable[EngineParam], stats: CommStats | None = None
 ) -> list[torch.Tensor]:
     """Local parts of DTensor gradients counted once: the shard on the first replica
-    (pending sums, ``Partial``, carried out first: :func:`summed`, counted in ``stats``)."""
+    (pending sums, ``Partial``, carried out first and left in ``p.grad`` for the step:
+    :func:`~dmuon.optim.engine.tensor_split.settle_pending_grad`, counted in ``stats``)."""
     out: list[torch.Tensor] = []
     for e in params:
         g = e.param.grad
         if g is None:
             continue
         if is_dtensor(g):
-            g = summed(g, e.name, stats)
+            g = settle_pending_grad(e.param, g, e.name, stats)
             from torch.distributed.tensor import Replicate
 
             mesh = g.device_mesh  # type: ignore[attr-defined]

@@ -51,6 +51,7 @@ __all__ = [
     "drop_relaid_grads",
     "laid_out_as",
     "mark_relaid",
+    "settle_pending_grad",
     "settle_pending_grads",
     "settle_split_grads",
     "sharded_split_of",
@@ -385,10 +386,31 @@ def settle_pending_grads(params: Iterable[torch.Tensor], stats: CommStats | None
     for p in params:
         g = p.grad
         if g is not None and is_dtensor(g):
-            settled = summed(g, stats=stats)
-            if settled is not g:
-                p.grad = settled
-                mark_relaid(p)
+            settle_pending_grad(p, g, stats=stats)
+
+
+def settle_pending_grad(
+    p: torch.Tensor, g: torch.Tensor, name: str = "", stats: CommStats | None = None
+) -> torch.Tensor:
+    """``p``'s gradient ``g`` with its pending sums (``Partial``) carried out
+    (:func:`~dmuon.optim.engine.relayout.summed`, ``name`` the parameter's for its errors,
+    the bytes counted in ``stats``), left in ``p.grad`` and marked for ``DMuon.zero_grad`` to
+    drop (:func:`drop_relaid_grads`) when it was replaced, so that whatever reads it next
+    (the norm of :func:`~dmuon.optim.clip_grad_norm_`, then the step) finds it settled and
+    sums nothing again.
+
+    Examples:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> w.grad = torch.ones(2)
+        >>> settle_pending_grad(w, w.grad) is w.grad  # a plain gradient is final already
+        True
+    """
+    settled = summed(g, name, stats)
+    if settled is not g:
+        p.grad = settled
+        mark_relaid(p)
+    return settled
 
 
 def mark_relaid(p: torch.Tensor) -> None:
