@@ -172,12 +172,13 @@ def test_every_wait_site_is_timed_or_listed_with_its_reason():
         ("guards.py", "agree_step"),
         ("tensor_split.py", "_matrix_split"),
         ("owned_split.py", "split_to_save"),
-        ("owned_split.py", "split_to_owner"),
+        # the padded all-gather of chunks: tensor-parallel gathers, a split matrix's
+        # state to its owner (owned_split.split_to_owner), checkpoints' DTensors made whole
+        ("chunk_gather.py", "all_gather_chunks"),
         ("owner_collectives.py", "reduce_to_owners"),
         ("plan_agreement.py", "check_plan_consistency"),
         ("objects.py", "all_gather_objects"),
         ("full.py", "_gather_owned"),  # checkpoints: checkpoint/deadline.py
-        ("whole.py", "_gathered"),  # DTensors made whole for a checkpoint
         ("sharded_state.py", "_gathered_state"),
         ("sharded_state.py", "owner_steps"),
         ("state.py", "gather_full_state_dict"),

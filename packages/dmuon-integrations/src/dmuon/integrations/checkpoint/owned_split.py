@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import shard_range, wait_work
-from dmuon.comm.torch_compat import all_gather_single
+from dmuon.comm.chunk_gather import all_gather_chunks
 from dmuon.integrations.checkpoint.holders import Holding
 from dmuon.integrations.checkpoint.split_state import as_saved
 from dmuon.optim import DMuon, get_rule
@@ -107,17 +107,9 @@ def split_to_owner(
     local = loaded.to_local() if hasattr(loaded, "to_local") else loaded
     if not placement_of(h.param, h.fqn).sharded_split:
         return local if h.held_here() else None
-    n = dist.get_world_size(h.group)
-    chunk = -(-shape[0] // n)
-    send = torch.zeros((chunk, *shape[1:]), dtype=local.dtype, device=local.device)
-    send[: local.shape[0]] = local
-    out = torch.empty((n * chunk, *shape[1:]), dtype=local.dtype, device=local.device)
-    work = all_gather_single(out, send, group=h.group, async_op=True)
-    wait_work(work, f"all-gather of {h.fqn}'s {key!r} to its owner", h.group)
-    if not h.held_here():
-        return None
-    pieces = [out[r * chunk : r * chunk + shard_range(shape[0], n, r)[1]] for r in range(n)]
-    return torch.cat(pieces)
+    what = f"all-gather of {h.fqn}'s {key!r} to its owner"
+    whole = all_gather_chunks(local, 0, shape[0], h.group, what)
+    return whole if h.held_here() else None
 
 
 def _tp_block(p: torch.Tensor, name: str) -> tuple[int, int, int]:

@@ -29,12 +29,10 @@ other two or more mesh dimensions sharding one tensor dimension.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from dmuon.comm import shard_range, wait_work
-from dmuon.comm.torch_compat import all_gather_single
+from dmuon.comm import shard_range
+from dmuon.comm.chunk_gather import all_gather_chunks
 from dmuon.optim.engine.params import is_dtensor
 
 __all__ = ["gathers_itself", "shard_of", "whole_tensor"]
@@ -140,25 +138,8 @@ def whole_tensor(t: torch.Tensor, name: str = "") -> torch.Tensor:
             f"the all-gather of {name or 'a checkpoint tensor'!r} ({how} over mesh "
             f"dim {names[d]!r})"
         )
-        local = _gathered(local, dim, size, mesh.get_group(d), n, what)
+        local = all_gather_chunks(local, dim, size, mesh.get_group(d), what)
     return local
-
-
-def _gathered(
-    local: torch.Tensor, dim: int, size: int, group: Any, n: int, what: str
-) -> torch.Tensor:
-    """The ``n`` ranks' blocks of ``local`` along ``dim`` (``torch.chunk``'s split of
-    ``size``, as DTensor's ``Shard``) put together: each padded to the largest, one
-    all-gather, the padding cut off."""
-    chunk = -(-size // n)
-    moved = local.movedim(dim, 0)
-    send = moved.new_zeros((chunk, *moved.shape[1:]))
-    send.narrow(0, 0, moved.shape[0]).copy_(moved)
-    out = send.new_empty((n * chunk, *moved.shape[1:]))
-    wait_work(all_gather_single(out, send, group=group, async_op=True), what, group)
-    blocks = out.view(n, chunk, *moved.shape[1:])
-    parts = [blocks[r].narrow(0, 0, shard_range(size, n, r)[1]) for r in range(n)]
-    return torch.cat(parts, dim=0).movedim(0, dim).contiguous()
 
 
 def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

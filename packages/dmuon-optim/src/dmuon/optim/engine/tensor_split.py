@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dmuon.comm import CommStats, default_stats, shard_range, wait_work
-from dmuon.comm.torch_compat import all_gather_single
+from dmuon.comm.chunk_gather import all_gather_chunks
 from dmuon.optim.engine.expert_split import expert_group_of
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.placements import placement_of, placement_of_param
@@ -174,27 +174,16 @@ def _matrix_split(
 
     t = len(ranks)
     whole = int(p.shape[tensor_dim])
-    sizes = [shard_range(whole, t, r)[1] for r in range(t)]
-    chunk = max(sizes) if sizes else 0
     me = int(mesh.get_local_rank(mesh_dim))
     gathered = f"the all-gather of tensor-parallel matrices over mesh dim {dim_name!r}"
 
     def gather(x: torch.Tensor) -> torch.Tensor:
-        """The whole matrices of the batch ``x`` (``(B, rows, cols)`` shards): every rank's
-        shard padded to the largest along the split dimension, one all-gather, the
-        padding cut off."""
+        """The whole matrices of the batch ``x`` (``(B, rows, cols)`` shards): one padded
+        all-gather along the split dimension (:func:`dmuon.comm.chunk_gather.all_gather_chunks`)."""
         d = x.dim() - 2 + tensor_dim
-        pad = list(x.shape)
-        pad[d] = chunk
-        send = x.new_zeros(pad)
-        send.narrow(d, 0, x.shape[d]).copy_(x)
-        out = x.new_empty((t * pad[0], *pad[1:]))  # the ranks' blocks one after another
-        nbytes = send.numel() * send.element_size()  # the input, as record_collective counts
-        stats.record_collective(GATHER_STATS_NAME, "all_gather", nbytes=nbytes, world_size=t)
-        work = all_gather_single(out, send, group=group, async_op=True)
-        wait_work(work, gathered, group)
-        blocks = out.view(t, *pad)
-        return torch.cat([blocks[r].narrow(d, 0, sizes[r]) for r in range(t)], dim=d)
+        return all_gather_chunks(
+            x, d, whole, group, gathered, stats=stats, stats_name=GATHER_STATS_NAME
+        )
 
     return MatrixSplit(
         dim=-2 if tensor_dim == 0 else -1,
