@@ -211,6 +211,30 @@ def test_optim_args_configure_dmuon(tmp_path):
             DMuonTrainer(model=_tiny_llama(), args=args).create_optimizer()
 
 
+@needs_hf
+def test_optim_args_read_as_python_keywords():
+    """``optim_args`` is read by Python's parser as a call's keywords: commas inside
+    quotes and brackets stay in their value, a bare or dotted word arrives as written,
+    and a name given twice or an unbalanced bracket is refused, naming the text (before,
+    a repeated name silently took the last value and ``momentum=0.8)`` reached DMuon as
+    the string ``'0.8)'``)."""
+    from dmuon.integrations.hf.factory import _parse_optim_args
+
+    text = "a='x, y', b=[1, (2, 3)], ns_compute_dtype=torch.float32, rule=sign-muon, lr=-1e-3,"
+    assert _parse_optim_args(text) == {
+        "a": "x, y", "b": [1, (2, 3)], "ns_compute_dtype": "torch.float32",
+        "rule": "sign-muon", "lr": -1e-3,
+    }  # fmt: skip
+    for text, match in (
+        ("momentum=0.8, momentum=0.9", "names 'momentum' twice"),
+        ("momentum=0.8)", r"optim_args='momentum=0.8\)' is not name=value"),
+        ("momentum=0.9, 3", "not name=value"),
+        ("**extra", r"'\*\*extra' is not name=value"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            _parse_optim_args(text)
+
+
 def test_guide_shows_the_script_the_tests_run():
     guide = (ROOT / "docs" / "guides" / "hf-trainer.md").read_text()
     script = EXAMPLE.read_text()

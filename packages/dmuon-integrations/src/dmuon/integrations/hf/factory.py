@@ -98,50 +98,57 @@ def dmuon_kwargs(args: Any, **overrides: Any) -> dict[str, Any]:
 def _parse_optim_args(text: str | None) -> dict[str, Any]:
     """``TrainingArguments.optim_args`` as keyword arguments (see :func:`dmuon_kwargs`).
 
-    Items are separated by commas outside brackets and quotes, so a tuple value keeps
-    its commas.
+    The text is read by Python's own parser as the keyword arguments of a call,
+    ``f(<text>)``, so brackets, quotes and commas inside values mean what they mean in
+    Python. A value is a literal (:func:`ast.literal_eval`: numbers, strings, tuples,
+    ``True``...) or else the text of the expression as written: a bare word
+    (``rule=normuon``, ``ns_compute_dtype=float32``) or a dotted name
+    (``torch.float32``) arrives as a string.
 
     Raises:
-        ValueError: an item that is not ``name=value`` (named, with the whole text).
+        ValueError: the text is not ``name=value`` items separated by commas, or names
+            an argument twice (the item or the whole text named, with what would be
+            right).
 
     Examples:
         >>> _parse_optim_args("momentum=0.9, nesterov=False, adamw_betas=(0.9, 0.99), rule=normuon")
         {'momentum': 0.9, 'nesterov': False, 'adamw_betas': (0.9, 0.99), 'rule': 'normuon'}
+        >>> _parse_optim_args("rule=sign-muon, ns_compute_dtype=torch.float32,")
+        {'rule': 'sign-muon', 'ns_compute_dtype': 'torch.float32'}
         >>> _parse_optim_args(None)
         {}
     """
-    out: dict[str, Any] = {}
     if not text or not text.strip():
-        return out
-    items: list[str] = []
-    depth, quote, start = 0, "", 0
-    for i, ch in enumerate(text):
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    items.append(text[start:])
-    for item in items:
-        name, eq, value = item.partition("=")
-        name, value = name.strip(), value.strip()
-        if not item.strip():
-            continue  # a trailing comma
-        if not eq or not name.isidentifier():
+        return {}
+    source = f"f({text})"
+    hint = "write DMuon's arguments as 'momentum=0.9, ns_steps=3'"
+    try:
+        call = ast.parse(source, mode="eval").body
+    except SyntaxError as err:
+        raise ValueError(
+            f"optim_args={text!r} is not name=value items separated by commas ({err.msg}); {hint}"
+        ) from None
+    assert isinstance(call, ast.Call)  # f(...) parses as a call or not at all
+    for arg in call.args:  # a positional item: no name
+        item = ast.get_source_segment(source, arg)
+        raise ValueError(
+            f"optim_args item {item!r} is not name=value (in optim_args={text!r}); {hint}"
+        )
+    out: dict[str, Any] = {}
+    for kw in call.keywords:
+        if kw.arg in out:
             raise ValueError(
-                f"optim_args item {item.strip()!r} is not name=value (in optim_args={text!r}); "
-                "write DMuon's arguments as 'momentum=0.9, ns_steps=3'"
+                f"optim_args names {kw.arg!r} twice (in optim_args={text!r}); give it once"
+            )
+        if kw.arg is None:  # **mapping
+            item = ast.get_source_segment(source, kw)
+            raise ValueError(
+                f"optim_args item {item!r} is not name=value (in optim_args={text!r}); {hint}"
             )
         try:
-            out[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[name] = value  # a bare word: rule=normuon, ns_compute_dtype=float32
+            out[kw.arg] = ast.literal_eval(kw.value)
+        except ValueError:
+            out[kw.arg] = ast.get_source_segment(source, kw.value)  # a bare word, as written
     return out
 
 
