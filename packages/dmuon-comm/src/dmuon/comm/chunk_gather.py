@@ -1,4 +1,5 @@
-"""Put a tensor split into ``torch.chunk`` blocks back together: one padded all-gather.
+"""A tensor in ``torch.chunk`` blocks over ranks: put back together by one padded
+all-gather, or cut into padded blocks for one scatter or reduce-scatter.
 
 A tensor of ``size`` entries along ``dim`` split over the ``n`` ranks of a group as
 ``torch.chunk`` (and DTensor's ``Shard``) splits it — every block ``⌈size/n⌉`` long, the
@@ -7,6 +8,10 @@ last ones shorter or empty (:func:`dmuon.comm.shard_range`) — is made whole by
 gathered blocks are cut back to their lengths and concatenated. The wait is
 :func:`dmuon.comm.wait_work`'s, under the current deadline. Used by the tensor-parallel
 gather path of the Newton–Schulz chain and by checkpoints making a shard whole.
+:func:`padded_chunks` is the other direction: the whole tensor's ``n`` blocks, each
+padded with zeros to ``⌈size/n⌉``, stacked for a collective of equal blocks (the
+checkpoint's scatter of owner-held state, tensor parallelism's reduce-scatter of a
+pending sum).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dmuon.comm.shard_all_to_all import shard_range
 from dmuon.comm.stats import CommStats
 from dmuon.comm.torch_compat import all_gather_single
 
-__all__ = ["all_gather_chunks"]
+__all__ = ["all_gather_chunks", "padded_chunks"]
 
 
 def all_gather_chunks(
@@ -65,3 +70,29 @@ def all_gather_chunks(
     wait_work(all_gather_single(out, send, group=group, async_op=True), what, group)
     blocks = out.view(n, *pad)
     return torch.cat([blocks[r].narrow(dim, 0, shard_range(size, n, r)[1]) for r in range(n)], dim)
+
+
+def padded_chunks(whole: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``whole``'s ``n`` ``torch.chunk`` blocks along ``dim``, each padded with zeros to
+    ``⌈size/n⌉`` along ``dim``, stacked: a new contiguous tensor of shape
+    ``(n, *block)``, whose row ``r`` is rank ``r``'s block (uneven and empty blocks
+    included, as DTensor's ``Shard`` cuts them; :func:`dmuon.comm.shard_range`).
+
+    Examples:
+        >>> import torch
+        >>> padded_chunks(torch.arange(1, 6), 0, 3)  # blocks of 2, 2, 1 entries
+        tensor([[1, 2],
+                [3, 4],
+                [5, 0]])
+        >>> padded_chunks(torch.ones(2, 3), 1, 2).shape  # dim 1: blocks of 2 columns
+        torch.Size([2, 2, 2])
+    """
+    dim = dim % whole.dim()
+    size = int(whole.shape[dim])
+    block = list(whole.shape)
+    block[dim] = -(-size // n)
+    out = whole.new_zeros((n, *block))
+    for r in range(n):
+        start, length = shard_range(size, n, r)
+        out[r].narrow(dim, 0, length).copy_(whole.narrow(dim, start, length))
+    return out

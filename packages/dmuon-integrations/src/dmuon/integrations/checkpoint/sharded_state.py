@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon.comm import shard_range, wait_work
+from dmuon.comm.chunk_gather import padded_chunks
 from dmuon.comm.flags import flag_device
 from dmuon.integrations.checkpoint.compat import expected_state_shapes
 from dmuon.integrations.checkpoint.deadline import checkpoint_deadline
@@ -156,16 +157,8 @@ def scattered(full: torch.Tensor, mesh: Any, owner: int, what: str) -> torch.Ten
     group = mesh.get_group(0)
     n, me = int(mesh.size(0)), int(mesh.get_local_rank(0))
     rows = int(full.shape[0])
-    chunk = -(-rows // n)
-    out = full.new_empty((chunk, *full.shape[1:]))
-    blocks = None
-    if me == owner:
-        blocks = []
-        for r in range(n):
-            start, size = shard_range(rows, n, r)
-            block = full.new_zeros((chunk, *full.shape[1:]))
-            block.narrow(0, 0, size).copy_(full.narrow(0, start, size))
-            blocks.append(block)
+    out = full.new_empty((-(-rows // n), *full.shape[1:]))
+    blocks = list(padded_chunks(full, 0, n).unbind(0)) if me == owner else None
     if out.numel() > 0:  # the shape is every rank's: all skip an empty scatter alike
         work = dist.scatter(out, blocks, group_src=owner, group=group, async_op=True)
         wait_work(work, what, group)

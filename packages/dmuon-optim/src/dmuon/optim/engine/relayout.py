@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import CommStats, default_stats, shard_range, wait_work
+from dmuon.comm.chunk_gather import padded_chunks
 from dmuon.comm.torch_compat import reduce_scatter_single
 from dmuon.optim.engine.params import is_dtensor
 
@@ -176,19 +177,11 @@ def _reduce_scatter(
     ranks' ``local``: every chunk padded to the largest, stacked along dim 0, one
     reduce-scatter (what DTensor's ``Partial`` → ``Shard`` does), the padding cut off."""
     size = int(local.shape[dim])
-    chunk = -(-size // t)
-    blocks = []
-    for r in range(t):
-        start, n = shard_range(size, t, r)
-        block = local.narrow(dim, start, n)
-        if n < chunk:
-            pad = list(local.shape)
-            pad[dim] = chunk - n
-            block = torch.cat([block, local.new_zeros(pad)], dim=dim)
-        blocks.append(block)
-    send = torch.cat(blocks, dim=0).contiguous()
+    padded = padded_chunks(local, dim, t)  # (t, *block)
+    block = padded.shape[1:]
+    send = padded.view(t * block[0], *block[1:])  # the blocks one after another along dim 0
     op = _OPS.get(reduce_op, dist.ReduceOp.SUM)
-    rows = int(blocks[0].shape[0])
+    rows = int(block[0])
     nbytes = send.numel() * send.element_size()  # the t padded blocks, as either sends
     if dist.get_backend(group) == "gloo":
         # gloo's reduce-scatter ignores its wait's timeout (torch 2.13: a peer 4 s late held
@@ -199,7 +192,7 @@ def _reduce_scatter(
         wait_work(work, what, group)
         out = send.narrow(0, me * rows, rows)
     else:
-        out = local.new_empty(blocks[0].shape)
+        out = local.new_empty(block)
         stats.record_collective(
             PENDING_SUM_STATS_NAME, "reduce_scatter", nbytes=nbytes, world_size=t
         )
