@@ -210,3 +210,55 @@ def test_a_rank_killed_between_a_packs_reduction_and_its_publication():
         assert "before layer 'blocks.0..head' runs" in text, text
         assert "waiting for the weights published by DMuon step 2" in text, text
         assert o.value["dead_rank"] == FAULTY, text
+
+
+def run_single_tp_fault(rank: int, world: int):
+    """``mode="single"`` on a tensor-parallel model: each rank steps its shards of the
+    matrices split over the mesh, and the ranks agree on each step first (a NaN on one
+    rank must skip everywhere). The faulty rank dies as step 2 starts; the others are
+    in that agreement's all-reduce."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    model = nn.Sequential(nn.Linear(8, 6 * world), nn.Tanh(), nn.Linear(6 * world, 2))
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = DMuon(
+        param_groups(model), mode="single", **dict(OPT, timeout=DMUON_TIMEOUT, store=rank_store())
+    )
+    g = torch.Generator().manual_seed(0)  # the same batch on every rank, as under TP
+    for step in range(1, 4):
+        F.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 2)).backward()
+        if rank == FAULTY and step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            opt.step()
+        except CollectiveError as err:
+            return {"error": str(err), "dead_rank": err.dead_rank}
+        opt.zero_grad()
+    return {"error": None}
+
+
+def test_single_mode_over_a_tensor_parallel_mesh_names_a_dead_rank():
+    """Single mode runs collectives when its matrices are split over ranks, so its
+    processes answer roll calls too (before, a responder started only when the engine's
+    own world had several ranks, never in single mode: no survivor named the dead
+    rank)."""
+    with pytest.raises(RankFailure) as caught:
+        run_on_ranks(run_single_tp_fault, WORLD, timeout=60)
+    failure = caught.value
+    assert not failure.timed_out, str(failure)
+    assert failure.outcomes[FAULTY].status == "died"
+    for o in failure.outcomes:
+        if o.rank == FAULTY:
+            continue
+        assert o.status == "ok", f"rank {o.rank}: {o.summary()}\n{o.traceback}"
+        text = o.value["error"]
+        assert text is not None, f"rank {o.rank} finished its steps without noticing"
+        assert "DMuon step 2" in text, text
+        assert o.value["dead_rank"] == FAULTY, text
+        assert f"rank {FAULTY} did not answer" in text, text

@@ -247,8 +247,10 @@ class DMuon(torch.optim.Optimizer):
                 pipeline_depth=pipeline_depth,
             )
         self._engine.set_timeout(self._deadline.seconds())
-        if self._engine.world_size > 1:
-            start_responder(store)  # answers roll calls when a peer's collective fails
+        if self._engine.world_size > 1 or self._engine.guard_groups():
+            # answers roll calls when a peer's collective fails; single mode runs
+            # collectives too when its matrices are split over ranks (the step's agreement)
+            start_responder(store)
         self._initialized = True
         for index in range(len(self.param_groups)):
             self._rebuild(index)
