@@ -24,13 +24,10 @@ import torch
 
 from dmuon.comm import CommHandle, FlatBucket, MatrixItem, OwnerPlan, make_buckets
 from dmuon.comm.owner_plan import natural_key
+from dmuon.optim.engine.layer_packing import DEFAULT_PACK_MB, pack_runs
 from dmuon.optim.matrix_split import local_tensor
 
 __all__ = ["DEFAULT_PACK_MB", "OwnerLayer", "group_layers", "pack_layers"]
-
-DEFAULT_PACK_MB = 1.0
-"""Default size limit of a pack of consecutive layers (:func:`pack_layers`), MiB:
-PyTorch DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
 
 
 @dataclass(eq=False)
@@ -151,7 +148,9 @@ def pack_layers(
 ) -> tuple[list[OwnerLayer], dict[str, str]]:
     """Pack consecutive small layers into one record each, up to ``max_bytes``.
 
-    Greedy in natural (forward) order: a pack takes the next layer while the bytes of
+    Greedy in natural (forward) order (the rule of
+    :func:`~dmuon.optim.engine.layer_packing.pack_runs`, which the planner prices the
+    step by too): a pack takes the next layer while the bytes of
     its parameters (dedicated and replicated, each rank's local part) stay within
     ``max_bytes`` and the layer is on the pack's device (a record's buffers are on one
     device, :meth:`OwnerLayer.make_buckets`, so the layers of a model spread over
@@ -184,20 +183,13 @@ def pack_layers(
         raise ValueError(f"max_bytes must be >= 0 (0: no packing), got {max_bytes}")
     if max_bytes == 0 or len(layers) < 2:
         return list(layers), dict(layer_of)
-    runs: list[list[OwnerLayer]] = []
-    size = 0
-    device = None
-    for layer in layers:
+    sizes: list[tuple[int, int, torch.device]] = []
+    for i, layer in enumerate(layers):
         names = (*layer.dedicated, *layer.replicated)
         nbytes = sum(local_tensor(params[n]).numel() * params[n].element_size() for n in names)
         # the device make_buckets puts the layer's buffers on
-        here = params[names[0]].device
-        if runs and size + nbytes <= max_bytes and here == device:
-            runs[-1].append(layer)
-            size += nbytes
-        else:
-            runs.append([layer])
-            size, device = nbytes, here
+        sizes.append((i, nbytes, params[names[0]].device))
+    runs = [[layers[i] for i in run] for run in pack_runs(sizes, max_bytes)]
     packed: list[OwnerLayer] = []
     out = dict(layer_of)
     for run in runs:

@@ -57,6 +57,7 @@ from typing import Any
 
 from dmuon.comm import MatrixItem, NSCost, OwnerPlan, plan_owners
 from dmuon.kernels import ns_flops
+from dmuon.optim.engine.layer_packing import DEFAULT_PACK_MB
 from dmuon.optim.engine.params import subplan
 from dmuon.optim.planner.config import ModelSpec
 from dmuon.optim.planner.memory import memory_per_rank
@@ -409,7 +410,10 @@ def predict(
             f_max, f_mean = int(every[2]), float(every[2])
             t_adam = local.scalar_params * adam_rate
         else:
-            dm = dmuon_transfers(local, local_plan, mode)
+            # a tensor-parallel model's exchange packs no layers (its matrices are DTensors)
+            dm = dmuon_transfers(
+                local, local_plan, mode, layer_pack_mb=DEFAULT_PACK_MB if T == 1 else 0
+            )
             if lay.expert_plan is not None and lay.replicas > 1:
                 dm += expert_transfers(lay, mode)
             t_ns, t_tp = work[top][0] + busiest_s, work[top][1]

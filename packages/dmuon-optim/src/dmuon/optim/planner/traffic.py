@@ -24,10 +24,15 @@ sign       one packed majority vote (``all_to_all`` + ``all_gather`` of step
            of the scalar gradients
 ========== ========================================================== ==========
 
-Owner mode's unit is a layer, or a pack of consecutive small layers
-(:func:`~dmuon.optim.engine.layer_record.pack_layers`; its matrices: the scalars are
-FSDP2's): one bucket per owner and dtype of a unit, one round of latency per unit.
-``owner-z3`` keeps one layer a unit.
+Owner mode's unit is a layer, or a pack of consecutive small layers, cut by the
+engine's own rule (:func:`~dmuon.optim.engine.layer_packing.pack_runs`, which
+:func:`~dmuon.optim.engine.layer_record.pack_layers` applies) over the same bytes:
+one bucket per owner and dtype of a unit, one round of latency per unit. The owner
+modes priced here are ``fsdp.dedicate``'s, whose scalars are FSDP2's: a unit's bytes
+are its matrices' (``ddp.dedicate`` all-reduces the scalars in the exchange, and they
+count in its packs: ``_owner_units(all_reduced=...)``; no mode here prices that
+all-reduce). ``owner-z3`` and a tensor-parallel model (``tp > 1``) keep one layer a
+unit, as the exchange does.
 
 Every mode but ``owner``/``owner-z3`` and ``replicated`` also all-reduces the int32
 gradient-presence flags of the parameters it steps (``presence_flags``); owner mode
@@ -37,6 +42,7 @@ does it for the dedicated matrices.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -45,7 +51,7 @@ import torch
 from dmuon.comm import CommStats, MatrixItem, OwnerPlan
 from dmuon.comm.cost_model import cost_model
 from dmuon.comm.owner_plan import natural_key
-from dmuon.optim.engine.layer_record import DEFAULT_PACK_MB
+from dmuon.optim.engine.layer_packing import DEFAULT_PACK_MB, pack_runs
 from dmuon.optim.engine.params import subplan
 from dmuon.optim.planner.config import ModelSpec
 
@@ -146,42 +152,53 @@ def _presence(count: int, n: int, phase: str) -> Transfer:
     return t
 
 
-def _owner_units(plan: OwnerPlan, max_bytes: int) -> list[list[MatrixItem]]:
-    """The items of each unit of the owner-mode step, as the exchange makes them: the
-    layers (an item's ``layer``, else its name) in natural order, consecutive ones
-    packed while their matrices hold at most ``max_bytes``
-    (:func:`~dmuon.optim.engine.layer_record.pack_layers`; ``0``: a layer a unit)."""
-    by_layer: dict[str, list[MatrixItem]] = {}
+def _owner_units(
+    plan: OwnerPlan, max_bytes: int, all_reduced: Sequence[tuple[str, str, int]] = ()
+) -> list[list[str]]:
+    """The layer keys of each unit of the owner-mode step, as the exchange cuts them.
+
+    The layers (an item's ``layer``, else its name; the layer of each all-reduced
+    parameter) in natural order, packed by the engine's rule
+    (:func:`~dmuon.optim.engine.layer_packing.pack_runs`, which
+    :func:`~dmuon.optim.engine.layer_record.pack_layers` applies to its records) over
+    the bytes each layer's unit carries: its matrices, and its ``all_reduced``
+    parameters where the exchange all-reduces them (``ddp.dedicate``'s scalars;
+    ``fsdp.dedicate`` leaves the scalars to FSDP2, and its units hold matrices only).
+    One device (the planner's ranks each have one). ``0``: a layer a unit.
+
+    Args:
+        plan: the owner plan (its items' ``nbytes``: each rank's local part).
+        max_bytes: the pack limit (``layer_pack_mb`` in bytes).
+        all_reduced: ``(name, layer key, nbytes)`` of the parameters the exchange
+            all-reduces.
+    """
+    by_layer: dict[str, int] = {}
     for item in plan.items:
-        by_layer.setdefault(item.layer if item.layer is not None else item.name, []).append(item)
-    units: list[list[MatrixItem]] = []
-    size = 0
-    for key in sorted(by_layer, key=natural_key):
-        items = by_layer[key]
-        nbytes = sum(i.nbytes for i in items)
-        if units and max_bytes and size + nbytes <= max_bytes:
-            units[-1].extend(items)
-            size += nbytes
-        else:
-            units.append(list(items))
-            size = nbytes
-    return units
+        key = item.layer if item.layer is not None else item.name
+        by_layer[key] = by_layer.get(key, 0) + item.nbytes
+    for _, key, nbytes in all_reduced:
+        by_layer[key] = by_layer.get(key, 0) + nbytes
+    layers = [(k, by_layer[k], None) for k in sorted(by_layer, key=natural_key)]
+    return pack_runs(layers, max_bytes)
 
 
-def _owner(plan: OwnerPlan, n: int, z3: bool) -> list[Transfer]:
+def _owner(plan: OwnerPlan, n: int, z3: bool, max_bytes: int) -> list[Transfer]:
     reduce = _collective("reduce_to_owners", "reduce", "backward", n)
     bcast = _collective("broadcast_from_owners", "broadcast", "forward", n)
     again = _collective("broadcast_from_owners", "broadcast", "backward", n)
-    units = _owner_units(plan, 0 if z3 else int(DEFAULT_PACK_MB * 2**20))
+    units = _owner_units(plan, 0 if z3 else max_bytes)
     for t in (reduce, bcast, again):
         t.rounds = len(units)
+    items_of: dict[str, list[MatrixItem]] = {}
+    for item in plan.items:
+        items_of.setdefault(item.layer if item.layer is not None else item.name, []).append(item)
     sizes: list[int] = []
-    for items in units:
+    for unit in units:
         # one bucket per (owner, dtype) of the unit: make_buckets, alignment 1
         buckets: dict[tuple[int, torch.dtype], int] = {}
-        for item in items:
-            key = (plan.owner(item.name), item.dtype)
-            buckets[key] = buckets.get(key, 0) + item.nbytes
+        for item in (i for key in unit for i in items_of[key]):
+            slot = (plan.owner(item.name), item.dtype)
+            buckets[slot] = buckets.get(slot, 0) + item.nbytes
         sizes.extend(buckets.values())
     _record(reduce, "reduce", sizes, n)
     _record(bcast, "broadcast", sizes, n)
@@ -286,7 +303,12 @@ def _sign(spec: ModelSpec, n: int, batch_limit: int) -> list[Transfer]:
 
 
 def dmuon_transfers(
-    spec: ModelSpec, plan: OwnerPlan, mode: str, *, batch_limit: int = 1 << 62
+    spec: ModelSpec,
+    plan: OwnerPlan,
+    mode: str,
+    *,
+    batch_limit: int = 1 << 62,
+    layer_pack_mb: float = DEFAULT_PACK_MB,
 ) -> list[Transfer]:
     """DMuon's collectives of one step in ``mode``, as ``CommStats`` would record them.
 
@@ -297,6 +319,10 @@ def dmuon_transfers(
         mode: one of :data:`DMUON_MODES`.
         batch_limit: matrix entries per batched rule call (sign mode's votes):
             :func:`dmuon.optim.batches.default_batch_elements` of the device.
+        layer_pack_mb: owner mode's pack limit (the exchange's ``layer_pack_mb``);
+            ``0`` where the exchange packs nothing (``owner-z3`` never packs; nor does
+            a tensor-parallel model: :func:`~dmuon.optim.planner.step_model.predict`
+            passes ``0`` for ``tp > 1``).
 
     Examples:
         >>> from dmuon.comm import plan_owners
@@ -314,7 +340,10 @@ def dmuon_transfers(
     if n == 1:
         return []
     if mode in ("owner", "owner-z3"):
-        return _owner(plan, n, z3=mode == "owner-z3")
+        if isinstance(layer_pack_mb, bool) or not layer_pack_mb >= 0:
+            raise ValueError(f"layer_pack_mb must be a number of MiB >= 0, got {layer_pack_mb!r}")
+        max_bytes = int(min(layer_pack_mb * 2**20, sys.maxsize))  # the exchange's
+        return _owner(plan, n, z3=mode == "owner-z3", max_bytes=max_bytes)
     if mode == "replicated":
         return _replicated(plan, n)
     if mode == "sharded":
