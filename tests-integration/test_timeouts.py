@@ -27,6 +27,12 @@ import torch
 import torch.nn.functional as F
 from distributed_cases import OPT
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from dmuon.comm import CollectiveError
 from dmuon.comm.testing import RankFailure, rank_store, run_on_ranks
@@ -217,13 +223,6 @@ def run_single_tp_fault(rank: int, world: int):
     matrices split over the mesh, and the ranks agree on each step first (a NaN on one
     rank must skip everywhere). The faulty rank dies as step 2 starts; the others are
     in that agreement's all-reduce."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
     model = nn.Sequential(nn.Linear(8, 6 * world), nn.Tanh(), nn.Linear(6 * world, 2))
     mesh = init_device_mesh("cpu", (world,))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -249,7 +248,7 @@ def test_single_mode_over_a_tensor_parallel_mesh_names_a_dead_rank():
     own world had several ranks, never in single mode: no survivor named the dead
     rank)."""
     with pytest.raises(RankFailure) as caught:
-        run_on_ranks(run_single_tp_fault, WORLD, timeout=120)  # DTensor imports: slow
+        run_on_ranks(run_single_tp_fault, WORLD, timeout=60)
     failure = caught.value
     assert not failure.timed_out, str(failure)
     assert failure.outcomes[FAULTY].status == "died"
