@@ -77,7 +77,8 @@ def run_step(
     try:
         with collective_timeout(timeout):
             with report.phase("comm_wait"):  # the guards' flags are communication too
-                engine.begin_step()
+                # begins the step (Engine.begin_step), the flags carried in its first
+                # collective where it has one (owner mode: the presence flags')
                 finite = _agree(engine, nonfinite, number, skip)
             if not finite:
                 engine.skip_step()
@@ -98,14 +99,17 @@ def run_step(
 
 
 def _agree(engine: Engine, nonfinite: str | None, number: int, skip: bool = False) -> bool:
-    """Agree with every rank on the step number, on a loss scaler's skip (``skip``: this
-    rank's scaler found an Inf; any rank's skips every rank) and whether all gradients
-    are finite (:func:`~dmuon.optim.engine.agree_step`); raise, or say whether to step."""
+    """Begin the step (:meth:`~dmuon.optim.engine.Engine.begin_step`) and agree with every
+    rank on the step number, on a loss scaler's skip (``skip``: this rank's scaler found
+    an Inf; any rank's skips every rank) and whether all gradients are finite
+    (:func:`~dmuon.optim.engine.agree_step`); raise, or say whether to step."""
     try:
         # a scaler's Inf is expected, not an error: no rank checks when any rank skips
         # (each rank's skip comes from the same agreed Inf flag of its ShardedGradScaler)
         check = nonfinite is not None and not skip
-        ranks, names, skipping = agree_step(engine, number, check_finite=check, skip=skip)
+        ranks, names, skipping = agree_step(
+            engine, number, check_finite=check, skip=skip, begin=True
+        )
     except (StepMismatchError, ThawedParameterError, GradientChangedError):
         engine.skip_step()  # nothing in flight: the optimizer stays usable
         raise

@@ -20,7 +20,7 @@ The rule never knows which mode runs it (DESIGN.md: same rules, same results).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -183,6 +183,20 @@ class Engine:
         here, lay every DTensor matrix's gradient out as its parameter
         (:func:`~dmuon.optim.engine.tensor_split.settle_split_grads`)."""
         settle_split_grads(self._dtensors, self.stats)
+
+    def begin_step_agreeing(
+        self, slots: Callable[[frozenset[int]], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """:meth:`begin_step`, carrying the step's agreement in its own first collective
+        where it has one (:func:`~dmuon.optim.engine.guards.agree_step`).
+
+        ``slots(released)`` gives this rank's agreement slots, read just before that
+        collective (``released``: the parameters whose local gradient the begin sets to
+        ``None``); the result is them summed over :meth:`guard_groups`. ``None``: nothing
+        carried (here: no collective to carry them in), the guards sum them themselves.
+        """
+        self.begin_step()
+        return None
 
     def skip_step(self) -> None:
         """Finish this step's communication without stepping (every rank skips alike)."""

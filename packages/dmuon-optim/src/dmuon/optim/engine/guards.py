@@ -181,7 +181,8 @@ def nonfinite_ranks(engine: Engine) -> tuple[list[int], list[str]]:
     Every rank of ``engine``'s groups must call it at the same point of the step.
 
     Raises:
-        RuntimeError: a gradient on this rank is sparse (named, before any collective).
+        RuntimeError: a gradient on some rank is sparse (on every rank, agreed in the
+            collective: the rank that holds it names the parameter).
 
     Examples:
         >>> import torch
@@ -192,17 +193,74 @@ def nonfinite_ranks(engine: Engine) -> tuple[list[int], list[str]]:
         >>> nonfinite_ranks(opt.engine)
         ([0], ['group0.param0'])
     """
-    # DMuon.step refuses a sparse gradient before its guards run; called on its own, here
-    for e in engine.params:
-        if e.param.grad is not None and e.param.grad.is_sparse:
-            shape = tuple(e.param.shape)
-            raise sparse_gradient_error(f"parameter {e.name!r} (shape {shape})")
-    ranks, names, _ = agree_step(engine, None, check_finite=True)
+    # DMuon.step refuses a sparse gradient before its guards run; called on its own, the
+    # refusal is agreed in the flags, so no rank waits in the all-reduce for one that raised
+    ranks, names, _ = agree_step(engine, None, check_finite=True, refuse_sparse=True)
     return ranks, names
 
 
+# The bits of a rank's slot under the step number (16·number + …, see agree_step); the
+# sparse refusal of nonfinite_ranks, which carries no number, above them.
+NONFINITE, CHANGED, SKIP, THAWED, NUMBER = 1, 2, 4, 8, 16
+
+
+class _Local:
+    """What this rank brings to the step's agreement (read once, see :func:`agree_step`)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        number: int | None,
+        *,
+        check_finite: bool,
+        skip: bool,
+        refuse_sparse: bool,
+        released: frozenset[int] = frozenset(),
+    ) -> None:
+        # refuse_sparse (nonfinite_ranks, which carries no number): the first parameter
+        # with a sparse gradient here; its slot is then -1, which no number gives
+        self.sparse = _sparse_name(engine) if refuse_sparse else None
+        finite = check_finite and self.sparse is None  # a sparse gradient cannot be summed
+        self.bad = _nonfinite_names(engine, released) if finite else []
+        self.changed = engine.changed_gradients()
+        self.thawed = engine.thawed()
+        self.skip = skip
+        self.slot = (
+            -1
+            if self.sparse is not None
+            else (
+                NUMBER * (number or 0)
+                + THAWED * int(bool(self.thawed))
+                + SKIP * int(skip)
+                + CHANGED * int(bool(self.changed))
+                + NONFINITE * int(bool(self.bad))
+            )
+        )
+
+    def slots(self, device: torch.device) -> torch.Tensor:
+        """One ``int64`` slot per rank of the world, this rank's set, the others zero."""
+        rank, world = _global_rank()
+        flags = torch.zeros(world, dtype=torch.int64, device=device)
+        flags[rank] = self.slot
+        return flags
+
+
+def _sparse_name(engine: Engine) -> str | None:
+    """The first parameter with a sparse gradient on this rank, as errors name it."""
+    for e in engine.params:
+        if e.param.grad is not None and e.param.grad.is_sparse:
+            return f"parameter {e.name!r} (shape {tuple(e.param.shape)})"
+    return None
+
+
 def agree_step(
-    engine: Engine, number: int | None, *, check_finite: bool, skip: bool = False
+    engine: Engine,
+    number: int | None,
+    *,
+    check_finite: bool,
+    skip: bool = False,
+    begin: bool = False,
+    refuse_sparse: bool = False,
 ) -> tuple[list[int], list[str], list[int]]:
     """Agree with every rank on the step number and (``check_finite``) finiteness.
 
@@ -211,7 +269,17 @@ def agree_step(
     skip the step) + (2 if it changed a gradient after the engine took it) + (1 if it
     holds a non-finite gradient)``, summed over :meth:`Engine.guard_groups`. ``skip``:
     a loss scaler found an Inf (:mod:`dmuon.optim.loss_scaling`); any rank's skip is
-    every rank's.
+    every rank's. ``refuse_sparse`` (:func:`nonfinite_ranks`): a rank holding a sparse
+    gradient sets its slot to ``-1``, and every rank raises.
+
+    ``begin``: begin the step too (:meth:`Engine.begin_step`). An engine whose first
+    collective of the step can carry the slots (owner mode: the gradient-presence flags'
+    all-reduce, :meth:`~dmuon.optim.engine.reduction.Reduction.flush`) sums them in it
+    (:meth:`Engine.begin_step_agreeing`), so the step makes one small all-reduce, not two;
+    this rank's slot is then read just before that collective, on the same local
+    gradients the agreement read after it (the launches it is followed by take the
+    gradients as they are; under ``free_local_grads`` they release them, and those are
+    left out as they were). Any other engine begins first and the slots travel after.
 
     Returns:
         The ranks holding a non-finite gradient, this rank's bad parameters, and the
@@ -223,31 +291,56 @@ def agree_step(
             optimizer was built (:meth:`Engine.thawed`; on every rank).
         GradientChangedError: a rank changed a gradient after the engine had taken it
             (:meth:`Engine.changed_gradients`; on every rank).
+        RuntimeError: ``refuse_sparse`` and a rank holds a sparse gradient (on every rank).
     """
-    bad = _nonfinite_names(engine) if check_finite else []
-    changed = engine.changed_gradients()
-    thawed = engine.thawed()
-    groups = [g for g in engine.guard_groups() if g is not None or _global_rank()[1] > 1]
+
+    def read(released: frozenset[int] = frozenset()) -> _Local:
+        return _Local(
+            engine,
+            number,
+            check_finite=check_finite,
+            skip=skip,
+            refuse_sparse=refuse_sparse,
+            released=released,
+        )
+
+    world = _global_rank()[1]
+    groups = [g for g in engine.guard_groups() if g is not None or world > 1]
+    mine: _Local | None = None
+    summed: torch.Tensor | None = None
+    if begin and groups:
+
+        def carried(released: frozenset[int]) -> torch.Tensor:
+            nonlocal mine
+            mine = read(released)
+            return mine.slots(flag_device(groups[0]))
+
+        summed = engine.begin_step_agreeing(carried)
+    elif begin:
+        engine.begin_step()
+    if summed is None or mine is None:  # not carried: read after the begin, as always
+        mine = read()
     if not groups:
-        if thawed:
-            raise _thawed_error([engine.rank], thawed, engine, number)
-        if changed:
-            raise _changed_error([engine.rank], changed, engine)
+        if mine.sparse is not None:
+            raise sparse_gradient_error(mine.sparse)
+        if mine.thawed:
+            raise _thawed_error([engine.rank], mine.thawed, engine, number)
+        if mine.changed:
+            raise _changed_error([engine.rank], mine.changed, engine)
+        bad = mine.bad
         return ([engine.rank] if bad else []), bad, ([engine.rank] if skip else [])
-    rank, world = _global_rank()
-    flags = torch.zeros(world, dtype=torch.int64, device=flag_device(groups[0]))
-    flags[rank] = (
-        16 * (number or 0)
-        + 8 * int(bool(thawed))
-        + 4 * int(skip)
-        + 2 * int(bool(changed))
-        + int(bool(bad))
-    )
-    what = "all-reduce of step numbers, thawed, skip, changed-gradient and non-finite flags"
-    for g in groups:
-        wait_work(dist.all_reduce(flags, group=g, async_op=True), what, g)
-    slots = flags.tolist()
-    steps = {r: v // 16 for r, v in enumerate(slots) if v}  # every rank of the groups
+    if summed is None:
+        flags = mine.slots(flag_device(groups[0]))
+        what = "all-reduce of step numbers, thawed, skip, changed-gradient and non-finite flags"
+        for g in groups:
+            wait_work(dist.all_reduce(flags, group=g, async_op=True), what, g)
+        summed = flags
+    slots = summed.tolist()
+    sparse = [r for r, v in enumerate(slots) if v < 0]
+    if sparse:
+        here = f"{mine.sparse} on rank(s) {sparse}" if mine.sparse else None
+        raise sparse_gradient_error(here or f"a parameter on rank(s) {sparse}")
+    steps = {r: v // NUMBER for r, v in enumerate(slots) if v}  # every rank of the groups
     if number is not None and len(set(steps.values())) > 1:
         at = ", ".join(f"rank {r} at step {n}" for r, n in steps.items())
         raise StepMismatchError(
@@ -258,14 +351,14 @@ def agree_step(
             "'skip_step' skips a step with a NaN/Inf gradient on any rank everywhere)",
             steps,
         )
-    thawed_ranks = [r for r, v in enumerate(slots) if v & 8]
+    thawed_ranks = [r for r, v in enumerate(slots) if v & THAWED]
     if thawed_ranks:
-        raise _thawed_error(thawed_ranks, thawed, engine, number)
-    changed_ranks = [r for r, v in enumerate(slots) if v & 2]
+        raise _thawed_error(thawed_ranks, mine.thawed, engine, number)
+    changed_ranks = [r for r, v in enumerate(slots) if v & CHANGED]
     if changed_ranks:
-        raise _changed_error(changed_ranks, changed, engine)
-    skipping = [r for r, v in enumerate(slots) if v & 4]
-    return [r for r, v in enumerate(slots) if v % 2], bad, skipping
+        raise _changed_error(changed_ranks, mine.changed, engine)
+    skipping = [r for r, v in enumerate(slots) if v & SKIP]
+    return [r for r, v in enumerate(slots) if v & NONFINITE], mine.bad, skipping
 
 
 def _thawed_error(
@@ -315,12 +408,13 @@ SMALL_GRAD = 1 << 12
 SMALL_CHUNK = 1 << 20
 
 
-def _nonfinite_names(engine: Engine) -> list[str]:
-    """This rank's parameters whose gradient holds NaN or Inf."""
+def _nonfinite_names(engine: Engine, released: frozenset[int] = frozenset()) -> list[str]:
+    """This rank's parameters whose gradient holds NaN or Inf (but those of ``released``,
+    whose local gradient the step's begin releases, see :func:`agree_step`)."""
     entries = []
     for e in engine.params:
         g = e.param.grad
-        if g is None:
+        if g is None or (released and id(e.param) in released):
             continue
         g = _local(g)
         if g.numel() > 0:  # a sparse gradient was refused before (GroupRecord.check)

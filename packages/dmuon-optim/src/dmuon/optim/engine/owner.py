@@ -19,6 +19,7 @@ rank its shard, with the :class:`~dmuon.optim.matrix_split.MatrixSplit` that
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -177,6 +178,20 @@ class OwnerEngine(Engine):
 
     def begin_step(self) -> None:
         self.exchange.reduction.flush()
+
+    def begin_step_agreeing(
+        self, slots: Callable[[frozenset[int]], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """The flush's flag all-reduce carries the agreement
+        (:meth:`~dmuon.optim.engine.reduction.Reduction.flush`): its groups are the
+        agreement's (:meth:`agreement_groups`, over ``dp``). Not over ``dp × tp``: the
+        agreement spans ``tp`` too, the presence flags are ``dp``'s alone (each ``tp`` rank
+        has its own exchange), so there the two stay apart."""
+        red = self.exchange.reduction
+        if self.exchange.tensor_groups or not red.carries_agreement():
+            red.flush()
+            return None
+        return red.flush(agreement=slots)
 
     def skip_step(self) -> None:
         ex = self.exchange

@@ -176,6 +176,12 @@ class Reduction:
         # version): a change after that would not reach the owner
         self.taken: dict[str, tuple[torch.Tensor, int]] = {}
         self.changed: list[str] = []
+        # fixed for the exchange's life, so not sorted per step: the flags' order
+        self.flag_names = sorted(params)
+        # the parameters whose local gradient a launch sets to None (free_local_grads)
+        self.released: frozenset[int] = (
+            frozenset(id(p) for p in params.values()) if free_local_grads else frozenset()
+        )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -233,15 +239,31 @@ class Reduction:
                 break
             self._launch(nxt)
 
-    def flush(self) -> None:
+    def flush(
+        self, agreement: Callable[[frozenset[int]], torch.Tensor] | None = None
+    ) -> torch.Tensor | None:
         """Launch every reduction not launched yet (zeros for missing gradients).
+
+        Args:
+            agreement: the step's guards, to carry in the flags' all-reduce
+                (:func:`~dmuon.optim.engine.guards.agree_step`): called once, before it,
+                with the ids of the parameters whose local gradient the launches below
+                release (``free_local_grads``: every one of this reduction's; else none),
+                it gives this rank's ``int64`` agreement slots, which are summed over the
+                same groups as the flags, appended to them — one all-reduce a step, not
+                two. Not called when the step was flushed already (a clip or ``unscale_``
+                finished the reductions before ``step()``).
+
+        Returns:
+            ``agreement``'s slots summed over the groups, or ``None`` when nothing was
+            carried (no ``agreement``, or flushed already).
 
         Raises:
             UnsyncedGradientsError: on every rank, when no rank reduced a gradient this
                 step but some rank accumulated gradients inside :meth:`no_sync`.
         """
         if self.flushed:
-            return
+            return None
         # an accumulated gradient counts if it is still there (not dropped by a
         # model.zero_grad() since)
         arrived = self.present | {n for n in self.accumulated if self.params[n].grad is not None}
@@ -250,23 +272,27 @@ class Reduction:
         # The flags before the launches below: when no rank synchronised a gradient,
         # nothing was launched anywhere, and nothing is (the accumulated gradients stay
         # where they are, even under free_local_grads, for the backward that follows).
-        names = sorted(self.params)  # by name: one order on every rank
-        flags = torch.tensor(
-            [int(n in arrived) for n in names] + [self.held_back, int(bool(self.present))],
-            dtype=torch.int32,
-            device=self.flag_device,
-        )
+        names = self.flag_names  # by name: one order on every rank
+        local = [int(n in arrived) for n in names] + [self.held_back, int(bool(self.present))]
+        if agreement is None:
+            flags = torch.tensor(local, dtype=torch.int32, device=self.flag_device)
+        else:
+            # int64: the agreement's slots carry the step number
+            slots = agreement(self.released).to(self.flag_device)
+            flags = torch.cat([torch.tensor(local, dtype=torch.int64, device=slots.device), slots])
         for g, size in zip(self.flag_groups, self.sizes, strict=True):
             if size > 1:
                 wait_work(
                     dist.all_reduce(flags, group=g, async_op=True),
-                    "all-reduce of gradient-presence flags",
+                    "all-reduce of gradient-presence flags"
+                    + ("" if agreement is None else " and the step's agreement"),
                     g,
                 )
                 self.stats.record_collective(
                     "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=size
                 )
-        *present, held_back, synced = flags.tolist()
+        summed = flags.tolist()
+        *present, held_back, synced = summed[: len(names) + 2]
         if held_back and not synced:
             if self.publication.reshard_after_forward:
                 self.publication.release_all()  # what backward materialised, as a step would
@@ -277,10 +303,16 @@ class Reduction:
                 "or all-reduced), so step() would move no parameter; run the last "
                 "micro-batch of each accumulation step outside no_sync()"
             )
-        self.global_present = {n: bool(f) for n, f in zip(names, present, strict=True)}
+        self.global_present = dict(zip(names, map(bool, present), strict=True))
         self.flushed = True
         while self.next_launch < len(self.reduce_order):
             self._launch(self.reduce_order[self.next_launch])
+        return None if agreement is None else flags[len(names) + 2 :]
+
+    def carries_agreement(self) -> bool:
+        """Whether :meth:`flush` would all-reduce its flags now (not flushed yet, a group
+        of more than one rank), so that the step's agreement may ride along."""
+        return not self.flushed and any(size > 1 for size in self.sizes)
 
     def _launch(self, layer: OwnerLayer) -> None:
         # the layer's gradients into their bucket slots: one foreach copy (and one zeroing
@@ -408,7 +440,9 @@ class Reduction:
         p = self.params[name]
         if name in self.split:
             return as_gradient(p, local, self.grad_placements.get(name))
-        return local.view(p.shape)
+        # the buckets' views are shaped as their parameters already (FlatBucket.view):
+        # no new view per parameter and step
+        return local if local.shape == p.shape else local.view(p.shape)
 
     def started(self) -> bool:
         """Whether this step's reductions have begun on this rank: a gradient arrived

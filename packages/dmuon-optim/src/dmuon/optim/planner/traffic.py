@@ -36,7 +36,8 @@ unit, as the exchange does.
 
 Every mode but ``owner``/``owner-z3`` and ``replicated`` also all-reduces the int32
 gradient-presence flags of the parameters it steps (``presence_flags``); owner mode
-does it for the dedicated matrices.
+does it for the dedicated matrices, at the start of the step, with the step's agreement
+(a slot per rank) in the same ``int64`` all-reduce.
 """
 
 from __future__ import annotations
@@ -145,9 +146,9 @@ def _record(t: Transfer, collective: str, nbytes: int | Sequence[int], n: int) -
     t.collectives += len(sizes)
 
 
-def _presence(count: int, n: int, phase: str) -> Transfer:
+def _presence(count: int, n: int, phase: str, itemsize: int = 4) -> Transfer:
     t = _collective("presence_flags", "all_reduce", phase, n)
-    _record(t, "all_reduce", 4 * count, n)
+    _record(t, "all_reduce", itemsize * count, n)
     t.rounds = 1
     return t
 
@@ -204,10 +205,11 @@ def _owner(plan: OwnerPlan, n: int, z3: bool, max_bytes: int) -> list[Transfer]:
     _record(bcast, "broadcast", sizes, n)
     _record(again, "broadcast", sizes, n)
     # ZeRO-3-like: each layer is broadcast again before its backward
-    # presence flags: one per dedicated item, and two slots for the engine's
+    # presence flags: one per dedicated item, two slots for the engine's
     # UnsyncedGradientsError check (the gradients held back by no_sync(), the ranks that
-    # synchronised one)
-    presence = _presence(len(plan.items) + 2, n, "backward")
+    # synchronised one), and the step's agreement carried in the same all-reduce (one
+    # slot per rank: engine/guards.py's agree_step), all int64, at the step's start
+    presence = _presence(len(plan.items) + 2 + n, n, "step", itemsize=8)
     return [reduce, bcast, *([again] if z3 else []), presence]
 
 
