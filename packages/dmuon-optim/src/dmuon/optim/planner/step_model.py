@@ -9,10 +9,13 @@ of peak rate ``F`` (FLOP/s) and memory bandwidth ``B_mem``:
   forward, 4 backward), or a measured ``t_fb`` (``--fwd-bwd-ms``). Forward is
   ``t_f = t_fb/3``, backward ``t_b = 2·t_fb/3``.
 * **Newton–Schulz** on rank ``r``: ``t_ns(r) = Σ_calls [c₀ + b·(ns_flops(m,n)/(η·F) +
-  p·m·n·e/(η_mem·B_mem))]`` — :class:`dmuon.comm.NSCost` over the batched calls of the
-  owner plan (:func:`dmuon.comm.plan_owners` with that cost), at kernel efficiency
-  ``η`` and memory efficiency ``η_mem`` from the profile. DMuon waits for
-  ``max_r t_ns(r)``; vanilla Muon and Sign-Muon run every matrix on every rank. A
+  p·m·n·e/(η_mem·B_mem))]`` — :class:`dmuon.comm.NSCost` over the batched rule calls
+  the engine makes for the matrices the owner plan (:func:`dmuon.comm.plan_owners`
+  with that cost) gives the rank: one per shape within each step unit (owner mode's
+  layer or pack, a layer of ``replicated``/``sharded``;
+  :mod:`~dmuon.optim.planner.rule_calls`), at kernel efficiency ``η`` and memory
+  efficiency ``η_mem`` from the profile. DMuon waits for ``max_r t_ns(r)``; vanilla
+  Muon and Sign-Muon run every matrix on every rank, one batch per shape. A
   calibrated profile adds ``o`` seconds per matrix stepped (momentum, update and
   bookkeeping measured around the NS calls; 0 for datasheet profiles). Sign-Muon adds
   ``o_sign`` per matrix (its sign and spectral-normalisation links beyond Muon's chain)
@@ -580,7 +583,10 @@ def assumptions(
         ("forward + backward", fb),
         ("Newton–Schulz", f"{shape.method}, {shape.ns_steps} steps, restarts "
          f"{list(shape.restarts)}; FLOPs by dmuon.kernels.ns_flops"),
-        ("owner plan", "dmuon.comm.plan_owners (LPT) with NSCost at the profile's rates"),
+        ("owner plan", "dmuon.comm.plan_owners (LPT) with NSCost at the profile's rates; "
+         "NS time in the engine's calls: same-shape matrices batched within a step unit, "
+         + ("no cap per call (a GPU's)" if batch_elements(cluster) >= 1 << 62 else
+            f"≤ {batch_elements(cluster):,} entries per call (a CPU's)")),
         ("bytes", "DMuon: the wrappers' CommStats formulas (tested on gloo ranks); "
          "FSDP2/DDP: ring formulas of dmuon.comm.cost_model"),
         ("baselines", "AdamW = FSDP2 (ZeRO-3) + AdamW; vanilla = FSDP2 + Muon gathering every "
