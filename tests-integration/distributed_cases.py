@@ -135,6 +135,8 @@ def build(name: str) -> nn.Module:
     """A fresh model, the same on every rank."""
     if name == "gpt":
         return GPT(GPTConfig.tiny(seq_len=16, seed=1))
+    if name == "gpt_deep":  # four blocks: two per rank of two, same data as "gpt"
+        return GPT(GPTConfig.tiny(seq_len=16, seed=1, n_layer=4))
     if name == "mixed":
         return Mixed(seed=1)
     if name == "conv1d":

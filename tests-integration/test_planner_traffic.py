@@ -12,7 +12,7 @@ from distributed_cases import OPT, batch, build, loss_of, setup
 
 from dmuon.comm.testing import run_on_ranks
 
-MODES = ["owner_fsdp", "owner_fsdp_z3", "replicated", "sharded", "sign"]
+MODES = ["owner_fsdp", "owner_fsdp_z3", "owner_ddp", "replicated", "sharded", "sign"]
 
 
 def measure(rank, world, mode):
@@ -58,7 +58,9 @@ def test_planner_bytes_equal_commstats_on_gloo_ranks(mode, world):
     # the planner plans as the engine does (same items, same default options)
     plan = plan_owners(spec.matrices, world)
     assert plan.owners == engine_plan.owners and plan.names == engine_plan.names
-    kind = {"owner_fsdp": "owner", "owner_fsdp_z3": "owner-z3"}.get(mode, mode)
+    kind = {"owner_fsdp": "owner", "owner_fsdp_z3": "owner-z3", "owner_ddp": "owner-ddp"}.get(
+        mode, mode
+    )
     # the CPU engine batches at most 2**20 matrix entries per rule call
     predicted = dmuon_transfers(spec, plan, kind, batch_limit=1 << 20)
     for rank, (recorded, _, counts) in enumerate(out):
@@ -73,8 +75,9 @@ def test_planner_bytes_equal_commstats_on_gloo_ranks(mode, world):
             assert mine[op] == (pytest.approx(sent), pytest.approx(received)), (rank, op)
         if kind.startswith("owner"):
             # and as many collectives: one per owner and dtype of each unit (owner mode
-            # packs the small layers of this GPT into one, ZeRO-3-like does not)
+            # packs the small layers of this GPT into one, ZeRO-3-like does not), and
+            # ddp.dedicate's one all-reduce of the scalars per unit and dtype
             for t in predicted:
-                if t.op in ("reduce_to_owners", "broadcast_from_owners"):
+                if t.op in ("reduce_to_owners", "broadcast_from_owners", "all_reduce_replicated"):
                     issued = sum(x.collectives for x in predicted if x.op == t.op)
                     assert counts[t.op] == issued, (rank, t.op, counts[t.op], issued)

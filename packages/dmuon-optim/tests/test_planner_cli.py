@@ -49,7 +49,7 @@ def test_json_output_validates_against_the_documented_schema():
     out = json.loads(done.stdout)
     validate(out)
     assert set(out["modes"]) == {
-        "adamw", "vanilla", "owner", "owner-z3", "replicated", "sharded", "sign",
+        "adamw", "vanilla", "owner", "owner-z3", "owner-ddp", "replicated", "sharded", "sign",
     }  # fmt: skip
     assert out["modes"]["owner"]["tp_ms"] == 0 and out["cluster"]["tp"] == 1
     assert out["model"]["total_params"] == 8_030_261_248

@@ -14,8 +14,9 @@ from dmuon.optim.planner.profiles import (
     Link,
     load_device_profile,
 )
+from dmuon.optim.planner.rule_calls import rule_calls, unit_work
 from dmuon.optim.planner.step_model import ALL_MODES, TrainingShape, ns_cost, predict
-from dmuon.optim.planner.traffic import dmuon_transfers, framework_transfers
+from dmuon.optim.planner.traffic import dmuon_transfers, framework_transfers, step_units
 
 
 def cluster(n, device="H100", per_node=8):
@@ -82,9 +83,17 @@ def test_more_gpus_never_increase_the_per_rank_newton_schulz_time(llama):
 def test_one_gpu_vanilla_equals_every_dmuon_mode(llama):
     p = predict(llama, cluster(1), TrainingShape(global_tokens=2**16))
     vanilla = p.modes["vanilla"]
-    for mode in ("owner", "owner-z3", "replicated", "sharded", "sign"):
+    cost = ns_cost(cluster(1), TrainingShape(global_tokens=2**16))
+    for mode in ("owner", "owner-z3", "owner-ddp", "replicated", "sharded", "sign"):
         m = p.modes[mode]
-        assert m.step_s == pytest.approx(vanilla.step_s, rel=1e-12), mode
+        if mode == "sign":  # one group, as vanilla Muon: the same calls
+            assert m.step_s == pytest.approx(vanilla.step_s, rel=1e-12), mode
+        else:  # the same step but Newton–Schulz, which batches per step unit
+            units = step_units(llama, p.plan, mode)
+            calls = rule_calls(llama.matrices, units, batch_limit=1 << 62)
+            assert m.ns_s == pytest.approx(unit_work(calls, cost)[0], rel=1e-12), mode
+            assert m.ns_s > vanilla.ns_s, mode  # more calls than one batch per shape
+            assert m.step_s - m.ns_s == pytest.approx(vanilla.step_s - vanilla.ns_s, rel=1e-12)
         assert m.ns_flops_max == vanilla.ns_flops_max
         assert m.bytes_dmuon == m.bytes_framework == 0
     assert set(p.modes) == set(ALL_MODES)

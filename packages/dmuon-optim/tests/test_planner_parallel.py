@@ -9,8 +9,9 @@ from dmuon.optim.planner.config import load_model
 from dmuon.optim.planner.memory import memory_per_rank
 from dmuon.optim.planner.parallel import layout, tp_split_dim
 from dmuon.optim.planner.profiles import DEVICES, INTERCONNECTS, ClusterProfile
-from dmuon.optim.planner.step_model import TrainingShape, predict
-from dmuon.optim.planner.traffic import dmuon_transfers, framework_transfers
+from dmuon.optim.planner.rule_calls import rule_calls, unit_work
+from dmuon.optim.planner.step_model import TrainingShape, ns_cost, predict
+from dmuon.optim.planner.traffic import dmuon_transfers, framework_transfers, step_units
 
 MODES = ("owner", "owner-z3", "replicated", "sharded", "sign")
 
@@ -43,9 +44,15 @@ def test_tp_1_and_ep_1_change_nothing(llama):
         assert m.tp_s == 0 and m.bytes_tp == 0
         assert all(not t.inside_ns and t.stride == 1 for t in m.transfers)
     # the data-parallel terms, each from the function that computes it alone
+    cost = ns_cost(cluster(16), shape)
     for mode in ("owner", "owner-z3", "replicated", "sharded"):
         m = plain.modes[mode]
-        assert m.ns_s == plain.plan.max_load
+        # Newton–Schulz as the engine batches it: per step unit (rule_calls.py), not by
+        # the plan's loads, which batch a rank's same-shape matrices across layers
+        units = step_units(llama, plain.plan, mode)
+        ranks = [rule_calls(plain.plan.items_of(r), units, batch_limit=1 << 62) for r in range(16)]
+        assert m.ns_s == max(unit_work(calls, cost)[0] for calls in ranks)
+        assert m.ns_s > plain.plan.max_load  # more calls than the loads count
         assert m.bytes_dmuon == sum(max(t.sent) for t in dmuon_transfers(llama, plain.plan, mode))
         assert m.bytes_framework == sum(max(t.sent) for t in framework_transfers(llama, mode, 16))
         assert m.memory == memory_per_rank(llama, plain.plan, mode)
@@ -115,9 +122,15 @@ def test_tp_flops_and_bytes_are_those_of_tensor_parallel_path(llama):
         for i in p.plan.items_of(r):
             dim = tp_split_dim(i)
             choice = tensor_parallel_path(
-                i.rows, i.cols, dim, T, element_size=i.element_size, flops_per_second=rate,
-                alpha=link.alpha, bandwidth=link.effective_bandwidth,
-            )  # fmt: skip
+                i.rows,
+                i.cols,
+                dim,
+                T,
+                element_size=i.element_size,
+                flops_per_second=rate,
+                alpha=link.alpha,
+                bandwidth=link.effective_bandwidth,
+            )
             want_bytes[r] += choice.gram_bytes if choice.path == "gram" else choice.gather_bytes
             if choice.path == "gather":  # the whole matrix on every rank of the row
                 want_flops[r] += ns_flops(i.rows, i.cols)
@@ -131,6 +144,39 @@ def test_tp_flops_and_bytes_are_those_of_tensor_parallel_path(llama):
     tp = [t for t in owner.transfers if t.inside_ns]
     assert {t.op for t in tp} <= {"tensor_parallel_reduce", "tensor_parallel_gather"}
     assert [sum(t.sent[r] for t in tp) for r in range(dp)] == pytest.approx(want_bytes)
+
+
+def test_tp_collectives_pay_their_latency_once_per_batch(llama):
+    # dp 1 × tp 4: the one owner row steps every matrix; each layer's k and v (and its
+    # gate and up) share a shape and a split, so the engine runs them as one batch and
+    # issues each collective of its tp path once (tensor_parallel_path with batch=2)
+    T = 4
+    c = cluster(T)
+    p = predict(llama, c, TrainingShape(global_tokens=2**20, tp=T), modes=("owner",))
+    link, rate = c.link(T), DEVICES["H100"].ns_flops_per_second
+    batches = {}
+    for i in llama.matrices:
+        batches.setdefault((i.layer, i.shape, tp_split_dim(i)), []).append(i)
+    assert sorted({len(b) for b in batches.values()}) == [1, 2]
+    want = 0.0
+    for (_, (m, n), dim), items in batches.items():
+        e = items[0].element_size
+        on = dict(flops_per_second=rate, alpha=link.alpha, bandwidth=link.effective_bandwidth)
+        free = dict(flops_per_second=rate, alpha=0.0, bandwidth=math.inf)
+        alone = tensor_parallel_path(m, n, dim, T, element_size=e, gram_element_size=2, **on)
+        priced, unpriced = (
+            tensor_parallel_path(
+                m, n, dim, T, element_size=e, gram_element_size=2, batch=len(items), **kw
+            )
+            for kw in (on, free)
+        )
+        if alone.path == "gram":  # the path a matrix takes alone (the planner's choice)
+            want += priced.gram_seconds - unpriced.gram_seconds
+        else:
+            want += priced.gather_seconds - unpriced.gather_seconds
+    # the bytes stay per matrix (a batch's norms all-reduce carries 4 bytes fewer per
+    # extra matrix than two matrices alone): 1e-6 covers that, not a latency
+    assert p.modes["owner"].tp_s == pytest.approx(want, rel=1e-6)
 
 
 def test_dp_traffic_carries_shards(llama):

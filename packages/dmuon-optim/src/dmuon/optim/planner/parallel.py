@@ -247,6 +247,10 @@ class SplitChoice:
         flops: Newton–Schulz FLOPs per rank on that path.
         bytes_sent: bytes each rank sends over ``tp``.
         comm_seconds: the part of ``seconds`` spent in the tp collectives.
+        latency: the part of ``comm_seconds`` that is latency (``α`` per collective
+            step): what a batch of same-shape split matrices pays once, since the
+            engine issues each of the path's collectives once per batch
+            (:func:`~dmuon.optim.planner.rule_calls.unit_work`).
     """
 
     path: str
@@ -254,6 +258,7 @@ class SplitChoice:
     flops: float
     bytes_sent: float
     comm_seconds: float
+    latency: float = 0.0
 
 
 def tp_choices(
@@ -319,13 +324,26 @@ def tp_choices(
             bandwidth=math.inf,
             **common,  # type: ignore[arg-type]
         )
+        # the same over a link without latency: the difference is the latency alone
+        unlatent = tensor_parallel_path(
+            m,
+            n,
+            dim,
+            lay.tp,
+            flops_per_second=rate,
+            alpha=0.0,
+            bandwidth=link.effective_bandwidth,
+            **common,  # type: ignore[arg-type]
+        )
         path = priced.path if tp_path == "auto" else tp_path
         if path == "gram":
             seconds, flops, sent = priced.gram_seconds, counted.gram_seconds, priced.gram_bytes
+            latency = priced.gram_seconds - unlatent.gram_seconds
         else:
             seconds, flops = priced.gather_seconds, counted.gather_seconds
             sent = priced.gather_bytes
-        out[item.name] = SplitChoice(path, seconds, flops, sent, seconds - flops / rate)
+            latency = priced.gather_seconds - unlatent.gather_seconds
+        out[item.name] = SplitChoice(path, seconds, flops, sent, seconds - flops / rate, latency)
     return out
 
 

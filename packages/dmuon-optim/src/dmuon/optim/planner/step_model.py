@@ -9,10 +9,13 @@ of peak rate ``F`` (FLOP/s) and memory bandwidth ``B_mem``:
   forward, 4 backward), or a measured ``t_fb`` (``--fwd-bwd-ms``). Forward is
   ``t_f = t_fb/3``, backward ``t_b = 2·t_fb/3``.
 * **Newton–Schulz** on rank ``r``: ``t_ns(r) = Σ_calls [c₀ + b·(ns_flops(m,n)/(η·F) +
-  p·m·n·e/(η_mem·B_mem))]`` — :class:`dmuon.comm.NSCost` over the batched calls of the
-  owner plan (:func:`dmuon.comm.plan_owners` with that cost), at kernel efficiency
-  ``η`` and memory efficiency ``η_mem`` from the profile. DMuon waits for
-  ``max_r t_ns(r)``; vanilla Muon and Sign-Muon run every matrix on every rank. A
+  p·m·n·e/(η_mem·B_mem))]`` — :class:`dmuon.comm.NSCost` over the batched rule calls
+  the engine makes for the matrices the owner plan (:func:`dmuon.comm.plan_owners`
+  with that cost) gives the rank: one per shape within each step unit (owner mode's
+  layer or pack, a layer of ``replicated``/``sharded``;
+  :mod:`~dmuon.optim.planner.rule_calls`), at kernel efficiency ``η`` and memory
+  efficiency ``η_mem`` from the profile. DMuon waits for ``max_r t_ns(r)``; vanilla
+  Muon and Sign-Muon run every matrix on every rank, one batch per shape. A
   calibrated profile adds ``o`` seconds per matrix stepped (momentum, update and
   bookkeeping measured around the NS calls; 0 for datasheet profiles). Sign-Muon adds
   ``o_sign`` per matrix (its sign and spectral-normalisation links beyond Muon's chain)
@@ -57,6 +60,7 @@ from typing import Any
 
 from dmuon.comm import MatrixItem, NSCost, OwnerPlan, plan_owners
 from dmuon.kernels import ns_flops
+from dmuon.optim.batches import default_batch_elements
 from dmuon.optim.engine.layer_packing import DEFAULT_PACK_MB
 from dmuon.optim.engine.params import subplan
 from dmuon.optim.planner.config import ModelSpec
@@ -73,11 +77,13 @@ from dmuon.optim.planner.parallel import (
     vanilla_tp_gather,
 )
 from dmuon.optim.planner.profiles import ClusterProfile, Link
+from dmuon.optim.planner.rule_calls import rule_calls, unit_work
 from dmuon.optim.planner.traffic import (
     DMUON_MODES,
     Transfer,
     dmuon_transfers,
     framework_transfers,
+    step_units,
 )
 from dmuon.optim.rules import RULES
 
@@ -277,6 +283,15 @@ def plan_flops(plan: OwnerPlan, shape: TrainingShape) -> list[int]:
     ]
 
 
+def batch_elements(cluster: ClusterProfile) -> int:
+    """Matrix entries per batched rule call on the profile's device, as the engine cuts
+    them (:func:`dmuon.optim.batches.default_batch_elements`): ``2²⁰`` for a profile
+    calibrated on a CPU, no cap otherwise (a GPU's)."""
+    machine = cluster.device.measured.get("machine")
+    cpu = isinstance(machine, dict) and "gpu" in machine and machine["gpu"] is None
+    return default_batch_elements("cpu" if cpu else "cuda")
+
+
 def collective_seconds(t: Transfer, cluster: ClusterProfile) -> float:
     """α–β time of a transfer on the busiest rank: ``rounds·steps·α + bytes/(η·B)``.
 
@@ -361,7 +376,8 @@ def predict(
     t_f, t_b = t_fb / 3, 2 * t_fb / 3
     adam_rate = (3 * e + 16) / d.bytes_per_second
 
-    # Newton–Schulz of each dp rank (its owned and held matrices): seconds, tp seconds, FLOPs
+    # Newton–Schulz of a set of matrices each alone: seconds, tp seconds, FLOPs (the
+    # FLOPs of each dp rank's owned and held matrices; sign mode's tp work)
     def work_of(
         items: tuple[MatrixItem, ...], ch: dict[str, SplitChoice]
     ) -> tuple[float, float, float]:
@@ -369,10 +385,7 @@ def predict(
             items, ch, cost, method=shape.method, steps=shape.ns_steps, restarts=shape.restarts
         )
 
-    work = [work_of((*plan.items_of(r), *held[r]), choices) for r in range(D)]
-    if not choices:
-        work = [(plan.loads[r], 0.0, w[2]) for r, w in enumerate(work)]
-    flops = [w[2] for w in work]
+    flops = [work_of((*plan.items_of(r), *held[r]), choices)[2] for r in range(D)]
     if choices:  # every rank steps its shards of every matrix (sign mode)
         every = work_of(single.items, choices)
     else:
@@ -388,7 +401,32 @@ def predict(
     sign_extra = (
         sum(i.batch for i in single.items) * d.sign_overhead + local.matrix_params * d.vote_overhead
     )
-    top = max(range(D), key=lambda r: work[r][0] + work[r][1])
+    # the layer-by-layer modes: each rank's rule calls per step unit, as the engine
+    # batches them (rule_calls.py), not plan_owners' batching across layers
+    limit = batch_elements(cluster)
+    pack_mb = DEFAULT_PACK_MB if T == 1 else 0  # a tensor-parallel model packs nothing
+    by_units: dict[tuple[tuple[str, ...], ...], list[tuple[float, float]]] = {}
+
+    def unit_seconds(mode: str) -> list[tuple[float, float]]:
+        units = step_units(local, local_plan, mode, layer_pack_mb=pack_mb)
+        key = tuple(tuple(u) for u in units)
+        if key not in by_units:
+            by_units[key] = [
+                unit_work(
+                    rule_calls(
+                        plan.items_of(r),
+                        units,
+                        batch_limit=limit,
+                        splits=lay.splits,
+                        held=held[r],
+                    ),
+                    cost,
+                    choices,
+                )
+                for r in range(D)
+            ]
+        return by_units[key]
+
     held_numel = [sum(i.numel for i in h) for h in held]
     experts_local = sum(i.numel for i in local.matrices if len(i.shape) > 2) if lay.ep > 1 else 0
     out: dict[str, ModePrediction] = {}
@@ -411,14 +449,16 @@ def predict(
             t_adam = local.scalar_params * adam_rate
         else:
             # a tensor-parallel model's exchange packs no layers (its matrices are DTensors)
-            dm = dmuon_transfers(
-                local, local_plan, mode, layer_pack_mb=DEFAULT_PACK_MB if T == 1 else 0
-            )
+            dm = dmuon_transfers(local, local_plan, mode, layer_pack_mb=pack_mb)
             if lay.expert_plan is not None and lay.replicas > 1:
                 dm += expert_transfers(lay, mode)
-            t_ns, t_tp = work[top][0] + busiest_s, work[top][1]
+            ranks = unit_seconds(mode)
+            top = max(range(D), key=lambda r: ranks[r][0] + ranks[r][1])
+            t_ns, t_tp = ranks[top][0] + busiest_s, ranks[top][1]
             f_max, f_mean = int(max(flops)), sum(flops) / D
-            scalars = local.scalar_params if mode == "replicated" else local.scalar_params / D
+            # replicated and ddp.dedicate's owner mode: every rank steps every scalar
+            every_scalar = mode in ("replicated", "owner-ddp")
+            scalars = local.scalar_params if every_scalar else local.scalar_params / D
             t_adam = scalars * adam_rate
         fw = framework_transfers(local, mode, D)
         for t in dm + fw:  # a dp group's ranks are T apart (tp innermost)
@@ -453,7 +493,7 @@ def predict(
             comm["tensor_parallel"] = exposed["tensor_parallel"] = t_tp
         t_opt = t_opt_ns + t_adam
         step = t_fb + t_copies + exposed["forward"] + exposed["backward"] + t_opt
-        owns = mode in ("owner", "owner-z3", "replicated", "sharded")
+        owns = mode in ("owner", "owner-z3", "owner-ddp", "replicated", "sharded")
         out[mode] = ModePrediction(
             mode=mode,
             fwd_bwd_s=t_fb,
@@ -470,7 +510,8 @@ def predict(
             memory=memory_per_rank(
                 local,
                 local_plan,
-                mode,
+                "owner" if mode == "owner-ddp" else mode,
+                scalars="all_reduce" if mode == "owner-ddp" else "sharded",
                 held=held_numel if owns else None,
                 experts=experts_local,
                 replicas=lay.replicas,
@@ -542,7 +583,10 @@ def assumptions(
         ("forward + backward", fb),
         ("Newton–Schulz", f"{shape.method}, {shape.ns_steps} steps, restarts "
          f"{list(shape.restarts)}; FLOPs by dmuon.kernels.ns_flops"),
-        ("owner plan", "dmuon.comm.plan_owners (LPT) with NSCost at the profile's rates"),
+        ("owner plan", "dmuon.comm.plan_owners (LPT) with NSCost at the profile's rates; "
+         "NS time in the engine's calls: same-shape matrices batched within a step unit, "
+         + ("no cap per call (a GPU's)" if batch_elements(cluster) >= 1 << 62 else
+            f"≤ {batch_elements(cluster):,} entries per call (a CPU's)")),
         ("bytes", "DMuon: the wrappers' CommStats formulas (tested on gloo ranks); "
          "FSDP2/DDP: ring formulas of dmuon.comm.cost_model"),
         ("baselines", "AdamW = FSDP2 (ZeRO-3) + AdamW; vanilla = FSDP2 + Muon gathering every "

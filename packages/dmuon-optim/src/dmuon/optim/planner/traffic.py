@@ -15,6 +15,8 @@ mode       DMuon's collectives per step                                phase
 owner      ``reduce`` of every matrix to its owner, per unit bucket    backward
            ``broadcast`` of every matrix from its owner                forward
 owner-z3   as owner, and a second ``broadcast`` before backward        both
+owner-ddp  as owner, and an ``all_reduce`` of the scalars per unit     both
+           and dtype (``all_reduce_replicated``)
 replicated one ``all_gather`` of the updates per layer and dtype,       step
            every rank's chunk padded to the largest owner volume
 sharded    one ``all_to_all`` of row shards (padded to ⌈rows/N⌉) to    step
@@ -27,17 +29,22 @@ sign       one packed majority vote (``all_to_all`` + ``all_gather`` of step
 Owner mode's unit is a layer, or a pack of consecutive small layers, cut by the
 engine's own rule (:func:`~dmuon.optim.engine.layer_packing.pack_runs`, which
 :func:`~dmuon.optim.engine.layer_record.pack_layers` applies) over the same bytes:
-one bucket per owner and dtype of a unit, one round of latency per unit. The owner
-modes priced here are ``fsdp.dedicate``'s, whose scalars are FSDP2's: a unit's bytes
-are its matrices' (``ddp.dedicate`` all-reduces the scalars in the exchange, and they
-count in its packs: ``_owner_units(all_reduced=...)``; no mode here prices that
-all-reduce). ``owner-z3`` and a tensor-parallel model (``tp > 1``) keep one layer a
-unit, as the exchange does.
+one bucket per owner and dtype of a unit, one round of latency per unit. ``owner``
+and ``owner-z3`` are ``fsdp.dedicate``'s, whose scalars are FSDP2's: a unit's bytes
+are its matrices'. ``owner-ddp`` is ``ddp.dedicate``'s (``scalars="all_reduce"``): the
+exchange also all-reduces the scalar parameters, each under its name's layer, one
+flat bucket per unit and dtype (``engine/reduction.py``, recorded as
+``all_reduce_replicated``), and their bytes count in its packs
+(``_owner_units(all_reduced=...)``). ``owner-z3`` and a tensor-parallel model
+(``tp > 1``) keep one layer a unit, as the exchange does. :func:`step_units` gives
+each mode's units, which also cut its rule calls
+(:mod:`~dmuon.optim.planner.rule_calls`).
 
-Every mode but ``owner``/``owner-z3`` and ``replicated`` also all-reduces the int32
+Every mode but the owner modes and ``replicated`` also all-reduces the int32
 gradient-presence flags of the parameters it steps (``presence_flags``); owner mode
-does it for the dedicated matrices, at the start of the step, with the step's agreement
-(a slot per rank) in the same ``int64`` all-reduce.
+does it for the dedicated matrices (``owner-ddp``: and the all-reduced scalars), at
+the start of the step, with the step's agreement (a slot per rank) in the same
+``int64`` all-reduce.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dmuon.comm import CommStats, MatrixItem, OwnerPlan
+from dmuon.comm import CommStats, MatrixItem, OwnerPlan, layer_key
 from dmuon.comm.cost_model import cost_model
 from dmuon.comm.owner_plan import natural_key
 from dmuon.optim.engine.layer_packing import DEFAULT_PACK_MB, pack_runs
@@ -59,16 +66,19 @@ from dmuon.optim.planner.config import ModelSpec
 __all__ = [
     "DMUON_MODES",
     "Transfer",
+    "all_reduced_scalars",
     "dmuon_transfers",
     "framework_transfers",
     "fsdp_copied_bytes",
     "per_rank_ops",
     "ring_transfer",
+    "step_units",
 ]
 
-DMUON_MODES = ("owner", "owner-z3", "replicated", "sharded", "sign")
-"""The DMuon execution modes the planner predicts (``owner-z3``: owner mode with
-``reshard_after_forward=True``)."""
+DMUON_MODES = ("owner", "owner-z3", "owner-ddp", "replicated", "sharded", "sign")
+"""The DMuon execution modes the planner predicts (``owner`` and ``owner-z3``:
+``fsdp.dedicate``'s owner mode, ``owner-z3`` with ``reshard_after_forward=True``;
+``owner-ddp``: ``ddp.dedicate``'s, whose exchange also all-reduces the scalars)."""
 
 
 @dataclass
@@ -183,34 +193,100 @@ def _owner_units(
     return pack_runs(layers, max_bytes)
 
 
-def _owner(plan: OwnerPlan, n: int, z3: bool, max_bytes: int) -> list[Transfer]:
+def all_reduced_scalars(spec: ModelSpec) -> list[tuple[str, str, int]]:
+    """``(name, layer key, nbytes)`` of the scalar parameters ``ddp.dedicate`` all-reduces
+    in its exchange (``scalars="all_reduce"``): each under its name's layer
+    (:func:`dmuon.comm.layer_key`, the dedication's default ``layer_of``), in the
+    matrices' dtype (the planner's one dtype of parameters and traffic)."""
+    e = spec.matrices[0].dtype.itemsize if spec.matrices else 4
+    return [(name, layer_key(name), numel * e) for name, numel in spec.scalars]
+
+
+def step_units(
+    spec: ModelSpec, plan: OwnerPlan, mode: str, *, layer_pack_mb: float = DEFAULT_PACK_MB
+) -> list[list[str]]:
+    """The layer keys of each step unit of ``mode`` (the engine's pipeline groups), in
+    step order: owner mode's units, packed by :func:`_owner_units` over the bytes the
+    exchange carries (``owner-ddp``: the all-reduced scalars too; ``owner-z3``: nothing
+    packed), and every layer on its own for the planned modes (``replicated``,
+    ``sharded``: :func:`~dmuon.optim.engine.params.layers_in_order`). ``sign`` steps
+    every matrix in one group: one unit of every layer.
+
+    Args:
+        spec: the model (its scalars' names, for ``owner-ddp``).
+        plan: the owner plan (its items' ``nbytes``: each rank's local part).
+        mode: one of :data:`DMUON_MODES`.
+        layer_pack_mb: owner mode's pack limit (the exchange's ``layer_pack_mb``);
+            ``0``: nothing packed (a tensor-parallel model).
+    """
+    if mode not in DMUON_MODES:
+        raise ValueError(f"mode must be one of {DMUON_MODES}, got {mode!r}")
+    max_bytes = _pack_bytes(layer_pack_mb)
+    if mode in ("owner", "owner-ddp"):
+        scalars = all_reduced_scalars(spec) if mode == "owner-ddp" else ()
+        return _owner_units(plan, max_bytes, all_reduced=scalars)
+    units = _owner_units(plan, 0)
+    if mode == "sign":
+        return [[key for unit in units for key in unit]]
+    return units
+
+
+def _pack_bytes(layer_pack_mb: float) -> int:
+    if isinstance(layer_pack_mb, bool) or not layer_pack_mb >= 0:
+        raise ValueError(f"layer_pack_mb must be a number of MiB >= 0, got {layer_pack_mb!r}")
+    return int(min(layer_pack_mb * 2**20, sys.maxsize))  # the exchange's
+
+
+def _owner(
+    plan: OwnerPlan,
+    n: int,
+    z3: bool,
+    max_bytes: int,
+    all_reduced: Sequence[tuple[str, str, int]] = (),
+) -> list[Transfer]:
     reduce = _collective("reduce_to_owners", "reduce", "backward", n)
     bcast = _collective("broadcast_from_owners", "broadcast", "forward", n)
     again = _collective("broadcast_from_owners", "broadcast", "backward", n)
-    units = _owner_units(plan, 0 if z3 else max_bytes)
-    for t in (reduce, bcast, again):
-        t.rounds = len(units)
+    units = _owner_units(plan, 0 if z3 else max_bytes, all_reduced)
     items_of: dict[str, list[MatrixItem]] = {}
     for item in plan.items:
         items_of.setdefault(item.layer if item.layer is not None else item.name, []).append(item)
+    scalars_of: dict[str, int] = {}
+    for _, key, nbytes in all_reduced:
+        scalars_of[key] = scalars_of.get(key, 0) + nbytes
     sizes: list[int] = []
+    summed: list[int] = []
     for unit in units:
         # one bucket per (owner, dtype) of the unit: make_buckets, alignment 1
         buckets: dict[tuple[int, torch.dtype], int] = {}
-        for item in (i for key in unit for i in items_of[key]):
+        for item in (i for key in unit for i in items_of.get(key, ())):
             slot = (plan.owner(item.name), item.dtype)
             buckets[slot] = buckets.get(slot, 0) + item.nbytes
         sizes.extend(buckets.values())
+        # ddp.dedicate: one all-reduce bucket per dtype of the unit's scalars (one dtype)
+        nbytes = sum(scalars_of.get(key, 0) for key in unit)
+        if nbytes:
+            summed.append(nbytes)
+    for t in (reduce, bcast, again):
+        t.rounds = sum(1 for unit in units if any(key in items_of for key in unit))
     _record(reduce, "reduce", sizes, n)
     _record(bcast, "broadcast", sizes, n)
     _record(again, "broadcast", sizes, n)
     # ZeRO-3-like: each layer is broadcast again before its backward
-    # presence flags: one per dedicated item, two slots for the engine's
-    # UnsyncedGradientsError check (the gradients held back by no_sync(), the ranks that
-    # synchronised one), and the step's agreement carried in the same all-reduce (one
-    # slot per rank: engine/guards.py's agree_step), all int64, at the step's start
-    presence = _presence(len(plan.items) + 2 + n, n, "step", itemsize=8)
-    return [reduce, bcast, *([again] if z3 else []), presence]
+    # presence flags: one per dedicated item (and all-reduced scalar), two slots for the
+    # engine's UnsyncedGradientsError check (the gradients held back by no_sync(), the
+    # ranks that synchronised one), and the step's agreement carried in the same
+    # all-reduce (one slot per rank: engine/guards.py's agree_step), all int64, at the
+    # step's start
+    presence = _presence(len(plan.items) + len(all_reduced) + 2 + n, n, "step", itemsize=8)
+    out = [reduce, bcast, *([again] if z3 else []), presence]
+    if summed:
+        # issued with the unit's reductions from the backward hooks (one round a unit)
+        scalars = _collective("all_reduce_replicated", "all_reduce", "backward", n)
+        _record(scalars, "all_reduce", summed, n)
+        scalars.rounds = len(summed)
+        out.insert(1, scalars)
+    return out
 
 
 def _replicated(plan: OwnerPlan, n: int) -> list[Transfer]:
@@ -341,11 +417,10 @@ def dmuon_transfers(
         raise ValueError(f"mode must be one of {DMUON_MODES}, got {mode!r}")
     if n == 1:
         return []
-    if mode in ("owner", "owner-z3"):
-        if isinstance(layer_pack_mb, bool) or not layer_pack_mb >= 0:
-            raise ValueError(f"layer_pack_mb must be a number of MiB >= 0, got {layer_pack_mb!r}")
-        max_bytes = int(min(layer_pack_mb * 2**20, sys.maxsize))  # the exchange's
-        return _owner(plan, n, z3=mode == "owner-z3", max_bytes=max_bytes)
+    if mode in ("owner", "owner-z3", "owner-ddp"):
+        scalars = all_reduced_scalars(spec) if mode == "owner-ddp" else ()
+        max_bytes = _pack_bytes(layer_pack_mb)
+        return _owner(plan, n, z3=mode == "owner-z3", max_bytes=max_bytes, all_reduced=scalars)
     if mode == "replicated":
         return _replicated(plan, n)
     if mode == "sharded":
@@ -394,6 +469,8 @@ def framework_transfers(spec: ModelSpec, mode: str, n: int) -> list[Transfer]:
     on whole matrices (naive FSDP2 + Muon). ``owner``/``owner-z3``: FSDP2 over the
     scalar parameters only (the matrices are ``ignored_params``). ``sharded``: FSDP2
     over every parameter. ``replicated``: DDP's all-reduce of every gradient.
+    ``owner-ddp``: nothing (``ddp.dedicate`` replaces DDP and all-reduces the scalars
+    in its own exchange, recorded by ``CommStats``).
     ``adamw-ddp``, ``vanilla-ddp``: DDP's all-reduce. ``sign``: nothing (DMuon
     all-reduces the scalars itself).
     """
@@ -425,6 +502,8 @@ def framework_transfers(spec: ModelSpec, mode: str, n: int) -> list[Transfer]:
         return [*fsdp(everything), gather]
     if mode in ("owner", "owner-z3"):
         return fsdp(scalars)
+    if mode == "owner-ddp":  # ddp.dedicate replaces DDP: its all-reduce is DMuon's
+        return []
     if mode in ("replicated", "adamw-ddp", "vanilla-ddp"):
         return [
             ring_transfer("ddp_all_reduce", "all_reduce", "backward", everything, n, ddp_rounds)

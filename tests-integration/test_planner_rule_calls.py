@@ -1,0 +1,90 @@
+"""The planner's Newton–Schulz calls per rank are the rule calls the engine makes.
+
+Each layer-by-layer mode trains a four-block GPT on 2 gloo ranks (each rank owns two
+blocks' matrices, of the same four shapes), and a spy on
+:func:`dmuon.optim.batches._run_batch` (one call per batched rule call) counts the calls
+of the second step's ``opt.step()`` on each rank. The planner, given the plan the
+engine made, must count as many per rank (:func:`~dmuon.optim.planner.rule_calls.rule_calls`
+over :func:`~dmuon.optim.planner.traffic.step_units`), and its ``ns_s`` under a profile
+whose only cost is one second per call must be the busiest rank's count. Pricing by
+:func:`dmuon.comm.plan_owners`' loads (same-shape matrices batched across layers,
+the planner's rule before) counts fewer calls wherever a unit is smaller than the
+model: ZeRO-3-like owner mode and the planned modes step block by block, 8 calls per
+rank where the loads count 4 (owner mode packs this small model into one unit: 4
+either way).
+"""
+
+import pytest
+from distributed_cases import batch, build, loss_of, setup
+
+from dmuon.comm.testing import run_on_ranks
+
+# the engine's setup → the planner's mode
+MODES = {
+    "owner_fsdp": "owner",
+    "owner_fsdp_z3": "owner-z3",
+    "owner_ddp": "owner-ddp",
+    "sharded": "sharded",
+    "replicated": "replicated",
+}
+
+
+def count_calls(rank, world, mode):
+    import torch
+
+    from dmuon.optim import batches
+
+    _, forward, opt, ded = setup(mode, "gpt_deep", world)
+    run_batch = batches._run_batch
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return run_batch(*args, **kwargs)
+
+    counted = 0
+    for t in range(2):
+        loss_of("gpt", forward, *batch("gpt", t, rank, world)).backward()
+        calls.clear()
+        batches._run_batch = spy
+        try:
+            opt.step()
+        finally:
+            batches._run_batch = run_batch
+        counted = len(calls)
+        opt.zero_grad()
+        if ded is not None:
+            ded.wait()
+    plan = ded.plan if ded is not None else opt._engine.plan
+    torch.distributed.barrier()
+    return counted, plan
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_planner_counts_the_engines_rule_calls_per_rank(mode):
+    from dmuon.optim.planner.config import spec_from_module
+    from dmuon.optim.planner.profiles import ClusterProfile, DeviceProfile, Link
+    from dmuon.optim.planner.rule_calls import rule_calls
+    from dmuon.optim.planner.step_model import TrainingShape, predict
+    from dmuon.optim.planner.traffic import step_units
+
+    world = 2
+    out = run_on_ranks(count_calls, world, args=(mode,), timeout=240)
+    kind = MODES[mode]
+    spec = spec_from_module(build("gpt_deep"), "gpt")
+    plan = out[0][1]
+    counts = [c for c, _ in out]
+    assert min(counts) > 0, counts
+    units = step_units(spec, plan, kind)
+    # the CPU engine batches at most 2**20 matrix entries per rule call
+    mine = [len(rule_calls(plan.items_of(r), units, batch_limit=1 << 20)) for r in range(world)]
+    assert mine == counts, (mode, mine, counts)
+    # the step model prices those calls: one second each, nothing else (a CPU profile)
+    device = DeviceProfile(
+        "calls", peak_flops=1e300, memory_bytes=1e12, memory_bandwidth=1e300,
+        call_overhead=1.0, measured={"machine": {"gpu": None}},
+    )  # fmt: skip
+    link = Link("free", 1e12, alpha=0.0, efficiency=1.0, source="")
+    p = predict(spec, ClusterProfile(device, world, world, link, link),
+                TrainingShape(global_tokens=1024), modes=(kind,), plan=plan)  # fmt: skip
+    assert p.modes[kind].ns_s == pytest.approx(max(counts), abs=1e-6), (mode, counts)
