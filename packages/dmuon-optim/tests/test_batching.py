@@ -4,6 +4,8 @@ own, a fused QKV equals separate q, k, v — and a missing gradient touches noth
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import init_state, ns, rule_step
 
 from dmuon.optim import RULES, DMuon
@@ -288,3 +290,22 @@ def test_an_owner_filter_buckets_only_the_owned_matrices():
         step_bucket(b, group, get_rule("normuon"), state)
     for i in owned:
         assert (params[i].detach() - reference[i].detach()).abs().max() < 1e-12
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.integers(0, 20), max_size=12), limit=st.integers(1, 40))
+def test_batch_runs_cut_greedily_in_order(sizes, limit):
+    """``batch_runs`` (the engine's batching, the planner's count of calls) cuts the
+    indices in order into runs within ``limit``, each as long as it can be: a run ends
+    only where the next entry would overflow it, and an entry over ``limit`` stands
+    alone."""
+    from dmuon.optim.batches import batch_runs
+
+    runs = batch_runs(sizes, limit)
+    assert [i for run in runs for i in run] == list(range(len(sizes)))
+    assert all(run for run in runs)
+    for k, run in enumerate(runs):
+        total = sum(sizes[i] for i in run)
+        assert total <= limit or len(run) == 1
+        if k + 1 < len(runs):
+            assert total + sizes[runs[k + 1][0]] > limit

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,7 @@ from dmuon.optim.vote import SignVote, local_vote
 __all__ = [
     "Bucket",
     "Entry",
+    "batch_runs",
     "build_buckets",
     "default_batch_elements",
     "state_shapes",
@@ -374,21 +375,38 @@ def default_batch_elements(device: torch.device | str) -> int:
     return 1 << 20 if torch.device(device).type == "cpu" else 1 << 62
 
 
-def _chunks(part: list[Entry], per_entry: int, limit: int) -> list[list[Entry]]:
-    """Consecutive runs of ``part`` holding at most ``limit`` entries (at least one each)."""
-    out: list[list[Entry]] = []
-    cur: list[Entry] = []
+def batch_runs(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """How a bucket's entries are cut into batched rule calls: the indices of ``sizes``
+    in consecutive runs of at most ``limit`` in total (matrix entries), at least one
+    index each (an entry larger than ``limit`` is a run of its own).
+
+    :func:`step_bucket` batches by it, and the planner counts the rule calls and the
+    sign votes it prices by it (:mod:`dmuon.optim.planner.rule_calls`,
+    :mod:`dmuon.optim.planner.traffic`).
+
+    Examples:
+        >>> batch_runs([4, 4, 4, 9, 1], 8)
+        [[0, 1], [2], [3], [4]]
+    """
+    out: list[list[int]] = []
+    cur: list[int] = []
     size = 0
-    for e in part:
-        c = e.count * per_entry
+    for i, c in enumerate(sizes):
         if cur and size + c > limit:
             out.append(cur)
             cur, size = [], 0
-        cur.append(e)
+        cur.append(i)
         size += c
     if cur:
         out.append(cur)
     return out
+
+
+def _chunks(part: list[Entry], per_entry: int, limit: int) -> list[list[Entry]]:
+    """Consecutive runs of ``part`` holding at most ``limit`` entries (at least one each)."""
+    return [
+        [part[i] for i in run] for run in batch_runs([e.count * per_entry for e in part], limit)
+    ]
 
 
 def active_entries(b: Bucket, grads: Mapping[torch.Tensor, torch.Tensor] | None) -> list[Entry]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from dmuon.comm import MatrixItem, NSCost
+from dmuon.optim.batches import batch_runs
 from dmuon.optim.planner.parallel import SplitChoice
 
 __all__ = ["HELD_UNIT", "layer_of", "rule_calls", "unit_work"]
@@ -104,20 +105,9 @@ def rule_calls(
 
 def _chunks(bucket: list[MatrixItem], limit: int) -> list[list[MatrixItem]]:
     """Consecutive runs of ``bucket`` of at most ``limit`` matrix entries, at least one
-    item each (:func:`dmuon.optim.batches.step_bucket`'s ``_chunks``)."""
-    out: list[list[MatrixItem]] = []
-    cur: list[MatrixItem] = []
-    size = 0
-    for item in bucket:
-        c = item.batch * item.rows * item.cols
-        if cur and size + c > limit:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(item)
-        size += c
-    if cur:
-        out.append(cur)
-    return out
+    item each (:func:`dmuon.optim.batches.batch_runs`, as the engine batches)."""
+    sizes = [item.batch * item.rows * item.cols for item in bucket]
+    return [[bucket[i] for i in run] for run in batch_runs(sizes, limit)]
 
 
 def unit_work(

@@ -59,6 +59,7 @@ import torch
 from dmuon.comm import CommStats, MatrixItem, OwnerPlan, layer_key
 from dmuon.comm.cost_model import cost_model
 from dmuon.comm.owner_plan import natural_key
+from dmuon.optim.batches import batch_runs
 from dmuon.optim.engine.layer_packing import DEFAULT_PACK_MB, pack_runs
 from dmuon.optim.engine.params import subplan
 from dmuon.optim.planner.config import ModelSpec
@@ -343,18 +344,9 @@ def _sharded(plan: OwnerPlan, n: int, params: int) -> list[Transfer]:
 def _chunks(counts: Sequence[int], per: int, limit: int) -> list[int]:
     """Matrices per batched call: consecutive runs of entries (``counts`` matrices each)
     holding at most ``limit`` matrix entries, at least one entry each
-    (:func:`dmuon.optim.batches.step_bucket`'s batching)."""
-    out: list[int] = []
-    cur = size = 0
-    for c in counts:
-        if cur and size + c * per > limit:
-            out.append(cur)
-            cur = size = 0
-        cur += c
-        size += c * per
-    if cur:
-        out.append(cur)
-    return out
+    (:func:`dmuon.optim.batches.batch_runs`, as the engine batches)."""
+    runs = batch_runs([c * per for c in counts], limit)
+    return [sum(counts[i] for i in run) for run in runs]
 
 
 def _sign(spec: ModelSpec, n: int, batch_limit: int) -> list[Transfer]:
