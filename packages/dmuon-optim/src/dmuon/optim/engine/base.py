@@ -190,10 +190,12 @@ class Engine:
         """:meth:`begin_step`, carrying the step's agreement in its own first collective
         where it has one (:func:`~dmuon.optim.engine.guards.agree_step`).
 
-        ``slots(released)`` gives this rank's agreement slots, read just before that
-        collective (``released``: the parameters whose local gradient the begin sets to
-        ``None``); the result is them summed over :meth:`guard_groups`. ``None``: nothing
-        carried (here: no collective to carry them in), the guards sum them themselves.
+        ``slots(vouched)`` gives this rank's agreement slots, read just before that
+        collective (``vouched``: the ids of the parameters whose local gradient its
+        non-finite check need not read, because the begin sets it to ``None`` or the
+        engine has proven it finite); the result is them summed over
+        :meth:`guard_groups`. ``None``: nothing carried (here: no collective to carry
+        them in), the guards sum them themselves.
         """
         self.begin_step()
         return None

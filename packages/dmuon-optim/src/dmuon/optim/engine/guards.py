@@ -215,13 +215,13 @@ class _Local:
         check_finite: bool,
         skip: bool,
         refuse_sparse: bool,
-        released: frozenset[int] = frozenset(),
+        vouched: frozenset[int] = frozenset(),
     ) -> None:
         # refuse_sparse (nonfinite_ranks, which carries no number): the first parameter
         # with a sparse gradient here; its slot is then -1, which no number gives
         self.sparse = _sparse_name(engine) if refuse_sparse else None
         finite = check_finite and self.sparse is None  # a sparse gradient cannot be summed
-        self.bad = _nonfinite_names(engine, released) if finite else []
+        self.bad = _nonfinite_names(engine, vouched) if finite else []
         self.changed = engine.changed_gradients()
         self.thawed = engine.thawed()
         self.skip = skip
@@ -279,7 +279,10 @@ def agree_step(
     this rank's slot is then read just before that collective, on the same local
     gradients the agreement read after it (the launches it is followed by take the
     gradients as they are; under ``free_local_grads`` they release them, and those are
-    left out as they were). Any other engine begins first and the slots travel after.
+    left out as they were). The gradients a launch in backward has proven finite (their
+    bucket's sum at the copy, :meth:`~dmuon.optim.engine.reduction.Reduction.finite_at_launch`)
+    are not read again: the non-finite check reads the rest. Any other engine begins first
+    and the slots travel after.
 
     Returns:
         The ranks holding a non-finite gradient, this rank's bad parameters, and the
@@ -294,14 +297,14 @@ def agree_step(
         RuntimeError: ``refuse_sparse`` and a rank holds a sparse gradient (on every rank).
     """
 
-    def read(released: frozenset[int] = frozenset()) -> _Local:
+    def read(vouched: frozenset[int] = frozenset()) -> _Local:
         return _Local(
             engine,
             number,
             check_finite=check_finite,
             skip=skip,
             refuse_sparse=refuse_sparse,
-            released=released,
+            vouched=vouched,
         )
 
     world = _global_rank()[1]
@@ -310,9 +313,9 @@ def agree_step(
     summed: torch.Tensor | None = None
     if begin and groups:
 
-        def carried(released: frozenset[int]) -> torch.Tensor:
+        def carried(vouched: frozenset[int]) -> torch.Tensor:
             nonlocal mine
-            mine = read(released)
+            mine = read(vouched)
             return mine.slots(flag_device(groups[0]))
 
         summed = engine.begin_step_agreeing(carried)
@@ -408,13 +411,14 @@ SMALL_GRAD = 1 << 12
 SMALL_CHUNK = 1 << 20
 
 
-def _nonfinite_names(engine: Engine, released: frozenset[int] = frozenset()) -> list[str]:
-    """This rank's parameters whose gradient holds NaN or Inf (but those of ``released``,
-    whose local gradient the step's begin releases, see :func:`agree_step`)."""
+def _nonfinite_names(engine: Engine, vouched: frozenset[int] = frozenset()) -> list[str]:
+    """This rank's parameters whose gradient holds NaN or Inf (but those of ``vouched``,
+    whose local gradient the step's begin releases or the engine has proven finite, see
+    :func:`agree_step`)."""
     entries = []
     for e in engine.params:
         g = e.param.grad
-        if g is None or (released and id(e.param) in released):
+        if g is None or (vouched and id(e.param) in vouched):
             continue
         g = _local(g)
         if g.numel() > 0:  # a sparse gradient was refused before (GroupRecord.check)

@@ -47,6 +47,9 @@ class OwnerLayer:
         allreduce_buckets: flat buffers of the replicated gradients, one per dtype.
         ready: names whose gradient has arrived this step.
         launched: whether the layer's reductions were started this step.
+        launch_sum: the sum of this rank's gradients as its launch copied them into the
+            buckets (fp32; ``None`` when not taken): finite, it proves every one of them
+            finite (see :meth:`~dmuon.optim.engine.reduction.Reduction.finite_at_launch`).
         reduce_handle: the reduction in flight.
         allreduce_works: the replicated all-reduces in flight.
         reduced: whether the reductions were waited on and ``p.grad`` set.
@@ -63,6 +66,7 @@ class OwnerLayer:
     allreduce_buckets: list[FlatBucket] = field(default_factory=list)
     ready: set[str] = field(default_factory=set)
     launched: bool = False
+    launch_sum: torch.Tensor | None = None
     reduce_handle: CommHandle | None = None
     allreduce_works: list[object] = field(default_factory=list)
     reduced: bool = False

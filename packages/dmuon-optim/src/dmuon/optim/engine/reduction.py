@@ -247,12 +247,14 @@ class Reduction:
         Args:
             agreement: the step's guards, to carry in the flags' all-reduce
                 (:func:`~dmuon.optim.engine.guards.agree_step`): called once, before it,
-                with the ids of the parameters whose local gradient the launches below
-                release (``free_local_grads``: every one of this reduction's; else none),
-                it gives this rank's ``int64`` agreement slots, which are summed over the
-                same groups as the flags, appended to them — one all-reduce a step, not
-                two. Not called when the step was flushed already (a clip or ``unscale_``
-                finished the reductions before ``step()``).
+                with the ids of the parameters whose local gradient its non-finite check
+                need not read — those the launches below release (``free_local_grads``:
+                every one of this reduction's) and those a launch in backward proved
+                finite (:meth:`finite_at_launch`) — it gives this rank's ``int64``
+                agreement slots, which are summed over the same groups as the flags,
+                appended to them — one all-reduce a step, not two. Not called when the
+                step was flushed already (a clip or ``unscale_`` finished the reductions
+                before ``step()``).
 
         Returns:
             ``agreement``'s slots summed over the groups, or ``None`` when nothing was
@@ -278,7 +280,7 @@ class Reduction:
             flags = torch.tensor(local, dtype=torch.int32, device=self.flag_device)
         else:
             # int64: the agreement's slots carry the step number
-            slots = agreement(self.released).to(self.flag_device)
+            slots = agreement(self.released | self.finite_at_launch()).to(self.flag_device)
             flags = torch.cat([torch.tensor(local, dtype=torch.int64, device=slots.device), slots])
         for g, size in zip(self.flag_groups, self.sizes, strict=True):
             if size > 1:
@@ -320,7 +322,8 @@ class Reduction:
         slots: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         missing: list[torch.Tensor] = []
-        for b in layer.reduce_buckets + layer.allreduce_buckets:
+        buckets = layer.reduce_buckets + layer.allreduce_buckets
+        for b in buckets:
             for name in b.names:
                 g = self.params[name].grad
                 view = b.view(name)
@@ -345,6 +348,12 @@ class Reduction:
             torch._foreach_zero_(missing)
         if slots:
             torch._foreach_copy_(slots, grads)
+            names = layer.dedicated + layer.replicated
+            if not self.free_local_grads and not (self.split and self.split.intersection(names)):
+                # one sum per bucket, before the collectives write the buckets: the step's
+                # non-finite check reads it instead of each gradient (finite_at_launch)
+                sums = [b.buffer.sum(dtype=torch.float32) for b in buckets]
+                layer.launch_sum = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
         if self.free_local_grads:  # once copied: a failed copy leaves the gradients
             for name in layer.dedicated + layer.replicated:  # the buckets' names
                 self.params[name].grad = None
@@ -395,6 +404,7 @@ class Reduction:
         # before the wait: it writes the buckets (the owner's division, HSDP's second stage)
         self._note_changes(layer.dedicated + layer.replicated)
         owned = layer.reduce_handle.wait() if layer.reduce_handle is not None else {}
+        layer.launch_sum = None  # it spoke of the local gradients replaced below
         for name in layer.dedicated:
             p = self.params[name]
             if name in owned and self.global_present[name]:
@@ -418,6 +428,29 @@ class Reduction:
         names = list(self.changed)
         names += [name for name in self.taken if self._changed(name)]
         return names
+
+    def finite_at_launch(self) -> frozenset[int]:
+        """The ids of the parameters whose local gradient is proven finite by its layer's
+        launch: the sum of the gradients its launch copied into the buckets
+        (:attr:`OwnerLayer.launch_sum`) is finite, and a NaN or Inf entry would make it NaN
+        or Inf (finite entries whose sum overflows only leave them unproven).
+
+        Valid until the layer's reductions are waited on (:meth:`wait_reduced` replaces
+        the gradients); a gradient changed since its launch is refused by the step's
+        agreement anyway (:meth:`changed_gradients`). One read of all the layers' sums: the
+        step's non-finite check (:func:`~dmuon.optim.engine.guards.agree_step`) then reads
+        only the gradients no launch has vouched for, instead of every gradient again.
+        """
+        taken = [(layer, layer.launch_sum) for layer in self.layers]
+        layers = [layer for layer, s in taken if s is not None]
+        if not layers:
+            return frozenset()
+        finite = torch.isfinite(torch.stack([s for _, s in taken if s is not None]))
+        if not bool(finite.all()):
+            layers = [layer for layer, ok in zip(layers, finite.tolist(), strict=True) if ok]
+        return frozenset(
+            id(self.params[name]) for layer in layers for name in layer.dedicated + layer.replicated
+        )
 
     def _changed(self, name: str) -> bool:
         # by the gradient's version counter (a DTensor's own: its local aliases do not
@@ -461,6 +494,7 @@ class Reduction:
         for layer in self.layers:
             layer.ready.clear()
             layer.launched = layer.reduced = False
+            layer.launch_sum = None
         self.present.clear()
         self.accumulated.clear()
         self.taken.clear()

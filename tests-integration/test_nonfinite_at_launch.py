@@ -1,0 +1,116 @@
+"""Owner mode's non-finite check reads only the gradients no launch has vouched for.
+
+As backward hands each layer's gradients to the reduction (``engine/reduction.py``), its
+launch copies them into the layer's buckets; one sum per bucket, taken there before the
+collectives write the buckets, proves every entry finite when it is finite (a NaN or
+Inf entry makes the sum NaN or Inf). The step's agreement (``engine/guards.py``) then
+reads only the gradients no launch proved finite, where it read every gradient before.
+Checked here on 2 gloo ranks, the ``ddp.dedicate`` replacement, a gradient poisoned on
+rank 1 by a tensor hook (so it arrives through backward, as a real one does):
+
+* a clean backward: every gradient is vouched for, and the step runs;
+* a NaN entry: the poisoned layer is not vouched for, and the step raises
+  :class:`~dmuon.optim.NonFiniteGradientError` on both ranks, naming rank 1 and, on rank
+  1, exactly the poisoned parameter — what reading every gradient gives;
+* two finite entries of 3e38, whose fp32 sum overflows: the layer is not vouched for,
+  the gradient is read again, found finite, and the step runs (a sum that overflows
+  proves nothing either way);
+* ``free_local_grads``: the launches release the local gradients, so nothing is
+  vouched for (the agreement leaves the released ones out, as before).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dmuon.comm.testing import run_on_ranks
+
+POISONED_RANK = 1
+CASES = ("clean", "nan", "overflow", "free_local_grads")
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 4))
+
+
+def _runs(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    return {case: _run(rank, case) for case in CASES}
+
+
+def _run(rank: int, case: str) -> dict[str, Any]:
+    from dmuon.integrations import ddp
+    from dmuon.optim import DMuon, NonFiniteGradientError, param_groups
+
+    torch.manual_seed(0)
+    model = _model()
+    if case == "free_local_grads":  # FSDP2's dedication
+        from torch.distributed.fsdp import fully_shard
+
+        from dmuon.integrations import fsdp
+
+        ded = fsdp.dedicate(model, layer_pack_mb=0, free_local_grads=True)
+        fully_shard(model, ignored_params=set(ded.params))
+    else:
+        ded = ddp.dedicate(model, layer_pack_mb=0)
+    opt = DMuon(param_groups(model), distributed=ded, lr=0.02, nonfinite="raise")
+    target = model[2].weight
+
+    def poison(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        if case == "nan":
+            g[0, 0] = float("nan")
+        else:  # finite entries whose fp32 sum is Inf
+            g[0, 0] = g[0, 1] = 3e38
+        return g
+
+    if rank == POISONED_RANK and case in ("nan", "overflow"):
+        target.register_hook(poison)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    vouched = opt.engine.exchange.reduction.finite_at_launch()
+    names = {id(p): n for n, p in model.named_parameters()}
+    error = None
+    try:
+        opt.step()
+    except NonFiniteGradientError as err:
+        error = {"ranks": err.ranks, "names": err.names}
+    engine_name = next(e.name for e in opt.engine.params if e.param is target)
+    return {
+        "vouched": sorted(names[i] for i in vouched),
+        "with_grad": sorted(n for n, p in model.named_parameters() if p.grad is not None),
+        "error": error,
+        "target": engine_name,
+        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+    }
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, dict[str, Any]]]:
+    return run_on_ranks(_runs, 2, timeout=180)  # every case in one start of the ranks
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_step_reads_only_the_gradients_no_launch_vouched_for(results, case):
+    everything = sorted(n for n, _ in _model().named_parameters())
+    poisoned_layer = ["2.bias", "2.weight"]
+    for rank, runs in enumerate(results):
+        r = runs[case]
+        where = f"{case}, rank {rank}"
+        if case == "free_local_grads":
+            assert r["vouched"] == [], where
+        elif case == "clean" or rank != POISONED_RANK:
+            assert r["vouched"] == everything, where
+        else:
+            assert r["vouched"] == [n for n in everything if n not in poisoned_layer], where
+        if case == "nan":
+            assert r["error"] is not None, f"{where}: the NaN gradient was not refused"
+            assert r["error"]["ranks"] == [POISONED_RANK], where
+            expected = [r["target"]] if rank == POISONED_RANK else []
+            assert r["error"]["names"] == expected, where
+        else:
+            assert r["error"] is None, f"{where}: {r['error']}"
+            assert r["finite"], where
