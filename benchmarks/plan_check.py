@@ -14,6 +14,7 @@ step.py setup     planner mode
 ``adamw_fsdp``    ``adamw``
 ``muon_vanilla``  ``vanilla-ddp``
 ``owner_fsdp``    ``owner``
+``owner_ddp``     ``owner-ddp``
 ``replicated``    ``replicated``
 ``sharded``       ``sharded``
 ``sign``          ``sign``
@@ -25,7 +26,8 @@ measurement does; and the memory per rank the planner predicts (weights, gradien
 optimizer state, buffers) beside what the busiest rank holds at the end of its last
 backward, counted from the tensors (``benchmarks/step.py``'s ``memory_bytes_per_rank``; the
 prediction also counts FSDP2's transient unsharded layer, which is freed by then).
-Writes ``benchmarks/results/plan-check-cpu.json`` and ``.png``.
+Writes ``benchmarks/results/plan-check-cpu.json`` and ``.png`` (``--quick``:
+``plan-check-cpu-quick``, so that a quick run never replaces the full one).
 Timings on a shared machine are perturbed by its load; the JSON records the load
 average and the machine. Nothing here asserts on time.
 
@@ -64,6 +66,7 @@ SETUP_MODE = {
     "adamw_fsdp": "adamw",
     "muon_vanilla": "vanilla-ddp",
     "owner_fsdp": "owner",
+    "owner_ddp": "owner-ddp",
     "replicated": "replicated",
     "sharded": "sharded",
     "sign": "sign",
@@ -113,7 +116,10 @@ def compare(measured: dict[str, Any], pred: Any) -> dict[str, Any]:
             continue
         m = measured[setup]
         p = pred.modes[mode]
-        wait = p.exposed_s["backward"] if mode == "owner" else p.exposed_s["step"]
+        # owner mode's reductions wait in backward (ddp.dedicate's all-reduce of the
+        # scalars too); the other modes' collectives in the step
+        owner = mode in ("owner", "owner-ddp")
+        wait = p.exposed_s["backward"] if owner else p.exposed_s["step"]
         got = {"step": m["total"], "optimizer": m["seconds"]["optimizer"],
                "comm_wait": m["seconds"]["comm_wait"]}  # fmt: skip
         want = {"step": p.step_s, "optimizer": p.optimizer_s, "comm_wait": wait}
@@ -195,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="the small model")
     ap.add_argument("--timeout", type=float, default=1200.0)
-    ap.add_argument("--out", default=str(RESULTS / "plan-check-cpu"))
+    ap.add_argument("--out", default=None, help="default: results/plan-check-cpu[-quick]")
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = str(RESULTS / ("plan-check-cpu-quick" if args.quick else "plan-check-cpu"))
     cfg = step_world.QUICK if args.quick else step_world.WorldConfig()
     torch.set_num_threads(1)  # as each rank of the step benchmark
     spec = spec_from_module(GPT(cfg.gpt()), "benchmark GPT")

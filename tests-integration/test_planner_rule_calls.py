@@ -11,11 +11,12 @@ whose only cost is one second per call must be the busiest rank's count. Pricing
 the planner's rule before) counts fewer calls wherever a unit is smaller than the
 model: ZeRO-3-like owner mode and the planned modes step block by block, 8 calls per
 rank where the loads count 4 (owner mode packs this small model into one unit: 4
-either way).
+either way). Sign mode steps every matrix on every rank, layer by layer: 16 calls, where
+one batch per shape across the layers (its price before) counts 4.
 """
 
 import pytest
-from distributed_cases import batch, build, loss_of, setup
+from distributed_cases import OPT, batch, build, loss_of, setup
 
 from dmuon.comm.testing import run_on_ranks
 
@@ -26,6 +27,7 @@ MODES = {
     "owner_ddp": "owner-ddp",
     "sharded": "sharded",
     "replicated": "replicated",
+    "sign": "sign",
 }
 
 
@@ -34,7 +36,13 @@ def count_calls(rank, world, mode):
 
     from dmuon.optim import batches
 
-    _, forward, opt, ded = setup(mode, "gpt_deep", world)
+    if mode == "sign":  # every rank steps every matrix, layer by layer (engine/sign.py)
+        from dmuon.optim import DMuon, param_groups
+
+        forward, ded = build("gpt_deep"), None
+        opt = DMuon(param_groups(forward), mode="sign", rule="sign_muon", **OPT)
+    else:
+        _, forward, opt, ded = setup(mode, "gpt_deep", world)
     run_batch = batches._run_batch
     calls = []
 
@@ -77,7 +85,9 @@ def test_planner_counts_the_engines_rule_calls_per_rank(mode):
     assert min(counts) > 0, counts
     units = step_units(spec, plan, kind)
     # the CPU engine batches at most 2**20 matrix entries per rule call
-    mine = [len(rule_calls(plan.items_of(r), units, batch_limit=1 << 20)) for r in range(world)]
+    # sign mode: every rank steps every matrix (its plan's items, whatever their owner)
+    items = [plan.items] * world if kind == "sign" else [plan.items_of(r) for r in range(world)]
+    mine = [len(rule_calls(items[r], units, batch_limit=1 << 20)) for r in range(world)]
     assert mine == counts, (mode, mine, counts)
     # the step model prices those calls: one second each, nothing else (a CPU profile)
     device = DeviceProfile(

@@ -222,3 +222,27 @@ def test_the_guides_tensor_parallel_example_prints_what_the_guide_shows():
     for mode in ("owner", "sharded", "vanilla"):
         row = next(x for x in lines if x.strip().startswith(mode + " "))
         assert " ".join(row.split()[:12]) in flat, row  # up to the TP MB/rank column
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_the_owner_plan_line_states_owner_modes_work_per_rank(tp):
+    # the line's max and mean are owner mode's per-rank Newton–Schulz (and tp) time in the
+    # engine's calls, the busiest rank's being owner mode's NS + TP; plan_owners' own loads
+    # (same-shape matrices batched across layers) follow "as planned"
+    from dmuon.optim.planner.config import load_model
+    from dmuon.optim.planner.profiles import DEVICES, INTERCONNECTS, ClusterProfile
+    from dmuon.optim.planner.report import format_report, to_json
+    from dmuon.optim.planner.step_model import TrainingShape, predict
+
+    cluster = ClusterProfile(DEVICES["H100"], 64, 8, INTERCONNECTS["nvlink4"],
+                             INTERCONNECTS["ib-ndr"])  # fmt: skip
+    p = predict(load_model("llama-3.2-3b"), cluster, TrainingShape(tp=tp), modes=("owner",))
+    owner = p.modes["owner"]
+    assert len(p.owner_loads) == p.plan.world_size
+    assert max(p.owner_loads) == pytest.approx(owner.ns_s + owner.tp_s, rel=1e-12)
+    line = next(x for x in format_report(p, pretty=False).splitlines() if "owner plan" in x)
+    assert f"max {max(p.owner_loads) * 1e3:.2f} ms" in line, line
+    assert "as planned, batched across layers" in line and f"{p.plan.max_load * 1e3:.2f}" in line
+    plan = to_json(p)["plan"]
+    assert plan["owner_max_load_ms"] == pytest.approx(max(p.owner_loads) * 1e3)
+    assert plan["max_load_ms"] == pytest.approx(p.plan.max_load * 1e3)

@@ -12,10 +12,12 @@ the split side, ``g`` the other).
 
 Owners are planned over ``dp`` by whole shapes, so every tp column plans the same
 owners, and what travels over ``dp`` is each rank's shard. The owner's tp row
-orthogonalises a split matrix together by the cheaper of the Gram path and
-gather + Newton–Schulz, as :func:`dmuon.comm.tensor_parallel_path` prices them at the
-profile's sustained rate and the tp group's link (the function the engine's
-``tp_path="auto"`` calls); :func:`tp_choices` keeps its seconds, bytes and FLOPs.
+orthogonalises each batched call of split matrices together by the path the engine's
+``tp_path="auto"`` takes for that call (:func:`engine_tp_path`: the cheaper of the
+Gram path and gather + Newton–Schulz by :func:`dmuon.comm.tensor_parallel_path` with
+the call's batch, at the function's default rates, as the engine calls it), priced at
+the profile's sustained rate and the tp group's link (:func:`price_split_call`,
+:class:`SplitPricer`; :func:`tp_choices`: each matrix alone).
 
 **Expert parallelism** (``--ep E_p``) splits every expert stack ``(E, m, n)`` over
 ``E_p`` ranks of ``dp`` (``E_p | E``, ``E_p | dp``): each rank holds ``E/E_p`` experts of
@@ -32,9 +34,16 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from dmuon.comm import MatrixItem, NSCost, OwnerPlan, plan_owners, tensor_parallel_path
+from dmuon.comm import (
+    MatrixItem,
+    NSCost,
+    OwnerPlan,
+    gram_restarts,
+    plan_owners,
+    tensor_parallel_path,
+)
 from dmuon.kernels import default_compute_dtype, ns_flops
 from dmuon.optim.engine.tensor_split import GATHER_STATS_NAME, STATS_NAME
 from dmuon.optim.planner.config import ModelSpec
@@ -55,8 +64,12 @@ __all__ = [
     "NS_COMPUTE_BYTES",
     "Layout",
     "SplitChoice",
+    "SplitPricer",
+    "chain_element_size",
+    "engine_tp_path",
     "expert_transfers",
     "layout",
+    "price_split_call",
     "rank_work",
     "tp_choices",
     "tp_split_dim",
@@ -261,6 +274,120 @@ class SplitChoice:
     latency: float = 0.0
 
 
+def engine_tp_path(
+    m: int,
+    n: int,
+    split_dim: int,
+    world_size: int,
+    *,
+    batch: int,
+    gram_element_size: int,
+    gather_element_size: int,
+    method: str,
+    steps: int,
+) -> str:
+    """The path the engine's ``tp_path="auto"`` takes for one batched call of ``batch``
+    split ``m × n`` matrices: :func:`dmuon.comm.tensor_parallel_path` called with the
+    arguments :meth:`dmuon.optim.transforms.StepContext._gathers` passes it — the call's
+    batch (every matrix of the call, ``batch_runs``' cut), the Gram matrices in the
+    Newton–Schulz compute dtype, the shards in the chain's dtype, and the function's own
+    default rates (``NSCost``'s FLOP rate, ``cost_model``'s α and bandwidth: the engine
+    knows no device profile). The engine decides per call, so a matrix alone and the
+    same matrix batched with others may take different paths.
+
+    Examples:
+        >>> engine_tp_path(4096, 1024, -2, 4, batch=1, gram_element_size=2,
+        ...                gather_element_size=2, method="gram", steps=5)
+        'gram'
+    """
+    return tensor_parallel_path(
+        m,
+        n,
+        split_dim,
+        world_size,
+        gram_element_size=gram_element_size,
+        gather_element_size=gather_element_size,
+        batch=batch,
+        method=method,
+        steps=steps,
+    ).path
+
+
+def price_split_call(
+    m: int,
+    n: int,
+    split_dim: int,
+    world_size: int,
+    cluster: ClusterProfile,
+    *,
+    batch: int = 1,
+    method: str = "gram",
+    steps: int = 5,
+    tp_path: str = "auto",
+    gram_element_size: int = GPU_GRAM_ELEMENT_SIZE,
+    gather_element_size: int = 2,
+) -> SplitChoice:
+    """One batched call of ``batch`` split ``m × n`` matrices as the engine runs it: the
+    path by :func:`engine_tp_path` (or ``tp_path`` forced), priced by
+    :func:`dmuon.comm.tensor_parallel_path` with the same ``batch`` at the profile's
+    sustained Newton–Schulz rate and the tp group's link: its collectives once for the
+    call (the Gram matrices' all-reduces carry ``batch`` Gram matrices, the
+    normalisation's ``batch`` maxima and ``batch + 1`` norms; the gather one all-gather
+    of every shard), its FLOPs the function's own count (its price at 1 FLOP/s over a
+    free link).
+
+    Examples:
+        >>> from dmuon.optim.planner.profiles import DEVICES, INTERCONNECTS, ClusterProfile
+        >>> c = ClusterProfile(DEVICES["H100"], 8, 8, INTERCONNECTS["nvlink4"],
+        ...                    INTERCONNECTS["ib-ndr"])
+        >>> one = price_split_call(4096, 1024, -2, 8, c)  # an MLP up-projection alone
+        >>> two = price_split_call(4096, 1024, -2, 8, c, batch=2)  # gate and up together
+        >>> one.path, two.path  # the engine gathers one alone, Gram-reduces the two
+        ('gather', 'gram')
+        >>> three = price_split_call(4096, 1024, -2, 8, c, batch=3, tp_path="gram")
+        >>> round(three.latency / two.latency, 9)  # the collectives once a call
+        1.0
+    """
+    if tp_path not in ("auto", "gram", "gather"):
+        raise ValueError(f"tp_path (--tp-path) must be auto, gram or gather, got {tp_path!r}")
+    link = cluster.link(world_size)
+    rate = cluster.device.ns_flops_per_second
+    common = dict(
+        gram_element_size=gram_element_size,
+        gather_element_size=gather_element_size,
+        batch=batch,
+        method=method,
+        steps=steps,
+    )
+    priced, counted, unlatent = (
+        tensor_parallel_path(m, n, split_dim, world_size, **common, **rates)  # type: ignore[arg-type]
+        for rates in (
+            dict(flops_per_second=rate, alpha=link.alpha, bandwidth=link.effective_bandwidth),
+            dict(flops_per_second=1.0, alpha=0.0, bandwidth=math.inf),
+            # the same over a link without latency: the difference is the latency alone
+            dict(flops_per_second=rate, alpha=0.0, bandwidth=link.effective_bandwidth),
+        )
+    )
+    if tp_path == "auto":
+        path = engine_tp_path(m, n, split_dim, world_size, **common)  # type: ignore[arg-type]
+    else:
+        path = tp_path
+    if path == "gram":
+        seconds, flops, sent = priced.gram_seconds, counted.gram_seconds, priced.gram_bytes
+        latency = priced.gram_seconds - unlatent.gram_seconds
+    else:
+        seconds, flops = priced.gather_seconds, counted.gather_seconds
+        sent = priced.gather_bytes
+        latency = priced.gather_seconds - unlatent.gather_seconds
+    return SplitChoice(path, seconds, flops, sent, seconds - flops / rate, latency)
+
+
+def chain_element_size(item: MatrixItem, state_dtype: str | None) -> int:
+    """Bytes per element of the rule's chain on ``item``: the parameter's, or at least
+    fp32 under ``state_dtype`` (DMuon's ``state_dtype``: the chain then runs widened)."""
+    return item.element_size if state_dtype is None else max(item.element_size, 4)
+
+
 def tp_choices(
     spec: ModelSpec,
     lay: Layout,
@@ -272,79 +399,86 @@ def tp_choices(
     state_dtype: str | None = None,
     gram_element_size: int = GPU_GRAM_ELEMENT_SIZE,
 ) -> dict[str, SplitChoice]:
-    """The path of every split matrix (``tp_path="auto"``: the cheaper by
-    :func:`dmuon.comm.tensor_parallel_path` at the profile's Newton–Schulz rate and the
-    tp link; ``"gram"``/``"gather"`` forced), with its seconds, FLOPs and bytes.
+    """The path of every split matrix stepped alone (a call of its own ``batch``;
+    :func:`price_split_call`: ``tp_path="auto"`` the engine's choice,
+    :func:`engine_tp_path`; ``"gram"``/``"gather"`` forced), with its seconds, FLOPs and
+    bytes. :func:`~dmuon.optim.planner.step_model.predict` prices the calls the engine
+    batches instead (:class:`SplitPricer`); this is a matrix alone.
 
     Each path is priced in the bytes it sends: the Gram matrices in the Newton–Schulz
     compute dtype (``gram_element_size``, default :data:`GPU_GRAM_ELEMENT_SIZE`), the
-    gathered shards in the dtype of the rule's chain — the parameter's, or at least fp32
-    under ``state_dtype`` (DMuon's ``state_dtype``: the chain then runs widened).
-
-    The FLOPs of a path are the function's own price of it at 1 FLOP/s over a free link
-    (``α = 0``, infinite bandwidth): the count it charges, not a second formula.
+    gathered shards in the dtype of the rule's chain (:func:`chain_element_size`).
     """
     if tp_path not in ("auto", "gram", "gather"):
         raise ValueError(f"tp_path (--tp-path) must be auto, gram or gather, got {tp_path!r}")
     if lay.tp == 1:
         return {}
-    link = cluster.link(lay.tp)
-    rate = cluster.device.ns_flops_per_second
-    out = {}
-    for item in spec.matrices:
-        dim = lay.splits.get(item.name)
-        if dim is None:
-            continue
-        chain = item.element_size if state_dtype is None else max(item.element_size, 4)
-        common = dict(
-            gram_element_size=gram_element_size,
-            gather_element_size=chain,
-            batch=item.batch,
-            method=method,
-            steps=steps,
-        )
-        m, n = item.rows, item.cols
-        priced = tensor_parallel_path(
-            m,
-            n,
-            dim,
-            lay.tp,
-            flops_per_second=rate,
-            alpha=link.alpha,
-            bandwidth=link.effective_bandwidth,
-            **common,  # type: ignore[arg-type]
-        )
-        counted = tensor_parallel_path(
-            m,
-            n,
-            dim,
-            lay.tp,
-            flops_per_second=1.0,
-            alpha=0.0,
-            bandwidth=math.inf,
-            **common,  # type: ignore[arg-type]
-        )
-        # the same over a link without latency: the difference is the latency alone
-        unlatent = tensor_parallel_path(
-            m,
-            n,
-            dim,
-            lay.tp,
-            flops_per_second=rate,
-            alpha=0.0,
-            bandwidth=link.effective_bandwidth,
-            **common,  # type: ignore[arg-type]
-        )
-        path = priced.path if tp_path == "auto" else tp_path
-        if path == "gram":
-            seconds, flops, sent = priced.gram_seconds, counted.gram_seconds, priced.gram_bytes
-            latency = priced.gram_seconds - unlatent.gram_seconds
-        else:
-            seconds, flops = priced.gather_seconds, counted.gather_seconds
-            sent = priced.gather_bytes
-            latency = priced.gather_seconds - unlatent.gather_seconds
-        out[item.name] = SplitChoice(path, seconds, flops, sent, seconds - flops / rate, latency)
-    return out
+    pricer = SplitPricer(lay, cluster, method, steps, tp_path, state_dtype, gram_element_size)
+    return {item.name: pricer([item]) for item in spec.matrices if item.name in lay.splits}
+
+
+@dataclass
+class SplitPricer:
+    """Prices the batched rule calls of split matrices as the engine runs them
+    (:func:`price_split_call` on the call's whole shape, split and total batch), each
+    distinct call once.
+
+    Attributes:
+        lay: the layout (which matrices split, and along which dimension; ``tp``).
+        cluster: the profile whose rates price the chosen path.
+        method: Newton–Schulz method.
+        steps: Newton–Schulz steps.
+        tp_path: ``"auto"`` (the engine's choice per call), ``"gram"`` or ``"gather"``.
+        state_dtype: DMuon's ``state_dtype`` (the chain's dtype, which the gather sends).
+        gram_element_size: bytes per element of the Gram matrices.
+    """
+
+    lay: Layout
+    cluster: ClusterProfile
+    method: str
+    steps: int
+    tp_path: str = "auto"
+    state_dtype: str | None = None
+    gram_element_size: int = GPU_GRAM_ELEMENT_SIZE
+    _cache: dict[tuple[int, ...], SplitChoice] = field(default_factory=dict, repr=False)
+
+    def __call__(self, call: Sequence[MatrixItem]) -> SplitChoice:
+        """The price of one call of split matrices (all of one whole shape and split, as
+        :func:`dmuon.optim.batches.build_buckets` buckets them).
+
+        Raises:
+            ValueError: an empty call, a matrix that is not split, or a call that mixes
+                shapes or splits (the engine never batches those together).
+        """
+        if not call:
+            raise ValueError("a split call holds at least one matrix")
+        first = call[0]
+        keys = {(i.rows, i.cols, self.lay.splits.get(i.name)) for i in call}
+        if len(keys) != 1 or first.name not in self.lay.splits:
+            raise ValueError(
+                f"a call of split matrices holds one whole shape and split, got {sorted(keys)} "
+                f"for {[i.name for i in call]}"
+            )
+        m, n, dim = next(iter(keys))
+        assert dim is not None
+        batch = sum(i.batch for i in call)
+        chain = chain_element_size(first, self.state_dtype)
+        key = (m, n, dim, batch, chain)
+        if key not in self._cache:
+            self._cache[key] = price_split_call(
+                m,
+                n,
+                dim,
+                self.lay.tp,
+                self.cluster,
+                batch=batch,
+                method=self.method,
+                steps=self.steps,
+                tp_path=self.tp_path,
+                gram_element_size=self.gram_element_size,
+                gather_element_size=chain,
+            )
+        return self._cache[key]
 
 
 def rank_work(
@@ -385,9 +519,18 @@ def tp_transfers(
     held: Sequence[Sequence[MatrixItem]],
     mode: str,
     dp: int,
+    *,
+    calls: Sequence[Sequence[Sequence[MatrixItem]]] | None = None,
+    pricer: SplitPricer | None = None,
 ) -> list[Transfer]:
     """The tp collectives of each dp rank's tp row (every rank of the row alike), as the
-    engine's ``CommStats`` names them; their time is in ``tp_s``, not in a phase."""
+    engine's ``CommStats`` names them; their time is in ``tp_s``, not in a phase.
+
+    With ``calls`` (each dp rank's batched rule calls,
+    :func:`~dmuon.optim.planner.rule_calls.rule_calls`) and ``pricer``, each call of
+    split matrices is priced as the engine runs it, its collectives once for the whole
+    batch (:class:`SplitPricer`); without them, each matrix by its ``choices`` entry,
+    alone."""
     if mode in ("adamw", "adamw-ddp", "vanilla", "vanilla-ddp"):
         return []
     out = []
@@ -397,6 +540,18 @@ def tp_transfers(
     ):
         t = Transfer(op, collective, "step", [0.0] * dp, [0.0] * dp, inside_ns=True)
         for r in range(dp):
+            if calls is not None and pricer is not None:
+                for call in calls[r]:
+                    split = [i for i in call if i.name in pricer.lay.splits]
+                    if not split:
+                        continue
+                    c = pricer(split)
+                    if c.path == path:
+                        t.sent[r] += c.bytes_sent
+                        t.received[r] += c.bytes_sent
+                        if r == 0:
+                            t.collectives += _collectives_of(split[0], pricer, path)
+                continue
             mine = (
                 list(choices.values())
                 if mode == "sign"
@@ -410,6 +565,16 @@ def tp_transfers(
         if any(t.sent):
             out.append(t)
     return out
+
+
+def _collectives_of(item: MatrixItem, pricer: SplitPricer, path: str) -> int:
+    """Collectives one call issues on ``path``: the gather's one all-gather; the Gram
+    path's all-reduce of the Gram matrices at the start and at each restart
+    (:func:`dmuon.comm.gram_restarts`) and the normalisation's two."""
+    if path == "gather":
+        return 1
+    dim = pricer.lay.splits[item.name]
+    return 1 + len(gram_restarts(item.rows, item.cols, dim, pricer.steps)) + 2
 
 
 def vanilla_tp_gather(spec: ModelSpec, lay: Layout, layers: int) -> Transfer:

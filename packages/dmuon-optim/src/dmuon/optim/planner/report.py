@@ -120,7 +120,9 @@ SCHEMA: dict[str, Any] = {
                               "items_per_rank_max"],
                  "properties": {"world_size": {"type": "integer"}, "imbalance": _NUM,
                                 "max_load_ms": _NUM, "mean_load_ms": _NUM,
-                                "items_per_rank_max": {"type": "integer"}}},
+                                "items_per_rank_max": {"type": "integer"},
+                                "owner_imbalance": _NUM, "owner_max_load_ms": _NUM,
+                                "owner_mean_load_ms": _NUM}},
         "modes": {"type": "object", "required": ["adamw", "vanilla"],
                   "additionalProperties": _MODE},
         "assumptions": {"type": "array", "items": {
@@ -179,6 +181,10 @@ def to_json(p: Prediction) -> dict[str, Any]:
             "max_load_ms": plan.max_load * 1e3,
             "mean_load_ms": plan.total_load / plan.world_size * 1e3,
             "items_per_rank_max": max(len(plan.items_of(r)) for r in range(plan.world_size)),
+            # owner mode's work per rank as the engine runs it (the text's owner plan line)
+            "owner_imbalance": p.owner_imbalance,
+            "owner_max_load_ms": max(p.owner_loads, default=0.0) * 1e3,
+            "owner_mean_load_ms": sum(p.owner_loads) / max(1, len(p.owner_loads)) * 1e3,
         },
         "modes": {k: m.as_dict() for k, m in p.modes.items()},
         "assumptions": [{"what": w, "value": v} for w, v in p.assumptions],
@@ -292,6 +298,7 @@ def _summary(p: Prediction) -> list[str]:
     plan, c = p.plan, p.cluster
     fits = c.device.memory_bytes
     too_big = [m.mode for m in p.modes.values() if m.memory["total"] > fits]
+    loads = p.owner_loads or (0.0,)
     return [
         f"model {p.spec.name}: {p.spec.total_params / 1e9:.3f} B parameters "
         f"({p.spec.matrix_params / 1e9:.3f} B in {len(p.spec.matrices)} Muon matrices)",
@@ -300,10 +307,12 @@ def _summary(p: Prediction) -> list[str]:
         f"owner plan: {plan.world_size} {'dp ' if p.shape.tp > 1 else ''}ranks"
         + (f" (× tp {p.shape.tp})" if p.shape.tp > 1 else "")
         + (f", experts on ep {p.shape.ep}" if p.shape.ep > 1 else "")
-        + f", imbalance {plan.imbalance():.1%} "
-        f"(max load {plan.max_load * 1e3:.2f} ms, mean "
-        f"{plan.total_load / plan.world_size * 1e3:.2f} ms of Newton–Schulz per rank"
-        + (", whole shapes; the tp row's share: NS ms, TP ms)" if p.shape.tp > 1 else ")"),
+        + f", imbalance {p.owner_imbalance:.1%} (max {max(loads) * 1e3:.2f} ms, mean "
+        f"{sum(loads) / len(loads) * 1e3:.2f} ms of owner mode's Newton–Schulz"
+        + (" and tp collectives" if p.shape.tp > 1 else "")
+        + " per rank in the engine's calls; as planned, batched across layers"
+        + (" on whole shapes" if p.shape.tp > 1 else "")
+        + f": {plan.imbalance():.1%}, max {plan.max_load * 1e3:.2f} ms)",
         "memory excludes activations; "
         + (
             f"over the device's {fits / 2**30:.0f} GiB already: {', '.join(too_big)}"

@@ -1,9 +1,10 @@
 """The batched rule calls of a rank's step, cut as the engine cuts them, and their time.
 
 A mode that steps its matrices layer by layer (``owner``, ``owner-z3``, ``owner-ddp``,
-``replicated``, ``sharded``) runs the rule once per *step unit* and batch: the engine's
-pipeline groups (:meth:`~dmuon.optim.engine.base.Engine.step_groups`) are owner mode's
-units (a layer, or a pack of consecutive small layers,
+``replicated``, ``sharded``, and ``sign``, on every matrix) runs the rule once per
+*step unit* and batch: the engine's pipeline groups
+(:meth:`~dmuon.optim.engine.base.Engine.step_groups`) are owner mode's units (a layer,
+or a pack of consecutive small layers,
 :func:`~dmuon.optim.engine.layer_packing.pack_runs`) and the planned modes' layers;
 within a unit, :func:`dmuon.optim.batches.build_buckets` puts the matrices a rank steps
 into one bucket per shape and dtype (a tensor-parallel matrix per whole shape and split,
@@ -15,9 +16,10 @@ a call. So a rank's Newton–Schulz time is
 
     ``t_ns(r) = Σ_units Σ_calls [c₀ + Σ_matrices t(m, n)]``
 
-with ``t(m, n)`` :meth:`dmuon.comm.NSCost.matrix_seconds` for a whole matrix and its
-tensor-parallel path's compute for a split one (:class:`~dmuon.optim.planner.parallel.SplitChoice`);
-a split batch's tp collectives pay their latency once per call, their bytes per matrix.
+with ``t(m, n)`` :meth:`dmuon.comm.NSCost.matrix_seconds` for a whole matrix; a call of
+split matrices is priced whole, as the engine runs it
+(:class:`~dmuon.optim.planner.parallel.SplitPricer`: the path the engine takes for the
+call's batch, its compute, and its tp collectives once for the batch).
 :func:`dmuon.comm.plan_owners`' loads batch a rank's same-shape matrices across every
 layer instead: fewer calls than the engine makes (the planner balances owners with them).
 """
@@ -27,10 +29,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from dmuon.comm import MatrixItem, NSCost
+from dmuon.kernels import ns_flops
 from dmuon.optim.batches import batch_runs
-from dmuon.optim.planner.parallel import SplitChoice
+from dmuon.optim.planner.parallel import SplitChoice, SplitPricer
 
-__all__ = ["HELD_UNIT", "layer_of", "rule_calls", "unit_work"]
+__all__ = ["HELD_UNIT", "layer_of", "rule_calls", "unit_flops", "unit_work"]
 
 HELD_UNIT = "<held experts>"
 """The unit of the experts a rank holds outside the owner plan (``ep > 1``): stepped
@@ -114,16 +117,21 @@ def unit_work(
     calls: Sequence[Sequence[MatrixItem]],
     cost: NSCost,
     choices: Mapping[str, SplitChoice] | None = None,
+    *,
+    pricer: SplitPricer | None = None,
 ) -> tuple[float, float]:
     """(Newton–Schulz seconds, tensor-parallel collective seconds) of ``calls``.
 
     Each call pays :attr:`NSCost.call_overhead <dmuon.comm.NSCost>` once, and each of
-    its matrices :meth:`NSCost.matrix_seconds <dmuon.comm.NSCost.matrix_seconds>` (a
-    split one: its path's compute, ``SplitChoice.seconds − comm_seconds``). A split
-    call's tp collectives carry every matrix's bytes but pay their latency once
-    (``SplitChoice.latency``): the engine all-reduces a batch's Gram matrices and its
-    normalisation scalars together, or all-gathers its shards together
-    (:func:`dmuon.comm.tensor_parallel_path` with ``batch``).
+    its matrices :meth:`NSCost.matrix_seconds <dmuon.comm.NSCost.matrix_seconds>`. A
+    call of split matrices, with ``pricer``, is priced as the engine runs it
+    (:class:`~dmuon.optim.planner.parallel.SplitPricer`: the path the engine takes for
+    the call's batch, its compute, and its collectives once for the batch — the Gram
+    matrices and the normalisation's scalars all-reduced together, or the shards
+    all-gathered together). Without ``pricer``, each split matrix by its ``choices``
+    entry (a matrix alone: its path's compute, ``SplitChoice.seconds − comm_seconds``),
+    the call's tp collectives carrying every matrix's bytes and paying their latency once
+    (``SplitChoice.latency``).
 
     Examples:
         >>> from dmuon.comm import MatrixItem, NSCost
@@ -140,6 +148,11 @@ def unit_work(
         if not call:
             continue
         seconds += cost.call_overhead
+        if pricer is not None and any(i.name in pricer.lay.splits for i in call):
+            priced = pricer(call)
+            seconds += priced.seconds - priced.comm_seconds
+            tp += priced.comm_seconds
+            continue
         split = [choices[i.name] for i in call if i.name in choices]
         for item in call:
             c = choices.get(item.name)
@@ -150,3 +163,28 @@ def unit_work(
         if split:
             tp += sum(c.comm_seconds for c in split) - (len(split) - 1) * split[0].latency
     return seconds, tp
+
+
+def unit_flops(
+    calls: Sequence[Sequence[MatrixItem]],
+    pricer: SplitPricer | None,
+    *,
+    method: str,
+    steps: int,
+    restarts: tuple[int, ...],
+) -> float:
+    """Newton–Schulz FLOPs per rank of ``calls``: :func:`dmuon.kernels.ns_flops` of each
+    whole matrix, and a split call's count on the path the engine takes for it
+    (:class:`~dmuon.optim.planner.parallel.SplitPricer`; the gather path runs the whole
+    matrix on every rank of the row)."""
+    flops = 0
+    split_flops = 0.0
+    for call in calls:
+        if pricer is not None and call and any(i.name in pricer.lay.splits for i in call):
+            split_flops += pricer(call).flops
+            continue
+        for i in call:
+            flops += ns_flops(
+                i.rows, i.cols, method=method, steps=steps, restarts=restarts, batch=i.batch
+            )
+    return flops + split_flops if split_flops else flops

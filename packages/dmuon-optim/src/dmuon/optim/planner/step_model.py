@@ -15,7 +15,8 @@ of peak rate ``F`` (FLOP/s) and memory bandwidth ``B_mem``:
   layer or pack, a layer of ``replicated``/``sharded``;
   :mod:`~dmuon.optim.planner.rule_calls`), at kernel efficiency ``η`` and memory
   efficiency ``η_mem`` from the profile. DMuon waits for ``max_r t_ns(r)``; vanilla
-  Muon and Sign-Muon run every matrix on every rank, one batch per shape. A
+  Muon runs every matrix on every rank, one batch per shape, and Sign-Muon every
+  matrix on every rank, layer by layer (``engine/sign.py``). A
   calibrated profile adds ``o`` seconds per matrix stepped (momentum, update and
   bookkeeping measured around the NS calls; 0 for datasheet profiles). Sign-Muon adds
   ``o_sign`` per matrix (its sign and spectral-normalisation links beyond Muon's chain)
@@ -49,7 +50,9 @@ of peak rate ``F`` (FLOP/s) and memory bandwidth ``B_mem``:
 * **Tensor and expert parallelism** (``TrainingShape.tp``/``ep``): the model as one
   rank holds it, owners over ``dp = N/T``, each split matrix by its tensor-parallel
   path, whose collectives add ``t_tp`` to Newton–Schulz (never hidden), experts held
-  where they live (:mod:`~dmuon.optim.planner.parallel`).
+  where they live (:mod:`~dmuon.optim.planner.parallel`). A batched call of split
+  matrices takes the path the engine takes for that call and pays its collectives
+  once (:class:`~dmuon.optim.planner.parallel.SplitPricer`).
 """
 
 from __future__ import annotations
@@ -69,15 +72,15 @@ from dmuon.optim.planner.parallel import (
     NS_COMPUTE_BYTES,
     Layout,
     SplitChoice,
+    SplitPricer,
     expert_transfers,
     layout,
     rank_work,
-    tp_choices,
     tp_transfers,
     vanilla_tp_gather,
 )
 from dmuon.optim.planner.profiles import ClusterProfile, Link
-from dmuon.optim.planner.rule_calls import rule_calls, unit_work
+from dmuon.optim.planner.rule_calls import rule_calls, unit_flops, unit_work
 from dmuon.optim.planner.traffic import (
     DMUON_MODES,
     Transfer,
@@ -250,6 +253,19 @@ class Prediction:
     modes: dict[str, ModePrediction]
     assumptions: list[tuple[str, str]]
     layout: Layout | None = None
+    owner_loads: tuple[float, ...] = ()
+    """Each dp rank's owner-mode work under the plan's owners, as the engine runs it:
+    Newton–Schulz in its rule calls per step unit, the tp collectives inside them, and
+    the per-matrix overhead (seconds; empty for a prediction made without it). The
+    plan's own ``loads`` batch a rank's same-shape matrices across layers instead."""
+
+    @property
+    def owner_imbalance(self) -> float:
+        """``max / mean − 1`` of :attr:`owner_loads` (0 when empty or all zero)."""
+        if not self.owner_loads:
+            return 0.0
+        mean = sum(self.owner_loads) / len(self.owner_loads)
+        return max(0.0, max(self.owner_loads) / mean - 1.0) if mean > 0 else 0.0
 
 
 def ns_cost(cluster: ClusterProfile, shape: TrainingShape) -> NSCost:
@@ -353,20 +369,23 @@ def predict(
     # vanilla: every dense matrix whole (a split one gathered over tp) and its own experts
     mine = (*lay.dense, *(i for i in local.matrices if len(i.shape) > 2 and lay.ep > 1))
     single = plan_owners(mine, 1, cost=cost)
-    choices = tp_choices(
-        spec,
+    # the split matrices' batched calls, priced as the engine runs each: the path its
+    # tp_path="auto" takes for the call's batch, at the profile's rates
+    pricer = SplitPricer(
         lay,
         cluster,
-        method=shape.method,
-        steps=shape.ns_steps,
-        tp_path=shape.tp_path,
-        state_dtype=shape.state_dtype,
-        gram_element_size=NS_COMPUTE_BYTES[shape.ns_compute_dtype],
+        shape.method,
+        shape.ns_steps,
+        shape.tp_path,
+        shape.state_dtype,
+        NS_COMPUTE_BYTES[shape.ns_compute_dtype],
     )
     # what travels over dp is each rank's shard of a split matrix
     local_plan = plan
     if T > 1:
-        local_plan = subplan(plan, plan.names, {n: lay.shard_shape(plan.item(n)) for n in choices})
+        local_plan = subplan(
+            plan, plan.names, {n: lay.shard_shape(plan.item(n)) for n in lay.splits}
+        )
     layers = max(1, len(spec.layers))
     e = spec.matrices[0].dtype.itemsize
     if shape.fwd_bwd_s is not None:
@@ -376,21 +395,12 @@ def predict(
     t_f, t_b = t_fb / 3, 2 * t_fb / 3
     adam_rate = (3 * e + 16) / d.bytes_per_second
 
-    # Newton–Schulz of a set of matrices each alone: seconds, tp seconds, FLOPs (the
-    # FLOPs of each dp rank's owned and held matrices; sign mode's tp work)
-    def work_of(
-        items: tuple[MatrixItem, ...], ch: dict[str, SplitChoice]
-    ) -> tuple[float, float, float]:
-        return rank_work(
-            items, ch, cost, method=shape.method, steps=shape.ns_steps, restarts=shape.restarts
-        )
-
-    flops = [work_of((*plan.items_of(r), *held[r]), choices)[2] for r in range(D)]
-    if choices:  # every rank steps its shards of every matrix (sign mode)
-        every = work_of(single.items, choices)
-    else:
-        every = (single.max_load, 0.0, work_of(single.items, {})[2])
-    all_flops = int(work_of(single.items, {})[2])
+    all_flops = int(
+        rank_work(
+            single.items, {}, cost, method=shape.method, steps=shape.ns_steps,
+            restarts=shape.restarts,
+        )[2]
+    )  # fmt: skip
     # per-matrix optimizer work beyond NS (calibrated; 0 for datasheet profiles)
     per_matrix = d.matrix_overhead
     busiest = max(sum(i.batch for i in (*plan.items_of(r), *held[r])) for r in range(D))
@@ -401,32 +411,45 @@ def predict(
     sign_extra = (
         sum(i.batch for i in single.items) * d.sign_overhead + local.matrix_params * d.vote_overhead
     )
-    # the layer-by-layer modes: each rank's rule calls per step unit, as the engine
-    # batches them (rule_calls.py), not plan_owners' batching across layers
+    # every DMuon mode: each rank's rule calls per step unit, as the engine batches them
+    # (rule_calls.py), not plan_owners' batching across layers; sign mode steps every
+    # matrix on every rank, layer by layer (engine/sign.py)
     limit = batch_elements(cluster)
     pack_mb = DEFAULT_PACK_MB if T == 1 else 0  # a tensor-parallel model packs nothing
-    by_units: dict[tuple[tuple[str, ...], ...], list[tuple[float, float]]] = {}
+    by_units: dict[tuple[object, ...], list[list[list[MatrixItem]]]] = {}
 
-    def unit_seconds(mode: str) -> list[tuple[float, float]]:
-        units = step_units(local, local_plan, mode, layer_pack_mb=pack_mb)
-        key = tuple(tuple(u) for u in units)
+    def calls_of(mode: str) -> list[list[list[MatrixItem]]]:
+        """Each dp rank's batched rule calls in ``mode``."""
+        if mode == "sign":
+            units = step_units(local, single, mode)
+        else:
+            units = step_units(local, local_plan, mode, layer_pack_mb=pack_mb)
+        key = (mode == "sign", *(tuple(u) for u in units))
         if key not in by_units:
-            by_units[key] = [
-                unit_work(
+            if mode == "sign":
+                every = rule_calls(single.items, units, batch_limit=limit, splits=lay.splits)
+                by_units[key] = [every] * D
+            else:
+                by_units[key] = [
                     rule_calls(
-                        plan.items_of(r),
-                        units,
-                        batch_limit=limit,
-                        splits=lay.splits,
-                        held=held[r],
-                    ),
-                    cost,
-                    choices,
-                )
-                for r in range(D)
-            ]
+                        plan.items_of(r), units, batch_limit=limit, splits=lay.splits, held=held[r]
+                    )
+                    for r in range(D)
+                ]
         return by_units[key]
 
+    def flops_of(calls: list[list[MatrixItem]]) -> float:
+        return unit_flops(
+            calls, pricer, method=shape.method, steps=shape.ns_steps, restarts=shape.restarts
+        )
+
+    # the path each split matrix takes in owner mode's calls (the assumptions' count)
+    choices: dict[str, SplitChoice] = {}
+    if T > 1:
+        for calls in calls_of("owner"):
+            for call in calls:
+                if call and call[0].name in lay.splits:
+                    choices.update((i.name, pricer(call)) for i in call)
     held_numel = [sum(i.numel for i in h) for h in held]
     experts_local = sum(i.numel for i in local.matrices if len(i.shape) > 2) if lay.ep > 1 else 0
     out: dict[str, ModePrediction] = {}
@@ -443,18 +466,22 @@ def predict(
             t_ns, f_max, f_mean = single.max_load + everything, all_flops, float(all_flops)
             t_adam = local.scalar_params / D * adam_rate
         elif mode == "sign":
-            dm = dmuon_transfers(local, local_plan, mode)
-            t_ns, t_tp = every[0] + everything + sign_extra, every[1]
-            f_max, f_mean = int(every[2]), float(every[2])
+            dm = dmuon_transfers(local, local_plan, mode, batch_limit=limit)
+            calls = calls_of(mode)[0]
+            t_ns, t_tp = unit_work(calls, cost, pricer=pricer)
+            t_ns += everything + sign_extra
+            f_max = int(flops_of(calls))
+            f_mean = float(f_max)
             t_adam = local.scalar_params * adam_rate
         else:
             # a tensor-parallel model's exchange packs no layers (its matrices are DTensors)
             dm = dmuon_transfers(local, local_plan, mode, layer_pack_mb=pack_mb)
             if lay.expert_plan is not None and lay.replicas > 1:
                 dm += expert_transfers(lay, mode)
-            ranks = unit_seconds(mode)
+            ranks = [unit_work(calls, cost, pricer=pricer) for calls in calls_of(mode)]
             top = max(range(D), key=lambda r: ranks[r][0] + ranks[r][1])
             t_ns, t_tp = ranks[top][0] + busiest_s, ranks[top][1]
+            flops = [flops_of(calls) for calls in calls_of(mode)]
             f_max, f_mean = int(max(flops)), sum(flops) / D
             # replicated and ddp.dedicate's owner mode: every rank steps every scalar
             every_scalar = mode in ("replicated", "owner-ddp")
@@ -465,7 +492,11 @@ def predict(
             t.stride *= T
         if T > 1 and mode in ("vanilla", "vanilla-ddp"):
             fw.append(vanilla_tp_gather(spec, lay, layers))
-        tp_moved = tp_transfers(choices, local_plan, held, mode, D) if choices else []
+        tp_moved = []
+        if lay.splits and mode in DMUON_MODES:
+            tp_moved = tp_transfers(
+                choices, local_plan, held, mode, D, calls=calls_of(mode), pricer=pricer
+            )
         transfers = dm + fw + tp_moved
         comm = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         copies = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -526,12 +557,26 @@ def predict(
             bytes_tp=sum(max(t.sent) for t in tp_moved),
             copies_s=t_copies,
         )
+    # owner mode's work per rank, in the engine's calls (the report's owner plan line)
+    owner_loads = tuple(
+        ns + tp + per_matrix * sum(i.batch for i in (*plan.items_of(r), *held[r]))
+        for r, (ns, tp) in enumerate(
+            unit_work(calls, cost, pricer=pricer) for calls in calls_of("owner")
+        )
+    )
     base, vanilla = out["adamw"].step_s, out["vanilla"].step_s
     for m in out.values():
         m.overhead_vs_adamw = m.step_s / base - 1
         m.speedup_vs_vanilla = vanilla / m.step_s
     return Prediction(
-        spec, cluster, shape, plan, out, assumptions(spec, cluster, shape, lay, choices), lay
+        spec,
+        cluster,
+        shape,
+        plan,
+        out,
+        assumptions(spec, cluster, shape, lay, choices),
+        lay,
+        owner_loads,
     )
 
 

@@ -210,8 +210,9 @@ def step_units(
     step order: owner mode's units, packed by :func:`_owner_units` over the bytes the
     exchange carries (``owner-ddp``: the all-reduced scalars too; ``owner-z3``: nothing
     packed), and every layer on its own for the planned modes (``replicated``,
-    ``sharded``: :func:`~dmuon.optim.engine.params.layers_in_order`). ``sign`` steps
-    every matrix in one group: one unit of every layer.
+    ``sharded``: :func:`~dmuon.optim.engine.params.layers_in_order`), and for ``sign``,
+    which steps every matrix on every rank layer by layer (``engine/sign.py``: one
+    pipeline group per layer, its vote per batched call).
 
     Args:
         spec: the model (its scalars' names, for ``owner-ddp``).
@@ -226,10 +227,7 @@ def step_units(
     if mode in ("owner", "owner-ddp"):
         scalars = all_reduced_scalars(spec) if mode == "owner-ddp" else ()
         return _owner_units(plan, max_bytes, all_reduced=scalars)
-    units = _owner_units(plan, 0)
-    if mode == "sign":
-        return [[key for unit in units for key in unit]]
-    return units
+    return _owner_units(plan, 0)
 
 
 def _pack_bytes(layer_pack_mb: float) -> int:
