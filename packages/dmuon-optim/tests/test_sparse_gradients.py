@@ -114,3 +114,33 @@ def test_nonfinite_ranks_names_a_sparse_gradient():
     model[2].weight.grad = torch.randn(4, 8).to_sparse()
     with pytest.raises(RuntimeError, match=MESSAGE.format(name="'2.weight'")):
         nonfinite_ranks(opt.engine)
+
+
+def _one_rank_sparse(rank: int, world: int, mode: str, rule: str) -> dict[str, object]:
+    """Rank 1 alone makes ``1.bias``'s gradient sparse; the optimizer's deadline (60 s) is
+    longer than the test's, so a rank left waiting fails the test."""
+    model = _model()
+    opt = DMuon(param_groups(model), rule=rule, mode=mode, timeout=60)
+    model(torch.randn(3, 6)).sum().backward()
+    if rank == 1:
+        model[1].bias.grad = model[1].bias.grad.to_sparse()
+    before = [q.detach().clone() for q in model.parameters()]
+    error = None
+    try:
+        opt.step()
+    except RuntimeError as err:
+        error = str(err)
+    untouched = all(torch.equal(a, q) for a, q in zip(before, model.parameters(), strict=True))
+    return {"error": error, "untouched": untouched, "steps": opt.steps_taken}
+
+
+@pytest.mark.parametrize(("mode", "rule"), [("replicated", "muon"), ("sign", "sign_muon")])
+def test_one_ranks_sparse_gradient_is_refused_on_every_rank(mode, rule):
+    # before: rank 1 raised in DMuon.step before any collective, and rank 0 waited in the
+    # step's agreement until the deadline (60 s), past this test's timeout
+    out = run_on_ranks(_one_rank_sparse, 2, args=(mode, rule), timeout=40)
+    for r in out:
+        assert r["error"] is not None and "sparse gradients" in r["error"], r["error"]
+        assert "rank(s) [1]" in r["error"], r["error"]
+        assert r["untouched"] and r["steps"] == 0
+    assert re.search(MESSAGE.format(name="'1.bias'"), out[1]["error"]), out[1]["error"]

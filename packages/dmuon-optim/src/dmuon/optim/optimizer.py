@@ -355,14 +355,17 @@ class DMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        sparse = None  # refused in the step's agreement, on every rank (run_step)
         for index, group in enumerate(self.param_groups):
-            self._records[index].check(group)  # what the caller changed since the last step
+            found = self._records[index].check(group)  # what the caller changed since
+            sparse = sparse or found
         try:
             report, stepped = run_step(
                 self,
                 self._engine,
                 number,
                 skip=scaler_skip,
+                sparse=sparse,
                 timeout=self._next_deadline(),
                 nonfinite=self.nonfinite,
                 check_every=self.check_every,
