@@ -26,6 +26,25 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 4))
 
 
+def _make_sparse(model: nn.Module, name: str) -> None:
+    """Give parameter ``name`` a sparse gradient (its own, else ones)."""
+    p = dict(model.named_parameters())[name]
+    p.grad = (p.grad if p.grad is not None else torch.ones_like(p)).to_sparse()
+
+
+def _step_refused(opt: DMuon, model: nn.Module) -> tuple[str | None, bool]:
+    """``opt.step()``: the error's text (``None``: it stepped) and whether every parameter
+    of ``model`` was left untouched."""
+    before = [q.detach().clone() for q in model.parameters()]
+    try:
+        opt.step()
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    untouched = all(torch.equal(a, q) for a, q in zip(before, model.parameters(), strict=True))
+    return error, untouched
+
+
 def _owner_refusals(rank: int, world: int) -> list[str]:
     """Each of CASES after a backward that launched the reductions: the error's text."""
     texts = []
@@ -34,14 +53,11 @@ def _owner_refusals(rank: int, world: int) -> list[str]:
         opt = DMuon(param_groups(model), distributed=ddp.dedicate(model), nonfinite=nonfinite)
         assert opt.mode == "owner"
         model(torch.randn(3, 6)).sum().backward()
-        p = dict(model.named_parameters())[name]
-        p.grad = p.grad.to_sparse()
-        before = [q.detach().clone() for q in model.parameters()]
-        with pytest.raises(RuntimeError) as err:
-            opt.step()
-        assert all(torch.equal(a, q) for a, q in zip(before, model.parameters(), strict=True))
+        _make_sparse(model, name)
+        text, untouched = _step_refused(opt, model)
+        assert text is not None and untouched, text
         opt.zero_grad()  # every rank alike: finishes and drops the launched reductions
-        texts.append(str(err.value))
+        texts.append(text)
     return texts
 
 
@@ -81,15 +97,8 @@ def _one_rank_sparse(rank: int, world: int, name: str) -> dict[str, object]:
     forward = model[:2] if name == "2.weight" else model
     forward(torch.randn(3, 6)).sum().backward()
     if rank == 1:
-        p = dict(model.named_parameters())[name]
-        p.grad = torch.ones_like(p).to_sparse()
-    before = [q.detach().clone() for q in model.parameters()]
-    error = None
-    try:
-        opt.step()
-    except RuntimeError as err:
-        error = str(err)
-    untouched = all(torch.equal(a, q) for a, q in zip(before, model.parameters(), strict=True))
+        _make_sparse(model, name)
+    error, untouched = _step_refused(opt, model)
     opt.zero_grad()
     model(torch.randn(3, 6)).sum().backward()  # the optimizer stays usable on every rank
     opt.step()
