@@ -105,15 +105,18 @@ def faulty(matrix_step, fault: str, calls: int = 2):
     return step
 
 
-def run_fault(rank: int, world: int, mode: str, fault: str):
-    _, forward, opt = build(mode, world)
-    g = torch.Generator().manual_seed(rank)
+def train_with_fault(rank: int, forward: nn.Module, opt: DMuon, fault, *, seed: int):
+    """Three steps of ``forward`` and ``opt``; step 1 under the warm-up deadline, the
+    others under DMuon's. On :data:`FAULTY`, ``fault()`` is called as step 2 begins: it
+    swaps in the part of the step that dies or stops. A :class:`CollectiveError` ends
+    the loop, returned as what the tests read."""
+    g = torch.Generator().manual_seed(seed)
     for step in range(1, 4):
         if step == 2:
             opt.timeout = DMUON_TIMEOUT  # from step 2 on, where the fault strikes
+            if rank == FAULTY:
+                fault()
         x = torch.randn(4, 8, generator=g)
-        if rank == FAULTY and step == 2:
-            opt.step_matrices = faulty(opt.step_matrices, fault)
         t0 = time.monotonic()
         try:  # owner mode: a survivor may only notice in the next forward (publications)
             F.mse_loss(forward(x), torch.zeros(4, 2)).backward()
@@ -129,53 +132,75 @@ def run_fault(rank: int, world: int, mode: str, fault: str):
     return {"error": None}
 
 
-def outcomes(mode: str, fault: str):
+def run_fault(rank: int, world: int, mode: str, fault: str):
+    _, forward, opt = build(mode, world)
+
+    def mid_step() -> None:
+        opt.step_matrices = faulty(opt.step_matrices, fault)
+
+    return train_with_fault(rank, forward, opt, mid_step, seed=rank)
+
+
+def outcomes(run, *args) -> RankFailure:
+    """The failure of ``run`` on :data:`WORLD` ranks (the faulty rank never returns)."""
     try:
-        run_on_ranks(run_fault, WORLD, args=(mode, fault), timeout=60)
+        run_on_ranks(run, WORLD, args=args, timeout=60)
     except RankFailure as failure:
         return failure
     raise AssertionError("the faulty rank should not have returned")
 
 
-@pytest.mark.parametrize("mode", ["owner", "replicated", "sharded"])
-def test_a_rank_killed_mid_step_makes_every_other_rank_raise_naming_the_step(mode):
-    failure = outcomes(mode, "kill")
-    assert not failure.timed_out, str(failure)  # nobody hung until run_on_ranks' timeout
-    dead = failure.outcomes[FAULTY]
-    assert dead.status == "died" and dead.exitcode == -signal.SIGKILL
+def survivors(failure: RankFailure) -> list[dict]:
+    """Each rank but :data:`FAULTY`, with what it returned: it left its steps with a
+    :class:`CollectiveError` (never hung, never finished without noticing)."""
+    left = []
     for o in failure.outcomes:
         if o.rank == FAULTY:
             continue
         assert o.status == "ok", f"rank {o.rank}: {o.summary()}\n{o.traceback}"
-        text = o.value["error"]
-        assert text is not None, f"rank {o.rank} finished its steps without noticing"
+        assert o.value["error"] is not None, f"rank {o.rank} finished its steps without noticing"
+        left.append(o.value)
+    return left
+
+
+def assert_names_the_dead_rank(value: dict) -> None:
+    """The survivor's roll call named :data:`FAULTY` as dead, by number."""
+    text = value["error"]
+    assert value["dead_rank"] == FAULTY, text
+    assert f"rank {FAULTY} did not answer" in text, text
+
+
+@pytest.mark.parametrize("mode", ["owner", "replicated", "sharded"])
+def test_a_rank_killed_mid_step_makes_every_other_rank_raise_naming_the_step(mode):
+    failure = outcomes(run_fault, mode, "kill")
+    assert not failure.timed_out, str(failure)  # nobody hung until run_on_ranks' timeout
+    dead = failure.outcomes[FAULTY]
+    assert dead.status == "died" and dead.exitcode == -signal.SIGKILL
+    for value in survivors(failure):
+        text = value["error"]
         assert "DMuon step 2" in text, text
         assert "over ranks [0, 1, 2]" in text, text
         # a rank either saw the connection close, or (waiting on a survivor that
         # already left) ran into DMuon's deadline — never the 60 s of the harness
-        assert o.value["reason"] in ("peer_died", "timeout"), text
-        if o.value["reason"] == "peer_died":
+        assert value["reason"] in ("peer_died", "timeout"), text
+        if value["reason"] == "peer_died":
             assert f"rank {FAULTY} closed its connection" in text, text
         else:
             assert f"within {DMUON_TIMEOUT:g} s" in text, text
         # the roll call names the dead rank by number, on every survivor
-        assert o.value["dead_rank"] == FAULTY, text
-        assert f"rank {FAULTY} did not answer" in text, text
+        assert_names_the_dead_rank(value)
 
 
 def test_a_rank_that_stops_answering_makes_the_others_raise_at_the_deadline():
-    failure = outcomes("owner", "hang")
+    failure = outcomes(run_fault, "owner", "hang")
     # the others raise at DMuon's deadline, while the sleeper still sleeps
     assert failure.outcomes[FAULTY].status in ("raised", "killed")
-    for o in failure.outcomes:
-        if o.rank == FAULTY:
-            continue
-        assert o.status == "ok", f"rank {o.rank}: {o.summary()}\n{o.traceback}"
-        text = o.value["error"]
-        assert text is not None and o.value["reason"] == "timeout", text
+    for value in survivors(failure):
+        text = value["error"]
+        assert value["reason"] == "timeout", text
         assert "DMuon step 2" in text and f"no answer within {DMUON_TIMEOUT:g} s" in text, text
         # every rank answered the roll call; the sleeper was in step 2 but in no collective
-        assert o.value["dead_rank"] is None, text
+        assert value["dead_rank"] is None, text
         assert f"rank {FAULTY} (" in text and "alive but not in a DMuon collective" in text, text
         assert "'DMuon step 2'" in text, text
 
@@ -193,64 +218,43 @@ def run_pack_fault(rank: int, world: int):
         distributed=ded,
         **dict(OPT, timeout=WARMUP_TIMEOUT, store=rank_store()),
     )
-    g = torch.Generator().manual_seed(rank)
-    for step in range(1, 4):
-        if step == 2:
-            opt.timeout = DMUON_TIMEOUT  # from step 2 on, where the fault strikes
-        if rank == FAULTY and step == 2:
-            # the pack's key never reaches the real publish: no broadcast from this rank
-            ded.exchange.publication.publish = faulty(lambda key: None, "kill", calls=1)
-        try:
-            F.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 2)).backward()
-            opt.step()
-        except CollectiveError as err:
-            return {"error": str(err), "dead_rank": err.dead_rank}
-        opt.zero_grad()
-    return {"error": None}
+
+    def before_publication() -> None:
+        # the pack's key never reaches the real publish: no broadcast from this rank
+        ded.exchange.publication.publish = faulty(lambda key: None, "kill", calls=1)
+
+    return train_with_fault(rank, model, opt, before_publication, seed=rank)
 
 
 def test_a_rank_killed_between_a_packs_reduction_and_its_publication():
-    with pytest.raises(RankFailure) as caught:
-        run_on_ranks(run_pack_fault, WORLD, timeout=60)
-    failure = caught.value
+    failure = outcomes(run_pack_fault)
     assert not failure.timed_out, str(failure)  # nobody hung until run_on_ranks' timeout
     assert failure.outcomes[FAULTY].status == "died"
-    for o in failure.outcomes:
-        if o.rank == FAULTY:
-            continue
-        assert o.status == "ok", f"rank {o.rank}: {o.summary()}\n{o.traceback}"
-        text = o.value["error"]
-        assert text is not None, f"rank {o.rank} finished its steps without noticing"
+    for value in survivors(failure):
+        text = value["error"]
         # waiting for the pack's weights, named by its first and last layer
         assert "before layer 'blocks.0..head' runs" in text, text
         assert "waiting for the weights published by DMuon step 2" in text, text
-        assert o.value["dead_rank"] == FAULTY, text
+        assert value["dead_rank"] == FAULTY, text
 
 
 def run_single_tp_fault(rank: int, world: int):
     """``mode="single"`` on a tensor-parallel model: each rank steps its shards of the
     matrices split over the mesh, and the ranks agree on each step first (a NaN on one
-    rank must skip everywhere). The faulty rank dies as step 2 starts; the others are
-    in that agreement's all-reduce."""
+    rank must skip everywhere). The faulty rank dies as step 2 starts, after its
+    backward; the others are in that agreement's all-reduce."""
     model = nn.Sequential(nn.Linear(8, 6 * world), nn.Tanh(), nn.Linear(6 * world, 2))
     mesh = init_device_mesh("cpu", (world,))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     opt = DMuon(
         param_groups(model), mode="single", **dict(OPT, timeout=WARMUP_TIMEOUT, store=rank_store())
     )
-    g = torch.Generator().manual_seed(0)  # the same batch on every rank, as under TP
-    for step in range(1, 4):
-        if step == 2:
-            opt.timeout = DMUON_TIMEOUT  # from step 2 on, where the fault strikes
-        F.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 2)).backward()
-        if rank == FAULTY and step == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-        try:
-            opt.step()
-        except CollectiveError as err:
-            return {"error": str(err), "dead_rank": err.dead_rank}
-        opt.zero_grad()
-    return {"error": None}
+
+    def at_step() -> None:
+        opt.step = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+
+    # the same batch on every rank, as under TP
+    return train_with_fault(rank, model, opt, at_step, seed=0)
 
 
 def test_single_mode_over_a_tensor_parallel_mesh_names_a_dead_rank():
@@ -258,17 +262,9 @@ def test_single_mode_over_a_tensor_parallel_mesh_names_a_dead_rank():
     processes answer roll calls too (before, a responder started only when the engine's
     own world had several ranks, never in single mode: no survivor named the dead
     rank)."""
-    with pytest.raises(RankFailure) as caught:
-        run_on_ranks(run_single_tp_fault, WORLD, timeout=60)
-    failure = caught.value
+    failure = outcomes(run_single_tp_fault)
     assert not failure.timed_out, str(failure)
     assert failure.outcomes[FAULTY].status == "died"
-    for o in failure.outcomes:
-        if o.rank == FAULTY:
-            continue
-        assert o.status == "ok", f"rank {o.rank}: {o.summary()}\n{o.traceback}"
-        text = o.value["error"]
-        assert text is not None, f"rank {o.rank} finished its steps without noticing"
-        assert "DMuon step 2" in text, text
-        assert o.value["dead_rank"] == FAULTY, text
-        assert f"rank {FAULTY} did not answer" in text, text
+    for value in survivors(failure):
+        assert "DMuon step 2" in value["error"], value["error"]
+        assert_names_the_dead_rank(value)

@@ -26,6 +26,25 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 4))
 
 
+def _make_sparse(model: nn.Module, name: str) -> None:
+    """Give parameter ``name`` a sparse gradient (its own, else ones)."""
+    p = dict(model.named_parameters())[name]
+    p.grad = (p.grad if p.grad is not None else torch.ones_like(p)).to_sparse()
+
+
+def _step_refused(opt: DMuon, model: nn.Module) -> tuple[str | None, bool]:
+    """``opt.step()``: the error's text (``None``: it stepped) and whether every parameter
+    of ``model`` was left untouched."""
+    before = [q.detach().clone() for q in model.parameters()]
+    try:
+        opt.step()
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    untouched = all(torch.equal(a, q) for a, q in zip(before, model.parameters(), strict=True))
+    return error, untouched
+
+
 def _owner_refusals(rank: int, world: int) -> list[str]:
     """Each of CASES after a backward that launched the reductions: the error's text."""
     texts = []
@@ -34,14 +53,11 @@ def _owner_refusals(rank: int, world: int) -> list[str]:
         opt = DMuon(param_groups(model), distributed=ddp.dedicate(model), nonfinite=nonfinite)
         assert opt.mode == "owner"
         model(torch.randn(3, 6)).sum().backward()
-        p = dict(model.named_parameters())[name]
-        p.grad = p.grad.to_sparse()
-        before = [q.detach().clone() for q in model.parameters()]
-        with pytest.raises(RuntimeError) as err:
-            opt.step()
-        assert all(torch.equal(a, q) for a, q in zip(before, model.parameters(), strict=True))
+        _make_sparse(model, name)
+        text, untouched = _step_refused(opt, model)
+        assert text is not None and untouched, text
         opt.zero_grad()  # every rank alike: finishes and drops the launched reductions
-        texts.append(str(err.value))
+        texts.append(text)
     return texts
 
 
@@ -68,3 +84,41 @@ def test_zero_client_optimizer_names_a_sparse_scalar_gradient():
         opt.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     assert not opt.state  # nothing of the group stepped, no state made
+
+
+def _one_rank_sparse(rank: int, world: int, name: str) -> dict[str, object]:
+    """Rank 1 alone makes ``name``'s gradient sparse after a backward: ``0.weight``, whose
+    reduction the backward launched, or ``2.weight``, left out of the forward, whose layer
+    the step launches. The optimizer's deadline (60 s) is longer than the test's, so a
+    rank left waiting fails the test."""
+    model = _model()
+    ded = ddp.dedicate(model)
+    opt = DMuon(param_groups(model), distributed=ded, timeout=60)
+    forward = model[:2] if name == "2.weight" else model
+    forward(torch.randn(3, 6)).sum().backward()
+    if rank == 1:
+        _make_sparse(model, name)
+    error, untouched = _step_refused(opt, model)
+    opt.zero_grad()
+    model(torch.randn(3, 6)).sum().backward()  # the optimizer stays usable on every rank
+    opt.step()
+    opt.zero_grad()
+    ded.wait()  # the owners' weights published
+    weights = [q.detach().clone() for q in model.parameters()]
+    return {"error": error, "untouched": untouched, "steps": opt.steps_taken, "w": weights}
+
+
+@pytest.mark.parametrize("name", ["0.weight", "2.weight"])
+def test_owner_mode_refuses_one_ranks_sparse_gradient_on_every_rank(name):
+    # before: rank 1 raised in DMuon.step before any collective, and rank 0 waited in the
+    # step's first all-reduce until the deadline (60 s), past this test's timeout; with
+    # the refusal agreed, the step's flush launching 2.weight's layer on rank 1 failed
+    # there ("reshape is not implemented for sparse tensors") until it sent it dense
+    out = run_on_ranks(_one_rank_sparse, 2, args=(name,), timeout=40)
+    for r in out:
+        assert r["error"] is not None and "sparse gradients" in r["error"], r["error"]
+        assert "rank(s) [1]" in r["error"], r["error"]
+        assert r["untouched"] and r["steps"] == 1
+    assert re.search(MESSAGE.format(name=repr(name)), out[1]["error"]), out[1]["error"]
+    for a, b in zip(out[0]["w"], out[1]["w"], strict=True):  # the next step, alike
+        assert torch.equal(a, b)

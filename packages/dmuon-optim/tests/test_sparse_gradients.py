@@ -44,6 +44,25 @@ def _sharded(model: nn.Module) -> nn.Module:
     return fully_shard(model, mesh=mesh, ignored_params={model[1].bias})
 
 
+def _make_sparse(model: nn.Module, name: str) -> None:
+    """Give parameter ``name`` a sparse gradient (its own, else ones)."""
+    p = dict(model.named_parameters())[name]
+    p.grad = (p.grad if p.grad is not None else torch.ones_like(p)).to_sparse()
+
+
+def _step_refused(opt: DMuon, model: nn.Module) -> tuple[str | None, bool]:
+    """``opt.step()``: the error's text (``None``: it stepped) and whether every parameter
+    of ``model`` was left untouched."""
+    before = [q.detach().clone() for q in model.parameters()]
+    try:
+        opt.step()
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    untouched = all(torch.equal(a, q) for a, q in zip(before, model.parameters(), strict=True))
+    return error, untouched
+
+
 def _refusals(mode: str | None, rule: str = "muon") -> list[str]:
     """Each case of :func:`_cases` on a fresh optimizer: the error's text, the parameters
     left untouched."""
@@ -53,14 +72,10 @@ def _refusals(mode: str | None, rule: str = "muon") -> list[str]:
         kwargs = {} if mode is None else {"mode": mode}
         opt = DMuon(param_groups(model), rule=rule, nonfinite=nonfinite, **kwargs)
         model(torch.randn(3, 6)).sum().backward()
-        p = dict(model.named_parameters())[name]
-        p.grad = p.grad.to_sparse()
-        before = [q.detach().clone() for q in model.parameters()]
-        with pytest.raises(RuntimeError) as err:
-            opt.step()
-        assert all(torch.equal(a, q) for a, q in zip(before, model.parameters(), strict=True))
-        assert opt.steps_taken == 0
-        texts.append(str(err.value))
+        _make_sparse(model, name)
+        text, untouched = _step_refused(opt, model)
+        assert text is not None and untouched and opt.steps_taken == 0, text
+        texts.append(text)
     return texts
 
 
@@ -114,3 +129,27 @@ def test_nonfinite_ranks_names_a_sparse_gradient():
     model[2].weight.grad = torch.randn(4, 8).to_sparse()
     with pytest.raises(RuntimeError, match=MESSAGE.format(name="'2.weight'")):
         nonfinite_ranks(opt.engine)
+
+
+def _one_rank_sparse(rank: int, world: int, mode: str, rule: str) -> dict[str, object]:
+    """Rank 1 alone makes ``1.bias``'s gradient sparse; the optimizer's deadline (60 s) is
+    longer than the test's, so a rank left waiting fails the test."""
+    model = _model()
+    opt = DMuon(param_groups(model), rule=rule, mode=mode, timeout=60)
+    model(torch.randn(3, 6)).sum().backward()
+    if rank == 1:
+        _make_sparse(model, "1.bias")
+    error, untouched = _step_refused(opt, model)
+    return {"error": error, "untouched": untouched, "steps": opt.steps_taken}
+
+
+@pytest.mark.parametrize(("mode", "rule"), [("replicated", "muon"), ("sign", "sign_muon")])
+def test_one_ranks_sparse_gradient_is_refused_on_every_rank(mode, rule):
+    # before: rank 1 raised in DMuon.step before any collective, and rank 0 waited in the
+    # step's agreement until the deadline (60 s), past this test's timeout
+    out = run_on_ranks(_one_rank_sparse, 2, args=(mode, rule), timeout=40)
+    for r in out:
+        assert r["error"] is not None and "sparse gradients" in r["error"], r["error"]
+        assert "rank(s) [1]" in r["error"], r["error"]
+        assert r["untouched"] and r["steps"] == 0
+    assert re.search(MESSAGE.format(name="'1.bias'"), out[1]["error"]), out[1]["error"]

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from dmuon.optim import SCALAR_ALGORITHMS, DMuon, get_scalar_rule
-from dmuon.optim.batches import sparse_gradient_error
 from dmuon.optim.optimizer_state import reload_scalar_state
 from dmuon.optim.scalar import scalar_state_dtype
+from dmuon.optim.sparse_gradients import first_sparse, sparse_gradient_error
 from dmuon.optim.stepping import step_scalars
 
 __all__ = ["ZeroClientOptimizer", "client_optimizer", "dmuon_of"]
@@ -118,9 +118,10 @@ class ZeroClientOptimizer(torch.optim.Optimizer):
             RuntimeError: a gradient is sparse (named); nothing of the group is stepped.
         """
         # DMuon.step checks its own groups for sparse gradients; these are ZeRO's
-        for i, p in enumerate(group["params"]):
-            if p.grad is not None and p.grad.is_sparse:
-                raise sparse_gradient_error(_scalar_name(group, i, p))
+        params = group["params"]
+        i = first_sparse(p.grad for p in params)
+        if i is not None:
+            raise sparse_gradient_error(_scalar_name(group, i, params[i]))
         for p in group["params"]:
             if p.grad is not None:
                 self._state_of(p, group["rule"])

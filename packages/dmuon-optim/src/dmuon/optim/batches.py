@@ -38,6 +38,7 @@ from dmuon.optim.apply import apply_update
 from dmuon.optim.layout import Block, MatrixLayout, matrix_layout
 from dmuon.optim.matrix_split import MatrixSplit, local_tensor
 from dmuon.optim.rules import Rule
+from dmuon.optim.sparse_gradients import first_sparse, sparse_gradient_error
 from dmuon.optim.state_precision import (
     compute_dtype_for,
     round_state_,
@@ -416,25 +417,16 @@ def active_entries(b: Bucket, grads: Mapping[torch.Tensor, torch.Tensor] | None)
     return [e for e in b.entries if e.param in grads]
 
 
-def sparse_gradient_error(name: str) -> RuntimeError:
-    """The error for a sparse gradient of ``name`` (a parameter, as errors name one):
-    the buckets stack dense gradients, and the rules read them."""
-    return RuntimeError(
-        f"DMuon does not support sparse gradients: {name} has one (e.g. "
-        "nn.Embedding(sparse=True)); use dense gradients"
-    )
-
-
 def _refuse_sparse(
     active: list[Entry], grads: Mapping[torch.Tensor, torch.Tensor] | None, group: Mapping[str, Any]
 ) -> None:
     """Raise, naming the parameter, if an entry of ``active`` has a sparse gradient."""
-    for e in active:
-        g = e.param.grad if grads is None else grads[e.param]
-        if g is not None and g.is_sparse:
-            names = group.get("param_names")
-            name = names[e.index] if names is not None and e.index < len(names) else e.index
-            raise sparse_gradient_error(f"parameter {name!r} (shape {tuple(e.param.shape)})")
+    i = first_sparse(e.param.grad if grads is None else grads[e.param] for e in active)
+    if i is not None:
+        e = active[i]
+        names = group.get("param_names")
+        name = names[e.index] if names is not None and e.index < len(names) else e.index
+        raise sparse_gradient_error(f"parameter {name!r} (shape {tuple(e.param.shape)})")
 
 
 @torch.no_grad()

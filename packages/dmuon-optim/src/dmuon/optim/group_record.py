@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from dmuon.optim.batches import sparse_gradient_error
 from dmuon.optim.group_options import (
     STRUCTURE,
     accepted_options,
@@ -23,6 +22,7 @@ from dmuon.optim.group_options import (
     param_name,
     structure_of,
 )
+from dmuon.optim.sparse_gradients import first_sparse
 
 __all__ = ["GroupRecord"]
 
@@ -36,10 +36,12 @@ class GroupRecord:
     Taken when the group's state is (re)built. :meth:`check` runs at every step,
     before anything is stepped, and costs one pass over the group's parameters and
     keys (identity and shape comparisons; a value is re-checked only when the
-    caller replaced it, as an LR scheduler does every step). It is the only check of
-    the step for sparse gradients: every mode's engine, the finiteness guard, the
-    buckets and the scalar rules run after it (and the gradients they read afterwards,
-    reduced or gathered by the engine, are dense).
+    caller replaced it, as an LR scheduler does every step). It is the only look of
+    the step for sparse gradients (:func:`~dmuon.optim.sparse_gradients.first_sparse`):
+    it names the first it finds, and ``DMuon.step`` refuses the step on every rank
+    (:func:`~dmuon.optim.engine.guards.agree_step`) before every mode's engine, the
+    finiteness guard, the buckets and the scalar rules run (the gradients they read
+    afterwards, reduced or gathered by the engine, are dense).
 
     Attributes:
         index: the group's position in ``param_groups``.
@@ -67,13 +69,18 @@ class GroupRecord:
             {k: group[k] for k in options if k in group},
         )
 
-    def check(self, group: dict[str, Any]) -> None:
-        """Raise if ``group`` no longer matches what its state was built for.
+    def check(self, group: dict[str, Any]) -> str | None:
+        """Raise if ``group`` no longer matches what its state was built for; return its
+        first parameter with a sparse gradient, as errors name it (``None``: none).
+
+        A sparse gradient is returned, not raised: ``DMuon.step`` refuses it on every rank
+        of the step's agreement (:func:`~dmuon.optim.engine.guards.agree_step`), so that
+        no rank is left waiting in a collective for one that raised alone.
 
         Raises:
-            RuntimeError: its structure (:data:`STRUCTURE`, its parameters) changed, a
-                parameter's shape changed (its ``.data`` replaced), or a gradient is
-                sparse — each naming the parameter.
+            RuntimeError: its structure (:data:`STRUCTURE`, its parameters) changed, or a
+                parameter's shape changed (its ``.data`` replaced) — each naming the
+                parameter.
             ValueError: a value the caller set since the last step does not check
                 (named with the key, as the constructor names it); nothing is stepped.
         """
@@ -85,24 +92,23 @@ class GroupRecord:
                 "add_param_group" + self._flattened_hint(group)
             )
         params = group["params"]
-        # one pass each, in C where it can be; on a difference the loop below finds the
-        # first parameter at fault, in the order it always named them
-        if [p.shape for p in params] == self._shapes and not [
-            g for p in params if (g := p.grad) is not None and g.is_sparse
-        ]:
-            self._check_values(group, where)
-            return
-        names = group.get("param_names")
-        for i, (p, shape) in enumerate(zip(params, self.shapes, strict=True)):
-            if p.shape != shape:
-                raise RuntimeError(
-                    f"{param_name(names, i, self.index, p)} changed shape: DMuon built its "
-                    f"state for {tuple(shape)}. Its .data was replaced by a tensor of another "
-                    "shape; keep the shape, or build a new optimizer for the new parameters"
-                )
-            if p.grad is not None and p.grad.is_sparse:
-                raise sparse_gradient_error(param_name(names, i, self.index, p))
+        # one pass, in C; on a difference the loop below finds the first parameter at
+        # fault, in the order it always named them
+        if [p.shape for p in params] != self._shapes:
+            names = group.get("param_names")
+            for i, (p, shape) in enumerate(zip(params, self.shapes, strict=True)):
+                if p.shape != shape:
+                    raise RuntimeError(
+                        f"{param_name(names, i, self.index, p)} changed shape: DMuon built "
+                        f"its state for {tuple(shape)}. Its .data was replaced by a tensor "
+                        "of another shape; keep the shape, or build a new optimizer for the "
+                        "new parameters"
+                    )
         self._check_values(group, where)
+        at = first_sparse(p.grad for p in params)
+        if at is None:
+            return None
+        return param_name(group.get("param_names"), at, self.index, params[at])
 
     def _flattened_hint(self, group: Mapping[str, Any]) -> str:
         """What to do when the group's matrices were replaced by flat 1-D tensors: what

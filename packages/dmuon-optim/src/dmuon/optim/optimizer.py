@@ -247,10 +247,8 @@ class DMuon(torch.optim.Optimizer):
                 pipeline_depth=pipeline_depth,
             )
         self._engine.set_timeout(self._deadline.seconds())
-        if self._engine.world_size > 1 or self._engine.guard_groups():
-            # answers roll calls when a peer's collective fails; single mode runs
-            # collectives too when its matrices are split over ranks (the step's agreement)
-            start_responder(store)
+        self._store: Any = store  # the roll call's store (not pickled)
+        self._answer_roll_calls()
         self._initialized = True
         for index in range(len(self.param_groups)):
             self._rebuild(index)
@@ -266,6 +264,7 @@ class DMuon(torch.optim.Optimizer):
         self.last_step: StepReport | None = None
         self._deadline: Deadline = Deadline(getattr(self, "timeout", "auto"))
         self._unscaled_step: int | None = None  # the step whose gradients unscale_ unscaled
+        self._store = None  # unpickled: the roll call's store is MASTER_ADDR's, if any
 
     @property
     def _rule(self) -> str:
@@ -320,7 +319,17 @@ class DMuon(torch.optim.Optimizer):
             self.defaults = defaults
         if self._initialized:
             self._engine.bind(self)  # the engine learns the new parameters' names and layouts
+            self._answer_roll_calls()  # the new matrices may make the step communicate
             self._rebuild(len(self.param_groups) - 1)
+
+    def _answer_roll_calls(self) -> None:
+        """Start this process's roll-call responder (:mod:`dmuon.comm.roll_call`, once per
+        process) when the step communicates: it answers the roll a peer calls when one of
+        its collectives fails, and lets this rank call one. ``single`` mode communicates
+        too once matrices split over ranks are among its groups (the step's agreement),
+        which :meth:`add_param_group` may bring after construction."""
+        if self._engine.world_size > 1 or self._engine.guard_groups():
+            start_responder(self._store)
 
     def _rebuild(self, index: int) -> None:
         """(Re)create buckets and state of group ``index`` (see :func:`build_state`)."""
@@ -355,14 +364,17 @@ class DMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        sparse = None  # refused in the step's agreement, on every rank (run_step)
         for index, group in enumerate(self.param_groups):
-            self._records[index].check(group)  # what the caller changed since the last step
+            found = self._records[index].check(group)  # what the caller changed since
+            sparse = sparse or found
         try:
             report, stepped = run_step(
                 self,
                 self._engine,
                 number,
                 skip=scaler_skip,
+                sparse=sparse,
                 timeout=self._next_deadline(),
                 nonfinite=self.nonfinite,
                 check_every=self.check_every,

@@ -38,6 +38,7 @@ from dmuon.optim.engine.report import StepReport
 from dmuon.optim.engine.tensor_split import settle_pending_grads
 from dmuon.optim.rules import get_rule
 from dmuon.optim.scalar import get_scalar_rule
+from dmuon.optim.sparse_gradients import SparseGradientError
 from dmuon.optim.vote import SignVote
 
 __all__ = ["check_guard_options", "run_step", "step_matrices", "step_scalars"]
@@ -49,6 +50,7 @@ def run_step(
     number: int,
     *,
     skip: bool = False,
+    sparse: str | None = None,
     timeout: float | None,
     nonfinite: str | None,
     check_every: int | None,
@@ -60,6 +62,9 @@ def run_step(
     steps taken so far (for ``check_every``); a skipped step (``"skip_step"``) does
     not call it. ``skip``: the loss scaler found an Inf (on some rank, the same answer
     on every rank): agree on the step, finish its communication, step nothing.
+    ``sparse``: this rank's first parameter with a sparse gradient, as errors name it
+    (:meth:`~dmuon.optim.group_record.GroupRecord.check`); every rank refuses the step
+    (:class:`~dmuon.optim.sparse_gradients.SparseGradientError`), none is left waiting.
     """
     if engine.mode != "owner" and any_dedicated():  # no dedication in this process: none
         dedicated = next((e.name for e in engine.params if exchange_of(e.param)), None)
@@ -79,7 +84,7 @@ def run_step(
             with report.phase("comm_wait"):  # the guards' flags are communication too
                 # begins the step (Engine.begin_step), the flags carried in its first
                 # collective where it has one (owner mode: the presence flags')
-                finite = _agree(engine, nonfinite, number, skip)
+                finite = _agree(engine, nonfinite, number, skip, sparse)
             if not finite:
                 engine.skip_step()
             else:
@@ -98,19 +103,26 @@ def run_step(
     return report, ran
 
 
-def _agree(engine: Engine, nonfinite: str | None, number: int, skip: bool = False) -> bool:
+def _agree(
+    engine: Engine,
+    nonfinite: str | None,
+    number: int,
+    skip: bool = False,
+    sparse: str | None = None,
+) -> bool:
     """Begin the step (:meth:`~dmuon.optim.engine.Engine.begin_step`) and agree with every
     rank on the step number, on a loss scaler's skip (``skip``: this rank's scaler found
-    an Inf; any rank's skips every rank) and whether all gradients are finite
-    (:func:`~dmuon.optim.engine.agree_step`); raise, or say whether to step."""
+    an Inf; any rank's skips every rank), on refusing a sparse gradient (``sparse``: this
+    rank's) and whether all gradients are finite (:func:`~dmuon.optim.engine.agree_step`);
+    raise, or say whether to step."""
     try:
         # a scaler's Inf is expected, not an error: no rank checks when any rank skips
         # (each rank's skip comes from the same agreed Inf flag of its ShardedGradScaler)
         check = nonfinite is not None and not skip
         ranks, names, skipping = agree_step(
-            engine, number, check_finite=check, skip=skip, begin=True
+            engine, number, check_finite=check, skip=skip, begin=True, sparse=sparse
         )
-    except (StepMismatchError, ThawedParameterError, GradientChangedError):
+    except (StepMismatchError, ThawedParameterError, GradientChangedError, SparseGradientError):
         engine.skip_step()  # nothing in flight: the optimizer stays usable
         raise
     if skipping:  # some rank's loss scaler found an Inf: every rank skips
@@ -197,8 +209,8 @@ def step_scalars(
     # gradients are looked at here, without a call per step into another module
     if any(type(p.grad) is not torch.Tensor for p in params):
         settle_pending_grads(params, stats)
-    # a sparse gradient was refused before: by DMuon.step (GroupRecord.check), by
-    # ZeroClientOptimizer.step for DeepSpeed's groups
+    # a sparse gradient was refused before: by DMuon.step (GroupRecord.check, agreed by
+    # every rank), by ZeroClientOptimizer.step for DeepSpeed's groups
     grads = [p.grad for p in params]
     get_scalar_rule(group["rule"]).update(
         params,

@@ -44,9 +44,9 @@ from dmuon.comm import wait_work
 from dmuon.comm.flags import flag_device
 from dmuon.comm.process_groups import twin_groups
 from dmuon.comm.torch_compat import all_gather_single
-from dmuon.optim.batches import sparse_gradient_error
 from dmuon.optim.engine.base import Engine
 from dmuon.optim.engine.params import EngineParam, is_dtensor
+from dmuon.optim.sparse_gradients import first_sparse, sparse_gradient_error
 
 __all__ = [
     "NONFINITE_POLICIES",
@@ -181,8 +181,8 @@ def nonfinite_ranks(engine: Engine) -> tuple[list[int], list[str]]:
     Every rank of ``engine``'s groups must call it at the same point of the step.
 
     Raises:
-        RuntimeError: a gradient on some rank is sparse (on every rank, agreed in the
-            collective: the rank that holds it names the parameter).
+        SparseGradientError: a gradient on some rank is sparse (on every rank, agreed in
+            the collective: the rank that holds it names the parameter).
 
     Examples:
         >>> import torch
@@ -193,14 +193,14 @@ def nonfinite_ranks(engine: Engine) -> tuple[list[int], list[str]]:
         >>> nonfinite_ranks(opt.engine)
         ([0], ['group0.param0'])
     """
-    # DMuon.step refuses a sparse gradient before its guards run; called on its own, the
-    # refusal is agreed in the flags, so no rank waits in the all-reduce for one that raised
-    ranks, names, _ = agree_step(engine, None, check_finite=True, refuse_sparse=True)
+    # the refusal of a sparse gradient is agreed in the flags, as in DMuon.step: no rank
+    # waits in the all-reduce for one that raised
+    ranks, names, _ = agree_step(engine, None, check_finite=True, sparse=_sparse_name(engine))
     return ranks, names
 
 
-# The bits of a rank's slot under the step number (16·number + …, see agree_step); the
-# sparse refusal of nonfinite_ranks, which carries no number, above them.
+# The bits of a rank's slot under the step number (16·number + …, see agree_step); a
+# sparse gradient's refusal sets the slot to -1, which no number gives.
 NONFINITE, CHANGED, SKIP, THAWED, NUMBER = 1, 2, 4, 8, 16
 
 
@@ -214,12 +214,11 @@ class _Local:
         *,
         check_finite: bool,
         skip: bool,
-        refuse_sparse: bool,
+        sparse: str | None,
         vouched: frozenset[int] = frozenset(),
     ) -> None:
-        # refuse_sparse (nonfinite_ranks, which carries no number): the first parameter
-        # with a sparse gradient here; its slot is then -1, which no number gives
-        self.sparse = _sparse_name(engine) if refuse_sparse else None
+        # this rank's first parameter with a sparse gradient: its slot is then -1
+        self.sparse = sparse
         finite = check_finite and self.sparse is None  # a sparse gradient cannot be summed
         self.bad = _nonfinite_names(engine, vouched) if finite else []
         self.changed = engine.changed_gradients()
@@ -247,10 +246,13 @@ class _Local:
 
 def _sparse_name(engine: Engine) -> str | None:
     """The first parameter with a sparse gradient on this rank, as errors name it."""
-    for e in engine.params:
-        if e.param.grad is not None and e.param.grad.is_sparse:
-            return f"parameter {e.name!r} (shape {tuple(e.param.shape)})"
-    return None
+    params = engine.params
+    i = first_sparse(e.param.grad for e in params)
+    return (
+        None
+        if i is None
+        else f"parameter {params[i].name!r} (shape {tuple(params[i].param.shape)})"
+    )
 
 
 def agree_step(
@@ -260,7 +262,7 @@ def agree_step(
     check_finite: bool,
     skip: bool = False,
     begin: bool = False,
-    refuse_sparse: bool = False,
+    sparse: str | None = None,
 ) -> tuple[list[int], list[str], list[int]]:
     """Agree with every rank on the step number and (``check_finite``) finiteness.
 
@@ -269,8 +271,9 @@ def agree_step(
     skip the step) + (2 if it changed a gradient after the engine took it) + (1 if it
     holds a non-finite gradient)``, summed over :meth:`Engine.guard_groups`. ``skip``:
     a loss scaler found an Inf (:mod:`dmuon.optim.loss_scaling`); any rank's skip is
-    every rank's. ``refuse_sparse`` (:func:`nonfinite_ranks`): a rank holding a sparse
-    gradient sets its slot to ``-1``, and every rank raises.
+    every rank's. ``sparse``: this rank's first parameter with a sparse gradient, as
+    errors name it (``DMuon.step``: :meth:`~dmuon.optim.group_record.GroupRecord.check`;
+    :func:`nonfinite_ranks`); its slot is then ``-1``, and every rank raises.
 
     ``begin``: begin the step too (:meth:`Engine.begin_step`). An engine whose first
     collective of the step can carry the slots (owner mode: the gradient-presence flags'
@@ -294,7 +297,7 @@ def agree_step(
             optimizer was built (:meth:`Engine.thawed`; on every rank).
         GradientChangedError: a rank changed a gradient after the engine had taken it
             (:meth:`Engine.changed_gradients`; on every rank).
-        RuntimeError: ``refuse_sparse`` and a rank holds a sparse gradient (on every rank).
+        SparseGradientError: a rank holds a sparse gradient (``sparse``; on every rank).
     """
 
     def read(vouched: frozenset[int] = frozenset()) -> _Local:
@@ -303,7 +306,7 @@ def agree_step(
             number,
             check_finite=check_finite,
             skip=skip,
-            refuse_sparse=refuse_sparse,
+            sparse=sparse,
             vouched=vouched,
         )
 
@@ -339,10 +342,10 @@ def agree_step(
             wait_work(dist.all_reduce(flags, group=g, async_op=True), what, g)
         summed = flags
     slots = summed.tolist()
-    sparse = [r for r, v in enumerate(slots) if v < 0]
-    if sparse:
-        here = f"{mine.sparse} on rank(s) {sparse}" if mine.sparse else None
-        raise sparse_gradient_error(here or f"a parameter on rank(s) {sparse}")
+    refusing = [r for r, v in enumerate(slots) if v < 0]
+    if refusing:
+        here = f"{mine.sparse} on rank(s) {refusing}" if mine.sparse else None
+        raise sparse_gradient_error(here or f"a parameter on rank(s) {refusing}")
     steps = {r: v // NUMBER for r, v in enumerate(slots) if v}  # every rank of the groups
     if number is not None and len(set(steps.values())) > 1:
         at = ", ".join(f"rank {r} at step {n}" for r, n in steps.items())

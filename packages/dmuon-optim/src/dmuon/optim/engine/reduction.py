@@ -330,6 +330,8 @@ class Reduction:
                 if g is None:
                     missing.append(view)
                     continue
+                if g.is_sparse:  # refused on every rank by the step's agreement (agree_step):
+                    g = g.to_dense()  # sent dense meanwhile, so the collectives pair up
                 if name in self.split:
                     # a Replicate() gradient of a shard is cut to it (pending sums stay);
                     # a collective waits under the step's deadline, the hooks' outside it
