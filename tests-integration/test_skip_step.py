@@ -25,6 +25,12 @@ import torch.nn.functional as F
 from distributed_cases import OPT
 from torch import nn
 
+# Imported here, in the process that forks the ranks, not in each rank: importing FSDP2
+# (sympy with it) takes seconds on a slow machine, which the 8 s harness below cannot spare
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from dmuon.comm import CollectiveError
 from dmuon.comm.testing import RankFailure, rank_store, run_on_ranks
 from dmuon.optim import DMuon, StepMismatchError, param_groups
@@ -48,10 +54,6 @@ class Net(nn.Module):
 
 
 def build(mode: str, world: int, timeout):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     model = Net()
     forward: nn.Module = model
     kw = dict(OPT, timeout=timeout, store=rank_store(), mode=mode)
