@@ -420,8 +420,10 @@ def _nonfinite_names(engine: Engine, vouched: frozenset[int] = frozenset()) -> l
     :func:`agree_step`)."""
     entries = []
     for e in engine.params:
+        if vouched and id(e.param) in vouched:
+            continue
         g = e.param.grad
-        if g is None or (vouched and id(e.param) in vouched):
+        if g is None:
             continue
         g = _local(g)
         if g.numel() > 0:  # a sparse gradient was refused before (GroupRecord.check)

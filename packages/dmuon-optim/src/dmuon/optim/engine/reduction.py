@@ -142,6 +142,11 @@ class Reduction:
         self.stats = stats
         self.publication = publication
         self.name_by_id = {id(p): name for name, p in params.items()}
+        # each layer's parameters by id, what finite_at_launch vouches for
+        self.ids_of = {
+            layer.key: frozenset(id(params[n]) for n in layer.dedicated + layer.replicated)
+            for layer in self.layers
+        }
         self.sync = True
         self.sync_condition: Callable[[], bool] | None = None
         self.present: set[str] = set()
@@ -450,9 +455,7 @@ class Reduction:
         finite = torch.isfinite(torch.stack([s for _, s in taken if s is not None]))
         if not bool(finite.all()):
             layers = [layer for layer, ok in zip(layers, finite.tolist(), strict=True) if ok]
-        return frozenset(
-            id(self.params[name]) for layer in layers for name in layer.dedicated + layer.replicated
-        )
+        return frozenset().union(*(self.ids_of[layer.key] for layer in layers))
 
     def _changed(self, name: str) -> bool:
         # by the gradient's version counter (a DTensor's own: its local aliases do not
