@@ -122,11 +122,9 @@ def test_a_rank_missing_from_a_save_is_named_at_the_deadline(tmp_path, how):
     saver = saver_after_the_absent_rank_left(run_save, 2, (how, str(tmp_path / "ckpt")))
     assert_raised_at_the_deadline(saver, WHAT[how])
     text = saver["error"]
-    if how == "tp":
-        # the first gather of the model's weights; single mode (one rank to its engine)
-        # starts no roll-call responder, so the error cannot name the absent rank
+    if how == "tp":  # the first gather of the model's weights
         assert "the all-gather of '0.weight' (Shard(0) over mesh dim 'tp')" in text, text
-        return
+    # single mode over tp starts the roll-call responder too (its step agrees over tp)
     assert f"rank {ABSENT} (" in text and "alive but not in a DMuon collective" in text, text
 
 
