@@ -142,11 +142,6 @@ class Reduction:
         self.stats = stats
         self.publication = publication
         self.name_by_id = {id(p): name for name, p in params.items()}
-        # each layer's parameters by id, what finite_at_launch vouches for
-        self.ids_of = {
-            layer.key: frozenset(id(params[n]) for n in layer.dedicated + layer.replicated)
-            for layer in self.layers
-        }
         self.sync = True
         self.sync_condition: Callable[[], bool] | None = None
         self.present: set[str] = set()
@@ -177,6 +172,15 @@ class Reduction:
             for g, size in zip(self.groups, self.sizes, strict=True)
         ]
         self.split = frozenset(name for name, p in params.items() if is_dtensor(p))
+        # the layers whose launch sums its gradients (finite_at_launch), with their
+        # parameters by id: not under free_local_grads (the launch releases them), nor a
+        # layer with a tensor-parallel shard
+        self.ids_of = {
+            layer.key: frozenset(id(params[n]) for n in names)
+            for layer in self.layers
+            if not free_local_grads
+            and self.split.isdisjoint(names := layer.dedicated + layer.replicated)
+        }
         # each gradient copied into a bucket, as it was then (the gradient object and its
         # version): a change after that would not reach the owner
         self.taken: dict[str, tuple[torch.Tensor, int]] = {}
@@ -355,8 +359,7 @@ class Reduction:
             torch._foreach_zero_(missing)
         if slots:
             torch._foreach_copy_(slots, grads)
-            names = layer.dedicated + layer.replicated
-            if not self.free_local_grads and not (self.split and self.split.intersection(names)):
+            if layer.key in self.ids_of:
                 # one sum per bucket, before the collectives write the buckets: the step's
                 # non-finite check reads it instead of each gradient (finite_at_launch)
                 sums = [b.buffer.sum(dtype=torch.float32) for b in buckets]
