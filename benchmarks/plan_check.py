@@ -7,18 +7,19 @@ rank's micro-batch is timed on one process (the input ``--fwd-bwd-ms`` would giv
 then the step benchmark runs its setups on ``N`` ranks and every setup is compared
 with the planner's prediction for the matching mode:
 
-================  ==============
-step.py setup     planner mode
-================  ==============
-``adamw_ddp``     ``adamw-ddp``
-``adamw_fsdp``    ``adamw``
-``muon_vanilla``  ``vanilla-ddp``
-``owner_fsdp``    ``owner``
-``owner_ddp``     ``owner-ddp``
-``replicated``    ``replicated``
-``sharded``       ``sharded``
-``sign``          ``sign``
-================  ==============
+===================  ===================
+step.py setup        planner mode
+===================  ===================
+``adamw_ddp``        ``adamw-ddp``
+``adamw_fsdp``       ``adamw``
+``muon_vanilla``     ``vanilla-ddp``
+``owner_fsdp``       ``owner``
+``owner_ddp``        ``owner-ddp``
+``owner_ddp_zero1``  ``owner-ddp-zero1``
+``replicated``       ``replicated``
+``sharded``          ``sharded``
+``sign``             ``sign``
+===================  ===================
 
 Printed per setup: predicted and measured step, optimizer step and communication
 wait, with the relative error, and whether the planner orders the setups as the
@@ -67,6 +68,7 @@ SETUP_MODE = {
     "muon_vanilla": "vanilla-ddp",
     "owner_fsdp": "owner",
     "owner_ddp": "owner-ddp",
+    "owner_ddp_zero1": "owner-ddp-zero1",
     "replicated": "replicated",
     "sharded": "sharded",
     "sign": "sign",
@@ -117,8 +119,8 @@ def compare(measured: dict[str, Any], pred: Any) -> dict[str, Any]:
         m = measured[setup]
         p = pred.modes[mode]
         # owner mode's reductions wait in backward (ddp.dedicate's all-reduce of the
-        # scalars too); the other modes' collectives in the step
-        owner = mode in ("owner", "owner-ddp")
+        # scalars, or their reductions to their owners, too); the other modes' in the step
+        owner = mode in ("owner", "owner-ddp", "owner-ddp-zero1")
         wait = p.exposed_s["backward"] if owner else p.exposed_s["step"]
         got = {"step": m["total"], "optimizer": m["seconds"]["optimizer"],
                "comm_wait": m["seconds"]["comm_wait"]}  # fmt: skip
@@ -145,25 +147,25 @@ def compare(measured: dict[str, Any], pred: Any) -> dict[str, Any]:
 
 def print_world(world: int, result: dict[str, Any]) -> None:
     print(f"\nworld {world} (gloo, 1 thread per rank)")
-    head = f"{'setup':<14} {'mode':<12} {'step pred/meas ms':>20} {'err':>7} "
+    head = f"{'setup':<16} {'mode':<16} {'step pred/meas ms':>20} {'err':>7} "
     head += f"{'opt pred/meas ms':>19} {'err':>7} {'wait pred/meas ms':>19}"
     print(head)
     for setup, r in result["rows"].items():
         p, m, e = r["predicted_s"], r["measured_s"], r["relative_error"]
         err = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731
         print(
-            f"{setup:<14} {r['mode']:<12} {p['step'] * 1e3:9.1f}/{m['step'] * 1e3:<9.1f} "
+            f"{setup:<16} {r['mode']:<16} {p['step'] * 1e3:9.1f}/{m['step'] * 1e3:<9.1f} "
             f"{err(e['step']):>7} {p['optimizer'] * 1e3:8.1f}/{m['optimizer'] * 1e3:<9.1f} "
             f"{err(e['optimizer']):>7} {p['comm_wait'] * 1e3:8.1f}/{m['comm_wait'] * 1e3:<9.1f}"
         )
-    print(f"\n{'setup':<14} memory per rank, MB predicted/measured (end of the last backward): "
+    print(f"\n{'setup':<16} memory per rank, MB predicted/measured (end of the last backward): "
           + "  ".join(f"{k}" for k in (*MEMORY_KINDS, "total")))  # fmt: skip
     for setup, r in result["rows"].items():
         mem = r.get("memory_bytes")
         if mem:
             cells = [f"{mem['predicted'][k] / 1e6:7.1f}/{mem['measured'][k] / 1e6:<7.1f}"
                      for k in (*MEMORY_KINDS, "total")]  # fmt: skip
-            print(f"{setup:<14} " + "  ".join(cells))
+            print(f"{setup:<16} " + "  ".join(cells))
     same = result["order_measured"] == result["order_predicted"]
     print(f"order by measured step:  {', '.join(result['order_measured'])}")
     print(f"order by predicted step: {', '.join(result['order_predicted'])}"

@@ -12,7 +12,22 @@ from distributed_cases import OPT, batch, build, loss_of, setup
 
 from dmuon.comm.testing import run_on_ranks
 
-MODES = ["owner_fsdp", "owner_fsdp_z3", "owner_ddp", "replicated", "sharded", "sign"]
+MODES = [
+    "owner_fsdp",
+    "owner_fsdp_z3",
+    "owner_ddp",
+    "owner_ddp_sharded_adamw",
+    "replicated",
+    "sharded",
+    "sign",
+]
+# the setup (distributed_cases.setup) → the planner's mode
+KIND = {
+    "owner_fsdp": "owner",
+    "owner_fsdp_z3": "owner-z3",
+    "owner_ddp": "owner-ddp",
+    "owner_ddp_sharded_adamw": "owner-ddp-zero1",  # ddp.dedicate(scalars="owner")
+}
 
 
 def measure(rank, world, mode):
@@ -50,17 +65,24 @@ def measure(rank, world, mode):
 def test_planner_bytes_equal_commstats_on_gloo_ranks(mode, world):
     from dmuon.comm import plan_owners
     from dmuon.optim.planner.config import spec_from_module
-    from dmuon.optim.planner.traffic import dmuon_transfers, per_rank_ops
+    from dmuon.optim.planner.traffic import dmuon_transfers, owned_scalar_items, per_rank_ops
 
     out = run_on_ranks(measure, world, args=(mode,), timeout=240)
     spec = spec_from_module(build("gpt"), "gpt")
     engine_plan = out[0][1]
-    # the planner plans as the engine does (same items, same default options)
-    plan = plan_owners(spec.matrices, world)
+    kind = KIND.get(mode, mode)
+    # the planner plans as the engine does (same items, same default options); with
+    # scalars="owner" the scalars are planned too, whole (the embeddings by their shape)
+    scalars = owned_scalar_items(spec) if kind == "owner-ddp-zero1" else []
+    plan = plan_owners([*spec.matrices, *scalars], world)
+    if scalars:  # the items ddp.dedicate(scalars="owner") plans: names, shapes, layers
+        from dmuon.integrations.selection import split_parameters
+
+        dedicated, _ = split_parameters(build("gpt"), dedicate_rest=True)
+        assert sorted((i.name, i.shape, i.layer) for i, _ in dedicated) == sorted(
+            (i.name, i.shape, i.layer) for i in plan.items
+        )
     assert plan.owners == engine_plan.owners and plan.names == engine_plan.names
-    kind = {"owner_fsdp": "owner", "owner_fsdp_z3": "owner-z3", "owner_ddp": "owner-ddp"}.get(
-        mode, mode
-    )
     # the CPU engine batches at most 2**20 matrix entries per rule call
     predicted = dmuon_transfers(spec, plan, kind, batch_limit=1 << 20)
     for rank, (recorded, _, counts) in enumerate(out):
@@ -76,7 +98,8 @@ def test_planner_bytes_equal_commstats_on_gloo_ranks(mode, world):
         if kind.startswith("owner"):
             # and as many collectives: one per owner and dtype of each unit (owner mode
             # packs the small layers of this GPT into one, ZeRO-3-like does not), and
-            # ddp.dedicate's one all-reduce of the scalars per unit and dtype
+            # ddp.dedicate's one all-reduce of the scalars per unit and dtype (with
+            # scalars="owner": the scalars in the unit's buckets per owner, no all-reduce)
             for t in predicted:
                 if t.op in ("reduce_to_owners", "broadcast_from_owners", "all_reduce_replicated"):
                     issued = sum(x.collectives for x in predicted if x.op == t.op)

@@ -49,13 +49,31 @@ def test_json_output_validates_against_the_documented_schema():
     out = json.loads(done.stdout)
     validate(out)
     assert set(out["modes"]) == {
-        "adamw", "vanilla", "owner", "owner-z3", "owner-ddp", "replicated", "sharded", "sign",
+        "adamw", "vanilla", "owner", "owner-z3", "owner-ddp", "owner-ddp-zero1", "replicated",
+        "sharded", "sign",
     }  # fmt: skip
     assert out["modes"]["owner"]["tp_ms"] == 0 and out["cluster"]["tp"] == 1
     assert out["model"]["total_params"] == 8_030_261_248
     assert out["plan"]["world_size"] == 64
     assert out["modes"]["owner"]["ns_ms"] < out["modes"]["vanilla"]["ns_ms"]
     assert any(a["what"] == "NS kernel efficiency" for a in out["assumptions"])
+
+
+def test_owner_ddp_zero1_mode_is_accepted_and_its_json_validates():
+    # ddp.dedicate(scalars="owner"): --mode takes it, alone or beside owner-ddp
+    done = call("gpt2", "--gpus", "4", "--mode", "owner-ddp,owner-ddp-zero1", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    validate(out)
+    assert set(out["modes"]) == {"adamw", "vanilla", "owner-ddp", "owner-ddp-zero1"}
+    zero1, ddp = out["modes"]["owner-ddp-zero1"], out["modes"]["owner-ddp"]
+    assert zero1["memory_bytes"]["optimizer_state"] < ddp["memory_bytes"]["optimizer_state"]
+    assert {t["op"] for t in zero1["transfers"]} == {
+        "reduce_to_owners", "broadcast_from_owners", "presence_flags",
+    }  # fmt: skip
+    done = call("gpt2", "--gpus", "4", "--mode", "owner-ddp-zero1")
+    assert done.returncode == 0, done.stderr
+    assert any(x.strip().startswith("owner-ddp-zero1 ") for x in done.stdout.splitlines())
 
 
 def test_tensor_parallel_json_validates_and_reports_the_tp_terms():

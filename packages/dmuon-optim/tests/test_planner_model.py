@@ -353,3 +353,56 @@ def test_a_measured_collective_bandwidth_prices_that_collective_alone():
     assert comm(slow, "adamw-ddp") == comm(plain, "adamw-ddp")  # DDP's all-reduce only
     with pytest.raises(ValueError, match=r"collective_bandwidth\['all_gather'\] must be"):
         Link("gloo", 1e9, collective_bandwidth={"all_gather": 0.0})
+
+
+def test_owner_ddp_zero1_keeps_the_scalars_adamw_state_on_their_owners_only(llama):
+    """ddp.dedicate(scalars="owner"): the scalars are planned with the matrices, whole
+    (the embedding and the head by their shape), and each one's two fp32 AdamW moments
+    live on its owner alone; weights, gradients and buckets stay whole on every rank, as
+    ddp.dedicate's all-reduced mode (owner-ddp) keeps them. The reference is counted here
+    from the plan the engine would make. (Bytes against real ranks:
+    tests-integration/test_planner_traffic.py.)"""
+    from dmuon.optim.planner.traffic import owned_scalar_items
+
+    n = 8
+    shape = TrainingShape(global_tokens=2**20)
+    p = predict(llama, cluster(n), shape, modes=("owner-ddp", "owner-ddp-zero1"))
+    zero1, ddp = p.modes["owner-ddp-zero1"], p.modes["owner-ddp"]
+    scalars = owned_scalar_items(llama)
+    assert [(i.name, i.numel) for i in scalars] == list(llama.scalars)
+    assert scalars[0].shape == (128256, 3072)  # model.embed_tokens.weight, whole
+    # the plan the engine makes: every matrix and every scalar, by the same cost
+    plan = plan_owners([*llama.matrices, *scalars], n, cost=ns_cost(cluster(n), shape))
+    names = {name for name, _ in llama.scalars}
+    per_rank = [
+        sum(
+            8 * i.numel if i.name in names else 2 * i.numel  # AdamW fp32 m, v; Muon bf16 momentum
+            for i in plan.items_of(r)
+        )
+        for r in range(n)
+    ]
+    assert zero1.memory["optimizer_state"] == max(per_rank)
+    # every scalar's state is somewhere, once: the ranks' scalar state sums to 8·Φ_S
+    assert sum(8 * i.numel for r in range(n) for i in plan.items_of(r) if i.name in names) == (
+        8 * llama.scalar_params
+    )
+    # owner-ddp holds every scalar's state on every rank
+    assert max(per_rank) < ddp.memory["optimizer_state"]
+    for kind in ("weights", "gradients", "buffers"):
+        assert zero1.memory[kind] == ddp.memory[kind] == llama.total_params * 2, kind
+    # the busiest owner's AdamW: only the scalars it owns, never all of them
+    assert zero1.adamw_s < ddp.adamw_s
+    # its traffic: the scalars reduced to and broadcast from their owners in the units'
+    # buckets (no all-reduce, no framework traffic), as many bytes as owner-ddp's
+    # reduce + broadcast + all-reduce (each a ring all-reduce's 2(N−1)/N of the bytes)
+    ops = {t.op for t in zero1.transfers}
+    assert "all_reduce_replicated" in {t.op for t in ddp.transfers}
+    assert ops == {"reduce_to_owners", "broadcast_from_owners", "presence_flags"}
+    assert zero1.bytes_framework == 0
+    moved = sum(max(t.sent) for t in zero1.transfers if t.op != "presence_flags")
+    assert moved == pytest.approx(2 * (n - 1) / n * llama.total_params * 2)
+    # a plan without the scalars is refused by name
+    with pytest.raises(ValueError, match=r"owner-ddp-zero1.*lacks 58 scalar"):
+        dmuon_transfers(llama, plan_owners(llama.matrices, n), "owner-ddp-zero1")
+    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight"):
+        step_units(llama, plan_owners(llama.matrices, n), "owner-ddp-zero1")

@@ -1,8 +1,8 @@
 """The batched rule calls of a rank's step, cut as the engine cuts them, and their time.
 
 A mode that steps its matrices layer by layer (``owner``, ``owner-z3``, ``owner-ddp``,
-``replicated``, ``sharded``, and ``sign``, on every matrix) runs the rule once per
-*step unit* and batch: the engine's pipeline groups
+``owner-ddp-zero1``, ``replicated``, ``sharded``, and ``sign``, on every matrix) runs
+the rule once per *step unit* and batch: the engine's pipeline groups
 (:meth:`~dmuon.optim.engine.base.Engine.step_groups`) are owner mode's units (a layer,
 or a pack of consecutive small layers,
 :func:`~dmuon.optim.engine.layer_packing.pack_runs`) and the planned modes' layers;

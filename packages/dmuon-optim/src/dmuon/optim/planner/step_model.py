@@ -83,9 +83,11 @@ from dmuon.optim.planner.profiles import ClusterProfile, Link
 from dmuon.optim.planner.rule_calls import rule_calls, unit_flops, unit_work
 from dmuon.optim.planner.traffic import (
     DMUON_MODES,
+    OWNER_MODES,
     Transfer,
     dmuon_transfers,
     framework_transfers,
+    owned_scalar_items,
     step_units,
 )
 from dmuon.optim.rules import RULES
@@ -339,6 +341,12 @@ def predict(
     :func:`~dmuon.optim.planner.parallel.layout`: owners over the ``dp = N/T``
     data-parallel ranks, shards over ``tp``, experts held where they live.
 
+    ``plan`` (default: :func:`dmuon.comm.plan_owners` of the matrices with the profile's
+    NS cost) is the owner plan of the matrices; ``owner-ddp-zero1`` plans the matrices
+    and the scalars together (:func:`~dmuon.optim.planner.traffic.owned_scalar_items`),
+    unless ``plan`` holds the scalars too (``ddp.dedicate(scalars="owner")``'s plan): then
+    that mode takes it whole and the others its matrices.
+
     Raises:
         ValueError: an unknown mode, a model without Muon matrices, or a ``tp``/``ep``
             the model or the cluster cannot take (naming ``--tp``/``--ep``).
@@ -364,6 +372,12 @@ def predict(
     D, T = lay.dp, lay.tp
     local = lay.local
     held = lay.held or tuple(() for _ in range(D))
+    scalar_names = {n for n, _ in local.scalars}
+    given_zero1 = None
+    if plan is not None and scalar_names and scalar_names <= set(plan.names):
+        # ddp.dedicate(scalars="owner")'s plan: owner-ddp-zero1's; the others', its matrices
+        given_zero1 = plan
+        plan = subplan(plan, [n for n in plan.names if n not in scalar_names])
     if plan is None:
         plan = plan_owners(lay.dense, D, cost=cost, held=lay.held)
     # vanilla: every dense matrix whole (a split one gathered over tp) and its own experts
@@ -386,6 +400,20 @@ def predict(
         local_plan = subplan(
             plan, plan.names, {n: lay.shard_shape(plan.item(n)) for n in lay.splits}
         )
+    # ddp.dedicate(scalars="owner"): its own plan, of the matrices and the scalars whole
+    # (traffic.owned_scalar_items), whose owners step the scalars with AdamW
+    zero1_plan = local_zero1 = plan
+    if "owner-ddp-zero1" in modes:
+        zero1_plan = given_zero1 or plan_owners(
+            [*lay.dense, *owned_scalar_items(local)], D, cost=cost, held=lay.held
+        )
+        local_zero1 = zero1_plan
+        if T > 1:
+            local_zero1 = subplan(
+                zero1_plan,
+                zero1_plan.names,
+                {n: lay.shard_shape(zero1_plan.item(n)) for n in lay.splits},
+            )
     layers = max(1, len(spec.layers))
     e = spec.matrices[0].dtype.itemsize
     if shape.fwd_bwd_s is not None:
@@ -419,20 +447,29 @@ def predict(
     by_units: dict[tuple[object, ...], list[list[list[MatrixItem]]]] = {}
 
     def calls_of(mode: str) -> list[list[list[MatrixItem]]]:
-        """Each dp rank's batched rule calls in ``mode``."""
+        """Each dp rank's batched rule calls in ``mode`` (``owner-ddp-zero1``: the
+        matrices of its plan; the owned scalars are AdamW's)."""
+        zero1 = mode == "owner-ddp-zero1"
         if mode == "sign":
             units = step_units(local, single, mode)
         else:
-            units = step_units(local, local_plan, mode, layer_pack_mb=pack_mb)
-        key = (mode == "sign", *(tuple(u) for u in units))
+            units = step_units(
+                local, local_zero1 if zero1 else local_plan, mode, layer_pack_mb=pack_mb
+            )
+        key = (mode == "sign", zero1, *(tuple(u) for u in units))
         if key not in by_units:
             if mode == "sign":
                 every = rule_calls(single.items, units, batch_limit=limit, splits=lay.splits)
                 by_units[key] = [every] * D
             else:
+                source = zero1_plan if zero1 else plan
                 by_units[key] = [
                     rule_calls(
-                        plan.items_of(r), units, batch_limit=limit, splits=lay.splits, held=held[r]
+                        [i for i in source.items_of(r) if i.name not in scalar_names],
+                        units,
+                        batch_limit=limit,
+                        splits=lay.splits,
+                        held=held[r],
                     )
                     for r in range(D)
                 ]
@@ -473,6 +510,27 @@ def predict(
             f_max = int(flops_of(calls))
             f_mean = float(f_max)
             t_adam = local.scalar_params * adam_rate
+        elif mode == "owner-ddp-zero1":
+            dm = dmuon_transfers(local, local_zero1, mode, layer_pack_mb=pack_mb)
+            if lay.expert_plan is not None and lay.replicas > 1:
+                dm += expert_transfers(lay, mode)
+            ranks = [unit_work(calls, cost, pricer=pricer) for calls in calls_of(mode)]
+            # each owner steps its matrices (Newton–Schulz) and its scalars (AdamW): the
+            # step waits for the rank whose sum is the largest
+            owned = [zero1_plan.items_of(r) for r in range(D)]
+            own_s = [sum(i.numel for i in its if i.name in scalar_names) for its in owned]
+            own_m = [
+                sum(i.batch for i in (*its, *held[r]) if i.name not in scalar_names)
+                for r, its in enumerate(owned)
+            ]
+            top = max(
+                range(D),
+                key=lambda r: sum(ranks[r]) + own_m[r] * per_matrix + own_s[r] * adam_rate,
+            )
+            t_ns, t_tp = ranks[top][0] + own_m[top] * per_matrix, ranks[top][1]
+            t_adam = own_s[top] * adam_rate
+            flops = [flops_of(calls) for calls in calls_of(mode)]
+            f_max, f_mean = int(max(flops)), sum(flops) / D
         else:
             # a tensor-parallel model's exchange packs no layers (its matrices are DTensors)
             dm = dmuon_transfers(local, local_plan, mode, layer_pack_mb=pack_mb)
@@ -495,7 +553,13 @@ def predict(
         tp_moved = []
         if lay.splits and mode in DMUON_MODES:
             tp_moved = tp_transfers(
-                choices, local_plan, held, mode, D, calls=calls_of(mode), pricer=pricer
+                choices,
+                local_zero1 if mode == "owner-ddp-zero1" else local_plan,
+                held,
+                mode,
+                D,
+                calls=calls_of(mode),
+                pricer=pricer,
             )
         transfers = dm + fw + tp_moved
         comm = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -524,7 +588,9 @@ def predict(
             comm["tensor_parallel"] = exposed["tensor_parallel"] = t_tp
         t_opt = t_opt_ns + t_adam
         step = t_fb + t_copies + exposed["forward"] + exposed["backward"] + t_opt
-        owns = mode in ("owner", "owner-z3", "owner-ddp", "replicated", "sharded")
+        owns = mode in (*OWNER_MODES, "replicated", "sharded")
+        # owner mode's scalar layout (memory.py): FSDP2's, all-reduced, or owned
+        scalar_layout = {"owner-ddp": "all_reduce", "owner-ddp-zero1": "owner"}.get(mode, "sharded")
         out[mode] = ModePrediction(
             mode=mode,
             fwd_bwd_s=t_fb,
@@ -540,9 +606,9 @@ def predict(
             bytes_framework=sum(max(t.sent) for t in fw),
             memory=memory_per_rank(
                 local,
-                local_plan,
-                "owner" if mode == "owner-ddp" else mode,
-                scalars="all_reduce" if mode == "owner-ddp" else "sharded",
+                local_zero1 if mode == "owner-ddp-zero1" else local_plan,
+                "owner" if scalar_layout != "sharded" else mode,
+                scalars=scalar_layout,
                 held=held_numel if owns else None,
                 experts=experts_local,
                 replicas=lay.replicas,

@@ -9,22 +9,25 @@ gloo ranks. The training framework's own traffic (FSDP2's all-gathers and
 reduce-scatters, DDP's all-reduce), which DMuon does not record, follows the ring
 formulas of :func:`~dmuon.comm.cost_model`.
 
-========== ========================================================== ==========
-mode       DMuon's collectives per step                                phase
-========== ========================================================== ==========
-owner      ``reduce`` of every matrix to its owner, per unit bucket    backward
-           ``broadcast`` of every matrix from its owner                forward
-owner-z3   as owner, and a second ``broadcast`` before backward        both
-owner-ddp  as owner, and an ``all_reduce`` of the scalars per unit     both
-           and dtype (``all_reduce_replicated``)
-replicated one ``all_gather`` of the updates per layer and dtype,       step
-           every rank's chunk padded to the largest owner volume
-sharded    one ``all_to_all`` of row shards (padded to ⌈rows/N⌉) to    step
-           the owners per layer and dtype, and one back
-sign       one packed majority vote (``all_to_all`` + ``all_gather`` of step
-           ⌈numel/8N⌉ bytes) per batched rule call; an ``all_reduce``
-           of the scalar gradients
-========== ========================================================== ==========
+=============== ============================================================ ========
+mode            DMuon's collectives per step                                 phase
+=============== ============================================================ ========
+owner           ``reduce`` of every matrix to its owner, per unit bucket     backward
+                ``broadcast`` of every matrix from its owner                 forward
+owner-z3        as owner, and a second ``broadcast`` before backward         both
+owner-ddp       as owner, and an ``all_reduce`` of the scalars per unit      both
+                and dtype (``all_reduce_replicated``)
+owner-ddp-zero1 as owner, over a plan of the matrices and the scalars:       both
+                every scalar ``reduce``-d to its owner and broadcast back
+                in its unit's buckets (ZeRO-1-like: AdamW state on owners)
+replicated      one ``all_gather`` of the updates per layer and dtype,       step
+                every rank's chunk padded to the largest owner volume
+sharded         one ``all_to_all`` of row shards (padded to ⌈rows/N⌉) to     step
+                the owners per layer and dtype, and one back
+sign            one packed majority vote (``all_to_all`` + ``all_gather`` of step
+                ⌈numel/8N⌉ bytes) per batched rule call; an ``all_reduce``
+                of the scalar gradients
+=============== ============================================================ ========
 
 Owner mode's unit is a layer, or a pack of consecutive small layers, cut by the
 engine's own rule (:func:`~dmuon.optim.engine.layer_packing.pack_runs`, which
@@ -35,14 +38,23 @@ are its matrices'. ``owner-ddp`` is ``ddp.dedicate``'s (``scalars="all_reduce"``
 exchange also all-reduces the scalar parameters, each under its name's layer, one
 flat bucket per unit and dtype (``engine/reduction.py``, recorded as
 ``all_reduce_replicated``), and their bytes count in its packs
-(``_owner_units(all_reduced=...)``). ``owner-z3`` and a tensor-parallel model
+(``_owner_units(all_reduced=...)``). ``owner-ddp-zero1`` is
+``ddp.dedicate(scalars="owner")``'s: the scalars are dedicated too
+(``selection.split_parameters(dedicate_rest=True)``: each whole, a 1-D one as a
+``(1, numel)`` item, under its name's layer), planned with the matrices by
+:func:`dmuon.comm.plan_owners` (:func:`owned_scalar_items`), and the exchange treats them
+as any dedicated item: a unit's buckets per owner and dtype hold its matrices and its
+scalars, reduced to the owners (who step them with AdamW) and broadcast back; nothing
+is all-reduced, and the plan the planner is given must hold the scalars by name.
+``owner-z3`` and a tensor-parallel model
 (``tp > 1``) keep one layer a unit, as the exchange does. :func:`step_units` gives
 each mode's units, which also cut its rule calls
 (:mod:`~dmuon.optim.planner.rule_calls`).
 
 Every mode but the owner modes and ``replicated`` also all-reduces the int32
 gradient-presence flags of the parameters it steps (``presence_flags``); owner mode
-does it for the dedicated matrices (``owner-ddp``: and the all-reduced scalars), at
+does it for the dedicated items (``owner-ddp``: and the all-reduced scalars;
+``owner-ddp-zero1``: the owned scalars are dedicated items), at
 the start of the step, with the step's agreement (a slot per rank) in the same
 ``int64`` all-reduce.
 """
@@ -66,20 +78,35 @@ from dmuon.optim.planner.config import ModelSpec
 
 __all__ = [
     "DMUON_MODES",
+    "OWNER_MODES",
     "Transfer",
     "all_reduced_scalars",
     "dmuon_transfers",
     "framework_transfers",
     "fsdp_copied_bytes",
+    "owned_scalar_items",
     "per_rank_ops",
     "ring_transfer",
     "step_units",
 ]
 
-DMUON_MODES = ("owner", "owner-z3", "owner-ddp", "replicated", "sharded", "sign")
+DMUON_MODES = (
+    "owner",
+    "owner-z3",
+    "owner-ddp",
+    "owner-ddp-zero1",
+    "replicated",
+    "sharded",
+    "sign",
+)
 """The DMuon execution modes the planner predicts (``owner`` and ``owner-z3``:
 ``fsdp.dedicate``'s owner mode, ``owner-z3`` with ``reshard_after_forward=True``;
-``owner-ddp``: ``ddp.dedicate``'s, whose exchange also all-reduces the scalars)."""
+``owner-ddp``: ``ddp.dedicate``'s, whose exchange also all-reduces the scalars;
+``owner-ddp-zero1``: ``ddp.dedicate(scalars="owner")``'s, whose scalars have owners
+too)."""
+
+OWNER_MODES = ("owner", "owner-z3", "owner-ddp", "owner-ddp-zero1")
+"""The modes of a dedication (owner mode's exchange)."""
 
 
 @dataclass
@@ -203,20 +230,62 @@ def all_reduced_scalars(spec: ModelSpec) -> list[tuple[str, str, int]]:
     return [(name, layer_key(name), numel * e) for name, numel in spec.scalars]
 
 
+def owned_scalar_items(spec: ModelSpec) -> list[MatrixItem]:
+    """The scalar parameters as ``ddp.dedicate(scalars="owner")`` plans them with the
+    matrices (``selection.split_parameters(dedicate_rest=True)``): each whole, a 1-D
+    one as a ``(1, numel)`` item, one of more dimensions by its shape
+    (:attr:`~dmuon.optim.planner.config.ModelSpec.scalar_shapes`), under its name's
+    layer (:func:`dmuon.comm.layer_key`), in the matrices' dtype (the planner's one
+    dtype). ``plan_owners([*spec.matrices, *owned_scalar_items(spec)], N)`` is that
+    mode's plan.
+
+    Examples:
+        >>> from dmuon.optim.planner.config import load_model
+        >>> items = owned_scalar_items(load_model("gpt2"))
+        >>> len(items), items[0].name, items[0].shape  # the token embedding: its shape
+        (100, 'transformer.wte.weight', (50257, 768))
+        >>> items[2].name, items[2].shape, items[2].layer  # a bias: one row, its layer
+        ('transformer.h.0.attn.c_attn.bias', (1, 2304), 'transformer.h.0')
+    """
+    dtype = spec.matrices[0].dtype if spec.matrices else torch.float32
+    shapes = dict(spec.scalar_shapes)
+    out = []
+    for name, numel in spec.scalars:
+        shape = shapes.get(name, (1, numel))
+        if math.prod(shape) != numel:  # a shard of it (tensor parallelism): its own elements
+            shape = (1, numel)
+        out.append(MatrixItem(name, shape, dtype, layer_key(name)))
+    return out
+
+
+def _check_owned_scalars(spec: ModelSpec, plan: OwnerPlan) -> None:
+    """Refuse an ``owner-ddp-zero1`` plan that does not hold every scalar by name."""
+    missing = [name for name, _ in spec.scalars if name not in plan.names]
+    if missing:
+        raise ValueError(
+            f"mode 'owner-ddp-zero1' (ddp.dedicate(scalars='owner')) needs the plan of the "
+            f"matrices and the scalars (plan_owners([*spec.matrices, "
+            f"*owned_scalar_items(spec)], N)); this plan lacks {len(missing)} scalar(s), "
+            f"e.g. {missing[0]!r}"
+        )
+
+
 def step_units(
     spec: ModelSpec, plan: OwnerPlan, mode: str, *, layer_pack_mb: float = DEFAULT_PACK_MB
 ) -> list[list[str]]:
     """The layer keys of each step unit of ``mode`` (the engine's pipeline groups), in
     step order: owner mode's units, packed by :func:`_owner_units` over the bytes the
-    exchange carries (``owner-ddp``: the all-reduced scalars too; ``owner-z3``: nothing
-    packed), and every layer on its own for the planned modes (``replicated``,
+    exchange carries (``owner-ddp``: the all-reduced scalars too; ``owner-ddp-zero1``: the
+    plan's owned scalars; ``owner-z3``: nothing packed), and every layer on its own for
+    the planned modes (``replicated``,
     ``sharded``: :func:`~dmuon.optim.engine.params.layers_in_order`), and for ``sign``,
     which steps every matrix on every rank layer by layer (``engine/sign.py``: one
     pipeline group per layer, its vote per batched call).
 
     Args:
         spec: the model (its scalars' names, for ``owner-ddp``).
-        plan: the owner plan (its items' ``nbytes``: each rank's local part).
+        plan: the owner plan (its items' ``nbytes``: each rank's local part;
+            ``owner-ddp-zero1``: the plan of the matrices and the scalars).
         mode: one of :data:`DMUON_MODES`.
         layer_pack_mb: owner mode's pack limit (the exchange's ``layer_pack_mb``);
             ``0``: nothing packed (a tensor-parallel model).
@@ -224,6 +293,9 @@ def step_units(
     if mode not in DMUON_MODES:
         raise ValueError(f"mode must be one of {DMUON_MODES}, got {mode!r}")
     max_bytes = _pack_bytes(layer_pack_mb)
+    if mode == "owner-ddp-zero1":  # the scalars are the plan's items
+        _check_owned_scalars(spec, plan)
+        return _owner_units(plan, max_bytes)
     if mode in ("owner", "owner-ddp"):
         scalars = all_reduced_scalars(spec) if mode == "owner-ddp" else ()
         return _owner_units(plan, max_bytes, all_reduced=scalars)
@@ -383,7 +455,8 @@ def dmuon_transfers(
     Args:
         spec: the model.
         plan: the owner plan of ``spec.matrices`` over the data-parallel ranks (the
-            plan the engine makes: :func:`dmuon.comm.plan_owners` with its options).
+            plan the engine makes: :func:`dmuon.comm.plan_owners` with its options);
+            ``owner-ddp-zero1``: of the matrices and :func:`owned_scalar_items`.
         mode: one of :data:`DMUON_MODES`.
         batch_limit: matrix entries per batched rule call (sign mode's votes):
             :func:`dmuon.optim.batches.default_batch_elements` of the device.
@@ -405,8 +478,12 @@ def dmuon_transfers(
     n = plan.world_size
     if mode not in DMUON_MODES:
         raise ValueError(f"mode must be one of {DMUON_MODES}, got {mode!r}")
+    if mode == "owner-ddp-zero1":
+        _check_owned_scalars(spec, plan)
     if n == 1:
         return []
+    if mode == "owner-ddp-zero1":  # the scalars are dedicated items: owner mode's buckets
+        return _owner(plan, n, z3=False, max_bytes=_pack_bytes(layer_pack_mb))
     if mode in ("owner", "owner-z3", "owner-ddp"):
         scalars = all_reduced_scalars(spec) if mode == "owner-ddp" else ()
         max_bytes = _pack_bytes(layer_pack_mb)
@@ -460,7 +537,8 @@ def framework_transfers(spec: ModelSpec, mode: str, n: int) -> list[Transfer]:
     scalar parameters only (the matrices are ``ignored_params``). ``sharded``: FSDP2
     over every parameter. ``replicated``: DDP's all-reduce of every gradient.
     ``owner-ddp``: nothing (``ddp.dedicate`` replaces DDP and all-reduces the scalars
-    in its own exchange, recorded by ``CommStats``).
+    in its own exchange, recorded by ``CommStats``); ``owner-ddp-zero1``: nothing (its
+    exchange reduces and broadcasts the scalars with the matrices).
     ``adamw-ddp``, ``vanilla-ddp``: DDP's all-reduce. ``sign``: nothing (DMuon
     all-reduces the scalars itself).
     """
@@ -492,7 +570,7 @@ def framework_transfers(spec: ModelSpec, mode: str, n: int) -> list[Transfer]:
         return [*fsdp(everything), gather]
     if mode in ("owner", "owner-z3"):
         return fsdp(scalars)
-    if mode == "owner-ddp":  # ddp.dedicate replaces DDP: its all-reduce is DMuon's
+    if mode in ("owner-ddp", "owner-ddp-zero1"):  # ddp.dedicate replaces DDP
         return []
     if mode in ("replicated", "adamw-ddp", "vanilla-ddp"):
         return [
