@@ -72,7 +72,7 @@ def test_planner_bytes_equal_commstats_on_gloo_ranks(mode, world):
     engine_plan = out[0][1]
     kind = KIND.get(mode, mode)
     # the planner plans as the engine does (same items, same default options); with
-    # scalars="owner" the scalars are planned too, whole (the embeddings by their shape)
+    # scalars="owner" the scalars are planned too, whole, each as one row
     scalars = owned_scalar_items(spec) if kind == "owner-ddp-zero1" else []
     plan = plan_owners([*spec.matrices, *scalars], world)
     if scalars:  # the items ddp.dedicate(scalars="owner") plans: names, shapes, layers

@@ -32,8 +32,12 @@ def split_parameters(
     group (the hidden weight matrices, conv weights, expert stacks); ``predicate(name,
     param)`` overrides it. Frozen parameters are in neither list, on every rank alike;
     a tied weight appears once. With ``dedicate_rest`` (``ddp.dedicate(scalars="owner")``)
-    the others are planned too, after the chosen ones, whole (a 1-D parameter as a
-    ``(1, numel)`` item), and ``rest`` is empty.
+    the others are planned too, after the chosen ones, whole, each as a ``(1, numel)``
+    item, and ``rest`` is empty. Their owners step them element-wise (AdamW, Lion), so
+    the plan costs them as one row: :class:`~dmuon.comm.NSCost` of a ``1 × numel`` item is
+    its byte term, the element-wise work. By its own shape, an embedding ``V × d`` would
+    cost the Newton–Schulz of a ``d × V`` matrix (Llama-3.1-8B's: several times its
+    largest hidden matrix), and its owner would get no other matrix.
 
     Examples:
         >>> from torch import nn
@@ -43,7 +47,7 @@ def split_parameters(
         (['1.weight'], ['0.weight', '1.bias', '2.weight', '2.bias'])
         >>> everything, rest = split_parameters(model, dedicate_rest=True)
         >>> [(i.name, i.shape) for i, _ in everything][:3], rest
-        ([('1.weight', (4, 4)), ('0.weight', (10, 4)), ('1.bias', (1, 4))], [])
+        ([('1.weight', (4, 4)), ('0.weight', (1, 40)), ('1.bias', (1, 4))], [])
     """
     dedicated: list[tuple[MatrixItem, torch.Tensor]] = []
     rest: list[tuple[str, str, torch.Tensor]] = []
@@ -61,10 +65,7 @@ def split_parameters(
         else:
             rest.append((name, layer_of(name), p))
     if dedicate_rest:
-        dedicated += [
-            (MatrixItem(n, (1, p.numel()) if p.dim() < 2 else tuple(p.shape), p.dtype, k), p)
-            for n, k, p in rest
-        ]
+        dedicated += [(MatrixItem(n, (1, p.numel()), p.dtype, k), p) for n, k, p in rest]
         rest = []
     return dedicated, rest
 

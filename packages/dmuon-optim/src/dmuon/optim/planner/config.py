@@ -57,10 +57,6 @@ class ModelSpec:
         source: where the description came from.
         heads: attention heads (0: unknown, e.g. a ``module:factory`` model).
         kv_heads: key/value heads (0: unknown); tensor parallelism splits both.
-        scalar_shapes: ``(name, shape)`` of the scalar parameters of two or more
-            dimensions (embeddings, output head); every other scalar is 1-D. What
-            ``ddp.dedicate(scalars="owner")`` plans them as (their NS cost in
-            :func:`dmuon.comm.plan_owners`).
     """
 
     name: str
@@ -71,7 +67,6 @@ class ModelSpec:
     notes: tuple[str, ...] = field(default=())
     heads: int = 0
     kv_heads: int = 0
-    scalar_shapes: tuple[tuple[str, tuple[int, ...]], ...] = field(default=())
 
     @property
     def matrix_params(self) -> int:
@@ -195,14 +190,6 @@ def _gpt2(cfg: Mapping[str, Any], name: str, dtype: torch.dtype) -> ModelSpec:
         source=f"HF config ({name})",
         heads=f("n_head"),
         kv_heads=f("n_head"),
-        scalar_shapes=_shapes(
-            scalars,
-            {
-                "transformer.wte.weight": (V, H),
-                "transformer.wpe.weight": (P, H),
-                "lm_head.weight": (V, H),
-            },
-        ),
     )
 
 
@@ -299,17 +286,7 @@ def _llama_like(cfg: Mapping[str, Any], name: str, dtype: torch.dtype) -> ModelS
         source=f"HF config ({name})",
         heads=nh,
         kv_heads=nkv,
-        scalar_shapes=_shapes(
-            scalars, {"model.embed_tokens.weight": (V, H), "lm_head.weight": (V, H)}
-        ),
     )
-
-
-def _shapes(
-    scalars: list[tuple[str, int]], shapes: dict[str, tuple[int, ...]]
-) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """``ModelSpec.scalar_shapes``: ``shapes`` of the scalars the model has."""
-    return tuple((n, shapes[n]) for n, _ in scalars if n in shapes)
 
 
 # --------------------------------------------------------------------- presets
@@ -377,26 +354,16 @@ def spec_from_module(model: torch.nn.Module, name: str = "module") -> ModelSpec:
 
     mats: list[MatrixItem] = []
     scalars: list[tuple[str, int]] = []
-    shapes: list[tuple[str, tuple[int, ...]]] = []
     for group in param_groups(model):
         names = group["param_names"]
         scalar = group.get("rule") == "scalar"
         for n, p in zip(names, group["params"], strict=True):
             if scalar:
                 scalars.append((n, p.numel()))
-                if p.dim() >= 2:
-                    shapes.append((n, tuple(p.shape)))
             else:
                 mats.append(MatrixItem(n, item_shape(p, group), p.dtype, layer_key(n)))
     total = sum(i.numel for i in mats) + sum(n for _, n in scalars)
-    return ModelSpec(
-        name,
-        tuple(mats),
-        tuple(scalars),
-        total,
-        source=f"module ({name})",
-        scalar_shapes=tuple(shapes),
-    )
+    return ModelSpec(name, tuple(mats), tuple(scalars), total, source=f"module ({name})")
 
 
 def _from_factory(target: str) -> ModelSpec:

@@ -232,30 +232,22 @@ def all_reduced_scalars(spec: ModelSpec) -> list[tuple[str, str, int]]:
 
 def owned_scalar_items(spec: ModelSpec) -> list[MatrixItem]:
     """The scalar parameters as ``ddp.dedicate(scalars="owner")`` plans them with the
-    matrices (``selection.split_parameters(dedicate_rest=True)``): each whole, a 1-D
-    one as a ``(1, numel)`` item, one of more dimensions by its shape
-    (:attr:`~dmuon.optim.planner.config.ModelSpec.scalar_shapes`), under its name's
-    layer (:func:`dmuon.comm.layer_key`), in the matrices' dtype (the planner's one
-    dtype). ``plan_owners([*spec.matrices, *owned_scalar_items(spec)], N)`` is that
-    mode's plan.
+    matrices (``selection.split_parameters(dedicate_rest=True)``): each whole, as a
+    ``(1, numel)`` item (costed as one row: its owner's element-wise work, not the
+    Newton–Schulz of its shape), under its name's layer (:func:`dmuon.comm.layer_key`),
+    in the matrices' dtype (the planner's one dtype).
+    ``plan_owners([*spec.matrices, *owned_scalar_items(spec)], N)`` is that mode's plan.
 
     Examples:
         >>> from dmuon.optim.planner.config import load_model
         >>> items = owned_scalar_items(load_model("gpt2"))
-        >>> len(items), items[0].name, items[0].shape  # the token embedding: its shape
-        (100, 'transformer.wte.weight', (50257, 768))
+        >>> len(items), items[0].name, items[0].shape  # the token embedding: one row
+        (100, 'transformer.wte.weight', (1, 38597376))
         >>> items[2].name, items[2].shape, items[2].layer  # a bias: one row, its layer
         ('transformer.h.0.attn.c_attn.bias', (1, 2304), 'transformer.h.0')
     """
     dtype = spec.matrices[0].dtype if spec.matrices else torch.float32
-    shapes = dict(spec.scalar_shapes)
-    out = []
-    for name, numel in spec.scalars:
-        shape = shapes.get(name, (1, numel))
-        if math.prod(shape) != numel:  # a shard of it (tensor parallelism): its own elements
-            shape = (1, numel)
-        out.append(MatrixItem(name, shape, dtype, layer_key(name)))
-    return out
+    return [MatrixItem(name, (1, numel), dtype, layer_key(name)) for name, numel in spec.scalars]
 
 
 def _check_owned_scalars(spec: ModelSpec, plan: OwnerPlan) -> None:
