@@ -394,12 +394,14 @@ def predict(
         shape.state_dtype,
         NS_COMPUTE_BYTES[shape.ns_compute_dtype],
     )
-    # what travels over dp is each rank's shard of a split matrix
-    local_plan = plan
-    if T > 1:
-        local_plan = subplan(
-            plan, plan.names, {n: lay.shard_shape(plan.item(n)) for n in lay.splits}
-        )
+
+    def on_shards(p: OwnerPlan) -> OwnerPlan:
+        """``p`` as it travels over dp: each rank's shard of a split matrix."""
+        if T == 1:
+            return p
+        return subplan(p, p.names, {n: lay.shard_shape(p.item(n)) for n in lay.splits})
+
+    local_plan = on_shards(plan)
     # ddp.dedicate(scalars="owner"): its own plan, of the matrices and the scalars whole
     # (traffic.owned_scalar_items), whose owners step the scalars with AdamW
     zero1_plan = local_zero1 = plan
@@ -407,13 +409,7 @@ def predict(
         zero1_plan = given_zero1 or plan_owners(
             [*lay.dense, *owned_scalar_items(local)], D, cost=cost, held=lay.held
         )
-        local_zero1 = zero1_plan
-        if T > 1:
-            local_zero1 = subplan(
-                zero1_plan,
-                zero1_plan.names,
-                {n: lay.shard_shape(zero1_plan.item(n)) for n in lay.splits},
-            )
+        local_zero1 = on_shards(zero1_plan)
     layers = max(1, len(spec.layers))
     e = spec.matrices[0].dtype.itemsize
     if shape.fwd_bwd_s is not None:
@@ -491,6 +487,8 @@ def predict(
     experts_local = sum(i.numel for i in local.matrices if len(i.shape) > 2) if lay.ep > 1 else 0
     out: dict[str, ModePrediction] = {}
     for mode in dict.fromkeys(("adamw", "vanilla", *modes)):
+        # the plan that travels in this mode (ddp.dedicate(scalars="owner"): its own)
+        mode_plan = local_zero1 if mode == "owner-ddp-zero1" else local_plan
         t_tp = 0.0
         dm: list[Transfer] = []
         if mode in ("adamw", "adamw-ddp"):
@@ -511,7 +509,7 @@ def predict(
             f_mean = float(f_max)
             t_adam = local.scalar_params * adam_rate
         elif mode == "owner-ddp-zero1":
-            dm = dmuon_transfers(local, local_zero1, mode, layer_pack_mb=pack_mb)
+            dm = dmuon_transfers(local, mode_plan, mode, layer_pack_mb=pack_mb)
             if lay.expert_plan is not None and lay.replicas > 1:
                 dm += expert_transfers(lay, mode)
             ranks = [unit_work(calls, cost, pricer=pricer) for calls in calls_of(mode)]
@@ -554,7 +552,7 @@ def predict(
         if lay.splits and mode in DMUON_MODES:
             tp_moved = tp_transfers(
                 choices,
-                local_zero1 if mode == "owner-ddp-zero1" else local_plan,
+                mode_plan,
                 held,
                 mode,
                 D,
@@ -606,7 +604,7 @@ def predict(
             bytes_framework=sum(max(t.sent) for t in fw),
             memory=memory_per_rank(
                 local,
-                local_zero1 if mode == "owner-ddp-zero1" else local_plan,
+                mode_plan,
                 "owner" if scalar_layout != "sharded" else mode,
                 scalars=scalar_layout,
                 held=held_numel if owns else None,

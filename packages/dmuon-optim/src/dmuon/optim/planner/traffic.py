@@ -40,8 +40,8 @@ flat bucket per unit and dtype (``engine/reduction.py``, recorded as
 ``all_reduce_replicated``), and their bytes count in its packs
 (``_owner_units(all_reduced=...)``). ``owner-ddp-zero1`` is
 ``ddp.dedicate(scalars="owner")``'s: the scalars are dedicated too
-(``selection.split_parameters(dedicate_rest=True)``: each whole, a 1-D one as a
-``(1, numel)`` item, under its name's layer), planned with the matrices by
+(``selection.split_parameters(dedicate_rest=True)``: each whole, as a ``(1, numel)``
+item, under its name's layer), planned with the matrices by
 :func:`dmuon.comm.plan_owners` (:func:`owned_scalar_items`), and the exchange treats them
 as any dedicated item: a unit's buckets per owner and dtype hold its matrices and its
 scalars, reduced to the owners (who step them with AdamW) and broadcast back; nothing
