@@ -124,6 +124,7 @@ def dedicate(
         plan_options=plan_options,
         dedicate_rest=scalars == "owner",
         reshard_after_forward=reshard_after_forward,
+        experts_in_place=True,
     )
     if broadcast_buffers and group_size(pg) > 1:
         with collective_timeout(ded.exchange.publication.timeout):

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from dmuon.comm import CollectiveError, CommStats, OwnerPlan, collective_timeout, plan_owners
+from dmuon.comm import (
+    CollectiveError,
+    CommStats,
+    MatrixItem,
+    OwnerPlan,
+    collective_timeout,
+    plan_owners,
+)
 from dmuon.comm.process_groups import check_launched, group_size
 from dmuon.integrations.hooks import install_hooks
 from dmuon.integrations.selection import (
@@ -57,6 +65,9 @@ class Dedication:
     exchange: OwnerExchange
     handles: list[RemovableHandle] = field(default_factory=list)
     kind: str = "fsdp"
+    experts: tuple[str, ...] = ()
+    """Names of the expert stacks split over the dedication's group, which each rank
+    steps where they live (``ddp.dedicate``): neither dedicated nor all-reduced."""
 
     @property
     def params(self) -> set[nn.Parameter]:
@@ -194,6 +205,7 @@ def build_dedication(
     reduce_op: str = "avg",
     free_local_grads: bool = False,
     layer_pack_mb: float = DEFAULT_PACK_MB,
+    experts_in_place: bool = False,
 ) -> Dedication:
     """Plan owners for ``model``'s dedicated parameters, build their exchange, hook it in.
 
@@ -208,6 +220,14 @@ def build_dedication(
     DTensors use (:func:`~dmuon.integrations.selection.tensor_parallel_dim`), owners are
     planned over ``dp`` by the whole matrices' shapes and each owner's ``tp`` row steps
     the shards (:mod:`dmuon.optim.engine.owner_split`).
+
+    With ``experts_in_place`` (``ddp.dedicate``), an expert stack split along its expert
+    dimension over exactly the planning group (:func:`in_place_experts`) is left out of
+    the plan: each rank steps its experts where they live, and the plan starts each
+    rank's load with them (``plan_owners(held=...)``). With ``reduce_op="avg"`` a hook
+    divides their gradient by the group's size as it arrives, as the dense gradients are
+    averaged: the expert dispatch's backward sums every rank's loss into it, and the
+    gradient of the ranks' mean loss is that sum over the ranks.
 
     Raises:
         ValueError: a parameter already sharded by FSDP2, a DTensor owner mode does not
@@ -226,12 +246,16 @@ def build_dedication(
         group, replicate_group = mesh_groups(mesh)
     else:  # dp × tp: owners over the dimension the tensor-parallel placements do not use
         group, replicate_group = mesh.get_group(1 - tp_dim), None
+    experts = in_place_experts(dedicated, group) if experts_in_place and tp_dim is None else []
+    if experts:
+        dedicated = [(i, p) for i, p in dedicated if all(p is not q for _, q in experts)]
     _check_dtensors(
         dedicated,
         rest if all_reduce_rest else [],
         group,
         tensor_parallel=tp_dim is not None,
         reshard_after_forward=reshard_after_forward,
+        kind=kind,
     )
     if not dedicated:
         raise ValueError(
@@ -240,8 +264,14 @@ def build_dedication(
         )
     S = group_size(group)
     R = group_size(replicate_group) if replicate_group is not None else 1
+    held = held_experts(experts, group) if experts else None
     plan = plan_owners(
-        [item for item, _ in dedicated], R * S, strategy=strategy, replicate_size=R, **plan_options
+        [item for item, _ in dedicated],
+        R * S,
+        strategy=strategy,
+        replicate_size=R,
+        held=held,
+        **plan_options,
     )
     # The model check and the first broadcast of the weights: before DMuon(timeout=)
     # exists, under the floor of timeout="auto" (a rank that never dedicates is an
@@ -266,9 +296,62 @@ def build_dedication(
             f"{kind}.dedicate() (the model check and the owners' first broadcast, under "
             f"the default deadline of {seconds:g} s: every rank must call dedicate())"
         ) from err
-    ded = Dedication(model, exchange, kind=kind)
+    ded = Dedication(model, exchange, kind=kind, experts=tuple(i.name for i, _ in experts))
     ded.handles = install_hooks(model, exchange)
+    if reduce_op == "avg" and S > 1:
+        for _, p in experts:
+            ded.handles.append(p.register_hook(lambda g, n=S: g / n))
     return ded
+
+
+def in_place_experts(
+    dedicated: list[tuple[MatrixItem, Any]], group: dist.ProcessGroup | None
+) -> list[tuple[MatrixItem, Any]]:
+    """The expert stacks among ``dedicated`` split along their expert dimension over exactly
+    the ranks of ``group`` (:attr:`~dmuon.optim.engine.placements.MatrixPlacement.
+    expert_split` over a mesh dimension whose ranks are ``group``'s): every rank holds
+    other experts, whole, so each steps its own where they live. An expert stack
+    replicated over ranks of ``group`` (a ``dp × ep`` mesh) is not among them, and
+    :func:`_check_dtensors` refuses it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    everyone = group if group is not None else dist.group.WORLD
+    planning = sorted(dist.get_process_group_ranks(everyone))
+    out = []
+    for item, p in dedicated:
+        if not is_dtensor(p) or len(item.shape) <= 2:
+            continue
+        pl = placement_of(p, item.name, stack=True)
+        if not pl.expert_split:
+            continue
+        ep = p.device_mesh.get_group(pl.shards[0][0])
+        if sorted(dist.get_process_group_ranks(ep)) == planning:
+            out.append((item, p))
+    return out
+
+
+def held_experts(
+    experts: list[tuple[MatrixItem, Any]], group: dist.ProcessGroup | None
+) -> list[list[MatrixItem]]:
+    """Per rank of ``group``, the experts it steps where they live, as ``plan_owners``
+    takes them (``held``): rank ``r``'s block of each stack, ``E`` split as DTensor's
+    ``Shard`` splits it (``torch.chunk``: the first blocks one larger, the last ones empty
+    when ``E`` is less than the group's size), named ``stack[rank r]`` as ``sharded`` mode
+    names them."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    held: list[list[MatrixItem]] = [[] for _ in ranks]
+    for item, p in experts:
+        pl = placement_of(p, item.name, stack=True)
+        mesh_dim, dim = pl.shards[0][0], pl.shards[0][1]
+        ep = dist.get_process_group_ranks(p.device_mesh.get_group(mesh_dim))
+        blocks = [len(b) for b in torch.arange(item.shape[dim]).chunk(len(ep))]
+        blocks += [0] * (len(ep) - len(blocks))
+        for r, rank in enumerate(ranks):
+            count = blocks[ep.index(rank)]
+            if count:
+                shape = (*item.shape[:dim], count, *item.shape[dim + 1 :])
+                held[r].append(replace(item, name=f"{item.name}[rank {r}]", shape=shape))
+    return held
 
 
 def _check_dtensors(
@@ -278,6 +361,7 @@ def _check_dtensors(
     *,
     tensor_parallel: bool,
     reshard_after_forward: bool,
+    kind: str = "ddp",
 ) -> None:
     """Refuse every DTensor parameter owner mode does not take, on every rank alike (the
     placements and groups are the same everywhere), before any collective.
@@ -287,7 +371,8 @@ def _check_dtensors(
     matrix replicated whole over ``tp`` alone (its owner's ``tp`` row steps its copies
     alike: :attr:`~dmuon.optim.engine.placements.MatrixPlacement.replicated_whole`), a
     dedicated or all-reduced scalar laid out over ``tp`` alone. Refused: anything sharded over the
-    planning group itself (FSDP2's rows: dedicate before ``fully_shard``), expert splits,
+    planning group itself (FSDP2's rows: dedicate before ``fully_shard``), expert splits
+    (``ddp.dedicate`` has taken out those it steps in place: :func:`in_place_experts`),
     other layouts, and tensor parallelism with ``reshard_after_forward``.
     """
     planning: set[int] = set()
@@ -325,12 +410,24 @@ def _check_dtensors(
             )
         if taken:
             continue
-        experts = (
-            "; an expert stack split over its expert dimension, as this one, is stepped by "
-            "DMuon(..., mode='single'), each rank its own experts as a batch"
-            if pl.expert_split
-            else ""
-        )
+        if pl.expert_split:
+            ep = p.device_mesh.get_group(pl.shards[0][0])
+            spans = sorted(dist.get_process_group_ranks(ep)) == sorted(planning)
+            raise ValueError(
+                f"expert stack {name!r} has placements {pl.summary()} ({pl.what()}): "
+                "ddp.dedicate steps an expert stack where it lives when its expert dimension "
+                "spans the dedication's ranks exactly (Shard on a 1-D 'ep' mesh over them: "
+                "every rank holds other experts). "
+                + (
+                    f"The {kind} integration dedicates whole matrices only: train this model "
+                    "with ddp.dedicate(model), which all-reduces the scalar parameters"
+                    if spans
+                    else "Replicated over data-parallel ranks, as this one, its experts are "
+                    "stepped by DMuon(..., mode='replicated', process_group="
+                    "mesh.get_group('dp')) without a dedication (one owner among the "
+                    "replicas), or by mode='single' (each rank its own experts as a batch)"
+                )
+            )
         beside = (pl.tensor_split or pl.replicated_whole) and not crosses(p)
         if beside and not tensor_parallel:  # TP beside a 1-D group
             how = (
@@ -354,7 +451,7 @@ def _check_dtensors(
         raise ValueError(
             f"parameter {name!r} is already a DTensor with placements "
             f"{pl.summary()} ({pl.what()}): owner mode dedicates whole, plain matrices "
-            f"and tensor-parallel shards over a dp × tp mesh. {how}{experts}"
+            f"and tensor-parallel shards over a dp × tp mesh. {how}"
         )
     for name, _, p in all_reduced:
         if is_dtensor(p) and crosses(p):

@@ -15,6 +15,13 @@ group is ``dp``: a tensor-parallel matrix is stepped by its owner's ``tp`` row, 
 rank its shard, with the :class:`~dmuon.optim.matrix_split.MatrixSplit` that
 :meth:`OwnerEngine.split_of` hands out — the same machinery as ``single`` and
 ``replicated`` mode (:mod:`~dmuon.optim.engine.tensor_split`).
+
+An expert stack split over the exchange's whole group along its expert dimension
+(a 1-D ``ep`` mesh over the ranks ``ddp.dedicate`` plans on:
+:mod:`~dmuon.optim.engine.expert_split`) is not dedicated: each rank holds other
+experts, whole, with their whole gradients once the expert dispatch's backward has
+run, so it steps them where they live, as one batch, with no collective — first in
+the step, while the dense matrices' last reductions are still in flight.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch.distributed as dist
 
 from dmuon.optim.engine.base import Engine, Stepper, local_norm_tensors
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
+from dmuon.optim.engine.expert_split import expert_group_of
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.engine.tensor_split import settle_split_grads, split_of
@@ -56,6 +64,8 @@ class OwnerEngine(Engine):
         self._matrix_groups: list[int] = []
         # per layer, the replicated-whole DTensor matrices this rank owns (settle_owned)
         self._whole_by_layer: dict[str, list[EngineParam]] = {}
+        # the expert stacks split over the exchange's group, stepped where they live
+        self._in_place_ids: frozenset[int] = frozenset()
 
     def bind(self, stepper: Stepper) -> None:
         super().bind(stepper)
@@ -69,6 +79,7 @@ class OwnerEngine(Engine):
                     "use mode='sign' (train without DDP), or pick another rule for owner mode"
                 )
         ours: list[EngineParam] = []  # the parameters dedicated to this optimizer's exchange
+        in_place: list[EngineParam] = []  # expert stacks split over the exchange's group
         for e in self.params:
             owner = exchange_of(e.param)
             if owner is not None and owner is not ex:
@@ -79,7 +90,9 @@ class OwnerEngine(Engine):
             dedicated = owner is ex
             if dedicated:
                 ours.append(e)
-            if e.matrix and not dedicated:
+            if e.matrix and not dedicated and self._experts_in_place(e):
+                in_place.append(e)
+            elif e.matrix and not dedicated:
                 raise ValueError(
                     f"matrix parameter {e.name!r} is not dedicated: in owner mode every matrix "
                     "parameter is stepped by its owner. Dedicate it (the default predicate "
@@ -102,6 +115,7 @@ class OwnerEngine(Engine):
                 "optimizer (or frozen); give the optimizer every dedicated parameter"
             )
         self._dedicated_ids = frozenset(id(e.param) for e in ours)
+        self._in_place_ids = frozenset(id(e.param) for e in in_place)
         self._keys = ex.layer_keys()
         self._matrix_groups = [
             i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)
@@ -131,6 +145,32 @@ class OwnerEngine(Engine):
         # the engine; nothing asks before
         return id(p) in self._dedicated_ids
 
+    def _experts_in_place(self, e: EngineParam) -> bool:
+        """Whether ``e`` is an expert stack split along its expert dimension over exactly
+        the exchange's group: every rank of it holds other experts, none the same ones, so
+        each steps its own where they live. Raises for an expert stack split otherwise
+        (replicated over ranks of the group, or over a ``dp × tp`` exchange)."""
+        split = expert_group_of(e)
+        if split is None:
+            return False
+        ex = self.exchange
+        ep = dist.get_process_group_ranks(split[1])
+        group = ex.group if ex.group is not None else dist.group.WORLD
+        mine = dist.get_process_group_ranks(group) if self.world_size > 1 else ep
+        if sorted(ep) == sorted(mine) and not ex.tensor_groups and ex.replicate_group is None:
+            return True
+        raise ValueError(
+            f"expert stack {e.name!r} is split over ranks {sorted(ep)}, but the dedication "
+            f"plans owners over ranks {sorted(mine)}"
+            + (" beside tensor parallelism" if ex.tensor_groups else "")
+            + (" with HSDP replicas" if ex.replicate_group is not None else "")
+            + ": owner mode steps expert stacks where they live when their expert "
+            "dimension spans the dedication's group exactly (a 1-D 'ep' mesh over the ranks "
+            "of ddp.dedicate). Experts replicated over 'dp' (a dp × ep mesh) are stepped by "
+            "DMuon(..., mode='replicated', process_group=mesh.get_group('dp')) without a "
+            "dedication"
+        )
+
     def _sharded_over(self, p: torch.Tensor) -> bool:
         """A DTensor whose mesh spans more of the exchange's group than this rank (FSDP2
         over ``dp`` synchronises it); a tensor-parallel DTensor over ``tp`` alone is not."""
@@ -153,6 +193,11 @@ class OwnerEngine(Engine):
             return None
         name = self.exchange.name_of(p)
         return split_of(p, name or "", self.exchange.stats)
+
+    def on_shard(self, p: torch.Tensor) -> bool:
+        """A split matrix and a replicated-whole DTensor (:meth:`Engine.on_shard`), and an
+        expert stack stepped where it lives: its local experts."""
+        return id(p) in self._in_place_ids or super().on_shard(p)
 
     def steps(self, p: torch.Tensor) -> bool:
         if not self._dedicated(p):
@@ -244,6 +289,9 @@ class OwnerEngine(Engine):
         with report.phase("comm_wait"):
             ex.reduction.flush()
         groups = stepper.param_groups
+        if self._in_place_ids:  # the experts, complete here, while reductions travel
+            for index in self._matrix_groups:
+                stepper.step_matrices(index, None, report)
         for key in self._keys:
             with report.phase("comm_wait"):
                 ex.reduction.wait_reduced(key)

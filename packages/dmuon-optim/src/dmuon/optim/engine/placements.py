@@ -52,6 +52,10 @@ the others                             ``process_group`` the ``dp`` group of a
                                        ``dp × ep`` mesh (one owner among the
                                        replicas steps them,
                                        :mod:`~dmuon.optim.engine.expert_split`);
+                                       ``owner`` (``ddp.dedicate``) when the
+                                       dimension is the whole dedication
+                                       group (no replicas: each rank steps
+                                       its experts where they live);
                                        ``d = 0`` also ``sharded`` (FSDP2's
                                        rows of a stack are whole experts,
                                        stepped where they are)
@@ -221,7 +225,7 @@ class MatrixPlacement:
             >>> ep = MatrixPlacement("w", ("Shard(dim=0)",), ("ep",), ((0, 0, False),), ndim=3,
             ...                      stack=True)
             >>> ep.expert_split, ep.tensor_split, supported_by(ep)
-            (True, False, ('sharded', 'single', 'replicated'))
+            (True, False, ('sharded', 'single', 'replicated', 'owner'))
         """
         d = self.split_dim
         return self.stack and self.ndim > 2 and d is not None and d < self.ndim - 2
@@ -418,13 +422,7 @@ def supported_by(pl: MatrixPlacement) -> tuple[str, ...]:
     if pl.whole_experts and not pl.expert_split:  # over several mesh dims
         return ("sharded", "single")
     modes = ("sharded",) if pl.row_sharded else ()
-    return modes + (
-        ("single", "replicated", "owner")
-        if pl.tensor_split
-        else ("single", "replicated")
-        if pl.expert_split
-        else ()
-    )
+    return modes + (("single", "replicated", "owner") if pl.tensor_split or pl.expert_split else ())
 
 
 def check_placements(params: Iterable[EngineParam], mode: str) -> None:
@@ -462,7 +460,8 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
             ep = (
                 f"; expert stacks split over a mesh dimension ({experts[0]!r}) beside plain "
                 "matrices are stepped by mode='single' (each rank its own experts; you "
-                "synchronise the replicated gradients, as DDP would)"
+                "synchronise the replicated gradients, as DDP would), or in owner mode by "
+                "ddp.dedicate(model) over the ranks they are split over"
                 if experts
                 else ""
             )

@@ -205,9 +205,11 @@ def check_split_groups(params: Iterable[EngineParam], group: Any, mode: str) -> 
     hold its shards must be outside the planning group but for this rank: owners over
     ``dp``, shards over ``tp`` (``replicated`` mode; ``owner`` mode, whose planning group
     is its dedication's); the same for experts, held over ``ep``
-    (:mod:`~dmuon.optim.engine.expert_split`). FSDP2's rows (split over the planning group itself)
-    are refused, naming the parameter, the two groups and what to pass. Every rank
-    reads the same placements and groups, so every rank refuses alike.
+    (:mod:`~dmuon.optim.engine.expert_split`). In ``owner`` mode an expert stack split
+    over exactly the planning group is taken too: each rank steps its experts where they
+    live (:class:`~dmuon.optim.engine.owner.OwnerEngine`). FSDP2's rows (split over the
+    planning group itself) are refused, naming the parameter, the two groups and what to
+    pass. Every rank reads the same placements and groups, so every rank refuses alike.
     """
     if not dist.is_available() or not dist.is_initialized():
         return
@@ -222,6 +224,8 @@ def check_split_groups(params: Iterable[EngineParam], group: Any, mode: str) -> 
         split = set(dist.get_process_group_ranks(found[1]))
         if split & planning == {me}:
             continue
+        if mode == "owner" and experts is not None and split == planning:
+            continue  # experts over the dedication's ranks: stepped where they live
         if mode == "owner":
             raise ValueError(
                 f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), "

@@ -744,6 +744,7 @@ def assumptions(
         "tensor parallelism runs today in single, replicated, sharded and owner mode "
         "(dedicate over dp × tp); experts in single mode, in replicated mode over dp "
         "(all-reduced, then one owner among the replicas) and in sharded mode (stepped "
-        "where they are); owner mode with experts, and sign mode with either, are "
-        "predicted as designed (docs: Tensor and expert parallelism)")))  # fmt: skip
+        "where they are), and in owner mode when dp = ep (ddp.dedicate: each rank its "
+        "own experts); owner mode with experts replicated over dp, and sign mode with "
+        "either, are predicted as designed (docs: Tensor and expert parallelism)")))  # fmt: skip
     return rows

@@ -1,0 +1,272 @@
+"""Owner mode with expert parallelism: ``ddp.dedicate`` over the ranks an expert stack is
+split over steps each rank's experts where they live, the dense matrices by their owners.
+
+The model is :mod:`expert_cases`' soft-routed MoE, its two expert stacks ``Shard(0)`` on a
+1-D ``ep`` mesh over every rank. ``ddp.dedicate`` dedicates the dense matrices (planned
+around each rank's experts: ``plan_owners(held=...)``), all-reduces the scalars, and leaves
+the stacks out: each rank's experts are whole, their gradients complete once the
+dispatch's backward has run (every rank's loss summed into them), and a hook divides them
+by the world as the dense ones are averaged. The training loop is DDP's — forward,
+backward, ``opt.step()`` — with no gradient code of its own, and every run equals one
+process trained on the same global batches. Experts replicated over ``dp`` (a ``dp × ep``
+mesh) are refused on every rank, naming ``mode='replicated'``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from expert_cases import BATCH, OPT, RULES, STEPS, TOLERANCE, MoE, batch, expert_parallel, reference
+from tensor_parallel_cases import error
+
+from dmuon.comm.testing import run_on_ranks
+from dmuon.optim import DMuon, NonFiniteGradientError, param_groups
+
+STACKS = ("w_in", "w_out")
+
+
+def train(model: MoE, opt: DMuon, steps) -> None:
+    """Each rank trains on its slice of every global batch; no gradient code: the
+    dedication finishes every gradient."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = BATCH // world
+    for t in steps:
+        x, y = batch(t)
+        mine = slice(rank * rows, (rank + 1) * rows)
+        F.mse_loss(model(x[mine]), y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def run_owner(rank, world, cases, scalars):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    out = {}
+    for rule, experts in cases:
+        model = expert_parallel(mesh, experts)
+        ded = ddp.dedicate(model, scalars=scalars)
+        opt = DMuon(param_groups(model), distributed=ded, rule=rule, **OPT)
+        train(model, opt, range(STEPS))
+        ded.wait()
+        state = {n: tuple(opt.state[getattr(model, n)]["momentum_buffer"].shape) for n in STACKS}
+        full = {
+            n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+            for n, p in model.named_parameters()
+        }
+        plan = ded.plan
+        out[(rule, experts)] = {
+            "params": full,
+            "local": tuple(model.w_in.to_local().shape),
+            "state": state,
+            "experts": ded.experts,
+            "names": ded.names,
+            "owned": ded.owned,
+            "loads": list(plan.loads),
+        }
+    return out
+
+
+def check(results, cases) -> None:
+    for rule, experts in cases:
+        initial = {n: p.detach().clone() for n, p in MoE(experts).named_parameters()}
+        expected = reference(rule, experts)
+        moved = max((expected[n] - initial[n]).abs().max().item() for n in initial)
+        assert moved > 1e-3, f"{rule}: the reference barely moved; the test would prove nothing"
+        for rank, out in enumerate(results):
+            got = out[(rule, experts)]
+            assert got["experts"] == STACKS, (rank, got["experts"])
+            assert not set(STACKS) & set(got["names"]), got["names"]  # not dedicated
+            local = got["local"]
+            assert got["state"]["w_in"] == local, (rule, rank, got["state"])  # its experts'
+            for name, want in expected.items():
+                diff = (got["params"][name] - want).abs().max().item()
+                assert diff <= TOLERANCE, (
+                    f"{rule}, E={experts}, rank {rank}: {name} off by {diff:.2e}"
+                )
+
+
+def test_owner_mode_steps_each_ranks_experts_where_they_live_like_one_process():
+    """ep = 2 on 2 ranks, muon / normuon / dion3 with 4 experts and muon with 3 (2 + 1);
+    the scalars all-reduced (DDP's way) and, for muon, owned too."""
+    cases = [(rule, 4) for rule in RULES] + [("muon", 3)]
+    results = run_on_ranks(run_owner, 2, args=(cases, "all_reduce"), timeout=240)
+    assert [r[("muon", 4)]["local"][0] for r in results] == [2, 2]
+    assert [r[("muon", 3)]["local"][0] for r in results] == [2, 1]
+    check(results, cases)
+    owned = run_on_ranks(run_owner, 2, args=([("muon", 4)], "owner"), timeout=180)
+    check(owned, [("muon", 4)])
+
+
+def test_owner_mode_with_one_expert_per_rank_and_a_rank_without_any():
+    """ep = 4 on 4 ranks, 3 experts: the last rank holds none and plans more dense matrices."""
+    results = run_on_ranks(run_owner, 4, args=([("muon", 3)], "all_reduce"), timeout=240)
+    assert [r[("muon", 3)]["local"][0] for r in results] == [1, 1, 1, 0]
+    check(results, [("muon", 3)])
+
+
+def run_grads(rank, world):
+    """The experts' gradients and the gradient norm after one backward, before any step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+    from dmuon.optim import clip_grad_norm_
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    model = expert_parallel(mesh)
+    ded = ddp.dedicate(model)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    x, y = batch(0)
+    rows = BATCH // world
+    F.mse_loss(
+        model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
+    ).backward()
+    grads = {n: getattr(model, n).grad.full_tensor() for n in STACKS}
+    return grads, clip_grad_norm_(opt, float("inf")).item()
+
+
+def test_expert_gradients_are_those_of_the_mean_loss_and_the_norm_counts_each_once():
+    """The rules are scale-invariant, so the steps alone would not see a gradient off by the
+    world: the experts' gradients and ``clip_grad_norm_`` equal one process's."""
+    model = MoE()
+    x, y = batch(0)
+    F.mse_loss(model(x), y).backward()
+    want = {n: getattr(model, n).grad for n in STACKS}
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    for rank, (grads, got) in enumerate(run_on_ranks(run_grads, 2, timeout=120)):
+        for n in STACKS:
+            diff = (grads[n] - want[n]).abs().max().item()
+            assert diff <= 1e-6 * want[n].abs().max().item(), (rank, n, diff)
+        assert abs(got - norm) <= 1e-6 * norm, (rank, got, norm)
+
+
+def run_plan(rank, world):
+    """The dense plan with the experts held, against ``plan_owners`` given the same
+    experts by hand."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.comm import MatrixItem, layer_key, plan_owners
+    from dmuon.integrations import ddp
+    from dmuon.integrations.selection import split_parameters
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    model = expert_parallel(mesh, 3)
+    ded = ddp.dedicate(model)
+    dense = [i for i, _ in split_parameters(MoE(3))[0] if i.name not in STACKS]
+    stacks = {n: tuple(getattr(MoE(3), n).shape[1:]) for n in STACKS}
+    held = [  # torch.chunk(3 experts, 2) = 2 + 1
+        [MatrixItem(f"{n}[rank {r}]", (k, *s), layer=layer_key(n)) for n, s in stacks.items()]
+        for r, k in enumerate((2, 1))
+    ]
+    want = plan_owners(dense, world, held=held)
+    return ded.plan.owners, want.owners, ded.plan.loads, want.loads
+
+
+def test_the_dense_plan_starts_each_ranks_load_with_its_experts():
+    for got, want, loads, want_loads in run_on_ranks(run_plan, 2, timeout=120):
+        assert got == want and loads == want_loads, (got, want, loads, want_loads)
+        assert loads[0] != loads[1]  # 2 experts against 1: the experts are counted
+
+
+def run_refusal(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "ep"))
+    return error(lambda: ddp.dedicate(expert_parallel(mesh)))
+
+
+def test_experts_replicated_over_dp_are_refused_on_every_rank():
+    """dp 2 × ep 1: every stack is replicated over the dedication's ranks."""
+    for rank, msg in enumerate(run_on_ranks(run_refusal, 2, timeout=120)):
+        assert msg is not None, f"rank {rank}: no error"
+        assert "'w_in'" in msg and "mode='replicated'" in msg, (rank, msg)
+        assert "spans the dedication's ranks exactly" in msg, (rank, msg)
+
+
+def run_nonfinite(rank, world, policy):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    model = expert_parallel(mesh)
+    ded = ddp.dedicate(model)
+    opt = DMuon(param_groups(model), distributed=ded, nonfinite=policy, **OPT)
+    train(model, opt, range(1))
+    before = {n: p.detach().to_local().clone() for n, p in model.named_parameters() if n in STACKS}
+    x, y = batch(1)
+    rows = BATCH // world
+    F.mse_loss(
+        model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
+    ).backward()
+    if rank == 1:
+        model.w_out.grad.to_local()[0, 0, 0] = float("nan")  # one expert of rank 1 only
+    try:
+        opt.step()
+        err = None
+    except NonFiniteGradientError as e:
+        err = str(e)
+    ded.wait()
+    after = {n: getattr(model, n).detach().to_local() for n in STACKS}
+    same = all(torch.equal(before[n], after[n]) for n in STACKS)
+    return err, same
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_a_nonfinite_expert_gradient_on_one_rank_stops_every_rank(policy):
+    for rank, (err, same) in enumerate(run_on_ranks(run_nonfinite, 2, args=(policy,), timeout=120)):
+        if policy == "raise":
+            assert err is not None and "on rank(s) [1]" in err, (rank, err)
+            assert rank == 0 or "['w_out']" in err, (rank, err)  # named where it is
+        else:
+            assert err is None, (rank, err)
+        assert same, f"rank {rank}: experts stepped although a rank saw a NaN"
+
+
+def run_resume(rank, world, path, rule):
+    """Train 2 steps, save (DCP), train a third; a fresh dedication loads and trains the
+    third too."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import checkpoint, ddp
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+
+    def build():
+        model = expert_parallel(mesh)
+        ded = ddp.dedicate(model)
+        return model, ded, DMuon(param_groups(model), distributed=ded, rule=rule, **OPT)
+
+    def params(model):
+        return {
+            n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+            for n, p in model.named_parameters()
+        }
+
+    model, ded, opt = build()
+    train(model, opt, range(2))
+    checkpoint.save(path, model, opt)
+    train(model, opt, range(2, 3))
+    ded.wait()
+    continued = params(model)
+    model, ded, opt = build()
+    checkpoint.load(path, model, opt)
+    state = tuple(opt.state[model.w_in]["momentum_buffer"].shape)
+    train(model, opt, range(2, 3))
+    ded.wait()
+    return continued, params(model), state, tuple(model.w_in.to_local().shape)
+
+
+@pytest.mark.parametrize("rule", ["normuon"])  # momentum and per-expert per-row state
+def test_a_dcp_checkpoint_resumes_the_experts_state_where_it_lives(tmp_path, rule):
+    results = run_on_ranks(run_resume, 2, args=(str(tmp_path / "ckpt"), rule), timeout=180)
+    for rank, (continued, resumed, state, local) in enumerate(results):
+        assert state == local, (rank, state, local)
+        for name, want in continued.items():
+            assert torch.equal(resumed[name], want), f"rank {rank}: {name} differs after resuming"
