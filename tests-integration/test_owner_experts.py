@@ -64,6 +64,7 @@ def run_owner(rank, world, cases, scalars):
             "local": tuple(model.w_in.to_local().shape),
             "state": state,
             "experts": ded.experts,
+            "repr": repr(ded),
             "names": ded.names,
             "owned": ded.owned,
             "loads": list(plan.loads),
@@ -80,6 +81,7 @@ def check(results, cases) -> None:
         for rank, out in enumerate(results):
             got = out[(rule, experts)]
             assert got["experts"] == STACKS, (rank, got["experts"])
+            assert "2 expert stacks in place" in got["repr"], got["repr"]
             assert not set(STACKS) & set(got["names"]), got["names"]  # not dedicated
             local = got["local"]
             assert got["state"]["w_in"] == local, (rule, rank, got["state"])  # its experts'
@@ -107,6 +109,42 @@ def test_owner_mode_with_one_expert_per_rank_and_a_rank_without_any():
     results = run_on_ranks(run_owner, 4, args=([("muon", 3)], "all_reduce"), timeout=240)
     assert [r[("muon", 3)]["local"][0] for r in results] == [1, 1, 1, 0]
     check(results, [("muon", 3)])
+
+
+def run_accumulated(rank, world):
+    """Each global batch as two micro-batches per rank, the first under ``ded.no_sync()``,
+    with the dense weights freed after each forward (``reshard_after_forward=True``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    model = expert_parallel(mesh)
+    ded = ddp.dedicate(model, reshard_after_forward=True)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    rows = BATCH // world
+    for t in range(STEPS):
+        x, y = batch(t)
+        xs, ys = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+        half = rows // 2
+        with ded.no_sync():
+            (F.mse_loss(model(xs[:half]), ys[:half]) / 2).backward()
+        (F.mse_loss(model(xs[half:]), ys[half:]) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    ded.wait()  # the owners' last publications, every rank's weights whole until a forward
+    return {
+        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def test_accumulated_micro_batches_with_freed_weights_step_like_one_process():
+    expected = reference("muon", 4)
+    for rank, got in enumerate(run_on_ranks(run_accumulated, 2, timeout=180)):
+        for name, want in expected.items():
+            diff = (got[name] - want).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: {name} off by {diff:.2e}"
 
 
 def run_grads(rank, world):

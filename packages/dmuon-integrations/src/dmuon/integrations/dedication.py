@@ -153,7 +153,9 @@ class Dedication:
     def __repr__(self) -> str:
         return (
             f"Dedication(kind={self.kind!r}, {len(self.names)} dedicated, "
-            f"{len(self.all_reduced)} all-reduced, rank {self.rank} owns {len(self.owned)}, "
+            f"{len(self.all_reduced)} all-reduced, "
+            + (f"{len(self.experts)} expert stacks in place, " if self.experts else "")
+            + f"rank {self.rank} owns {len(self.owned)}, "
             f"plan={self.plan!r})"
         )
 
