@@ -9,7 +9,9 @@ dispatch's backward has run (every rank's loss summed into them), and a hook div
 by the world as the dense ones are averaged. The training loop is DDP's — forward,
 backward, ``opt.step()`` — with no gradient code of its own, and every run equals one
 process trained on the same global batches. Experts replicated over ``dp`` (a ``dp × ep``
-mesh) are refused on every rank, naming ``mode='replicated'``.
+mesh) are taken too: one all-reduce over ``dp`` sums each rank's experts' gradients with
+its replica's before both step them. Experts laid out beyond the dedication's ranks, and
+under ``fsdp.dedicate``, are refused on every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from dmuon.comm.testing import run_on_ranks
 from dmuon.optim import DMuon, NonFiniteGradientError, param_groups
 
 STACKS = ("w_in", "w_out")
+DP_EP = ((2, 2), ("dp", "ep"))  # 4 ranks: each rank's experts also on its dp replica
+MESHES = pytest.mark.parametrize(
+    ("world", "mesh"), [(2, ((2,), ("ep",))), (4, DP_EP)], ids=["ep2", "dp2xep2"]
+)
 
 
 def train(model: MoE, opt: DMuon, steps) -> None:
@@ -40,12 +46,12 @@ def train(model: MoE, opt: DMuon, steps) -> None:
         opt.zero_grad()
 
 
-def run_owner(rank, world, cases, scalars):
+def run_owner(rank, world, cases, scalars, shape=None, names=("ep",)):
     from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon.integrations import ddp
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    mesh = init_device_mesh("cpu", shape or (world,), mesh_dim_names=names)
     out = {}
     for rule, experts in cases:
         model = expert_parallel(mesh, experts)
@@ -147,14 +153,14 @@ def test_accumulated_micro_batches_with_freed_weights_step_like_one_process():
             assert diff <= TOLERANCE, f"rank {rank}: {name} off by {diff:.2e}"
 
 
-def run_grads(rank, world):
+def run_grads(rank, world, shape=None, names=("ep",)):
     """The experts' gradients and the gradient norm after one backward, before any step."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon.integrations import ddp
     from dmuon.optim import clip_grad_norm_
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    mesh = init_device_mesh("cpu", shape or (world,), mesh_dim_names=names)
     model = expert_parallel(mesh)
     ded = ddp.dedicate(model)
     opt = DMuon(param_groups(model), distributed=ded, **OPT)
@@ -163,23 +169,67 @@ def run_grads(rank, world):
     F.mse_loss(
         model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
     ).backward()
-    grads = {n: getattr(model, n).grad.full_tensor() for n in STACKS}
-    return grads, clip_grad_norm_(opt, float("inf")).item()
+    norm = clip_grad_norm_(opt, float("inf")).item()  # makes every gradient final first
+    return {n: getattr(model, n).grad.full_tensor() for n in STACKS}, norm
 
 
-def test_expert_gradients_are_those_of_the_mean_loss_and_the_norm_counts_each_once():
+@MESHES
+def test_expert_gradients_are_those_of_the_mean_loss_and_the_norm_counts_each_once(world, mesh):
     """The rules are scale-invariant, so the steps alone would not see a gradient off by the
-    world: the experts' gradients and ``clip_grad_norm_`` equal one process's."""
+    world: the experts' gradients (summed over their ``dp`` replicas on dp 2 × ep 2) and
+    ``clip_grad_norm_`` (each expert counted once) equal one process's."""
     model = MoE()
     x, y = batch(0)
     F.mse_loss(model(x), y).backward()
     want = {n: getattr(model, n).grad for n in STACKS}
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
-    for rank, (grads, got) in enumerate(run_on_ranks(run_grads, 2, timeout=120)):
+    for rank, (grads, got) in enumerate(run_on_ranks(run_grads, world, args=mesh, timeout=180)):
         for n in STACKS:
             diff = (grads[n] - want[n]).abs().max().item()
             assert diff <= 1e-6 * want[n].abs().max().item(), (rank, n, diff)
         assert abs(got - norm) <= 1e-6 * norm, (rank, got, norm)
+
+
+def test_dp2_by_ep2_replicas_sum_their_experts_gradients_and_step_like_one_process():
+    """dp 2 × ep 2 on 4 ranks: each rank's experts are held by one other rank too (its
+    ``dp`` replica); one all-reduce over ``dp`` sums their gradients and both step them."""
+    cases = [(rule, 4) for rule in RULES] + [("muon", 3)]
+    results = run_on_ranks(run_owner, 4, args=(cases, "all_reduce", *DP_EP), timeout=300)
+    assert [r[("muon", 4)]["local"][0] for r in results] == [2, 2, 2, 2]
+    assert [r[("muon", 3)]["local"][0] for r in results] == [2, 1, 2, 1]
+    check(results, cases)
+
+
+def run_missing_gradient(rank, world):
+    """dp 2 × ep 2; rank 2 drops its ``w_out`` gradient (an expert stack no token of its
+    reached): the sum over ``dp`` takes it as zeros and gives it the sum."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+    from dmuon.optim import clip_grad_norm_
+
+    mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
+    model = expert_parallel(mesh)
+    opt = DMuon(param_groups(model), distributed=ddp.dedicate(model), **OPT)
+    x, y = batch(0)
+    rows = BATCH // world
+    F.mse_loss(
+        model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
+    ).backward()
+    before = model.w_out.grad.to_local().clone()
+    if rank == 2:
+        model.w_out.grad = None
+    clip_grad_norm_(opt, float("inf"))
+    return before, model.w_out.grad.to_local().clone()
+
+
+def test_an_expert_without_a_gradient_on_one_replica_gets_the_sum():
+    results = run_on_ranks(run_missing_gradient, 4, timeout=120)
+    (before0, after0), (_, after2) = results[0], results[2]  # dp replicas of each other
+    assert torch.equal(after0, before0), "rank 0's sum should be its own gradient alone"
+    assert torch.equal(after2, after0), "rank 2 should hold its replica's sum"
+    (before1, after1), (before3, after3) = results[1], results[3]
+    assert torch.allclose(after1, before1 + before3) and torch.equal(after1, after3)
 
 
 def run_plan(rank, world):
@@ -210,21 +260,31 @@ def test_the_dense_plan_starts_each_ranks_load_with_its_experts():
         assert loads[0] != loads[1]  # 2 experts against 1: the experts are counted
 
 
-def run_refusal(rank, world):
+def run_refusals(rank, world):
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dmuon.integrations import ddp
+    from dmuon.integrations import ddp, fsdp
 
-    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "ep"))
-    return error(lambda: ddp.dedicate(expert_parallel(mesh)))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # a dedication of one rank
+    return {
+        "other ranks": error(lambda: ddp.dedicate(expert_parallel(mesh), group=alone)),
+        "fsdp": error(lambda: fsdp.dedicate(expert_parallel(mesh), mesh)),
+    }
 
 
-def test_experts_replicated_over_dp_are_refused_on_every_rank():
-    """dp 2 × ep 1: every stack is replicated over the dedication's ranks."""
-    for rank, msg in enumerate(run_on_ranks(run_refusal, 2, timeout=120)):
+def test_experts_laid_out_beyond_the_dedication_and_under_fsdp_are_refused_on_every_rank():
+    """A dedication over one rank of the two the experts span; ``fsdp.dedicate``, whose
+    FSDP2 would shard what it does not dedicate, of experts it could step in place."""
+    for rank, out in enumerate(run_on_ranks(run_refusals, 2, timeout=120)):
+        msg = out["other ranks"]
         assert msg is not None, f"rank {rank}: no error"
         assert "'w_in'" in msg and "mode='replicated'" in msg, (rank, msg)
         assert "spans the dedication's ranks exactly" in msg, (rank, msg)
+        msg = out["fsdp"]
+        assert msg is not None, f"rank {rank}: fsdp.dedicate took the experts"
+        assert "'w_in'" in msg and "train this model with ddp.dedicate(model)" in msg, msg
 
 
 def run_nonfinite(rank, world, policy):
@@ -267,14 +327,14 @@ def test_a_nonfinite_expert_gradient_on_one_rank_stops_every_rank(policy):
         assert same, f"rank {rank}: experts stepped although a rank saw a NaN"
 
 
-def run_resume(rank, world, path, rule):
+def run_resume(rank, world, path, rule, shape=None, names=("ep",)):
     """Train 2 steps, save (DCP), train a third; a fresh dedication loads and trains the
     third too."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon.integrations import checkpoint, ddp
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    mesh = init_device_mesh("cpu", shape or (world,), mesh_dim_names=names)
 
     def build():
         model = expert_parallel(mesh)
@@ -301,9 +361,11 @@ def run_resume(rank, world, path, rule):
     return continued, params(model), state, tuple(model.w_in.to_local().shape)
 
 
-@pytest.mark.parametrize("rule", ["normuon"])  # momentum and per-expert per-row state
-def test_a_dcp_checkpoint_resumes_the_experts_state_where_it_lives(tmp_path, rule):
-    results = run_on_ranks(run_resume, 2, args=(str(tmp_path / "ckpt"), rule), timeout=180)
+@MESHES
+def test_a_dcp_checkpoint_resumes_the_experts_state_where_it_lives(tmp_path, world, mesh):
+    """normuon: momentum and per-expert, per-row state."""
+    path = str(tmp_path / "ckpt")
+    results = run_on_ranks(run_resume, world, args=(path, "normuon", *mesh), timeout=180)
     for rank, (continued, resumed, state, local) in enumerate(results):
         assert state == local, (rank, state, local)
         for name, want in continued.items():

@@ -31,6 +31,7 @@ from dmuon.integrations.selection import (
 from dmuon.optim import OwnerExchange
 from dmuon.optim import deadline as auto_deadline
 from dmuon.optim.engine import DEFAULT_PACK_MB, format_description
+from dmuon.optim.engine.expert_split import in_place_replicas
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.engine.placements import placement_of
 
@@ -66,8 +67,9 @@ class Dedication:
     handles: list[RemovableHandle] = field(default_factory=list)
     kind: str = "fsdp"
     experts: tuple[str, ...] = ()
-    """Names of the expert stacks split over the dedication's group, which each rank
-    steps where they live (``ddp.dedicate``): neither dedicated nor all-reduced."""
+    """Names of the expert stacks whose mesh spans the dedication's group, which each rank
+    steps where they live (``ddp.dedicate``): neither dedicated nor all-reduced with the
+    scalars (a ``dp × ep`` mesh's replicas sum their gradients in the optimizer's step)."""
 
     @property
     def params(self) -> set[nn.Parameter]:
@@ -224,9 +226,10 @@ def build_dedication(
     the shards (:mod:`dmuon.optim.engine.owner_split`).
 
     With ``experts_in_place`` (``ddp.dedicate``), an expert stack split along its expert
-    dimension over exactly the planning group (:func:`in_place_experts`) is left out of
-    the plan: each rank steps its experts where they live, and the plan starts each
-    rank's load with them (``plan_owners(held=...)``). With ``reduce_op="avg"`` a hook
+    dimension whose mesh spans exactly the planning group (:func:`in_place_experts`) is
+    left out of the plan: each rank steps its experts where they live (the optimizer sums
+    a ``dp × ep`` mesh's replicas first), and the plan starts each rank's load with them
+    (``plan_owners(held=...)``). With ``reduce_op="avg"`` a hook
     divides their gradient by the group's size as it arrives, as the dense gradients are
     averaged: the expert dispatch's backward sums every rank's loss into it, and the
     gradient of the ranks' mean loss is that sum over the ranks.
@@ -309,25 +312,23 @@ def build_dedication(
 def in_place_experts(
     dedicated: list[tuple[MatrixItem, Any]], group: dist.ProcessGroup | None
 ) -> list[tuple[MatrixItem, Any]]:
-    """The expert stacks among ``dedicated`` split along their expert dimension over exactly
-    the ranks of ``group`` (:attr:`~dmuon.optim.engine.placements.MatrixPlacement.
-    expert_split` over a mesh dimension whose ranks are ``group``'s): every rank holds
-    other experts, whole, so each steps its own where they live. An expert stack
-    replicated over ranks of ``group`` (a ``dp × ep`` mesh) is not among them, and
+    """The expert stacks among ``dedicated`` (split along their expert dimension:
+    :attr:`~dmuon.optim.engine.placements.MatrixPlacement.expert_split`) whose mesh spans
+    exactly the ranks of ``group`` (:func:`~dmuon.optim.engine.expert_split.
+    in_place_replicas`): a 1-D ``ep`` mesh over them, or a ``dp × ep`` mesh. Each rank
+    steps its own experts where they live; the ``dp`` replicas of the same experts sum their
+    gradients first. A stack laid out over other ranks is not among them, and
     :func:`_check_dtensors` refuses it."""
     if not (dist.is_available() and dist.is_initialized()):
         return []
     everyone = group if group is not None else dist.group.WORLD
-    planning = sorted(dist.get_process_group_ranks(everyone))
+    planning = dist.get_process_group_ranks(everyone)
     out = []
     for item, p in dedicated:
         if not is_dtensor(p) or len(item.shape) <= 2:
             continue
         pl = placement_of(p, item.name, stack=True)
-        if not pl.expert_split:
-            continue
-        ep = p.device_mesh.get_group(pl.shards[0][0])
-        if sorted(dist.get_process_group_ranks(ep)) == planning:
+        if pl.expert_split and in_place_replicas(p, pl.shards[0][0], planning) is not None:
             out.append((item, p))
     return out
 
@@ -336,20 +337,23 @@ def held_experts(
     experts: list[tuple[MatrixItem, Any]], group: dist.ProcessGroup | None
 ) -> list[list[MatrixItem]]:
     """Per rank of ``group``, the experts it steps where they live, as ``plan_owners``
-    takes them (``held``): rank ``r``'s block of each stack, ``E`` split as DTensor's
-    ``Shard`` splits it (``torch.chunk``: the first blocks one larger, the last ones empty
-    when ``E`` is less than the group's size), named ``stack[rank r]`` as ``sharded`` mode
-    names them."""
+    takes them (``held``): the block of each stack at the rank's coordinate along the
+    expert mesh dimension, ``E`` split as DTensor's ``Shard`` splits it (``torch.chunk``:
+    the first blocks one larger, the last ones empty when ``E`` is less than the
+    dimension's size), named ``stack[rank r]`` as ``sharded`` mode names them. Read from
+    the placements and the mesh alone: no collective."""
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     held: list[list[MatrixItem]] = [[] for _ in ranks]
     for item, p in experts:
         pl = placement_of(p, item.name, stack=True)
         mesh_dim, dim = pl.shards[0][0], pl.shards[0][1]
-        ep = dist.get_process_group_ranks(p.device_mesh.get_group(mesh_dim))
-        blocks = [len(b) for b in torch.arange(item.shape[dim]).chunk(len(ep))]
-        blocks += [0] * (len(ep) - len(blocks))
+        layout = p.device_mesh.mesh  # the ranks, laid out as the mesh
+        size = layout.shape[mesh_dim]
+        blocks = [len(b) for b in torch.arange(item.shape[dim]).chunk(size)]
+        blocks += [0] * (size - len(blocks))
         for r, rank in enumerate(ranks):
-            count = blocks[ep.index(rank)]
+            coordinate = int((layout == rank).nonzero()[0][mesh_dim])
+            count = blocks[coordinate]
             if count:
                 shape = (*item.shape[:dim], count, *item.shape[dim + 1 :])
                 held[r].append(replace(item, name=f"{item.name}[rank {r}]", shape=shape))
@@ -413,21 +417,20 @@ def _check_dtensors(
         if taken:
             continue
         if pl.expert_split:
-            ep = p.device_mesh.get_group(pl.shards[0][0])
-            spans = sorted(dist.get_process_group_ranks(ep)) == sorted(planning)
+            spans = in_place_replicas(p, pl.shards[0][0], planning) is not None
             raise ValueError(
                 f"expert stack {name!r} has placements {pl.summary()} ({pl.what()}): "
-                "ddp.dedicate steps an expert stack where it lives when its expert dimension "
-                "spans the dedication's ranks exactly (Shard on a 1-D 'ep' mesh over them: "
-                "every rank holds other experts). "
+                "ddp.dedicate steps an expert stack where it lives when its mesh spans the "
+                "dedication's ranks exactly (Shard on a 1-D 'ep' mesh over them, or on the "
+                "'ep' dimension of a 'dp × ep' mesh over them). "
                 + (
                     f"The {kind} integration dedicates whole matrices only: train this model "
                     "with ddp.dedicate(model), which all-reduces the scalar parameters"
                     if spans
-                    else "Replicated over data-parallel ranks, as this one, its experts are "
-                    "stepped by DMuon(..., mode='replicated', process_group="
-                    "mesh.get_group('dp')) without a dedication (one owner among the "
-                    "replicas), or by mode='single' (each rank its own experts as a batch)"
+                    else "Laid out over other ranks, as this one, its experts are stepped by "
+                    "DMuon(..., mode='replicated', process_group=mesh.get_group('dp')) "
+                    "without a dedication (one owner among the replicas), or by "
+                    "mode='single' (each rank its own experts as a batch)"
                 )
             )
         beside = (pl.tensor_split or pl.replicated_whole) and not crosses(p)

@@ -16,18 +16,24 @@ each stack has one owner among its replicas, which steps its experts as a batch,
 the all-gather over ``dp`` gives the other replicas the new experts — the Newton–Schulz
 work of the experts divided by the data-parallel degree instead of repeated on every
 replica.
+
+Owner mode (``ddp.dedicate``) steps the stacks whose mesh spans exactly the ranks it plans
+on (:func:`in_place_replicas`): a 1-D ``ep`` mesh over them (no replicas), or a ``dp × ep``
+mesh over them, where the ``dp`` replicas of each rank's experts sum their gradients with
+one all-reduce and each steps them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch.distributed as dist
 
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.placements import placement_of_param
 
-__all__ = ["expert_group_of", "expert_groups"]
+__all__ = ["expert_group_of", "expert_groups", "in_place_replicas"]
 
 
 def expert_group_of(e: EngineParam) -> tuple[int, dist.ProcessGroup] | None:
@@ -52,3 +58,21 @@ def expert_groups(params: Iterable[EngineParam]) -> list[dist.ProcessGroup]:
         if split is not None:
             found.setdefault(tuple(dist.get_process_group_ranks(split[1])), split[1])
     return [found[k] for k in sorted(found)]
+
+
+def in_place_replicas(
+    p: Any, mesh_dim: int, planning: Iterable[int]
+) -> list[dist.ProcessGroup] | None:
+    """For an expert stack ``p`` split along its expert dimension over mesh dimension
+    ``mesh_dim``: the groups of its other mesh dimensions with more than one rank (the
+    ranks holding the same experts: their gradients must be summed over them) when its
+    mesh spans exactly the ranks ``planning``; ``None`` when it does not (its mesh reaches
+    ranks outside ``planning``, or covers only some of them).
+
+    A 1-D ``ep`` mesh over ``planning`` gives ``[]``; a ``dp × ep`` mesh over it gives the
+    ``dp`` group of this rank.
+    """
+    mesh = p.device_mesh
+    if sorted(int(r) for r in mesh.mesh.flatten().tolist()) != sorted(planning):
+        return None
+    return [mesh.get_group(d) for d in range(mesh.ndim) if d != mesh_dim and mesh.size(d) > 1]

@@ -16,12 +16,14 @@ rank its shard, with the :class:`~dmuon.optim.matrix_split.MatrixSplit` that
 :meth:`OwnerEngine.split_of` hands out — the same machinery as ``single`` and
 ``replicated`` mode (:mod:`~dmuon.optim.engine.tensor_split`).
 
-An expert stack split over the exchange's whole group along its expert dimension
-(a 1-D ``ep`` mesh over the ranks ``ddp.dedicate`` plans on:
-:mod:`~dmuon.optim.engine.expert_split`) is not dedicated: each rank holds other
-experts, whole, with their whole gradients once the expert dispatch's backward has
-run, so it steps them where they live, as one batch, with no collective — first in
-the step, while the dense matrices' last reductions are still in flight.
+An expert stack whose mesh spans exactly the exchange's group (a 1-D ``ep`` mesh over
+the ranks ``ddp.dedicate`` plans on, or a ``dp × ep`` mesh over them:
+:func:`~dmuon.optim.engine.expert_split.in_place_replicas`) is not dedicated: each rank
+holds whole experts, with their whole gradients over ``ep`` once the expert dispatch's
+backward has run, so it steps them where they live, as one batch — first in the step,
+while the dense matrices' last reductions are still in flight. On a ``dp × ep`` mesh the
+``dp`` replicas of the same experts first sum their gradients (one all-reduce over
+``dp`` per dtype: :meth:`OwnerEngine._sum_replicas`) and each steps them alike.
 """
 
 from __future__ import annotations
@@ -32,16 +34,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dmuon.comm.faults import wait_work
 from dmuon.optim.engine.base import Engine, Stepper, local_norm_tensors
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
-from dmuon.optim.engine.expert_split import expert_group_of
+from dmuon.optim.engine.expert_split import expert_group_of, in_place_replicas
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.engine.tensor_split import settle_split_grads, split_of
-from dmuon.optim.matrix_split import MatrixSplit
+from dmuon.optim.matrix_split import MatrixSplit, local_tensor
 from dmuon.optim.rules import get_rule
 
-__all__ = ["OwnerEngine"]
+__all__ = ["EXPERT_REPLICAS_STATS_NAME", "OwnerEngine"]
+
+EXPERT_REPLICAS_STATS_NAME = "expert_replicas"
+"""The ``CommStats`` name of the experts' all-reduce over their replicas (``dp × ep``)."""
 
 
 class OwnerEngine(Engine):
@@ -64,8 +70,11 @@ class OwnerEngine(Engine):
         self._matrix_groups: list[int] = []
         # per layer, the replicated-whole DTensor matrices this rank owns (settle_owned)
         self._whole_by_layer: dict[str, list[EngineParam]] = {}
-        # the expert stacks split over the exchange's group, stepped where they live
+        # the expert stacks split over the exchange's group, stepped where they live, and
+        # per group of ranks holding the same experts (dp × ep), the stacks summed over it
         self._in_place_ids: frozenset[int] = frozenset()
+        self._replicas: list[tuple[dist.ProcessGroup, list[EngineParam]]] = []
+        self._replicas_summed = False
 
     def bind(self, stepper: Stepper) -> None:
         super().bind(stepper)
@@ -80,6 +89,7 @@ class OwnerEngine(Engine):
                 )
         ours: list[EngineParam] = []  # the parameters dedicated to this optimizer's exchange
         in_place: list[EngineParam] = []  # expert stacks split over the exchange's group
+        summed: dict[tuple[int, ...], tuple[dist.ProcessGroup, list[EngineParam]]] = {}
         for e in self.params:
             owner = exchange_of(e.param)
             if owner is not None and owner is not ex:
@@ -90,8 +100,12 @@ class OwnerEngine(Engine):
             dedicated = owner is ex
             if dedicated:
                 ours.append(e)
-            if e.matrix and not dedicated and self._experts_in_place(e):
+            replicas = self._in_place_replicas(e) if e.matrix and not dedicated else None
+            if replicas is not None:
                 in_place.append(e)
+                for g in replicas:
+                    ranks = tuple(dist.get_process_group_ranks(g))
+                    summed.setdefault(ranks, (g, []))[1].append(e)
             elif e.matrix and not dedicated:
                 raise ValueError(
                     f"matrix parameter {e.name!r} is not dedicated: in owner mode every matrix "
@@ -116,6 +130,7 @@ class OwnerEngine(Engine):
             )
         self._dedicated_ids = frozenset(id(e.param) for e in ours)
         self._in_place_ids = frozenset(id(e.param) for e in in_place)
+        self._replicas = [summed[k] for k in sorted(summed)]
         self._keys = ex.layer_keys()
         self._matrix_groups = [
             i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)
@@ -145,31 +160,83 @@ class OwnerEngine(Engine):
         # the engine; nothing asks before
         return id(p) in self._dedicated_ids
 
-    def _experts_in_place(self, e: EngineParam) -> bool:
-        """Whether ``e`` is an expert stack split along its expert dimension over exactly
-        the exchange's group: every rank of it holds other experts, none the same ones, so
-        each steps its own where they live. Raises for an expert stack split otherwise
-        (replicated over ranks of the group, or over a ``dp × tp`` exchange)."""
+    def _in_place_replicas(self, e: EngineParam) -> list[dist.ProcessGroup] | None:
+        """For an expert stack stepped where it lives (its mesh spans exactly the
+        exchange's group: :func:`~dmuon.optim.engine.expert_split.in_place_replicas`), the
+        groups of the ranks holding the same experts (none on a 1-D ``ep`` mesh, ``dp`` on
+        a ``dp × ep`` mesh); ``None`` for any other parameter. Raises for an expert stack
+        split otherwise (a mesh over other ranks, or beside ``tp`` or HSDP replicas)."""
         split = expert_group_of(e)
         if split is None:
-            return False
+            return None
         ex = self.exchange
-        ep = dist.get_process_group_ranks(split[1])
         group = ex.group if ex.group is not None else dist.group.WORLD
-        mine = dist.get_process_group_ranks(group) if self.world_size > 1 else ep
-        if sorted(ep) == sorted(mine) and not ex.tensor_groups and ex.replicate_group is None:
-            return True
+        mesh_ranks = [int(r) for r in e.param.device_mesh.mesh.flatten().tolist()]  # type: ignore[attr-defined]
+        mine = dist.get_process_group_ranks(group) if self.world_size > 1 else mesh_ranks
+        if not ex.tensor_groups and ex.replicate_group is None:
+            replicas = in_place_replicas(e.param, split[0], mine)
+            if replicas is not None:
+                return replicas
         raise ValueError(
-            f"expert stack {e.name!r} is split over ranks {sorted(ep)}, but the dedication "
-            f"plans owners over ranks {sorted(mine)}"
+            f"expert stack {e.name!r} is laid out over ranks {sorted(mesh_ranks)}, but the "
+            f"dedication plans owners over ranks {sorted(mine)}"
             + (" beside tensor parallelism" if ex.tensor_groups else "")
             + (" with HSDP replicas" if ex.replicate_group is not None else "")
-            + ": owner mode steps expert stacks where they live when their expert "
-            "dimension spans the dedication's group exactly (a 1-D 'ep' mesh over the ranks "
-            "of ddp.dedicate). Experts replicated over 'dp' (a dp × ep mesh) are stepped by "
-            "DMuon(..., mode='replicated', process_group=mesh.get_group('dp')) without a "
-            "dedication"
+            + ": owner mode steps expert stacks where they live when their mesh spans the "
+            "dedication's ranks exactly (a 1-D 'ep' mesh over the ranks of ddp.dedicate, or "
+            "a 'dp × ep' mesh over them). Otherwise step them with DMuon(..., "
+            "mode='replicated', process_group=mesh.get_group('dp')) without a dedication"
         )
+
+    def _sum_replicas(self) -> None:
+        """Sum the gradients of the experts over the ranks holding the same ones (``dp`` of
+        a ``dp × ep`` mesh), once per step: one all-reduce per group and dtype, under the
+        step's deadline. An expert without a gradient on this rank sends zeros (and gets
+        the sum, so that every replica steps it alike)."""
+        if self._replicas_summed or not self._replicas:
+            return
+        self._replicas_summed = True
+        from torch.distributed.tensor import DTensor
+
+        for group, params in self._replicas:
+            by_dtype: dict[torch.dtype, list[EngineParam]] = {}
+            for e in params:
+                by_dtype.setdefault(e.param.dtype, []).append(e)
+            for dtype, members in by_dtype.items():
+                locals_ = [local_tensor(e.param) for e in members]
+                grads = [
+                    local_tensor(e.param.grad) if e.param.grad is not None else None
+                    for e in members
+                ]
+                flat = torch.cat(
+                    [
+                        (g if g is not None else torch.zeros_like(t)).reshape(-1)
+                        for g, t in zip(grads, locals_, strict=True)
+                    ]
+                ).to(dtype)
+                size = dist.get_world_size(group)
+                self.stats.record_collective(
+                    EXPERT_REPLICAS_STATS_NAME,
+                    "all_reduce",
+                    nbytes=flat.numel() * flat.element_size(),
+                    world_size=size,
+                )
+                wait_work(
+                    dist.all_reduce(flat, group=group, async_op=True),
+                    "all-reduce of the experts' gradients over their replicas (owner mode)",
+                    group,
+                )
+                offset = 0
+                for e, g, t in zip(members, grads, locals_, strict=True):
+                    part = flat[offset : offset + t.numel()].view_as(t)
+                    offset += t.numel()
+                    if g is not None:
+                        g.copy_(part)
+                    else:
+                        p: Any = e.param
+                        p.grad = DTensor.from_local(
+                            part.clone(), p.device_mesh, p.placements, run_check=False
+                        )
 
     def _sharded_over(self, p: torch.Tensor) -> bool:
         """A DTensor whose mesh spans more of the exchange's group than this rank (FSDP2
@@ -239,6 +306,7 @@ class OwnerEngine(Engine):
         return red.flush(agreement=slots)
 
     def skip_step(self) -> None:
+        self._replicas_summed = False
         ex = self.exchange
         ex.reduction.wait_all_reduced()  # drain the reductions every rank launched
         if ex.reshard_after_forward:
@@ -246,6 +314,7 @@ class OwnerEngine(Engine):
         ex.reduction.end_step()
 
     def discard_grads(self) -> None:
+        self._replicas_summed = False
         ex = self.exchange
         red = ex.reduction
         if red.started():  # reductions launched, or left to the flush
@@ -280,6 +349,7 @@ class OwnerEngine(Engine):
 
     def prepare_grads(self) -> None:
         self.exchange.reduction.wait_all_reduced()
+        self._sum_replicas()
 
     def changed_gradients(self) -> list[str]:
         return self.exchange.reduction.changed_gradients()
@@ -290,6 +360,8 @@ class OwnerEngine(Engine):
             ex.reduction.flush()
         groups = stepper.param_groups
         if self._in_place_ids:  # the experts, complete here, while reductions travel
+            with report.phase("comm_wait"):
+                self._sum_replicas()
             for index in self._matrix_groups:
                 stepper.step_matrices(index, None, report)
         for key in self._keys:
@@ -308,6 +380,7 @@ class OwnerEngine(Engine):
             for index, params in self._scalars_by_layer.get(None, ()):
                 stepper.step_scalars(groups[index], params)
         ex.reduction.end_step()
+        self._replicas_summed = False
 
     def _settle_owned(self, key: str) -> None:
         """Carry out the pending sums (``Partial``) of the reduced gradients of layer

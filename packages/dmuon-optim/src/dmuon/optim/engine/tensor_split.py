@@ -38,7 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dmuon.comm import CommStats, default_stats, shard_range, wait_work
 from dmuon.comm.chunk_gather import all_gather_chunks
-from dmuon.optim.engine.expert_split import expert_group_of
+from dmuon.optim.engine.expert_split import expert_group_of, in_place_replicas
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.placements import placement_of, placement_of_param
 from dmuon.optim.engine.relayout import relaid, summed
@@ -205,11 +205,12 @@ def check_split_groups(params: Iterable[EngineParam], group: Any, mode: str) -> 
     hold its shards must be outside the planning group but for this rank: owners over
     ``dp``, shards over ``tp`` (``replicated`` mode; ``owner`` mode, whose planning group
     is its dedication's); the same for experts, held over ``ep``
-    (:mod:`~dmuon.optim.engine.expert_split`). In ``owner`` mode an expert stack split
-    over exactly the planning group is taken too: each rank steps its experts where they
-    live (:class:`~dmuon.optim.engine.owner.OwnerEngine`). FSDP2's rows (split over the
-    planning group itself) are refused, naming the parameter, the two groups and what to
-    pass. Every rank reads the same placements and groups, so every rank refuses alike.
+    (:mod:`~dmuon.optim.engine.expert_split`). In ``owner`` mode an expert stack whose
+    mesh spans exactly the planning group is taken too: each rank steps its experts where
+    they live (:func:`~dmuon.optim.engine.expert_split.in_place_replicas`). FSDP2's rows
+    (split over the planning group itself) are refused, naming the parameter, the two
+    groups and what to pass. Every rank reads the same placements and groups, so every
+    rank refuses alike.
     """
     if not dist.is_available() or not dist.is_initialized():
         return
@@ -224,8 +225,12 @@ def check_split_groups(params: Iterable[EngineParam], group: Any, mode: str) -> 
         split = set(dist.get_process_group_ranks(found[1]))
         if split & planning == {me}:
             continue
-        if mode == "owner" and experts is not None and split == planning:
-            continue  # experts over the dedication's ranks: stepped where they live
+        if (
+            mode == "owner"
+            and experts is not None
+            and in_place_replicas(e.param, experts[0], planning) is not None
+        ):
+            continue  # a mesh over the dedication's ranks: stepped where they live
         if mode == "owner":
             raise ValueError(
                 f"matrix parameter {e.name!r} has placements {pl.summary()} ({pl.what()}), "

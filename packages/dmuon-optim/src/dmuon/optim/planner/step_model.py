@@ -744,7 +744,8 @@ def assumptions(
         "tensor parallelism runs today in single, replicated, sharded and owner mode "
         "(dedicate over dp × tp); experts in single mode, in replicated mode over dp "
         "(all-reduced, then one owner among the replicas) and in sharded mode (stepped "
-        "where they are), and in owner mode when dp = ep (ddp.dedicate: each rank its "
-        "own experts); owner mode with experts replicated over dp, and sign mode with "
-        "either, are predicted as designed (docs: Tensor and expert parallelism)")))  # fmt: skip
+        "where they are), and in owner mode (ddp.dedicate: each rank its own experts; "
+        "with replicas, all-reduced over them and stepped by each, where this prediction "
+        "gives them one owner among the replicas); sign mode with either is predicted as "
+        "designed (docs: Tensor and expert parallelism)")))  # fmt: skip
     return rows
