@@ -211,14 +211,14 @@ def test_modes_without_expert_parallelism_refuse_it_on_every_rank():
         assert msg is not None and "split along matrix dim 1" in msg, (rank, msg)
 
 
-def run_save_and_continue(rank, world, path, rule):
+def run_save_and_continue(rank, world, path, rule, mode="single"):
     from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon.integrations import checkpoint
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "ep"))
     model = expert_parallel(mesh)
-    opt = DMuon(param_groups(model), mode="single", rule=rule, **OPT)
+    opt = dmuon_for(model, mesh, mode, rule=rule)
     train(model, opt, mesh, range(2))
     checkpoint.save(path, model, opt)
     train(model, opt, mesh, range(2, 3))
@@ -228,14 +228,15 @@ def run_save_and_continue(rank, world, path, rule):
     }
 
 
-def run_load_and_continue(rank, world, path, rule):
+def run_load_and_continue(rank, world, path, rule, mode="single"):
     from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon.integrations import checkpoint
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    shape, names = ((world,), ("ep",)) if mode == "single" else ((2, world // 2), ("dp", "ep"))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = expert_parallel(mesh)
-    opt = DMuon(param_groups(model), mode="single", rule=rule, **OPT)
+    opt = dmuon_for(model, mesh, mode, rule=rule)
     checkpoint.load(path, model, opt)
     train(model, opt, mesh, range(2, 3))
     return {
@@ -244,15 +245,28 @@ def run_load_and_continue(rank, world, path, rule):
     }
 
 
-@pytest.mark.parametrize("rule", ["normuon"])  # momentum and per-expert per-row state
-def test_dcp_checkpoint_of_expert_shards_resumes_on_another_mesh_and_in_one_process(tmp_path, rule):
-    """Saved on dp 2 × ep 2 (4 ranks; each expert's state on two replicas), resumed on
-    ep 2 alone (2 ranks) and in one process: DCP reshards the stacks' state."""
+@pytest.mark.parametrize("saved_by", ["single", "replicated"])
+def test_dcp_checkpoint_of_expert_shards_resumes_on_another_mesh_and_in_one_process(
+    tmp_path, saved_by
+):
+    """Saved on dp 2 × ep 2 (4 ranks; each expert's state on two replicas in ``single``
+    mode, on one of them, its owner, in ``replicated``), resumed on ep 2 alone (2 ranks)
+    and in one process: DCP reshards the stacks' state. ``replicated`` also resumes on its
+    own mesh (before: its save failed in DCP's plan, the owner's local experts' state
+    scattered over ``dp`` as if it were the whole stack's). normuon: momentum and
+    per-expert, per-row state."""
     from dmuon.integrations import checkpoint
 
+    rule = "normuon"
     path = str(tmp_path / "ep")
-    continued = run_on_ranks(run_save_and_continue, 4, args=(path, rule), timeout=240)
+    args = (path, rule, saved_by)
+    continued = run_on_ranks(run_save_and_continue, 4, args=args, timeout=240)
     resumed = run_on_ranks(run_load_and_continue, 2, args=(path, rule), timeout=180)
+    if saved_by == "replicated":
+        again = run_on_ranks(run_load_and_continue, 4, args=args, timeout=240)
+        for rank, got in enumerate(again):
+            for name, w in continued[rank].items():
+                assert torch.equal(got[name], w), f"replicated rank {rank}: {name} differs"
     model = MoE()  # one process, whole stacks: DCP reassembles the experts' state
     opt = DMuon(param_groups(model), rule=rule, **OPT)
     checkpoint.load(path, model, opt)
@@ -273,6 +287,61 @@ def test_dcp_checkpoint_of_expert_shards_resumes_on_another_mesh_and_in_one_proc
         for name, w in want.items():
             diff = (got[name] - w).abs().max().item()
             assert diff <= TOLERANCE, f"resumed on {what}: {name} differs by {diff:.2e}"
+
+
+def run_full_save(rank, world):
+    """``replicated`` on dp 2 × ep 2: two steps, the whole state to rank 0
+    (:func:`~dmuon.integrations.checkpoint.full_state_dict`), a third step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations.checkpoint import full_state_dict
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    model = expert_parallel(mesh)
+    opt = dmuon_for(model, mesh, "replicated", rule="normuon")
+    train(model, opt, mesh, range(2))
+    sd = full_state_dict(model, opt)
+    train(model, opt, mesh, range(2, 3))
+    return sd, {n: p.detach().full_tensor() for n, p in model.named_parameters() if n in STACKS}
+
+
+def run_full_load(rank, world, sd):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations.checkpoint import load_full_state_dict
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    model = expert_parallel(mesh)
+    opt = dmuon_for(model, mesh, "replicated", rule="normuon")
+    load_full_state_dict(model, opt, sd)
+    train(model, opt, mesh, range(2, 3))
+    return {n: p.detach().full_tensor() for n, p in model.named_parameters() if n in STACKS}
+
+
+STACKS = ("w_in", "w_out")
+
+
+def test_full_state_of_replicated_experts_resumes_on_its_mesh_and_in_one_process():
+    """The whole state on rank 0 holds every expert's state (each ``ep`` column's owner's
+    share, not rank 0's column twice); loaded on the same mesh the third step equals
+    continuing, bitwise, and in one process the stacks' state is whole."""
+    from dmuon.integrations.checkpoint import load_full_state_dict
+
+    saved = run_on_ranks(run_full_save, 4, timeout=240)
+    sd, continued = saved[0]
+    assert tuple(sd["optim"]["state"]["w_in"]["momentum_buffer"].shape) == (4, H, D)
+    for rank, got in enumerate(run_on_ranks(run_full_load, 4, args=(sd,), timeout=240)):
+        for n in STACKS:
+            assert torch.equal(got[n], continued[n]), f"rank {rank}: {n} differs"
+    model = MoE()
+    opt = DMuon(param_groups(model), rule="normuon", **OPT)
+    load_full_state_dict(model, opt, sd)
+    x, y = batch(2)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    for n in STACKS:
+        diff = (getattr(model, n).detach() - continued[n]).abs().max().item()
+        assert diff <= TOLERANCE, f"one process: {n} off by {diff:.2e}"
 
 
 CLIP = 0.5  # below the gradient norm of every step (≈ 1.5–3): clipping acts

@@ -33,7 +33,7 @@ from dmuon.integrations.checkpoint.dcp import describe_optimizer
 from dmuon.integrations.checkpoint.deadline import checkpoint_deadline
 from dmuon.integrations.checkpoint.holders import Holding, holdings, release, settle
 from dmuon.integrations.checkpoint.owned_split import saved_entry, split_from_full
-from dmuon.integrations.checkpoint.sharded_state import group_records, owner_steps
+from dmuon.integrations.checkpoint.sharded_state import group_records, owner_steps, replica_entry
 from dmuon.integrations.checkpoint.split_state import as_saved
 from dmuon.integrations.checkpoint.whole import shard_of, whole_tensor
 from dmuon.optim import DMuon
@@ -129,8 +129,10 @@ def full_state_dict(model: nn.Module, optimizer: DMuon) -> dict[str, Any]:
                 current = optimizer.state[h.param]
                 shapes = expected_state_shapes(h, optimizer.param_groups[h.group_index])
                 entry: dict[str, torch.Tensor] = {}
-                if h.split:  # the owner's tp row holds it (owned_split.py): assemble it
-                    for key, saved in saved_entry(optimizer, h, steps[h.fqn]).items():
+                if h.split or h.experts:  # laid out like the parameter: assemble it
+                    # (the owner's tp row, owned_split.py; experts' replicas, sharded_state.py)
+                    made = replica_entry if h.experts else saved_entry
+                    for key, saved in made(optimizer, h, steps[h.fqn]).items():
                         whole = whole_tensor(saved, f"{h.fqn}.{key}")
                         entry[key] = whole.cpu().clone()
                     state[h.fqn] = entry if _rank0() else {}
@@ -249,6 +251,10 @@ def load_full_state_dict(model: nn.Module, optimizer: DMuon, state_dict: Mapping
                     mine = split_from_full(optimizer, h, key, full.to(value.device))
                     if mine is not None:
                         entry[key] = mine
+                elif h.experts:  # its owner's local experts, a slice of the whole stack
+                    if h.held_here():
+                        form = as_saved(torch.empty_like(value), h.param)
+                        entry[key] = shard_of(full.to(value.device), form)
                 elif h.owner is not None:
                     if h.held_here():
                         entry[key] = full.to(value.device).clone()

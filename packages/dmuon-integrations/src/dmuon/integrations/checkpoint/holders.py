@@ -25,6 +25,8 @@ from torch import nn
 
 from dmuon.optim import DMuon, get_rule
 from dmuon.optim.engine import exchange_of
+from dmuon.optim.engine.params import is_dtensor
+from dmuon.optim.engine.placements import placement_of
 
 __all__ = ["Holding", "holdings", "model_fqns", "release", "settle"]
 
@@ -45,6 +47,12 @@ class Holding:
             tensor-parallel shard (``replicated``/``sharded``/``owner`` mode on a ``dp × tp`` mesh;
             :mod:`~dmuon.integrations.checkpoint.owned_split`). Not under a rule that
             needs whole matrices: its state is whole, the same on every rank of the row.
+        experts: an expert stack split over ``ep`` whose :attr:`owner` is one of its
+            replicas over :attr:`group` (``replicated`` mode on a ``dp × ep`` mesh): the
+            owner holds the state of its local experts, which the other replicas of the
+            same experts do not (:func:`~dmuon.integrations.checkpoint.sharded_state.
+            state_to_save` broadcasts it over the replicas and saves it laid out like the
+            parameter).
 
     Examples:
         >>> import torch
@@ -62,6 +70,7 @@ class Holding:
     owner: int | None
     group: Any = None
     split: bool = False
+    experts: bool = False
 
     def held_here(self) -> bool:
         """Whether this rank holds the whole state (always, when nobody owns it)."""
@@ -147,7 +156,9 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
             if owner_of is not None and engine.world_size > 1:
                 owner = owner_of(p)
             split = owner is not None and splits
-            out.append(Holding(fqn, p, gi, owner, getattr(engine, "group", None), split))
+            experts = owner is not None and _expert_split(p, group)
+            group_of = getattr(engine, "group", None)
+            out.append(Holding(fqn, p, gi, owner, group_of, split, experts))
     seen: dict[str, int] = {}
     for h in out:
         if h.fqn in seen:
@@ -156,6 +167,14 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
             )
         seen[h.fqn] = h.group_index
     return out
+
+
+def _expert_split(p: torch.Tensor, group: dict[str, Any]) -> bool:
+    """Whether ``p`` is an expert stack (``flatten=False``) split along its expert
+    dimension (:attr:`~dmuon.optim.engine.placements.MatrixPlacement.expert_split`)."""
+    if not is_dtensor(p) or p.dim() <= 2 or group.get("flatten", True):
+        return False
+    return placement_of(p, "", stack=True).expert_split
 
 
 def settle(optimizer: DMuon) -> None:

@@ -39,9 +39,19 @@ from dmuon.integrations.checkpoint.deadline import checkpoint_deadline
 from dmuon.integrations.checkpoint.holders import Holding, holdings
 from dmuon.integrations.checkpoint.owned_split import owner_shapes, saved_entry, split_target
 from dmuon.integrations.checkpoint.split_state import as_saved
-from dmuon.optim import DMuon
+from dmuon.optim import DMuon, get_rule
+from dmuon.optim.batches import state_shapes
+from dmuon.optim.layout import matrix_layout
 
-__all__ = ["group_records", "optimizer_state_dict", "scattered", "state_targets", "state_to_save"]
+__all__ = [
+    "group_records",
+    "local_expert_shapes",
+    "optimizer_state_dict",
+    "replica_entry",
+    "scattered",
+    "state_targets",
+    "state_to_save",
+]
 
 
 def _mesh(group: Any, device: torch.device) -> Any:
@@ -113,6 +123,9 @@ def _gathered_state(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, Any]
         if h.split:  # the owner's tp row holds it: laid out like the parameter (owned_split.py)
             state[h.fqn] = saved_entry(optimizer, h, steps[h.fqn])
             continue
+        if h.experts:  # its local experts' state, on one of their replicas
+            state[h.fqn] = replica_entry(optimizer, h, steps[h.fqn])
+            continue
         group = optimizer.param_groups[h.group_index]
         shapes = expected_state_shapes(h, group)
         entry: dict[str, torch.Tensor] = {"step": steps[h.fqn]}
@@ -137,6 +150,35 @@ def _gathered_state(optimizer: DMuon, held: Sequence[Holding]) -> dict[str, Any]
             entry[key] = scattered(full, meshes[mk], h.owner, what)
         state[h.fqn] = entry
     return {"state": state, "param_groups": group_records(optimizer, held)}
+
+
+def local_expert_shapes(optimizer: DMuon, h: Holding) -> dict[str, tuple[int, ...]]:
+    """The shape of each state tensor of ``h``'s expert stack on the ranks that hold its
+    local experts: the rule's state of ``(E_local, m, n)``."""
+    group = optimizer.param_groups[h.group_index]
+    local = torch.empty(tuple(h.param.to_local().shape), device="meta")  # type: ignore[attr-defined]
+    return state_shapes(get_rule(group["rule"]), matrix_layout(local, dict(group), h.fqn))
+
+
+def replica_entry(optimizer: DMuon, h: Holding, step: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An expert stack's state held by one of its replicas over ``dp`` (``replicated``
+    mode on a ``dp × ep`` mesh), broadcast from that owner over the replicas and saved as
+    a DTensor laid out like the parameter
+    (:func:`~dmuon.integrations.checkpoint.split_state.as_saved`): each ``ep`` column
+    writes its own experts, DCP once per replica set, and any layout reads it back."""
+    current = optimizer.state[h.param]
+    entry: dict[str, torch.Tensor] = {"step": step}
+    for key, shape in local_expert_shapes(optimizer, h).items():
+        if key == "step":
+            continue
+        value = current[key]
+        full = (
+            value if h.held_here() else torch.empty(shape, dtype=value.dtype, device=value.device)
+        )
+        work = dist.broadcast(full, group_src=h.owner, group=h.group, async_op=True)
+        wait_work(work, f"broadcast of rank {h.owner}'s {key!r} of {h.fqn}", h.group)
+        entry[key] = as_saved(full, h.param)
+    return entry
 
 
 def scattered(full: torch.Tensor, mesh: Any, owner: int, what: str) -> torch.Tensor:
@@ -238,6 +280,12 @@ def state_targets(
                 if key != "step":
                     live = current[key].dtype
                     entry[key] = split_target(optimizer, h, key, dtype(h.fqn, key, live))
+        elif h.experts and h.held_here():  # its local experts, laid out like the parameter
+            for key, shape in local_expert_shapes(optimizer, h).items():
+                if key != "step":
+                    v = current[key]
+                    local = torch.empty(shape, dtype=dtype(h.fqn, key, v.dtype), device=v.device)
+                    entry[key] = as_saved(local, h.param)
         elif h.held_here():
             shapes = expected_state_shapes(h, optimizer.param_groups[h.group_index])
             for key, shape in shapes.items():
