@@ -9,9 +9,10 @@ dispatch's backward has run (every rank's loss summed into them), and a hook div
 by the world as the dense ones are averaged. The training loop is DDP's — forward,
 backward, ``opt.step()`` — with no gradient code of its own, and every run equals one
 process trained on the same global batches. Experts replicated over ``dp`` (a ``dp × ep``
-mesh) are taken too: one all-reduce over ``dp`` sums each rank's experts' gradients with
-its replica's before both step them. Experts laid out beyond the dedication's ranks, and
-under ``fsdp.dedicate``, are refused on every rank.
+mesh) are taken too: each stack has one owner among the ``dp`` replicas of its experts,
+which the gradient is reduced to and which broadcasts the stepped experts back. Experts
+laid out beyond the dedication's ranks, and under ``fsdp.dedicate``, are refused on every
+rank.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def run_owner(rank, world, cases, scalars, shape=None, names=("ep",)):
         train(model, opt, range(STEPS))
         ded.wait()
         state = {n: tuple(opt.state[getattr(model, n)]["momentum_buffer"].shape) for n in STACKS}
+        moved = ded.exchange.stats["expert_replicas"].payload_bytes
         full = {
             n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
             for n, p in model.named_parameters()
@@ -68,17 +70,22 @@ def run_owner(rank, world, cases, scalars, shape=None, names=("ep",)):
         out[(rule, experts)] = {
             "params": full,
             "local": tuple(model.w_in.to_local().shape),
+            "local_shapes": {n: tuple(getattr(model, n).to_local().shape) for n in STACKS},
             "state": state,
             "experts": ded.experts,
             "repr": repr(ded),
             "names": ded.names,
             "owned": ded.owned,
             "loads": list(plan.loads),
+            "moved": moved,
         }
     return out
 
 
-def check(results, cases) -> None:
+def check(results, cases, replicas: int = 1) -> None:
+    """Every rank equals one process; each stack's state is its local experts' on exactly
+    one of the ranks holding them (its owner among the ``replicas``), and the experts
+    move over ``dp`` only when they have replicas."""
     for rule, experts in cases:
         initial = {n: p.detach().clone() for n, p in MoE(experts).named_parameters()}
         expected = reference(rule, experts)
@@ -89,13 +96,19 @@ def check(results, cases) -> None:
             assert got["experts"] == STACKS, (rank, got["experts"])
             assert "2 expert stacks in place" in got["repr"], got["repr"]
             assert not set(STACKS) & set(got["names"]), got["names"]  # not dedicated
-            local = got["local"]
-            assert got["state"]["w_in"] == local, (rule, rank, got["state"])  # its experts'
+            assert (got["moved"] > 0) == (replicas > 1), (rank, got["moved"])
             for name, want in expected.items():
                 diff = (got["params"][name] - want).abs().max().item()
                 assert diff <= TOLERANCE, (
                     f"{rule}, E={experts}, rank {rank}: {name} off by {diff:.2e}"
                 )
+        # ranks r and r + world/replicas hold the same experts (dp is the outer dimension)
+        columns = len(results) // replicas
+        for column in range(columns):
+            same = [results[column + k * columns][(rule, experts)] for k in range(replicas)]
+            for n in STACKS:
+                held = [got["state"][n] == got["local_shapes"][n] for got in same]
+                assert sum(held) == 1, (rule, experts, column, n, [g["state"][n] for g in same])
 
 
 def test_owner_mode_steps_each_ranks_experts_where_they_live_like_one_process():
@@ -170,7 +183,13 @@ def run_grads(rank, world, shape=None, names=("ep",)):
         model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
     ).backward()
     norm = clip_grad_norm_(opt, float("inf")).item()  # makes every gradient final first
-    return {n: getattr(model, n).grad.full_tensor() for n in STACKS}, norm
+    experts = model.local_experts.tolist()  # the experts this rank holds
+    grads = {  # final on the stack's owner among its replicas (on ep alone: every rank)
+        n: getattr(model, n).grad.to_local().clone()
+        for n in STACKS
+        if opt.engine.steps(getattr(model, n))
+    }
+    return experts, grads, norm
 
 
 @MESHES
@@ -183,26 +202,31 @@ def test_expert_gradients_are_those_of_the_mean_loss_and_the_norm_counts_each_on
     F.mse_loss(model(x), y).backward()
     want = {n: getattr(model, n).grad for n in STACKS}
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
-    for rank, (grads, got) in enumerate(run_on_ranks(run_grads, world, args=mesh, timeout=180)):
-        for n in STACKS:
-            diff = (grads[n] - want[n]).abs().max().item()
+    checked = {n: set() for n in STACKS}
+    results = run_on_ranks(run_grads, world, args=mesh, timeout=180)
+    for rank, (experts, grads, got) in enumerate(results):
+        for n, g in grads.items():
+            diff = (g - want[n][experts]).abs().max().item()
             assert diff <= 1e-6 * want[n].abs().max().item(), (rank, n, diff)
+            checked[n] |= set(experts)
         assert abs(got - norm) <= 1e-6 * norm, (rank, got, norm)
+    assert all(v == {0, 1, 2, 3} for v in checked.values()), checked  # every expert seen
 
 
-def test_dp2_by_ep2_replicas_sum_their_experts_gradients_and_step_like_one_process():
+def test_dp2_by_ep2_one_owner_among_the_replicas_steps_each_stack_like_one_process():
     """dp 2 × ep 2 on 4 ranks: each rank's experts are held by one other rank too (its
-    ``dp`` replica); one all-reduce over ``dp`` sums their gradients and both step them."""
+    ``dp`` replica); each stack's gradient is reduced to one of the two, which steps it
+    and broadcasts it back."""
     cases = [(rule, 4) for rule in RULES] + [("muon", 3)]
     results = run_on_ranks(run_owner, 4, args=(cases, "all_reduce", *DP_EP), timeout=300)
     assert [r[("muon", 4)]["local"][0] for r in results] == [2, 2, 2, 2]
     assert [r[("muon", 3)]["local"][0] for r in results] == [2, 1, 2, 1]
-    check(results, cases)
+    check(results, cases, replicas=2)
 
 
 def run_missing_gradient(rank, world):
     """dp 2 × ep 2; rank 2 drops its ``w_out`` gradient (an expert stack no token of its
-    reached): the sum over ``dp`` takes it as zeros and gives it the sum."""
+    reached): the reduction to the stack's owner among the replicas takes it as zeros."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon.integrations import ddp
@@ -220,16 +244,17 @@ def run_missing_gradient(rank, world):
     if rank == 2:
         model.w_out.grad = None
     clip_grad_norm_(opt, float("inf"))
-    return before, model.w_out.grad.to_local().clone()
+    owns = opt.engine.steps(model.w_out)
+    return before, model.w_out.grad.to_local().clone() if owns else None
 
 
-def test_an_expert_without_a_gradient_on_one_replica_gets_the_sum():
+def test_an_expert_without_a_gradient_on_one_replica_counts_as_zeros():
     results = run_on_ranks(run_missing_gradient, 4, timeout=120)
-    (before0, after0), (_, after2) = results[0], results[2]  # dp replicas of each other
-    assert torch.equal(after0, before0), "rank 0's sum should be its own gradient alone"
-    assert torch.equal(after2, after0), "rank 2 should hold its replica's sum"
-    (before1, after1), (before3, after3) = results[1], results[3]
-    assert torch.allclose(after1, before1 + before3) and torch.equal(after1, after3)
+    for pair, want in (((0, 2), results[0][0]), ((1, 3), results[1][0] + results[3][0])):
+        owners = [r for r in pair if results[r][1] is not None]
+        assert len(owners) == 1, (pair, owners)  # one owner among the two replicas
+        got = results[owners[0]][1]
+        assert torch.allclose(got, want, rtol=0, atol=1e-7), (pair, (got - want).abs().max())
 
 
 def run_plan(rank, world):
@@ -258,6 +283,33 @@ def test_the_dense_plan_starts_each_ranks_load_with_its_experts():
     for got, want, loads, want_loads in run_on_ranks(run_plan, 2, timeout=120):
         assert got == want and loads == want_loads, (got, want, loads, want_loads)
         assert loads[0] != loads[1]  # 2 experts against 1: the experts are counted
+
+
+def run_held(rank, world):
+    """dp 2 × ep 2: the experts ``ddp.dedicate`` counts as each rank's load (``held``)
+    against those the optimizer's engine steps there."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+    from dmuon.integrations.dedication import held_experts, in_place_experts
+    from dmuon.integrations.selection import split_parameters
+
+    mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
+    model = expert_parallel(mesh)
+    opt = DMuon(param_groups(model), distributed=ddp.dedicate(model), **OPT)
+    held = held_experts(in_place_experts(split_parameters(model)[0], None), None)
+    planned = {i.name.split("[")[0] for i in held[rank]}
+    stepped = {n for n in STACKS if opt.engine.steps(getattr(model, n))}
+    return planned, stepped
+
+
+def test_the_plan_counts_each_replicas_own_experts_as_the_engine_steps_them():
+    results = run_on_ranks(run_held, 4, timeout=120)
+    for rank, (planned, stepped) in enumerate(results):
+        assert planned == stepped, (rank, planned, stepped)
+    for a, b in ((0, 2), (1, 3)):  # replicas of each other: every stack on exactly one
+        assert results[a][1] | results[b][1] == set(STACKS), (a, b)
+        assert not results[a][1] & results[b][1], (a, b)
 
 
 def run_refusals(rank, world):
@@ -356,14 +408,17 @@ def run_resume(rank, world, path, rule, shape=None, names=("ep",)):
     model, ded, opt = build()
     checkpoint.load(path, model, opt)
     state = tuple(opt.state[model.w_in]["momentum_buffer"].shape)
+    local = tuple(model.w_in.to_local().shape) if opt.engine.steps(model.w_in) else (0,)
     train(model, opt, range(2, 3))
     ded.wait()
-    return continued, params(model), state, tuple(model.w_in.to_local().shape)
+    return continued, params(model), state, local
 
 
 @MESHES
 def test_a_dcp_checkpoint_resumes_the_experts_state_where_it_lives(tmp_path, world, mesh):
-    """normuon: momentum and per-expert, per-row state."""
+    """normuon: momentum and per-expert, per-row state, loaded where it lives: on ep 2 on
+    every rank, on dp 2 × ep 2 on each stack's owner among its replicas (a placeholder on
+    the other)."""
     path = str(tmp_path / "ckpt")
     results = run_on_ranks(run_resume, world, args=(path, "normuon", *mesh), timeout=180)
     for rank, (continued, resumed, state, local) in enumerate(results):

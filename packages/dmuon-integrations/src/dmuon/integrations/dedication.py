@@ -31,7 +31,7 @@ from dmuon.integrations.selection import (
 from dmuon.optim import OwnerExchange
 from dmuon.optim import deadline as auto_deadline
 from dmuon.optim.engine import DEFAULT_PACK_MB, format_description
-from dmuon.optim.engine.expert_split import in_place_replicas
+from dmuon.optim.engine.expert_split import in_place_replicas, replica_owners
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.engine.placements import placement_of
 
@@ -337,13 +337,18 @@ def held_experts(
     experts: list[tuple[MatrixItem, Any]], group: dist.ProcessGroup | None
 ) -> list[list[MatrixItem]]:
     """Per rank of ``group``, the experts it steps where they live, as ``plan_owners``
-    takes them (``held``): the block of each stack at the rank's coordinate along the
-    expert mesh dimension, ``E`` split as DTensor's ``Shard`` splits it (``torch.chunk``:
-    the first blocks one larger, the last ones empty when ``E`` is less than the
-    dimension's size), named ``stack[rank r]`` as ``sharded`` mode names them. Read from
-    the placements and the mesh alone: no collective."""
+    takes them (``held``), read from the placements and the mesh alone (no collective).
+
+    Rank ``r`` holds the block of each stack at its coordinate along the expert mesh
+    dimension, ``E`` split as DTensor's ``Shard`` splits it (``torch.chunk``: the first
+    blocks one larger, the last ones empty when ``E`` is less than the dimension's size).
+    With replicas (a ``dp × ep`` mesh) it steps the stacks it owns among the ranks holding
+    the same block (:func:`~dmuon.optim.engine.expert_split.replica_owners`, as the
+    optimizer's engine plans them). Named ``stack[rank r]`` as ``sharded`` mode names them.
+    """
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    held: list[list[MatrixItem]] = [[] for _ in ranks]
+    # per rank: the stacks it holds, by the ranks holding the same block (its replica set)
+    local: dict[int, dict[tuple[int, ...], list[MatrixItem]]] = {r: {} for r in ranks}
     for item, p in experts:
         pl = placement_of(p, item.name, stack=True)
         mesh_dim, dim = pl.shards[0][0], pl.shards[0][1]
@@ -351,12 +356,23 @@ def held_experts(
         size = layout.shape[mesh_dim]
         blocks = [len(b) for b in torch.arange(item.shape[dim]).chunk(size)]
         blocks += [0] * (size - len(blocks))
-        for r, rank in enumerate(ranks):
+        for rank in ranks:
             coordinate = int((layout == rank).nonzero()[0][mesh_dim])
-            count = blocks[coordinate]
-            if count:
-                shape = (*item.shape[:dim], count, *item.shape[dim + 1 :])
-                held[r].append(replace(item, name=f"{item.name}[rank {r}]", shape=shape))
+            same = tuple(sorted(layout.select(mesh_dim, coordinate).flatten().tolist()))
+            shape = (*item.shape[:dim], blocks[coordinate], *item.shape[dim + 1 :])
+            local[rank].setdefault(same, []).append(replace(item, shape=shape))
+    held: list[list[MatrixItem]] = []
+    for r, rank in enumerate(ranks):
+        mine: list[MatrixItem] = []
+        for same, items in local[rank].items():
+            owners = replica_owners(items, len(same))
+            index = same.index(rank)
+            mine += [
+                replace(i, name=f"{i.name}[rank {r}]")
+                for i in items
+                if owners[i.name] == index and i.numel > 0
+            ]
+        held.append(mine)
     return held
 
 

@@ -48,7 +48,8 @@ class Holding:
             :mod:`~dmuon.integrations.checkpoint.owned_split`). Not under a rule that
             needs whole matrices: its state is whole, the same on every rank of the row.
         experts: an expert stack split over ``ep`` whose :attr:`owner` is one of its
-            replicas over :attr:`group` (``replicated`` mode on a ``dp × ep`` mesh): the
+            replicas over :attr:`group` (``replicated`` and owner mode on a ``dp × ep``
+            mesh): the
             owner holds the state of its local experts, which the other replicas of the
             same experts do not (:func:`~dmuon.integrations.checkpoint.sharded_state.
             state_to_save` broadcasts it over the replicas and saves it laid out like the
@@ -145,6 +146,10 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
             # (the shards gathered): saved as any owner's, once per tp column alike
             splits = engine.split_of(p) is not None and get_rule(group["rule"]).splits
             if exchange is not None:  # owner mode (over dp × tp: the owner's tp row)
+                held_by = engine.expert_owner(p)  # an expert stack's owner among its replicas
+                if held_by is not None:
+                    out.append(Holding(fqn, p, gi, held_by[0], held_by[1], experts=True))
+                    continue
                 dedicated = exchange_of(p)
                 if dedicated is not None and dedicated is exchange:
                     name = dedicated.name_of(p)

@@ -167,6 +167,12 @@ class Engine:
         """The pipeline group of ``p``."""
         return None
 
+    def expert_owner(self, p: torch.Tensor) -> tuple[int, dist.ProcessGroup] | None:
+        """``(rank in the group, group)`` of the rank that alone holds the state of expert
+        stack ``p`` among the ranks holding the same experts (owner mode on a ``dp × ep``
+        mesh: :mod:`~dmuon.optim.engine.expert_replicas`); ``None``: no such owner."""
+        return None
+
     def step(self, stepper: Stepper, report: StepReport) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 

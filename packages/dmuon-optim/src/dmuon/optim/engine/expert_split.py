@@ -18,22 +18,24 @@ work of the experts divided by the data-parallel degree instead of repeated on e
 replica.
 
 Owner mode (``ddp.dedicate``) steps the stacks whose mesh spans exactly the ranks it plans
-on (:func:`in_place_replicas`): a 1-D ``ep`` mesh over them (no replicas), or a ``dp × ep``
-mesh over them, where the ``dp`` replicas of each rank's experts sum their gradients with
-one all-reduce and each steps them.
+on (:func:`in_place_replicas`) where they live: a 1-D ``ep`` mesh over them (no replicas),
+or a ``dp × ep`` mesh over them, where each stack has one owner among its ``dp`` replicas
+(:func:`replica_owners`; :mod:`~dmuon.optim.engine.expert_replicas` reduces the gradient
+to it and broadcasts the stepped experts back).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
+from dmuon.comm import MatrixItem, plan_owners
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.placements import placement_of_param
 
-__all__ = ["expert_group_of", "expert_groups", "in_place_replicas"]
+__all__ = ["expert_group_of", "expert_groups", "in_place_replicas", "replica_owners"]
 
 
 def expert_group_of(e: EngineParam) -> tuple[int, dist.ProcessGroup] | None:
@@ -76,3 +78,24 @@ def in_place_replicas(
     if sorted(int(r) for r in mesh.mesh.flatten().tolist()) != sorted(planning):
         return None
     return [mesh.get_group(d) for d in range(mesh.ndim) if d != mesh_dim and mesh.size(d) > 1]
+
+
+def replica_owners(items: Sequence[MatrixItem], replicas: int) -> dict[str, int]:
+    """The owner of each expert stack among the ``replicas`` ranks holding the same experts,
+    by its index in their sorted ranks: :func:`~dmuon.comm.plan_owners` of the stacks as
+    each replica holds them (``items``: name, local shape ``(E_local, m, n)``, dtype), each
+    stack whole, without layers. A pure function of the items, so every replica, and
+    ``ddp.dedicate`` planning the dense matrices around each rank's share, get the same.
+
+    Examples:
+        >>> from dmuon.comm import MatrixItem
+        >>> stacks = [MatrixItem(n, (2, 8, 6)) for n in ("a.w_in", "a.w_out", "b.w_in")]
+        >>> owners = replica_owners(stacks, 2)
+        >>> sorted(owners), sorted(owners.values())
+        (['a.w_in', 'a.w_out', 'b.w_in'], [0, 0, 1])
+    """
+    if replicas == 1:
+        return {i.name: 0 for i in items}
+    plain = [MatrixItem(i.name, i.shape, i.dtype) for i in items]
+    plan = plan_owners(plain, replicas, pack_below=0, spread_layers=False)
+    return dict(zip(plan.names, plan.owners, strict=True))

@@ -21,9 +21,10 @@ the ranks ``ddp.dedicate`` plans on, or a ``dp × ep`` mesh over them:
 :func:`~dmuon.optim.engine.expert_split.in_place_replicas`) is not dedicated: each rank
 holds whole experts, with their whole gradients over ``ep`` once the expert dispatch's
 backward has run, so it steps them where they live, as one batch — first in the step,
-while the dense matrices' last reductions are still in flight. On a ``dp × ep`` mesh the
-``dp`` replicas of the same experts first sum their gradients (one all-reduce over
-``dp`` per dtype: :meth:`OwnerEngine._sum_replicas`) and each steps them alike.
+while the dense matrices' last reductions are still in flight. On a ``dp × ep`` mesh each
+stack has one owner among the ``dp`` replicas of the same experts, which the gradient is
+reduced to and which broadcasts the stepped experts back
+(:mod:`~dmuon.optim.engine.expert_replicas`).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmuon.comm.faults import wait_work
 from dmuon.optim.engine.base import Engine, Stepper, local_norm_tensors
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
+from dmuon.optim.engine.expert_replicas import ExpertReplicas
 from dmuon.optim.engine.expert_split import expert_group_of, in_place_replicas
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.report import StepReport
@@ -44,10 +45,7 @@ from dmuon.optim.engine.tensor_split import settle_split_grads, split_of
 from dmuon.optim.matrix_split import MatrixSplit, local_tensor
 from dmuon.optim.rules import get_rule
 
-__all__ = ["EXPERT_REPLICAS_STATS_NAME", "OwnerEngine"]
-
-EXPERT_REPLICAS_STATS_NAME = "expert_replicas"
-"""The ``CommStats`` name of the experts' all-reduce over their replicas (``dp × ep``)."""
+__all__ = ["OwnerEngine"]
 
 
 class OwnerEngine(Engine):
@@ -71,10 +69,10 @@ class OwnerEngine(Engine):
         # per layer, the replicated-whole DTensor matrices this rank owns (settle_owned)
         self._whole_by_layer: dict[str, list[EngineParam]] = {}
         # the expert stacks split over the exchange's group, stepped where they live, and
-        # per group of ranks holding the same experts (dp × ep), the stacks summed over it
+        # per group of ranks holding the same experts (dp × ep), each stack's owner there
         self._in_place_ids: frozenset[int] = frozenset()
-        self._replicas: list[tuple[dist.ProcessGroup, list[EngineParam]]] = []
-        self._replicas_summed = False
+        self._replicas = ExpertReplicas([], self.stats)
+        self._replicas_reduced = False
 
     def bind(self, stepper: Stepper) -> None:
         super().bind(stepper)
@@ -103,8 +101,14 @@ class OwnerEngine(Engine):
             replicas = self._in_place_replicas(e) if e.matrix and not dedicated else None
             if replicas is not None:
                 in_place.append(e)
+                if len(replicas) > 1:
+                    raise ValueError(
+                        f"expert stack {e.name!r} is replicated over {len(replicas)} mesh "
+                        "dimensions; owner mode gives each stack one owner among the replicas "
+                        "of one ('dp' of a 'dp × ep' mesh): flatten them into one dimension"
+                    )
                 for g in replicas:
-                    ranks = tuple(dist.get_process_group_ranks(g))
+                    ranks = tuple(sorted(dist.get_process_group_ranks(g)))
                     summed.setdefault(ranks, (g, []))[1].append(e)
             elif e.matrix and not dedicated:
                 raise ValueError(
@@ -130,7 +134,7 @@ class OwnerEngine(Engine):
             )
         self._dedicated_ids = frozenset(id(e.param) for e in ours)
         self._in_place_ids = frozenset(id(e.param) for e in in_place)
-        self._replicas = [summed[k] for k in sorted(summed)]
+        self._replicas = ExpertReplicas([summed[k] for k in sorted(summed)], self.stats)
         self._keys = ex.layer_keys()
         self._matrix_groups = [
             i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)
@@ -188,55 +192,19 @@ class OwnerEngine(Engine):
             "mode='replicated', process_group=mesh.get_group('dp')) without a dedication"
         )
 
-    def _sum_replicas(self) -> None:
-        """Sum the gradients of the experts over the ranks holding the same ones (``dp`` of
-        a ``dp × ep`` mesh), once per step: one all-reduce per group and dtype, under the
-        step's deadline. An expert without a gradient on this rank sends zeros (and gets
-        the sum, so that every replica steps it alike)."""
-        if self._replicas_summed or not self._replicas:
-            return
-        self._replicas_summed = True
-        from torch.distributed.tensor import DTensor
+    def _reduce_replicas(self) -> None:
+        """Once per step: each replicated expert stack's gradient summed into its owner
+        among its replicas (:meth:`~dmuon.optim.engine.expert_replicas.ExpertReplicas.
+        reduce`), before a norm, an unscale or the step reads it."""
+        if not self._replicas_reduced and self._replicas.sets:
+            self._replicas_reduced = True
+            self._replicas.reduce()
 
-        for group, params in self._replicas:
-            by_dtype: dict[torch.dtype, list[EngineParam]] = {}
-            for e in params:
-                by_dtype.setdefault(e.param.dtype, []).append(e)
-            for dtype, members in by_dtype.items():
-                locals_ = [local_tensor(e.param) for e in members]
-                grads = [
-                    local_tensor(e.param.grad) if e.param.grad is not None else None
-                    for e in members
-                ]
-                flat = torch.cat(
-                    [
-                        (g if g is not None else torch.zeros_like(t)).reshape(-1)
-                        for g, t in zip(grads, locals_, strict=True)
-                    ]
-                ).to(dtype)
-                size = dist.get_world_size(group)
-                self.stats.record_collective(
-                    EXPERT_REPLICAS_STATS_NAME,
-                    "all_reduce",
-                    nbytes=flat.numel() * flat.element_size(),
-                    world_size=size,
-                )
-                wait_work(
-                    dist.all_reduce(flat, group=group, async_op=True),
-                    "all-reduce of the experts' gradients over their replicas (owner mode)",
-                    group,
-                )
-                offset = 0
-                for e, g, t in zip(members, grads, locals_, strict=True):
-                    part = flat[offset : offset + t.numel()].view_as(t)
-                    offset += t.numel()
-                    if g is not None:
-                        g.copy_(part)
-                    else:
-                        p: Any = e.param
-                        p.grad = DTensor.from_local(
-                            part.clone(), p.device_mesh, p.placements, run_check=False
-                        )
+    def expert_owner(self, p: torch.Tensor) -> tuple[int, dist.ProcessGroup] | None:
+        """``(rank in the group, group)`` of the replica that owns expert stack ``p`` (a
+        ``dp × ep`` mesh: it alone holds the stack's state); ``None`` for any other
+        parameter."""
+        return self._replicas.owner_of(p)
 
     def _sharded_over(self, p: torch.Tensor) -> bool:
         """A DTensor whose mesh spans more of the exchange's group than this rank (FSDP2
@@ -267,8 +235,8 @@ class OwnerEngine(Engine):
         return id(p) in self._in_place_ids or super().on_shard(p)
 
     def steps(self, p: torch.Tensor) -> bool:
-        if not self._dedicated(p):
-            return True
+        if not self._dedicated(p):  # a replicated expert stack: its owner among the replicas
+            return p not in self._replicas or self._replicas.owns(p)
         name = self.exchange.name_of(p)
         return name is not None and self.exchange.owner(name) == self.rank
 
@@ -306,7 +274,7 @@ class OwnerEngine(Engine):
         return red.flush(agreement=slots)
 
     def skip_step(self) -> None:
-        self._replicas_summed = False
+        self._replicas_reduced = False
         ex = self.exchange
         ex.reduction.wait_all_reduced()  # drain the reductions every rank launched
         if ex.reshard_after_forward:
@@ -314,7 +282,7 @@ class OwnerEngine(Engine):
         ex.reduction.end_step()
 
     def discard_grads(self) -> None:
-        self._replicas_summed = False
+        self._replicas_reduced = False
         ex = self.exchange
         red = ex.reduction
         if red.started():  # reductions launched, or left to the flush
@@ -349,7 +317,7 @@ class OwnerEngine(Engine):
 
     def prepare_grads(self) -> None:
         self.exchange.reduction.wait_all_reduced()
-        self._sum_replicas()
+        self._reduce_replicas()
 
     def changed_gradients(self) -> list[str]:
         return self.exchange.reduction.changed_gradients()
@@ -361,9 +329,10 @@ class OwnerEngine(Engine):
         groups = stepper.param_groups
         if self._in_place_ids:  # the experts, complete here, while reductions travel
             with report.phase("comm_wait"):
-                self._sum_replicas()
+                self._reduce_replicas()
             for index in self._matrix_groups:
                 stepper.step_matrices(index, None, report)
+            self._replicas.start_broadcast()
         for key in self._keys:
             with report.phase("comm_wait"):
                 ex.reduction.wait_reduced(key)
@@ -379,8 +348,10 @@ class OwnerEngine(Engine):
         with report.phase("scalar"):
             for index, params in self._scalars_by_layer.get(None, ()):
                 stepper.step_scalars(groups[index], params)
+        with report.phase("publish"):
+            self._replicas.wait_broadcast()
         ex.reduction.end_step()
-        self._replicas_summed = False
+        self._replicas_reduced = False
 
     def _settle_owned(self, key: str) -> None:
         """Carry out the pending sums (``Partial``) of the reduced gradients of layer
@@ -420,6 +391,10 @@ class OwnerEngine(Engine):
                 continue
             if not self._dedicated(e.param) and ex.name_of(e.param) is not None and self.rank:
                 continue  # all-reduced: the same on every dp rank, counted on dp rank 0
+            if e.param in self._replicas:  # summed into its owner among the replicas
+                if self._replicas.owns(e.param):
+                    out.append(local_tensor(g))
+                continue
             if is_dtensor(g):
                 if tp is not None and not tp_first and not _spans(g, tp):
                     continue  # FSDP2's rows over dp alone: the same on every tp rank
