@@ -68,8 +68,8 @@ class OwnerEngine(Engine):
         self._matrix_groups: list[int] = []
         # per layer, the replicated-whole DTensor matrices this rank owns (settle_owned)
         self._whole_by_layer: dict[str, list[EngineParam]] = {}
-        # the expert stacks split over the exchange's group, stepped where they live, and
-        # per group of ranks holding the same experts (dp × ep), each stack's owner there
+        # the expert stacks whose mesh is the exchange's group, stepped where they live, and
+        # per set of ranks holding the same experts (dp × ep), each stack's owner there
         self._in_place_ids: frozenset[int] = frozenset()
         self._replicas = ExpertReplicas([], self.stats)
         self._replicas_reduced = False
@@ -86,8 +86,9 @@ class OwnerEngine(Engine):
                     "use mode='sign' (train without DDP), or pick another rule for owner mode"
                 )
         ours: list[EngineParam] = []  # the parameters dedicated to this optimizer's exchange
-        in_place: list[EngineParam] = []  # expert stacks split over the exchange's group
-        summed: dict[tuple[int, ...], tuple[dist.ProcessGroup, list[EngineParam]]] = {}
+        in_place: list[EngineParam] = []  # expert stacks whose mesh is the exchange's group
+        # per set of ranks holding the same experts (dp × ep), the stacks they share
+        replica_sets: dict[tuple[int, ...], tuple[dist.ProcessGroup, list[EngineParam]]] = {}
         for e in self.params:
             owner = exchange_of(e.param)
             if owner is not None and owner is not ex:
@@ -109,7 +110,7 @@ class OwnerEngine(Engine):
                     )
                 for g in replicas:
                     ranks = tuple(sorted(dist.get_process_group_ranks(g)))
-                    summed.setdefault(ranks, (g, []))[1].append(e)
+                    replica_sets.setdefault(ranks, (g, []))[1].append(e)
             elif e.matrix and not dedicated:
                 raise ValueError(
                     f"matrix parameter {e.name!r} is not dedicated: in owner mode every matrix "
@@ -134,7 +135,7 @@ class OwnerEngine(Engine):
             )
         self._dedicated_ids = frozenset(id(e.param) for e in ours)
         self._in_place_ids = frozenset(id(e.param) for e in in_place)
-        self._replicas = ExpertReplicas([summed[k] for k in sorted(summed)], self.stats)
+        self._replicas = ExpertReplicas([replica_sets[k] for k in sorted(replica_sets)], self.stats)
         self._keys = ex.layer_keys()
         self._matrix_groups = [
             i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)
