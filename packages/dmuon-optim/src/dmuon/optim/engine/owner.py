@@ -349,8 +349,9 @@ class OwnerEngine(Engine):
         with report.phase("scalar"):
             for index, params in self._scalars_by_layer.get(None, ()):
                 stepper.step_scalars(groups[index], params)
-        with report.phase("publish"):
-            self._replicas.wait_broadcast()
+        if self._in_place_ids:
+            with report.phase("publish"):
+                self._replicas.wait_broadcast()
         ex.reduction.end_step()
         self._replicas_reduced = False
 
