@@ -142,3 +142,13 @@ def expert_parallel(mesh, experts: int = 4) -> MoE:
     model.ep = mesh.get_group("ep")
     model.local_experts = distribute_tensor(torch.arange(experts), mesh, placements).to_local()
     return model
+
+
+def moving_reference(rule: str, experts: int = 4) -> dict[str, torch.Tensor]:
+    """:func:`reference`, checked to have moved the weights by far more than the tests'
+    tolerance (otherwise a comparison with it would prove nothing)."""
+    initial = {n: p.detach().clone() for n, p in MoE(experts).named_parameters()}
+    expected = reference(rule, experts)
+    moved = max((expected[n] - initial[n]).abs().max().item() for n in initial)
+    assert moved > 1e-3, f"{rule}: the reference barely moved; the test would prove nothing"
+    return expected
