@@ -2,11 +2,12 @@
 split over an ``ep`` mesh dimension, its dispatch written with plain collectives, and the
 one-process reference it is compared with.
 
-The parallel forward is the usual expert-parallel dispatch: every rank embeds its own
-tokens, the ``ep`` group gathers them, each rank runs its experts on all of them, and the
-partial outputs are summed back to the tokens' ranks (a reduce-scatter). Gradients then
-arrive as in a real EP run: an expert's is complete over its ``ep`` group (every rank's
-loss summed into it), a dense matrix's is this rank's part.
+The parallel forward is the usual expert-parallel dispatch, the one of the benchmarks'
+:mod:`benchmarks.common.moe`: every rank embeds its own tokens, the ``ep`` group gathers
+them, each rank runs its experts on all of them, and the partial outputs are summed back
+to the tokens' ranks (a reduce-scatter). Gradients then arrive as in a real EP run: an
+expert's is complete over its ``ep`` group (every rank's loss summed into it), a dense
+matrix's is this rank's part.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.common.moe import GatherTokens, ScatterSum, expert_mix
 from dmuon.optim import DMuon, param_groups
 
 OPT = dict(lr=0.02, weight_decay=0.01, momentum=0.9, ns_compute_dtype=torch.float32)
@@ -65,51 +67,6 @@ class MoE(nn.Module):
             part = expert_mix(tokens, gates, self.w_in.to_local(), self.w_out.to_local())
             y = ScatterSum.apply(part, self.ep)
         return self.out(self.norm(h + y))
-
-
-def expert_mix(h, gate, w_in, w_out) -> torch.Tensor:
-    """Σ_e gate[:, e] · w_out[e] · gelu(w_in[e] · h) over the experts given."""
-    a = F.gelu(torch.einsum("bd,ehd->ebh", h, w_in))
-    return torch.einsum("ebh,edh,be->bd", a, w_out, gate)
-
-
-class GatherTokens(torch.autograd.Function):
-    """Every rank's rows, concatenated in rank order; backward: the summed gradient's rows
-    of this rank (every rank's loss reached them)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        rows = grad.shape[0] // dist.get_world_size(ctx.group)
-        me = dist.get_rank(ctx.group)
-        return grad[me * rows : (me + 1) * rows], None
-
-
-class ScatterSum(torch.autograd.Function):
-    """This rank's rows of the sum over the group (a reduce-scatter); backward: gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        total = x.contiguous().clone()
-        dist.all_reduce(total, group=group)
-        rows = total.shape[0] // dist.get_world_size(group)
-        me = dist.get_rank(group)
-        return total[me * rows : (me + 1) * rows].clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
-        return torch.cat(parts), None
 
 
 def batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
