@@ -69,7 +69,7 @@ class Dedication:
     experts: tuple[str, ...] = ()
     """Names of the expert stacks whose mesh spans the dedication's group, which each rank
     steps where they live (``ddp.dedicate``): neither dedicated nor all-reduced with the
-    scalars (a ``dp × ep`` mesh's replicas sum their gradients in the optimizer's step)."""
+    scalars (on a ``dp × ep`` mesh, one owner among each stack's replicas steps it)."""
 
     @property
     def params(self) -> set[nn.Parameter]:
@@ -227,9 +227,9 @@ def build_dedication(
 
     With ``experts_in_place`` (``ddp.dedicate``), an expert stack split along its expert
     dimension whose mesh spans exactly the planning group (:func:`in_place_experts`) is
-    left out of the plan: each rank steps its experts where they live (the optimizer sums
-    a ``dp × ep`` mesh's replicas first), and the plan starts each rank's load with them
-    (``plan_owners(held=...)``). With ``reduce_op="avg"`` a hook
+    left out of the plan: each rank steps its experts where they live (on a ``dp × ep``
+    mesh, the stacks it owns among their replicas), and the plan starts each rank's load
+    with them (``plan_owners(held=...)``: :func:`held_experts`). With ``reduce_op="avg"`` a hook
     divides their gradient by the group's size as it arrives, as the dense gradients are
     averaged: the expert dispatch's backward sums every rank's loss into it, and the
     gradient of the ranks' mean loss is that sum over the ranks.
@@ -316,8 +316,9 @@ def in_place_experts(
     :attr:`~dmuon.optim.engine.placements.MatrixPlacement.expert_split`) whose mesh spans
     exactly the ranks of ``group`` (:func:`~dmuon.optim.engine.expert_split.
     in_place_replicas`): a 1-D ``ep`` mesh over them, or a ``dp × ep`` mesh. Each rank
-    steps its own experts where they live; the ``dp`` replicas of the same experts sum their
-    gradients first. A stack laid out over other ranks is not among them, and
+    steps its own experts where they live (on ``dp × ep``, one owner among the replicas of
+    the same experts steps each stack). A stack laid out over other ranks is not among
+    them, and
     :func:`_check_dtensors` refuses it."""
     if not (dist.is_available() and dist.is_initialized()):
         return []

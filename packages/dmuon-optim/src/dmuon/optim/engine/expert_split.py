@@ -67,7 +67,7 @@ def in_place_replicas(
 ) -> list[dist.ProcessGroup] | None:
     """For an expert stack ``p`` split along its expert dimension over mesh dimension
     ``mesh_dim``: the groups of its other mesh dimensions with more than one rank (the
-    ranks holding the same experts: their gradients must be summed over them) when its
+    ranks holding the same experts, whose gradients add up to the stack's) when its
     mesh spans exactly the ranks ``planning``; ``None`` when it does not (its mesh reaches
     ranks outside ``planning``, or covers only some of them).
 
