@@ -320,31 +320,60 @@ def test_the_plan_counts_each_replicas_own_experts_as_the_engine_steps_them():
         assert not results[a][1] & results[b][1], (a, b)
 
 
+def run_fsdp(rank, world, rule, shape, names):
+    """``fsdp.dedicate`` over a 1-D mesh of every rank, then ``fully_shard`` of the rest
+    (the scalars) with ``ignored_params=ded.params``: the dedicated matrices and the expert
+    stacks, which stay where they live."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon.integrations import fsdp
+
+    experts_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dp = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = expert_parallel(experts_mesh)
+    ded = fsdp.dedicate(model, dp)
+    ignored = ded.params
+    assert {n for n, p in model.named_parameters() if p in ignored} >= set(STACKS)
+    fully_shard(model, mesh=dp, ignored_params=ignored)
+    opt = DMuon(param_groups(model), distributed=ded, rule=rule, **OPT)
+    train(model, opt, range(STEPS))
+    ded.wait()
+    return {
+        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+@MESHES
+def test_fsdp_dedicate_leaves_the_experts_where_they_live_and_steps_like_one_process(world, mesh):
+    """The scalars sharded by FSDP2, the dense matrices dedicated, the experts in place
+    (on dp 2 × ep 2 one owner among each stack's replicas): equal to one process."""
+    expected = moving_reference("normuon")
+    for rank, got in enumerate(run_on_ranks(run_fsdp, world, args=("normuon", *mesh), timeout=240)):
+        for name, want in expected.items():
+            diff = (got[name] - want).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: {name} off by {diff:.2e}"
+
+
 def run_refusals(rank, world):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dmuon.integrations import ddp, fsdp
+    from dmuon.integrations import ddp
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     alone = [dist.new_group([r]) for r in range(world)][rank]  # a dedication of one rank
-    return {
-        "other ranks": error(lambda: ddp.dedicate(expert_parallel(mesh), group=alone)),
-        "fsdp": error(lambda: fsdp.dedicate(expert_parallel(mesh), mesh)),
-    }
+    return {"other ranks": error(lambda: ddp.dedicate(expert_parallel(mesh), group=alone))}
 
 
-def test_experts_laid_out_beyond_the_dedication_and_under_fsdp_are_refused_on_every_rank():
-    """A dedication over one rank of the two the experts span; ``fsdp.dedicate``, whose
-    FSDP2 would shard what it does not dedicate, of experts it could step in place."""
+def test_experts_laid_out_beyond_the_dedication_are_refused_on_every_rank():
+    """A dedication over one rank of the two the experts span."""
     for rank, out in enumerate(run_on_ranks(run_refusals, 2, timeout=120)):
         msg = out["other ranks"]
         assert msg is not None, f"rank {rank}: no error"
         assert "'w_in'" in msg and "mode='replicated'" in msg, (rank, msg)
         assert "spans the dedication's ranks exactly" in msg, (rank, msg)
-        msg = out["fsdp"]
-        assert msg is not None, f"rank {rank}: fsdp.dedicate took the experts"
-        assert "'w_in'" in msg and "train this model with ddp.dedicate(model)" in msg, msg
 
 
 def run_nonfinite(rank, world, policy):

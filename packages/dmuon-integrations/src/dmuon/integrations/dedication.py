@@ -73,8 +73,14 @@ class Dedication:
 
     @property
     def params(self) -> set[nn.Parameter]:
-        """The dedicated parameters, as the set ``fully_shard(ignored_params=...)`` takes."""
-        return set(self.exchange.params)  # type: ignore[arg-type]
+        """The parameters FSDP2 must leave alone, as the set
+        ``fully_shard(ignored_params=...)`` takes: the dedicated ones and the expert stacks
+        stepped in place (:attr:`experts`)."""
+        out: set[nn.Parameter] = set(self.exchange.params)  # type: ignore[arg-type]
+        if self.experts:
+            names = set(self.experts)
+            out |= {p for n, p in self.model.named_parameters() if n in names}
+        return out
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -225,14 +231,16 @@ def build_dedication(
     planned over ``dp`` by the whole matrices' shapes and each owner's ``tp`` row steps
     the shards (:mod:`dmuon.optim.engine.owner_split`).
 
-    With ``experts_in_place`` (``ddp.dedicate``), an expert stack split along its expert
-    dimension whose mesh spans exactly the planning group (:func:`in_place_experts`) is
-    left out of the plan: each rank steps its experts where they live (on a ``dp × ep``
-    mesh, the stacks it owns among their replicas), and the plan starts each rank's load
-    with them (``plan_owners(held=...)``: :func:`held_experts`). With ``reduce_op="avg"`` a hook
-    divides their gradient by the group's size as it arrives, as the dense gradients are
-    averaged: the expert dispatch's backward sums every rank's loss into it, and the
-    gradient of the ranks' mean loss is that sum over the ranks.
+    With ``experts_in_place`` (``ddp.dedicate``, ``fsdp.dedicate``; not beside ``tp`` or
+    HSDP), an expert stack split along its expert dimension whose mesh spans exactly the
+    planning group (:func:`in_place_experts`) is left out of the plan: each rank steps its
+    experts where they live (on a ``dp × ep`` mesh, the stacks it owns among their
+    replicas), and the plan starts each rank's load with them (``plan_owners(held=...)``:
+    :func:`held_experts`). :attr:`Dedication.params` includes them, so FSDP2 leaves them
+    alone too. With ``reduce_op="avg"`` a hook divides their gradient by the group's size
+    as it arrives, as the dense gradients are averaged: the expert dispatch's backward
+    sums every rank's loss into it, and the gradient of the ranks' mean loss is that sum
+    over the ranks.
 
     Raises:
         ValueError: a parameter already sharded by FSDP2, a DTensor owner mode does not
@@ -251,7 +259,11 @@ def build_dedication(
         group, replicate_group = mesh_groups(mesh)
     else:  # dp × tp: owners over the dimension the tensor-parallel placements do not use
         group, replicate_group = mesh.get_group(1 - tp_dim), None
-    experts = in_place_experts(dedicated, group) if experts_in_place and tp_dim is None else []
+    experts = (
+        in_place_experts(dedicated, group)
+        if experts_in_place and tp_dim is None and replicate_group is None
+        else []
+    )
     if experts:
         dedicated = [(i, p) for i, p in dedicated if all(p is not q for _, q in experts)]
     _check_dtensors(

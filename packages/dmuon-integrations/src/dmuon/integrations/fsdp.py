@@ -131,6 +131,7 @@ def dedicate(
         all_reduce_rest=False,
         kind="fsdp",
         plan_options=plan_options,
+        experts_in_place=True,
     )
     # FSDP2 synchronises the rest: each must be used on every rank (partial_use.py)
     ex = ded.exchange

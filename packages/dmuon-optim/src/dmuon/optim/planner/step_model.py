@@ -744,7 +744,7 @@ def assumptions(
         "tensor parallelism runs today in single, replicated, sharded and owner mode "
         "(dedicate over dp × tp); experts in single mode, in replicated mode over dp "
         "(all-reduced, then one owner among the replicas) and in sharded mode (stepped "
-        "where they are), and in owner mode (ddp.dedicate: each rank its own experts, one "
+        "where they are), and in owner mode (ddp/fsdp.dedicate: each rank its own experts, one "
         "owner among the replicas); sign mode with either is predicted as designed "
         "(docs: Tensor and expert parallelism)")))  # fmt: skip
     return rows
