@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.metrics import machine_info  # noqa: E402
-from benchmarks.common.moe import MoEModel, expert_parallel  # noqa: E402
+from benchmarks.common.moe import MoEModel, expert_parallel, finish_gradients  # noqa: E402
 
 LAYOUTS = {"ep": ((2,), ("ep",)), "dp×ep": ((2, 2), ("dp", "ep"))}
 SETUPS = ("adamw", "single", "replicated", "owner")
@@ -108,27 +108,6 @@ def _build(setup: str, mesh: Any, size: dict[str, int], lr: float) -> tuple[Any,
     return model, DMuon(param_groups(model), mode=setup, **group, **options), True
 
 
-def _finish(model: Any, mesh: Any) -> None:
-    """Gradients as DDP would leave them: the dense ones averaged over every rank, the
-    experts' (complete over ``ep``) summed over ``dp`` and divided by the world."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    world = dist.get_world_size()
-    dp = mesh.get_group("dp") if "dp" in mesh.mesh_dim_names else None
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        if isinstance(p, DTensor):
-            g = p.grad.to_local()
-            if dp is not None:
-                dist.all_reduce(g, group=dp)
-        else:
-            g = p.grad
-            dist.all_reduce(g)
-        g.div_(world)
-
-
 def _orthogonalised(model: Any, opt: Any) -> dict[str, int]:
     """Matrices this rank orthogonalises per step: dense, and experts (each of a stack)."""
     from dmuon.optim import DMuon
@@ -169,7 +148,7 @@ def _rank_main(
                 t0 = time.perf_counter()
                 F.mse_loss(model(x), x).backward()
                 if by_hand:
-                    _finish(model, mesh)
+                    finish_gradients(model, mesh)
                 t1 = time.perf_counter()
                 opt.step()
                 t2 = time.perf_counter()

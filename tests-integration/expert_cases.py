@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common.moe import GatherTokens, ScatterSum, expert_mix
+from benchmarks.common.moe import GatherTokens, ScatterSum, expert_mix, split_experts
 from dmuon.optim import DMuon, param_groups
 
 OPT = dict(lr=0.02, weight_decay=0.01, momentum=0.9, ns_compute_dtype=torch.float32)
@@ -88,17 +88,8 @@ def reference(rule: str, experts: int = 4, steps=range(STEPS)) -> dict[str, torc
 
 def expert_parallel(mesh, experts: int = 4) -> MoE:
     """MoE with its stacks ``Shard(0)`` on the mesh's ``ep`` dimension, ``Replicate()`` on
-    any other."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    model = MoE(experts)
-    placements = [Shard(0) if n == "ep" else Replicate() for n in mesh.mesh_dim_names]
-    for name in ("w_in", "w_out"):
-        whole = getattr(model, name).detach()
-        setattr(model, name, nn.Parameter(distribute_tensor(whole, mesh, placements)))
-    model.ep = mesh.get_group("ep")
-    model.local_experts = distribute_tensor(torch.arange(experts), mesh, placements).to_local()
-    return model
+    any other (:func:`benchmarks.common.moe.split_experts`)."""
+    return split_experts(MoE(experts), mesh)
 
 
 def moving_reference(rule: str, experts: int = 4) -> dict[str, torch.Tensor]:

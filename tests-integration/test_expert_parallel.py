@@ -41,6 +41,7 @@ from expert_cases import (
 from tensor_parallel_cases import error
 from torch import nn
 
+from benchmarks.common.moe import finish_gradients
 from dmuon.comm.testing import run_on_ranks
 from dmuon.optim import DMuon, param_groups
 
@@ -50,27 +51,16 @@ def train(model: MoE, opt: DMuon, mesh, steps, clip: float | None = None) -> lis
     would: summed over the ranks that hold the same tensor, divided by the world (the
     global loss is the mean of the ranks' means). With ``clip``, clipped by
     :func:`dmuon.optim.clip_grad_norm_`; returns the norms."""
-    from torch.distributed.tensor import DTensor
-
     from dmuon.optim import clip_grad_norm_
 
     world, rank = dist.get_world_size(), dist.get_rank()
     rows = BATCH // world
-    dp = mesh.get_group("dp") if "dp" in mesh.mesh_dim_names else None
     norms: list[float] = []
     for t in steps:
         x, y = batch(t)
         mine = slice(rank * rows, (rank + 1) * rows)
         F.mse_loss(model(x[mine]), y[mine]).backward()
-        for p in model.parameters():
-            if isinstance(p, DTensor):  # an expert stack: complete over ep already
-                g = p.grad.to_local()
-                if dp is not None:
-                    dist.all_reduce(g, group=dp)
-            else:
-                g = p.grad
-                dist.all_reduce(g)
-            g.div_(world)
+        finish_gradients(model, mesh)
         if clip is not None:
             norms.append(clip_grad_norm_(opt, clip).item())
         opt.step()

@@ -30,7 +30,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GatherTokens", "MoEBlock", "MoEModel", "ScatterSum", "expert_mix", "expert_parallel"]
+__all__ = [
+    "GatherTokens",
+    "MoEBlock",
+    "MoEModel",
+    "ScatterSum",
+    "expert_mix",
+    "expert_parallel",
+    "finish_gradients",
+    "split_experts",
+]
 
 
 def expert_mix(
@@ -135,20 +144,47 @@ class MoEModel(nn.Module):
         return self.out(h)
 
 
-def expert_parallel(model: nn.Module, mesh: Any) -> nn.Module:
-    """Split every block's stacks over the mesh's ``ep`` dimension (``Shard(0)``, with
-    ``Replicate()`` on any other), with torch's public ``distribute_tensor``; returns
-    ``model``."""
+def split_experts(module: nn.Module, mesh: Any) -> nn.Module:
+    """Split ``module``'s stacks ``w_in`` and ``w_out`` over the mesh's ``ep`` dimension
+    (``Shard(0)``, with ``Replicate()`` on any other) with torch's public
+    ``distribute_tensor``, and set its ``ep`` group and ``local_experts`` (the indices of the
+    experts this rank holds), which its forward dispatches with; returns ``module``."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     placements = [Shard(0) if n == "ep" else Replicate() for n in mesh.mesh_dim_names]
+    experts = module.w_in.shape[0]
+    for name in ("w_in", "w_out"):
+        whole = getattr(module, name).detach()
+        setattr(module, name, nn.Parameter(distribute_tensor(whole, mesh, placements)))
+    module.ep = mesh.get_group("ep")
+    module.local_experts = distribute_tensor(torch.arange(experts), mesh, placements).to_local()
+    return module
+
+
+def expert_parallel(model: nn.Module, mesh: Any) -> nn.Module:
+    """:func:`split_experts` of every :class:`MoEBlock` of ``model``; returns ``model``."""
     for block in model.modules():
-        if not isinstance(block, MoEBlock):
-            continue
-        experts = block.w_in.shape[0]
-        for name in ("w_in", "w_out"):
-            whole = getattr(block, name).detach()
-            setattr(block, name, nn.Parameter(distribute_tensor(whole, mesh, placements)))
-        block.ep = mesh.get_group("ep")
-        block.local_experts = distribute_tensor(torch.arange(experts), mesh, placements).to_local()
+        if isinstance(block, MoEBlock):
+            split_experts(block, mesh)
     return model
+
+
+def finish_gradients(model: nn.Module, mesh: Any) -> None:
+    """Gradients as DDP would leave them: the dense ones averaged over every rank, the
+    experts' (complete over ``ep``) summed over the mesh's ``dp`` dimension, if any, and
+    divided by the world (the global loss is the mean of the ranks' means)."""
+    from torch.distributed.tensor import DTensor
+
+    world = dist.get_world_size()
+    dp = mesh.get_group("dp") if "dp" in mesh.mesh_dim_names else None
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if isinstance(p, DTensor):  # an expert stack
+            g = p.grad.to_local()
+            if dp is not None:
+                dist.all_reduce(g, group=dp)
+        else:
+            g = p.grad
+            dist.all_reduce(g)
+        g.div_(world)
