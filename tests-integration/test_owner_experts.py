@@ -233,8 +233,10 @@ def test_dp2_by_ep2_one_owner_among_the_replicas_steps_each_stack_like_one_proce
 
 
 def run_missing_gradient(rank, world):
-    """dp 2 × ep 2; rank 2 drops its ``w_out`` gradient (an expert stack no token of its
-    reached): the reduction to the stack's owner among the replicas takes it as zeros."""
+    """dp 2 × ep 2; rank 2's backward gives ``w_out`` no gradient (an expert stack no token
+    of its reached; here: frozen for that backward, so its hook never fires): the reduction
+    to the stack's owner among the replicas takes it as zeros, launched by rank 2 at the
+    step in the order the others launched theirs in backward."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon.integrations import ddp
@@ -245,12 +247,13 @@ def run_missing_gradient(rank, world):
     opt = DMuon(param_groups(model), distributed=ddp.dedicate(model), **OPT)
     x, y = batch(0)
     rows = BATCH // world
+    model.w_out.requires_grad_(rank != 2)
     F.mse_loss(
         model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
     ).backward()
-    before = model.w_out.grad.to_local().clone()
-    if rank == 2:
-        model.w_out.grad = None
+    model.w_out.requires_grad_(True)
+    g = model.w_out.grad
+    before = g.to_local().clone() if g is not None else torch.zeros_like(model.w_out.to_local())
     clip_grad_norm_(opt, float("inf"))
     owns = opt.engine.steps(model.w_out)
     return before, model.w_out.grad.to_local().clone() if owns else None
@@ -263,6 +266,126 @@ def test_an_expert_without_a_gradient_on_one_replica_counts_as_zeros():
         assert len(owners) == 1, (pair, owners)  # one owner among the two replicas
         got = results[owners[0]][1]
         assert torch.allclose(got, want, rtol=0, atol=1e-7), (pair, (got - want).abs().max())
+
+
+def run_overlap(rank, world):
+    """dp 2 × ep 2: the experts' reductions to their owners are launched in backward, before
+    the first layer's gradients arrive; none inside ``no_sync()``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+
+    mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
+    model = expert_parallel(mesh)
+    ded = ddp.dedicate(model)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    stats = ded.exchange.stats
+    seen = []  # the experts' reduces launched when the first layer's gradient arrives
+    model.inp.weight.register_post_accumulate_grad_hook(
+        lambda _: seen.append(stats["expert_replicas"].collectives)
+    )
+    x, y = batch(0)
+    rows = BATCH // world
+    xs, ys = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+    with ded.no_sync():
+        F.mse_loss(model(xs), ys).backward()
+    F.mse_loss(model(xs), ys).backward()
+    buckets = sum(len(s.buckets) for s in opt.engine._replicas.sets)
+    opt.step()
+    opt.zero_grad()
+    return seen, buckets
+
+
+def test_the_experts_reductions_overlap_backward():
+    for rank, (seen, buckets) in enumerate(run_on_ranks(run_overlap, 4, timeout=120)):
+        assert buckets > 0, rank
+        assert seen == [0, buckets], (rank, seen, buckets)
+
+
+def run_changed(rank, world):
+    """dp 2 × ep 2: rank 1 scales an expert gradient after backward had sent it; every rank
+    refuses the step and nothing moves. The dropped iteration's gradients are spent; the
+    next steps train on."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+    from dmuon.optim import GradientChangedError
+
+    mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
+    model = expert_parallel(mesh)
+    ded = ddp.dedicate(model)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    x, y = batch(0)
+    rows = BATCH // world
+    F.mse_loss(
+        model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
+    ).backward()
+    if rank == 1:
+        model.w_in.grad.mul_(0.5)
+    before = {n: getattr(model, n).detach().to_local().clone() for n in STACKS}
+    try:
+        opt.step()
+        err = None
+    except GradientChangedError as e:
+        err = str(e)
+    same = all(torch.equal(before[n], getattr(model, n).to_local()) for n in STACKS)
+    opt.zero_grad()
+    train(model, opt, range(STEPS))
+    ded.wait()
+    full = {
+        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+        for n, p in model.named_parameters()
+    }
+    return err, same, full
+
+
+def test_an_expert_gradient_changed_after_backward_is_refused_on_every_rank():
+    expected = moving_reference("muon")
+    for rank, (err, same, full) in enumerate(run_on_ranks(run_changed, 4, timeout=180)):
+        assert err is not None and "rank(s) [1]" in err, (rank, err)
+        assert rank != 1 or "'w_in'" in err, err
+        assert same, f"rank {rank}: experts stepped although a gradient was changed"
+        for name, want in expected.items():
+            diff = (full[name] - want).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: {name} off by {diff:.2e} after the refusal"
+
+
+def run_dropped(rank, world):
+    """dp 2 × ep 2: a backward dropped by ``opt.zero_grad()`` (no step) finishes its
+    experts' reductions on every rank — rank 3's backward reached no expert stack, so it
+    launches them there — and training goes on as if it had not run."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+
+    mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
+    model = expert_parallel(mesh)
+    ded = ddp.dedicate(model)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    x, y = batch(99)
+    rows = BATCH // world
+    for n in STACKS:
+        getattr(model, n).requires_grad_(rank != 3)
+    F.mse_loss(
+        model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
+    ).backward()
+    for n in STACKS:
+        getattr(model, n).requires_grad_(True)
+    opt.zero_grad()  # drop the batch
+    train(model, opt, range(STEPS))
+    ded.wait()
+    return {
+        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def test_a_dropped_backward_finishes_the_experts_reductions_and_is_forgotten():
+    expected = moving_reference("muon")
+    for rank, full in enumerate(run_on_ranks(run_dropped, 4, timeout=180)):
+        for name, want in expected.items():
+            diff = (full[name] - want).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: {name} off by {diff:.2e}"
 
 
 def run_plan(rank, world):

@@ -6,13 +6,23 @@ owner among them (:func:`~dmuon.optim.engine.expert_split.replica_owners`) — t
 idea of DMuon (Chen et al., 2026) applied within each replica set, as ``replicated``
 mode does for the experts:
 
-1. :meth:`ExpertReplicas.reduce` sums each stack's gradient into its owner: one
-   ``reduce`` over ``dp`` per owner and dtype, every stack of that owner in one flat
-   buffer (a replica without a gradient sends zeros);
+1. the stacks' gradients are summed into their owners while backward goes on: a bucket
+   per layer, owner and dtype (every stack of that owner in the layer in one flat buffer),
+   launched as one ``reduce`` over ``dp`` as soon as backward has produced its gradients
+   (:meth:`ExpertReplicas.grad_ready`, from a post-accumulate-grad hook that
+   :meth:`~dmuon.optim.engine.reduction.Reduction.attach_experts` installs) and every
+   earlier bucket was launched; :meth:`ExpertReplicas.reduce` launches the rest (zeros
+   for a stack without a gradient) and waits for them all;
 2. the owner steps its stacks (the others hold placeholder state);
 3. :meth:`ExpertReplicas.start_broadcast` sends the stepped experts back: one
    ``broadcast`` per owner and dtype, waited by :meth:`ExpertReplicas.wait_broadcast` at
    the end of the step, after the dense layers.
+
+**Hang freedom**, as for the dense layers (:mod:`~dmuon.optim.engine.reduction`): the
+buckets are launched in one fixed order on every replica — layers in reverse natural
+order, the usual backward order — and a bucket only after every earlier one, so a
+replica whose backward skipped a stack launches it, and the ones after it, at
+:meth:`ExpertReplicas.reduce`, in the same order as the others did in backward.
 
 Over a replica set of ``R`` ranks that is ``2 (R − 1)/R`` of the experts' bytes per rank,
 as one all-reduce, while each stack is orthogonalised once instead of ``R`` times.
@@ -28,6 +38,7 @@ import torch.distributed as dist
 
 from dmuon.comm import CommStats, MatrixItem
 from dmuon.comm.faults import wait_work
+from dmuon.comm.owner_plan import natural_key
 from dmuon.optim.engine.expert_split import replica_owners
 from dmuon.optim.engine.params import EngineParam
 from dmuon.optim.matrix_split import local_tensor
@@ -39,12 +50,35 @@ EXPERT_REPLICAS_STATS_NAME = "expert_replicas"
 the broadcast back."""
 
 
+def _versions(g: torch.Tensor) -> tuple[int, int]:
+    """The version counters of gradient ``g`` and of its local tensor: a write through the
+    DTensor counts on the first, one through ``g.to_local()`` on the second (writes that
+    count on neither go unseen)."""
+    return g._version, local_tensor(g)._version
+
+
+class _Bucket:
+    """The stacks of one layer held by one owner, of one dtype: one ``reduce`` a step."""
+
+    def __init__(self, owner: int, members: list[EngineParam]) -> None:
+        self.owner = owner
+        self.members = members
+        self.ready: set[int] = set()  # ids of the members whose gradient arrived
+        self.work: Any = None
+        self.flat: torch.Tensor | None = None
+
+    @property
+    def launched(self) -> bool:
+        return self.flat is not None
+
+
 class _ReplicaSet:
     """One group of ranks holding the same experts and the stacks they share."""
 
     def __init__(self, group: dist.ProcessGroup, params: Sequence[EngineParam]) -> None:
         self.group = group
         self.ranks = sorted(dist.get_process_group_ranks(group))
+        self.params = list(params)
         items = [
             MatrixItem(e.name, tuple(local_tensor(e.param).shape), e.param.dtype) for e in params
         ]
@@ -52,10 +86,20 @@ class _ReplicaSet:
         self.owner = {id(e.param): owners[e.name] for e in params}
         me = self.ranks.index(dist.get_rank())
         self.mine = {id(e.param) for e in params if owners[e.name] == me}
-        # per (owner index, dtype), the stacks in one flat buffer, in a fixed order
+        # per (owner index, dtype), the stacks in one flat buffer, in a fixed order: the
+        # broadcast back
         self.runs: dict[tuple[int, torch.dtype], list[EngineParam]] = {}
         for e in sorted(params, key=lambda e: e.name):
             self.runs.setdefault((owners[e.name], e.param.dtype), []).append(e)
+        # the reductions: per layer, owner and dtype, layers in reverse natural order
+        by_bucket: dict[tuple[str, int, str], list[EngineParam]] = {}
+        for e in sorted(params, key=lambda e: natural_key(e.name)):
+            key = (e.layer, owners[e.name], str(e.param.dtype))
+            by_bucket.setdefault(key, []).append(e)
+        order = sorted(by_bucket, key=lambda k: (natural_key(k[0]), k[1], k[2]))
+        self.buckets = [_Bucket(k[1], by_bucket[k]) for k in reversed(order)]
+        self.bucket_of = {id(e.param): b for b in self.buckets for e in b.members}
+        self.next_launch = 0
 
 
 class ExpertReplicas:
@@ -76,9 +120,17 @@ class ExpertReplicas:
         self.stats = stats
         self._by_param = {pid: s for s in self.sets for pid in s.owner}
         self._pending: list[tuple[Any, torch.Tensor, list[EngineParam], _ReplicaSet]] = []
+        # each gradient copied into a bucket, as it was then (the gradient object and its
+        # version): a change after that would not reach the owner
+        self._taken: dict[int, tuple[EngineParam, torch.Tensor, tuple[int, int]]] = {}
+        self._changed: list[str] = []
 
     def __contains__(self, p: torch.Tensor) -> bool:
         return id(p) in self._by_param
+
+    def params(self) -> list[torch.Tensor]:
+        """Every replicated stack, in the replica sets' order."""
+        return [e.param for s in self.sets for e in s.params]
 
     def owns(self, p: torch.Tensor) -> bool:
         """Whether this rank is the owner of ``p`` among its replicas."""
@@ -108,36 +160,108 @@ class ExpertReplicas:
             EXPERT_REPLICAS_STATS_NAME, op, nbytes=nbytes, world_size=len(s.ranks)
         )
 
+    def grad_ready(self, p: torch.Tensor, syncing: bool = True) -> None:
+        """A gradient of stack ``p`` has been accumulated (from a post-accumulate-grad
+        hook): launch its bucket's reduction once the bucket is complete and every earlier
+        one was launched. ``syncing=False`` (inside ``no_sync()``): nothing is launched, the
+        gradient accumulates for a later backward."""
+        s = self._by_param.get(id(p))
+        if s is None or not syncing:
+            return
+        bucket = s.bucket_of[id(p)]
+        if bucket.launched:
+            name = next(e.name for e in bucket.members if e.param is p)
+            raise RuntimeError(
+                f"a second gradient of expert stack {name!r} arrived after it was reduced to "
+                "its owner among the replicas; call backward once per optimizer step, or run "
+                "the earlier micro-batches inside no_sync(); to drop a batch after its "
+                "backward, call the optimizer's zero_grad()"
+            )
+        bucket.ready.add(id(p))
+        while s.next_launch < len(s.buckets):
+            nxt = s.buckets[s.next_launch]
+            if len(nxt.ready) < len(nxt.members):
+                break
+            self._launch(s, nxt)
+
     @torch.no_grad()
-    def reduce(self) -> None:
-        """Sum every replicated stack's gradient into its owner (launched together, waited
-        under the step's deadline); the owner's gradient becomes the sum."""
+    def _launch(self, s: _ReplicaSet, bucket: _Bucket) -> None:
+        flat = self._flat(bucket.members, grads=True)
+        for e in bucket.members:
+            g = e.param.grad
+            if g is not None:
+                self._taken[id(e.param)] = (e, g, _versions(g))
+        self._count("reduce", flat, s)
+        bucket.work = dist.reduce(flat, dst=s.ranks[bucket.owner], group=s.group, async_op=True)
+        bucket.flat = flat
+        s.next_launch += 1
+
+    def flush(self) -> None:
+        """Launch every bucket not launched yet (zeros for missing gradients)."""
+        for s in self.sets:
+            while s.next_launch < len(s.buckets):
+                self._launch(s, s.buckets[s.next_launch])
+
+    def started(self) -> bool:
+        """Whether a gradient arrived for a stack since the last :meth:`reduce`."""
+        return any(b.ready or b.launched for s in self.sets for b in s.buckets)
+
+    def _changed_since_taken(self, pid: int) -> bool:
+        e, g, versions = self._taken[pid]
+        return e.param.grad is not g or _versions(g) != versions
+
+    def changed_gradients(self) -> list[str]:
+        """Stacks whose gradient was changed (in place, or replaced) after it was copied
+        into its bucket this step: the change would not reach the owner."""
+        taken = self._taken
+        return [*self._changed, *(taken[i][0].name for i in taken if self._changed_since_taken(i))]
+
+    @torch.no_grad()
+    def reduce(self, write: bool = True) -> None:
+        """Launch what backward did not (:meth:`flush`) and wait for every bucket under the
+        step's deadline; with ``write``, the owner's gradient becomes the sum (``False``:
+        a skipped or discarded step only drains the collectives)."""
         from torch.distributed.tensor import DTensor
 
-        works = []
-        for s in self.sets:
-            for (owner, _), members in s.runs.items():
-                flat = self._flat(members, grads=True)
-                self._count("reduce", flat, s)
-                work = dist.reduce(flat, dst=s.ranks[owner], group=s.group, async_op=True)
-                works.append((work, flat, members, s, owner))
+        self.flush()
         me = dist.get_rank()
-        for work, flat, members, s, owner in works:
-            wait_work(work, "reduce of the experts' gradients to their owner (owner mode)", s.group)
-            if s.ranks[owner] != me:
-                continue
-            offset = 0
-            for e in members:
-                local = local_tensor(e.param)
-                part = flat[offset : offset + local.numel()].view_as(local)
-                offset += local.numel()
-                if e.param.grad is not None:
-                    local_tensor(e.param.grad).copy_(part)
-                else:
-                    p: Any = e.param
-                    p.grad = DTensor.from_local(
-                        part.clone(), p.device_mesh, p.placements, run_check=False
-                    )
+        for s in self.sets:
+            for bucket in s.buckets:
+                flat = bucket.flat
+                assert flat is not None
+                # before the gradients are replaced: the changes made since the launch
+                for e in bucket.members:
+                    if id(e.param) in self._taken:
+                        if self._changed_since_taken(id(e.param)):
+                            self._changed.append(e.name)
+                        del self._taken[id(e.param)]
+                wait_work(
+                    bucket.work,
+                    "reduce of the experts' gradients to their owner (owner mode)",
+                    s.group,
+                )
+                bucket.work, bucket.flat = None, None
+                bucket.ready.clear()
+                if not write or s.ranks[bucket.owner] != me:
+                    continue
+                offset = 0
+                for e in bucket.members:
+                    local = local_tensor(e.param)
+                    part = flat[offset : offset + local.numel()].view_as(local)
+                    offset += local.numel()
+                    if e.param.grad is not None:
+                        local_tensor(e.param.grad).copy_(part)
+                    else:
+                        p: Any = e.param
+                        p.grad = DTensor.from_local(
+                            part.clone(), p.device_mesh, p.placements, run_check=False
+                        )
+            s.next_launch = 0
+
+    def end_step(self) -> None:
+        """Forget this step's record of changed gradients (after the step's agreement)."""
+        self._changed.clear()
+        self._taken.clear()
 
     @torch.no_grad()
     def start_broadcast(self) -> None:

@@ -136,6 +136,10 @@ class OwnerEngine(Engine):
         self._dedicated_ids = frozenset(id(e.param) for e in ours)
         self._in_place_ids = frozenset(id(e.param) for e in in_place)
         self._replicas = ExpertReplicas([replica_sets[k] for k in sorted(replica_sets)], self.stats)
+        # their gradients summed into the owner as backward produces them (replacing the
+        # hooks of an earlier optimizer over this dedication)
+        if self._replicas.sets or ex.reduction.experts is not None:
+            ex.reduction.attach_experts(self._replicas)
         self._keys = ex.layer_keys()
         self._matrix_groups = [
             i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)
@@ -193,13 +197,21 @@ class OwnerEngine(Engine):
             "mode='replicated', process_group=mesh.get_group('dp')) without a dedication"
         )
 
-    def _reduce_replicas(self) -> None:
+    def _reduce_replicas(self, write: bool = True) -> None:
         """Once per step: each replicated expert stack's gradient summed into its owner
         among its replicas (:meth:`~dmuon.optim.engine.expert_replicas.ExpertReplicas.
-        reduce`), before a norm, an unscale or the step reads it."""
+        reduce`: the reductions backward did not launch, then the waits), before a norm,
+        an unscale or the step reads it. ``write=False``: a skipped or dropped step's, only
+        finished."""
         if not self._replicas_reduced and self._replicas.sets:
             self._replicas_reduced = True
-            self._replicas.reduce()
+            self._replicas.reduce(write=write)
+
+    def _end_replicas(self) -> None:
+        """After a step, a skipped or a dropped one: the next backward starts anew."""
+        if self._replicas.sets:
+            self._replicas.end_step()
+        self._replicas_reduced = False
 
     def expert_owner(self, p: torch.Tensor) -> tuple[int, dist.ProcessGroup] | None:
         """``(rank in the group, group)`` of the replica that owns expert stack ``p`` (a
@@ -275,24 +287,26 @@ class OwnerEngine(Engine):
         return red.flush(agreement=slots)
 
     def skip_step(self) -> None:
-        self._replicas_reduced = False
         ex = self.exchange
         ex.reduction.wait_all_reduced()  # drain the reductions every rank launched
+        self._reduce_replicas(write=False)
+        self._end_replicas()
         if ex.reshard_after_forward:
             ex.publication.release_all()
         ex.reduction.end_step()
 
     def discard_grads(self) -> None:
-        self._replicas_reduced = False
         ex = self.exchange
         red = ex.reduction
-        if red.started():  # reductions launched, or left to the flush
+        experts = bool(self._replicas.sets) and self._replicas.started()
+        if red.started() or experts:  # reductions launched, or left to the flush
             red.flush()  # every rank's, so the collectives pair up as in a step
             self.skip_step()
         elif red.accumulated or red.held_back:  # only no_sync micro-batches: nothing sent
             if ex.reshard_after_forward:
                 ex.publication.release_all()
             red.end_step()
+            self._end_replicas()
 
     def settle(self) -> None:
         if not self.exchange.reshard_after_forward:  # ZeRO-3-like: nothing compared to wait for
@@ -321,7 +335,10 @@ class OwnerEngine(Engine):
         self._reduce_replicas()
 
     def changed_gradients(self) -> list[str]:
-        return self.exchange.reduction.changed_gradients()
+        changed = self.exchange.reduction.changed_gradients()
+        if self._replicas.sets:
+            changed += self._replicas.changed_gradients()
+        return changed
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
         ex = self.exchange
@@ -352,6 +369,7 @@ class OwnerEngine(Engine):
         if self._in_place_ids:
             with report.phase("publish"):
                 self._replicas.wait_broadcast()
+            self._replicas.end_step()
         ex.reduction.end_step()
         self._replicas_reduced = False
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,11 @@ from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.engine.publication import Publication
 from dmuon.optim.engine.tensor_split import laid_out_as, mark_relaid
 from dmuon.optim.matrix_split import local_tensor
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from dmuon.optim.engine.expert_replicas import ExpertReplicas
 
 __all__ = ["Reduction", "UnsyncedGradientsError"]
 
@@ -191,6 +197,10 @@ class Reduction:
         self.released: frozenset[int] = (
             frozenset(id(p) for p in params.values()) if free_local_grads else frozenset()
         )
+        # the expert stacks stepped in place whose gradients are summed among their
+        # replicas as backward produces them (attach_experts), and their hooks
+        self.experts: ExpertReplicas | None = None
+        self._expert_hooks: list[RemovableHandle] = []
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -216,6 +226,27 @@ class Reduction:
         if condition is not None and not callable(condition):
             raise TypeError(f"condition must be callable or None, got {type(condition).__name__}")
         self.sync_condition = condition
+
+    def syncing(self) -> bool:
+        """Whether a gradient arriving now is reduced: outside :meth:`no_sync` and, with a
+        sync condition (:meth:`set_sync_condition`), while it holds."""
+        return self.sync and (self.sync_condition is None or self.sync_condition())
+
+    def attach_experts(self, experts: ExpertReplicas) -> None:
+        """Sum the gradients of ``experts``' stacks into their owners among the replicas as
+        backward produces them: a post-accumulate-grad hook per stack
+        (:meth:`~dmuon.optim.engine.expert_replicas.ExpertReplicas.grad_ready`), under
+        this reduction's :meth:`no_sync` and sync condition. The engine stepping the stacks
+        attaches them (``OwnerEngine.bind``); a later attach replaces the hooks of the
+        earlier one, so one optimizer's at a time reduces them."""
+        for handle in self._expert_hooks:
+            handle.remove()
+        self.experts = experts
+
+        def hook(p: torch.Tensor) -> None:
+            experts.grad_ready(p, self.syncing())
+
+        self._expert_hooks = [p.register_post_accumulate_grad_hook(hook) for p in experts.params()]
 
     def grad_ready(self, p: torch.Tensor) -> None:
         """A gradient of ``p`` has been accumulated (call from a post-accumulate hook)."""
