@@ -270,7 +270,8 @@ def test_an_expert_without_a_gradient_on_one_replica_counts_as_zeros():
 
 def run_overlap(rank, world):
     """dp 2 × ep 2: the experts' reductions to their owners are launched in backward, before
-    the first layer's gradients arrive; none inside ``no_sync()``."""
+    the first layer's gradients arrive; none inside ``no_sync()``; once each, although an
+    earlier optimizer was built over the same dedication."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon.integrations import ddp
@@ -278,6 +279,7 @@ def run_overlap(rank, world):
     mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
     model = expert_parallel(mesh)
     ded = ddp.dedicate(model)
+    DMuon(param_groups(model), distributed=ded, **OPT)  # replaced: its hooks must not fire
     opt = DMuon(param_groups(model), distributed=ded, **OPT)
     stats = ded.exchange.stats
     seen = []  # the experts' reduces launched when the first layer's gradient arrives
