@@ -481,6 +481,64 @@ def test_fsdp_dedicate_leaves_the_experts_where_they_live_and_steps_like_one_pro
             assert diff <= TOLERANCE, f"rank {rank}: {name} off by {diff:.2e}"
 
 
+def run_summed_grads(rank, world, shape, names):
+    """``fsdp.dedicate(..., reduce_op="sum")`` (torchtitan's setup, beside FSDP2 with
+    ``set_gradient_divide_factor(1.0)``, which gloo cannot run: FSDP2 averages the scalars
+    here): the matrices' gradients, the experts' included, are the sum of the ranks';
+    after one backward, made final by ``clip_grad_norm_``, before any step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon.integrations import fsdp
+    from dmuon.optim import clip_grad_norm_
+
+    experts_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dp = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = expert_parallel(experts_mesh)
+    ded = fsdp.dedicate(model, dp, reduce_op="sum")
+    fully_shard(model, mesh=dp, ignored_params=ded.params)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    x, y = batch(0)
+    rows = BATCH // world
+    F.mse_loss(
+        model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
+    ).backward()
+    clip_grad_norm_(opt, float("inf"))
+    grads = {
+        n: getattr(model, n).grad.to_local().clone()
+        for n in STACKS
+        if opt.engine.steps(getattr(model, n))
+    }
+    if opt.engine.steps(model.inp.weight):  # a dense matrix, on its owner
+        grads["inp.weight"] = model.inp.weight.grad.clone()
+    return model.local_experts.tolist(), grads
+
+
+@MESHES
+def test_summed_gradients_sum_the_experts_too(world, mesh):
+    """With ``reduce_op="sum"`` each rank's mean loss counts whole: a matrix's gradient is
+    ``world`` × one process's (the experts' as the dispatch sums them over ``ep``, and on
+    dp 2 × ep 2 over their replicas): no expert is divided by the world."""
+    model = MoE()
+    x, y = batch(0)
+    F.mse_loss(model(x), y).backward()
+    want = {n: world * p.grad for n, p in model.named_parameters()}
+    checked = {n: set() for n in STACKS}
+    dense = 0
+    results = run_on_ranks(run_summed_grads, world, args=mesh, timeout=180)
+    for rank, (experts, grads) in enumerate(results):
+        for n, g in grads.items():
+            ref = want[n] if n == "inp.weight" else want[n][experts]
+            diff = (g - ref).abs().max().item()
+            assert diff <= 1e-6 * ref.abs().max().item(), (rank, n, diff)
+            if n in checked:
+                checked[n] |= set(experts)
+            else:
+                dense += 1
+    assert all(v == {0, 1, 2, 3} for v in checked.values()), checked  # every expert seen
+    assert dense == 1, dense  # one owner of the dense matrix
+
+
 def run_refusals(rank, world):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
