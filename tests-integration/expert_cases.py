@@ -74,6 +74,28 @@ def batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
 
 
+def rank_batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of global batch ``t`` (``BATCH`` split evenly over the world)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = BATCH // world
+    x, y = batch(t)
+    return x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+
+
+def backward_on_rank(model: nn.Module, t: int = 0) -> None:
+    """The loss of this rank's slice of global batch ``t``, back-propagated."""
+    x, y = rank_batch(t)
+    F.mse_loss(model(x), y).backward()
+
+
+def whole_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (a DTensor's gathered), detached copies."""
+    return {
+        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
 def reference(rule: str, experts: int = 4, steps=range(STEPS)) -> dict[str, torch.Tensor]:
     """One process, the whole global batch each step."""
     model = MoE(experts)

@@ -33,10 +33,12 @@ from expert_cases import (
     D,
     H,
     MoE,
+    backward_on_rank,
     batch,
     expert_parallel,
     moving_reference,
     reference,
+    whole_params,
 )
 from tensor_parallel_cases import error
 from torch import nn
@@ -90,10 +92,7 @@ def run_rules(rank, world, shape, names, uneven, mode="single"):
         # other replica keeps an empty placeholder under the same key)
         held = opt.state[model.w_in]["momentum_buffer"]
         state = tuple(held.shape) if held.numel() else None
-        full = {
-            n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            for n, p in model.named_parameters()
-        }
+        full = whole_params(model)
         out[(rule, experts)] = (full, local, state)
     return out
 
@@ -210,10 +209,7 @@ def run_save_and_continue(rank, world, path, rule, mode="single"):
     train(model, opt, mesh, range(2))
     checkpoint.save(path, model, opt)
     train(model, opt, mesh, range(2, 3))
-    return {
-        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        for n, p in model.named_parameters()
-    }
+    return whole_params(model)
 
 
 def run_load_and_continue(rank, world, path, rule, mode="single"):
@@ -227,10 +223,7 @@ def run_load_and_continue(rank, world, path, rule, mode="single"):
     opt = dmuon_for(model, mesh, mode, rule=rule)
     checkpoint.load(path, model, opt)
     train(model, opt, mesh, range(2, 3))
-    return {
-        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        for n, p in model.named_parameters()
-    }
+    return whole_params(model)
 
 
 @pytest.mark.parametrize("saved_by", ["single", "replicated"])
@@ -342,10 +335,7 @@ def run_clipped(rank, world, mode="single"):
     model = expert_parallel(mesh)
     opt = dmuon_for(model, mesh, mode, rule="muon")
     norms = train(model, opt, mesh, range(STEPS), clip=CLIP)
-    full = {
-        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        for n, p in model.named_parameters()
-    }
+    full = whole_params(model)
     return norms, full
 
 
@@ -450,11 +440,7 @@ def run_nonfinite(rank, world, policy):
         n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
         for n, p in local.items()
     }
-    x, y = batch(0)
-    rows = BATCH // world
-    F.mse_loss(
-        model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
-    ).backward()
+    backward_on_rank(model, 0)
     if rank == 0:  # one expert of rank 0 only: rank 1's gradients are all finite
         model.w_in.grad.to_local()[0, 0, 0] = float("nan")
     try:

@@ -22,16 +22,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from expert_cases import (
-    BATCH,
     OPT,
     RULES,
     STEPS,
     TOLERANCE,
     MoE,
+    backward_on_rank,
     batch,
     expert_parallel,
     moving_reference,
+    rank_batch,
     reference,
+    whole_params,
 )
 from tensor_parallel_cases import error
 
@@ -48,12 +50,8 @@ MESHES = pytest.mark.parametrize(
 def train(model: MoE, opt: DMuon, steps) -> None:
     """Each rank trains on its slice of every global batch; no gradient code: the
     dedication finishes every gradient."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    rows = BATCH // world
     for t in steps:
-        x, y = batch(t)
-        mine = slice(rank * rows, (rank + 1) * rows)
-        F.mse_loss(model(x[mine]), y[mine]).backward()
+        backward_on_rank(model, t)
         opt.step()
         opt.zero_grad()
 
@@ -73,10 +71,7 @@ def run_owner(rank, world, cases, scalars, shape=None, names=("ep",)):
         ded.wait()
         state = {n: tuple(opt.state[getattr(model, n)]["momentum_buffer"].shape) for n in STACKS}
         moved = ded.exchange.stats["expert_replicas"].payload_bytes
-        full = {
-            n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-            for n, p in model.named_parameters()
-        }
+        full = whole_params(model)
         plan = ded.plan
         out[(rule, experts)] = {
             "params": full,
@@ -149,21 +144,16 @@ def run_accumulated(rank, world):
     model = expert_parallel(mesh)
     ded = ddp.dedicate(model, reshard_after_forward=True)
     opt = DMuon(param_groups(model), distributed=ded, **OPT)
-    rows = BATCH // world
     for t in range(STEPS):
-        x, y = batch(t)
-        xs, ys = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
-        half = rows // 2
+        xs, ys = rank_batch(t)
+        half = len(xs) // 2
         with ded.no_sync():
             (F.mse_loss(model(xs[:half]), ys[:half]) / 2).backward()
         (F.mse_loss(model(xs[half:]), ys[half:]) / 2).backward()
         opt.step()
         opt.zero_grad()
     ded.wait()  # the owners' last publications, every rank's weights whole until a forward
-    return {
-        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-        for n, p in model.named_parameters()
-    }
+    return whole_params(model)
 
 
 def test_accumulated_micro_batches_with_freed_weights_step_like_one_process():
@@ -185,11 +175,7 @@ def run_grads(rank, world, shape=None, names=("ep",)):
     model = expert_parallel(mesh)
     ded = ddp.dedicate(model)
     opt = DMuon(param_groups(model), distributed=ded, **OPT)
-    x, y = batch(0)
-    rows = BATCH // world
-    F.mse_loss(
-        model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
-    ).backward()
+    backward_on_rank(model, 0)
     norm = clip_grad_norm_(opt, float("inf")).item()  # makes every gradient final first
     experts = model.local_experts.tolist()  # the experts this rank holds
     grads = {  # final on the stack's owner among its replicas (on ep alone: every rank)
@@ -245,12 +231,8 @@ def run_missing_gradient(rank, world):
     mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
     model = expert_parallel(mesh)
     opt = DMuon(param_groups(model), distributed=ddp.dedicate(model), **OPT)
-    x, y = batch(0)
-    rows = BATCH // world
     model.w_out.requires_grad_(rank != 2)
-    F.mse_loss(
-        model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
-    ).backward()
+    backward_on_rank(model, 0)
     model.w_out.requires_grad_(True)
     g = model.w_out.grad
     before = g.to_local().clone() if g is not None else torch.zeros_like(model.w_out.to_local())
@@ -286,9 +268,7 @@ def run_overlap(rank, world):
     model.inp.weight.register_post_accumulate_grad_hook(
         lambda _: seen.append(stats["expert_replicas"].collectives)
     )
-    x, y = batch(0)
-    rows = BATCH // world
-    xs, ys = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+    xs, ys = rank_batch(0)
     with ded.no_sync():
         F.mse_loss(model(xs), ys).backward()
     F.mse_loss(model(xs), ys).backward()
@@ -317,11 +297,7 @@ def run_changed(rank, world):
     model = expert_parallel(mesh)
     ded = ddp.dedicate(model)
     opt = DMuon(param_groups(model), distributed=ded, **OPT)
-    x, y = batch(0)
-    rows = BATCH // world
-    F.mse_loss(
-        model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
-    ).backward()
+    backward_on_rank(model, 0)
     if rank == 1:
         model.w_in.grad.mul_(0.5)
     before = {n: getattr(model, n).detach().to_local().clone() for n in STACKS}
@@ -334,10 +310,7 @@ def run_changed(rank, world):
     opt.zero_grad()
     train(model, opt, range(STEPS))
     ded.wait()
-    full = {
-        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-        for n, p in model.named_parameters()
-    }
+    full = whole_params(model)
     return err, same, full
 
 
@@ -364,22 +337,15 @@ def run_dropped(rank, world):
     model = expert_parallel(mesh)
     ded = ddp.dedicate(model)
     opt = DMuon(param_groups(model), distributed=ded, **OPT)
-    x, y = batch(99)
-    rows = BATCH // world
     for n in STACKS:
         getattr(model, n).requires_grad_(rank != 3)
-    F.mse_loss(
-        model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
-    ).backward()
+    backward_on_rank(model, 99)
     for n in STACKS:
         getattr(model, n).requires_grad_(True)
     opt.zero_grad()  # drop the batch
     train(model, opt, range(STEPS))
     ded.wait()
-    return {
-        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-        for n, p in model.named_parameters()
-    }
+    return whole_params(model)
 
 
 def test_a_dropped_backward_finishes_the_experts_reductions_and_is_forgotten():
@@ -464,10 +430,7 @@ def run_fsdp(rank, world, rule, shape, names):
     opt = DMuon(param_groups(model), distributed=ded, rule=rule, **OPT)
     train(model, opt, range(STEPS))
     ded.wait()
-    return {
-        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-        for n, p in model.named_parameters()
-    }
+    return whole_params(model)
 
 
 @MESHES
@@ -498,11 +461,7 @@ def run_summed_grads(rank, world, shape, names):
     ded = fsdp.dedicate(model, dp, reduce_op="sum")
     fully_shard(model, mesh=dp, ignored_params=ded.params)
     opt = DMuon(param_groups(model), distributed=ded, **OPT)
-    x, y = batch(0)
-    rows = BATCH // world
-    F.mse_loss(
-        model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
-    ).backward()
+    backward_on_rank(model, 0)
     clip_grad_norm_(opt, float("inf"))
     grads = {
         n: getattr(model, n).grad.to_local().clone()
@@ -540,7 +499,6 @@ def test_summed_gradients_sum_the_experts_too(world, mesh):
 
 
 def run_refusals(rank, world):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon.integrations import ddp
@@ -570,11 +528,7 @@ def run_nonfinite(rank, world, policy):
     opt = DMuon(param_groups(model), distributed=ded, nonfinite=policy, **OPT)
     train(model, opt, range(1))
     before = {n: p.detach().to_local().clone() for n, p in model.named_parameters() if n in STACKS}
-    x, y = batch(1)
-    rows = BATCH // world
-    F.mse_loss(
-        model(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
-    ).backward()
+    backward_on_rank(model, 1)
     if rank == 1:
         model.w_out.grad.to_local()[0, 0, 0] = float("nan")  # one expert of rank 1 only
     try:
@@ -614,10 +568,7 @@ def run_resume(rank, world, path, rule, shape=None, names=("ep",)):
         return model, ded, DMuon(param_groups(model), distributed=ded, rule=rule, **OPT)
 
     def params(model):
-        return {
-            n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-            for n, p in model.named_parameters()
-        }
+        return whole_params(model)
 
     model, ded, opt = build()
     train(model, opt, range(2))
