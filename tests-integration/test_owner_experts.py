@@ -567,9 +567,7 @@ def run_resume(rank, world, path, rule, shape=None, names=("ep",)):
         ded = ddp.dedicate(model)
         return model, ded, DMuon(param_groups(model), distributed=ded, rule=rule, **OPT)
 
-    def params(model):
-        return whole_params(model)
-
+    params = whole_params
     model, ded, opt = build()
     train(model, opt, range(2))
     checkpoint.save(path, model, opt)
@@ -596,3 +594,80 @@ def test_a_dcp_checkpoint_resumes_the_experts_state_where_it_lives(tmp_path, wor
         assert state == local, (rank, state, local)
         for name, want in continued.items():
             assert torch.equal(resumed[name], want), f"rank {rank}: {name} differs after resuming"
+
+
+def owner_on(mesh_shape, names):
+    """A model on a fresh ``mesh_shape`` mesh, dedicated, and its normuon optimizer."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+
+    model = expert_parallel(init_device_mesh("cpu", mesh_shape, mesh_dim_names=names))
+    ded = ddp.dedicate(model)
+    return model, ded, DMuon(param_groups(model), distributed=ded, rule="normuon", **OPT)
+
+
+def run_save_on_dp_by_ep(rank, world, path, how):
+    """dp 2 × ep 2: two steps, a DCP save (or the whole state to rank 0), a third step."""
+    from dmuon.integrations import checkpoint
+
+    model, ded, opt = owner_on(*DP_EP)
+    train(model, opt, range(2))
+    whole = None
+    if how == "dcp":
+        checkpoint.save(path, model, opt)
+    else:
+        whole = checkpoint.full_state_dict(model, opt)
+    train(model, opt, range(2, 3))
+    ded.wait()
+    return whole_params(model), whole
+
+
+def run_load_on_ep(rank, world, path, how, whole):
+    from dmuon.integrations import checkpoint
+
+    model, ded, opt = owner_on((world,), ("ep",))
+    if how == "dcp":
+        checkpoint.load(path, model, opt)
+    else:
+        checkpoint.load_full_state_dict(model, opt, whole)
+    train(model, opt, range(2, 3))
+    ded.wait()
+    return whole_params(model)
+
+
+@pytest.mark.parametrize("how", ["dcp", "full"])
+def test_owner_experts_saved_on_dp_by_ep_resume_on_ep_alone_and_in_one_process(tmp_path, how):
+    """Saved on dp 2 × ep 2, each stack's state on its owner among the replicas alone, by
+    DCP or as the whole state: resumed on ep 2 (2 ranks, every rank its experts' state) and
+    in one process, the third step equals continuing (1e-6; the sums differ in order)."""
+    from dmuon.integrations import checkpoint
+
+    path = str(tmp_path / "ckpt")
+    saved = run_on_ranks(run_save_on_dp_by_ep, 4, args=(path, how), timeout=240)
+    want, whole = saved[0]
+    resumed = run_on_ranks(run_load_on_ep, 2, args=(path, how, whole), timeout=180)
+    model = MoE()
+    opt = DMuon(param_groups(model), rule="normuon", **OPT)
+    if how == "dcp":
+        checkpoint.load(path, model, opt)
+    else:
+        checkpoint.load_full_state_dict(model, opt, whole)
+    x, y = batch(2)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    fresh = MoE()  # the weights of step 2 with a fresh optimizer: what lost state looks like
+    forgetful = DMuon(param_groups(fresh), rule="normuon", **OPT)
+    if how == "dcp":
+        checkpoint.load(path, fresh, DMuon(param_groups(fresh), rule="normuon", **OPT))
+    else:
+        fresh.load_state_dict(whole["model"])
+    F.mse_loss(fresh(x), y).backward()
+    forgetful.step()
+    lost = max((fresh.state_dict()[n] - w).abs().max().item() for n, w in want.items())
+    assert lost > 100 * TOLERANCE, "the optimizer state made no difference: void test"
+    single = {n: p.detach() for n, p in model.named_parameters()}
+    for what, got in [("rank 0", resumed[0]), ("rank 1", resumed[1]), ("one process", single)]:
+        for name, w in want.items():
+            diff = (got[name] - w).abs().max().item()
+            assert diff <= TOLERANCE, f"resumed on {what}: {name} differs by {diff:.2e}"
