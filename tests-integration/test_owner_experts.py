@@ -32,7 +32,6 @@ from expert_cases import (
     expert_parallel,
     moving_reference,
     rank_batch,
-    reference,
     whole_params,
 )
 from tensor_parallel_cases import error
@@ -133,34 +132,59 @@ def test_owner_mode_with_one_expert_per_rank_and_a_rank_without_any():
     check(results, [("muon", 3)])
 
 
-def run_accumulated(rank, world):
+CLIP = 0.05  # below every step's gradient norm here (2.99, 2.25, 1.86): clipping binds
+
+
+def run_accumulated(rank, world, shape, names):
     """Each global batch as two micro-batches per rank, the first under ``ded.no_sync()``,
-    with the dense weights freed after each forward (``reshard_after_forward=True``)."""
+    with the dense weights freed after each forward (``reshard_after_forward=True``), and
+    the gradients clipped by their global norm before each step."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon.integrations import ddp
+    from dmuon.optim import clip_grad_norm_
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = expert_parallel(mesh)
     ded = ddp.dedicate(model, reshard_after_forward=True)
     opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    norms = []
     for t in range(STEPS):
         xs, ys = rank_batch(t)
         half = len(xs) // 2
         with ded.no_sync():
             (F.mse_loss(model(xs[:half]), ys[:half]) / 2).backward()
         (F.mse_loss(model(xs[half:]), ys[half:]) / 2).backward()
+        norms.append(clip_grad_norm_(opt, CLIP).item())
         opt.step()
         opt.zero_grad()
     ded.wait()  # the owners' last publications, every rank's weights whole until a forward
-    return whole_params(model)
+    return whole_params(model), norms
 
 
-def test_accumulated_micro_batches_with_freed_weights_step_like_one_process():
-    expected = reference("muon", 4)
-    for rank, got in enumerate(run_on_ranks(run_accumulated, 2, timeout=180)):
-        for name, want in expected.items():
-            diff = (got[name] - want).abs().max().item()
+@MESHES
+def test_accumulated_micro_batches_with_freed_weights_and_clipping_step_like_one_process(
+    world, mesh
+):
+    """On dp 2 × ep 2 the first micro-batch launches no expert reduction, the second
+    launches them in backward, and ``clip_grad_norm_`` waits for them: the norms and the
+    parameters equal one process clipping with torch's ``clip_grad_norm_``."""
+    model = MoE()
+    opt = DMuon(param_groups(model), **OPT)
+    want = []
+    for t in range(STEPS):
+        x, y = batch(t)
+        F.mse_loss(model(x), y).backward()
+        want.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    assert min(want) > 10 * CLIP, want  # clipping binds on every step
+    expected = {n: p.detach() for n, p in model.named_parameters()}
+    results = run_on_ranks(run_accumulated, world, args=mesh, timeout=180)
+    for rank, (got, norms) in enumerate(results):
+        assert all(abs(a - b) <= 1e-6 * b for a, b in zip(norms, want, strict=True)), (norms, want)
+        for name, w in expected.items():
+            diff = (got[name] - w).abs().max().item()
             assert diff <= TOLERANCE, f"rank {rank}: {name} off by {diff:.2e}"
 
 
