@@ -55,11 +55,14 @@ def train(model: MoE, opt: DMuon, steps) -> None:
         opt.zero_grad()
 
 
-def run_owner(rank, world, cases, scalars, shape=None, names=("ep",)):
+def run_owner(rank, world, cases, scalars, shape=None, names=("ep",), pack_bytes=None):
     from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon.integrations import ddp
+    from dmuon.optim.engine import expert_replicas
 
+    if pack_bytes is not None:  # this rank process's own module: the others' are theirs
+        expert_replicas.PACK_BYTES = pack_bytes
     mesh = init_device_mesh("cpu", shape or (world,), mesh_dim_names=names)
     out = {}
     for rule, experts in cases:
@@ -70,6 +73,7 @@ def run_owner(rank, world, cases, scalars, shape=None, names=("ep",)):
         ded.wait()
         state = {n: tuple(opt.state[getattr(model, n)]["momentum_buffer"].shape) for n in STACKS}
         moved = ded.exchange.stats["expert_replicas"].payload_bytes
+        sends = [(len(m), packed) for s in opt.engine._replicas.sets for _, m, packed in s.sends]
         full = whole_params(model)
         plan = ded.plan
         out[(rule, experts)] = {
@@ -83,6 +87,7 @@ def run_owner(rank, world, cases, scalars, shape=None, names=("ep",)):
             "owned": ded.owned,
             "loads": list(plan.loads),
             "moved": moved,
+            "sends": sends,
         }
     return out
 
@@ -240,6 +245,22 @@ def test_dp2_by_ep2_one_owner_among_the_replicas_steps_each_stack_like_one_proce
     assert [r[("muon", 4)]["local"][0] for r in results] == [2, 2, 2, 2]
     assert [r[("muon", 3)]["local"][0] for r in results] == [2, 1, 2, 1]
     check(results, cases, replicas=2)
+
+
+def test_large_stacks_are_broadcast_back_in_place_like_one_process():
+    """dp 2 × ep 2 with every stack "large" (``PACK_BYTES = 0``): each stack is broadcast
+    from its owner's experts into its replica's, one ``broadcast`` a stack (no flat copy),
+    and training equals one process, bit for bit what the packed broadcasts give."""
+    cases = [("muon", 4)]
+    results = run_on_ranks(run_owner, 4, args=(cases, "all_reduce", *DP_EP, 0), timeout=180)
+    packed = run_on_ranks(run_owner, 4, args=(cases, "all_reduce", *DP_EP), timeout=180)
+    check(results, cases, replicas=2)
+    for rank, (got, flat) in enumerate(zip(results, packed, strict=True)):
+        got, flat = got[cases[0]], flat[cases[0]]
+        assert got["sends"] == [(1, False)] * len(STACKS), (rank, got["sends"])
+        assert all(p for _, p in flat["sends"]), (rank, flat["sends"])  # tiny: packed
+        for name, w in flat["params"].items():
+            assert torch.equal(got["params"][name], w), (rank, name)
 
 
 def run_missing_gradient(rank, world):

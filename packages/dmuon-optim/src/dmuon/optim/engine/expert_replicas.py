@@ -14,9 +14,12 @@ mode does for the experts:
    earlier bucket was launched; :meth:`ExpertReplicas.reduce` launches the rest (zeros
    for a stack without a gradient) and waits for them all;
 2. the owner steps its stacks (the others hold placeholder state);
-3. :meth:`ExpertReplicas.start_broadcast` sends the stepped experts back: one
-   ``broadcast`` per owner and dtype, waited by :meth:`ExpertReplicas.wait_broadcast` at
-   the end of the step, after the dense layers.
+3. :meth:`ExpertReplicas.start_broadcast` sends the stepped experts back, waited by
+   :meth:`ExpertReplicas.wait_broadcast` at the end of the step, after the dense layers:
+   a stack of :data:`PACK_BYTES` or more straight from the owner's experts into the
+   replicas' (one ``broadcast`` each, no copy: the experts are most of a MoE model's
+   bytes, and a flat copy of them all would add that much to the step's peak memory),
+   the smaller stacks of one owner and dtype packed into one flat ``broadcast``.
 
 **Hang freedom**, as for the dense layers (:mod:`~dmuon.optim.engine.reduction`): the
 buckets are launched in one fixed order on every replica — layers in reverse natural
@@ -48,6 +51,11 @@ __all__ = ["EXPERT_REPLICAS_STATS_NAME", "ExpertReplicas"]
 EXPERT_REPLICAS_STATS_NAME = "expert_replicas"
 """The ``CommStats`` name of the experts' reduce to their owner among the replicas and of
 the broadcast back."""
+
+PACK_BYTES = 2**20
+"""A stack of this rank's experts holding fewer bytes is broadcast back packed with the
+other small stacks of its owner and dtype; a larger one alone, in place (1 MiB, as owner
+mode packs its small layers: ``DEFAULT_PACK_MB``)."""
 
 
 def _versions(g: torch.Tensor) -> tuple[int, int]:
@@ -86,11 +94,23 @@ class _ReplicaSet:
         self.owner = {id(e.param): owners[e.name] for e in params}
         me = self.ranks.index(dist.get_rank())
         self.mine = {id(e.param) for e in params if owners[e.name] == me}
-        # per (owner index, dtype), the stacks in one flat buffer, in a fixed order: the
-        # broadcast back
-        self.runs: dict[tuple[int, torch.dtype], list[EngineParam]] = {}
+        # the broadcasts back, in a fixed order: per (owner index, dtype), each stack of
+        # PACK_BYTES or more alone and in place (packed False), the smaller ones in one
+        # flat buffer
+        runs: dict[tuple[int, torch.dtype], list[EngineParam]] = {}
         for e in sorted(params, key=lambda e: e.name):
-            self.runs.setdefault((owners[e.name], e.param.dtype), []).append(e)
+            runs.setdefault((owners[e.name], e.param.dtype), []).append(e)
+        self.sends: list[tuple[int, list[EngineParam], bool]] = []
+        for (owner, _), members in runs.items():
+            small = []
+            for e in members:
+                local = local_tensor(e.param)
+                if local.numel() * local.element_size() >= PACK_BYTES and local.is_contiguous():
+                    self.sends.append((owner, [e], False))
+                else:
+                    small.append(e)
+            if small:
+                self.sends.append((owner, small, True))
         # the reductions: per layer, owner and dtype, layers in reverse natural order
         by_bucket: dict[tuple[str, int, str], list[EngineParam]] = {}
         for e in sorted(params, key=lambda e: natural_key(e.name)):
@@ -119,7 +139,7 @@ class ExpertReplicas:
         self.sets = [_ReplicaSet(g, params) for g, params in groups]
         self.stats = stats
         self._by_param = {pid: s for s in self.sets for pid in s.owner}
-        self._pending: list[tuple[Any, torch.Tensor, list[EngineParam], _ReplicaSet]] = []
+        self._pending: list[tuple[Any, torch.Tensor | None, list[EngineParam], _ReplicaSet]] = []
         # each gradient copied into a bucket, as it was then (the gradient object and its
         # version): a change after that would not reach the owner
         self._taken: dict[int, tuple[EngineParam, torch.Tensor, tuple[int, int]]] = {}
@@ -267,11 +287,22 @@ class ExpertReplicas:
     def start_broadcast(self) -> None:
         """Send each owner's stepped experts to its replicas (waited by
         :meth:`wait_broadcast`)."""
+        me = dist.get_rank()
         for s in self.sets:
-            for (owner, _), members in s.runs.items():
-                flat = self._flat(members, grads=False)
-                self._count("broadcast", flat, s)
-                work = dist.broadcast(flat, src=s.ranks[owner], group=s.group, async_op=True)
+            for owner, members, packed in s.sends:
+                src = s.ranks[owner]
+                if not packed:  # one large stack, from and into the experts themselves
+                    flat = None
+                    tensor = local_tensor(members[0].param)
+                elif src == me:
+                    flat = tensor = self._flat(members, grads=False)
+                else:  # received: nothing to pack
+                    n = sum(local_tensor(e.param).numel() for e in members)
+                    flat = tensor = torch.empty(
+                        n, dtype=members[0].param.dtype, device=members[0].param.device
+                    )
+                self._count("broadcast", tensor, s)
+                work = dist.broadcast(tensor, src=src, group=s.group, async_op=True)
                 self._pending.append((work, flat, members, s))
 
     @torch.no_grad()
@@ -282,6 +313,8 @@ class ExpertReplicas:
             wait_work(
                 work, "broadcast of the stepped experts from their owner (owner mode)", s.group
             )
+            if flat is None:  # received in place
+                continue
             offset = 0
             for e in members:
                 local = local_tensor(e.param)
