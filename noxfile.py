@@ -143,6 +143,8 @@ def integration(session: nox.Session) -> None:
         "-p",
         "no:cacheprovider",
         *WORKERS,
+        # the slowest tests in CI's log, where the suite's time goes (CI has 2 cores)
+        "--durations=15",
         "tests-integration",
         *session.posargs,
         env=PYTEST_ENV,
