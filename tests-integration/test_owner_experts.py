@@ -194,16 +194,20 @@ def test_accumulated_micro_batches_with_freed_weights_and_clipping_step_like_one
 
 
 def run_grads(rank, world, shape=None, names=("ep",)):
-    """The experts' gradients and the gradient norm after one backward, before any step."""
+    """The experts' gradients and the gradient norm after one backward, before any step,
+    with the dedication's hooks taken off and put back (``install_hooks``, as after
+    swapping modules): the experts' division by the world comes back with them."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dmuon.integrations import ddp
+    from dmuon.integrations import ddp, install_hooks
     from dmuon.optim import clip_grad_norm_
 
     mesh = init_device_mesh("cpu", shape or (world,), mesh_dim_names=names)
     model = expert_parallel(mesh)
     ded = ddp.dedicate(model)
     opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    ded.remove()
+    ded.handles = install_hooks(model, ded.exchange)
     backward_on_rank(model, 0)
     norm = clip_grad_norm_(opt, float("inf")).item()  # makes every gradient final first
     experts = model.local_experts.tolist()  # the experts this rank holds

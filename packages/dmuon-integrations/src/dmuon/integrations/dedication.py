@@ -307,6 +307,7 @@ def build_dedication(
                 reduce_op=reduce_op,
                 free_local_grads=free_local_grads,
                 layer_pack_mb=layer_pack_mb,
+                experts=[p for _, p in experts],
             )
     except CollectiveError as err:
         raise err.with_context(
@@ -315,9 +316,6 @@ def build_dedication(
         ) from err
     ded = Dedication(model, exchange, kind=kind, experts=tuple(i.name for i, _ in experts))
     ded.handles = install_hooks(model, exchange)
-    if reduce_op == "avg" and S > 1:
-        for _, p in experts:
-            ded.handles.append(p.register_hook(lambda g, n=S: g / n))
     return ded
 
 

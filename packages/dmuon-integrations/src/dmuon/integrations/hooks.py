@@ -59,7 +59,10 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     :func:`dmuon.integrations.fsdp.dedicate` and :func:`dmuon.integrations.ddp.dedicate`
     call it; call it yourself only to re-hook a model whose hooks you removed (e.g.
     after swapping modules). Per dedicated or all-reduced parameter: a
-    post-accumulate-grad hook that hands the gradient to the exchange. Per layer: a
+    post-accumulate-grad hook that hands the gradient to the exchange. Per expert stack
+    stepped in place (:attr:`OwnerExchange.experts`), with ``reduce_op="avg"``: a
+    gradient hook that divides it by the world (the dispatch summed every rank's loss
+    into it). Per layer: a
     forward pre-hook that waits for the layer's published weights (and, with
     ``reshard_after_forward``, hooks that release and re-gather them). On ``model``: a
     state-dict pre-hook that waits for broadcasts still in flight (ZeRO-3-like: that
@@ -87,6 +90,12 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     for name in [*exchange.names, *exchange.replicated_names]:
         p = exchange.param(name)
         handles.append(p.register_post_accumulate_grad_hook(grad_hook))
+    n = exchange.world_size
+    if exchange.experts and exchange.reduction.reduce_op == "avg" and n > 1:
+        # the dispatch's backward sums every rank's loss into each expert: the gradient of
+        # the ranks' mean loss, as the dense ones are averaged
+        for p in exchange.experts:
+            handles.append(p.register_hook(lambda g: g / n))
 
     def call(method: Callable[[str], None], key: str) -> Callable[..., None]:
         # Under torch.compile the layer hooks run eagerly, between graphs: they wait on

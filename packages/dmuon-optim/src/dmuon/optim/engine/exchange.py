@@ -125,6 +125,12 @@ class OwnerExchange:
             packed together: layers on different devices. Not packed: ZeRO-3-like
             (``reshard_after_forward``) and tensor-parallel models. Every rank must pack
             alike (checked: :class:`~dmuon.optim.ModelMismatchError` on every rank).
+        experts: expert stacks stepped where they live beside the dedicated parameters
+            (``ddp.dedicate``/``fsdp.dedicate`` pass the stacks whose mesh spans
+            ``group``): the exchange does not reduce them; with ``reduce_op="avg"``
+            :func:`~dmuon.integrations.install_hooks` divides their gradients by the
+            group's size as they arrive (the dispatch's backward sums every rank's loss
+            into them), and the optimizer's engine sums them among their replicas.
 
     Attributes:
         reduction: the reduction side (:class:`~dmuon.optim.engine.Reduction`): the
@@ -168,6 +174,7 @@ class OwnerExchange:
         reduce_op: str = "avg",
         free_local_grads: bool = False,
         layer_pack_mb: float = DEFAULT_PACK_MB,
+        experts: Sequence[torch.Tensor] = (),
     ) -> None:
         if (
             isinstance(layer_pack_mb, bool)
@@ -188,6 +195,11 @@ class OwnerExchange:
         self.group = group
         self.replicate_group = replicate_group
         self.stats = stats if stats is not None else default_stats()
+        # expert stacks stepped where they live beside the dedicated parameters (dedicate's
+        # in-place experts): not reduced by this exchange, their gradients taken as the
+        # expert dispatch sums them, divided by the group's size as they arrive when
+        # reduce_op is "avg" (the hooks install_hooks installs)
+        self.experts = tuple(experts)
         S = group_size(group)
         R = group_size(replicate_group) if replicate_group is not None else 1
         self.world_size = R * S
