@@ -37,7 +37,10 @@ def _run(setup: str, rank: int) -> list[torch.Tensor]:
         forward: nn.Module = DDP(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     else:
-        ded = ddp.dedicate(model, broadcast_buffers=setup == "dedicate")
+        ded = ddp.dedicate(model, broadcast_buffers=setup != "dedicate_no_broadcast")
+        if setup == "dedicate_rehooked":  # taken off and put back: the broadcast with them
+            ded.remove()
+            ded.reinstall()
         forward, opt = model, DMuon(param_groups(model), lr=1e-2, distributed=ded, timeout=30)
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(STEPS):
@@ -50,7 +53,7 @@ def _run(setup: str, rank: int) -> list[torch.Tensor]:
 
 def buffers_on_ranks(rank: int, world: int) -> dict[str, list[list[torch.Tensor]]]:
     out = {}
-    for setup in ("ddp", "dedicate", "dedicate_no_broadcast"):
+    for setup in ("ddp", "dedicate", "dedicate_no_broadcast", "dedicate_rehooked"):
         seen = _run(setup, rank)
         gathered: list[list[torch.Tensor]] = [[] for _ in range(world)]
         dist.all_gather_object(gathered, seen)
@@ -60,12 +63,14 @@ def buffers_on_ranks(rank: int, world: int) -> dict[str, list[list[torch.Tensor]
 
 def test_batchnorm_statistics_are_rank_0s_before_every_forward_as_under_ddp():
     result = run_on_ranks(buffers_on_ranks, 2, timeout=120)[0]
-    ddp_ranks, ded_ranks, drift = (result[k] for k in ("ddp", "dedicate", "dedicate_no_broadcast"))
+    ddp_ranks, drift = result["ddp"], result["dedicate_no_broadcast"]
     for step in range(STEPS):
-        # every rank starts each forward from the same statistics ...
-        torch.testing.assert_close(ded_ranks[0][step], ded_ranks[1][step], rtol=0, atol=0)
-        # ... and they are stock DDP's
-        torch.testing.assert_close(ded_ranks[0][step], ddp_ranks[0][step], rtol=0, atol=0)
+        for setup in ("dedicate", "dedicate_rehooked"):  # the latter after ded.reinstall()
+            ded_ranks = result[setup]
+            # every rank starts each forward from the same statistics ...
+            torch.testing.assert_close(ded_ranks[0][step], ded_ranks[1][step], rtol=0, atol=0)
+            # ... and they are stock DDP's
+            torch.testing.assert_close(ded_ranks[0][step], ddp_ranks[0][step], rtol=0, atol=0)
         torch.testing.assert_close(ddp_ranks[1][step], ddp_ranks[0][step], rtol=0, atol=0)
     # without the broadcast each rank keeps its own statistics: they drift apart
     assert not torch.equal(drift[0][-1], drift[1][-1])

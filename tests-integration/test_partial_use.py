@@ -36,7 +36,7 @@ class MoE(nn.Module):
         return self.head(sum(self.experts[i](h) for i in used))
 
 
-def train(rank: int, world: int, partial: bool):
+def train(rank: int, world: int, partial: bool, rehook: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -45,6 +45,9 @@ def train(rank: int, world: int, partial: bool):
     model = MoE()
     mesh = init_device_mesh("cpu", (world,))
     ded = fsdp.dedicate(model, mesh)
+    if rehook:  # taken off and put back (ded.reinstall): the check comes back with them
+        ded.remove()
+        ded.reinstall()
     # one fully_shard unit: the experts' biases are gathered with the root's (an expert
     # wrapped as its own unit would hang earlier, in FSDP2's forward all-gather)
     fully_shard(model, mesh=mesh, ignored_params=ded.params)
@@ -61,8 +64,9 @@ def train(rank: int, world: int, partial: bool):
     return {"step": None, "error": None, "names": []}
 
 
-def test_a_parameter_used_on_some_ranks_only_is_named_on_every_rank_before_backward():
-    results = run_on_ranks(train, 2, args=(True,), timeout=60)
+@pytest.mark.parametrize("rehook", [False, True], ids=["hooks", "reinstalled"])
+def test_a_parameter_used_on_some_ranks_only_is_named_on_every_rank_before_backward(rehook):
+    results = run_on_ranks(train, 2, args=(True, rehook), timeout=60)
     for rank, r in enumerate(results):
         assert r["error"] is not None, f"rank {rank} did not notice"
         assert r["step"] == 0 and r["names"] == ["experts.1.bias"], r

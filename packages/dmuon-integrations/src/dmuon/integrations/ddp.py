@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from dmuon.comm import CommStats, collective_timeout, layer_key
 from dmuon.comm.process_groups import group_size
@@ -129,7 +130,10 @@ def dedicate(
     if broadcast_buffers and group_size(pg) > 1:
         with collective_timeout(ded.exchange.publication.timeout):
             _broadcast_buffers(model, pg)
-        handle = install_buffer_broadcast(model, pg, lambda: ded.exchange.publication.timeout)
-        if handle is not None:
-            ded.handles.append(handle)
+
+        def buffers() -> list[RemovableHandle]:
+            handle = install_buffer_broadcast(model, pg, lambda: ded.exchange.publication.timeout)
+            return [] if handle is None else [handle]
+
+        ded.add_hooks(buffers)
     return ded

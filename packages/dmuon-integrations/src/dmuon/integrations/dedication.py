@@ -50,7 +50,8 @@ class Dedication:
     Attributes:
         model: the model.
         exchange: the reductions and broadcasts (:class:`dmuon.optim.OwnerExchange`).
-        handles: the hooks installed on the model.
+        handles: the hooks installed on the model (:meth:`remove` takes them off,
+            :meth:`reinstall` puts them back).
         kind: ``"fsdp"``, ``"ddp"`` or ``"deepspeed"`` (what made it).
 
     Examples:
@@ -66,6 +67,9 @@ class Dedication:
     exchange: OwnerExchange
     handles: list[RemovableHandle] = field(default_factory=list)
     kind: str = "fsdp"
+    installers: list[Callable[[], list[RemovableHandle]]] = field(default_factory=list, repr=False)
+    """What installed :attr:`handles`, in order (:meth:`add_hooks`): :meth:`reinstall`
+    runs them again."""
     experts: tuple[str, ...] = ()
     """Names of the expert stacks whose mesh spans the dedication's group, which each rank
     steps where they live (``ddp.dedicate``): neither dedicated nor all-reduced with the
@@ -149,10 +153,45 @@ class Dedication:
         self.exchange.wait_all_published()
 
     def remove(self) -> None:
-        """Remove the hooks (the parameters stay dedicated to this exchange)."""
+        """Remove the hooks (the parameters stay dedicated to this exchange); put them back
+        with :meth:`reinstall`."""
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+    def add_hooks(self, installer: Callable[[], list[RemovableHandle]]) -> None:
+        """Run ``installer`` (it installs hooks on the model and returns their handles),
+        keep its handles in :attr:`handles` and remember it for :meth:`reinstall`."""
+        self.handles += installer()
+        self.installers.append(installer)
+
+    def reinstall(self) -> None:
+        """Put back every hook ``dedicate`` installed, after :meth:`remove` (e.g. once the
+        model's modules were swapped): the exchange's (:func:`~dmuon.integrations.
+        install_hooks`), and ``ddp.dedicate``'s buffer broadcast or ``fsdp.dedicate``'s
+        partial-use check, which ``install_hooks`` alone does not restore.
+
+        Raises:
+            RuntimeError: hooks are installed already (they would run twice).
+
+        Examples:
+            >>> import torch
+            >>> from dmuon.integrations.ddp import dedicate
+            >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+            >>> ded = dedicate(model)
+            >>> n = len(ded.handles)
+            >>> ded.remove()
+            >>> ded.reinstall()
+            >>> len(ded.handles) == n
+            True
+        """
+        if self.handles:
+            raise RuntimeError(
+                f"the dedication's {len(self.handles)} hooks are installed; call remove() "
+                "before reinstall(), or they would run twice"
+            )
+        for installer in self.installers:
+            self.handles += installer()
 
     def summary(self) -> str:
         """The plan and, per layer, each parameter's owner."""
@@ -315,7 +354,7 @@ def build_dedication(
             f"the default deadline of {seconds:g} s: every rank must call dedicate())"
         ) from err
     ded = Dedication(model, exchange, kind=kind, experts=tuple(i.name for i, _ in experts))
-    ded.handles = install_hooks(model, exchange)
+    ded.add_hooks(lambda: install_hooks(model, exchange))
     return ded
 
 

@@ -143,7 +143,9 @@ def dedicate(
         rest = [
             n for n, p in model.named_parameters() if p.requires_grad and id(p) not in dedicated
         ]
-        ded.handles += install_partial_use_check(
-            model, rest, guard_groups(groups), lambda: ex.publication.timeout
+        ded.add_hooks(
+            lambda: install_partial_use_check(
+                model, rest, guard_groups(groups), lambda: ex.publication.timeout
+            )
         )
     return ded

@@ -57,9 +57,11 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     """Install the gradient and forward hooks of ``exchange`` on ``model``.
 
     :func:`dmuon.integrations.fsdp.dedicate` and :func:`dmuon.integrations.ddp.dedicate`
-    call it; call it yourself only to re-hook a model whose hooks you removed (e.g.
-    after swapping modules). Per dedicated or all-reduced parameter: a
-    post-accumulate-grad hook that hands the gradient to the exchange. Per expert stack
+    call it. To put a dedication's hooks back after ``ded.remove()`` (e.g. after swapping
+    modules), call ``ded.reinstall()``: it runs this and also restores ``ddp.dedicate``'s
+    buffer broadcast and ``fsdp.dedicate``'s partial-use check. Per dedicated or
+    all-reduced parameter: a post-accumulate-grad hook that hands the gradient to the
+    exchange. Per expert stack
     stepped in place (:attr:`OwnerExchange.experts`), with ``reduce_op="avg"``: a
     gradient hook that divides it by the world (the dispatch summed every rank's loss
     into it). Per layer: a

@@ -298,7 +298,7 @@ def dedicate_for_owners(model: nn.Module, **dedicate_options: Any) -> Dedication
             "(parameters frozen, added or replaced after parallelize_fn)"
         )
     if layout.accumulation > 1:
-        ded.handles.append(_reduce_after_last_micro_batch(model, ded, layout.accumulation))
+        ded.add_hooks(lambda: [_reduce_after_last_micro_batch(model, ded, layout.accumulation)])
     return ded
 
 
