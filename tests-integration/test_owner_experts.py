@@ -248,23 +248,19 @@ def test_dp2_by_ep2_one_owner_among_the_replicas_steps_each_stack_like_one_proce
     results = run_on_ranks(run_owner, 4, args=(cases, "all_reduce", *DP_EP), timeout=300)
     assert [r[("muon", 4)]["local"][0] for r in results] == [2, 2, 2, 2]
     assert [r[("muon", 3)]["local"][0] for r in results] == [2, 1, 2, 1]
+    assert all(packed for r in results for _, packed in r[("muon", 4)]["sends"])  # tiny stacks
     check(results, cases, replicas=2)
 
 
 def test_large_stacks_are_broadcast_back_in_place_like_one_process():
     """dp 2 × ep 2 with every stack "large" (``PACK_BYTES = 0``): each stack is broadcast
     from its owner's experts into its replica's, one ``broadcast`` a stack (no flat copy),
-    and training equals one process, bit for bit what the packed broadcasts give."""
+    and training equals one process (the default run above packs these tiny stacks)."""
     cases = [("muon", 4)]
     results = run_on_ranks(run_owner, 4, args=(cases, "all_reduce", *DP_EP, 0), timeout=180)
-    packed = run_on_ranks(run_owner, 4, args=(cases, "all_reduce", *DP_EP), timeout=180)
     check(results, cases, replicas=2)
-    for rank, (got, flat) in enumerate(zip(results, packed, strict=True)):
-        got, flat = got[cases[0]], flat[cases[0]]
-        assert got["sends"] == [(1, False)] * len(STACKS), (rank, got["sends"])
-        assert all(p for _, p in flat["sends"]), (rank, flat["sends"])  # tiny: packed
-        for name, w in flat["params"].items():
-            assert torch.equal(got["params"][name], w), (rank, name)
+    for rank, got in enumerate(results):
+        assert got[cases[0]]["sends"] == [(1, False)] * len(STACKS), (rank, got[cases[0]])
 
 
 def run_missing_gradient(rank, world):
