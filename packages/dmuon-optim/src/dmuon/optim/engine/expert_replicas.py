@@ -7,7 +7,8 @@ idea of DMuon (Chen et al., 2026) applied within each replica set, as ``replicat
 mode does for the experts:
 
 1. the stacks' gradients are summed into their owners while backward goes on: a bucket
-   per layer, owner and dtype (every stack of that owner in the layer in one flat buffer),
+   per layer, owner and dtype (every stack of that owner in the layer in one flat buffer,
+   with a presence flag per stack: a stack no replica had a gradient for keeps none),
    launched as one ``reduce`` over ``dp`` as soon as backward has produced its gradients
    (:meth:`ExpertReplicas.grad_ready`, from a post-accumulate-grad hook that
    :meth:`~dmuon.optim.engine.reduction.Reduction.attach_experts` installs) and every
@@ -206,7 +207,12 @@ class ExpertReplicas:
 
     @torch.no_grad()
     def _launch(self, s: _ReplicaSet, bucket: _Bucket) -> None:
+        # the gradients, then one presence flag per stack: summed with them, a flag that
+        # stays 0 says no replica had a gradient, and the owner leaves the stack without
+        # one (not stepped, as one process skips a parameter without a gradient)
+        present = [float(e.param.grad is not None) for e in bucket.members]
         flat = self._flat(bucket.members, grads=True)
+        flat = torch.cat([flat, torch.tensor(present, dtype=flat.dtype, device=flat.device)])
         for e in bucket.members:
             g = e.param.grad
             if g is not None:
@@ -245,6 +251,7 @@ class ExpertReplicas:
 
         self.flush()
         me = dist.get_rank()
+        owned: list[tuple[_Bucket, torch.Tensor]] = []
         for s in self.sets:
             for bucket in s.buckets:
                 flat = bucket.flat
@@ -262,21 +269,29 @@ class ExpertReplicas:
                 )
                 bucket.work, bucket.flat = None, None
                 bucket.ready.clear()
-                if not write or s.ranks[bucket.owner] != me:
-                    continue
-                offset = 0
-                for e in bucket.members:
-                    local = local_tensor(e.param)
-                    part = flat[offset : offset + local.numel()].view_as(local)
-                    offset += local.numel()
-                    if e.param.grad is not None:
-                        local_tensor(e.param.grad).copy_(part)
-                    else:
-                        p: Any = e.param
-                        p.grad = DTensor.from_local(
-                            part.clone(), p.device_mesh, p.placements, run_check=False
-                        )
+                if write and s.ranks[bucket.owner] == me:
+                    owned.append((bucket, flat))
             s.next_launch = 0
+        if not owned:
+            return
+        # every owned stack's presence flag, read at once (one device-to-host copy a step)
+        flags = torch.cat([flat[-len(b.members) :] for b, flat in owned]).tolist()
+        for bucket, flat in owned:
+            offset = 0
+            present, flags = flags[: len(bucket.members)], flags[len(bucket.members) :]
+            for e, arrived in zip(bucket.members, present, strict=True):
+                local = local_tensor(e.param)
+                part = flat[offset : offset + local.numel()].view_as(local)
+                offset += local.numel()
+                if not arrived:  # on no replica: no gradient, as on one process
+                    continue
+                if e.param.grad is not None:
+                    local_tensor(e.param.grad).copy_(part)
+                else:
+                    p: Any = e.param
+                    p.grad = DTensor.from_local(
+                        part.clone(), p.device_mesh, p.placements, run_check=False
+                    )
 
     def end_step(self) -> None:
         """Forget this step's record of changed gradients (after the step's agreement)."""
