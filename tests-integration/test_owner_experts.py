@@ -401,14 +401,14 @@ def test_a_dropped_backward_finishes_the_experts_reductions_and_is_forgotten():
             assert diff <= TOLERANCE, f"rank {rank}: {name} off by {diff:.2e}"
 
 
-def run_unused_everywhere(rank, world):
-    """dp 2 × ep 2: in step 0 no rank's backward reaches ``w_out`` (frozen for it), then
-    two ordinary steps."""
+def run_unused_everywhere(rank, world, shape, names):
+    """In step 0 no rank's backward reaches ``w_out`` (frozen for it), then two ordinary
+    steps."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon.integrations import ddp
 
-    model = expert_parallel(init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1]))
+    model = expert_parallel(init_device_mesh("cpu", shape, mesh_dim_names=names))
     ded = ddp.dedicate(model)
     opt = DMuon(param_groups(model), distributed=ded, **OPT)
     model.w_out.requires_grad_(False)
@@ -419,10 +419,12 @@ def run_unused_everywhere(rank, world):
     return whole_params(model)
 
 
-def test_a_stack_without_a_gradient_on_every_replica_is_not_stepped():
+@MESHES
+def test_a_stack_without_a_gradient_on_every_replica_is_not_stepped(world, mesh):
     """One process skips a parameter without a gradient (no momentum, no weight decay);
-    so does the stack's owner when no replica had a gradient for it (each replica's
-    presence summed in the reduction), instead of stepping it with a zero gradient."""
+    so does each rank on ep 2, and on dp 2 × ep 2 the stack's owner when no replica had a
+    gradient for it (each replica's presence summed in the reduction), instead of
+    stepping it with a zero gradient."""
     model = MoE()
     opt = DMuon(param_groups(model), **OPT)
     for t in range(STEPS):
@@ -432,7 +434,7 @@ def test_a_stack_without_a_gradient_on_every_replica_is_not_stepped():
         opt.step()
         opt.zero_grad()
     expected = {n: p.detach() for n, p in model.named_parameters()}
-    for rank, got in enumerate(run_on_ranks(run_unused_everywhere, 4, timeout=120)):
+    for rank, got in enumerate(run_on_ranks(run_unused_everywhere, world, args=mesh, timeout=120)):
         for name, want in expected.items():
             diff = (got[name] - want).abs().max().item()
             assert diff <= TOLERANCE, f"rank {rank}: {name} off by {diff:.2e}"
