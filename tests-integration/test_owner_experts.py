@@ -295,10 +295,11 @@ def test_an_expert_without_a_gradient_on_one_replica_counts_as_zeros():
         assert torch.allclose(got, want, rtol=0, atol=1e-7), (pair, (got - want).abs().max())
 
 
-def run_overlap(rank, world):
-    """dp 2 × ep 2: the experts' reductions to their owners are launched in backward, before
-    the first layer's gradients arrive; none inside ``no_sync()``; once each, although an
-    earlier optimizer was built over the same dedication."""
+def run_overlap(rank, world, used):
+    """dp 2 × ep 2, two optimizers built over one dedication, one of them (``used``)
+    trained: the experts' reductions to their owners are launched in backward, before the
+    first layer's gradients arrive, once each (the optimizers share them); none inside
+    ``no_sync()``. Three steps, the first two accumulated over two micro-batches."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon.integrations import ddp
@@ -306,27 +307,45 @@ def run_overlap(rank, world):
     mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
     model = expert_parallel(mesh)
     ded = ddp.dedicate(model)
-    DMuon(param_groups(model), distributed=ded, **OPT)  # replaced: its hooks must not fire
-    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    opts = [DMuon(param_groups(model), distributed=ded, **OPT) for _ in range(2)]
+    opt = opts[used]
     stats = ded.exchange.stats
-    seen = []  # the experts' reduces launched when the first layer's gradient arrives
+    seen = []  # the experts' collectives so far, when the first layer's gradient arrives
     model.inp.weight.register_post_accumulate_grad_hook(
         lambda _: seen.append(stats["expert_replicas"].collectives)
     )
-    xs, ys = rank_batch(0)
-    with ded.no_sync():
-        F.mse_loss(model(xs), ys).backward()
-    F.mse_loss(model(xs), ys).backward()
-    buckets = sum(len(s.buckets) for s in opt.engine._replicas.sets)
-    opt.step()
-    opt.zero_grad()
-    return seen, buckets
+    for t in range(STEPS):
+        xs, ys = rank_batch(t)
+        half = len(xs) // 2
+        if t < 2:
+            with ded.no_sync():
+                (F.mse_loss(model(xs[:half]), ys[:half]) / 2).backward()
+            (F.mse_loss(model(xs[half:]), ys[half:]) / 2).backward()
+        else:
+            F.mse_loss(model(xs), ys).backward()
+        opt.step()
+        opt.zero_grad()
+    ded.wait()
+    reduces = sum(len(s.buckets) for s in opt.engine._replicas.sets)
+    broadcasts = sum(len(s.sends) for s in opt.engine._replicas.sets)
+    return seen, reduces, broadcasts, whole_params(model)
 
 
-def test_the_experts_reductions_overlap_backward():
-    for rank, (seen, buckets) in enumerate(run_on_ranks(run_overlap, 4, timeout=120)):
-        assert buckets > 0, rank
-        assert seen == [0, buckets], (rank, seen, buckets)
+@pytest.mark.parametrize("used", [0, 1], ids=["first", "second"])
+def test_the_experts_reductions_overlap_backward(used):
+    expected = moving_reference("muon")
+    for rank, (seen, reduces, broadcasts, got) in enumerate(
+        run_on_ranks(run_overlap, 4, args=(used,), timeout=120)
+    ):
+        assert reduces > 0, rank
+        per_step = reduces + broadcasts
+        # step t's reductions are all under way when its last backward reaches the first
+        # layer; nothing is launched in a no_sync backward
+        want = [0, reduces, per_step, per_step + reduces, 2 * per_step + reduces]
+        assert seen == want, (rank, seen, want)
+        for name, w in expected.items():
+            diff = (got[name] - w).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: {name} off by {diff:.2e}"
 
 
 def run_changed(rank, world):

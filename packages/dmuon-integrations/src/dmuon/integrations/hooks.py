@@ -62,9 +62,10 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     buffer broadcast and ``fsdp.dedicate``'s partial-use check. Per dedicated or
     all-reduced parameter: a post-accumulate-grad hook that hands the gradient to the
     exchange. Per expert stack
-    stepped in place (:attr:`OwnerExchange.experts`), with ``reduce_op="avg"``: a
+    stepped in place (:attr:`OwnerExchange.experts`): with ``reduce_op="avg"`` a
     gradient hook that divides it by the world (the dispatch summed every rank's loss
-    into it). Per layer: a
+    into it), and a post-accumulate-grad hook that starts its reduction to its owner among
+    its replicas (``Reduction.expert_grad_ready``). Per layer: a
     forward pre-hook that waits for the layer's published weights (and, with
     ``reshard_after_forward``, hooks that release and re-gather them). On ``model``: a
     state-dict pre-hook that waits for broadcasts still in flight (ZeRO-3-like: that
@@ -93,11 +94,14 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
         p = exchange.param(name)
         handles.append(p.register_post_accumulate_grad_hook(grad_hook))
     n = exchange.world_size
-    if exchange.experts and exchange.reduction.reduce_op == "avg" and n > 1:
-        # the dispatch's backward sums every rank's loss into each expert: the gradient of
-        # the ranks' mean loss, as the dense ones are averaged
-        for p in exchange.experts:
+    divide = exchange.reduction.reduce_op == "avg" and n > 1
+    for p in exchange.experts:
+        if divide:
+            # the dispatch's backward sums every rank's loss into each expert: the gradient
+            # of the ranks' mean loss, as the dense ones are averaged
             handles.append(p.register_hook(lambda g: g / n))
+        # on dp × ep, its reduction to its owner among the replicas, started in backward
+        handles.append(p.register_post_accumulate_grad_hook(exchange.reduction.expert_grad_ready))
 
     def call(method: Callable[[str], None], key: str) -> Callable[..., None]:
         # Under torch.compile the layer hooks run eagerly, between graphs: they wait on

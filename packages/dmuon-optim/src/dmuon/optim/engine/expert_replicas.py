@@ -10,8 +10,10 @@ mode does for the experts:
    per layer, owner and dtype (every stack of that owner in the layer in one flat buffer,
    with a presence flag per stack: a stack no replica had a gradient for keeps none),
    launched as one ``reduce`` over ``dp`` as soon as backward has produced its gradients
-   (:meth:`ExpertReplicas.grad_ready`, from a post-accumulate-grad hook that
-   :meth:`~dmuon.optim.engine.reduction.Reduction.attach_experts` installs) and every
+   (:meth:`ExpertReplicas.grad_ready`, from the post-accumulate-grad hook
+   :func:`~dmuon.integrations.install_hooks` puts on each stack, through
+   :meth:`~dmuon.optim.engine.reduction.Reduction.expert_grad_ready`, to the replica
+   sets the optimizer's engine attached) and every
    earlier bucket was launched; :meth:`ExpertReplicas.reduce` launches the rest (zeros
    for a stack without a gradient) and waits for them all;
 2. the owner steps its stacks (the others hold placeholder state);
@@ -149,9 +151,14 @@ class ExpertReplicas:
     def __contains__(self, p: torch.Tensor) -> bool:
         return id(p) in self._by_param
 
-    def params(self) -> list[torch.Tensor]:
-        """Every replicated stack, in the replica sets' order."""
-        return [e.param for s in self.sets for e in s.params]
+    def same_stacks(self, other: ExpertReplicas) -> bool:
+        """Whether ``other`` holds the same stacks in the same replica sets (another
+        optimizer's over the same dedication)."""
+
+        def key(r: ExpertReplicas) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+            return [(tuple(s.ranks), tuple(id(e.param) for e in s.params)) for s in r.sets]
+
+        return key(self) == key(other)
 
     def owns(self, p: torch.Tensor) -> bool:
         """Whether this rank is the owner of ``p`` among its replicas."""

@@ -135,11 +135,11 @@ class OwnerEngine(Engine):
             )
         self._dedicated_ids = frozenset(id(e.param) for e in ours)
         self._in_place_ids = frozenset(id(e.param) for e in in_place)
-        self._replicas = ExpertReplicas([replica_sets[k] for k in sorted(replica_sets)], self.stats)
-        # their gradients summed into the owner as backward produces them (replacing the
-        # hooks of an earlier optimizer over this dedication)
-        if self._replicas.sets or ex.reduction.experts is not None:
-            ex.reduction.attach_experts(self._replicas)
+        sets = ExpertReplicas([replica_sets[k] for k in sorted(replica_sets)], self.stats)
+        # their gradients summed into the owner as backward produces them: the replica sets
+        # the reduction holds already when they are these stacks' (another optimizer's over
+        # this dedication), else these
+        self._replicas = ex.reduction.attach_experts(sets if sets.sets else None) or sets
         self._keys = ex.layer_keys()
         self._matrix_groups = [
             i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)

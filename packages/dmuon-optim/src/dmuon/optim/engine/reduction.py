@@ -51,8 +51,6 @@ from dmuon.optim.engine.tensor_split import laid_out_as, mark_relaid
 from dmuon.optim.matrix_split import local_tensor
 
 if TYPE_CHECKING:
-    from torch.utils.hooks import RemovableHandle
-
     from dmuon.optim.engine.expert_replicas import ExpertReplicas
 
 __all__ = ["Reduction", "UnsyncedGradientsError"]
@@ -198,9 +196,8 @@ class Reduction:
             frozenset(id(p) for p in params.values()) if free_local_grads else frozenset()
         )
         # the expert stacks stepped in place whose gradients are summed among their
-        # replicas as backward produces them (attach_experts), and their hooks
+        # replicas as backward produces them (attach_experts, expert_grad_ready)
         self.experts: ExpertReplicas | None = None
-        self._expert_hooks: list[RemovableHandle] = []
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -232,21 +229,27 @@ class Reduction:
         sync condition (:meth:`set_sync_condition`), while it holds."""
         return self.sync and (self.sync_condition is None or self.sync_condition())
 
-    def attach_experts(self, experts: ExpertReplicas) -> None:
-        """Sum the gradients of ``experts``' stacks into their owners among the replicas as
-        backward produces them: a post-accumulate-grad hook per stack
-        (:meth:`~dmuon.optim.engine.expert_replicas.ExpertReplicas.grad_ready`), under
-        this reduction's :meth:`no_sync` and sync condition. The engine stepping the stacks
-        attaches them (``OwnerEngine.bind``); a later attach replaces the hooks of the
-        earlier one, so one optimizer's at a time reduces them."""
-        for handle in self._expert_hooks:
-            handle.remove()
+    def attach_experts(self, experts: ExpertReplicas | None) -> ExpertReplicas | None:
+        """Let :meth:`expert_grad_ready` sum the gradients of ``experts``' stacks into their
+        owners among the replicas as backward produces them. The optimizer's engine
+        attaches its own (``OwnerEngine.bind``) and steps the one this returns: the one
+        attached already when it holds the same stacks (every optimizer built over this
+        dedication shares it, so a second one, even unused, takes nothing from the
+        first), else ``experts``, which replaces it (``None``: no stack is summed in
+        backward; an engine's step then launches the reductions itself)."""
+        if experts is not None and self.experts is not None and self.experts.same_stacks(experts):
+            return self.experts
         self.experts = experts
+        return experts
 
-        def hook(p: torch.Tensor) -> None:
-            experts.grad_ready(p, self.syncing())
-
-        self._expert_hooks = [p.register_post_accumulate_grad_hook(hook) for p in experts.params()]
+    def expert_grad_ready(self, p: torch.Tensor) -> None:
+        """A gradient of expert stack ``p`` has been accumulated (a post-accumulate-grad
+        hook, installed by :func:`~dmuon.integrations.install_hooks` on the stacks of
+        :attr:`OwnerExchange.experts`): launch its bucket's reduction when the bucket is
+        complete, outside :meth:`no_sync` and while the sync condition holds
+        (:meth:`~dmuon.optim.engine.expert_replicas.ExpertReplicas.grad_ready`)."""
+        if self.experts is not None:
+            self.experts.grad_ready(p, self.syncing())
 
     def grad_ready(self, p: torch.Tensor) -> None:
         """A gradient of ``p`` has been accumulated (call from a post-accumulate hook)."""
