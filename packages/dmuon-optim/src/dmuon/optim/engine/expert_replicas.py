@@ -108,7 +108,8 @@ class _ReplicaSet:
             small = []
             for e in members:
                 local = local_tensor(e.param)
-                if local.numel() * local.element_size() >= PACK_BYTES and local.is_contiguous():
+                # by size alone, the same on every replica (not by a layout of this rank's)
+                if local.numel() * local.element_size() >= PACK_BYTES:
                     self.sends.append((owner, [e], False))
                 else:
                     small.append(e)
@@ -314,6 +315,7 @@ class ExpertReplicas:
             for owner, members, packed in s.sends:
                 src = s.ranks[owner]
                 if not packed:  # one large stack, from and into the experts themselves
+                    # (contiguous: DMuon refuses a matrix that is not, group_options.py)
                     flat = None
                     tensor = local_tensor(members[0].param)
                 elif src == me:
