@@ -98,14 +98,27 @@ def whole_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def reference(rule: str, experts: int = 4, steps=range(STEPS)) -> dict[str, torch.Tensor]:
     """One process, the whole global batch each step."""
+    return clipped_reference(rule, None, experts, steps)[0]
+
+
+def clipped_reference(
+    rule: str, clip: float | None, experts: int = 4, steps=range(STEPS)
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """:func:`reference` with the gradients clipped to the global norm ``clip`` before each
+    step by torch's ``clip_grad_norm_`` (checked to bind on every step), and each step's
+    norm (``None``: not clipped, no norms)."""
     model = MoE(experts)
     opt = DMuon(param_groups(model), rule=rule, **OPT)
+    norms = []
     for t in steps:
         x, y = batch(t)
         F.mse_loss(model(x), y).backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
         opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert clip is None or min(norms) > clip, f"clipping at {clip} binds not on every step"
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
 def expert_parallel(mesh, experts: int = 4) -> MoE:

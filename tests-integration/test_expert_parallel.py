@@ -35,6 +35,7 @@ from expert_cases import (
     MoE,
     backward_on_rank,
     batch,
+    clipped_reference,
     expert_parallel,
     moving_reference,
     reference,
@@ -345,20 +346,11 @@ def test_clip_grad_norm_counts_every_expert_once_on_dp2_by_ep2(mode):
     on every rank, equals torch's ``clip_grad_norm_`` in one process, and the clipped
     run equals the clipped one process (a wrong norm changes each step's scale, and
     momentum mixes steps of different scales)."""
-    model = MoE()
-    opt = DMuon(param_groups(model), rule="muon", **OPT)
-    want_norms = []
-    for t in range(STEPS):
-        x, y = batch(t)
-        F.mse_loss(model(x), y).backward()
-        want_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        opt.step()
-        opt.zero_grad()
-    assert min(want_norms) > CLIP, want_norms
+    expected, want_norms = clipped_reference("muon", CLIP)
     for rank, (norms, got) in enumerate(run_on_ranks(run_clipped, 4, args=(mode,), timeout=240)):
         assert norms == pytest.approx(want_norms, rel=1e-5), (rank, norms, want_norms)
-        for name, want in model.named_parameters():
-            diff = (got[name] - want.detach()).abs().max().item()
+        for name, want in expected.items():
+            diff = (got[name] - want).abs().max().item()
             assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
 
 

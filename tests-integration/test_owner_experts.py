@@ -29,6 +29,7 @@ from expert_cases import (
     MoE,
     backward_on_rank,
     batch,
+    clipped_reference,
     expert_parallel,
     moving_reference,
     rank_batch,
@@ -174,17 +175,7 @@ def test_accumulated_micro_batches_with_freed_weights_and_clipping_step_like_one
     """On dp 2 × ep 2 the first micro-batch launches no expert reduction, the second
     launches them in backward, and ``clip_grad_norm_`` waits for them: the norms and the
     parameters equal one process clipping with torch's ``clip_grad_norm_``."""
-    model = MoE()
-    opt = DMuon(param_groups(model), **OPT)
-    want = []
-    for t in range(STEPS):
-        x, y = batch(t)
-        F.mse_loss(model(x), y).backward()
-        want.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        opt.step()
-        opt.zero_grad()
-    assert min(want) > 10 * CLIP, want  # clipping binds on every step
-    expected = {n: p.detach() for n, p in model.named_parameters()}
+    expected, want = clipped_reference("muon", CLIP)
     results = run_on_ranks(run_accumulated, world, args=mesh, timeout=180)
     for rank, (got, norms) in enumerate(results):
         assert all(abs(a - b) <= 1e-6 * b for a, b in zip(norms, want, strict=True)), (norms, want)
