@@ -173,7 +173,9 @@ class ExpertReplicas:
             return None
         return dist.get_group_rank(s.group, s.ranks[s.owner[id(p)]]), s.group
 
-    def _flat(self, members: list[EngineParam], grads: bool) -> torch.Tensor:
+    def _flat(self, members: list[EngineParam], grads: bool, *tail: torch.Tensor) -> torch.Tensor:
+        """The members' gradients (``grads``) or weights, then ``tail``, in one buffer: one
+        copy (zeros for a missing gradient)."""
         parts = []
         for e in members:
             local = local_tensor(e.param)
@@ -181,7 +183,7 @@ class ExpertReplicas:
             parts.append(
                 (local_tensor(g) if g is not None else torch.zeros_like(local)).reshape(-1)
             )
-        return torch.cat(parts)
+        return torch.cat([*parts, *tail])
 
     def _count(self, op: str, flat: torch.Tensor, s: _ReplicaSet) -> None:
         nbytes = flat.numel() * flat.element_size()
@@ -218,9 +220,13 @@ class ExpertReplicas:
         # the gradients, then one presence flag per stack: summed with them, a flag that
         # stays 0 says no replica had a gradient, and the owner leaves the stack without
         # one (not stepped, as one process skips a parameter without a gradient)
-        present = [float(e.param.grad is not None) for e in bucket.members]
-        flat = self._flat(bucket.members, grads=True)
-        flat = torch.cat([flat, torch.tensor(present, dtype=flat.dtype, device=flat.device)])
+        first = local_tensor(bucket.members[0].param)
+        present = torch.tensor(
+            [float(e.param.grad is not None) for e in bucket.members],
+            dtype=first.dtype,
+            device=first.device,
+        )
+        flat = self._flat(bucket.members, True, present)
         for e in bucket.members:
             g = e.param.grad
             if g is not None:
