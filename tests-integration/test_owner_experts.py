@@ -701,6 +701,17 @@ def owner_on(mesh_shape, names):
     return model, ded, DMuon(param_groups(model), distributed=ded, rule="normuon", **OPT)
 
 
+def load_saved(how, path, whole, model, opt) -> None:
+    """Load what :func:`run_save_on_dp_by_ep` saved: the DCP checkpoint at ``path``, or
+    the whole state ``whole``."""
+    from dmuon.integrations import checkpoint
+
+    if how == "dcp":
+        checkpoint.load(path, model, opt)
+    else:
+        checkpoint.load_full_state_dict(model, opt, whole)
+
+
 def run_save_on_dp_by_ep(rank, world, path, how):
     """dp 2 × ep 2: two steps, a DCP save (or the whole state to rank 0), a third step."""
     from dmuon.integrations import checkpoint
@@ -718,13 +729,8 @@ def run_save_on_dp_by_ep(rank, world, path, how):
 
 
 def run_load_on_ep(rank, world, path, how, whole):
-    from dmuon.integrations import checkpoint
-
     model, ded, opt = owner_on((world,), ("ep",))
-    if how == "dcp":
-        checkpoint.load(path, model, opt)
-    else:
-        checkpoint.load_full_state_dict(model, opt, whole)
+    load_saved(how, path, whole, model, opt)
     train(model, opt, range(2, 3))
     ded.wait()
     return whole_params(model)
@@ -743,10 +749,7 @@ def test_owner_experts_saved_on_dp_by_ep_resume_on_ep_alone_and_in_one_process(t
     resumed = run_on_ranks(run_load_on_ep, 2, args=(path, how, whole), timeout=180)
     model = MoE()
     opt = DMuon(param_groups(model), rule="normuon", **OPT)
-    if how == "dcp":
-        checkpoint.load(path, model, opt)
-    else:
-        checkpoint.load_full_state_dict(model, opt, whole)
+    load_saved(how, path, whole, model, opt)
     x, y = batch(2)
     F.mse_loss(model(x), y).backward()
     opt.step()
