@@ -36,7 +36,9 @@ from expert_cases import (
     whole_params,
 )
 from tensor_parallel_cases import error
+from torch import nn
 
+from benchmarks.common.moe import split_experts
 from dmuon.comm.testing import run_on_ranks
 from dmuon.optim import DMuon, NonFiniteGradientError, param_groups
 
@@ -768,3 +770,118 @@ def test_owner_experts_saved_on_dp_by_ep_resume_on_ep_alone_and_in_one_process(t
         for name, w in want.items():
             diff = (got[name] - w).abs().max().item()
             assert diff <= TOLERANCE, f"resumed on {what}: {name} differs by {diff:.2e}"
+
+
+class Nested(nn.Module):
+    """A linear layer, then the MoE: the next forward runs the linear layer while the
+    experts' broadcasts back from their owners are still travelling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            self.first = nn.Linear(5, 5)
+        self.moe = MoE()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(self.first(x))
+
+
+def nested_reference() -> dict[str, torch.Tensor]:
+    """:class:`Nested` trained in one process on the whole global batches."""
+    model = Nested()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = DMuon(param_groups(model), **OPT)
+    for t in range(STEPS):
+        x, y = batch(t)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    moved = max((p.detach() - initial[n]).abs().max().item() for n, p in model.named_parameters())
+    assert moved > 1e-3, "the reference barely moved; the test would prove nothing"
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_nested(rank, world):
+    """dp 2 × ep 2, :class:`Nested`: whether the experts' broadcasts are in flight when
+    each forward enters ``first`` and when it enters ``moe`` (after the wait its hook
+    installed), and after the last step, before and after ``model.state_dict()``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+
+    mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
+    model = Nested()
+    split_experts(model.moe, mesh)
+    ded = ddp.dedicate(model)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    publication = ded.exchange.publication
+    seen: dict[str, list[bool]] = {"first": [], "moe": []}
+    for name in seen:  # after the dedication's hooks: the moe's wait has run
+        getattr(model, name).register_forward_pre_hook(
+            lambda *_, name=name: seen[name].append(publication.experts.in_flight())
+        )
+    train(model, opt, range(STEPS))
+    before = publication.experts.in_flight()
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    after = publication.experts.in_flight()
+    # the state dict holds the owners' weights: those the replicas end with
+    same = all(
+        torch.equal(saved[f"moe.{n}"].to_local(), getattr(model.moe, n).to_local()) for n in STACKS
+    )
+    ded.wait()
+    return seen, before, after, same, whole_params(model)
+
+
+def test_the_next_forward_waits_for_the_experts_only_where_it_reaches_them():
+    """The experts' broadcasts back from their owners travel on into the next forward:
+    it runs the layer before the MoE with them in flight and waits in the MoE's forward
+    pre-hook; ``model.state_dict()`` waits for them too. The result equals one process."""
+    expected = nested_reference()
+    for rank, (seen, before, after, same, got) in enumerate(
+        run_on_ranks(run_nested, 4, timeout=120)
+    ):
+        # the first forward comes before any step: nothing in flight
+        assert seen["first"] == [False, True, True], (rank, seen)
+        assert seen["moe"] == [False, False, False], (rank, seen)
+        assert (before, after, same) == (True, False, True), (rank, before, after, same)
+        for name, want in expected.items():
+            diff = (got[name] - want).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: {name} off by {diff:.2e}"
+
+
+def run_unwaited(rank, world):
+    """dp 2 × ep 2: the second forward calls the MoE's ``forward`` directly, past its
+    hooks, while its experts are still in flight; then, after ``zero_grad()``, a step as
+    it should be."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+
+    mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
+    model = Nested()
+    split_experts(model.moe, mesh)
+    ded = ddp.dedicate(model)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    train(model, opt, range(1))
+    x, y = rank_batch(1)
+    try:
+        F.mse_loss(model.moe.forward(model.first(x)), y).backward()
+        err = None
+    except RuntimeError as e:
+        err = str(e)
+    opt.zero_grad()  # drops the iteration, finishing the reductions it launched
+    train(model, opt, range(1, STEPS))
+    ded.wait()
+    return err, whole_params(model)
+
+
+def test_a_forward_past_the_experts_module_hooks_is_refused_on_every_rank():
+    results = run_on_ranks(run_unwaited, 4, timeout=120)
+    for rank, (err, _) in enumerate(results):
+        assert err is not None and "was not called" in err, (rank, err)
+        assert "'moe.w_in'" in err or "'moe.w_out'" in err, (rank, err)
+    # the iteration dropped, training goes on: every replica holds the same weights
+    for name, want in results[0][1].items():
+        for rank, (_, got) in enumerate(results):
+            assert torch.equal(got[name], want), (rank, name)

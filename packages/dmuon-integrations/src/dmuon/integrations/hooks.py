@@ -15,7 +15,10 @@ Only public module and tensor hooks are used (no framework internals):
 * with ``reshard_after_forward`` (ZeRO-3-like) also ``register_forward_hook`` →
   ``exchange.publication.forward_exit`` (free the layer on non-owners) and
   ``register_full_backward_pre_hook`` → ``exchange.publication.backward_enter`` (bring it back
-  for backward, prefetch the layer before it).
+  for backward, prefetch the layer before it);
+* ``module.register_forward_pre_hook`` on each module holding expert stacks stepped in
+  place (``dp × ep``): ``exchange.publication.experts_enter``, which waits for those
+  stacks' broadcasts from their owners among the replicas only.
 """
 
 from __future__ import annotations
@@ -67,7 +70,10 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     into it), and a post-accumulate-grad hook that starts its reduction to its owner among
     its replicas (``Reduction.expert_grad_ready``). Per layer: a
     forward pre-hook that waits for the layer's published weights (and, with
-    ``reshard_after_forward``, hooks that release and re-gather them). On ``model``: a
+    ``reshard_after_forward``, hooks that release and re-gather them). Per module holding
+    expert stacks: a forward pre-hook that waits for their broadcasts from their owners
+    among the replicas (the module holding a stack must be called for the stack to be
+    read; a forward that reads it otherwise is refused at its backward). On ``model``: a
     state-dict pre-hook that waits for broadcasts still in flight (ZeRO-3-like: that
     refuses freed weights).
 
@@ -132,7 +138,33 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
                         call(exchange.publication.backward_enter, key)
                     )
                 )
+    handles += _expert_waits(model, exchange)
     handles.append(model.register_state_dict_pre_hook(_current_weights(exchange)))
+    return handles
+
+
+def _expert_waits(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHandle]:
+    """A forward pre-hook on each module holding expert stacks of ``exchange``: it waits
+    for those stacks' broadcasts back from their owners (the others travel on)."""
+    if not exchange.experts:
+        return []
+    experts = {id(p) for p in exchange.experts}
+    by_module: dict[str, set[int]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in experts:
+            by_module.setdefault(name.rpartition(".")[0], set()).add(id(p))
+    held = {i for ids in by_module.values() for i in ids}
+    if experts - held:  # held outside this model: the root's pre-hook waits for them
+        by_module.setdefault("", set()).update(experts - held)
+    handles = []
+    for prefix, ids in by_module.items():
+        where = f"module {prefix!r}" if prefix else "the model"
+
+        @torch.compiler.disable  # as the layers' hooks (install_hooks)
+        def hook(*_: Any, ids: frozenset[int] = frozenset(ids), where: str = where) -> None:
+            exchange.publication.experts_enter(ids, where)
+
+        handles.append(model.get_submodule(prefix).register_forward_pre_hook(hook))
     return handles
 
 
@@ -147,6 +179,7 @@ def _current_weights(exchange: OwnerExchange) -> Callable[..., None]:
 
     def hook(*_: Any) -> None:
         publication = exchange.publication
+        publication.wait_experts()  # ZeRO-3-like too: the experts are never freed
         if not exchange.reshard_after_forward:
             if publication.pending_publications():
                 publication.wait_all_published()

@@ -17,12 +17,22 @@ mode does for the experts:
    earlier bucket was launched; :meth:`ExpertReplicas.reduce` launches the rest (zeros
    for a stack without a gradient) and waits for them all;
 2. the owner steps its stacks (the others hold placeholder state);
-3. :meth:`ExpertReplicas.start_broadcast` sends the stepped experts back, waited by
-   :meth:`ExpertReplicas.wait_broadcast` at the end of the step, after the dense layers:
-   a stack of :data:`PACK_BYTES` or more straight from the owner's experts into the
-   replicas' (one ``broadcast`` each, no copy: the experts are most of a MoE model's
-   bytes, and a flat copy of them all would add that much to the step's peak memory),
-   the smaller stacks of one owner and dtype packed into one flat ``broadcast``.
+3. :meth:`ExpertReplicas.start_broadcast` sends the stepped experts back, in forward
+   order (layers in natural order): a stack of :data:`PACK_BYTES` or more straight from
+   the owner's experts into the replicas' (one ``broadcast`` each, no copy: the experts
+   are most of a MoE model's bytes, and a flat copy of them all would add that much to
+   the step's peak memory), the smaller stacks of one owner and dtype packed into one
+   flat ``broadcast``. They travel on while the dense layers step and while the next
+   forward runs the layers before them: the forward pre-hook of the module holding a
+   stack waits for that stack's broadcast only (:meth:`ExpertReplicas.wait_stacks`,
+   through :meth:`~dmuon.optim.engine.publication.Publication.experts_enter`), as the
+   dense layers' publications are waited (:mod:`~dmuon.optim.engine.publication`); every
+   point that reads the weights otherwise (``wait_all_published``: ``ded.wait()``, a
+   checkpoint, the model's ``state_dict``, the next step) waits for them all
+   (:meth:`ExpertReplicas.wait_broadcast`). A stack whose gradient arrives while its
+   broadcast was never waited was read by a forward that did not call the module holding
+   it: :meth:`ExpertReplicas.grad_ready` refuses it, on every replica, rather than let
+   the replicas train on last step's weights.
 
 **Hang freedom**, as for the dense layers (:mod:`~dmuon.optim.engine.reduction`): the
 buckets are launched in one fixed order on every replica — layers in reverse natural
@@ -36,7 +46,7 @@ as one all-reduce, while each stack is orthogonalised once instead of ``R`` time
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +93,19 @@ class _Bucket:
         return self.flat is not None
 
 
+class _Sent:
+    """One broadcast of stepped experts back from their owner, in flight until waited."""
+
+    def __init__(
+        self, work: Any, flat: torch.Tensor | None, members: list[EngineParam], s: _ReplicaSet
+    ) -> None:
+        self.work = work
+        self.flat = flat  # the packed buffer (None: received in place)
+        self.members = members
+        self.set = s
+        self.done = False
+
+
 class _ReplicaSet:
     """One group of ranks holding the same experts and the stacks they share."""
 
@@ -97,24 +120,26 @@ class _ReplicaSet:
         self.owner = {id(e.param): owners[e.name] for e in params}
         me = self.ranks.index(dist.get_rank())
         self.mine = {id(e.param) for e in params if owners[e.name] == me}
-        # the broadcasts back, in a fixed order: per (owner index, dtype), each stack of
-        # PACK_BYTES or more alone and in place (packed False), the smaller ones in one
-        # flat buffer
+        # the broadcasts back, in one order on every replica, the next forward's (by
+        # the natural order of their first stack): per (owner index, dtype), each stack
+        # of PACK_BYTES or more alone and in place (packed False), the smaller ones in
+        # one flat buffer
         runs: dict[tuple[int, torch.dtype], list[EngineParam]] = {}
-        for e in sorted(params, key=lambda e: e.name):
+        for e in sorted(params, key=lambda e: natural_key(e.name)):
             runs.setdefault((owners[e.name], e.param.dtype), []).append(e)
-        self.sends: list[tuple[int, list[EngineParam], bool]] = []
+        sends: list[tuple[int, list[EngineParam], bool]] = []
         for (owner, _), members in runs.items():
             small = []
             for e in members:
                 local = local_tensor(e.param)
                 # by size alone, the same on every replica (not by a layout of this rank's)
                 if local.numel() * local.element_size() >= PACK_BYTES:
-                    self.sends.append((owner, [e], False))
+                    sends.append((owner, [e], False))
                 else:
                     small.append(e)
             if small:
-                self.sends.append((owner, small, True))
+                sends.append((owner, small, True))
+        self.sends = sorted(sends, key=lambda t: (natural_key(t[1][0].name), t[0]))
         # the reductions: per layer, owner and dtype, layers in reverse natural order
         by_bucket: dict[tuple[str, int, str], list[EngineParam]] = {}
         for e in sorted(params, key=lambda e: natural_key(e.name)):
@@ -143,7 +168,9 @@ class ExpertReplicas:
         self.sets = [_ReplicaSet(g, params) for g, params in groups]
         self.stats = stats
         self._by_param = {pid: s for s in self.sets for pid in s.owner}
-        self._pending: list[tuple[Any, torch.Tensor | None, list[EngineParam], _ReplicaSet]] = []
+        # the broadcasts back in flight, and per stack the ones that carry it
+        self._pending: list[_Sent] = []
+        self._pending_of: dict[int, list[_Sent]] = {}
         # each gradient copied into a bucket, as it was then (the gradient object and its
         # version): a change after that would not reach the owner
         self._taken: dict[int, tuple[EngineParam, torch.Tensor, tuple[int, int]]] = {}
@@ -197,7 +224,18 @@ class ExpertReplicas:
         one was launched. ``syncing=False`` (inside ``no_sync()``): nothing is launched, the
         gradient accumulates for a later backward."""
         s = self._by_param.get(id(p))
-        if s is None or not syncing:
+        if s is None:
+            return
+        if any(not sent.done for sent in self._pending_of.get(id(p), ())):
+            name = next(e.name for e in s.params if e.param is p)
+            raise RuntimeError(
+                f"expert stack {name!r} got a gradient from a forward that ran before its "
+                "stepped weights arrived from their owner among the replicas: the forward "
+                "pre-hook of the module holding it waits for them, and that module was not "
+                "called (its forward read the stack directly). Call the module holding the "
+                "stack, or ded.wait() after opt.step()"
+            )
+        if not syncing:
             return
         bucket = s.bucket_of[id(p)]
         if bucket.launched:
@@ -314,8 +352,9 @@ class ExpertReplicas:
 
     @torch.no_grad()
     def start_broadcast(self) -> None:
-        """Send each owner's stepped experts to its replicas (waited by
-        :meth:`wait_broadcast`)."""
+        """Send each owner's stepped experts to its replicas, in the next forward's order
+        (waited by :meth:`wait_stacks` and :meth:`wait_broadcast`)."""
+        self.wait_broadcast()  # the last step's, should nothing have waited for them
         me = dist.get_rank()
         for s in self.sets:
             for owner, members, packed in s.sends:
@@ -333,22 +372,49 @@ class ExpertReplicas:
                     )
                 self._count("broadcast", tensor, s)
                 work = dist.broadcast(tensor, src=src, group=s.group, async_op=True)
-                self._pending.append((work, flat, members, s))
+                sent = _Sent(work, flat, members, s)
+                self._pending.append(sent)
+                for e in members:
+                    self._pending_of.setdefault(id(e.param), []).append(sent)
+
+    def in_flight(self) -> bool:
+        """Whether a broadcast of :meth:`start_broadcast` was not waited for yet."""
+        return bool(self._pending_of)
 
     @torch.no_grad()
+    def _finish(self, sent: _Sent) -> None:
+        """Wait for one broadcast; the replicas take its packed experts."""
+        if sent.done:
+            return
+        wait_work(
+            sent.work,
+            "broadcast of the stepped experts from their owner (owner mode)",
+            sent.set.group,
+        )
+        sent.done = True
+        if sent.flat is None:  # received in place
+            return
+        offset = 0
+        for e in sent.members:
+            local = local_tensor(e.param)
+            part = sent.flat[offset : offset + local.numel()]
+            offset += local.numel()
+            if id(e.param) not in sent.set.mine:  # the owner sent its own
+                local.copy_(part.view_as(local))
+
+    def wait_stacks(self, ids: Iterable[int]) -> None:
+        """The stacks of these parameter ids hold their owners' weights (a forward
+        pre-hook of the module holding them): their broadcasts waited, the others left
+        in flight."""
+        for pid in ids:
+            for sent in self._pending_of.pop(pid, ()):
+                self._finish(sent)
+        if not self._pending_of:
+            self._pending.clear()
+
     def wait_broadcast(self) -> None:
-        """Wait for :meth:`start_broadcast`'s collectives; the replicas take the experts."""
+        """Wait for every broadcast of :meth:`start_broadcast` still in flight."""
         pending, self._pending = self._pending, []
-        for work, flat, members, s in pending:
-            wait_work(
-                work, "broadcast of the stepped experts from their owner (owner mode)", s.group
-            )
-            if flat is None:  # received in place
-                continue
-            offset = 0
-            for e in members:
-                local = local_tensor(e.param)
-                part = flat[offset : offset + local.numel()]
-                offset += local.numel()
-                if id(e.param) not in s.mine:  # the owner sent its own
-                    local.copy_(part.view_as(local))
+        self._pending_of.clear()
+        for sent in pending:
+            self._finish(sent)

@@ -347,6 +347,9 @@ class OwnerEngine(Engine):
         groups = stepper.param_groups
         if self._in_place_ids:  # the experts, complete here, while reductions travel
             with report.phase("comm_wait"):
+                # the last step's broadcasts back, should no forward have waited for them
+                # (an owner steps its stacks in place, which they may still be sending)
+                self._replicas.wait_broadcast()
                 self._reduce_replicas()
             for index in self._matrix_groups:
                 stepper.step_matrices(index, None, report)
@@ -367,8 +370,11 @@ class OwnerEngine(Engine):
             for index, params in self._scalars_by_layer.get(None, ()):
                 stepper.step_scalars(groups[index], params)
         if self._in_place_ids:
-            with report.phase("publish"):
-                self._replicas.wait_broadcast()
+            if ex.publication.experts is not self._replicas:
+                # not the stacks the hooks wait for (another optimizer's over this
+                # dedication took them): nothing waits in the next forward
+                with report.phase("publish"):
+                    self._replicas.wait_broadcast()
             self._replicas.end_step()
         ex.reduction.end_step()
         self._replicas_reduced = False

@@ -25,12 +25,19 @@ A tensor-parallel DTensor parameter (owner mode over ``dp × tp``,
 :mod:`~dmuon.optim.engine.owner_split`) cannot be a view of its bucket: its owner
 copies its shard into the bucket before the broadcast, the other ranks copy it out
 once the broadcast is waited on.
+
+The expert stacks that owner mode steps where they live on a ``dp × ep`` mesh are
+published by their own broadcasts (:mod:`~dmuon.optim.engine.expert_replicas`), which
+the optimizer attaches here (:attr:`Publication.experts`): the forward pre-hook of the
+module holding a stack waits for it (:meth:`Publication.experts_enter`), and
+:meth:`Publication.wait_all_published` waits for them all.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -49,6 +56,9 @@ from dmuon.optim import deadline
 from dmuon.optim.engine.layer_record import OwnerLayer
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.matrix_split import local_tensor
+
+if TYPE_CHECKING:
+    from dmuon.optim.engine.expert_replicas import ExpertReplicas
 
 __all__ = ["Publication"]
 
@@ -83,6 +93,9 @@ class Publication:
             :class:`~dmuon.optim.DMuon` sets it through the exchange. Until then (at
             ``dedicate()``) it is the floor of ``timeout="auto"``, 300 s.
         published_step: the DMuon step whose weights are in flight (for messages).
+        experts: the expert stacks' broadcasts from their owners among the replicas
+            (``dp × ep``), which the optimizer attaches (``Reduction.attach_experts``);
+            ``None``: no such stack.
 
     Examples:
         >>> import torch
@@ -126,6 +139,7 @@ class Publication:
         self.reshard_after_forward = reshard_after_forward
         self.timeout: float | None = deadline.AUTO_FLOOR_SECONDS  # until DMuon sets it
         self.published_step = 0
+        self.experts: ExpertReplicas | None = None
         self._backward_resident: list[str] = []
         # DTensor shards travel by copies (see the module docstring)
         self._copied = {n for n, p in params.items() if is_dtensor(p)}
@@ -254,13 +268,38 @@ class Publication:
             self._finished += 1
 
     def wait_all_published(self) -> None:
-        """Every layer holds the owners' weights (ZeRO-3-like: materialises them all)."""
+        """Every layer holds the owners' weights (ZeRO-3-like: materialises them all), and
+        every expert stack its owner's (:attr:`experts`)."""
+        self.wait_all_layers()
+        self.wait_experts()
+
+    def wait_all_layers(self) -> None:
+        """Every layer holds the owners' weights (ZeRO-3-like: materialises them all); the
+        expert stacks' broadcasts (:attr:`experts`) travel on."""
         for layer in self.layers:
             self.wait_published(layer.key)
 
+    def wait_experts(self) -> None:
+        """Every expert stack holds its owner's weights (:attr:`experts`)."""
+        if self.experts is not None and self.experts.in_flight():
+            with self._deadline("before the expert stacks are read"):
+                self.experts.wait_broadcast()
+
+    def experts_enter(self, ids: Iterable[int], where: str) -> None:
+        """Forward pre-hook of a module holding expert stacks (``ids``: the parameters'
+        ``id``): they hold their owners' weights; the other stacks' broadcasts travel on.
+        ``where`` names the module in a timeout's message."""
+        if self.experts is not None and self.experts.in_flight():
+            with self._deadline(f"before the expert stacks of {where} run"):
+                self.experts.wait_stacks(ids)
+
     def pending_publications(self) -> list[str]:
-        """Layers whose broadcast is in flight."""
-        return [layer.key for layer in self.layers if layer.publish_handle is not None]
+        """Layers whose broadcast is in flight (and ``"experts"`` while an expert stack's
+        is)."""
+        pending = [layer.key for layer in self.layers if layer.publish_handle is not None]
+        if self.experts is not None and self.experts.in_flight():
+            pending.append("experts")
+        return pending
 
     # -------------------------------------------------------------- ZeRO-3-like
 

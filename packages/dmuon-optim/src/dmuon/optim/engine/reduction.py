@@ -236,10 +236,14 @@ class Reduction:
         attached already when it holds the same stacks (every optimizer built over this
         dedication shares it, so a second one, even unused, takes nothing from the
         first), else ``experts``, which replaces it (``None``: no stack is summed in
-        backward; an engine's step then launches the reductions itself)."""
+        backward; an engine's step then launches the reductions itself). The publication
+        side holds the same (:attr:`Publication.experts`): the next forward waits for their
+        broadcasts back."""
         if experts is not None and self.experts is not None and self.experts.same_stacks(experts):
             return self.experts
-        self.experts = experts
+        if self.experts is not None:
+            self.experts.wait_broadcast()  # the replaced one's last broadcasts
+        self.experts = self.publication.experts = experts
         return experts
 
     def expert_grad_ready(self, p: torch.Tensor) -> None:
@@ -272,8 +276,9 @@ class Reduction:
                 "reductions)"
             )
         if not self.present and not self.publication.reshard_after_forward:
-            # publications finish before this step's reductions
-            self.publication.wait_all_published()
+            # publications finish before this step's reductions (the experts' are their
+            # modules' to wait for: a wait here would hide a forward that read them early)
+            self.publication.wait_all_layers()
         self.present.add(name)
         layer.ready.add(name)
         while self.next_launch < len(self.reduce_order):
