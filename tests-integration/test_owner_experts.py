@@ -613,6 +613,27 @@ def test_experts_laid_out_beyond_the_dedication_are_refused_on_every_rank():
         assert "spans the dedication's ranks exactly" in msg, (rank, msg)
 
 
+def run_two_replica_dims(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "dp2", "ep"))
+    model = expert_parallel(mesh)
+    ded = ddp.dedicate(model)
+    return error(lambda: DMuon(param_groups(model), distributed=ded, **OPT))
+
+
+def test_experts_replicated_over_two_mesh_dimensions_are_refused_on_every_rank():
+    """8 ranks, ``dp × dp2 × ep``: each stack has replicas over two dimensions, where owner
+    mode plans one owner among the replicas of one."""
+    for rank, msg in enumerate(run_on_ranks(run_two_replica_dims, 8, timeout=180)):
+        assert msg is not None, f"rank {rank}: no error"
+        assert "'w_in'" in msg or "'w_out'" in msg, (rank, msg)
+        assert "replicated over 2 mesh dimensions" in msg, (rank, msg)
+        assert "flatten them into one dimension" in msg, (rank, msg)
+
+
 def run_nonfinite(rank, world, policy):
     from torch.distributed.device_mesh import init_device_mesh
 
