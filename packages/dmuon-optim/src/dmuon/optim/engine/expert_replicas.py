@@ -57,6 +57,7 @@ from dmuon.comm.faults import wait_work
 from dmuon.comm.owner_plan import natural_key
 from dmuon.optim.engine.expert_split import replica_owners
 from dmuon.optim.engine.params import EngineParam
+from dmuon.optim.engine.taken_gradients import TakenGradients
 from dmuon.optim.matrix_split import local_tensor
 
 __all__ = ["EXPERT_REPLICAS_STATS_NAME", "ExpertReplicas"]
@@ -171,10 +172,9 @@ class ExpertReplicas:
         # the broadcasts back in flight, and per stack the ones that carry it
         self._pending: list[_Sent] = []
         self._pending_of: dict[int, list[_Sent]] = {}
-        # each gradient copied into a bucket, as it was then (the gradient object and its
-        # version): a change after that would not reach the owner
-        self._taken: dict[int, tuple[EngineParam, torch.Tensor, tuple[int, int]]] = {}
-        self._changed: list[str] = []
+        # each gradient copied into a bucket, as it was then (by both version counters):
+        # a change after that would not reach the owner
+        self._taken = TakenGradients(_versions)
 
     def __contains__(self, p: torch.Tensor) -> bool:
         return id(p) in self._by_param
@@ -266,9 +266,7 @@ class ExpertReplicas:
         )
         flat = self._flat(bucket.members, True, present)
         for e in bucket.members:
-            g = e.param.grad
-            if g is not None:
-                self._taken[id(e.param)] = (e, g, _versions(g))
+            self._taken.take(id(e.param), e.name, e.param)
         self._count("reduce", flat, s)
         bucket.work = dist.reduce(flat, dst=s.ranks[bucket.owner], group=s.group, async_op=True)
         bucket.flat = flat
@@ -284,15 +282,10 @@ class ExpertReplicas:
         """Whether a gradient arrived for a stack since the last :meth:`reduce`."""
         return any(b.ready or b.launched for s in self.sets for b in s.buckets)
 
-    def _changed_since_taken(self, pid: int) -> bool:
-        e, g, versions = self._taken[pid]
-        return e.param.grad is not g or _versions(g) != versions
-
     def changed_gradients(self) -> list[str]:
         """Stacks whose gradient was changed (in place, or replaced) after it was copied
         into its bucket this step: the change would not reach the owner."""
-        taken = self._taken
-        return [*self._changed, *(taken[i][0].name for i in taken if self._changed_since_taken(i))]
+        return self._taken.changed()
 
     @torch.no_grad()
     def reduce(self, write: bool = True) -> None:
@@ -309,11 +302,7 @@ class ExpertReplicas:
                 flat = bucket.flat
                 assert flat is not None
                 # before the gradients are replaced: the changes made since the launch
-                for e in bucket.members:
-                    if id(e.param) in self._taken:
-                        if self._changed_since_taken(id(e.param)):
-                            self._changed.append(e.name)
-                        del self._taken[id(e.param)]
+                self._taken.settle(id(e.param) for e in bucket.members)
                 wait_work(
                     bucket.work,
                     "reduce of the experts' gradients to their owner (owner mode)",
@@ -347,7 +336,6 @@ class ExpertReplicas:
 
     def end_step(self) -> None:
         """Forget this step's record of changed gradients (after the step's agreement)."""
-        self._changed.clear()
         self._taken.clear()
 
     @torch.no_grad()

@@ -47,6 +47,7 @@ from dmuon.optim.engine.layer_record import OwnerLayer
 from dmuon.optim.engine.owner_split import as_gradient
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.engine.publication import Publication
+from dmuon.optim.engine.taken_gradients import TakenGradients
 from dmuon.optim.engine.tensor_split import laid_out_as, mark_relaid
 from dmuon.optim.matrix_split import local_tensor
 
@@ -185,10 +186,9 @@ class Reduction:
             if not free_local_grads
             and self.split.isdisjoint(names := layer.dedicated + layer.replicated)
         }
-        # each gradient copied into a bucket, as it was then (the gradient object and its
-        # version): a change after that would not reach the owner
-        self.taken: dict[str, tuple[torch.Tensor, int]] = {}
-        self.changed: list[str] = []
+        # each gradient copied into a bucket, as it was then: a change after that would not
+        # reach the owner
+        self.taken = TakenGradients()
         # fixed for the exchange's life, so not sorted per step: the flags' order
         self.flag_names = sorted(params)
         # the parameters whose local gradient a launch sets to None (free_local_grads)
@@ -430,9 +430,7 @@ class Reduction:
             # the layer is under way: after zero_grad(set_to_none=False) the gradients are
             # views of these very buckets and share their version counter
             for name in layer.dedicated + layer.replicated:
-                g = self.params[name].grad
-                if g is not None:
-                    self.taken[name] = (g, g._version)
+                self.taken.take(name, name, self.params[name])
         layer.launched = True
         self.next_launch += 1
 
@@ -451,7 +449,7 @@ class Reduction:
         if not self.flushed:
             raise RuntimeError("flush() must run before the reductions are waited on")
         # before the wait: it writes the buckets (the owner's division, HSDP's second stage)
-        self._note_changes(layer.dedicated + layer.replicated)
+        self.taken.settle(layer.dedicated + layer.replicated)
         owned = layer.reduce_handle.wait() if layer.reduce_handle is not None else {}
         layer.launch_sum = None  # it spoke of the local gradients replaced below
         for name in layer.dedicated:
@@ -474,9 +472,7 @@ class Reduction:
     def changed_gradients(self) -> list[str]:
         """Parameters whose gradient was changed (in place, or replaced) after it was copied
         into its reduction bucket this step: the change would not reach the owner."""
-        names = list(self.changed)
-        names += [name for name in self.taken if self._changed(name)]
-        return names
+        return self.taken.changed()
 
     def finite_at_launch(self) -> frozenset[int]:
         """The ids of the parameters whose local gradient is proven finite by its layer's
@@ -498,21 +494,6 @@ class Reduction:
         if not bool(finite.all()):
             layers = [layer for layer, ok in zip(layers, finite.tolist(), strict=True) if ok]
         return frozenset().union(*(self.ids_of[layer.key] for layer in layers))
-
-    def _changed(self, name: str) -> bool:
-        # by the gradient's version counter (a DTensor's own: its local aliases do not
-        # count the writes made through it); writes that count none go unseen
-        g, version = self.taken[name]
-        return self.params[name].grad is not g or g._version != version
-
-    def _note_changes(self, names: list[str]) -> None:
-        """Before the gradients of ``names`` are replaced by the reduced ones: remember which
-        were changed since they were taken (the step's agreement raises on them)."""
-        for name in names:
-            if name in self.taken:
-                if self._changed(name):
-                    self.changed.append(name)
-                del self.taken[name]
 
     def _gradient(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """``p.grad`` of parameter ``name`` from its reduced ``local`` part: a view shaped
@@ -545,7 +526,6 @@ class Reduction:
         self.present.clear()
         self.accumulated.clear()
         self.taken.clear()
-        self.changed.clear()
         self.held_back = 0
         self.next_launch = 0
         self.flushed = False
