@@ -17,6 +17,8 @@ rank.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -793,19 +795,34 @@ def test_owner_experts_saved_on_dp_by_ep_resume_on_ep_alone_and_in_one_process(t
             assert diff <= TOLERANCE, f"resumed on {what}: {name} differs by {diff:.2e}"
 
 
+class Block(nn.Module):
+    """The MoE inside a block whose forward reads a stack before it calls the MoE (as a
+    regulariser or a log of the experts' norms would): ``snapshots`` keeps what it read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = MoE()
+        self.snapshots: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.moe.w_in
+        self.snapshots.append((w.to_local() if hasattr(w, "to_local") else w).detach().clone())
+        return self.moe(x)
+
+
 class Nested(nn.Module):
-    """A linear layer, then the MoE: the next forward runs the linear layer while the
-    experts' broadcasts back from their owners are still travelling."""
+    """A linear layer, then the block (layer ``blocks.0``): the next forward runs the linear
+    layer while the experts' broadcasts back from their owners are still travelling."""
 
     def __init__(self) -> None:
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(1)
             self.first = nn.Linear(5, 5)
-        self.moe = MoE()
+        self.blocks = nn.ModuleList([Block()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.moe(self.first(x))
+        return self.blocks[0](self.first(x))
 
 
 def nested_reference() -> dict[str, torch.Tensor]:
@@ -823,48 +840,64 @@ def nested_reference() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_nested(rank, world):
-    """dp 2 × ep 2, :class:`Nested`: whether the experts' broadcasts are in flight when
-    each forward enters ``first`` and when it enters ``moe`` (after the wait its hook
-    installed), and after the last step, before and after ``model.state_dict()``."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+def nested_on(mesh) -> tuple[Nested, Any, DMuon]:
+    """:class:`Nested` with its stacks split over ``ep``, dedicated, and its optimizer."""
     from dmuon.integrations import ddp
 
-    mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
     model = Nested()
-    split_experts(model.moe, mesh)
+    split_experts(model.blocks[0].moe, mesh)
     ded = ddp.dedicate(model)
-    opt = DMuon(param_groups(model), distributed=ded, **OPT)
-    publication = ded.exchange.publication
-    seen: dict[str, list[bool]] = {"first": [], "moe": []}
-    for name in seen:  # after the dedication's hooks: the moe's wait has run
-        getattr(model, name).register_forward_pre_hook(
-            lambda *_, name=name: seen[name].append(publication.experts.in_flight())
-        )
+    return model, ded, DMuon(param_groups(model), distributed=ded, **OPT)
+
+
+def run_nested(rank, world):
+    """dp 2 × ep 2, :class:`Nested`: whether the experts' broadcasts are in flight when
+    each forward enters ``first`` and ``blocks.0`` (after the wait the dedication's hook
+    does there); whether what the block read of a stack before calling the MoE was the
+    stack as the MoE ran it; after the last step, in flight before and after
+    ``model.state_dict()``, and whether the state dict held the replicas' final stacks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
+    model, ded, opt = nested_on(mesh)
+    block, publication = model.blocks[0], ded.exchange.publication
+    seen: dict[str, list[bool]] = {"first": [], "block": []}
+    model.first.register_forward_pre_hook(
+        lambda *_: seen["first"].append(publication.experts.in_flight())
+    )
+    block.register_forward_pre_hook(
+        lambda *_: seen["block"].append(publication.experts.in_flight())
+    )
+    ran = []  # the stack as the MoE ran it, each forward
+    block.moe.register_forward_pre_hook(lambda *_: ran.append(block.moe.w_in.to_local().clone()))
     train(model, opt, range(STEPS))
     before = publication.experts.in_flight()
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
     after = publication.experts.in_flight()
-    # the state dict holds the owners' weights: those the replicas end with
     same = all(
-        torch.equal(saved[f"moe.{n}"].to_local(), getattr(model.moe, n).to_local()) for n in STACKS
+        torch.equal(saved[f"blocks.0.moe.{n}"].to_local(), getattr(block.moe, n).to_local())
+        for n in STACKS
     )
+    current = all(torch.equal(a, b) for a, b in zip(block.snapshots, ran, strict=True))
     ded.wait()
-    return seen, before, after, same, whole_params(model)
+    return seen, current, before, after, same, whole_params(model)
 
 
-def test_the_next_forward_waits_for_the_experts_only_where_it_reaches_them():
+def test_the_next_forward_waits_for_the_experts_only_where_it_reaches_their_layer():
     """The experts' broadcasts back from their owners travel on into the next forward:
-    it runs the layer before the MoE with them in flight and waits in the MoE's forward
-    pre-hook; ``model.state_dict()`` waits for them too. The result equals one process."""
+    it runs the layer before the experts' with them in flight and waits in the pre-hook of
+    the experts' layer (``blocks.0``), so a read of a stack anywhere in that layer's
+    forward is current; ``model.state_dict()`` waits for them too. The result equals one
+    process."""
     expected = nested_reference()
-    for rank, (seen, before, after, same, got) in enumerate(
+    for rank, (seen, current, before, after, same, got) in enumerate(
         run_on_ranks(run_nested, 4, timeout=120)
     ):
         # the first forward comes before any step: nothing in flight
         assert seen["first"] == [False, True, True], (rank, seen)
-        assert seen["moe"] == [False, False, False], (rank, seen)
+        # registered after the dedication's pre-hook on the block: its wait has run
+        assert seen["block"] == [False, False, False], (rank, seen)
+        assert current, f"rank {rank}: the block read a stack older than the MoE ran"
         assert (before, after, same) == (True, False, True), (rank, before, after, same)
         for name, want in expected.items():
             diff = (got[name] - want).abs().max().item()
@@ -872,22 +905,17 @@ def test_the_next_forward_waits_for_the_experts_only_where_it_reaches_them():
 
 
 def run_unwaited(rank, world):
-    """dp 2 × ep 2: the second forward calls the MoE's ``forward`` directly, past its
+    """dp 2 × ep 2: the second forward calls the block's ``forward`` directly, past its
     hooks, while its experts are still in flight; then, after ``zero_grad()``, a step as
     it should be."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dmuon.integrations import ddp
-
     mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
-    model = Nested()
-    split_experts(model.moe, mesh)
-    ded = ddp.dedicate(model)
-    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    model, ded, opt = nested_on(mesh)
     train(model, opt, range(1))
     x, y = rank_batch(1)
     try:
-        F.mse_loss(model.moe.forward(model.first(x)), y).backward()
+        F.mse_loss(model.blocks[0].forward(model.first(x)), y).backward()
         err = None
     except RuntimeError as e:
         err = str(e)
@@ -897,12 +925,45 @@ def run_unwaited(rank, world):
     return err, whole_params(model)
 
 
-def test_a_forward_past_the_experts_module_hooks_is_refused_on_every_rank():
+def test_a_forward_past_the_experts_layer_hooks_is_refused_on_every_rank():
     results = run_on_ranks(run_unwaited, 4, timeout=120)
     for rank, (err, _) in enumerate(results):
         assert err is not None and "was not called" in err, (rank, err)
-        assert "'moe.w_in'" in err or "'moe.w_out'" in err, (rank, err)
+        assert "'blocks.0.moe.w_in'" in err or "'blocks.0.moe.w_out'" in err, (rank, err)
     # the iteration dropped, training goes on: every replica holds the same weights
     for name, want in results[0][1].items():
         for rank, (_, got) in enumerate(results):
             assert torch.equal(got[name], want), (rank, name)
+
+
+def run_load_and_remove(rank, world):
+    """dp 2 × ep 2, the broadcasts of a step in flight each time: ``load_state_dict`` of
+    the initial state, then a forward (the loaded weights must stay); ``ded.remove()``,
+    then a forward without hooks, against one after ``reinstall()`` and ``ded.wait()``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
+    model, ded, opt = nested_on(mesh)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    train(model, opt, range(1))
+    assert ded.exchange.publication.experts.in_flight()
+    model.load_state_dict(initial)
+    x, _ = rank_batch(0)
+    with torch.no_grad():
+        model(x)
+    loaded = all(torch.equal(model.state_dict()[k], v) for k, v in initial.items())
+    train(model, opt, range(1, 2))
+    ded.remove()
+    with torch.no_grad():
+        unhooked = model(x)
+    ded.reinstall()
+    ded.wait()
+    with torch.no_grad():
+        hooked = model(x)
+    return loaded, torch.equal(unhooked, hooked)
+
+
+def test_loading_a_state_dict_or_removing_the_hooks_waits_for_the_broadcasts_in_flight():
+    for rank, (loaded, same) in enumerate(run_on_ranks(run_load_and_remove, 4, timeout=120)):
+        assert loaded, f"rank {rank}: a broadcast in flight overwrote the loaded weights"
+        assert same, f"rank {rank}: a forward after remove() read weights still in flight"

@@ -16,9 +16,9 @@ Only public module and tensor hooks are used (no framework internals):
   ``exchange.publication.forward_exit`` (free the layer on non-owners) and
   ``register_full_backward_pre_hook`` → ``exchange.publication.backward_enter`` (bring it back
   for backward, prefetch the layer before it);
-* ``module.register_forward_pre_hook`` on each module holding expert stacks stepped in
-  place (``dp × ep``): ``exchange.publication.experts_enter``, which waits for those
-  stacks' broadcasts from their owners among the replicas only.
+* ``module.register_forward_pre_hook`` on each layer holding expert stacks stepped in
+  place (``dp × ep``): ``exchange.publication.experts_enter``, which waits for that
+  layer's stacks' broadcasts from their owners among the replicas only.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from dmuon.comm import layer_key
 from dmuon.optim import OwnerExchange
 
 __all__ = ["install_hooks", "module_of_layer"]
@@ -70,12 +71,14 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     into it), and a post-accumulate-grad hook that starts its reduction to its owner among
     its replicas (``Reduction.expert_grad_ready``). Per layer: a
     forward pre-hook that waits for the layer's published weights (and, with
-    ``reshard_after_forward``, hooks that release and re-gather them). Per module holding
-    expert stacks: a forward pre-hook that waits for their broadcasts from their owners
-    among the replicas (the module holding a stack must be called for the stack to be
-    read; a forward that reads it otherwise is refused at its backward). On ``model``: a
-    state-dict pre-hook that waits for broadcasts still in flight (ZeRO-3-like: that
-    refuses freed weights).
+    ``reshard_after_forward``, hooks that release and re-gather them). Per layer holding
+    expert stacks (:func:`~dmuon.comm.layer_key` of their names, as for the dense
+    layers): a forward pre-hook that waits for their broadcasts from their owners among
+    the replicas (a gradient of a stack whose layer's hook never ran, the layer not
+    called as a module, is refused at its backward). On ``model``: a state-dict pre-hook
+    that waits for broadcasts still in flight (ZeRO-3-like: that refuses freed weights),
+    and a load-state-dict pre-hook that waits for them before the loaded weights are
+    copied in.
 
     Returns:
         The hook handles (``handle.remove()`` undoes them).
@@ -88,8 +91,8 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
         >>> ded = dedicate(model)
         >>> ded.remove()  # take dedicate's hooks off ...
         >>> handles = install_hooks(model, ded.exchange)  # ... and put them back
-        >>> len(handles)  # 2 gradient hooks + 2 forward pre-hooks + 1 state-dict pre-hook
-        5
+        >>> len(handles)  # 2 gradient hooks, 2 forward pre-hooks, 2 state-dict pre-hooks
+        6
     """
     handles: list[RemovableHandle] = []
 
@@ -140,32 +143,50 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
                 )
     handles += _expert_waits(model, exchange)
     handles.append(model.register_state_dict_pre_hook(_current_weights(exchange)))
+    handles.append(model.register_load_state_dict_pre_hook(_loading(exchange)))
     return handles
 
 
 def _expert_waits(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHandle]:
-    """A forward pre-hook on each module holding expert stacks of ``exchange``: it waits
-    for those stacks' broadcasts back from their owners (the others travel on)."""
+    """A forward pre-hook on the layer of each expert stack of ``exchange`` (the module its
+    :func:`~dmuon.comm.layer_key` names, as for the dense layers: the transformer block):
+    it waits for that layer's stacks' broadcasts back from their owners, the later
+    layers' travel on. The whole layer's forward then reads current stacks, wherever in
+    it they are read."""
     if not exchange.experts:
         return []
     experts = {id(p) for p in exchange.experts}
-    by_module: dict[str, set[int]] = {}
+    by_layer: dict[str, set[int]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in experts:
-            by_module.setdefault(name.rpartition(".")[0], set()).add(id(p))
-    held = {i for ids in by_module.values() for i in ids}
+            by_layer.setdefault(layer_key(name), set()).add(id(p))
+    held = {i for ids in by_layer.values() for i in ids}
     if experts - held:  # held outside this model: the root's pre-hook waits for them
-        by_module.setdefault("", set()).update(experts - held)
+        by_layer.setdefault("", set()).update(experts - held)
     handles = []
-    for prefix, ids in by_module.items():
-        where = f"module {prefix!r}" if prefix else "the model"
+    for key, ids in by_layer.items():
+        where = f"layer {key!r}" if key else "the model"
 
         @torch.compiler.disable  # as the layers' hooks (install_hooks)
         def hook(*_: Any, ids: frozenset[int] = frozenset(ids), where: str = where) -> None:
             exchange.publication.experts_enter(ids, where)
 
-        handles.append(model.get_submodule(prefix).register_forward_pre_hook(hook))
+        module = module_of_layer(model, key) if key else model
+        handles.append(module.register_forward_pre_hook(hook))
     return handles
+
+
+def _loading(exchange: OwnerExchange) -> Callable[..., None]:
+    """A load-state-dict pre-hook: the broadcasts still in flight land before the loaded
+    weights are copied in, not over them (ZeRO-2-like; ZeRO-3-like: the experts')."""
+
+    def hook(*_: Any) -> None:
+        publication = exchange.publication
+        publication.wait_experts()
+        if not exchange.reshard_after_forward and publication.pending_publications():
+            publication.wait_all_published()
+
+    return hook
 
 
 def _current_weights(exchange: OwnerExchange) -> Callable[..., None]:

@@ -34,7 +34,7 @@ matching entries of the bias alike, the value columns nothing
   its local rows with the factors of those rows
   (:func:`~dmuon.optim.row_scaling.scale_rows_`);
 * DMuon owner mode (``dedicate``): the clip first waits for the owners'
-  publications of the step (:meth:`OwnerExchange.wait_all_published`), after which
+  publications of the step (``exchange.publication.wait_all_layers()``), after which
   every rank holds the owner's weight bit for bit; scaling that copy with the
   same factor on every rank gives every rank exactly what scaling at the owner
   before its broadcast would (a broadcast copies bits; the product of two equal
@@ -280,7 +280,9 @@ class QKClip:
         if not bool((flat > self.tau).any()):  # one sync; nothing to scale (η = 1 everywhere)
             return report
         for ex in _exchanges(attentions):
-            ex.wait_all_published()  # every rank holds the owners' weights of this step
+            # every rank holds the owners' attention weights of this step (the expert
+            # stacks' broadcasts travel on)
+            ex.publication.wait_all_layers()
         for tensor, factors, dim in scale_vectors(
             attentions, [etas[a.name] for a in attentions], self.alpha
         ):

@@ -226,7 +226,8 @@ class Engine:
         return [name for name, p in self._frozen if p.grad is not None]
 
     def settle(self) -> None:
-        """Wait until every parameter holds this step's value (owner mode: publications)."""
+        """Wait until every parameter :meth:`replicated_params` lists holds this step's
+        value (owner mode: the dense layers' publications)."""
 
     def agreement_groups(self) -> list[dist.ProcessGroup | None]:
         """The process groups whose ranks must agree on a skip or a checksum (none alone)."""

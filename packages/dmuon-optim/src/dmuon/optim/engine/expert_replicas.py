@@ -23,16 +23,17 @@ mode does for the experts:
    are most of a MoE model's bytes, and a flat copy of them all would add that much to
    the step's peak memory), the smaller stacks of one owner and dtype packed into one
    flat ``broadcast``. They travel on while the dense layers step and while the next
-   forward runs the layers before them: the forward pre-hook of the module holding a
-   stack waits for that stack's broadcast only (:meth:`ExpertReplicas.wait_stacks`,
-   through :meth:`~dmuon.optim.engine.publication.Publication.experts_enter`), as the
-   dense layers' publications are waited (:mod:`~dmuon.optim.engine.publication`); every
-   point that reads the weights otherwise (``wait_all_published``: ``ded.wait()``, a
-   checkpoint, the model's ``state_dict``, the next step) waits for them all
-   (:meth:`ExpertReplicas.wait_broadcast`). A stack whose gradient arrives while its
-   broadcast was never waited was read by a forward that did not call the module holding
-   it: :meth:`ExpertReplicas.grad_ready` refuses it, on every replica, rather than let
-   the replicas train on last step's weights.
+   forward runs the layers before them: the forward pre-hook of a stack's layer (the
+   module its ``layer_key`` names, the transformer block, as for the dense layers) waits
+   for that layer's stacks' broadcasts only (:meth:`ExpertReplicas.wait_stacks`, through
+   :meth:`~dmuon.optim.engine.publication.Publication.experts_enter`), as the dense
+   layers' publications are waited (:mod:`~dmuon.optim.engine.publication`); every point
+   that reads or writes the weights otherwise (``wait_all_published``: ``ded.wait()``,
+   ``ded.remove()``, a checkpoint, the model's ``state_dict`` and ``load_state_dict``,
+   the next step) waits for them all (:meth:`ExpertReplicas.wait_broadcast`). A stack
+   whose gradient arrives while its broadcast was never waited was read by a forward
+   that did not call its layer as a module: :meth:`ExpertReplicas.grad_ready` refuses
+   it, on every replica, rather than let the replicas train on last step's weights.
 
 **Hang freedom**, as for the dense layers (:mod:`~dmuon.optim.engine.reduction`): the
 buckets are launched in one fixed order on every replica — layers in reverse natural
@@ -231,9 +232,10 @@ class ExpertReplicas:
             raise RuntimeError(
                 f"expert stack {name!r} got a gradient from a forward that ran before its "
                 "stepped weights arrived from their owner among the replicas: the forward "
-                "pre-hook of the module holding it waits for them, and that module was not "
-                "called (its forward read the stack directly). Call the module holding the "
-                "stack, or ded.wait() after opt.step()"
+                "pre-hook of its layer (the module its layer_key names) waits for them, and "
+                "that module was not called (its forward was run past its hooks, or the "
+                "stack read outside it). Call the layer as a module, or ded.wait() after "
+                "opt.step()"
             )
         if not syncing:
             return
@@ -367,11 +369,12 @@ class ExpertReplicas:
 
     def in_flight(self) -> bool:
         """Whether a broadcast of :meth:`start_broadcast` was not waited for yet."""
-        return bool(self._pending_of)
+        return bool(self._pending)
 
     @torch.no_grad()
     def _finish(self, sent: _Sent) -> None:
-        """Wait for one broadcast; the replicas take its packed experts."""
+        """Wait for one broadcast; the replicas take its packed experts (and the packed
+        buffer is let go)."""
         if sent.done:
             return
         wait_work(
@@ -379,30 +382,32 @@ class ExpertReplicas:
             "broadcast of the stepped experts from their owner (owner mode)",
             sent.set.group,
         )
-        sent.done = True
-        if sent.flat is None:  # received in place
+        flat, sent.flat, sent.done = sent.flat, None, True
+        if flat is None:  # received in place
             return
         offset = 0
         for e in sent.members:
             local = local_tensor(e.param)
-            part = sent.flat[offset : offset + local.numel()]
+            part = flat[offset : offset + local.numel()]
             offset += local.numel()
             if id(e.param) not in sent.set.mine:  # the owner sent its own
                 local.copy_(part.view_as(local))
 
     def wait_stacks(self, ids: Iterable[int]) -> None:
-        """The stacks of these parameter ids hold their owners' weights (a forward
-        pre-hook of the module holding them): their broadcasts waited, the others left
-        in flight."""
+        """The stacks of these parameter ids hold their owners' weights (the forward
+        pre-hook of their layer): their broadcasts waited, the others left in flight. A
+        wait that fails (a deadline) leaves every broadcast not finished in flight."""
         for pid in ids:
-            for sent in self._pending_of.pop(pid, ()):
+            for sent in self._pending_of.get(pid, ()):
                 self._finish(sent)
-        if not self._pending_of:
-            self._pending.clear()
+            self._pending_of.pop(pid, None)
+        self._pending = [sent for sent in self._pending if not sent.done]
+        if not self._pending:
+            self._pending_of.clear()
 
     def wait_broadcast(self) -> None:
         """Wait for every broadcast of :meth:`start_broadcast` still in flight."""
-        pending, self._pending = self._pending, []
-        self._pending_of.clear()
-        for sent in pending:
+        for sent in self._pending:
             self._finish(sent)
+        self._pending = []
+        self._pending_of.clear()

@@ -309,8 +309,10 @@ class OwnerEngine(Engine):
             self._end_replicas()
 
     def settle(self) -> None:
-        if not self.exchange.reshard_after_forward:  # ZeRO-3-like: nothing compared to wait for
-            self.exchange.publication.wait_all_published()
+        # the dense weights compared (the expert stacks, DTensors, are not: their
+        # broadcasts travel on); ZeRO-3-like: nothing compared to wait for
+        if not self.exchange.reshard_after_forward:
+            self.exchange.publication.wait_all_layers()
 
     def agreement_groups(self) -> list[dist.ProcessGroup | None]:
         ex = self.exchange

@@ -29,7 +29,7 @@ once the broadcast is waited on.
 The expert stacks that owner mode steps where they live on a ``dp × ep`` mesh are
 published by their own broadcasts (:mod:`~dmuon.optim.engine.expert_replicas`), which
 the optimizer attaches here (:attr:`Publication.experts`): the forward pre-hook of the
-module holding a stack waits for it (:meth:`Publication.experts_enter`), and
+layer holding a stack waits for it (:meth:`Publication.experts_enter`), and
 :meth:`Publication.wait_all_published` waits for them all.
 """
 
@@ -286,9 +286,9 @@ class Publication:
                 self.experts.wait_broadcast()
 
     def experts_enter(self, ids: Iterable[int], where: str) -> None:
-        """Forward pre-hook of a module holding expert stacks (``ids``: the parameters'
+        """Forward pre-hook of a layer holding expert stacks (``ids``: the parameters'
         ``id``): they hold their owners' weights; the other stacks' broadcasts travel on.
-        ``where`` names the module in a timeout's message."""
+        ``where`` names the layer in a timeout's message."""
         if self.experts is not None and self.experts.in_flight():
             with self._deadline(f"before the expert stacks of {where} run"):
                 self.experts.wait_stacks(ids)

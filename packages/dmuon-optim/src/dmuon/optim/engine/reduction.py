@@ -241,8 +241,7 @@ class Reduction:
         broadcasts back."""
         if experts is not None and self.experts is not None and self.experts.same_stacks(experts):
             return self.experts
-        if self.experts is not None:
-            self.experts.wait_broadcast()  # the replaced one's last broadcasts
+        self.publication.wait_experts()  # the replaced one's last broadcasts (deadline)
         self.experts = self.publication.experts = experts
         return experts
 
