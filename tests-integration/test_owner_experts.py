@@ -812,22 +812,29 @@ class Block(nn.Module):
 
 class Nested(nn.Module):
     """A linear layer, then the block (layer ``blocks.0``): the next forward runs the linear
-    layer while the experts' broadcasts back from their owners are still travelling."""
+    layer while the experts' broadcasts back from their owners are still travelling.
+    ``in_list``: the block inside a ``ModuleList`` the forward iterates and never calls
+    (stacks ``blocks.0.0.moe.*``, whose layer key ``blocks.0`` names that list)."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_list: bool = False) -> None:
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(1)
             self.first = nn.Linear(5, 5)
-        self.blocks = nn.ModuleList([Block()])
+        self.blocks = nn.ModuleList([nn.ModuleList([Block()]) if in_list else Block()])
+
+    @property
+    def block(self) -> Block:
+        inner = self.blocks[0]
+        return inner[0] if isinstance(inner, nn.ModuleList) else inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks[0](self.first(x))
+        return self.block(self.first(x))
 
 
-def nested_reference() -> dict[str, torch.Tensor]:
+def nested_reference(in_list: bool = False) -> dict[str, torch.Tensor]:
     """:class:`Nested` trained in one process on the whole global batches."""
-    model = Nested()
+    model = Nested(in_list)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = DMuon(param_groups(model), **OPT)
     for t in range(STEPS):
@@ -840,27 +847,27 @@ def nested_reference() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def nested_on(mesh) -> tuple[Nested, Any, DMuon]:
+def nested_on(mesh, in_list: bool = False) -> tuple[Nested, Any, DMuon]:
     """:class:`Nested` with its stacks split over ``ep``, dedicated, and its optimizer."""
     from dmuon.integrations import ddp
 
-    model = Nested()
-    split_experts(model.blocks[0].moe, mesh)
+    model = Nested(in_list)
+    split_experts(model.block.moe, mesh)
     ded = ddp.dedicate(model)
     return model, ded, DMuon(param_groups(model), distributed=ded, **OPT)
 
 
-def run_nested(rank, world):
+def run_nested(rank, world, in_list):
     """dp 2 × ep 2, :class:`Nested`: whether the experts' broadcasts are in flight when
-    each forward enters ``first`` and ``blocks.0`` (after the wait the dedication's hook
+    each forward enters ``first`` and the block (after the wait the dedication's hook
     does there); whether what the block read of a stack before calling the MoE was the
     stack as the MoE ran it; after the last step, in flight before and after
     ``model.state_dict()``, and whether the state dict held the replicas' final stacks."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
-    model, ded, opt = nested_on(mesh)
-    block, publication = model.blocks[0], ded.exchange.publication
+    model, ded, opt = nested_on(mesh, in_list)
+    block, publication = model.block, ded.exchange.publication
     seen: dict[str, list[bool]] = {"first": [], "block": []}
     model.first.register_forward_pre_hook(
         lambda *_: seen["first"].append(publication.experts.in_flight())
@@ -874,8 +881,9 @@ def run_nested(rank, world):
     before = publication.experts.in_flight()
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
     after = publication.experts.in_flight()
+    prefix = "blocks.0.0.moe" if in_list else "blocks.0.moe"
     same = all(
-        torch.equal(saved[f"blocks.0.moe.{n}"].to_local(), getattr(block.moe, n).to_local())
+        torch.equal(saved[f"{prefix}.{n}"].to_local(), getattr(block.moe, n).to_local())
         for n in STACKS
     )
     current = all(torch.equal(a, b) for a, b in zip(block.snapshots, ran, strict=True))
@@ -883,15 +891,16 @@ def run_nested(rank, world):
     return seen, current, before, after, same, whole_params(model)
 
 
-def test_the_next_forward_waits_for_the_experts_only_where_it_reaches_their_layer():
+@pytest.mark.parametrize("in_list", [False, True], ids=["block", "block-in-a-list"])
+def test_the_next_forward_waits_for_the_experts_only_where_it_reaches_their_layer(in_list):
     """The experts' broadcasts back from their owners travel on into the next forward:
     it runs the layer before the experts' with them in flight and waits in the pre-hook of
-    the experts' layer (``blocks.0``), so a read of a stack anywhere in that layer's
-    forward is current; ``model.state_dict()`` waits for them too. The result equals one
-    process."""
-    expected = nested_reference()
+    the experts' layer (``blocks.0``; a ``ModuleList`` never called: the block under it),
+    so a read of a stack anywhere in the block's forward is current;
+    ``model.state_dict()`` waits for them too. The result equals one process."""
+    expected = nested_reference(in_list)
     for rank, (seen, current, before, after, same, got) in enumerate(
-        run_on_ranks(run_nested, 4, timeout=120)
+        run_on_ranks(run_nested, 4, args=(in_list,), timeout=120)
     ):
         # the first forward comes before any step: nothing in flight
         assert seen["first"] == [False, True, True], (rank, seen)
@@ -905,9 +914,9 @@ def test_the_next_forward_waits_for_the_experts_only_where_it_reaches_their_laye
 
 
 def run_unwaited(rank, world):
-    """dp 2 × ep 2: the second forward calls the block's ``forward`` directly, past its
-    hooks, while its experts are still in flight; then, after ``zero_grad()``, a step as
-    it should be."""
+    """dp 2 × ep 2: the second forward calls the MoE's ``forward`` directly, past the hooks
+    of its block and its own, while its experts are still in flight; then, after
+    ``zero_grad()``, a step as it should be."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
@@ -915,7 +924,7 @@ def run_unwaited(rank, world):
     train(model, opt, range(1))
     x, y = rank_batch(1)
     try:
-        F.mse_loss(model.blocks[0].forward(model.first(x)), y).backward()
+        F.mse_loss(model.block.moe.forward(model.first(x)), y).backward()
         err = None
     except RuntimeError as e:
         err = str(e)
@@ -928,7 +937,7 @@ def run_unwaited(rank, world):
 def test_a_forward_past_the_experts_layer_hooks_is_refused_on_every_rank():
     results = run_on_ranks(run_unwaited, 4, timeout=120)
     for rank, (err, _) in enumerate(results):
-        assert err is not None and "was not called" in err, (rank, err)
+        assert err is not None and "none was called" in err, (rank, err)
         assert "'blocks.0.moe.w_in'" in err or "'blocks.0.moe.w_out'" in err, (rank, err)
     # the iteration dropped, training goes on: every replica holds the same weights
     for name, want in results[0][1].items():
@@ -938,20 +947,24 @@ def test_a_forward_past_the_experts_layer_hooks_is_refused_on_every_rank():
 
 def run_load_and_remove(rank, world):
     """dp 2 × ep 2, the broadcasts of a step in flight each time: ``load_state_dict`` of
-    the initial state, then a forward (the loaded weights must stay); ``ded.remove()``,
-    then a forward without hooks, against one after ``reinstall()`` and ``ded.wait()``."""
+    the initial state, by the model, then by the block alone, each followed by a forward
+    (the loaded weights must stay); ``ded.remove()``, then a forward without hooks,
+    against one after ``reinstall()`` and ``ded.wait()``; then a forward that reads a
+    stack before its block runs (outside its layer: no error on any rank)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
     model, ded, opt = nested_on(mesh)
-    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    train(model, opt, range(1))
-    assert ded.exchange.publication.experts.in_flight()
-    model.load_state_dict(initial)
-    x, _ = rank_batch(0)
-    with torch.no_grad():
-        model(x)
-    loaded = all(torch.equal(model.state_dict()[k], v) for k, v in initial.items())
+    x, y = rank_batch(0)
+    loaded = []
+    for module in (model, model.block):
+        initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        train(model, opt, range(1))
+        assert ded.exchange.publication.experts.in_flight()
+        module.load_state_dict(initial)
+        with torch.no_grad():
+            model(x)
+        loaded.append(all(torch.equal(module.state_dict()[k], v) for k, v in initial.items()))
     train(model, opt, range(1, 2))
     ded.remove()
     with torch.no_grad():
@@ -960,10 +973,22 @@ def run_load_and_remove(rank, world):
     ded.wait()
     with torch.no_grad():
         hooked = model(x)
-    return loaded, torch.equal(unhooked, hooked)
+    train(model, opt, range(2, 3))
+    early = model.block.moe.w_in.to_local()  # read before the block's hooks wait
+    try:
+        (F.mse_loss(model(x), y) + early.square().sum()).backward()
+        failed = None
+    except RuntimeError as e:
+        failed = str(e)
+    return loaded, torch.equal(unhooked, hooked), failed
 
 
 def test_loading_a_state_dict_or_removing_the_hooks_waits_for_the_broadcasts_in_flight():
-    for rank, (loaded, same) in enumerate(run_on_ranks(run_load_and_remove, 4, timeout=120)):
-        assert loaded, f"rank {rank}: a broadcast in flight overwrote the loaded weights"
+    for rank, (loaded, same, failed) in enumerate(
+        run_on_ranks(run_load_and_remove, 4, timeout=120)
+    ):
+        assert loaded == [True, True], f"rank {rank}: a broadcast overwrote the loaded weights"
         assert same, f"rank {rank}: a forward after remove() read weights still in flight"
+        # the late read is stale on the receivers, as a dense weight's would be, but does
+        # not fail backward on them alone (their owners would go on into the step)
+        assert failed is None, (rank, failed)

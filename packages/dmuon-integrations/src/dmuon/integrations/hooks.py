@@ -17,8 +17,12 @@ Only public module and tensor hooks are used (no framework internals):
   ``register_full_backward_pre_hook`` → ``exchange.publication.backward_enter`` (bring it back
   for backward, prefetch the layer before it);
 * ``module.register_forward_pre_hook`` on each layer holding expert stacks stepped in
-  place (``dp × ep``): ``exchange.publication.experts_enter``, which waits for that
-  layer's stacks' broadcasts from their owners among the replicas only.
+  place (``dp × ep``) and on the modules below it down to each stack's holder:
+  ``exchange.publication.experts_enter``, which waits for those stacks' broadcasts from
+  their owners among the replicas only;
+* ``module.register_load_state_dict_pre_hook`` on the model and on each module holding
+  a dedicated parameter or a stack: the broadcasts in flight land before a
+  ``load_state_dict`` copies weights in.
 """
 
 from __future__ import annotations
@@ -71,14 +75,15 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     into it), and a post-accumulate-grad hook that starts its reduction to its owner among
     its replicas (``Reduction.expert_grad_ready``). Per layer: a
     forward pre-hook that waits for the layer's published weights (and, with
-    ``reshard_after_forward``, hooks that release and re-gather them). Per layer holding
-    expert stacks (:func:`~dmuon.comm.layer_key` of their names, as for the dense
-    layers): a forward pre-hook that waits for their broadcasts from their owners among
-    the replicas (a gradient of a stack whose layer's hook never ran, the layer not
-    called as a module, is refused at its backward). On ``model``: a state-dict pre-hook
-    that waits for broadcasts still in flight (ZeRO-3-like: that refuses freed weights),
-    and a load-state-dict pre-hook that waits for them before the loaded weights are
-    copied in.
+    ``reshard_after_forward``, hooks that release and re-gather them). Per expert stack, on
+    its layer (:func:`~dmuon.comm.layer_key` of its name, as for the dense layers) and each
+    module below it down to its holder: a forward pre-hook that waits for its broadcast
+    from its owner among the replicas, in the first of them a forward calls (a gradient of
+    a stack whose hooks never ran is refused at its backward). On ``model``: a state-dict
+    pre-hook that waits for broadcasts still in flight (ZeRO-3-like: that refuses freed
+    weights). On ``model`` and each module holding a dedicated parameter or a stack: a
+    load-state-dict pre-hook that waits for them before loaded weights are copied in
+    (ZeRO-3-like: that refuses freed weights).
 
     Returns:
         The hook handles (``handle.remove()`` undoes them).
@@ -91,8 +96,8 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
         >>> ded = dedicate(model)
         >>> ded.remove()  # take dedicate's hooks off ...
         >>> handles = install_hooks(model, ded.exchange)  # ... and put them back
-        >>> len(handles)  # 2 gradient hooks, 2 forward pre-hooks, 2 state-dict pre-hooks
-        6
+        >>> len(handles)  # 2 gradient, 2 forward pre-, 1 state-dict pre-, 3 load pre-hooks
+        8
     """
     handles: list[RemovableHandle] = []
 
@@ -143,50 +148,85 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
                 )
     handles += _expert_waits(model, exchange)
     handles.append(model.register_state_dict_pre_hook(_current_weights(exchange)))
-    handles.append(model.register_load_state_dict_pre_hook(_loading(exchange)))
+    handles += _load_waits(model, exchange)
     return handles
 
 
+def _chain(name: str) -> list[str]:
+    """The modules from parameter ``name``'s layer (the module :func:`~dmuon.comm.layer_key`
+    names, the transformer block) down to the module holding it, outermost first: the
+    first of them a forward calls waits. ``"blocks.0.moe.experts.w1"`` →
+    ``["blocks.0", "blocks.0.moe", "blocks.0.moe.experts"]``; a parameter of the root →
+    ``[""]``."""
+    holder = name.rpartition(".")[0]
+    layer = layer_key(name)
+    if not holder.startswith(layer):  # no layer above its holder: the holder alone
+        return [holder]
+    parts = holder.split(".")
+    depth = len(layer.split(".")) if layer else 0
+    return [".".join(parts[:i]) for i in range(depth, len(parts) + 1)]
+
+
 def _expert_waits(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHandle]:
-    """A forward pre-hook on the layer of each expert stack of ``exchange`` (the module its
-    :func:`~dmuon.comm.layer_key` names, as for the dense layers: the transformer block):
-    it waits for that layer's stacks' broadcasts back from their owners, the later
-    layers' travel on. The whole layer's forward then reads current stacks, wherever in
-    it they are read."""
+    """A forward pre-hook on the layer of each expert stack of ``exchange`` and on every
+    module below it down to the one holding the stack (:func:`_chain`): the first of them
+    a forward calls waits for those stacks' broadcasts back from their owners (the later
+    layers' travel on); the others find them waited. So the whole layer's forward reads
+    current stacks, and a layer whose container is only iterated, never called (a
+    ``ModuleList`` of blocks), waits in the block it calls."""
     if not exchange.experts:
         return []
     experts = {id(p) for p in exchange.experts}
-    by_layer: dict[str, set[int]] = {}
+    by_module: dict[str, set[int]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in experts:
-            by_layer.setdefault(layer_key(name), set()).add(id(p))
-    held = {i for ids in by_layer.values() for i in ids}
+            for prefix in _chain(name):
+                by_module.setdefault(prefix, set()).add(id(p))
+    held = {i for ids in by_module.values() for i in ids}
     if experts - held:  # held outside this model: the root's pre-hook waits for them
-        by_layer.setdefault("", set()).update(experts - held)
+        by_module.setdefault("", set()).update(experts - held)
     handles = []
-    for key, ids in by_layer.items():
-        where = f"layer {key!r}" if key else "the model"
+    for prefix, ids in by_module.items():
+        where = f"module {prefix!r}" if prefix else "the model"
 
         @torch.compiler.disable  # as the layers' hooks (install_hooks)
         def hook(*_: Any, ids: frozenset[int] = frozenset(ids), where: str = where) -> None:
             exchange.publication.experts_enter(ids, where)
 
-        module = module_of_layer(model, key) if key else model
-        handles.append(module.register_forward_pre_hook(hook))
+        handles.append(model.get_submodule(prefix).register_forward_pre_hook(hook))
     return handles
 
 
-def _loading(exchange: OwnerExchange) -> Callable[..., None]:
-    """A load-state-dict pre-hook: the broadcasts still in flight land before the loaded
-    weights are copied in, not over them (ZeRO-2-like; ZeRO-3-like: the experts')."""
+def _load_waits(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHandle]:
+    """A load-state-dict pre-hook on the model and on every module holding a dedicated
+    parameter or an expert stack of ``exchange``: whichever ``load_state_dict`` copies one
+    in (the model's or a submodule's) lets the broadcasts still in flight land first, not
+    over the loaded weights. ZeRO-3-like: the expert stacks' land; the dedicated weights
+    this rank does not own are freed, and a load into them is refused, naming one."""
+    ours = {id(exchange.param(n)) for n in exchange.names} | {id(p) for p in exchange.experts}
+    holders = {"": model}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in ours:
+            prefix = name.rpartition(".")[0]
+            holders.setdefault(prefix, model.get_submodule(prefix))
 
     def hook(*_: Any) -> None:
         publication = exchange.publication
         publication.wait_experts()
-        if not exchange.reshard_after_forward and publication.pending_publications():
-            publication.wait_all_published()
+        if not exchange.reshard_after_forward:
+            if publication.pending_publications():
+                publication.wait_all_published()
+            return
+        released = publication.released_names()
+        if released:
+            raise RuntimeError(
+                f"rank {exchange.rank}: {len(released)} dedicated weight(s) are freed on this "
+                f"rank (ZeRO-3-like owner mode keeps only the owned ones between forwards), "
+                f"e.g. {released[0]!r}, and load_state_dict cannot write into them; call "
+                "ded.wait() on every rank first, or load with dmuon.integrations.checkpoint"
+            )
 
-    return hook
+    return [m.register_load_state_dict_pre_hook(hook) for m in holders.values()]
 
 
 def _current_weights(exchange: OwnerExchange) -> Callable[..., None]:
