@@ -937,7 +937,7 @@ def run_unwaited(rank, world):
 def test_a_forward_past_the_experts_layer_hooks_is_refused_on_every_rank():
     results = run_on_ranks(run_unwaited, 4, timeout=120)
     for rank, (err, _) in enumerate(results):
-        assert err is not None and "none was called" in err, (rank, err)
+        assert err is not None and "it was not called" in err, (rank, err)
         assert "'blocks.0.moe.w_in'" in err or "'blocks.0.moe.w_out'" in err, (rank, err)
     # the iteration dropped, training goes on: every replica holds the same weights
     for name, want in results[0][1].items():

@@ -134,3 +134,44 @@ def test_zero3_like_checkpoint_round_trip_resumes_exactly(tmp_path):
         run_checkpoint_round_trip, 2, args=(str(tmp_path / "dcp"),), timeout=180
     ):
         assert diff == 0.0, f"{where} differs by {diff:.2e}"
+
+
+def run_loads(rank, world):
+    """ZeRO-3-like ``ddp.dedicate`` after a step: a ``strict=False`` load of entries that
+    are not dedicated matrices; a load of every entry (this rank's freed ones among them);
+    then the same after ``ded.wait()``."""
+    from dmuon.integrations import ddp
+    from dmuon.optim import DMuon, param_groups
+
+    model = build(NAME)
+    ded = ddp.dedicate(model, reshard_after_forward=True)
+    opt = DMuon(param_groups(model), distributed=ded, ns_compute_dtype="float32")
+    loss_of(NAME, model, *batch(NAME, 0, rank, world)).backward()
+    opt.step()
+    opt.zero_grad()
+    freed = ded.exchange.publication.released_names()
+    others = {n: torch.zeros(p.shape) for n, p in model.named_parameters() if n not in ded.names}
+    model.load_state_dict(others, strict=False)
+    params = dict(model.named_parameters())
+    zeroed = all(float(params[n].detach().abs().max()) == 0 for n in others)
+    whole = {n: torch.ones(p.shape) for n, p in model.named_parameters()}
+    try:
+        model.load_state_dict(whole, strict=False)
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    ded.wait()
+    model.load_state_dict(whole, strict=False)
+    loaded = all(bool((p.detach() == 1).all()) for p in model.parameters())
+    return freed, zeroed, refused, loaded
+
+
+def test_zero3_like_loads_refuse_only_a_write_into_a_freed_weight():
+    for rank, (freed, zeroed, refused, loaded) in enumerate(
+        run_on_ranks(run_loads, 2, timeout=120)
+    ):
+        assert freed, f"rank {rank} frees nothing: the test would prove nothing"
+        assert zeroed, f"rank {rank}: the load of the entries that are not dedicated failed"
+        assert refused is not None and "is freed on this rank" in refused, (rank, refused)
+        assert any(f"{n!r}" in refused for n in freed), (rank, refused, freed)
+        assert loaded, f"rank {rank}: the load after ded.wait() did not take every weight"

@@ -17,9 +17,8 @@ Only public module and tensor hooks are used (no framework internals):
   ``register_full_backward_pre_hook`` → ``exchange.publication.backward_enter`` (bring it back
   for backward, prefetch the layer before it);
 * ``module.register_forward_pre_hook`` on each layer holding expert stacks stepped in
-  place (``dp × ep``) and on the modules below it down to each stack's holder:
-  ``exchange.publication.experts_enter``, which waits for those stacks' broadcasts from
-  their owners among the replicas only;
+  place (``dp × ep``): ``exchange.publication.experts_enter``, which waits for that
+  layer's stacks' broadcasts from their owners among the replicas only;
 * ``module.register_load_state_dict_pre_hook`` on the model and on each module holding
   a dedicated parameter or a stack: the broadcasts in flight land before a
   ``load_state_dict`` copies weights in.
@@ -75,15 +74,15 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     into it), and a post-accumulate-grad hook that starts its reduction to its owner among
     its replicas (``Reduction.expert_grad_ready``). Per layer: a
     forward pre-hook that waits for the layer's published weights (and, with
-    ``reshard_after_forward``, hooks that release and re-gather them). Per expert stack, on
-    its layer (:func:`~dmuon.comm.layer_key` of its name, as for the dense layers) and each
-    module below it down to its holder: a forward pre-hook that waits for its broadcast
-    from its owner among the replicas, in the first of them a forward calls (a gradient of
-    a stack whose hooks never ran is refused at its backward). On ``model``: a state-dict
-    pre-hook that waits for broadcasts still in flight (ZeRO-3-like: that refuses freed
-    weights). On ``model`` and each module holding a dedicated parameter or a stack: a
-    load-state-dict pre-hook that waits for them before loaded weights are copied in
-    (ZeRO-3-like: that refuses freed weights).
+    ``reshard_after_forward``, hooks that release and re-gather them). Per layer holding
+    expert stacks (:func:`~dmuon.comm.layer_key` of their names, as for the dense layers;
+    below a container that is never called, the first module that is not one): a forward
+    pre-hook that waits for their broadcasts from their owners among the replicas (a
+    gradient of a stack whose hook never ran is refused at its backward). On ``model``: a
+    state-dict pre-hook that waits for broadcasts still in flight (ZeRO-3-like: that
+    refuses freed weights). On ``model`` and each module holding a dedicated parameter or
+    a stack: a load-state-dict pre-hook that waits for them before loaded weights are
+    copied in (ZeRO-3-like: that refuses a write into a freed weight).
 
     Returns:
         The hook handles (``handle.remove()`` undoes them).
@@ -152,36 +151,47 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     return handles
 
 
-def _chain(name: str) -> list[str]:
-    """The modules from parameter ``name``'s layer (the module :func:`~dmuon.comm.layer_key`
-    names, the transformer block) down to the module holding it, outermost first: the
-    first of them a forward calls waits. ``"blocks.0.moe.experts.w1"`` →
-    ``["blocks.0", "blocks.0.moe", "blocks.0.moe.experts"]``; a parameter of the root →
-    ``[""]``."""
+# containers a forward iterates or indexes and never calls (they have no forward)
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def _waiting_module(model: nn.Module, name: str) -> str:
+    """Where parameter ``name``'s wait goes: its layer (the module
+    :func:`~dmuon.comm.layer_key` names, the transformer block, as for the dense layers),
+    or when that is a container a forward never calls (a ``ModuleList`` of blocks), the
+    first module below it on the way to the parameter's holder that is not one.
+    ``"blocks.0.moe.w1"`` → ``"blocks.0"``; ``"stages.0.0.moe.w1"`` (``stages.0`` a
+    ``ModuleList``) → ``"stages.0.0"``; a parameter of the root → ``""``; one of a
+    container that holds parameters itself (``moe.experts.0`` of a ``ParameterList``) →
+    the module above it (``moe``)."""
     holder = name.rpartition(".")[0]
     layer = layer_key(name)
-    if not holder.startswith(layer):  # no layer above its holder: the holder alone
-        return [holder]
-    parts = holder.split(".")
-    depth = len(layer.split(".")) if layer else 0
-    return [".".join(parts[:i]) for i in range(depth, len(parts) + 1)]
+    start = layer if holder.startswith(layer) else holder  # else no layer above the holder
+    parts = holder.split(".") if holder else []
+    for depth in range(len(start.split(".")) if start else 0, len(parts) + 1):
+        prefix = ".".join(parts[:depth])
+        if not isinstance(model.get_submodule(prefix), _CONTAINERS):
+            return prefix
+    # containers all the way down (a ParameterList holding the stacks): the module above
+    prefix = start
+    while prefix and isinstance(model.get_submodule(prefix), _CONTAINERS):
+        prefix = prefix.rpartition(".")[0]
+    return prefix
 
 
 def _expert_waits(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHandle]:
-    """A forward pre-hook on the layer of each expert stack of ``exchange`` and on every
-    module below it down to the one holding the stack (:func:`_chain`): the first of them
-    a forward calls waits for those stacks' broadcasts back from their owners (the later
-    layers' travel on); the others find them waited. So the whole layer's forward reads
-    current stacks, and a layer whose container is only iterated, never called (a
-    ``ModuleList`` of blocks), waits in the block it calls."""
+    """A forward pre-hook on the layer of each expert stack of ``exchange``
+    (:func:`_waiting_module`; one per layer, so ``torch.compile`` breaks its graph there
+    alone, as for the dense layers): it waits for that layer's stacks' broadcasts back
+    from their owners, the later layers' travel on. So the whole layer's forward reads
+    current stacks."""
     if not exchange.experts:
         return []
     experts = {id(p) for p in exchange.experts}
     by_module: dict[str, set[int]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in experts:
-            for prefix in _chain(name):
-                by_module.setdefault(prefix, set()).add(id(p))
+            by_module.setdefault(_waiting_module(model, name), set()).add(id(p))
     held = {i for ids in by_module.values() for i in ids}
     if experts - held:  # held outside this model: the root's pre-hook waits for them
         by_module.setdefault("", set()).update(experts - held)
@@ -201,32 +211,42 @@ def _load_waits(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHand
     """A load-state-dict pre-hook on the model and on every module holding a dedicated
     parameter or an expert stack of ``exchange``: whichever ``load_state_dict`` copies one
     in (the model's or a submodule's) lets the broadcasts still in flight land first, not
-    over the loaded weights. ZeRO-3-like: the expert stacks' land; the dedicated weights
-    this rank does not own are freed, and a load into them is refused, naming one."""
-    ours = {id(exchange.param(n)) for n in exchange.names} | {id(p) for p in exchange.experts}
-    holders = {"": model}
+    over the loaded weights. ZeRO-3-like: the expert stacks' land; a load that would write
+    into a dedicated weight this rank does not own, freed between forwards, is refused,
+    naming it (a load of other entries, or of resident weights, goes on)."""
+    ours = {id(exchange.param(n)): n for n in exchange.names}
+    experts = {id(p) for p in exchange.experts}
+    # per holding module: (its name for the parameter, the exchange's name or None)
+    held: dict[str, list[tuple[str, str | None]]] = {"": []}
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in ours:
-            prefix = name.rpartition(".")[0]
-            holders.setdefault(prefix, model.get_submodule(prefix))
+        if id(p) in ours or id(p) in experts:
+            prefix, _, local = name.rpartition(".")
+            held.setdefault(prefix, []).append((local, ours.get(id(p))))
 
-    def hook(*_: Any) -> None:
-        publication = exchange.publication
-        publication.wait_experts()
-        if not exchange.reshard_after_forward:
-            if publication.pending_publications():
-                publication.wait_all_published()
-            return
-        released = publication.released_names()
-        if released:
-            raise RuntimeError(
-                f"rank {exchange.rank}: {len(released)} dedicated weight(s) are freed on this "
-                f"rank (ZeRO-3-like owner mode keeps only the owned ones between forwards), "
-                f"e.g. {released[0]!r}, and load_state_dict cannot write into them; call "
-                "ded.wait() on every rank first, or load with dmuon.integrations.checkpoint"
-            )
+    def hook_for(mine: list[tuple[str, str | None]]) -> Callable[..., None]:
+        def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+            publication = exchange.publication
+            publication.wait_experts()
+            if not exchange.reshard_after_forward:
+                if publication.pending_publications():
+                    publication.wait_all_published()
+                return
+            released = set(publication.released_names())
+            freed = [n for local, n in mine if n in released and prefix + local in state_dict]
+            if freed:
+                raise RuntimeError(
+                    f"rank {exchange.rank}: dedicated weight {freed[0]!r} is freed on this "
+                    "rank (ZeRO-3-like owner mode keeps only the owned ones between "
+                    "forwards), and load_state_dict cannot write into it; call ded.wait() "
+                    "on every rank first, or load with dmuon.integrations.checkpoint"
+                )
 
-    return [m.register_load_state_dict_pre_hook(hook) for m in holders.values()]
+        return hook
+
+    return [
+        model.get_submodule(prefix).register_load_state_dict_pre_hook(hook_for(mine))
+        for prefix, mine in held.items()
+    ]
 
 
 def _current_weights(exchange: OwnerExchange) -> Callable[..., None]:

@@ -24,9 +24,9 @@ mode does for the experts:
    the step's peak memory), the smaller stacks of one owner and dtype packed into one
    flat ``broadcast``. They travel on while the dense layers step and while the next
    forward runs the layers before them: the forward pre-hook of a stack's layer (the
-   module its ``layer_key`` names, the transformer block, as for the dense layers; or,
-   should the forward not call that one, of the first module below it down to the
-   stack's holder that it calls) waits for the stack's broadcast only
+   module its ``layer_key`` names, the transformer block, as for the dense layers; where
+   that is a container a forward never calls, the first module below it that is not
+   one) waits for the stack's broadcast only
    (:meth:`ExpertReplicas.wait_stacks`, through
    :meth:`~dmuon.optim.engine.publication.Publication.experts_enter`), as the dense
    layers' publications are waited (:mod:`~dmuon.optim.engine.publication`); every point
@@ -34,7 +34,7 @@ mode does for the experts:
    ``ded.remove()``, a checkpoint, the model's ``state_dict`` and ``load_state_dict``,
    the next step) waits for them all (:meth:`ExpertReplicas.wait_broadcast`). A stack
    whose gradient arrives while its broadcast was never waited was read by a forward
-   that called none of those modules: :meth:`ExpertReplicas.grad_ready` refuses
+   that did not call that module: :meth:`ExpertReplicas.grad_ready` refuses
    it, on every replica, rather than let the replicas train on last step's weights.
 
 **Hang freedom**, as for the dense layers (:mod:`~dmuon.optim.engine.reduction`): the
@@ -234,10 +234,10 @@ class ExpertReplicas:
             raise RuntimeError(
                 f"expert stack {name!r} got a gradient from a forward that ran before its "
                 "stepped weights arrived from their owner among the replicas: the forward "
-                "pre-hooks of its layer (the module its layer_key names) and of the modules "
-                "below it down to its holder wait for them, and none was called (their "
-                "forward was run past their hooks, or the stack read outside them). Call "
-                "them as modules, or ded.wait() after opt.step()"
+                "pre-hook of its layer (the module its layer_key names, or the first below "
+                "it that is not a container) waits for them, and it was not called (its "
+                "forward was run past its hooks, or the stack read outside it). Call the "
+                "layer as a module, or ded.wait() after opt.step()"
             )
         if not syncing:
             return
@@ -395,8 +395,8 @@ class ExpertReplicas:
             if id(e.param) not in sent.set.mine:  # the owner sent its own
                 # through .data, as a broadcast into the stack itself writes (an in-place
                 # one): no autograd version bump, so a forward that read the stack before
-                # this wait (outside its layer) reads it stale on every receiver alike,
-                # instead of failing backward there and not on its owner
+                # this wait (outside its layer) read it stale here, as a dense weight's
+                # non-owners would, instead of failing backward here and not on its owner
                 local.data.copy_(part.view_as(local))
 
     def wait_stacks(self, ids: Iterable[int]) -> None:
