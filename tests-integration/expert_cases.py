@@ -13,6 +13,7 @@ matrix's is this rank's part.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -102,12 +103,16 @@ def reference(rule: str, experts: int = 4, steps=range(STEPS)) -> dict[str, torc
 
 
 def clipped_reference(
-    rule: str, clip: float | None, experts: int = 4, steps=range(STEPS)
+    rule: str,
+    clip: float | None,
+    experts: int = 4,
+    steps=range(STEPS),
+    make: Callable[[], nn.Module] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """:func:`reference` with the gradients clipped to the global norm ``clip`` before each
     step by torch's ``clip_grad_norm_`` (checked to bind on every step), and each step's
-    norm (``None``: not clipped, no norms)."""
-    model = MoE(experts)
+    norm (``None``: not clipped, no norms). ``make``: the model (default ``MoE(experts)``)."""
+    model = make() if make is not None else MoE(experts)
     opt = DMuon(param_groups(model), rule=rule, **OPT)
     norms = []
     for t in steps:
@@ -127,11 +132,15 @@ def expert_parallel(mesh, experts: int = 4) -> MoE:
     return split_experts(MoE(experts), mesh)
 
 
-def moving_reference(rule: str, experts: int = 4) -> dict[str, torch.Tensor]:
-    """:func:`reference`, checked to have moved the weights by far more than the tests'
-    tolerance (otherwise a comparison with it would prove nothing)."""
-    initial = {n: p.detach().clone() for n, p in MoE(experts).named_parameters()}
-    expected = reference(rule, experts)
+def moving_reference(
+    rule: str, experts: int = 4, make: Callable[[], nn.Module] | None = None
+) -> dict[str, torch.Tensor]:
+    """:func:`reference` (of ``make()``, default ``MoE(experts)``), checked to have moved the
+    weights by far more than the tests' tolerance (otherwise a comparison with it would
+    prove nothing)."""
+    make = make if make is not None else lambda: MoE(experts)
+    initial = {n: p.detach().clone() for n, p in make().named_parameters()}
+    expected = clipped_reference(rule, None, experts, make=make)[0]
     moved = max((expected[n] - initial[n]).abs().max().item() for n in initial)
     assert moved > 1e-3, f"{rule}: the reference barely moved; the test would prove nothing"
     return expected

@@ -832,21 +832,6 @@ class Nested(nn.Module):
         return self.block(self.first(x))
 
 
-def nested_reference(in_list: bool = False) -> dict[str, torch.Tensor]:
-    """:class:`Nested` trained in one process on the whole global batches."""
-    model = Nested(in_list)
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = DMuon(param_groups(model), **OPT)
-    for t in range(STEPS):
-        x, y = batch(t)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    moved = max((p.detach() - initial[n]).abs().max().item() for n, p in model.named_parameters())
-    assert moved > 1e-3, "the reference barely moved; the test would prove nothing"
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def nested_on(mesh, in_list: bool = False) -> tuple[Nested, Any, DMuon]:
     """:class:`Nested` with its stacks split over ``ep``, dedicated, and its optimizer."""
     from dmuon.integrations import ddp
@@ -898,7 +883,7 @@ def test_the_next_forward_waits_for_the_experts_only_where_it_reaches_their_laye
     the experts' layer (``blocks.0``; a ``ModuleList`` never called: the block under it),
     so a read of a stack anywhere in the block's forward is current;
     ``model.state_dict()`` waits for them too. The result equals one process."""
-    expected = nested_reference(in_list)
+    expected = moving_reference("muon", make=lambda: Nested(in_list))
     for rank, (seen, current, before, after, same, got) in enumerate(
         run_on_ranks(run_nested, 4, args=(in_list,), timeout=120)
     ):

@@ -157,11 +157,7 @@ class Dedication:
         with :meth:`reinstall`. Call it on every rank: the broadcasts still in flight are
         waited first (no forward would wait for them after), under HSDP with the second
         stage's broadcasts (ZeRO-3-like: the expert stacks' alone)."""
-        publication = self.exchange.publication
-        if self.exchange.reshard_after_forward:
-            publication.wait_experts()
-        else:
-            publication.wait_all_published()
+        self.exchange.publication.wait_in_flight()
         for h in self.handles:
             h.remove()
         self.handles.clear()

@@ -226,10 +226,8 @@ def _load_waits(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHand
     def hook_for(mine: list[tuple[str, str | None]]) -> Callable[..., None]:
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
             publication = exchange.publication
-            publication.wait_experts()
+            publication.wait_in_flight()
             if not exchange.reshard_after_forward:
-                if publication.pending_publications():
-                    publication.wait_all_published()
                 return
             released = set(publication.released_names())
             freed = [n for local, n in mine if n in released and prefix + local in state_dict]
@@ -260,10 +258,8 @@ def _current_weights(exchange: OwnerExchange) -> Callable[..., None]:
 
     def hook(*_: Any) -> None:
         publication = exchange.publication
-        publication.wait_experts()  # ZeRO-3-like too: the experts are never freed
+        publication.wait_in_flight()
         if not exchange.reshard_after_forward:
-            if publication.pending_publications():
-                publication.wait_all_published()
             return
         released = publication.released_names()
         if released:

@@ -122,6 +122,7 @@ class _ReplicaSet:
         ]
         owners = replica_owners(items, len(self.ranks))
         self.owner = {id(e.param): owners[e.name] for e in params}
+        self.name = {id(e.param): e.name for e in params}
         me = self.ranks.index(dist.get_rank())
         self.mine = {id(e.param) for e in params if owners[e.name] == me}
         # the broadcasts back, in one order on every replica, the next forward's (by
@@ -230,25 +231,23 @@ class ExpertReplicas:
         if s is None:
             return
         if any(not sent.done for sent in self._pending_of.get(id(p), ())):
-            name = next(e.name for e in s.params if e.param is p)
             raise RuntimeError(
-                f"expert stack {name!r} got a gradient from a forward that ran before its "
-                "stepped weights arrived from their owner among the replicas: the forward "
-                "pre-hook of its layer (the module its layer_key names, or the first below "
-                "it that is not a container) waits for them, and it was not called (its "
-                "forward was run past its hooks, or the stack read outside it). Call the "
-                "layer as a module, or ded.wait() after opt.step()"
+                f"expert stack {s.name[id(p)]!r} got a gradient from a forward that ran "
+                "before its stepped weights arrived from their owner among the replicas: "
+                "the forward pre-hook of its layer (the module its layer_key names, or the "
+                "first below it that is not a container) waits for them, and it was not "
+                "called (its forward was run past its hooks, or the stack read outside "
+                "it). Call the layer as a module, or ded.wait() after opt.step()"
             )
         if not syncing:
             return
         bucket = s.bucket_of[id(p)]
         if bucket.launched:
-            name = next(e.name for e in bucket.members if e.param is p)
             raise RuntimeError(
-                f"a second gradient of expert stack {name!r} arrived after it was reduced to "
-                "its owner among the replicas; call backward once per optimizer step, or run "
-                "the earlier micro-batches inside no_sync(); to drop a batch after its "
-                "backward, call the optimizer's zero_grad()"
+                f"a second gradient of expert stack {s.name[id(p)]!r} arrived after it was "
+                "reduced to its owner among the replicas; call backward once per optimizer "
+                "step, or run the earlier micro-batches inside no_sync(); to drop a batch "
+                "after its backward, call the optimizer's zero_grad()"
             )
         bucket.ready.add(id(p))
         while s.next_launch < len(s.buckets):

@@ -285,6 +285,15 @@ class Publication:
             with self._deadline("before the expert stacks are read"):
                 self.experts.wait_broadcast()
 
+    def wait_in_flight(self) -> None:
+        """The broadcasts already in flight land, before the weights are read, loaded or
+        left without hooks: ZeRO-2-like every one; ZeRO-3-like the expert stacks' (the
+        dense layers' travel only inside a forward or backward). Issues no collective
+        the other ranks do not issue in their next forward anyway."""
+        self.wait_experts()
+        if not self.reshard_after_forward and self.pending_publications():
+            self.wait_all_published()
+
     def experts_enter(self, ids: Iterable[int], where: str) -> None:
         """Forward pre-hook of a layer holding expert stacks (``ids``: the parameters'
         ``id``): they hold their owners' weights; the other stacks' broadcasts travel on.
