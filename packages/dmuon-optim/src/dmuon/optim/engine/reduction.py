@@ -276,7 +276,7 @@ class Reduction:
             )
         if not self.present and not self.publication.reshard_after_forward:
             # publications finish before this step's reductions (the experts' are their
-            # modules' to wait for: a wait here would hide a forward that read them early)
+            # layers' to wait for: a wait here would hide a forward that read them early)
             self.publication.wait_all_layers()
         self.present.add(name)
         layer.ready.add(name)
