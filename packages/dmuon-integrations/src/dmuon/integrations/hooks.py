@@ -7,8 +7,9 @@ Only public module and tensor hooks are used (no framework internals):
   (:meth:`~dmuon.optim.engine.Reduction.grad_ready`),
   which starts the layer's reduction once the layer is complete and every earlier
   layer was started;
-* ``module.register_forward_pre_hook`` on each layer's module: before the layer
-  runs → ``exchange.publication.forward_enter``, which waits for that layer's published
+* ``module.register_forward_pre_hook`` on each layer's module (below a container a
+  forward never calls, each first module that is not one), ahead of the model's own: before
+  the layer runs → ``exchange.publication.forward_enter``, which waits for that layer's published
   weights only (the later layers' broadcasts keep travelling meanwhile); a pack of
   small layers (:func:`~dmuon.optim.engine.layer_record.pack_layers`) has the hook on
   each of its layers' modules, and the first to run waits for the whole pack;
@@ -19,14 +20,16 @@ Only public module and tensor hooks are used (no framework internals):
 * ``module.register_forward_pre_hook`` on each layer holding expert stacks stepped in
   place (``dp × ep``): ``exchange.publication.experts_enter``, which waits for that
   layer's stacks' broadcasts from their owners among the replicas only;
-* ``module.register_load_state_dict_pre_hook`` on the model and on each module holding
+* ``module.register_state_dict_pre_hook`` and
+  ``module.register_load_state_dict_pre_hook`` on the model and on each module holding
   a dedicated parameter or a stack: the broadcasts in flight land before a
+  ``state_dict`` (the model's or a submodule's) reads the weights or a
   ``load_state_dict`` copies weights in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,9 +37,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dmuon.comm import layer_key
+from dmuon.comm.owner_plan import natural_key
 from dmuon.optim import OwnerExchange
 
-__all__ = ["install_hooks", "module_of_layer"]
+__all__ = ["check_one_module", "install_hooks", "layer_modules", "module_of_layer"]
 
 
 def module_of_layer(model: nn.Module, key: str) -> nn.Module:
@@ -51,13 +55,20 @@ def module_of_layer(model: nn.Module, key: str) -> nn.Module:
         >>> module_of_layer(model, "1.0") is model[1][0], module_of_layer(model, "w") is model
         (True, True)
     """
+    return model.get_submodule(_prefix_of_layer(model, key))
+
+
+def _prefix_of_layer(model: nn.Module, key: str) -> str:
+    """The name of the module :func:`module_of_layer` finds (``""``: the model)."""
     parts = key.split(".")
     while parts:
+        prefix = ".".join(parts)
         try:
-            return model.get_submodule(".".join(parts))
+            model.get_submodule(prefix)
+            return prefix
         except AttributeError:
             parts.pop()
-    return model
+    return ""
 
 
 def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHandle]:
@@ -73,19 +84,26 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     gradient hook that divides it by the world (the dispatch summed every rank's loss
     into it), and a post-accumulate-grad hook that starts its reduction to its owner among
     its replicas (``Reduction.expert_grad_ready``). Per layer: a
-    forward pre-hook that waits for the layer's published weights (and, with
-    ``reshard_after_forward``, hooks that release and re-gather them). Per layer holding
+    forward pre-hook that waits for the layer's published weights, on the module its key
+    names or, below a container a forward never calls, on each first module that is not
+    one (:func:`layer_modules`), and, with ``reshard_after_forward``, hooks that release
+    and re-gather them. The waits are registered first (``prepend=True``): the model's own
+    pre-hooks read current weights. Per layer holding
     expert stacks (:func:`~dmuon.comm.layer_key` of their names, as for the dense layers;
     below a container that is never called, the first module that is not one): a forward
     pre-hook that waits for their broadcasts from their owners among the replicas (a
-    gradient of a stack whose hook never ran is refused at its backward). On ``model``: a
-    state-dict pre-hook that waits for broadcasts still in flight (ZeRO-3-like: that
-    refuses freed weights). On ``model`` and each module holding a dedicated parameter or
-    a stack: a load-state-dict pre-hook that waits for them before loaded weights are
-    copied in (ZeRO-3-like: that refuses a write into a freed weight).
+    gradient of a stack whose hook never ran is refused at its backward). On ``model`` and
+    each module holding a dedicated parameter or a stack: a state-dict pre-hook that waits
+    for broadcasts still in flight (ZeRO-3-like: that refuses freed weights), and a
+    load-state-dict pre-hook that waits for them before loaded weights are copied in
+    (ZeRO-3-like: that refuses a write into a freed weight).
 
     Returns:
         The hook handles (``handle.remove()`` undoes them).
+
+    Raises:
+        ValueError: with ``reshard_after_forward``, a layer waited for at several modules
+            (:func:`check_one_module`); no hook is installed then.
 
     Examples:
         >>> import torch
@@ -95,9 +113,15 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
         >>> ded = dedicate(model)
         >>> ded.remove()  # take dedicate's hooks off ...
         >>> handles = install_hooks(model, ded.exchange)  # ... and put them back
-        >>> len(handles)  # 2 gradient, 2 forward pre-, 1 state-dict pre-, 3 load pre-hooks
-        8
+        >>> len(handles)  # 2 gradient, 2 forward pre-, 3 state-dict pre-, 3 load pre-hooks
+        10
     """
+    where = {
+        key: layer_modules(model, exchange.layer(key).members, exchange.layer_names(key))
+        for key in exchange.layer_keys()
+    }
+    if exchange.reshard_after_forward:
+        check_one_module(where)
     handles: list[RemovableHandle] = []
 
     def grad_hook(p: torch.Tensor) -> None:
@@ -130,11 +154,13 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
 
     for key in exchange.layer_keys():
         # a pack of small layers (never under ZeRO-3-like) waits before whichever of its
-        # layers runs first; the wait is for the whole pack, the other hooks find it done
-        members = (module_of_layer(model, k) for k in exchange.layer(key).members)
-        for module in {id(m): m for m in members}.values():
+        # layers runs first; the wait is for the whole pack, the other hooks find it done.
+        # The waits go first (prepend): a pre-hook of the model's own reads current weights
+        for module in (model.get_submodule(prefix) for prefix in where[key]):
             handles.append(
-                module.register_forward_pre_hook(call(exchange.publication.forward_enter, key))
+                module.register_forward_pre_hook(
+                    call(exchange.publication.forward_enter, key), prepend=True
+                )
             )
             if exchange.reshard_after_forward:
                 handles.append(
@@ -142,17 +168,94 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
                 )
                 handles.append(
                     module.register_full_backward_pre_hook(
-                        call(exchange.publication.backward_enter, key)
+                        call(exchange.publication.backward_enter, key), prepend=True
                     )
                 )
     handles += _expert_waits(model, exchange)
-    handles.append(model.register_state_dict_pre_hook(_current_weights(exchange)))
-    handles += _load_waits(model, exchange)
+    held = _holders(model, exchange)
+    handles += _state_dict_waits(model, exchange, held)
+    handles += _load_waits(model, exchange, held)
     return handles
 
 
 # containers a forward iterates or indexes and never calls (they have no forward)
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def _under(name: str, prefix: str) -> bool:
+    """Whether module ``name`` is ``prefix`` or below it (``""``: the model)."""
+    return not prefix or name == prefix or name.startswith(prefix + ".")
+
+
+def _first_called(model: nn.Module, start: str, holder: str) -> str:
+    """From module ``start`` down to ``holder`` (at or below it), the first module that is
+    not a container a forward never calls; when they all are (a ``ParameterList`` holding
+    the parameter), the first module above ``start`` that is not one."""
+    parts = holder.split(".") if holder else []
+    for depth in range(len(start.split(".")) if start else 0, len(parts) + 1):
+        prefix = ".".join(parts[:depth])
+        if not isinstance(model.get_submodule(prefix), _CONTAINERS):
+            return prefix
+    prefix = start
+    while prefix and isinstance(model.get_submodule(prefix), _CONTAINERS):
+        prefix = prefix.rpartition(".")[0]
+    return prefix
+
+
+def layer_modules(model: nn.Module, keys: Iterable[str], names: Iterable[str]) -> list[str]:
+    """The modules whose forward pre-hooks wait for a layer (of a pack: each of its layer
+    ``keys``), whose parameters are ``names``: each key's module
+    (:func:`module_of_layer`), or, when that is a container a forward iterates and never
+    calls (a ``ModuleList`` of blocks, which a nested list or a custom ``layer_of`` names),
+    the first module below it that is not one, on the way to each of its parameters.
+
+    Examples:
+        >>> from torch import nn
+        >>> stages = nn.ModuleList([nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])])
+        >>> layer_modules(nn.Sequential(stages), ["0.0"], ["0.0.0.weight", "0.0.1.weight"])
+        ['0.0.0', '0.0.1']
+    """
+    found: dict[str, None] = {}
+    for key in keys:
+        start = _prefix_of_layer(model, key)
+        if not isinstance(model.get_submodule(start), _CONTAINERS):
+            found[start] = None
+            continue
+        holders = {h for n in names if _under(h := n.rpartition(".")[0], start)}
+        for holder in sorted(holders, key=natural_key) or [start]:
+            found[_first_called(model, start, holder)] = None
+    return list(found)
+
+
+def check_one_module(layers: Mapping[str, Sequence[str]]) -> None:
+    """ZeRO-3-like owner mode frees a layer after its module's forward and gathers it before
+    its backward: refuse a layer waited for at several modules (:func:`layer_modules`: a
+    container of blocks), whose first module's exit would free what the others read.
+
+    Args:
+        layers: per layer key, the modules that wait for it (:func:`layer_modules`).
+
+    Raises:
+        ValueError: a layer with more than one module, naming it and them.
+
+    Examples:
+        >>> check_one_module({"blocks.0": ["blocks.0"]})  # one module: taken
+        >>> try:
+        ...     check_one_module({"stages.0": ["stages.0.0", "stages.0.1"]})
+        ... except ValueError as err:
+        ...     print(str(err)[:58])
+        layer 'stages.0' names a container that a forward never ca
+    """
+    for key, prefixes in layers.items():
+        if len(prefixes) > 1:
+            raise ValueError(
+                f"layer {key!r} names a container that a forward never calls; its weights "
+                f"would be gathered before each of the modules {list(prefixes)} and freed "
+                "after each, and reshard_after_forward=True (ZeRO-3-like) needs one module "
+                "per layer that the forward calls. Pass layer_of= mapping each parameter "
+                f"to such a module (e.g. {prefixes[0]!r} for its parameters), or "
+                "reshard_after_forward=False"
+            )
 
 
 def _waiting_module(model: nn.Module, name: str) -> str:
@@ -166,17 +269,7 @@ def _waiting_module(model: nn.Module, name: str) -> str:
     the module above it (``moe``)."""
     holder = name.rpartition(".")[0]
     layer = layer_key(name)
-    start = layer if holder.startswith(layer) else holder  # else no layer above the holder
-    parts = holder.split(".") if holder else []
-    for depth in range(len(start.split(".")) if start else 0, len(parts) + 1):
-        prefix = ".".join(parts[:depth])
-        if not isinstance(model.get_submodule(prefix), _CONTAINERS):
-            return prefix
-    # containers all the way down (a ParameterList holding the stacks): the module above
-    prefix = start
-    while prefix and isinstance(model.get_submodule(prefix), _CONTAINERS):
-        prefix = prefix.rpartition(".")[0]
-    return prefix
+    return _first_called(model, layer if _under(holder, layer) else holder, holder)
 
 
 def _expert_waits(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHandle]:
@@ -203,25 +296,34 @@ def _expert_waits(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
         def hook(*_: Any, ids: frozenset[int] = frozenset(ids), where: str = where) -> None:
             exchange.publication.experts_enter(ids, where)
 
-        handles.append(model.get_submodule(prefix).register_forward_pre_hook(hook))
+        handles.append(model.get_submodule(prefix).register_forward_pre_hook(hook, prepend=True))
     return handles
 
 
-def _load_waits(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHandle]:
-    """A load-state-dict pre-hook on the model and on every module holding a dedicated
-    parameter or an expert stack of ``exchange``: whichever ``load_state_dict`` copies one
-    in (the model's or a submodule's) lets the broadcasts still in flight land first, not
-    over the loaded weights. ZeRO-3-like: the expert stacks' land; a load that would write
-    into a dedicated weight this rank does not own, freed between forwards, is refused,
-    naming it (a load of other entries, or of resident weights, goes on)."""
+def _holders(model: nn.Module, exchange: OwnerExchange) -> dict[str, list[tuple[str, str | None]]]:
+    """The model (``""``) and every module holding a dedicated parameter or an expert stack
+    of ``exchange``: per module, its own name for each such parameter and the exchange's
+    (``None`` for a stack)."""
     ours = {id(exchange.param(n)): n for n in exchange.names}
     experts = {id(p) for p in exchange.experts}
-    # per holding module: (its name for the parameter, the exchange's name or None)
     held: dict[str, list[tuple[str, str | None]]] = {"": []}
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in ours or id(p) in experts:
             prefix, _, local = name.rpartition(".")
             held.setdefault(prefix, []).append((local, ours.get(id(p))))
+    return held
+
+
+def _load_waits(
+    model: nn.Module, exchange: OwnerExchange, held: Mapping[str, list[tuple[str, str | None]]]
+) -> list[RemovableHandle]:
+    """A load-state-dict pre-hook on the model and on every module holding a dedicated
+    parameter or an expert stack of ``exchange`` (``held``: :func:`_holders`): whichever
+    ``load_state_dict`` copies one in (the model's or a submodule's) lets the broadcasts
+    still in flight land first, not over the loaded weights. ZeRO-3-like: the expert
+    stacks' land; a load that would write into a dedicated weight this rank does not own,
+    freed between forwards, is refused, naming it (a load of other entries, or of resident
+    weights, goes on)."""
 
     def hook_for(mine: list[tuple[str, str | None]]) -> Callable[..., None]:
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
@@ -247,27 +349,43 @@ def _load_waits(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHand
     ]
 
 
-def _current_weights(exchange: OwnerExchange) -> Callable[..., None]:
-    """A state-dict pre-hook: the state dict holds the owners' latest weights.
+def _state_dict_waits(
+    model: nn.Module, exchange: OwnerExchange, held: Mapping[str, list[tuple[str, str | None]]]
+) -> list[RemovableHandle]:
+    """A state-dict pre-hook on the model and on every module holding a dedicated parameter
+    or an expert stack (``held``: :func:`_holders`): the state dict of the model or of any
+    submodule holds the owners' latest weights.
 
     ZeRO-2-like (default): the last step's broadcasts may still be in flight, and a
     weight this rank does not own would be saved one step old: wait for them (this
     issues no collective the other ranks do not issue in their next forward anyway).
-    ZeRO-3-like: freed weights would be saved as NaN: refuse.
+    ZeRO-3-like: freed weights would be saved as NaN: refuse (the model's hook: any freed
+    weight; a module's: one it holds).
     """
 
-    def hook(*_: Any) -> None:
-        publication = exchange.publication
-        publication.wait_in_flight()
-        if not exchange.reshard_after_forward:
-            return
-        released = publication.released_names()
-        if released:
-            raise RuntimeError(
-                f"rank {exchange.rank}: {len(released)} dedicated weight(s) are freed on this "
-                f"rank (ZeRO-3-like owner mode keeps only the owned ones between forwards), "
-                f"e.g. {released[0]!r}; call ded.wait() on every rank before state_dict(), "
-                "or save with dmuon.integrations.checkpoint"
-            )
+    def hook_for(mine: list[tuple[str, str | None]] | None) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            publication = exchange.publication
+            publication.wait_in_flight()
+            if not exchange.reshard_after_forward:
+                return
+            released = publication.released_names()
+            if mine is not None:
+                held_here = {n for _, n in mine}
+                released = [n for n in released if n in held_here]
+            if released:
+                raise RuntimeError(
+                    f"rank {exchange.rank}: {len(released)} dedicated weight(s) are freed on "
+                    "this rank (ZeRO-3-like owner mode keeps only the owned ones between "
+                    f"forwards), e.g. {released[0]!r}; call ded.wait() on every rank before "
+                    "state_dict(), or save with dmuon.integrations.checkpoint"
+                )
 
-    return hook
+        return hook
+
+    return [
+        model.get_submodule(prefix).register_state_dict_pre_hook(
+            hook_for(None if not prefix else mine)
+        )
+        for prefix, mine in held.items()
+    ]

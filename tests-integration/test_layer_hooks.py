@@ -1,0 +1,279 @@
+"""Where owner mode waits for a layer's published weights, and what it does when a forward
+goes past that wait.
+
+A layer key names a module (``blocks.3``); its forward pre-hook waits for the layer's
+broadcast from its owners. When the key names a container that a forward iterates and
+never calls (a ``ModuleList`` of blocks inside a ``ModuleList`` of stages), the waits go
+on the first modules below it that the forward does call; ZeRO-3-like, which frees a
+layer after its module's forward, refuses such a layer. The waits run before the model's
+own pre-hooks. A gradient of a layer whose broadcast was still in flight after the
+forward (a forward run past the hooks) is refused on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dmuon.comm import layer_key
+from dmuon.comm.testing import run_on_ranks
+from dmuon.optim import DMuon, param_groups
+
+WORLD = 2
+STEPS = 4
+OPT = dict(lr=0.02, weight_decay=0.01, momentum=0.9, ns_compute_dtype=torch.float32)
+TOLERANCE = 2e-6
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 12, bias=False)
+        self.fc2 = nn.Linear(12, 6, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Staged(nn.Module):
+    """Two stages of blocks, each a ``ModuleList`` inside ``stages``: ``layer_key`` names
+    the stage (``stages.0``), a list the forward iterates. ``past_hooks``: the last
+    stage's block is run by its ``forward`` method, past its module hooks."""
+
+    def __init__(self, past_hooks: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stages = nn.ModuleList([nn.ModuleList([Block(), Block()]), nn.ModuleList([Block()])])
+        self.past_hooks = past_hooks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            for block in stage:
+                last = block is self.stages[-1][-1]
+                x = block.forward(x) if self.past_hooks and last else block(x)
+        return x
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+
+
+def train_step(model: nn.Module, opt: DMuon, step: int, rank: int, world: int) -> None:
+    x, y = batch(step)
+    rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    F.mse_loss(model(x[rows]), y[rows]).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def one_process() -> dict[str, torch.Tensor]:
+    model = Staged()
+    opt = DMuon(param_groups(model), **OPT)
+    for t in range(STEPS):
+        train_step(model, opt, t, 0, 1)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_containers(rank, world):
+    """ZeRO-2-like ``ddp.dedicate`` of :class:`Staged`, every layer alone: a pre-hook of
+    the model's own, on each block and registered before ``dedicate``, records whether its
+    layer's broadcast was still in flight when it ran."""
+    from dmuon.integrations import ddp
+
+    model = Staged()
+    seen: list[bool] = []
+    for i, stage in enumerate(model.stages):
+        for block in stage:
+            block.register_forward_pre_hook(
+                lambda *_, key=f"stages.{i}": seen.append(
+                    key in ded.exchange.publication.pending_publications()
+                )
+            )
+    ded = ddp.dedicate(model, layer_pack_mb=0)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    for t in range(STEPS):
+        train_step(model, opt, t, rank, world)
+    ded.wait()
+    waited = sorted(
+        name
+        for name, m in model.named_modules()
+        if any(h.__name__ == "hook" for h in m._forward_pre_hooks.values())
+    )
+    return seen, waited, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_a_layer_named_by_a_list_of_blocks_waits_before_each_block_like_one_process():
+    """Layer ``stages.0`` is a ``ModuleList`` no forward calls: its wait is on its blocks
+    (the first to run waits, the next finds it done), before the model's own pre-hooks; the
+    weights each block reads are current, so training equals one process (on the code
+    before, the stages read last step's weights and it did not)."""
+    want = one_process()
+    for rank, (seen, waited, got) in enumerate(run_on_ranks(run_containers, WORLD, timeout=120)):
+        assert waited == ["stages.0.0", "stages.0.1", "stages.1.0"], (rank, waited)
+        assert seen == [False] * 3 * STEPS, f"rank {rank}: a block ran before its wait: {seen}"
+        for name, w in want.items():
+            diff = (got[name] - w).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
+def run_zero3(rank, world):
+    from dmuon.integrations import ddp
+
+    model = Staged()
+    try:
+        ddp.dedicate(model, reshard_after_forward=True)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    # each parameter's layer its block: one module per layer, taken and trained
+    blocks = {".".join(n.split(".")[:3]) for n, _ in model.named_parameters()}
+
+    def block_of(name: str) -> str:
+        return next((b for b in blocks if name.startswith(b + ".")), layer_key(name))
+
+    ded = ddp.dedicate(model, reshard_after_forward=True, layer_of=block_of)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    for t in range(STEPS):
+        train_step(model, opt, t, rank, world)
+    ded.wait()
+    return refused, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_zero3_like_refuses_a_layer_of_several_blocks_and_takes_one_block_per_layer():
+    """ZeRO-3-like frees a layer after its module's forward: a layer of two blocks would be
+    freed after the first. ``dedicate`` refuses it on every rank, naming the layer and the
+    modules, before any weight is freed; with ``layer_of`` naming the blocks it trains like
+    one process."""
+    want = one_process()
+    for rank, (refused, got) in enumerate(run_on_ranks(run_zero3, WORLD, timeout=120)):
+        assert refused is not None, f"rank {rank}: a layer of two blocks was taken"
+        assert "'stages.0'" in refused and "['stages.0.0', 'stages.0.1']" in refused, refused
+        assert "layer_of=" in refused, refused
+        for name, w in want.items():
+            diff = (got[name] - w).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
+def run_past_hooks(rank, world):
+    """The second forward runs the last block past its hooks (its layer's broadcast in
+    flight); after ``zero_grad()`` the training goes on with the hooks."""
+    from dmuon.integrations import ddp
+
+    model = Staged()
+    ded = ddp.dedicate(model, layer_pack_mb=0)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    train_step(model, opt, 0, rank, world)
+    model.past_hooks = True
+    x, y = batch(1)
+    try:
+        F.mse_loss(model(x), y).backward()
+        err = None
+    except RuntimeError as e:
+        err = str(e)
+    opt.zero_grad()  # drops the iteration
+    model.past_hooks = False
+    for t in range(1, STEPS):
+        train_step(model, opt, t, rank, world)
+    ded.wait()
+    return err, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_a_forward_past_a_layers_hooks_is_refused_on_every_rank():
+    results = run_on_ranks(run_past_hooks, WORLD, timeout=120)
+    for rank, (err, _) in enumerate(results):
+        assert err is not None and "it was not called" in err, (rank, err)
+        assert "layer 'stages.1'" in err and "'stages.1.0.fc" in err, (rank, err)
+    for name, want in results[0][1].items():
+        assert torch.equal(results[1][1][name], want), name
+
+
+@pytest.mark.parametrize(
+    ("keys", "names", "want"),
+    [
+        (["blocks.1"], ["blocks.1.fc.weight"], ["blocks.1"]),
+        # a list of blocks: each block on the way to a parameter
+        (
+            ["stages.0"],
+            ["stages.0.1.fc.weight", "stages.0.0.fc.weight"],
+            ["stages.0.0", "stages.0.1"],
+        ),
+        # a parameter list held by a block: the block
+        (["blocks.0.experts"], ["blocks.0.experts.0"], ["blocks.0"]),
+    ],
+)
+def test_layer_modules(keys, names, want):
+    from dmuon.integrations.hooks import layer_modules
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+            self.experts = nn.ParameterList([nn.Parameter(torch.zeros(2, 2, 2))])
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList([Holder(), Holder()])
+    model.stages = nn.ModuleList([nn.ModuleList([Holder(), Holder()])])
+    assert layer_modules(model, keys, names) == want
+
+
+def run_submodule_state_dicts(rank, world):
+    """Right after a step, the state dict of each block (ZeRO-2-like) and of each linear
+    layer holding a dedicated weight (ZeRO-3-like), against the weights after
+    ``ded.wait()``."""
+    from dmuon.integrations import ddp
+
+    model = Staged()
+    ded = ddp.dedicate(model, layer_pack_mb=0)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    train_step(model, opt, 0, rank, world)
+    pending = ded.exchange.publication.pending_publications()
+    saved = {
+        f"{s}.{b}.{k}": v.clone()
+        for s, stage in enumerate(model.stages)
+        for b, block in enumerate(stage)
+        for k, v in block.state_dict().items()
+    }
+    ded.wait()
+    current = {
+        n: torch.equal(saved[n.removeprefix("stages.")], p.detach())
+        for n, p in model.named_parameters()
+    }
+
+    model = Staged()
+    blocks = {".".join(n.split(".")[:3]) for n, _ in model.named_parameters()}
+    ded = ddp.dedicate(
+        model,
+        reshard_after_forward=True,
+        layer_of=lambda name: next(b for b in blocks if name.startswith(b + ".")),
+    )
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    train_step(model, opt, 0, rank, world)
+    refused = {}
+    for name in ded.names:
+        try:
+            model.get_submodule(name.rpartition(".")[0]).state_dict()
+            refused[name] = None
+        except RuntimeError as err:
+            refused[name] = str(err)
+    return pending, current, refused, sorted(ded.owned)
+
+
+def test_a_submodules_state_dict_holds_the_owners_weights_or_is_refused():
+    """ZeRO-2-like: a block's ``state_dict()`` right after ``opt.step()`` waits for the
+    broadcasts in flight (before, only the model's did, and a block's held last step's
+    weights on the ranks that do not own them). ZeRO-3-like: the state dict of a module
+    holding a weight this rank does not own, freed, is refused, naming it (before: NaN)."""
+    for rank, (pending, current, refused, owned) in enumerate(
+        run_on_ranks(run_submodule_state_dicts, WORLD, timeout=120)
+    ):
+        assert pending == ["stages.0", "stages.1"], (rank, pending)
+        assert all(current.values()), f"rank {rank}: one step old: {current}"
+        assert 0 < len(owned) < len(refused), (rank, owned)
+        for name, err in refused.items():
+            if name in owned:
+                assert err is None, (rank, name, err)
+            else:
+                assert err is not None and repr(name) in err, (rank, name, err)
