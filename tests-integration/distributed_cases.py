@@ -23,7 +23,16 @@ from dmuon.optim import DMuon, param_groups
 
 # fp32 Newton–Schulz: the distributed runs differ from the reference only by the
 # order of floating-point sums (the gradient average), ~1e-7 relative.
-OPT = dict(lr=0.02, weight_decay=0.1, ns_compute_dtype="float32", adamw_lr=3e-3, adamw_eps=1e-3)
+# check_every=1: every run also compares the ranks' parameters after each step (a
+# false alarm of the rank-agreement check fails the test that made it)
+OPT = dict(
+    lr=0.02,
+    weight_decay=0.1,
+    ns_compute_dtype="float32",
+    adamw_lr=3e-3,
+    adamw_eps=1e-3,
+    check_every=1,
+)
 STEPS = 5
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
 TOLERANCE = 1e-5
@@ -229,6 +238,8 @@ def setup(mode: str, name: str, world: int, opt_kw: dict[str, Any] | None = None
     elif mode == "replicated":
         forward = DDP(model)
         kw["mode"] = "replicated"
+    elif mode == "sign":  # no DDP: each rank's own gradients, the matrices' signs voted
+        kw.update(mode="sign", rule="sign_muon")
     elif mode == "single":
         pass
     else:

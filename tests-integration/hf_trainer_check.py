@@ -36,8 +36,10 @@ def same_global_batch(out: str, world: int) -> dict[str, object]:
         ddp_backend="gloo" if world > 1 else None, ddp_find_unused_parameters=False,
         report_to=[], disable_tqdm=True,
     )  # fmt: skip
+    # check_every=1: the ranks' parameters compared after every step (no false alarm)
+    options = {"ns_compute_dtype": "float32", "check_every": 1}
     trainer = DMuonTrainer(model=tiny_llama(), args=args, train_dataset=CountingData(n=32),
-                           dmuon_options={"ns_compute_dtype": "float32"})  # fmt: skip
+                           dmuon_options=options)  # fmt: skip
     trainer.train()
     weights = f"{out}/global-weights.safetensors"
     if trainer.is_world_process_zero():

@@ -93,7 +93,8 @@ class TwoOptimizers(L.LightningModule):
         strategy = self.trainer.strategy
         return [
             torch.optim.AdamW(biases, lr=ADAMW_LR),
-            DMuon([{"params": matrices}], distributed=strategy.dedication, **DMUON),
+            # check_every=1: the ranks' parameters compared after every step
+            DMuon([{"params": matrices}], distributed=strategy.dedication, **DMUON, check_every=1),
         ]
 
 

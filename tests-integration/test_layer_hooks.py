@@ -134,21 +134,32 @@ def run_zero3(rank, world):
     def block_of(name: str) -> str:
         return next((b for b in blocks if name.startswith(b + ".")), layer_key(name))
 
+    # a backward pre-hook of the model's own on each block, registered before dedicate():
+    # whether any weight of the block was freed when it ran
+    freed: list[bool] = []
+    for b in sorted(blocks):
+        model.get_submodule(b).register_full_backward_pre_hook(
+            lambda *_, b=b: freed.append(
+                any(n.startswith(b + ".") for n in ded.exchange.publication.released_names())
+            )
+        )
     ded = ddp.dedicate(model, reshard_after_forward=True, layer_of=block_of)
     opt = DMuon(param_groups(model), distributed=ded, **OPT)
     for t in range(STEPS):
         train_step(model, opt, t, rank, world)
     ded.wait()
-    return refused, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return refused, freed, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def test_zero3_like_refuses_a_layer_of_several_blocks_and_takes_one_block_per_layer():
     """ZeRO-3-like frees a layer after its module's forward: a layer of two blocks would be
     freed after the first. ``dedicate`` refuses it on every rank, naming the layer and the
     modules, before any weight is freed; with ``layer_of`` naming the blocks it trains like
-    one process."""
+    one process, and a backward pre-hook of the model's own reads the gathered weights."""
     want = one_process()
-    for rank, (refused, got) in enumerate(run_on_ranks(run_zero3, WORLD, timeout=120)):
+    for rank, (refused, freed, got) in enumerate(run_on_ranks(run_zero3, WORLD, timeout=120)):
+        # the re-gather before each block's backward runs before the model's own pre-hook
+        assert freed == [False] * 3 * STEPS, f"rank {rank}: freed at a backward: {freed}"
         assert refused is not None, f"rank {rank}: a layer of two blocks was taken"
         assert "'stages.0'" in refused and "['stages.0.0', 'stages.0.1']" in refused, refused
         assert "layer_of=" in refused, refused
@@ -159,13 +170,16 @@ def test_zero3_like_refuses_a_layer_of_several_blocks_and_takes_one_block_per_la
 
 def run_past_hooks(rank, world):
     """The second forward runs the last block past its hooks (its layer's broadcast in
-    flight); after ``zero_grad()`` the training goes on with the hooks."""
+    flight on rank 1; landed on rank 0 by a ``state_dict()`` there alone); after
+    ``zero_grad()`` the training goes on with the hooks."""
     from dmuon.integrations import ddp
 
     model = Staged()
     ded = ddp.dedicate(model, layer_pack_mb=0)
     opt = DMuon(param_groups(model), distributed=ded, **OPT)
     train_step(model, opt, 0, rank, world)
+    if rank == 0:  # lands every broadcast on rank 0 alone: the refusal must not change
+        model.state_dict()
     model.past_hooks = True
     x, y = batch(1)
     try:
@@ -182,12 +196,54 @@ def run_past_hooks(rank, world):
 
 
 def test_a_forward_past_a_layers_hooks_is_refused_on_every_rank():
+    """Refused on both ranks alike, though rank 0 alone had landed the weights (a
+    refusal on one rank only would leave the other waiting in the step's collectives)."""
     results = run_on_ranks(run_past_hooks, WORLD, timeout=120)
     for rank, (err, _) in enumerate(results):
-        assert err is not None and "it was not called" in err, (rank, err)
+        assert err is not None and "it was not called since" in err, (rank, err)
         assert "layer 'stages.1'" in err and "'stages.1.0.fc" in err, (rank, err)
     for name, want in results[0][1].items():
         assert torch.equal(results[1][1][name], want), name
+
+
+def two_backwards(model: Staged, opt: DMuon, step: int, rank: int, world: int) -> None:
+    """One step of two losses, each with its own backward: the first stage's output, then
+    the last stage's on it detached (disjoint layers, each reduced once)."""
+    x, y = batch(step)
+    rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    h = x[rows]
+    for block in model.stages[0]:
+        h = block(h)
+    F.mse_loss(h, y[rows]).backward()
+    out = model.stages[1][0](h.detach())
+    F.mse_loss(out, y[rows]).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def run_two_backwards(rank, world):
+    from dmuon.integrations import ddp
+
+    model = Staged()
+    ded = ddp.dedicate(model, layer_pack_mb=0)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    for t in range(STEPS):
+        two_backwards(model, opt, t, rank, world)
+    ded.wait()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_two_forwards_and_backwards_in_a_step_are_not_refused():
+    """The second forward runs after the first backward (whose first gradient landed every
+    broadcast), through its hooks: nothing is refused, and the steps equal one process."""
+    model = Staged()
+    opt = DMuon(param_groups(model), **OPT)
+    for t in range(STEPS):
+        two_backwards(model, opt, t, 0, 1)
+    for rank, got in enumerate(run_on_ranks(run_two_backwards, WORLD, timeout=120)):
+        for name, p in model.named_parameters():
+            diff = (got[name] - p.detach()).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
 
 
 @pytest.mark.parametrize(
@@ -202,6 +258,17 @@ def test_a_forward_past_a_layers_hooks_is_refused_on_every_rank():
         ),
         # a parameter list held by a block: the block
         (["blocks.0.experts"], ["blocks.0.experts.0"], ["blocks.0"]),
+        # a module without a forward (a namespace the forward reaches into): its blocks
+        (
+            ["groups.0"],
+            ["groups.0.first.fc.weight", "groups.0.second.fc.weight"],
+            ["groups.0.first", "groups.0.second"],
+        ),
+        # a custom key that names no module: where its parameters meet
+        (["pair"], ["blocks.0.fc.weight", "blocks.0.fc.bias"], ["blocks.0.fc"]),
+        (["pair"], ["blocks.0.fc.weight", "blocks.1.fc.weight"], ["blocks.0", "blocks.1"]),
+        # a parameter of the model itself
+        (["scale"], ["scale"], [""]),
     ],
 )
 def test_layer_modules(keys, names, want):
@@ -213,9 +280,19 @@ def test_layer_modules(keys, names, want):
             self.fc = nn.Linear(2, 2)
             self.experts = nn.ParameterList([nn.Parameter(torch.zeros(2, 2, 2))])
 
-    model = nn.Module()
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
+
+    class Group(nn.Module):  # no forward: the model calls its members
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = Holder(), Holder()
+
+    model = nn.Sequential()
     model.blocks = nn.ModuleList([Holder(), Holder()])
     model.stages = nn.ModuleList([nn.ModuleList([Holder(), Holder()])])
+    model.groups = nn.ModuleList([Group()])
+    model.scale = nn.Parameter(torch.ones(()))
     assert layer_modules(model, keys, names) == want
 
 
@@ -229,7 +306,10 @@ def run_submodule_state_dicts(rank, world):
     ded = ddp.dedicate(model, layer_pack_mb=0)
     opt = DMuon(param_groups(model), distributed=ded, **OPT)
     train_step(model, opt, 0, rank, world)
-    pending = ded.exchange.publication.pending_publications()
+    publication = ded.exchange.publication
+    pending = publication.pending_publications()
+    model.stages[1].state_dict()  # a container holding no weight itself: its block waits
+    after = publication.pending_publications()
     saved = {
         f"{s}.{b}.{k}": v.clone()
         for s, stage in enumerate(model.stages)
@@ -258,7 +338,7 @@ def run_submodule_state_dicts(rank, world):
             refused[name] = None
         except RuntimeError as err:
             refused[name] = str(err)
-    return pending, current, refused, sorted(ded.owned)
+    return pending, after, current, refused, sorted(ded.owned)
 
 
 def test_a_submodules_state_dict_holds_the_owners_weights_or_is_refused():
@@ -266,10 +346,10 @@ def test_a_submodules_state_dict_holds_the_owners_weights_or_is_refused():
     broadcasts in flight (before, only the model's did, and a block's held last step's
     weights on the ranks that do not own them). ZeRO-3-like: the state dict of a module
     holding a weight this rank does not own, freed, is refused, naming it (before: NaN)."""
-    for rank, (pending, current, refused, owned) in enumerate(
+    for rank, (pending, after, current, refused, owned) in enumerate(
         run_on_ranks(run_submodule_state_dicts, WORLD, timeout=120)
     ):
-        assert pending == ["stages.0", "stages.1"], (rank, pending)
+        assert (pending, after) == (["stages.0", "stages.1"], []), (rank, pending, after)
         assert all(current.values()), f"rank {rank}: one step old: {current}"
         assert 0 < len(owned) < len(refused), (rank, owned)
         for name, err in refused.items():

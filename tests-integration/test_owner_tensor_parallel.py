@@ -106,8 +106,7 @@ def run_owner_dp_tp(rank, world):
             rule=rule,
             tp_path=path,
             distributed=ded,
-            check_every=1,  # the rank-agreement checksum, over dp and tp, every step
-            **OPT,
+            **OPT,  # check_every=1: the rank-agreement checksum, over dp and tp, every step
             **RULES[rule],
         )
         assert opt.mode == "owner"

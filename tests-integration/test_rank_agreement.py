@@ -16,8 +16,9 @@ from dmuon.comm.testing import run_on_ranks
 from dmuon.optim import RankDivergenceError
 
 NAME = "mixed"
-HEALTHY = ["owner_fsdp", "owner_ddp", "replicated", "sharded"]
-DIVERGED = ["owner_ddp", "replicated"]  # modes where a whole copy of head.bias lives on each rank
+HEALTHY = ["owner_fsdp", "owner_ddp", "replicated", "sharded", "sign"]
+# modes where a whole copy of head.bias lives on each rank
+DIVERGED = ["owner_ddp", "replicated", "sign"]
 
 
 def run_agreement(rank: int, world: int):

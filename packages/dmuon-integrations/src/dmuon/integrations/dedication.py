@@ -321,14 +321,12 @@ def build_dedication(
             "no parameter to dedicate: the model has no matrix parameters (or the predicate "
             "chose none); use plain FSDP2/DDP, or pass a predicate"
         )
-    if reshard_after_forward:  # before the exchange frees any weight
+    if reshard_after_forward:  # before the exchange frees any weight: the dedicated ones'
         names: dict[str, list[str]] = {}
         for item, _ in dedicated:
             names.setdefault(item.layer if item.layer is not None else item.name, []).append(
                 item.name
             )
-        for name, key, _ in rest if all_reduce_rest else []:
-            names.setdefault(key, []).append(name)
         check_one_module({k: layer_modules(model, [k], ns) for k, ns in names.items()})
     S = group_size(group)
     R = group_size(replicate_group) if replicate_group is not None else 1

@@ -116,12 +116,14 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
         >>> len(handles)  # 2 gradient, 2 forward pre-, 3 state-dict pre-, 3 load pre-hooks
         10
     """
+    # the way to its dedicated parameters (the weights a forward must wait for)
     where = {
-        key: layer_modules(model, exchange.layer(key).members, exchange.layer_names(key))
+        key: layer_modules(model, layer.members, layer.dedicated or exchange.layer_names(key))
         for key in exchange.layer_keys()
+        for layer in [exchange.layer(key)]
     }
     if exchange.reshard_after_forward:
-        check_one_module(where)
+        check_one_module({k: m for k, m in where.items() if exchange.layer(k).dedicated})
     handles: list[RemovableHandle] = []
 
     def grad_hook(p: torch.Tensor) -> None:
@@ -178,8 +180,11 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     return handles
 
 
-# containers a forward iterates or indexes and never calls (they have no forward)
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+def _never_called(module: nn.Module) -> bool:
+    """A module without a forward of its own: a ``ModuleList``, ``ModuleDict``,
+    ``ParameterList`` or ``ParameterDict``, or a plain ``nn.Module`` used as a namespace.
+    A forward iterates or indexes it, and never calls it (its hooks never run)."""
+    return type(module).forward is nn.Module.forward
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -187,17 +192,32 @@ def _under(name: str, prefix: str) -> bool:
     return not prefix or name == prefix or name.startswith(prefix + ".")
 
 
+def _meeting(holders: Iterable[str]) -> str:
+    """The deepest module above (or at) every one of ``holders``."""
+    common: list[str] | None = None
+    for holder in holders:
+        parts = holder.split(".") if holder else []
+        if common is None:
+            common = parts
+            continue
+        n = 0
+        while n < min(len(common), len(parts)) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    return ".".join(common or [])
+
+
 def _first_called(model: nn.Module, start: str, holder: str) -> str:
-    """From module ``start`` down to ``holder`` (at or below it), the first module that is
-    not a container a forward never calls; when they all are (a ``ParameterList`` holding
-    the parameter), the first module above ``start`` that is not one."""
+    """From module ``start`` down to ``holder`` (at or below it), the first module that a
+    forward calls (:func:`_never_called`); when none is (a ``ParameterList`` holding the
+    parameter), the first module above ``start`` that is."""
     parts = holder.split(".") if holder else []
     for depth in range(len(start.split(".")) if start else 0, len(parts) + 1):
         prefix = ".".join(parts[:depth])
-        if not isinstance(model.get_submodule(prefix), _CONTAINERS):
+        if not _never_called(model.get_submodule(prefix)):
             return prefix
     prefix = start
-    while prefix and isinstance(model.get_submodule(prefix), _CONTAINERS):
+    while prefix and _never_called(model.get_submodule(prefix)):
         prefix = prefix.rpartition(".")[0]
     return prefix
 
@@ -205,9 +225,11 @@ def _first_called(model: nn.Module, start: str, holder: str) -> str:
 def layer_modules(model: nn.Module, keys: Iterable[str], names: Iterable[str]) -> list[str]:
     """The modules whose forward pre-hooks wait for a layer (of a pack: each of its layer
     ``keys``), whose parameters are ``names``: each key's module
-    (:func:`module_of_layer`), or, when that is a container a forward iterates and never
-    calls (a ``ModuleList`` of blocks, which a nested list or a custom ``layer_of`` names),
-    the first module below it that is not one, on the way to each of its parameters.
+    (:func:`module_of_layer`; for a key that names no module, from a custom ``layer_of``,
+    the deepest module holding all of ``names``) or, when a forward never calls that
+    module (a ``ModuleList`` of blocks that a nested list or a custom ``layer_of`` names,
+    or a plain ``nn.Module`` without a forward), the first module below it that a forward
+    calls, on the way to each of its parameters.
 
     Examples:
         >>> from torch import nn
@@ -215,13 +237,16 @@ def layer_modules(model: nn.Module, keys: Iterable[str], names: Iterable[str]) -
         >>> layer_modules(nn.Sequential(stages), ["0.0"], ["0.0.0.weight", "0.0.1.weight"])
         ['0.0.0', '0.0.1']
     """
+    names = list(names)
     found: dict[str, None] = {}
     for key in keys:
         start = _prefix_of_layer(model, key)
-        if not isinstance(model.get_submodule(start), _CONTAINERS):
+        holders = {h for n in names if _under(h := n.rpartition(".")[0], start)}
+        if start != key and holders:  # a key that names no module: where its params meet
+            start = _meeting(holders)
+        if not _never_called(model.get_submodule(start)):
             found[start] = None
             continue
-        holders = {h for n in names if _under(h := n.rpartition(".")[0], start)}
         for holder in sorted(holders, key=natural_key) or [start]:
             found[_first_called(model, start, holder)] = None
     return list(found)
@@ -243,17 +268,17 @@ def check_one_module(layers: Mapping[str, Sequence[str]]) -> None:
         >>> try:
         ...     check_one_module({"stages.0": ["stages.0.0", "stages.0.1"]})
         ... except ValueError as err:
-        ...     print(str(err)[:58])
-        layer 'stages.0' names a container that a forward never ca
+        ...     print(str(err)[:50])
+        layer 'stages.0' names a module that a forward nev
     """
     for key, prefixes in layers.items():
         if len(prefixes) > 1:
             raise ValueError(
-                f"layer {key!r} names a container that a forward never calls; its weights "
-                f"would be gathered before each of the modules {list(prefixes)} and freed "
-                "after each, and reshard_after_forward=True (ZeRO-3-like) needs one module "
-                "per layer that the forward calls. Pass layer_of= mapping each parameter "
-                f"to such a module (e.g. {prefixes[0]!r} for its parameters), or "
+                f"layer {key!r} names a module that a forward never calls (a container); "
+                f"its weights would be gathered before each of the modules {list(prefixes)} "
+                "and freed after each, and reshard_after_forward=True (ZeRO-3-like) needs "
+                "one module per layer that the forward calls. Pass layer_of= mapping each "
+                f"parameter to such a module (e.g. {prefixes[0]!r} for its parameters), or "
                 "reshard_after_forward=False"
             )
 
@@ -331,8 +356,11 @@ def _load_waits(
             publication.wait_in_flight()
             if not exchange.reshard_after_forward:
                 return
-            released = set(publication.released_names())
-            freed = [n for local, n in mine if n in released and prefix + local in state_dict]
+            freed = [
+                n
+                for local, n in mine
+                if n is not None and publication.released(n) and prefix + local in state_dict
+            ]
             if freed:
                 raise RuntimeError(
                     f"rank {exchange.rank}: dedicated weight {freed[0]!r} is freed on this "
@@ -369,10 +397,10 @@ def _state_dict_waits(
             publication.wait_in_flight()
             if not exchange.reshard_after_forward:
                 return
-            released = publication.released_names()
-            if mine is not None:
-                held_here = {n for _, n in mine}
-                released = [n for n in released if n in held_here]
+            if mine is None:  # the model: every weight
+                released = publication.released_names()
+            else:  # a module: the weights it holds
+                released = [n for _, n in mine if n is not None and publication.released(n)]
             if released:
                 raise RuntimeError(
                     f"rank {exchange.rank}: {len(released)} dedicated weight(s) are freed on "

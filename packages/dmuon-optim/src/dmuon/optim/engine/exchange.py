@@ -341,10 +341,13 @@ class OwnerExchange:
     def wait_all_published(self) -> None:
         """Every rank holds the owners' latest weights (``Dedication.wait()`` calls it).
 
-        Short for ``exchange.publication.wait_all_published()``; call it before reading
-        the weights outside a forward (ZeRO-3-like: it materialises every layer).
+        ``exchange.publication.wait_all_published()``, made on every rank: a forward
+        past the layers' hooks reads current weights then, and their gradients are not
+        refused (:meth:`Publication.mark_all_waited`). Call it before reading the weights
+        outside a forward (ZeRO-3-like: it materialises every layer).
         """
         self.publication.wait_all_published()
+        self.publication.mark_all_waited()
 
     def describe(self) -> dict[str, Any]:
         """The plan and, per layer, each parameter's owner (:func:`format_description`

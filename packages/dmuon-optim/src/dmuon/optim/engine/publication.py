@@ -129,6 +129,18 @@ class Publication:
         # every layer before this position has no broadcast in flight: a forward's waits
         # go on from where the previous one stopped (work linear in the depth per forward)
         self._finished = 0
+        # every layer before this position was waited for by a forward pre-hook (or by a
+        # wait every rank made: mark_all_waited) since it was last published; a gradient
+        # of a later one comes from a forward past its wait (unwaited). Moved only by
+        # calls every rank makes, so every rank gives the same answer
+        self._hooked = len(self.layers)
+        # each dedicated parameter's layer and owner (released)
+        self._home = {
+            name: (layer, b.owner)
+            for layer in self.layers
+            for b in layer.publish_buckets
+            for name in b.names
+        }
         self._params = params
         self.plan = plan
         self.rank = rank
@@ -232,6 +244,24 @@ class Publication:
                 self._alias(b, name)  # the model was moved or its data replaced: re-alias
         if layer.publish_buckets and self.world_size > 1:
             self._broadcast(layer)
+            self._hooked = min(self._hooked, self._position[key])
+
+    def unwaited(self, key: str) -> bool:
+        """Whether layer ``key`` was published (ZeRO-2-like) and no forward pre-hook waited
+        for it since (nor a wait every rank made: :meth:`mark_all_waited`): a gradient of it
+        comes from a forward that ran past the wait, and read the weights before they
+        arrived, or while they did. The same answer on every rank (only the hooks and
+        waits every rank makes move it, not a ``state_dict()`` on one rank)."""
+        return (
+            not self.reshard_after_forward
+            and self._position[key] >= self._hooked
+            and bool(self._by_key[key].publish_buckets)
+        )
+
+    def mark_all_waited(self) -> None:
+        """Every rank waited for every layer (``OwnerExchange.wait_all_published``, which
+        ``Dedication.wait()`` calls): a forward past the hooks reads current weights."""
+        self._hooked = len(self.layers)
 
     @contextlib.contextmanager
     def _deadline(self, where: str) -> Iterator[None]:
@@ -291,8 +321,10 @@ class Publication:
         dense layers' travel only inside a forward or backward). Issues no collective
         the other ranks do not issue in their next forward anyway."""
         self.wait_experts()
-        if not self.reshard_after_forward and self.pending_publications():
-            self.wait_all_published()
+        # every layer before _finished is known landed: nothing to look at (the
+        # state-dict and load hooks of every module holding a weight call this)
+        if not self.reshard_after_forward and self._finished < len(self.layers):
+            self.wait_all_layers()
 
     def experts_enter(self, ids: Iterable[int], where: str) -> None:
         """Forward pre-hook of a layer holding expert stacks (``ids``: the parameters'
@@ -350,6 +382,12 @@ class Publication:
                     p.data = _freed(p)
         layer.resident = False
 
+    def released(self, name: str) -> bool:
+        """Whether dedicated parameter ``name`` is freed on this rank right now
+        (ZeRO-3-like, outside a forward)."""
+        home = self._home.get(name)
+        return home is not None and not home[0].resident and home[1] != self.rank
+
     def released_names(self) -> list[str]:
         """Parameters freed on this rank right now (ZeRO-3-like, outside a forward)."""
         return [
@@ -366,6 +404,7 @@ class Publication:
         the next layer is prefetched."""
         with self._deadline(f"before layer {key!r} runs"):
             self._wait_published(key)
+            self._hooked = max(self._hooked, self._position[key] + 1)
             if self.reshard_after_forward:
                 nxt = self._neighbour(key, +1)
                 if nxt is not None:

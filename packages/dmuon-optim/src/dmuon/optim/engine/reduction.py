@@ -150,9 +150,6 @@ class Reduction:
         self.sync = True
         self.sync_condition: Callable[[], bool] | None = None
         self.present: set[str] = set()
-        # layers whose publication was still in flight at this step's first gradient:
-        # the forward read them before their weights arrived (see grad_ready)
-        self.unlanded: set[str] = set()
         self.held_back = 0
         # gradients accumulated without a reduction this step (no_sync, or a sync
         # condition that said no): present at the step even if the last micro-batch,
@@ -260,6 +257,18 @@ class Reduction:
     def grad_ready(self, p: torch.Tensor) -> None:
         """A gradient of ``p`` has been accumulated (call from a post-accumulate hook)."""
         name = self.name_by_id.get(id(p))
+        if name is not None and self.publication.unwaited(key := self.layer_of[name]):
+            raise RuntimeError(
+                f"parameter {name!r} got a gradient from a forward that ran past the wait "
+                f"for the weights of its layer {self.by_key[key].key!r}: the forward "
+                "pre-hook of the layer's module (below a container that a forward never "
+                "calls, each first module that is not one) waits for them after each "
+                "step, and it was not called since (a forward run past its hooks, "
+                "module.forward(x) for module(x), or the weight read outside its layer), "
+                "so the weights were read before or while they arrived from their owners. "
+                "Call the layer as a module, pass layer_of= naming modules the forward "
+                "calls, or call ded.wait() on every rank after opt.step()"
+            )
         held = not self.sync  # no_sync(); the sync condition is not asked then
         if held or (self.sync_condition is not None and not self.sync_condition()):
             if name is not None:
@@ -279,21 +288,8 @@ class Reduction:
             )
         if not self.present and not self.publication.reshard_after_forward:
             # publications finish before this step's reductions (the experts' are their
-            # layers' to wait for: a wait here would hide a forward that read them early).
-            # One still in flight now, after the forward, was not waited for before it ran
-            self.unlanded = {x.key for x in self.layers if x.publish_handle is not None}
+            # layers' to wait for: a wait here would hide a forward that read them early)
             self.publication.wait_all_layers()
-        if layer.key in self.unlanded:
-            raise RuntimeError(
-                f"parameter {name!r} got a gradient from a forward that ran before the "
-                f"weights of its layer {layer.key!r} arrived from their owners: the forward "
-                "pre-hook of the layer's module (below a container that a forward never "
-                "calls, each first module that is not one) waits for them, and it was not "
-                "called (a forward run past its hooks, module.forward(x) for module(x), or "
-                "the weight read outside its layer). Call the layer as a module, pass "
-                "layer_of= naming modules the forward calls, or call ded.wait() after "
-                "opt.step()"
-            )
         self.present.add(name)
         layer.ready.add(name)
         while self.next_launch < len(self.reduce_order):
