@@ -900,13 +900,15 @@ def test_the_next_forward_waits_for_the_experts_only_where_it_reaches_their_laye
 
 def run_unwaited(rank, world):
     """dp 2 × ep 2: the second forward calls the MoE's ``forward`` directly, past the hooks
-    of its block and its own, while its experts are still in flight; then, after
-    ``zero_grad()``, a step as it should be."""
+    of its block and its own, while its experts are still in flight (landed on rank 0 by a
+    ``state_dict()`` there alone); then, after ``zero_grad()``, a step as it should be."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", DP_EP[0], mesh_dim_names=DP_EP[1])
     model, ded, opt = nested_on(mesh)
     train(model, opt, range(1))
+    if rank == 0:  # lands every broadcast on rank 0 alone: the refusal must not change
+        model.state_dict()
     x, y = rank_batch(1)
     try:
         F.mse_loss(model.block.moe.forward(model.first(x)), y).backward()

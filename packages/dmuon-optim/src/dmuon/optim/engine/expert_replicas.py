@@ -176,6 +176,11 @@ class ExpertReplicas:
         # the broadcasts back in flight, and per stack the ones that carry it
         self._pending: list[_Sent] = []
         self._pending_of: dict[int, list[_Sent]] = {}
+        # the stacks sent since the forward pre-hook of their layer last waited for them
+        # (wait_stacks) or every rank waited for them all (mark_all_waited): a gradient of
+        # one comes from a forward past that wait. Only calls every replica makes change
+        # it (not a wait of a state_dict() on one rank), so every replica refuses alike
+        self._unwaited: set[int] = set()
         # each gradient copied into a bucket, as it was then (by both version counters):
         # a change after that would not reach the owner
         self._taken = TakenGradients(_versions)
@@ -230,14 +235,15 @@ class ExpertReplicas:
         s = self._by_param.get(id(p))
         if s is None:
             return
-        if any(not sent.done for sent in self._pending_of.get(id(p), ())):
+        if id(p) in self._unwaited:
             raise RuntimeError(
                 f"expert stack {s.name[id(p)]!r} got a gradient from a forward that ran "
-                "before its stepped weights arrived from their owner among the replicas: "
-                "the forward pre-hook of its layer (the module its layer_key names, or the "
-                "first below it that is not a container) waits for them, and it was not "
-                "called (its forward was run past its hooks, or the stack read outside "
-                "it). Call the layer as a module, or ded.wait() after opt.step()"
+                "past the wait for its stepped weights from their owner among the "
+                "replicas: the forward pre-hook of its layer (the module its layer_key "
+                "names, or the first below it that a forward calls) waits for them after "
+                "each step, and it was not called since (its forward was run past its "
+                "hooks, or the stack read outside it). Call the layer as a module, or "
+                "ded.wait() on every rank after opt.step()"
             )
         if not syncing:
             return
@@ -367,6 +373,7 @@ class ExpertReplicas:
                 self._pending.append(sent)
                 for e in members:
                     self._pending_of.setdefault(id(e.param), []).append(sent)
+                    self._unwaited.add(id(e.param))
 
     def in_flight(self) -> bool:
         """Whether a broadcast of :meth:`start_broadcast` was not waited for yet."""
@@ -406,12 +413,19 @@ class ExpertReplicas:
             for sent in self._pending_of.get(pid, ()):
                 self._finish(sent)
             self._pending_of.pop(pid, None)
+            self._unwaited.discard(pid)
         self._pending = [sent for sent in self._pending if not sent.done]
         if not self._pending:
             self._pending_of.clear()
 
+    def mark_all_waited(self) -> None:
+        """Every replica waited for every stack (``ded.wait()``): a forward past the
+        layers' hooks reads current stacks, and their gradients are not refused."""
+        self._unwaited.clear()
+
     def wait_broadcast(self) -> None:
-        """Wait for every broadcast of :meth:`start_broadcast` still in flight."""
+        """Wait for every broadcast of :meth:`start_broadcast` still in flight (the
+        stacks stay unwaited for :meth:`grad_ready` until their layer's hook runs)."""
         for sent in self._pending:
             self._finish(sent)
         self._pending = []

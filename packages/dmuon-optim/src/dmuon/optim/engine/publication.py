@@ -260,8 +260,11 @@ class Publication:
 
     def mark_all_waited(self) -> None:
         """Every rank waited for every layer (``OwnerExchange.wait_all_published``, which
-        ``Dedication.wait()`` calls): a forward past the hooks reads current weights."""
+        ``Dedication.wait()`` calls): a forward past the hooks reads current weights (and
+        current expert stacks)."""
         self._hooked = len(self.layers)
+        if self.experts is not None:
+            self.experts.mark_all_waited()
 
     @contextlib.contextmanager
     def _deadline(self, where: str) -> Iterator[None]:
@@ -330,9 +333,13 @@ class Publication:
         """Forward pre-hook of a layer holding expert stacks (``ids``: the parameters'
         ``id``): they hold their owners' weights; the other stacks' broadcasts travel on.
         ``where`` names the layer in a timeout's message."""
-        if self.experts is not None and self.experts.in_flight():
+        if self.experts is None:
+            return
+        if self.experts.in_flight():
             with self._deadline(f"before the expert stacks of {where} run"):
                 self.experts.wait_stacks(ids)
+        else:  # landed already (a wait on this rank): the hook still counts as their wait
+            self.experts.wait_stacks(ids)
 
     def pending_publications(self) -> list[str]:
         """Layers whose broadcast is in flight (and ``"experts"`` while an expert stack's
