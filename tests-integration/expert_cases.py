@@ -18,14 +18,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed_cases import CHECK
 from torch import nn
 
 from benchmarks.common.moe import GatherTokens, ScatterSum, expert_mix, split_experts
 from dmuon.optim import DMuon, param_groups
 
-# check_every=1: every run also compares the ranks' parameters after each step (a
-# false alarm of the rank-agreement check fails the test that made it)
-OPT = dict(lr=0.02, weight_decay=0.01, momentum=0.9, ns_compute_dtype=torch.float32, check_every=1)
+OPT = dict(lr=0.02, weight_decay=0.01, momentum=0.9, ns_compute_dtype=torch.float32, **CHECK)
 RULES = ("muon", "normuon", "dion3")
 STEPS = 3
 BATCH = 16  # global tokens per step, split evenly over the ranks

@@ -19,6 +19,7 @@ Cases:
 from __future__ import annotations
 
 import argparse
+import os
 
 import lightning as L
 import torch
@@ -29,7 +30,9 @@ from dmuon.optim import DMuon
 
 PER_RANK, WORLD = 16, 2
 CLIP = 0.05  # below every step's gradient norm here: the clipping changes every step
-DMUON = {"lr": 0.02, "adamw_lr": 3e-3, "ns_compute_dtype": "float32"}
+# DMUON_TEST_CHECK_EVERY: see distributed_cases.CHECK (this script runs on its own)
+CHECK = {"check_every": int(v)} if (v := os.environ.get("DMUON_TEST_CHECK_EVERY")) else {}
+DMUON = {"lr": 0.02, "adamw_lr": 3e-3, "ns_compute_dtype": "float32", **CHECK}
 ADAMW_LR = 3e-3
 
 
@@ -93,8 +96,7 @@ class TwoOptimizers(L.LightningModule):
         strategy = self.trainer.strategy
         return [
             torch.optim.AdamW(biases, lr=ADAMW_LR),
-            # check_every=1: the ranks' parameters compared after every step
-            DMuon([{"params": matrices}], distributed=strategy.dedication, **DMUON, check_every=1),
+            DMuon([{"params": matrices}], distributed=strategy.dedication, **DMUON),
         ]
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from distributed_cases import CHECK
 from torch import nn
 
 from dmuon.optim import DMuon, param_groups
 
-# check_every=1: every run also compares the ranks' parameters after each step (a
-# false alarm of the rank-agreement check fails the test that made it)
-OPT = dict(lr=0.02, weight_decay=0.01, momentum=0.9, ns_compute_dtype=torch.float32, check_every=1)
+OPT = dict(lr=0.02, weight_decay=0.01, momentum=0.9, ns_compute_dtype=torch.float32, **CHECK)
 STEPS = 3
 # The whole-matrix Gram iteration against the shard-wise one with a restart at every
 # step where the Gram side is the long one: same polar factor in exact arithmetic,

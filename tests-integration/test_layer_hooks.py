@@ -69,8 +69,25 @@ def train_step(model: nn.Module, opt: DMuon, step: int, rank: int, world: int) -
     opt.zero_grad()
 
 
-def one_process() -> dict[str, torch.Tensor]:
-    model = Staged()
+class Attending(nn.Module):
+    """A linear layer, then an ``nn.MultiheadAttention`` outside any numbered block:
+    ``layer_key`` gives ``pool.out_proj`` for its output projection, a module the
+    attention never calls (it reads ``out_proj.weight`` in its functional attention). Each
+    row is a sequence of one token, so that rows do not mix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(6, 6, bias=False)
+        self.pool = nn.MultiheadAttention(6, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x).unsqueeze(1)
+        return self.pool(h, h, h, need_weights=False)[0].squeeze(1)
+
+
+def one_process(make: type[nn.Module] = Staged) -> dict[str, torch.Tensor]:
+    model = make()
     opt = DMuon(param_groups(model), **OPT)
     for t in range(STEPS):
         train_step(model, opt, t, 0, 1)
@@ -114,6 +131,30 @@ def test_a_layer_named_by_a_list_of_blocks_waits_before_each_block_like_one_proc
     for rank, (seen, waited, got) in enumerate(run_on_ranks(run_containers, WORLD, timeout=120)):
         assert waited == ["stages.0.0", "stages.0.1", "stages.1.0"], (rank, waited)
         assert seen == [False] * 3 * STEPS, f"rank {rank}: a block ran before its wait: {seen}"
+        for name, w in want.items():
+            diff = (got[name] - w).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
+def run_attending(rank, world):
+    from dmuon.integrations import ddp
+
+    model = Attending()
+    ded = ddp.dedicate(model, layer_pack_mb=0)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    for t in range(STEPS):
+        train_step(model, opt, t, rank, world)
+    ded.wait()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_an_attention_modules_output_projection_waits_before_the_attention_runs():
+    """``pool.out_proj`` is never called: its wait goes on the attention module (before,
+    the wait sat on ``out_proj`` and never ran: the other ranks read last step's weight,
+    and once it was checked every step after the first was refused)."""
+    want = one_process(Attending)
+    assert "pool.out_proj.weight" in want
+    for rank, got in enumerate(run_on_ranks(run_attending, WORLD, timeout=120)):
         for name, w in want.items():
             diff = (got[name] - w).abs().max().item()
             assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
@@ -264,11 +305,14 @@ def test_two_forwards_and_backwards_in_a_step_are_not_refused():
             ["groups.0.first.fc.weight", "groups.0.second.fc.weight"],
             ["groups.0.first", "groups.0.second"],
         ),
-        # a custom key that names no module: where its parameters meet
-        (["pair"], ["blocks.0.fc.weight", "blocks.0.fc.bias"], ["blocks.0.fc"]),
-        (["pair"], ["blocks.0.fc.weight", "blocks.1.fc.weight"], ["blocks.0", "blocks.1"]),
+        # a custom key that names no module: the model (its longest prefix that is one)
+        (["pair"], ["blocks.0.fc.weight", "blocks.1.fc.weight"], [""]),
+        (["blocks.0.pair"], ["blocks.0.fc.weight"], ["blocks.0"]),
         # a parameter of the model itself
         (["scale"], ["scale"], [""]),
+        # the out_proj of an attention module, which reads its weight without calling it
+        (["attn.out_proj"], ["attn.out_proj.weight"], ["attn"]),
+        (["blocks.1"], ["blocks.1.attn.out_proj.weight"], ["blocks.1"]),
     ],
 )
 def test_layer_modules(keys, names, want):
@@ -293,6 +337,7 @@ def test_layer_modules(keys, names, want):
     model.stages = nn.ModuleList([nn.ModuleList([Holder(), Holder()])])
     model.groups = nn.ModuleList([Group()])
     model.scale = nn.Parameter(torch.ones(()))
+    model.attn = nn.MultiheadAttention(4, 2)
     assert layer_modules(model, keys, names) == want
 
 

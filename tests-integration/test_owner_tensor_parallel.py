@@ -106,7 +106,7 @@ def run_owner_dp_tp(rank, world):
             rule=rule,
             tp_path=path,
             distributed=ded,
-            **OPT,  # check_every=1: the rank-agreement checksum, over dp and tp, every step
+            **dict(OPT, check_every=1),  # the rank-agreement checksum, over dp and tp
             **RULES[rule],
         )
         assert opt.mode == "owner"

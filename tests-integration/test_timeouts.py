@@ -47,8 +47,8 @@ DMUON_TIMEOUT = 2.0
 # loaded machine a rank merely slow there must not time the others out before the fault
 WARMUP_TIMEOUT = 30.0
 
-# the default step: the rank-agreement check (check_every) waits for the publications at
-# the step's end, where the faults below expect the next forward to wait for them
+# the default step (whatever DMUON_TEST_CHECK_EVERY says): a step that checks waits for
+# its publications at its end, where the faults below expect the next forward to wait
 OPT = dict(CASES_OPT, check_every=None)
 
 

@@ -148,7 +148,11 @@ class Dedication:
         """Wait until every rank holds the owners' latest weights.
 
         The forward waits layer by layer on its own; call this before reading the
-        weights outside a forward (evaluation code, saving a checkpoint).
+        weights outside a forward (evaluation code, saving a checkpoint). Call it on every
+        rank: it also counts as every layer's wait for the check that refuses a gradient
+        from a forward past a layer's hooks (:meth:`Publication.mark_all_waited
+        <dmuon.optim.engine.Publication.mark_all_waited>`), and a call on some ranks only
+        would let those ranks go on where the others refuse.
         """
         self.exchange.wait_all_published()
 

@@ -180,6 +180,22 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     return handles
 
 
+# stock modules that read a child's weights without calling the child: the wait goes on
+# the parent (nn.MultiheadAttention passes out_proj.weight to its functional attention)
+_READ_BY_PARENT: dict[type[nn.Module], tuple[str, ...]] = {nn.MultiheadAttention: ("out_proj",)}
+
+
+def _called_above(model: nn.Module, prefix: str) -> str:
+    """``prefix``, or the parent that reads its weights without calling it
+    (:data:`_READ_BY_PARENT`)."""
+    while prefix:
+        parent, _, child = prefix.rpartition(".")
+        if child not in _READ_BY_PARENT.get(type(model.get_submodule(parent)), ()):
+            break
+        prefix = parent
+    return prefix
+
+
 def _never_called(module: nn.Module) -> bool:
     """A module without a forward of its own: a ``ModuleList``, ``ModuleDict``,
     ``ParameterList`` or ``ParameterDict``, or a plain ``nn.Module`` used as a namespace.
@@ -190,21 +206,6 @@ def _never_called(module: nn.Module) -> bool:
 def _under(name: str, prefix: str) -> bool:
     """Whether module ``name`` is ``prefix`` or below it (``""``: the model)."""
     return not prefix or name == prefix or name.startswith(prefix + ".")
-
-
-def _meeting(holders: Iterable[str]) -> str:
-    """The deepest module above (or at) every one of ``holders``."""
-    common: list[str] | None = None
-    for holder in holders:
-        parts = holder.split(".") if holder else []
-        if common is None:
-            common = parts
-            continue
-        n = 0
-        while n < min(len(common), len(parts)) and common[n] == parts[n]:
-            n += 1
-        common = common[:n]
-    return ".".join(common or [])
 
 
 def _first_called(model: nn.Module, start: str, holder: str) -> str:
@@ -225,11 +226,11 @@ def _first_called(model: nn.Module, start: str, holder: str) -> str:
 def layer_modules(model: nn.Module, keys: Iterable[str], names: Iterable[str]) -> list[str]:
     """The modules whose forward pre-hooks wait for a layer (of a pack: each of its layer
     ``keys``), whose parameters are ``names``: each key's module
-    (:func:`module_of_layer`; for a key that names no module, from a custom ``layer_of``,
-    the deepest module holding all of ``names``) or, when a forward never calls that
-    module (a ``ModuleList`` of blocks that a nested list or a custom ``layer_of`` names,
-    or a plain ``nn.Module`` without a forward), the first module below it that a forward
-    calls, on the way to each of its parameters.
+    (:func:`module_of_layer`; the ``out_proj`` of an ``nn.MultiheadAttention``, which
+    reads its weight without calling it: the attention module) or, when a forward never
+    calls that module (a ``ModuleList`` of blocks that a nested list or a custom
+    ``layer_of`` names, or a plain ``nn.Module`` without a forward), the first module
+    below it that a forward calls, on the way to each of its parameters.
 
     Examples:
         >>> from torch import nn
@@ -240,10 +241,8 @@ def layer_modules(model: nn.Module, keys: Iterable[str], names: Iterable[str]) -
     names = list(names)
     found: dict[str, None] = {}
     for key in keys:
-        start = _prefix_of_layer(model, key)
+        start = _called_above(model, _prefix_of_layer(model, key))
         holders = {h for n in names if _under(h := n.rpartition(".")[0], start)}
-        if start != key and holders:  # a key that names no module: where its params meet
-            start = _meeting(holders)
         if not _never_called(model.get_submodule(start)):
             found[start] = None
             continue
