@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from dmuon.optim import DMuon
+from dmuon.optim import DMuon, param_groups
 
 PER_RANK, WORLD = 16, 2
 CLIP = 0.05  # below every step's gradient norm here: the clipping changes every step
@@ -115,7 +115,30 @@ class AdamWOnly(TwoOptimizers):
         return torch.optim.AdamW(self.parameters(), lr=ADAMW_LR)
 
 
-CASES = {"two_optimizers": TwoOptimizers, "adamw_only": AdamWOnly}
+class RootWeights(L.LightningModule):
+    """A weight matrix held by the LightningModule itself (its layer ``w``, last in the
+    layers' order), and a ``training_step`` that never calls the module: the trainer runs
+    no forward pre-hook of the LightningModule, so ``DMuonStrategy`` waits for ``w`` itself.
+    Every layer alone (``layer_pack_mb=0``: no packed layer's hook waits for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4)
+        )
+        self.w = nn.Parameter(torch.randn(16, 16) / 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(torch.tanh(x @ self.w)), y)
+
+    def configure_optimizers(self):
+        return DMuon(param_groups(self), distributed=self.trainer.strategy.dedication, **DMUON)
+
+
+CASES = {"two_optimizers": TwoOptimizers, "adamw_only": AdamWOnly, "root_weights": RootWeights}
+DEDICATE = {"root_weights": {"layer_pack_mb": 0}}
 
 
 def main() -> None:
@@ -130,7 +153,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=WORLD,
-        strategy=DMuonStrategy(),
+        strategy=DMuonStrategy(dedicate_options=DEDICATE.get(args.case)),
         max_epochs=1,
         use_distributed_sampler=False,  # RankBatches gives each rank its half
         logger=False,

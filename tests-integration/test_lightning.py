@@ -667,6 +667,28 @@ def test_a_second_optimizer_stepped_before_dmuon_reads_the_averaged_gradients(tm
             assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
 
 
+def test_weights_the_lightning_module_holds_itself_are_waited_for(tmp_path):
+    """``DMuonStrategy`` waits for the layers whose wait is the LightningModule's own
+    forward pre-hook before each ``training_step`` (the trainer never calls the module):
+    both ranks end with the parameters of one process. Before, the rank that did not own
+    ``w`` read last step's, and every step after the first was refused."""
+    import lightning_cases as cases
+
+    ranks = _run_case(tmp_path, "root_weights")
+    assert isinstance(ranks, list)
+    model = cases.RootWeights()
+    opt = cases.DMuon(cases.param_groups(model), **cases.DMUON)  # single mode
+    data = cases.dataset()
+    for rows in cases.RankBatches(len(data), rank=None):
+        model.training_step(data[rows], 0).backward()
+        opt.step()
+        opt.zero_grad()
+    for rank, got in enumerate(ranks):
+        for name, want in model.named_parameters():
+            diff = float((got[name] - want.detach()).abs().max())
+            assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
 def test_an_owner_mode_checkpoint_resumed_without_dmuon_strategy_says_what_to_do():
     """``trainer.fit(ckpt_path=...)`` of a DMuonStrategy (owner mode) checkpoint in one
     process under Lightning's default strategy: Lightning hands the checkpoint's entry

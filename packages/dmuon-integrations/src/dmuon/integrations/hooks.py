@@ -40,7 +40,13 @@ from dmuon.comm import layer_key
 from dmuon.comm.owner_plan import natural_key
 from dmuon.optim import OwnerExchange
 
-__all__ = ["check_one_module", "install_hooks", "layer_modules", "module_of_layer"]
+__all__ = [
+    "check_one_module",
+    "install_hooks",
+    "layer_modules",
+    "module_of_layer",
+    "wait_modules",
+]
 
 
 def module_of_layer(model: nn.Module, key: str) -> nn.Module:
@@ -116,12 +122,7 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
         >>> len(handles)  # 2 gradient, 2 forward pre-, 3 state-dict pre-, 3 load pre-hooks
         10
     """
-    # the way to its dedicated parameters (the weights a forward must wait for)
-    where = {
-        key: layer_modules(model, layer.members, layer.dedicated or exchange.layer_names(key))
-        for key in exchange.layer_keys()
-        for layer in [exchange.layer(key)]
-    }
+    where = wait_modules(model, exchange)
     if exchange.reshard_after_forward:
         check_one_module({k: m for k, m in where.items() if exchange.layer(k).dedicated})
     handles: list[RemovableHandle] = []
@@ -249,6 +250,25 @@ def layer_modules(model: nn.Module, keys: Iterable[str], names: Iterable[str]) -
         for holder in sorted(holders, key=natural_key) or [start]:
             found[_first_called(model, start, holder)] = None
     return list(found)
+
+
+def wait_modules(model: nn.Module, exchange: OwnerExchange) -> dict[str, list[str]]:
+    """Per layer key of ``exchange``, the modules of ``model`` whose forward pre-hooks wait
+    for it (:func:`layer_modules`, on the way to its dedicated weights; ``""``: the model).
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.integrations import ddp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        >>> model.scale = torch.nn.Parameter(torch.ones(4, 4))  # held by the model itself
+        >>> wait_modules(model, ddp.dedicate(model, layer_pack_mb=0).exchange)
+        {'0': ['0'], '1': ['1'], 'scale': ['']}
+    """
+    return {
+        key: layer_modules(model, layer.members, layer.dedicated or exchange.layer_names(key))
+        for key in exchange.layer_keys()
+        for layer in [exchange.layer(key)]
+    }
 
 
 def check_one_module(layers: Mapping[str, Sequence[str]]) -> None:

@@ -52,6 +52,7 @@ from dmuon.integrations.checkpoint import full_state_dict, load_full_state_dict
 from dmuon.integrations.dedication import Dedication
 from dmuon.integrations.extras import raise_missing_extra
 from dmuon.integrations.hf.state import gather_full_state_dict, missing_state
+from dmuon.integrations.hooks import wait_modules
 from dmuon.optim import DMuon, clip_grad_norm_, clip_grad_value_, param_groups
 from dmuon.optim.engine import exchange_of
 from dmuon.optim.loss_scaling import AGREED_MODES
@@ -178,6 +179,7 @@ class DMuonStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self._dedicate_options = {"scalars": scalars, **dict(dedicate_options or {})}
         self._dedication: Dedication | None = None
+        self._root_layers: list[str] = []
 
     @property
     def mode(self) -> str:
@@ -213,9 +215,43 @@ class DMuonStrategy(DDPStrategy):
                 "resume with trainer.fit(new_module, ckpt_path=...)"
             )
         self._dedication = ddp.dedicate(self.model, **self._dedicate_options)
+        # the layers waited for at the LightningModule's own forward pre-hook (weights it
+        # holds itself), which the trainer's training_step does not run: see _enter_root
+        where = wait_modules(self.model, self._dedication.exchange)
+        self._root_layers = [key for key, modules in where.items() if "" in modules]
         if self._precision_plugin is not None:
             plugin: Any = self._precision_plugin  # DMuonPrecision's attribute (any plugin)
             plugin._dmuon_dedication = self._dedication
+
+    def _enter_root(self) -> None:
+        """Owner mode: the waits of the layers whose forward pre-hook is the
+        LightningModule's own, which the trainer never calls (it calls ``training_step``,
+        ``validation_step``, …): weights the module holds itself would be read before
+        their owners' broadcasts arrived."""
+        if self._dedication is not None and self._dedication.handles:
+            publication = self._dedication.exchange.publication
+            for key in self._root_layers:
+                publication.forward_enter(key)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """``DDPStrategy.training_step``, after the waits of :meth:`_enter_root`."""
+        self._enter_root()
+        return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """``DDPStrategy.validation_step``, after the waits of :meth:`_enter_root`."""
+        self._enter_root()
+        return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """``DDPStrategy.test_step``, after the waits of :meth:`_enter_root`."""
+        self._enter_root()
+        return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """``DDPStrategy.predict_step``, after the waits of :meth:`_enter_root`."""
+        self._enter_root()
+        return super().predict_step(*args, **kwargs)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """As ``DDPStrategy``; in owner mode a DMuon must step the dedicated matrices.

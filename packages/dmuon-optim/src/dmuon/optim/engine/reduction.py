@@ -261,8 +261,8 @@ class Reduction:
             raise RuntimeError(
                 f"parameter {name!r} got a gradient from a forward that ran past the wait "
                 f"for the weights of its layer {self.by_key[key].key!r}: the forward "
-                "pre-hook of the layer's module (below a container that a forward never "
-                "calls, each first module that is not one) waits for them after each "
+                "pre-hook of the layer's module (below a module that a forward never "
+                "calls, each first module that one does) waits for them after each "
                 "step, and it was not called since (a forward run past its hooks, "
                 "module.forward(x) for module(x), or the weight read outside its layer), "
                 "so the weights were read before or while they arrived from their owners. "
