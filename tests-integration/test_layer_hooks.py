@@ -305,13 +305,15 @@ def test_two_forwards_and_backwards_in_a_step_are_not_refused():
             ["groups.0.first.fc.weight", "groups.0.second.fc.weight"],
             ["groups.0.first", "groups.0.second"],
         ),
-        # a custom key that names no module: the model (its longest prefix that is one)
-        (["pair"], ["blocks.0.fc.weight", "blocks.1.fc.weight"], [""]),
-        (["blocks.0.pair"], ["blocks.0.fc.weight"], ["blocks.0"]),
+        # a custom key that names no module: where its weights meet (a list: its blocks)
+        (["pair"], ["blocks.0.fc.weight", "blocks.1.fc.weight"], ["blocks.0", "blocks.1"]),
+        (["blocks.0.pair"], ["blocks.0.fc.weight"], ["blocks.0.fc"]),
+        (["out"], ["attn.out_proj.weight"], ["attn"]),
         # a parameter of the model itself
         (["scale"], ["scale"], [""]),
         # the out_proj of an attention module, which reads its weight without calling it
         (["attn.out_proj"], ["attn.out_proj.weight"], ["attn"]),
+        (["mine.out_proj"], ["mine.out_proj.weight"], ["mine"]),  # a subclass
         (["blocks.1"], ["blocks.1.attn.out_proj.weight"], ["blocks.1"]),
     ],
 )
@@ -338,6 +340,11 @@ def test_layer_modules(keys, names, want):
     model.groups = nn.ModuleList([Group()])
     model.scale = nn.Parameter(torch.ones(()))
     model.attn = nn.MultiheadAttention(4, 2)
+
+    class Attention(nn.MultiheadAttention):
+        pass
+
+    model.mine = Attention(4, 2)
     assert layer_modules(model, keys, names) == want
 
 
@@ -402,3 +409,24 @@ def test_a_submodules_state_dict_holds_the_owners_weights_or_is_refused():
                 assert err is None, (rank, name, err)
             else:
                 assert err is not None and repr(name) in err, (rank, name, err)
+
+
+def test_zero3_like_takes_one_module_per_layer_and_one_layer_per_module():
+    """``check_one_module``: a layer waited for at two modules is refused (the first's exit
+    would free what the second reads), and so is a module waiting for two layers (its
+    backward would free one for the other): an attention module with its ``out_proj``
+    outside a numbered block."""
+    from dmuon.integrations.hooks import check_one_module
+
+    check_one_module({"blocks.0": ["blocks.0"], "blocks.1": ["blocks.1"]})
+    with pytest.raises(ValueError, match=r"layer 'stages.0' names a module"):
+        check_one_module({"stages.0": ["stages.0.0", "stages.0.1"]})
+    with pytest.raises(ValueError, match=r"module 'pool' is where layers \['pool', 'pool.out"):
+        check_one_module({"pool": ["pool"], "pool.out_proj": ["pool"]})
+
+
+def test_zero3_like_refuses_an_attention_outside_a_block_at_dedicate():
+    from dmuon.integrations import ddp
+
+    with pytest.raises(ValueError, match=r"module 'pool' is where layers"):
+        ddp.dedicate(Attending(), reshard_after_forward=True)

@@ -188,13 +188,32 @@ _READ_BY_PARENT: dict[type[nn.Module], tuple[str, ...]] = {nn.MultiheadAttention
 
 def _called_above(model: nn.Module, prefix: str) -> str:
     """``prefix``, or the parent that reads its weights without calling it
-    (:data:`_READ_BY_PARENT`)."""
+    (:data:`_READ_BY_PARENT`, subclasses included)."""
     while prefix:
         parent, _, child = prefix.rpartition(".")
-        if child not in _READ_BY_PARENT.get(type(model.get_submodule(parent)), ()):
+        holder = model.get_submodule(parent)
+        if not any(
+            isinstance(holder, kind) and child in children
+            for kind, children in _READ_BY_PARENT.items()
+        ):
             break
         prefix = parent
     return prefix
+
+
+def _meeting(holders: Iterable[str]) -> str:
+    """The deepest module at or above every one of ``holders``."""
+    common: list[str] | None = None
+    for holder in holders:
+        parts = holder.split(".") if holder else []
+        n = 0
+        if common is None:
+            common = parts
+            continue
+        while n < min(len(common), len(parts)) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    return ".".join(common or [])
 
 
 def _never_called(module: nn.Module) -> bool:
@@ -226,9 +245,11 @@ def _first_called(model: nn.Module, start: str, holder: str) -> str:
 
 def layer_modules(model: nn.Module, keys: Iterable[str], names: Iterable[str]) -> list[str]:
     """The modules whose forward pre-hooks wait for a layer (of a pack: each of its layer
-    ``keys``), whose parameters are ``names``: each key's module
-    (:func:`module_of_layer`; the ``out_proj`` of an ``nn.MultiheadAttention``, which
-    reads its weight without calling it: the attention module) or, when a forward never
+    ``keys``), whose parameters are ``names``: each key's module (:func:`module_of_layer`;
+    for a custom ``layer_of`` key that names no module, the deepest module holding all of
+    ``names`` under its longest prefix that is one; the ``out_proj`` of an
+    ``nn.MultiheadAttention``, which reads its weight without calling it: the attention
+    module) or, when a forward never
     calls that module (a ``ModuleList`` of blocks that a nested list or a custom
     ``layer_of`` names, or a plain ``nn.Module`` without a forward), the first module
     below it that a forward calls, on the way to each of its parameters.
@@ -242,8 +263,11 @@ def layer_modules(model: nn.Module, keys: Iterable[str], names: Iterable[str]) -
     names = list(names)
     found: dict[str, None] = {}
     for key in keys:
-        start = _called_above(model, _prefix_of_layer(model, key))
+        start = _prefix_of_layer(model, key)
         holders = {h for n in names if _under(h := n.rpartition(".")[0], start)}
+        if start != key and holders:  # a key that names no module: where its weights meet
+            start = _meeting(holders)
+        start = _called_above(model, start)
         if not _never_called(model.get_submodule(start)):
             found[start] = None
             continue
@@ -272,18 +296,21 @@ def wait_modules(model: nn.Module, exchange: OwnerExchange) -> dict[str, list[st
 
 
 def check_one_module(layers: Mapping[str, Sequence[str]]) -> None:
-    """ZeRO-3-like owner mode frees a layer after its module's forward and gathers it before
-    its backward: refuse a layer waited for at several modules (:func:`layer_modules`: a
-    container of blocks), whose first module's exit would free what the others read.
+    """ZeRO-3-like owner mode gathers a layer before its module's forward, frees it after,
+    and gathers it again before the module's backward, freeing the layers backward is done
+    with: refuse a layer waited for at several modules (:func:`layer_modules`: a container
+    of blocks), whose first module's exit would free what the others read, and a module
+    waiting for several layers, whose backward would free one for the next.
 
     Args:
         layers: per layer key, the modules that wait for it (:func:`layer_modules`).
 
     Raises:
-        ValueError: a layer with more than one module, naming it and them.
+        ValueError: a layer with more than one module, or a module with more than one
+            layer, naming them.
 
     Examples:
-        >>> check_one_module({"blocks.0": ["blocks.0"]})  # one module: taken
+        >>> check_one_module({"blocks.0": ["blocks.0"], "blocks.1": ["blocks.1"]})  # taken
         >>> try:
         ...     check_one_module({"stages.0": ["stages.0.0", "stages.0.1"]})
         ... except ValueError as err:
@@ -298,6 +325,22 @@ def check_one_module(layers: Mapping[str, Sequence[str]]) -> None:
                 "and freed after each, and reshard_after_forward=True (ZeRO-3-like) needs "
                 "one module per layer that the forward calls. Pass layer_of= mapping each "
                 f"parameter to such a module (e.g. {prefixes[0]!r} for its parameters), or "
+                "reshard_after_forward=False"
+            )
+    by_module: dict[str, list[str]] = {}
+    for key, prefixes in layers.items():
+        for prefix in prefixes:
+            by_module.setdefault(prefix, []).append(key)
+    for prefix, keys in by_module.items():
+        if len(keys) > 1:
+            where = f"module {prefix!r}" if prefix else "the model"
+            raise ValueError(
+                f"{where} is where layers {keys} are waited for (an attention module's "
+                "out_proj is read by the attention; a custom layer_of key that names no "
+                "module waits where its weights meet); reshard_after_forward=True "
+                "(ZeRO-3-like) gathers a layer before that module's backward and frees the "
+                "one before, so it needs one layer per module. Pass layer_of= mapping "
+                f"their parameters to one layer (e.g. {keys[0]!r}), or "
                 "reshard_after_forward=False"
             )
 
