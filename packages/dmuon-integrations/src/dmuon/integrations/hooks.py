@@ -346,17 +346,16 @@ def check_one_module(layers: Mapping[str, Sequence[str]]) -> None:
 
 
 def _waiting_module(model: nn.Module, name: str) -> str:
-    """Where parameter ``name``'s wait goes: its layer (the module
-    :func:`~dmuon.comm.layer_key` names, the transformer block, as for the dense layers),
-    or when that is a container a forward never calls (a ``ModuleList`` of blocks), the
-    first module below it on the way to the parameter's holder that is not one.
+    """Where parameter ``name``'s wait goes, by the dense layers' rule
+    (:func:`layer_modules` of its :func:`~dmuon.comm.layer_key`): its layer (the
+    transformer block), or when that is a container a forward never calls (a
+    ``ModuleList`` of blocks), the first module below it on the way to the parameter's
+    holder that a forward calls.
     ``"blocks.0.moe.w1"`` → ``"blocks.0"``; ``"stages.0.0.moe.w1"`` (``stages.0`` a
     ``ModuleList``) → ``"stages.0.0"``; a parameter of the root → ``""``; one of a
     container that holds parameters itself (``moe.experts.0`` of a ``ParameterList``) →
     the module above it (``moe``)."""
-    holder = name.rpartition(".")[0]
-    layer = layer_key(name)
-    return _first_called(model, layer if _under(holder, layer) else holder, holder)
+    return layer_modules(model, [layer_key(name)], [name])[0]
 
 
 def _expert_waits(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHandle]:
