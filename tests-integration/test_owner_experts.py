@@ -509,10 +509,11 @@ def test_the_plan_counts_each_replicas_own_experts_as_the_engine_steps_them():
         assert not results[a][1] & results[b][1], (a, b)
 
 
-def run_fsdp(rank, world, rule, shape, names):
+def run_fsdp(rank, world, rule, shape, names, free=False):
     """``fsdp.dedicate`` over a 1-D mesh of every rank, then ``fully_shard`` of the rest
     (the scalars) with ``ignored_params=ded.params``: the dedicated matrices and the expert
-    stacks, which stay where they live."""
+    stacks, which stay where they live. With ``free`` (``free_local_grads``), also the
+    stacks whose local gradient is still held after each backward (none should be)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -521,25 +522,47 @@ def run_fsdp(rank, world, rule, shape, names):
     experts_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     dp = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     model = expert_parallel(experts_mesh)
-    ded = fsdp.dedicate(model, dp)
+    ded = fsdp.dedicate(model, dp, free_local_grads=free)
     ignored = ded.params
     assert {n for n, p in model.named_parameters() if p in ignored} >= set(STACKS)
     fully_shard(model, mesh=dp, ignored_params=ignored)
     opt = DMuon(param_groups(model), distributed=ded, rule=rule, **OPT)
-    train(model, opt, range(STEPS))
+    held, owned = [], []
+    for t in range(STEPS):
+        backward_on_rank(model, t)
+        held += [(t, n) for n in STACKS if getattr(model, n).grad is not None]
+        opt.step()  # the owners' gradients are the sums from here on
+        owned += [(t, n) for n in STACKS if getattr(model, n).grad is not None]
+        opt.zero_grad()
     ded.wait()
-    return whole_params(model)
+    owns = [n for n in STACKS if opt.engine.steps(getattr(model, n))]
+    return whole_params(model), held, owned, owns
 
 
 @MESHES
-def test_fsdp_dedicate_leaves_the_experts_where_they_live_and_steps_like_one_process(world, mesh):
+@pytest.mark.parametrize("free", [False, True], ids=["kept", "free_local_grads"])
+def test_fsdp_dedicate_leaves_the_experts_where_they_live_and_steps_like_one_process(
+    world, mesh, free
+):
     """The scalars sharded by FSDP2, the dense matrices dedicated, the experts in place
-    (on dp 2 × ep 2 one owner among each stack's replicas): equal to one process."""
+    (on dp 2 × ep 2 one owner among each stack's replicas): equal to one process. Under
+    ``free_local_grads`` no rank holds a stack's local gradient after backward (its bucket
+    does), and each stack's owner holds the summed one in the step (on ``ep`` alone a
+    rank's experts have no replicas: their gradients are final, and kept)."""
     expected = moving_reference("normuon")
-    for rank, got in enumerate(run_on_ranks(run_fsdp, world, args=("normuon", *mesh), timeout=240)):
+    args = ("normuon", *mesh, free)
+    for rank, (got, held, owned, owns) in enumerate(
+        run_on_ranks(run_fsdp, world, args=args, timeout=240)
+    ):
         for name, want in expected.items():
             diff = (got[name] - want).abs().max().item()
             assert diff <= TOLERANCE, f"rank {rank}: {name} off by {diff:.2e}"
+        everywhere = [(t, n) for t in range(STEPS) for n in STACKS]
+        assert held == ([] if free and world == 4 else everywhere), (rank, held)
+        # an owner's stack holds the sum after the step; a replica that does not own it
+        # keeps its own gradient, unless freed
+        want_owned = [(t, n) for t, n in everywhere if n in owns or not free]
+        assert owned == want_owned, (rank, owned, owns)
 
 
 def run_summed_grads(rank, world, shape, names):

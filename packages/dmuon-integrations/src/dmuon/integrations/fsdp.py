@@ -84,7 +84,10 @@ def dedicate(
             is copied for its reduction, as FSDP2 frees the unsharded gradients: less
             memory in backward, and no plain-tensor gradient beside FSDP2's DTensor ones
             when a trainer takes the norm of every ``p.grad`` itself (torchtitan). The
-            owners' reduced gradients are set in ``step()`` as always.
+            same for an expert stack replicated over ``dp`` (``dp × ep``) once it is
+            copied for its reduction to its owner among the replicas (a stack on ``ep``
+            alone keeps its gradient: it is final). The owners' reduced gradients are set
+            in ``step()`` as always.
         strategy: owner planning strategy (``"lpt"`` or ``"ilp"``; see
             :func:`dmuon.comm.plan_owners`).
         layer_of: name → layer key; a layer is the unit of reduction, publication and

@@ -163,15 +163,21 @@ class ExpertReplicas:
         groups: per group of ranks holding the same experts (``dp`` of a ``dp × ep``
             mesh), the stacks they share.
         stats: where the collectives are counted (:data:`EXPERT_REPLICAS_STATS_NAME`).
+        free_local_grads: set each stack's local ``p.grad`` to ``None`` once it is copied
+            into its bucket (the dedication's ``free_local_grads``): backward then holds
+            the bucket, not the bucket and the gradients; the owner's gradient is set to
+            the sum at :meth:`reduce` (a view of the bucket: no copy either).
     """
 
     def __init__(
         self,
         groups: Sequence[tuple[dist.ProcessGroup, Sequence[EngineParam]]],
         stats: CommStats,
+        free_local_grads: bool = False,
     ) -> None:
         self.sets = [_ReplicaSet(g, params) for g, params in groups]
         self.stats = stats
+        self.free_local_grads = free_local_grads
         self._by_param = {pid: s for s in self.sets for pid in s.owner}
         # the broadcasts back in flight, and per stack the ones that carry it
         self._pending: list[_Sent] = []
@@ -275,7 +281,10 @@ class ExpertReplicas:
         )
         flat = self._flat(bucket.members, True, present)
         for e in bucket.members:
-            self._taken.take(id(e.param), e.name, e.param)
+            if self.free_local_grads:  # copied: the bucket holds it now
+                e.param.grad = None
+            else:
+                self._taken.take(id(e.param), e.name, e.param)
         self._count("reduce", flat, s)
         bucket.work = dist.reduce(flat, dst=s.ranks[bucket.owner], group=s.group, async_op=True)
         bucket.flat = flat
@@ -337,10 +346,14 @@ class ExpertReplicas:
                     continue
                 if e.param.grad is not None:
                     local_tensor(e.param.grad).copy_(part)
-                else:
+                else:  # freed at the launch (a view: the bucket is this step's alone),
+                    # or no local gradient on the owner (a copy: the bucket is let go)
                     p: Any = e.param
                     p.grad = DTensor.from_local(
-                        part.clone(), p.device_mesh, p.placements, run_check=False
+                        part if self.free_local_grads else part.clone(),
+                        p.device_mesh,
+                        p.placements,
+                        run_check=False,
                     )
 
     def end_step(self) -> None:

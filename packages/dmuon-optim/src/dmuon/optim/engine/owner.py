@@ -135,7 +135,11 @@ class OwnerEngine(Engine):
             )
         self._dedicated_ids = frozenset(id(e.param) for e in ours)
         self._in_place_ids = frozenset(id(e.param) for e in in_place)
-        sets = ExpertReplicas([replica_sets[k] for k in sorted(replica_sets)], self.stats)
+        sets = ExpertReplicas(
+            [replica_sets[k] for k in sorted(replica_sets)],
+            self.stats,
+            free_local_grads=ex.reduction.free_local_grads,
+        )
         # their gradients summed into the owner as backward produces them: the replica sets
         # the reduction holds already when they are these stacks' (another optimizer's over
         # this dedication), else these
