@@ -19,7 +19,7 @@ model of :func:`dmuon.comm.cost_model` with α and β fitted on this machine fro
 a small and a large all-reduce, applied to the collectives the mode issues, and
 the ideal bytes (no padding). The prediction is wire time only: local work
 (packing, the vote, copies into buckets) is not in it; the time of packing and
-unpacking every sign is reported next to the table. Writes
+unpacking every vote is reported next to the table. Writes
 ``benchmarks/results/comm-<device>-<backend>-w<N>.json`` and ``.png`` per world
 size and prints a table. Never asserts on time.
 
@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import (
+    VOTES_PER_BYTE,
     CommStats,
     MatrixItem,
     __version__,
@@ -52,13 +53,13 @@ from dmuon.comm import (
     cost_model,
     majority_vote,
     make_buckets,
-    pack_signs,
+    pack_votes,
     plan_owners,
     reduce_to_owners,
     shard_all_to_all,
     shard_all_to_all_reverse,
     shard_range,
-    unpack_signs,
+    unpack_votes,
 )
 from dmuon.comm.testing import run_on_ranks
 
@@ -127,7 +128,8 @@ def _predict(plan, n: int, alpha: float, bandwidth: float) -> dict[str, tuple[fl
     replicated = add(c("all_reduce", P), c("all_gather", P))
     sharded = add(c("all_to_all", P // n), c("all_to_all", P // n))
     entries = sum(i.numel for i in plan.items)
-    packed = add(c("all_to_all", math.ceil(entries / 8)), c("all_gather", math.ceil(entries / 8)))
+    votes = math.ceil(entries / VOTES_PER_BYTE)  # bytes: five votes per byte
+    packed = add(c("all_to_all", votes), c("all_gather", votes))
     return {
         "fp32 all-reduce": c("all_reduce", P),
         "owner": owner,
@@ -186,7 +188,7 @@ def bench_rank(
     }
     alpha, bandwidth = _fit_alpha_beta(n, device, repeats)
     # Local work of the sign modes, which the α–β model (wire time only) leaves out.
-    local = _timed(lambda: unpack_signs(pack_signs(flat), flat.shape), repeats, device)
+    local = _timed(lambda: unpack_votes(pack_votes(flat), flat.shape), repeats, device)
     predicted = _predict(plan, n, alpha, bandwidth)
     rows = []
     for k, mode in enumerate(MODES):
@@ -257,7 +259,7 @@ def print_table(result: dict[str, Any]) -> None:
         )
     Console(width=120).print(table)
     print(
-        f"local pack_signs + unpack_signs of all {result['param_bytes'] // 4} entries: "
+        f"local pack_votes + unpack_votes of all {result['param_bytes'] // 4} entries: "
         f"{result['pack_unpack_seconds'] * 1e3:.2f} ms (not in the α–β prediction)"
     )
 

@@ -2,9 +2,9 @@
 
 The simulation keeps one momentum per simulated rank, runs the chain up to the
 signs on each rank's own gradient, takes the majority written out here —
-``S = +1`` where at least half of the ranks have a sign ≥ 0 (the tie rule of
-``dmuon.comm.majority_vote``), else ``−1`` — finishes the chain on ``S`` and applies
-it; the scalar parameters take AdamW on the averaged gradient, as sign mode does.
+``S = sign(Σ_r s_r)``, a zero sign abstaining and a tie giving ``0`` — finishes the
+chain on ``S`` and applies it; the scalar parameters take AdamW on the averaged
+gradient, as sign mode does.
 """
 
 import pytest
@@ -54,8 +54,7 @@ def simulate(name, world):
                     G = grads[r][p].reshape(shape)
                     ctx = StepContext(grad=G, hp=g)
                     signs.append(run_chain(before, G, {"momentum_buffer": momenta[r][p]}, ctx))
-                plus = sum((s >= 0).to(torch.int64) for s in signs)
-                voted = torch.where(2 * plus >= world, 1.0, -1.0)
+                voted = torch.sign(sum(signs))
                 ctx = StepContext(grad=grads[0][p].reshape(shape), hp=g)
                 U = run_chain(after, voted, {}, ctx)
                 apply_update(
@@ -81,4 +80,52 @@ def test_sign_mode_equals_a_single_process_simulation_of_the_vote(world):
     results = run_on_ranks(run_sign, world, args=(NAME,), timeout=120)
     for rank in range(world):
         diff, where = max_diff(results[rank], expected)
+        assert diff <= TOLERANCE, f"rank {rank}: {where} differs by {diff:.2e}"
+
+
+def two_matrices() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 8, bias=False), torch.nn.Tanh(), torch.nn.Linear(8, 3, bias=False)
+    )
+
+
+def matrix_batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(700 + t)
+    return torch.randn(10, 6, generator=g), torch.randn(10, 3, generator=g)
+
+
+def run_abstaining(rank, world):
+    """Only rank 0 has gradients: every other rank steps zeros (its momentum stays zero,
+    its signs are zeros) and abstains from the vote."""
+    model = two_matrices()
+    opt = DMuon(param_groups(model), rule="sign_muon", mode="sign", **OPT)
+    for t in range(STEPS):
+        if rank == 0:
+            x, y = matrix_batch(t)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_without_a_gradient_abstain_so_the_vote_is_the_one_rank_that_has_one(world):
+    """``S = sign(Σ_r s_r)`` with ``sign(0) = 0``: the ranks whose gradients are missing
+    (stepped as zeros) leave rank 0's signs as they are, so every rank steps exactly as
+    one process on rank 0's batches. (A vote counting a zero as ``+`` moved every entry
+    of rank 0's ``−`` signs up instead, on 2 ranks as a tie, on 3 as the majority.)"""
+    model = two_matrices()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = DMuon(param_groups(model), rule="sign_muon", **OPT)
+    for t in range(STEPS):
+        x, y = matrix_batch(t)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moved, _ = max_diff(expected, initial)
+    assert moved > 1e-2
+    for rank, got in enumerate(run_on_ranks(run_abstaining, world, timeout=120)):
+        diff, where = max_diff(got, expected)
         assert diff <= TOLERANCE, f"rank {rank}: {where} differs by {diff:.2e}"

@@ -14,7 +14,14 @@ import pytest
 import dmuon.comm
 
 MODULES = sorted(m.name for m in pkgutil.iter_modules(dmuon.comm.__path__, "dmuon.comm."))
-CONSTANTS = {"COLLECTIVES", "DEFAULT_PACK_BELOW", "STRATEGIES", "VOTE_METHODS", "__version__"}
+CONSTANTS = {
+    "COLLECTIVES",
+    "DEFAULT_PACK_BELOW",
+    "STRATEGIES",
+    "VOTE_METHODS",
+    "VOTES_PER_BYTE",
+    "__version__",
+}
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -54,7 +54,7 @@ def test_owner_traffic_is_one_ring_all_reduce_and_z3_adds_a_broadcast(llama):
         assert sum(t.sent[0] for t in z3[:3]) == pytest.approx(1.5 * ring)
 
 
-def test_sharded_moves_two_shard_volumes_and_sign_a_thirty_second(llama):
+def test_sharded_moves_two_shard_volumes_and_sign_a_twentieth(llama):
     n = 8
     plan = plan_owners(llama.matrices, n)
     P = sum(i.nbytes for i in llama.matrices)
@@ -64,7 +64,8 @@ def test_sharded_moves_two_shard_volumes_and_sign_a_thirty_second(llama):
     assert sum(there.sent) == pytest.approx(sum(back.received))
     vote = dmuon_transfers(llama, plan, "sign")[0]
     fp32_all_reduce = 2 * (n - 1) / n * sum(i.numel * 4 for i in llama.matrices)
-    assert vote.sent[0] == pytest.approx(fp32_all_reduce / 32, rel=1e-3)
+    # five ternary votes per byte: 1.6 bits per entry against 32
+    assert vote.sent[0] == pytest.approx(fp32_all_reduce / 20, rel=1e-3)
 
 
 def test_more_gpus_never_increase_the_per_rank_newton_schulz_time(llama):

@@ -30,7 +30,7 @@ from dmuon.comm.planning import DEFAULT_PACK_BELOW, STRATEGIES, plan_owners
 from dmuon.comm.process_groups import CollectiveInputError
 from dmuon.comm.roll_call import RollCall, call_roll, start_responder
 from dmuon.comm.shard_all_to_all import shard_all_to_all, shard_all_to_all_reverse, shard_range
-from dmuon.comm.signs import pack_signs, unpack_signs
+from dmuon.comm.signs import VOTES_PER_BYTE, pack_signs, pack_votes, unpack_signs, unpack_votes
 from dmuon.comm.stats import CommStats, OpStats, default_stats
 from dmuon.comm.tensor_parallel_cost import TensorParallelPath, gram_restarts, tensor_parallel_path
 
@@ -38,6 +38,7 @@ __all__ = [
     "COLLECTIVES",
     "DEFAULT_PACK_BELOW",
     "STRATEGIES",
+    "VOTES_PER_BYTE",
     "VOTE_METHODS",
     "BucketSlot",
     "CollectiveCost",
@@ -72,6 +73,7 @@ __all__ = [
     "matrix_items",
     "ns_flops",
     "pack_signs",
+    "pack_votes",
     "plan_owners",
     "reduce_to_owners",
     "shard_all_to_all",
@@ -80,5 +82,6 @@ __all__ = [
     "start_responder",
     "tensor_parallel_path",
     "unpack_signs",
+    "unpack_votes",
     "wait_work",
 ]

@@ -1,8 +1,13 @@
-"""Sign packing: 8 signs per byte.
+"""Sign packing: 8 signs per byte, or 5 votes in ``{−1, 0, +1}`` per byte.
 
-Convention, shared with :func:`~dmuon.comm.majority_vote`: an entry ``x`` is
-*positive* when ``x ≥ 0`` — zero (``+0.0`` and ``−0.0``) counts as ``+1`` — and
-negative otherwise (NaN counts as ``−1``, since ``NaN ≥ 0`` is false). Entry
+Convention: an entry ``x`` is *positive* when ``x ≥ 0`` — zero (``+0.0`` and
+``−0.0``) counts as ``+1`` — and negative otherwise (NaN counts as ``−1``, since
+``NaN ≥ 0`` is false): one bit holds two values.
+
+:func:`~dmuon.comm.majority_vote` needs a third, ``sign(0) = 0`` (a zero abstains), and
+packs its votes with :func:`pack_votes`: entry ``k`` is base-3 digit ``k mod 5`` (least
+significant first) of byte ``k // 5``, the digit being ``vote + 1``; ``3^5 = 243`` codes
+fit a byte, so a vote costs 1.6 bits. Votes past the last entry abstain. Entry
 ``k`` of the flattened tensor is bit ``k mod 8`` (least significant first) of
 byte ``k // 8``; a set bit means ``+1``. Bits past the last entry are set (``+``)
 and ignored by :func:`unpack_signs`.
@@ -15,7 +20,23 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["pack_signs", "unpack_signs"]
+__all__ = [
+    "ABSTAIN",
+    "VOTES_PER_BYTE",
+    "pack_signs",
+    "pack_votes",
+    "ternary_signs",
+    "unpack_signs",
+    "unpack_votes",
+]
+
+VOTES_PER_BYTE = 5
+"""Votes in ``{−1, 0, +1}`` per byte of :func:`pack_votes` (``3^5 = 243 ≤ 256``)."""
+
+_POWERS = tuple(3**i for i in range(VOTES_PER_BYTE))
+
+ABSTAIN = sum(_POWERS)
+"""The byte of five abstentions (every digit ``0 + 1``): :func:`pack_votes`' padding."""
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -116,3 +137,100 @@ def unpack_signs(
     # One row of a 256-entry table per byte: a gather instead of eight shifts.
     signs = torch.index_select(_sign_table(dtype, bits.device), 0, bits.to(torch.int32))
     return signs.reshape(-1)[:n].reshape(shape)
+
+
+def ternary_signs(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sign(x)`` in ``dtype``: ``+1``, ``0`` or ``−1`` per entry; NaN gives ``0``.
+
+    Examples:
+        >>> import torch
+        >>> ternary_signs(torch.tensor([2.0, -0.0, float("nan"), -3.0]), torch.int8)
+        tensor([ 1,  0,  0, -1], dtype=torch.int8)
+    """
+    signs = torch.sign(x)
+    if signs.is_floating_point():
+        signs.nan_to_num_(0.0)  # torch.sign keeps NaN, which no integer holds
+    return signs.to(dtype)
+
+
+def pack_votes(x: torch.Tensor) -> torch.Tensor:
+    """The signs of ``x`` (``sign(0) = 0``; NaN abstains too) as a 1-D uint8 tensor of
+    ``ceil(numel/5)`` bytes, five per byte in base 3.
+
+    Entry ``k`` of ``x.flatten()`` is digit ``k % 5`` (least significant first) of byte
+    ``k // 5``, the digit being ``sign + 1``; entries past the last abstain.
+
+    Args:
+        x: a real tensor of any shape and memory layout.
+
+    Raises:
+        ValueError: ``x`` is complex or boolean.
+
+    Examples:
+        >>> import torch
+        >>> pack_votes(torch.tensor([1.0, -2.0, 0.0, 3.0, -1.0, 0.5]))  # 2+0+9+54+0, 2+3+9+27+81
+        tensor([ 65, 122], dtype=torch.uint8)
+    """
+    if x.is_complex() or x.dtype == torch.bool:
+        raise ValueError(f"pack_votes needs a real numeric tensor, got dtype {x.dtype}")
+    flat = x.reshape(-1)
+    n = flat.numel()
+    nbytes = -(-n // VOTES_PER_BYTE)
+    digits = torch.ones(nbytes * VOTES_PER_BYTE, dtype=torch.uint8, device=x.device)
+    digits[:n] += ternary_signs(flat, torch.int8).view(torch.uint8)  # 1 + (−1 as 255) = 0
+    digits = digits.view(nbytes, VOTES_PER_BYTE)
+    out = digits[:, 0].clone()
+    for i in range(1, VOTES_PER_BYTE):
+        out.add_(digits[:, i], alpha=_POWERS[i])  # ≤ 2·(1 + 3 + 9 + 27 + 81) = 242
+    return out
+
+
+_VOTE_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _vote_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``(256, 5)``: row ``b`` holds the five votes packed in byte ``b`` (rows past 242,
+    which :func:`pack_votes` never writes, abstain)."""
+    key = (dtype, device)
+    if key not in _VOTE_TABLES:
+        codes = torch.arange(256, device=device)
+        digits = torch.stack([codes // p % 3 for p in _POWERS], dim=-1) - 1
+        digits[3**VOTES_PER_BYTE :] = 0
+        _VOTE_TABLES[key] = digits.to(dtype)
+    return _VOTE_TABLES[key]
+
+
+def unpack_votes(
+    packed: torch.Tensor, shape: Sequence[int], *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The ``{−1, 0, +1}`` tensor of ``shape`` whose votes :func:`pack_votes` packed.
+
+    Args:
+        packed: 1-D uint8 tensor with at least ``ceil(prod(shape)/5)`` bytes.
+        shape: shape of the result.
+        dtype: dtype of the result.
+
+    Raises:
+        ValueError: ``packed`` is not 1-D uint8 or is too short for ``shape``.
+
+    Examples:
+        >>> import torch
+        >>> x = torch.tensor([[0.5, -1.0, 0.0], [-3.0, 2.0, -0.0]])
+        >>> unpack_votes(pack_votes(x), x.shape)
+        tensor([[ 1., -1.,  0.],
+                [-1.,  1.,  0.]])
+    """
+    shape = tuple(int(d) for d in shape)
+    n = math.prod(shape)
+    if packed.dtype != torch.uint8 or packed.dim() != 1:
+        raise ValueError(
+            f"packed must be a 1-D uint8 tensor, got {packed.dtype} of shape {tuple(packed.shape)}"
+        )
+    if packed.numel() * VOTES_PER_BYTE < n:
+        raise ValueError(
+            f"packed holds {packed.numel() * VOTES_PER_BYTE} votes but shape {shape} needs "
+            f"{n} (≥ {-(-n // VOTES_PER_BYTE)} bytes)"
+        )
+    # one row of a 256-entry table per byte: a gather instead of five divisions
+    votes = torch.index_select(_vote_table(dtype, packed.device), 0, packed.to(torch.int32))
+    return votes.reshape(-1)[:n].reshape(shape)

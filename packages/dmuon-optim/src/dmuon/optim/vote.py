@@ -10,8 +10,9 @@ majority,
 The rule receives that collective as a :class:`SignVote` — a callable from the
 local signs to the voted signs — handed in by whoever runs the step. On one
 process it is :func:`local_vote`, the identity. The distributed engine hands in a
-vote built on ``dmuon.comm.majority_vote`` (packed bits or int8, with that
-package's tie rule); the rule code is the same in both cases.
+vote built on ``dmuon.comm.majority_vote`` (packed or int8: the same ``sign(Σ_r s_r)``,
+a zero abstaining and a tie giving ``0``, so a vote of one rank is its own signs); the
+rule code is the same in both cases.
 """
 
 from __future__ import annotations

@@ -3,14 +3,15 @@
 Every rank runs ``rule="sign_muon"`` on every matrix with its *own* gradient and
 momentum; in the middle of the chain the ranks agree on the elementwise majority
 of their signs through :func:`dmuon.comm.majority_vote` with ``method="packed"``
-(signs packed 8 per byte: 1/32 of an fp32 all-reduce), and every rank applies the
-same voted step (Mishra, Trivedi & Kumar, arXiv 2605.16311). The scalar
-parameters' gradients are averaged here (one all-reduce per dtype), since nothing
-else synchronises them: train the model without DDP.
+(votes in ``{−1, 0, +1}`` packed 5 per byte: 1/20 of an fp32 all-reduce), and every
+rank applies the same voted step (Mishra, Trivedi & Kumar, arXiv 2605.16311). The
+scalar parameters' gradients are averaged here (one all-reduce per dtype), since
+nothing else synchronises them: train the model without DDP.
 
-A matrix whose gradient is missing on this rank but present on another votes
-with zeros; one that no rank has a gradient for is skipped everywhere. Every rank
-holds the momentum of every matrix (it is rank-specific by design).
+A matrix whose gradient is missing on this rank but present on another is stepped
+with a zero gradient (its momentum decays; a zero sign abstains from the vote); one
+that no rank has a gradient for is skipped everywhere. Every rank holds the momentum
+of every matrix (it is rank-specific by design).
 """
 
 from __future__ import annotations

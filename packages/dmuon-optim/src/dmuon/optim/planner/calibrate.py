@@ -70,7 +70,7 @@ def _median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -
 def _link_rank(rank: int, world: int, repeats: int) -> tuple[float, float, float, dict[str, float]]:
     import torch.distributed as dist
 
-    from dmuon.comm import cost_model, majority_vote
+    from dmuon.comm import VOTES_PER_BYTE, cost_model, majority_vote
     from dmuon.comm.torch_compat import all_gather_single, reduce_scatter_single
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -99,7 +99,9 @@ def _link_rank(rank: int, world: int, repeats: int) -> tuple[float, float, float
     signs = torch.randn(large.numel(), device=device)
     t_vote = timed(lambda: majority_vote(signs, method="packed"))
     # its all-to-all and all-gather: (N−1) latency steps and (N−1)/N of the packed bytes each
-    wire = 2 * ((world - 1) * alpha + (world - 1) / world * signs.numel() / 8 / bandwidth)
+    wire = 2 * (
+        (world - 1) * alpha + (world - 1) / world * signs.numel() / VOTES_PER_BYTE / bandwidth
+    )
     # FSDP2's collectives: the ring bytes each rank sends, over what they took beyond α
     shard = torch.zeros(large.numel() // world, device=device)
     gathered = torch.empty(shard.numel() * world, device=device)

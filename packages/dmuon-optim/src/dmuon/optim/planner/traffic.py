@@ -25,7 +25,7 @@ replicated      one ``all_gather`` of the updates per layer and dtype,       ste
 sharded         one ``all_to_all`` of row shards (padded to ⌈rows/N⌉) to     step
                 the owners per layer and dtype, and one back
 sign            one packed majority vote (``all_to_all`` + ``all_gather`` of step
-                ⌈numel/8N⌉ bytes) per batched rule call; an ``all_reduce``
+                ⌈numel/5N⌉ bytes) per batched rule call; an ``all_reduce``
                 of the scalar gradients
 =============== ============================================================ ========
 
@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dmuon.comm import CommStats, MatrixItem, OwnerPlan, layer_key
+from dmuon.comm import VOTES_PER_BYTE, CommStats, MatrixItem, OwnerPlan, layer_key
 from dmuon.comm.cost_model import cost_model
 from dmuon.comm.owner_plan import natural_key
 from dmuon.optim.batches import batch_runs
@@ -420,7 +420,7 @@ def _sign(spec: ModelSpec, n: int, batch_limit: int) -> list[Transfer]:
     for (_, (m, k), _), counts in by_layer_shape.items():
         for b in _chunks(counts, m * k, batch_limit):
             numel = b * m * k
-            chunk = -(-numel // (8 * n)) * (8 * n) // 8 // n
+            chunk = -(-numel // (VOTES_PER_BYTE * n))  # five votes per byte
             for r in range(n):  # all-to-all of the packed signs, all-gather of the majority
                 vote.sent[r] += 2 * (n - 1) * chunk
                 vote.received[r] += 2 * (n - 1) * chunk
