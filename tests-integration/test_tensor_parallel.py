@@ -270,7 +270,7 @@ def test_single_mode_steps_tensor_parallel_shards_like_one_process():
 
 # Rules with a link that needs the whole matrix (Rule.splits false): the shards are
 # all-gathered over tp and every rank of the group runs the rule on the whole matrix.
-WHOLE_RULES = {"dion3": {}, "dion2": {}, "musec": {}, "numuon": {}, "muonbp": {}}
+WHOLE_RULES = {"dion3": {}, "dion2": {}, "musec": {}, "numuon": {}}
 
 
 def run_whole_matrix_rules(rank, world):
@@ -298,8 +298,8 @@ def run_whole_matrix_rules(rank, world):
 
 
 def test_rules_that_need_the_whole_matrix_gather_the_shards_and_equal_one_process():
-    """Dion2/Dion3's row selection, Musec's spectral clip, NuMuon's subspace and MuonBP's
-    blocks need the whole matrix: each rank of the group gathers the shards of its
+    """Dion2/Dion3's row selection, Musec's spectral clip and NuMuon's subspace need the
+    whole matrix: each rank of the group gathers the shards of its
     gradient, runs the rule on the whole matrix (whole state, the same on every rank) and
     keeps its shard of the update. Never a shard treated as the whole matrix."""
     layers = [(5, 12, -2), (6, 5, -1), (15, 6, -2), (6, 15, -1)]  # DeepMLP's table
@@ -316,6 +316,60 @@ def test_rules_that_need_the_whole_matrix_gather_the_shards_and_equal_one_proces
             for name, want in expected.items():
                 diff = (got[name] - want).abs().max().item()
                 assert diff <= SPLIT_TOLERANCE, f"{rule}, rank {rank}: {name} differs by {diff:.2e}"
+
+
+def run_muonbp(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = tp_deep_mlp(mesh)
+    opt = DMuon(param_groups(model), mode="single", rule="muonbp", period=2, **OPT)
+    gathered = []
+    for t in range(STEPS):
+        default_stats().reset()
+        train_steps(model, opt, range(t, t + 1))
+        stats = default_stats().as_dict()  # the Gram path's sums and the gathers over tp
+        gathered.append(
+            sum(stats.get(k, {}).get("payload_bytes", 0) for k in (STATS_NAME, GATHER_STATS_NAME))
+        )
+    state = {
+        n: tuple(opt.state[p]["momentum_buffer"].shape)
+        for n, p in model.named_parameters()
+        if "momentum_buffer" in opt.state[p]
+    }
+    return {n: p.detach().full_tensor() for n, p in model.named_parameters()}, state, gathered
+
+
+def test_muonbp_blocks_are_the_shards_and_block_steps_send_nothing():
+    """MuonBP as its paper runs it under tensor parallelism: the blocks are the shards. A
+    block step (steps 1 and 3 of period 2) orthogonalises each rank's shard alone and
+    sends nothing over ``tp``; the full step (step 2) takes the split path. Equal to one
+    process whose blocks are those shards (rows for the colwise layers, columns for the
+    rowwise ones: the same near-equal cut on 2 ranks), with the momentum held by shards."""
+    model = DeepMLP()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rows, cols = [model.fc1.weight, model.fc3.weight], [model.fc2.weight, model.fc4.weight]
+    scalars = [g for g in param_groups(model) if g.get("rule") == "scalar"]
+    groups = [
+        {"params": rows, "param_names": ["fc1.weight", "fc3.weight"], "row_blocks": 2},
+        {
+            "params": cols,
+            "param_names": ["fc2.weight", "fc4.weight"],
+            "row_blocks": 1,
+            "col_blocks": 2,
+        },
+        *scalars,
+    ]
+    train_steps(model, DMuon(groups, rule="muonbp", period=2, **OPT), range(STEPS))
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moved = max((expected[n] - initial[n]).abs().max().item() for n in initial)
+    assert moved > 1e-3
+    for rank, (got, state, gathered) in enumerate(run_on_ranks(run_muonbp, 2, timeout=180)):
+        assert state["fc1.weight"] == ((3, 2)[rank], 12), state  # the shard's momentum
+        assert gathered[0] == 0 and gathered[2] == 0 and gathered[1] > 0, gathered
+        for name, want in expected.items():
+            diff = (got[name] - want).abs().max().item()
+            assert diff <= SPLIT_TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
 
 
 def run_save_and_continue(rank, world, path, rule):

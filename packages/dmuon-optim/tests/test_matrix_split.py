@@ -56,22 +56,42 @@ class ThreadGroup:
         return reduce
 
 
-def run_split(name: str, G: torch.Tensor, sizes: list[int], dim: int, steps: int) -> torch.Tensor:
-    """The rule on the shards of each step's ``G[s]`` split into ``sizes`` along ``dim``."""
+def run_split(
+    name: str,
+    G: torch.Tensor,
+    sizes: list[int],
+    dim: int,
+    steps: int,
+    hp: dict | None = None,
+    calls: list[int] | None = None,
+) -> torch.Tensor:
+    """The rule on the shards of each step's ``G[s]`` split into ``sizes`` along ``dim``
+    (``hp``: over the rule's defaults; ``calls``: the step of each reduce, appended)."""
     rule = get_rule(name)
     group = ThreadGroup(len(sizes))
+    options = rule_hp(name) | (hp or {})
+    step_now = [0]
     m, n = G.shape[-2], G.shape[-1]
     out: list[list[torch.Tensor]] = [[] for _ in sizes]
     errors: list[BaseException] = []
 
     def rank(i: int) -> None:
         try:
-            split = MatrixSplit(dim, (m, n), group.reduce_for(i), ("threads", len(sizes)))
+            reduce = group.reduce_for(i)
+
+            def counted(t: torch.Tensor, op: str) -> torch.Tensor:
+                if calls is not None and i == 0:
+                    calls.append(step_now[0])
+                return reduce(t, op)
+
+            split = MatrixSplit(dim, (m, n), counted, ("threads", len(sizes)))
             B, mi, ni = G[0].split(sizes, dim=dim)[i].shape
             state = {s.name: torch.zeros(s.batch_shape(B, mi, ni)) for s in rule.state_specs()}
             for s in range(steps):
+                if i == 0:
+                    step_now[0] = s + 1
                 shard = G[s].split(sizes, dim=dim)[i]
-                U, scale = rule.update(shard, state, rule_hp(name), step=s + 1, split=split)
+                U, scale = rule.update(shard, state, options, step=s + 1, split=split)
                 out[i].append(U * scale)
         except BaseException as exc:  # reported below, after every thread stopped
             errors.append(exc)
@@ -97,7 +117,9 @@ def run_whole(name: str, G: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.stack(outs)
 
 
-SPLITTING = sorted(n for n, r in RULES.items() if r.splits)
+# MuonBP splits by its definition, not by equality with the whole: its blocks are the
+# shards (test_muonbp_blocks_are_the_shards below)
+SPLITTING = sorted(n for n, r in RULES.items() if r.splits and n != "muonbp")
 
 
 @pytest.mark.parametrize("name", SPLITTING)
@@ -126,9 +148,39 @@ def test_shards_put_together_equal_the_whole(name, shape, dim, sizes):
 
 def test_every_rule_says_whether_it_splits_and_which_links_need_the_whole():
     assert SPLITTING == ["adamuon", "mona", "muon", "muon2", "normuon", "scion"]
+    assert get_rule("muonbp").splits
     for name, rule in RULES.items():
         assert rule.splits == (not rule.unsplittable()), name
     assert get_rule("dion3").unsplittable() == ("ErrorFeedbackSelect",)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "sizes", "blocks"),
+    [
+        ((24, 40), -1, [20, 20], {"row_blocks": 1, "col_blocks": 2}),
+        ((40, 24), -2, [14, 13, 13], {"row_blocks": 3, "col_blocks": 1}),  # tensor_split's cut
+    ],
+)
+def test_muonbp_blocks_are_the_shards(shape, dim, sizes, blocks):
+    """On a split matrix MuonBP's blocks are the shards (the paper's layout): its shards put
+    together equal the whole matrix stepped with the same blocks, block steps (1 and 3 of
+    period 2) and the full step (2) alike; the block steps call no reduce."""
+    name = "muonbp"
+    g = torch.Generator().manual_seed(sum(shape) + dim)
+    steps = 3
+    G = torch.randn(steps, 2, *shape, generator=g)
+    hp = rule_hp(name) | {"period": 2}
+    rule = get_rule(name)
+    state = {s.name: torch.zeros(s.batch_shape(2, *shape)) for s in rule.state_specs()}
+    whole = []
+    for s in range(steps):
+        U, scale = rule.update(G[s], state, hp | blocks, step=s + 1)
+        whole.append(U * scale)
+    calls: list[int] = []
+    split = run_split(name, G, sizes, dim, steps, hp={"period": 2}, calls=calls)
+    err = (split - torch.stack(whole)).abs().max().item() / whole[0].abs().max().item()
+    assert err < 1e-4, f"{shape} split {sizes} along {dim}: relative error {err:.2e}"
+    assert calls and set(calls) == {2}, calls  # a reduce in the full step only
 
 
 def test_a_rule_that_needs_the_whole_matrix_refuses_a_split():

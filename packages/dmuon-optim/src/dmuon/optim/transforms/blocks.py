@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -40,9 +40,15 @@ def block_bounds(size: int, blocks: int) -> list[tuple[int, int]]:
 class BlockPeriodicOrthogonalize(Transform):
     """MuonBP: ``O = NS(X)`` on step ``t ≡ 0 (mod P)``, else ``O_ij = NS(X_ij)`` per block.
 
-    The matrix is cut into ``row_blocks × col_blocks`` blocks ``X_ij`` (on one
-    process the partition is explicit; in the distributed engine the blocks are
-    the shards, so block steps need no communication). Each update is scaled with
+    A whole matrix is cut into ``row_blocks × col_blocks`` blocks ``X_ij``. A matrix
+    split over a tensor-parallel group (``ctx.split``) is cut into its shards instead,
+    as in the paper: a block step orthogonalises this rank's shard alone, with no
+    communication, and a full step takes the split path of
+    :meth:`~dmuon.optim.transforms.StepContext.orthogonalize` (``row_blocks`` and
+    ``col_blocks`` do not apply; one process with the shards as its blocks steps the
+    same). Whole matrices — one process, the owner modes, FSDP2's ``sharded`` mode,
+    which gather each matrix on its owner — take the explicit blocks. Each update is
+    scaled with
     the ``adjust_lr`` factor of the matrix it orthogonalised — the block's shape on
     block steps, the full shape on full steps — times ``block_lr_scale`` or
     ``full_lr_scale`` (the paper's two step sizes η_block and η_full, relative to
@@ -68,9 +74,13 @@ class BlockPeriodicOrthogonalize(Transform):
         torch.Size([1, 8, 16])
     """
 
+    # a split matrix's blocks are its shards: block steps stay on this rank, full steps
+    # reach the whole matrix through ctx.orthogonalize and ctx.matrix_shape
+    splits: ClassVar[bool] = True
+
     hyperparameters: ClassVar[Mapping[str, Option]] = {
         "period": Option(5, integer(1), "a full orthogonalisation every P steps"),
-        "row_blocks": Option(2, integer(1), "blocks along the rows (shards)"),
+        "row_blocks": Option(2, integer(1), "blocks along the rows (a split matrix: its shards)"),
         "col_blocks": Option(1, integer(1), "blocks along the columns"),
         "block_lr_scale": Option(1.0, real(0.0), "η_block / lr"),
         "full_lr_scale": Option(1.0, real(0.0), "η_full / lr"),
@@ -81,10 +91,16 @@ class BlockPeriodicOrthogonalize(Transform):
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
         hp = ctx.hp
-        m, n = X.shape[-2], X.shape[-1]
         if ctx.step % int(hp["period"]) == 0:
+            m, n = ctx.matrix_shape  # the whole matrix's, split or not
             ctx.scale *= adjust_lr_factor(hp["adjust_lr"], m, n) * float(hp["full_lr_scale"])
             return ctx.orthogonalize(X)
+        m, n = X.shape[-2], X.shape[-1]
+        if ctx.split is not None:  # the block is this rank's shard
+            if X.numel() == 0:  # an empty shard (an uneven split): nothing to step
+                return X.clone()
+            ctx.scale *= adjust_lr_factor(hp["adjust_lr"], m, n) * float(hp["block_lr_scale"])
+            return replace(ctx, split=None).orthogonalize(X)
         rows = block_bounds(m, int(hp["row_blocks"]))
         cols = block_bounds(n, int(hp["col_blocks"]))
         by_shape: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
