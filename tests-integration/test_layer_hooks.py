@@ -430,3 +430,45 @@ def test_zero3_like_refuses_an_attention_outside_a_block_at_dedicate():
 
     with pytest.raises(ValueError, match=r"module 'pool' is where layers"):
         ddp.dedicate(Attending(), reshard_after_forward=True)
+
+
+class TiedHead(nn.Module):
+    """An embedding tied with the output head (GPT-2's layout), blocks between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+
+def test_zero3_like_refuses_a_weight_tied_across_layers_and_takes_one_module_reused():
+    """``check_untied``: ZeRO-3-like frees a layer's weights after its module's forward, so
+    a weight two layers' modules hold would be read freed by the later one (an embedding
+    tied with the head under ``scalars="owner"``; a hidden matrix shared by two blocks):
+    refused at ``dedicate``, naming both names. A block listed twice (one module object)
+    and a weight tied within one layer are taken."""
+    from dmuon.integrations import ddp
+    from dmuon.integrations.hooks import check_untied
+
+    with pytest.raises(
+        ValueError, match=r"'embed.weight' is also 'head.weight'.*\['embed', 'head'\]"
+    ):
+        ddp.dedicate(TiedHead(), scalars="owner", reshard_after_forward=True)
+    shared = TiedHead()
+    shared.blocks[2].weight = shared.blocks[0].weight
+    with pytest.raises(ValueError, match=r"'blocks.0.weight' is also 'blocks.2.weight'"):
+        ddp.dedicate(shared, reshard_after_forward=True)
+    reused = TiedHead()
+    reused.blocks[2] = reused.blocks[0]  # one module object, called twice
+    check_untied(reused, [b.weight for b in reused.blocks], layer_key)
+    within = nn.ModuleDict({"block": nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})})
+    within.block.b.weight = within.block.a.weight
+    check_untied(within, list(within.parameters()), lambda name: "block")  # one layer

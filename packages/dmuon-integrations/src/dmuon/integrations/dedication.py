@@ -21,7 +21,12 @@ from dmuon.comm import (
     plan_owners,
 )
 from dmuon.comm.process_groups import check_launched, group_size
-from dmuon.integrations.hooks import check_one_module, install_hooks, layer_modules
+from dmuon.integrations.hooks import (
+    check_one_module,
+    check_untied,
+    install_hooks,
+    layer_modules,
+)
 from dmuon.integrations.selection import (
     Predicate,
     mesh_groups,
@@ -332,6 +337,7 @@ def build_dedication(
                 item.name
             )
         check_one_module({k: layer_modules(model, [k], ns) for k, ns in names.items()})
+        check_untied(model, [p for _, p in dedicated], layer_of)
     S = group_size(group)
     R = group_size(replicate_group) if replicate_group is not None else 1
     held = held_experts(experts, group) if experts else None

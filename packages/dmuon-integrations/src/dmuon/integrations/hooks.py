@@ -42,6 +42,7 @@ from dmuon.optim import OwnerExchange
 
 __all__ = [
     "check_one_module",
+    "check_untied",
     "install_hooks",
     "layer_modules",
     "module_of_layer",
@@ -342,6 +343,57 @@ def check_one_module(layers: Mapping[str, Sequence[str]]) -> None:
                 "one before, so it needs one layer per module. Pass layer_of= mapping "
                 f"their parameters to one layer (e.g. {keys[0]!r}), or "
                 "reshard_after_forward=False"
+            )
+
+
+def check_untied(
+    model: nn.Module, dedicated: Iterable[torch.Tensor], layer_of: Callable[[str], str]
+) -> None:
+    """ZeRO-3-like owner mode frees a layer's weights after its module's forward: refuse a
+    dedicated weight that modules of two layers hold (a weight tied across layers: an
+    embedding and the output head, one hidden matrix shared by two blocks), which the
+    second module would read freed.
+
+    A module object listed twice (one block reused, ALBERT-style) and a weight tied within
+    one layer are taken: the hooks gather the weight around each call of the layer.
+
+    Args:
+        model: the model.
+        dedicated: the dedicated parameters.
+        layer_of: name → layer key (``dedicate``'s ``layer_of``).
+
+    Raises:
+        ValueError: naming the weight, its holders and their layers.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.ModuleDict({"embed": nn.Embedding(8, 4), "head": nn.Linear(4, 8)})
+        >>> model.head.weight = model.embed.weight
+        >>> check_untied(model, [], lambda n: n.split(".")[0])  # nothing dedicated: taken
+        >>> try:
+        ...     check_untied(model, [model.head.weight], lambda n: n.split(".")[0])
+        ... except ValueError as err:
+        ...     print(str(err)[:62])
+        weight 'embed.weight' is also 'head.weight': modules of layers
+    """
+    ids = {id(p) for p in dedicated}
+    holders: dict[int, dict[int, tuple[str, str]]] = {}  # weight → holder → (name, layer)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in ids:
+            holder = model.get_submodule(name.rpartition(".")[0])
+            holders.setdefault(id(p), {}).setdefault(id(holder), (name, layer_of(name)))
+    for by_holder in holders.values():
+        named = list(by_holder.values())
+        layers = list(dict.fromkeys(layer for _, layer in named))
+        if len(layers) > 1:
+            aliases = " and ".join(repr(n) for n, _ in named[1:])
+            raise ValueError(
+                f"weight {named[0][0]!r} is also {aliases}: modules of layers {layers} hold "
+                "it, and reshard_after_forward=True (ZeRO-3-like) frees a layer's weights "
+                "after its module's forward, so the later one would read it freed. Leave it "
+                "out of the dedication (predicate=; scalars='all_reduce' for an embedding "
+                "tied with the output head), untie it, or pass reshard_after_forward=False"
             )
 
 
