@@ -74,3 +74,29 @@ def test_batchnorm_statistics_are_rank_0s_before_every_forward_as_under_ddp():
         torch.testing.assert_close(ddp_ranks[1][step], ddp_ranks[0][step], rtol=0, atol=0)
     # without the broadcast each rank keeps its own statistics: they drift apart
     assert not torch.equal(drift[0][-1], drift[1][-1])
+
+
+def rank_0s_weights(rank: int, world: int, scalars: str, zero3: bool) -> bool:
+    """Every rank but 0 starts from other weights (a checkpoint loaded on rank 0 alone, the
+    DDP habit); after ``dedicate`` every rank holds rank 0's, the matrices each rank does
+    not own included, as ``DistributedDataParallel`` broadcasts them when it is built."""
+    from dmuon.integrations import ddp
+
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    torch.manual_seed(0)
+    loaded = {n: torch.randn_like(p) for n, p in model.named_parameters()}  # the checkpoint
+    if rank == 0:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(loaded[n])
+    ded = ddp.dedicate(model, scalars=scalars, reshard_after_forward=zero3, layer_pack_mb=0)
+    assert sorted(set(ded.exchange.plan.owners)) == list(range(world))  # every rank owns some
+    ded.wait()  # ZeRO-3-like: gathers the weights this rank does not own
+    state = model.state_dict()
+    return all(torch.equal(state[n], loaded[n]) for n in loaded)
+
+
+def test_dedicate_starts_every_rank_from_rank_0s_weights_as_ddp_does():
+    for scalars, zero3 in (("all_reduce", False), ("owner", False), ("all_reduce", True)):
+        same = run_on_ranks(rank_0s_weights, 2, args=(scalars, zero3), timeout=120)
+        assert same == [True, True], (scalars, zero3, same)

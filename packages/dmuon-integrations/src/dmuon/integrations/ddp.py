@@ -52,9 +52,10 @@ def dedicate(
     """Replace DDP for ``model``: matrices to owners, scalars all-reduced or owned.
 
     Call it on every rank, after the model is on its device, instead of
-    ``DistributedDataParallel(model)``. Like DDP it starts every rank from the same
-    weights: each dedicated matrix from its owner, the all-reduced parameters and
-    (with ``broadcast_buffers``) the buffers from rank 0.
+    ``DistributedDataParallel(model)``. Like DDP it starts every rank from rank 0's
+    weights: the dedicated matrices, the all-reduced parameters and (with
+    ``broadcast_buffers``) the buffers, so a checkpoint loaded on rank 0 alone reaches
+    every rank.
 
     Args:
         model: the model (the same on every rank).

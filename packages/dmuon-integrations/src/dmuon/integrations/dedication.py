@@ -370,7 +370,7 @@ def build_dedication(
             )
     except CollectiveError as err:
         raise err.with_context(
-            f"{kind}.dedicate() (the model check and the owners' first broadcast, under "
+            f"{kind}.dedicate() (the model check and rank 0's first broadcast, under "
             f"the default deadline of {seconds:g} s: every rank must call dedicate())"
         ) from err
     ded = Dedication(model, exchange, kind=kind, experts=tuple(i.name for i, _ in experts))

@@ -56,7 +56,8 @@ def dedicate(
     It plans owners with :func:`dmuon.comm.plan_owners` (by Newton–Schulz cost;
     same-layer matrices on different ranks), checks that every rank built the same
     model (a mismatch raises on every rank, naming the parameter, before any other
-    collective), gives every rank the owners' initial weights, and hooks the model:
+    collective), gives every rank rank 0's dedicated weights (``fully_shard`` takes the
+    others from each rank's own copy), and hooks the model:
     gradient reduction to owners per layer from post-accumulate-grad hooks, and a
     forward pre-hook per layer that waits for the layer's published weights.
 

@@ -20,7 +20,7 @@ The work is split in two:
 * :class:`~dmuon.integrations.torchtitan.DMuonOptimizersContainer` with
   ``mode="owner"``, which the trainer builds after ``init_weights``, calls
   :func:`dedicate_for_owners`: :func:`~dmuon.integrations.fsdp.dedicate` over that mesh
-  with ``reduce_op="sum"`` (every rank gets the owners' initialised weights, the
+  with ``reduce_op="sum"`` (every rank gets rank 0's initialised weights, the
   hooks are installed) and a check that the dedicated matrices are exactly the ones
   FSDP2 left out.
 

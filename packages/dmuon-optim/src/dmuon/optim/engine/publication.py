@@ -458,14 +458,36 @@ class Publication:
         self._backward_resident = []
 
     def synchronize_parameters(self) -> None:
-        """Give every rank the owners' dedicated weights and rank 0's replicated ones."""
+        """Give every rank rank 0's weights, as ``DistributedDataParallel`` does when it is
+        built: the dedicated ones (each broadcast bucket in place from the group's first
+        rank, then over the replicate group under HSDP) and the replicated ones. A model
+        loaded on rank 0 alone starts every rank from that load (each matrix from its
+        owner, as before, took the owners' own weights: rank 0's load was lost for every
+        matrix another rank owns)."""
         if self.world_size == 1:
             return
-        for layer in self.layers:
-            if layer.publish_buckets:
-                self._broadcast(layer)
-        for layer in self.layers:
-            self._finish(layer)
+        buckets = [b for layer in self.layers for b in layer.publish_buckets]
+        with torch.no_grad():
+            for b in buckets:  # DTensor shards travel by copies (every rank: any may be 0's)
+                for name in b.names:
+                    if name in self._copied:
+                        view = b.view(name)
+                        view.copy_(local_tensor(self._params[name]).reshape(view.shape))
+        groups = (
+            [self.group] if self.replicate_group is None else [self.group, self.replicate_group]
+        )
+        for g in groups:  # HSDP: the replicas' first ranks hold rank 0's after the first
+            if group_size(g) == 1:
+                continue
+            works = [dist.broadcast(b.buffer, group_src=0, group=g, async_op=True) for b in buckets]
+            for work in works:
+                wait_work(work, "broadcast of rank 0's dedicated weights", g)
+        with torch.no_grad():
+            for b in buckets:
+                for name in b.names:
+                    if name in self._copied:
+                        shard = local_tensor(self._params[name])
+                        shard.copy_(b.view(name).view(shard.shape))
         by_dtype: dict[torch.dtype, list[str]] = {}
         for layer in self.layers:
             for n in layer.replicated:
