@@ -383,3 +383,42 @@ def test_bf16_parameters_train_under_fsdp2_as_under_ddp_dedicate():
             for setup in ("fsdp", "sharded"):
                 diff = ulps(out[setup][name], want)
                 assert diff <= 3, f"{setup}, rank {rank}: {name} differs by {diff} bf16 ulps"
+
+
+# --------------------------------- zeros kept by zero_grad(set_to_none=False), no backward
+def kept_zeros_reference() -> dict[str, torch.Tensor]:
+    """``b`` used at step 0 and by no rank at steps 1 and 2: its gradient stays the zeros
+    ``zero_grad(set_to_none=False)`` left, so one process still steps it (its momentum
+    moves it on, weight decay shrinks it)."""
+    model = Net()
+    opt = DMuon(param_groups(model), weight_decay=0.1, **OPT)
+    for t in range(3):
+        (sum(loss(model, t, r, use_b=t == 0) for r in range(WORLD)) / WORLD).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return full_params(model)
+
+
+def run_kept_zeros(rank: int, world: int, setup: str) -> dict[str, torch.Tensor]:
+    model = Net()
+    ded = dedicated(setup, model, world)
+    opt = DMuon(param_groups(model), distributed=ded, weight_decay=0.1, **OPT)
+    for t in range(3):
+        loss(model, t, rank, use_b=t == 0).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    ded.wait()
+    return full_params(model)
+
+
+@pytest.mark.parametrize("setup", ["ddp", "ddp_owner_scalars", "fsdp"])
+def test_a_parameter_no_backward_used_steps_on_its_kept_zeros_like_one_process(setup):
+    """Owner mode counted a gradient present only if a backward produced it this step: the
+    branch's kept zeros were not stepped (by 1e-2 off one process, its bias too). A held
+    ``p.grad`` counts now, as it does for ``torch.optim``."""
+    expected = kept_zeros_reference()
+    moved = full_params(Net())
+    assert (expected["b.weight"] - moved["b.weight"]).abs().max() > 1e-3
+    for rank, got in enumerate(run_on_ranks(run_kept_zeros, WORLD, args=(setup,), timeout=120)):
+        diff, where = max_diff(got, expected)
+        assert diff <= TOLERANCE, f"{setup}, rank {rank}: {where} differs by {diff:.2e}"

@@ -325,9 +325,13 @@ class Reduction:
         """
         if self.flushed:
             return None
-        # an accumulated gradient counts if it is still there (not dropped by a
-        # model.zero_grad() since)
-        arrived = self.present | {n for n in self.accumulated if self.params[n].grad is not None}
+        # a gradient counts if it is there: arrived in this step's backward, accumulated
+        # (and not dropped by a model.zero_grad() since), or held without a backward's
+        # touching it — zeros kept by zero_grad(set_to_none=False) for a parameter no
+        # backward used this step, which one process steps (momentum, weight decay)
+        arrived = self.present | {
+            n for n in self.flag_names if n not in self.present and self.params[n].grad is not None
+        }
         if not self.publication.reshard_after_forward:
             self.publication.wait_all_published()
         # The flags before the launches below: when no rank synchronised a gradient,
