@@ -117,6 +117,39 @@ def test_an_inner_linear_as_wide_as_the_vocabulary_is_not_the_head():
         assert w[f"blocks.{i}.down.weight"] == ("matrix", "2-D hidden weight")
 
 
+def test_no_block_linear_is_taken_for_a_head_the_model_does_not_have():
+    """A read-out tied through ``F.linear(h, tok.weight)`` (no head module), a positional
+    embedding as wide as the MLP, and a named head followed by an auxiliary block as wide
+    as the vocabulary: every block's Linear stays a hidden matrix (the last one was taken
+    for the head, the only one of its kind sent to AdamW)."""
+
+    class Up(nn.Module):
+        def __init__(self, d: int, width: int) -> None:
+            super().__init__()
+            self.fc = nn.Linear(d, width)
+            self.proj = nn.Linear(width, d)
+
+    class TiedReadout(nn.Module):  # vocab 100, context 256, MLP width 256
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(100, 16), nn.Embedding(256, 16)
+            self.blocks = nn.ModuleList(Up(16, 256) for _ in range(3))
+
+    class NamedHeadThenAux(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 8)
+            self.head = nn.Linear(8, 32)
+            self.value = Up(8, 32)
+
+    w = where(param_groups(TiedReadout()))
+    for i in range(3):
+        assert w[f"blocks.{i}.fc.weight"] == ("matrix", "2-D hidden weight"), i
+    w = where(param_groups(NamedHeadThenAux()))
+    assert w["head.weight"] == ("scalar: embeddings and head", "output head")
+    assert w["value.fc.weight"] == ("matrix", "2-D hidden weight")
+
+
 def test_predicates_override_and_frozen_can_be_kept():
     groups = param_groups(
         Model(tie=False),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,16 +168,39 @@ def _match(patterns: Mapping[str, Any] | None, name: str) -> Any:
     return None
 
 
-def _vocabulary_head(modules: Iterable[nn.Module]) -> nn.Linear | None:
-    """The last ``nn.Linear`` (in module order) that maps to an embedding's vocabulary.
+def _vocabulary_head(
+    modules: Sequence[tuple[str, nn.Module]], head_names: Sequence[str]
+) -> nn.Linear | None:
+    """The last ``nn.Linear`` (in module order) that maps to the token vocabulary, when no
+    ``nn.Linear`` is named like a head (``head_names``: that one is the head).
 
     A decoder's read-out ``h → logits`` follows its blocks, so of all the Linears as
-    wide as a vocabulary the last one is the head; earlier ones (an MLP whose width
-    happens to equal a small vocabulary) are hidden matrices.
+    wide as the vocabulary the last one is the head; earlier ones (an MLP whose width
+    happens to equal a small vocabulary) are hidden matrices, and so is any Linear inside
+    a repeated block (below a numbered module: ``blocks.2.fc``), which a head never is. The
+    vocabulary is a token embedding's size: positional embeddings (named ``pos…``,
+    ``position…`` or GPT-2's ``wpe``) are as wide as the context, not the vocabulary.
     """
-    modules = list(modules)
-    vocab_sizes = {m.num_embeddings for m in modules if isinstance(m, _EMBEDDINGS)}
-    wide = [m for m in modules if isinstance(m, nn.Linear) and m.out_features in vocab_sizes]
+    named = [
+        n for n, m in modules if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in head_names
+    ]
+    if named:
+        return None
+
+    def positional(name: str) -> bool:
+        last = name.rsplit(".", 1)[-1].lower()
+        return last.startswith("pos") or "position" in last or last == "wpe"
+
+    vocab_sizes = {
+        m.num_embeddings for n, m in modules if isinstance(m, _EMBEDDINGS) and not positional(n)
+    }
+    wide = [
+        m
+        for n, m in modules
+        if isinstance(m, nn.Linear)
+        and m.out_features in vocab_sizes
+        and not any(part.isdigit() for part in n.split(".")[:-1])  # inside a block
+    ]
     return wide[-1] if wide else None
 
 
@@ -249,10 +272,11 @@ def param_groups(
     4. Embedding weights (``nn.Embedding``/``EmbeddingBag``), and an output head
        tied to one → scalar optimizer.
     5. The output head → scalar optimizer: an ``nn.Linear`` whose module name is in
-       ``head_names``, or else the *last* ``nn.Linear`` in module order whose
-       ``out_features`` equals an embedding's vocabulary size (the read-out to the
-       vocabulary comes after the blocks; an inner ``Linear`` that merely happens to
-       be as wide as the vocabulary stays a hidden matrix).
+       ``head_names``, or else (no ``nn.Linear`` so named) the *last* ``nn.Linear`` in
+       module order, outside the numbered blocks, whose ``out_features`` equals a
+       token embedding's vocabulary size (the read-out to the vocabulary comes after
+       the blocks; an inner ``Linear`` that merely happens to be as wide as the
+       vocabulary, or as a positional embedding's context, stays a hidden matrix).
     6. Any parameter of a norm layer → scalar optimizer.
     7. Convolution weights → matrix rule with ``flatten=True``: each is one
        ``(out, in·kernel)`` matrix, flattened per parameter, never across. Hugging
@@ -320,7 +344,7 @@ def param_groups(
     order: list[tuple[str, torch.Tensor]] = []
     modules = list(model.named_modules(remove_duplicate=False))
     by_name = dict(modules)
-    vocab_head = _vocabulary_head(m for _, m in modules)
+    vocab_head = _vocabulary_head(modules, head_names)
     for mod_name, module in modules:
         for pname, p in module.named_parameters(recurse=False):
             full = f"{mod_name}.{pname}" if mod_name else pname
