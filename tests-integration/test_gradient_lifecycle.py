@@ -422,3 +422,27 @@ def test_a_parameter_no_backward_used_steps_on_its_kept_zeros_like_one_process(s
     for rank, got in enumerate(run_on_ranks(run_kept_zeros, WORLD, args=(setup,), timeout=120)):
         diff, where = max_diff(got, expected)
         assert diff <= TOLERANCE, f"{setup}, rank {rank}: {where} differs by {diff:.2e}"
+
+
+# ------------------------------------------------------- a model cast after dedicate()
+def run_cast_after(rank: int, world: int, setup: str) -> str:
+    model = Net()
+    ded = dedicated(setup, model, world)
+    model.to(torch.bfloat16)  # the buckets are float32
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    try:
+        model(data(0, rank).bfloat16()).square().mean().backward()
+        opt.step()
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("setup", ["ddp", "fsdp"])
+def test_a_model_cast_after_dedicate_is_refused_by_name_on_every_rank(setup):
+    """The first gradient of a dedicated weight cast after ``dedicate()`` is refused, naming
+    it and both dtypes (it failed in torch's gradient assignment inside the reduction,
+    naming neither the parameter nor the cause)."""
+    for rank, err in enumerate(run_on_ranks(run_cast_after, WORLD, args=(setup,), timeout=120)):
+        assert "is torch.bfloat16 on cpu but was dedicated as torch.float32" in err, (rank, err)
+        assert "before dedicate()" in err, (rank, err)

@@ -147,6 +147,9 @@ class Reduction:
         self.stats = stats
         self.publication = publication
         self.name_by_id = {id(p): name for name, p in params.items()}
+        # each parameter's dtype and device when dedicated: its buckets' (a cast or move of
+        # the model after dedicate() is refused by name as its first gradient arrives)
+        self.placed = {name: (p.dtype, p.device) for name, p in params.items()}
         self.sync = True
         self.sync_condition: Callable[[], bool] | None = None
         self.present: set[str] = set()
@@ -268,6 +271,14 @@ class Reduction:
                 "so the weights were read before or while they arrived from their owners. "
                 "Call the layer as a module, pass layer_of= naming modules the forward "
                 "calls, or call ded.wait() on every rank after opt.step()"
+            )
+        if name is not None and (p.dtype, p.device) != self.placed[name]:
+            dtype, device = self.placed[name]
+            raise RuntimeError(
+                f"parameter {name!r} is {p.dtype} on {p.device} but was dedicated as {dtype} "
+                f"on {device}: the model was cast or moved after dedicate(), and its "
+                "reduction buckets keep the dtype and device it had then. Call model.to(...) "
+                "before dedicate() (and build DMuon after it)"
             )
         held = not self.sync  # no_sync(); the sync condition is not asked then
         if held or (self.sync_condition is not None and not self.sync_condition()):
