@@ -150,6 +150,27 @@ def test_no_block_linear_is_taken_for_a_head_the_model_does_not_have():
     assert w["value.fc.weight"] == ("matrix", "2-D hidden weight")
 
 
+def test_a_classifier_the_model_holds_as_fc_is_the_head():
+    """torchvision's ResNet reads out through ``model.fc``: the head (AdamW); an ``fc`` inside
+    a block stays a hidden matrix."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+    class ResNetLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2d(3, 8, 3)
+            self.layer1 = nn.Sequential(Block(), Block())
+            self.fc = nn.Linear(8, 10)
+
+    w = where(param_groups(ResNetLike()))
+    assert w["fc.weight"] == ("scalar: embeddings and head", "output head")
+    assert w["layer1.0.fc.weight"] == ("matrix", "2-D hidden weight")
+
+
 def test_predicates_override_and_frozen_can_be_kept():
     groups = param_groups(
         Model(tie=False),

@@ -38,6 +38,11 @@ _CONVS = (
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 DEFAULT_HEAD_NAMES = ("lm_head", "head", "output", "classifier")
 
+ROOT_HEAD_NAMES = ("fc",)
+"""Names of an ``nn.Linear`` that is the output head when the model holds it directly:
+torchvision's classifiers (ResNet, GoogLeNet, Inception) read out through ``model.fc``;
+deeper in the model ``fc`` is a hidden layer (``blocks.0.mlp.fc``)."""
+
 Predicate = Callable[[str, torch.Tensor], bool]
 
 
@@ -272,7 +277,8 @@ def param_groups(
     4. Embedding weights (``nn.Embedding``/``EmbeddingBag``), and an output head
        tied to one → scalar optimizer.
     5. The output head → scalar optimizer: an ``nn.Linear`` whose module name is in
-       ``head_names``, or else (no ``nn.Linear`` so named) the *last* ``nn.Linear`` in
+       ``head_names`` (or, held by the model itself, in :data:`ROOT_HEAD_NAMES`:
+       torchvision's ``model.fc``), or else (no ``nn.Linear`` so named) the *last* ``nn.Linear`` in
        module order, outside the numbered blocks, whose ``out_features`` equals a
        token embedding's vocabulary size (the read-out to the vocabulary comes after
        the blocks; an inner ``Linear`` that merely happens to be as wide as the
@@ -382,7 +388,11 @@ def param_groups(
             for (n, m) in mods
             if isinstance(m, nn.Linear)
             and n.rsplit(".", 1)[-1] == "weight"
-            and ((n.rsplit(".", 2)[-2] if n.count(".") else "") in head_names or m is vocab_head)
+            and (
+                (n.rsplit(".", 2)[-2] if n.count(".") else "") in head_names
+                or n.rsplit(".", 1)[0] in ROOT_HEAD_NAMES  # model.fc itself
+                or m is vocab_head
+            )
         ]
         conv1d = [(n, m) for (n, m) in mods if n.rsplit(".", 1)[-1] == "weight" and is_conv1d(m)]
         scalar_key = ("scalar: embeddings and head",)
