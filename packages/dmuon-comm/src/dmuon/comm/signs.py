@@ -123,20 +123,8 @@ def unpack_signs(
         tensor([[ 1., -1.,  1.],
                 [-1.,  1., -1.]])
     """
-    shape = tuple(int(d) for d in shape)
-    n = math.prod(shape)
-    if bits.dtype != torch.uint8 or bits.dim() != 1:
-        raise ValueError(
-            f"bits must be a 1-D uint8 tensor, got {bits.dtype} of shape {tuple(bits.shape)}"
-        )
-    if bits.numel() * 8 < n:
-        raise ValueError(
-            f"bits holds {bits.numel() * 8} signs but shape {shape} needs {n} "
-            f"(≥ {-(-n // 8)} bytes)"
-        )
     # One row of a 256-entry table per byte: a gather instead of eight shifts.
-    signs = torch.index_select(_sign_table(dtype, bits.device), 0, bits.to(torch.int32))
-    return signs.reshape(-1)[:n].reshape(shape)
+    return _unpacked(bits, shape, _sign_table(dtype, bits.device), "bits", "signs")
 
 
 def ternary_signs(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -220,17 +208,26 @@ def unpack_votes(
         tensor([[ 1., -1.,  0.],
                 [-1.,  1.,  0.]])
     """
+    # one row of a 256-entry table per byte: a gather instead of five divisions
+    return _unpacked(packed, shape, _vote_table(dtype, packed.device), "packed", "votes")
+
+
+def _unpacked(
+    packed: torch.Tensor, shape: Sequence[int], table: torch.Tensor, arg: str, what: str
+) -> torch.Tensor:
+    """The entries of ``shape`` held by 1-D uint8 ``packed``, row ``b`` of ``table`` being
+    the entries of byte ``b`` (``arg`` and ``what``: the argument and its entries, for the
+    errors)."""
     shape = tuple(int(d) for d in shape)
     n = math.prod(shape)
     if packed.dtype != torch.uint8 or packed.dim() != 1:
         raise ValueError(
-            f"packed must be a 1-D uint8 tensor, got {packed.dtype} of shape {tuple(packed.shape)}"
+            f"{arg} must be a 1-D uint8 tensor, got {packed.dtype} of shape {tuple(packed.shape)}"
         )
-    if packed.numel() * VOTES_PER_BYTE < n:
+    per_byte = table.shape[1]
+    if packed.numel() * per_byte < n:
         raise ValueError(
-            f"packed holds {packed.numel() * VOTES_PER_BYTE} votes but shape {shape} needs "
-            f"{n} (≥ {-(-n // VOTES_PER_BYTE)} bytes)"
+            f"{arg} holds {packed.numel() * per_byte} {what} but shape {shape} needs {n} "
+            f"(≥ {-(-n // per_byte)} bytes)"
         )
-    # one row of a 256-entry table per byte: a gather instead of five divisions
-    votes = torch.index_select(_vote_table(dtype, packed.device), 0, packed.to(torch.int32))
-    return votes.reshape(-1)[:n].reshape(shape)
+    return torch.index_select(table, 0, packed.to(torch.int32)).reshape(-1)[:n].reshape(shape)
