@@ -202,9 +202,11 @@ _SCHEDULER_REFUSAL = (
     "{what} is not supported at ZeRO stage {stage}: DeepSpeed's LR scheduler sees the "
     "optimizer ZeRO wraps, whose param groups are the scalar ones only, so DMuon's matrix "
     "groups would keep their first lr. Schedule both yourself: a torch scheduler on "
-    "dmuon_of(engine) (the matrix groups) and one on the optimizer initialize returns (the "
-    "scalar groups), stepped after engine.step() at each accumulation boundary; or use "
-    "stage 0, where DeepSpeed's scheduler reaches every group"
+    "dmuon_of(engine) (the matrix groups) and one on optimizer.optimizer, the torch "
+    "optimizer inside the ZeRO wrapper initialize returns (the scalar groups; torch's "
+    "schedulers refuse the wrapper itself), stepped after engine.step() at each "
+    "accumulation boundary; or use stage 0, where DeepSpeed's scheduler reaches every group "
+    "(with one lr for all of them unless its section gives one per group)"
 )
 
 
