@@ -52,6 +52,7 @@ WORLD = 2
 SUPPORTED_TEXT = (
     "stage 0 (mode='replicated' or 'owner'), stage 1 (mode='owner'), stage 2 (mode='owner')"
 )
+ONE_LR = "would set every param group's lr to the same warmup_max_lr"
 REFUSED = [  # (stage, mode, extra config, what the message must say)
     (3, None, {}, SUPPORTED_TEXT),
     (1, "replicated", {}, SUPPORTED_TEXT),
@@ -62,6 +63,12 @@ REFUSED = [  # (stage, mode, extra config, what the message must say)
     (0, "owner", {"managed_gradient_accumulation": False}, "managed_gradient_accumulation=false"),
     (2, None, {"zero_optimization": {"stage": 2, "elastic_checkpoint": True}}, "elastic_ch"),
     (1, None, {"scheduler": {"type": "WarmupLR"}}, "'scheduler' section is not supported at"),
+    # one warmup_max_lr for every group, where lr and adamw_lr differ (OPT): refused at
+    # stage 0 too, where DeepSpeed's scheduler reaches every group
+    *(
+        (0, mode, {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.02}}}, ONE_LR)
+        for mode in ("replicated", "owner")
+    ),
 ]
 # Training loops that decide per micro-batch whether it ends the step: (name, stage, accumulate)
 LOOPS = [

@@ -210,6 +210,56 @@ _SCHEDULER_REFUSAL = (
 )
 
 
+# DeepSpeed's built-in schedulers that set each group's lr to a value of their section (one
+# number: the same for every group; a list: one per group), by the keys they read
+_GROUP_LR_KEYS = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr"),
+    "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr"),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
+    "LRRangeTest": ("lr_range_test_min_lr",),
+}
+
+
+def _group_lrs(groups: list[dict[str, Any]], dmuon_options: Mapping[str, Any]) -> list[float]:
+    """Each param group's lr as DMuon resolves it (a group's own, else ``lr`` for a matrix
+    group and ``adamw_lr`` or ``lr`` for a scalar one), before DMuon is built."""
+    defaults = _dmuon_defaults(dmuon_options)
+    groups = _renamed_rule_keys(groups)
+    matrices = _matrix_ids(groups, defaults)
+    scalar_lr = defaults["lr"] if defaults["adamw_lr"] is None else defaults["adamw_lr"]
+    return [
+        float(g.get("lr", defaults["lr"] if id(g["params"][0]) in matrices else scalar_lr))
+        for g in groups
+    ]
+
+
+def _check_scheduler_lrs(cfg: Mapping[str, Any], lrs: Sequence[float]) -> None:
+    """Refuse a ``"scheduler"`` section that would give every param group one lr when
+    DMuon's groups have several (``adamw_lr`` apart from ``lr``): DeepSpeed's
+    ``WarmupLR``, ``WarmupDecayLR``, ``OneCycle`` and ``LRRangeTest`` broadcast a number to
+    every group (a nonzero one, or a maximum left at its default), which would train the
+    scalar groups at the matrices' lr, silently."""
+    section = cfg.get("scheduler") or {}
+    keys = _GROUP_LR_KEYS.get(str(section.get("type")), ())
+    lrs = list(lrs)
+    if not keys or len(set(lrs)) < 2:
+        return
+    params = section.get("params") or {}
+    one = [
+        k
+        for k in keys
+        if (k not in params and "max" in k)
+        or (k in params and not isinstance(params[k], (list, tuple)) and params[k] != 0)
+    ]
+    if one:
+        raise UnsupportedConfigError(
+            f"scheduler {section.get('type')!r} would set every param group's lr to the same "
+            f"{' and '.join(one)} (one number, or its default), but DMuon's groups have the "
+            f"lrs {lrs} (lr and adamw_lr): give {', '.join(one)} as a list with one value per "
+            "group, in that order, or use WarmupCosineLR (its ratios scale each group's own lr)"
+        )
+
+
 def _clipping(cfg: Mapping[str, Any], absent: float | None = None) -> float:
     """The config's ``gradient_clipping``; when the key is absent, ``absent``, or
     DeepSpeed's own default (``GRADIENT_CLIPPING_DEFAULT``: 1.0), which it then applies."""
@@ -322,6 +372,8 @@ def initialize(
         for g in (param_groups(model) if groups is None else groups)
     ]
     chosen = [g for g in chosen if g["params"]]  # DeepSpeed drops empty groups in place
+    if stage == 0:  # before any collective (at stage 1/2 owner mode refuses a scheduler)
+        _check_scheduler_lrs(cfg, _group_lrs(chosen, dmuon_options))
     if mode == "replicated":
         client: Any = DMuon(chosen, mode="replicated", **dmuon_options)
     elif stage == 0:
