@@ -169,6 +169,11 @@ def test_a_classifier_the_model_holds_as_fc_is_the_head():
     w = where(param_groups(ResNetLike()))
     assert w["fc.weight"] == ("scalar: embeddings and head", "output head")
     assert w["layer1.0.fc.weight"] == ("matrix", "2-D hidden weight")
+    # named like a head, model.fc also keeps the vocabulary rule from taking a second one
+    model = ResNetLike()
+    model.codes, model.proj = nn.Embedding(10, 8), nn.Linear(8, 10)
+    w = where(param_groups(model))
+    assert w["fc.weight"][1] == "output head" and w["proj.weight"][1] == "2-D hidden weight"
 
 
 def test_predicates_override_and_frozen_can_be_kept():

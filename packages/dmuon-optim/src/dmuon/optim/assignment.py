@@ -173,11 +173,18 @@ def _match(patterns: Mapping[str, Any] | None, name: str) -> Any:
     return None
 
 
+def _named_head(module: str, head_names: Sequence[str]) -> bool:
+    """Whether module ``module`` (its name in the model) is named like an output head: its
+    last name in ``head_names``, or held by the model itself as one of
+    :data:`ROOT_HEAD_NAMES`."""
+    return module.rpartition(".")[2] in head_names or module in ROOT_HEAD_NAMES
+
+
 def _vocabulary_head(
     modules: Sequence[tuple[str, nn.Module]], head_names: Sequence[str]
 ) -> nn.Linear | None:
     """The last ``nn.Linear`` (in module order) that maps to the token vocabulary, when no
-    ``nn.Linear`` is named like a head (``head_names``: that one is the head).
+    ``nn.Linear`` is named like a head (:func:`_named_head`: that one is the head).
 
     A decoder's read-out ``h → logits`` follows its blocks, so of all the Linears as
     wide as the vocabulary the last one is the head; earlier ones (an MLP whose width
@@ -186,10 +193,7 @@ def _vocabulary_head(
     vocabulary is a token embedding's size: positional embeddings (named ``pos…``,
     ``position…`` or GPT-2's ``wpe``) are as wide as the context, not the vocabulary.
     """
-    named = [
-        n for n, m in modules if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in head_names
-    ]
-    if named:
+    if any(isinstance(m, nn.Linear) and _named_head(n, head_names) for n, m in modules):
         return None
 
     def positional(name: str) -> bool:
@@ -388,11 +392,7 @@ def param_groups(
             for (n, m) in mods
             if isinstance(m, nn.Linear)
             and n.rsplit(".", 1)[-1] == "weight"
-            and (
-                (n.rsplit(".", 2)[-2] if n.count(".") else "") in head_names
-                or n.rsplit(".", 1)[0] in ROOT_HEAD_NAMES  # model.fc itself
-                or m is vocab_head
-            )
+            and (_named_head(n.rpartition(".")[0], head_names) or m is vocab_head)
         ]
         conv1d = [(n, m) for (n, m) in mods if n.rsplit(".", 1)[-1] == "weight" and is_conv1d(m)]
         scalar_key = ("scalar: embeddings and head",)
