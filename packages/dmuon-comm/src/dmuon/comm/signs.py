@@ -1,16 +1,15 @@
 """Sign packing: 8 signs per byte, or 5 votes in ``{−1, 0, +1}`` per byte.
 
-Convention: an entry ``x`` is *positive* when ``x ≥ 0`` — zero (``+0.0`` and
-``−0.0``) counts as ``+1`` — and negative otherwise (NaN counts as ``−1``, since
-``NaN ≥ 0`` is false): one bit holds two values.
+Signs (:func:`pack_signs`): an entry ``x`` is *positive* when ``x ≥ 0`` — zero
+(``+0.0`` and ``−0.0``) counts as ``+1`` — and negative otherwise (NaN counts as ``−1``,
+since ``NaN ≥ 0`` is false): one bit holds two values. Entry ``k`` of the flattened
+tensor is bit ``k mod 8`` (least significant first) of byte ``k // 8``; a set bit means
+``+1``. Bits past the last entry are set (``+``) and ignored by :func:`unpack_signs`.
 
-:func:`~dmuon.comm.majority_vote` needs a third, ``sign(0) = 0`` (a zero abstains), and
-packs its votes with :func:`pack_votes`: entry ``k`` is base-3 digit ``k mod 5`` (least
+Votes (:func:`pack_votes`): :func:`~dmuon.comm.majority_vote` needs a third value,
+``sign(0) = 0`` (a zero abstains). Entry ``k`` is base-3 digit ``k mod 5`` (least
 significant first) of byte ``k // 5``, the digit being ``vote + 1``; ``3^5 = 243`` codes
-fit a byte, so a vote costs 1.6 bits. Votes past the last entry abstain. Entry
-``k`` of the flattened tensor is bit ``k mod 8`` (least significant first) of
-byte ``k // 8``; a set bit means ``+1``. Bits past the last entry are set (``+``)
-and ignored by :func:`unpack_signs`.
+fit a byte, so a vote costs 1.6 bits. Votes past the last entry abstain.
 """
 
 from __future__ import annotations

@@ -226,9 +226,10 @@ def _group_lrs(groups: list[dict[str, Any]], dmuon_options: Mapping[str, Any]) -
     defaults = _dmuon_defaults(dmuon_options)
     groups = _renamed_rule_keys(groups)
     matrices = _matrix_ids(groups, defaults)
-    scalar_lr = defaults["lr"] if defaults["adamw_lr"] is None else defaults["adamw_lr"]
     return [
-        float(g.get("lr", defaults["lr"] if id(g["params"][0]) in matrices else scalar_lr))
+        float(
+            g.get("lr", defaults["lr"] if id(g["params"][0]) in matrices else _scalar_lr(defaults))
+        )
         for g in groups
     ]
 
@@ -241,7 +242,6 @@ def _check_scheduler_lrs(cfg: Mapping[str, Any], lrs: Sequence[float]) -> None:
     scalar groups at the matrices' lr, silently."""
     section = cfg.get("scheduler") or {}
     keys = _GROUP_LR_KEYS.get(str(section.get("type")), ())
-    lrs = list(lrs)
     if not keys or len(set(lrs)) < 2:
         return
     params = section.get("params") or {}
@@ -504,14 +504,19 @@ def _dmuon_defaults(options: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _scalar_lr(defaults: Mapping[str, Any]) -> Any:
+    """A scalar group's lr when it names none, as DMuon resolves it: ``adamw_lr``, else
+    ``lr``."""
+    return defaults["lr"] if defaults["adamw_lr"] is None else defaults["adamw_lr"]
+
+
 def _scalar_group(
     group: Mapping[str, Any], algorithm: str, defaults: Mapping[str, Any]
 ) -> dict[str, Any]:
-    # The same resolution as DMuon's: a group's own value, else adamw_* (lr: adamw_lr or lr).
-    lr = defaults["lr"] if defaults["adamw_lr"] is None else defaults["adamw_lr"]
+    # The same resolution as DMuon's: a group's own value, else adamw_* (lr: _scalar_lr).
     out = dict(group)
     out["rule"] = algorithm
-    out.setdefault("lr", lr)
+    out.setdefault("lr", _scalar_lr(defaults))
     out.setdefault("betas", defaults["adamw_betas"])
     out.setdefault("weight_decay", defaults["adamw_weight_decay"])
     out.setdefault("cautious_weight_decay", defaults["cautious_weight_decay"])

@@ -250,10 +250,10 @@ def layer_modules(model: nn.Module, keys: Iterable[str], names: Iterable[str]) -
     for a custom ``layer_of`` key that names no module, the deepest module holding all of
     ``names`` under its longest prefix that is one; the ``out_proj`` of an
     ``nn.MultiheadAttention``, which reads its weight without calling it: the attention
-    module) or, when a forward never
-    calls that module (a ``ModuleList`` of blocks that a nested list or a custom
-    ``layer_of`` names, or a plain ``nn.Module`` without a forward), the first module
-    below it that a forward calls, on the way to each of its parameters.
+    module) or, when a forward never calls that module (a ``ModuleList`` of blocks that a
+    nested list or a custom ``layer_of`` names, or a plain ``nn.Module`` without a
+    forward), the first module below it that a forward calls, on the way to each of its
+    parameters.
 
     Examples:
         >>> from torch import nn

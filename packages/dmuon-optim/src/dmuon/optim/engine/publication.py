@@ -189,22 +189,24 @@ class Publication:
             view.copy_(p.detach().reshape(view.shape))
         p.data = view.view(p.shape)
 
-    def _copy_in(self, layer: OwnerLayer) -> None:
-        """The owner's DTensor shards into their slots, before the broadcast."""
+    def _copy_in(self, layer: OwnerLayer, src: int | None = None) -> None:
+        """The sender's DTensor shards into their slots, before the broadcast: the owner's
+        (``src``: the bucket's first rank of the group sends instead, every rank copies)."""
         with torch.no_grad():
             for b in layer.publish_buckets:
-                if b.owner != self.rank:
+                if src is None and b.owner != self.rank:
                     continue
                 for name in b.names:
                     if name in self._copied:
                         view = b.view(name)
                         view.copy_(local_tensor(self._params[name]).reshape(view.shape))
 
-    def _copy_out(self, layer: OwnerLayer) -> None:
-        """The received DTensor shards out of their slots, once the broadcast is waited."""
+    def _copy_out(self, layer: OwnerLayer, src: int | None = None) -> None:
+        """The received DTensor shards out of their slots, once the broadcast is waited
+        (``src``: not the owners' broadcast, every rank copies)."""
         with torch.no_grad():
             for b in layer.publish_buckets:
-                if b.owner == self.rank:
+                if src is None and b.owner == self.rank:
                     continue
                 for name in b.names:
                     if name in self._copied:
@@ -467,12 +469,8 @@ class Publication:
         if self.world_size == 1:
             return
         buckets = [b for layer in self.layers for b in layer.publish_buckets]
-        with torch.no_grad():
-            for b in buckets:  # DTensor shards travel by copies (every rank: any may be 0's)
-                for name in b.names:
-                    if name in self._copied:
-                        view = b.view(name)
-                        view.copy_(local_tensor(self._params[name]).reshape(view.shape))
+        for layer in self.layers:  # DTensor shards travel by copies
+            self._copy_in(layer, src=0)
         groups = (
             [self.group] if self.replicate_group is None else [self.group, self.replicate_group]
         )
@@ -482,12 +480,8 @@ class Publication:
             works = [dist.broadcast(b.buffer, group_src=0, group=g, async_op=True) for b in buckets]
             for work in works:
                 wait_work(work, "broadcast of rank 0's dedicated weights", g)
-        with torch.no_grad():
-            for b in buckets:
-                for name in b.names:
-                    if name in self._copied:
-                        shard = local_tensor(self._params[name])
-                        shard.copy_(b.view(name).view(shard.shape))
+        for layer in self.layers:
+            self._copy_out(layer, src=0)
         by_dtype: dict[torch.dtype, list[str]] = {}
         for layer in self.layers:
             for n in layer.replicated:

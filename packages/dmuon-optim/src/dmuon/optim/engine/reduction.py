@@ -336,20 +336,18 @@ class Reduction:
         """
         if self.flushed:
             return None
-        # a gradient counts if it is there: arrived in this step's backward, accumulated
-        # (and not dropped by a model.zero_grad() since), or held without a backward's
-        # touching it — zeros kept by zero_grad(set_to_none=False) for a parameter no
-        # backward used this step, which one process steps (momentum, weight decay)
-        arrived = self.present | {
-            n for n in self.flag_names if n not in self.present and self.params[n].grad is not None
-        }
         if not self.publication.reshard_after_forward:
             self.publication.wait_all_published()
         # The flags before the launches below: when no rank synchronised a gradient,
         # nothing was launched anywhere, and nothing is (the accumulated gradients stay
         # where they are, even under free_local_grads, for the backward that follows).
         names = self.flag_names  # by name: one order on every rank
-        local = [int(n in arrived) for n in names] + [self.held_back, int(bool(self.present))]
+        # a gradient counts if it arrived in this step's backward or is there: accumulated
+        # (and not dropped by a model.zero_grad() since), or held without a backward's
+        # touching it — zeros kept by zero_grad(set_to_none=False) for a parameter no
+        # backward used this step, which one process steps (momentum, weight decay)
+        arrived = [n in self.present or self.params[n].grad is not None for n in names]
+        local = [*map(int, arrived), self.held_back, int(bool(self.present))]
         if agreement is None:
             flags = torch.tensor(local, dtype=torch.int32, device=self.flag_device)
         else:
