@@ -1002,3 +1002,38 @@ def test_loading_a_state_dict_or_removing_the_hooks_waits_for_the_broadcasts_in_
         # the late read is stale on the receivers, as a dense weight's would be, but does
         # not fail backward on them alone (their owners would go on into the step)
         assert failed is None, (rank, failed)
+
+
+def run_loaded_on_dp_rank_0(rank, world):
+    """The ranks of ``dp`` coordinate 1 start from other weights than rank 0's (a model
+    loaded on the first replica alone), experts and dense layers alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.integrations import ddp
+
+    shape, names = DP_EP
+    model = expert_parallel(init_device_mesh("cpu", shape, mesh_dim_names=names))
+    if rank >= world // 2:  # dp is the outer dimension: ranks 2 and 3
+        with torch.no_grad():
+            for p in model.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                local.add_(torch.randn_like(local))
+    ded = ddp.dedicate(model)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    train(model, opt, range(STEPS))
+    ded.wait()
+    return whole_params(model)
+
+
+def test_every_replica_starts_from_the_first_replicas_experts():
+    """dp 2 × ep 2, the second replica's weights different before ``ddp.dedicate``: the
+    dedication gives every rank rank 0's dense weights, and the optimizer every replica its
+    set's first rank's experts, so training equals one process (without the experts'
+    broadcast, the replicas trained their first step on their own experts and the owners
+    among them kept theirs)."""
+    expected = moving_reference("muon", 4)
+    results = run_on_ranks(run_loaded_on_dp_rank_0, 4, timeout=180)
+    for rank, got in enumerate(results):
+        for name, want in expected.items():
+            diff = (got[name] - want).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: {name} off by {diff:.2e}"

@@ -37,6 +37,9 @@ mode does for the experts:
    that did not call that module: :meth:`ExpertReplicas.grad_ready` refuses
    it, on every replica, rather than let the replicas train on last step's weights.
 
+At bind (:meth:`ExpertReplicas.synchronize`, once per set of stacks) every replica takes
+the experts of its set's first rank, as the dense layers take rank 0's at ``dedicate``.
+
 **Hang freedom**, as for the dense layers (:mod:`~dmuon.optim.engine.reduction`): the
 buckets are launched in one fixed order on every replica — layers in reverse natural
 order, the usual backward order — and a bucket only after every earlier one, so a
@@ -190,6 +193,29 @@ class ExpertReplicas:
         # each gradient copied into a bucket, as it was then (by both version counters):
         # a change after that would not reach the owner
         self._taken = TakenGradients(_versions)
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Give every replica the experts of the first rank of its replica set (``dp``
+        rank 0), as ``DistributedDataParallel`` and the dedication give every rank rank
+        0's weights when they are built: a model loaded on rank 0 alone starts every
+        replica from that load, where otherwise each stack's owner kept its own experts
+        and the replicas trained the first step on theirs. One ``broadcast`` per stack,
+        in place, in the natural order of the stacks on every replica."""
+        for s in self.sets:
+            if len(s.ranks) == 1:
+                continue
+            works = [
+                (
+                    e,
+                    dist.broadcast(
+                        local_tensor(e.param), src=s.ranks[0], group=s.group, async_op=True
+                    ),
+                )
+                for e in sorted(s.params, key=lambda e: natural_key(e.name))
+            ]
+            for e, work in works:
+                wait_work(work, f"broadcast of expert stack {e.name!r} from dp rank 0", s.group)
 
     def __contains__(self, p: torch.Tensor) -> bool:
         return id(p) in self._by_param

@@ -144,6 +144,8 @@ class OwnerEngine(Engine):
         # the reduction holds already when they are these stacks' (another optimizer's over
         # this dedication), else these
         self._replicas = ex.reduction.attach_experts(sets if sets.sets else None) or sets
+        if self._replicas is sets:  # the first optimizer over these stacks: rank 0's start
+            sets.synchronize()
         self._keys = ex.layer_keys()
         self._matrix_groups = [
             i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)
