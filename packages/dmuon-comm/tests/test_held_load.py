@@ -83,6 +83,43 @@ def test_max_load_against_the_brute_force_optimum(strategy):
         assert max(loads) <= 4 / 3 * optimum, (loads, optimum)
 
 
+@pytest.mark.parametrize("affine", [True, False], ids=["affine-calls", "measured-calls"])
+def test_ilp_batches_planned_matrices_with_the_held_ones_of_their_shape(affine):
+    """Under batched costs a planned matrix of a held matrix's shape joins that rank's
+    batched call, as ``OwnerPlan.loads`` and the engine count it: the ILP must model it
+    too. Here launch overhead dominates (1 ms a call): rank 0 holds a 256² matrix, so the
+    two planned 256² matrices cost it almost nothing more, and the 128² one goes to rank
+    1 beside its held 128² one. The ILP that took the held load as a constant split the
+    256² pair (two calls on rank 1) at twice the optimum's maximum load."""
+    cost = NSCost(call_overhead=1e-3)
+    call = cost.batch_seconds
+    items = [MatrixItem("a", (256, 256)), MatrixItem("b", (256, 256)), MatrixItem("c", (128, 128))]
+    held = [[MatrixItem("e0", (256, 256))], [MatrixItem("e1", (128, 128))]]
+    kwargs = (
+        {"cost": cost}
+        if affine
+        else {
+            # the same calls, measured (not affine in the batch size: a second matrix is free)
+            "batch_cost": lambda key, b: (
+                call(key[0], key[1], 4, 1) if b == 1 else call(key[0], key[1], 4, b) * 0.9
+            )
+        }
+    )
+    from dmuon.comm.cost import Costing
+
+    costing = Costing([*items, *held[0], *held[1]], kwargs.get("cost"), kwargs.get("batch_cost"), 8)
+    optimum = min(
+        max(
+            costing.rank_load(held[r] + [i for i, o in zip(items, owners, strict=True) if o == r])
+            for r in range(2)
+        )
+        for owners in itertools.product(range(2), repeat=len(items))
+    )
+    plan = plan_owners(items, 2, strategy="ilp", held=held, **kwargs)
+    assert plan.max_load == pytest.approx(optimum, rel=1e-6), (plan.summary(), optimum)
+    assert plan.owners == (0, 0, 1), plan.summary()
+
+
 def test_held_load_is_checked():
     items = dense(2)
     with pytest.raises(ValueError, match="one list of matrices per rank"):

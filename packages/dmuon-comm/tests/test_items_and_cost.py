@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dmuon.comm import MatrixItem, NSCost, layer_key, matrix_items, ns_flops
+from dmuon.comm import MatrixItem, NSCost, layer_key, matrix_items, ns_flops, plan_owners
 
 
 def gram_flops_by_walking_the_iteration(m, n, steps, restarts):
@@ -76,6 +76,17 @@ def test_nscost_is_flops_over_rate_plus_bytes_over_bandwidth_plus_overhead():
     assert standard(MatrixItem("w", (64, 128))) == pytest.approx(
         3 * (4 * 64 * 64 * 128 + 2 * 64**3) / standard.flops_per_second
     )
+
+
+def test_an_empty_matrix_costs_nothing_and_loads_no_rank():
+    """The kernels return an empty matrix at once (``dispatch.run``: no call), so the
+    cost model charges no call overhead for one and the plan counts no load for it."""
+    cost = NSCost()
+    assert cost(MatrixItem("w", (0, 4096))) == 0.0
+    assert cost(MatrixItem("w", (2, 16, 0))) == 0.0
+    assert cost.batch_seconds(0, 4096, 4, 3) == 0.0
+    plan = plan_owners([MatrixItem("w", (0, 4096))], 2)
+    assert plan.loads == (0.0, 0.0), plan.summary()
 
 
 @pytest.mark.parametrize(

@@ -94,8 +94,9 @@ class NSCost:
         )
 
     def batch_seconds(self, m: int, n: int, element_size: int, batch: int) -> float:
-        """Seconds of one batched call on ``batch`` matrices of shape ``m × n``."""
-        if batch == 0:
+        """Seconds of one batched call on ``batch`` matrices of shape ``m × n`` (none for
+        no matrix or an empty one: the kernels launch nothing for it)."""
+        if batch == 0 or m * n == 0:
             return 0.0
         return self.call_overhead + batch * self.matrix_seconds(m, n, element_size)
 

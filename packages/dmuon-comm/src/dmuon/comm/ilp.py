@@ -21,7 +21,9 @@ else ``x[s, b, r] ∈ ℕ`` calls of exactly ``b`` matrices; ``L`` the maximum l
     B·k[s, r] ≥ count_{s,r}   or   Σ_b b·x[s, b, r] = count_{s,r}
     load_r = Σ c_s·count_{s,r} + o_s·k[s, r]   (or Σ C(s, b)·x[s, b, r]) ≤ L
 
-where ``count_{s,r} = Σ_{g,t} n[g, t, r]·(matrices of shape s in type t)``. Stage 1
+where ``count_{s,r} = Σ_{g,t} n[g, t, r]·(matrices of shape s in type t) + h_{s,r}``,
+``h_{s,r}`` the matrices of shape ``s`` rank ``r`` holds outside the plan (``held``: its
+experts), which share its batched calls as the engine runs them. Stage 1
 minimises ``L``; stage 2 keeps ``L`` and minimises the total work ``Σ_r load_r``
 (fewer, fuller batched calls). This is the objective of DMuon's profiled ILP
 (Chen et al., *Efficient Distributed Muon Training with Near-Adam Overhead*, 2026:
@@ -47,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dmuon.comm.cost import Costing, ShapeKey, shape_key
+from dmuon.comm.items import MatrixItem
 from dmuon.comm.owner_plan import natural_key
 from dmuon.comm.units import Unit
 
@@ -121,12 +124,13 @@ def solve_owner_ilp(
     costing: Costing,
     time_limit: float,
     gap: float,
-    base: Sequence[float] | None = None,
+    held: Sequence[Sequence[MatrixItem]] | None = None,
 ) -> tuple[list[int], str] | None:
     """Owners per unit and a status word, or None if the solver found nothing.
 
-    ``base[r]``: load rank ``r`` carries outside the plan (matrices it steps itself),
-    added to its load in the max-load constraint.
+    ``held[r]``: the matrices rank ``r`` steps outside the plan. Under batched costs they
+    count in ``count_{s,r}`` (a planned matrix of their shape joins their calls);
+    otherwise their cost is a constant of the rank's load.
     """
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -137,7 +141,18 @@ def solve_owner_ilp(
         return [], "optimal"
     unit_type, comps, groups = _model(units, caps, costing)
     batched = costing.batch_cost is not None
-    classes: list[ShapeKey] = sorted({s for comp in comps for s in comp})
+    held = held if held is not None else [[] for _ in range(N)]
+    # the load held outside the plan: batched, its matrices per shape and rank (h_{s,r});
+    # else a constant per rank
+    held_count: dict[ShapeKey, list[int]] = {}
+    const = [0.0] * N
+    for r, its in enumerate(held):
+        if batched:
+            for item in its:
+                held_count.setdefault(shape_key(item), [0] * N)[r] += item.batch
+        else:
+            const[r] = costing.rank_load(its)
+    classes: list[ShapeKey] = sorted({s for comp in comps for s in comp} | set(held_count))
     type_cost = [0.0] * len(comps)
     if not batched:
         for u, t in enumerate(unit_type):
@@ -176,6 +191,7 @@ def solve_owner_ilp(
     B = costing.max_batch
     totals = {
         s: sum(comps[t].get(s, 0) * _groups_total(groups, t) for t in range(len(comps)))
+        + sum(held_count.get(s, ()))
         for s in classes
     }
     upper: dict[int, float] = {}
@@ -190,13 +206,15 @@ def solve_owner_ilp(
         )
         for r in range(N):
             count = count_coef(s, r)
+            h = float(held_count[s][r]) if s in held_count else 0.0
             if affine:
                 k = new_var()
                 upper[k] = float(-(-totals[s] // B))
-                rows.append(({k: float(B), **{v: -c for v, c in count.items()}}, 0.0, np.inf))
+                rows.append(({k: float(B), **{v: -c for v, c in count.items()}}, h, np.inf))
                 raw_loads[r][k] = raw_loads[r].get(k, 0.0) + overhead
                 for v, c in count.items():
                     raw_loads[r][v] = raw_loads[r].get(v, 0.0) + per_matrix * c
+                const[r] += per_matrix * h
             else:
                 coef: dict[int, float] = {}
                 for b, cost in zip(sizes, calls, strict=True):
@@ -204,7 +222,7 @@ def solve_owner_ilp(
                     upper[x] = float(-(-totals[s] // b))
                     coef[x] = float(b)
                     raw_loads[r][x] = cost
-                rows.append(({**coef, **{v: -c for v, c in count.items()}}, 0.0, 0.0))
+                rows.append(({**coef, **{v: -c for v, c in count.items()}}, h, h))
     if not batched:
         for (_g, t, r), k in n_var.items():
             raw_loads[r][k] = type_cost[t]
@@ -212,7 +230,7 @@ def solve_owner_ilp(
     loads = [{k: c / scale for k, c in load.items()} for load in raw_loads]
     L = new_var()
     for r in range(N):
-        rows.append(({**loads[r], L: -1.0}, -np.inf, -(base[r] if base else 0.0) / scale))
+        rows.append(({**loads[r], L: -1.0}, -np.inf, -const[r] / scale))
 
     data: list[float] = []
     ri: list[int] = []

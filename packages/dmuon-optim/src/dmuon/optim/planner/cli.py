@@ -28,6 +28,10 @@ __all__ = ["main", "parser"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+MIN_LINK_BANDWIDTH = 1e6
+"""The slowest link ``--intra``/``--inter`` take, in bytes per second (1 MB/s)."""
+
+
 def _link(spec: str, *, what: str) -> Link:
     """A preset name, or ``<number>[GB/s]`` for a custom bandwidth (bytes per second)."""
     if spec in INTERCONNECTS:
@@ -44,6 +48,11 @@ def _link(spec: str, *, what: str) -> Link:
             f"{what} {spec!r}: give a preset ({', '.join(INTERCONNECTS)}) or a bandwidth "
             "such as '200GB/s'"
         ) from None
+    if 0 < value < MIN_LINK_BANDWIDTH:  # 0, negative, inf, NaN: Link names them
+        raise ValueError(
+            f"{what} {spec!r} is {value:g} B/s: give a bandwidth of at least 1MB/s (times "
+            "at slower links overflow the model's figures)"
+        )
     return Link("custom", value, source=f"{what} given on the command line")
 
 
@@ -151,6 +160,11 @@ def _run(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError("--plot needs matplotlib: pip install 'dmuon-optim[plan]'") from None
+    if args.tokens < args.seq_len:
+        raise ValueError(
+            f"--tokens {args.tokens} is less than one sequence of --seq-len {args.seq_len}: "
+            "give the global batch of a step in tokens (sequences × sequence length)"
+        )
     spec = load_model(args.model, dtype=_DTYPES[args.dtype])
     if args.calibrate:
         from dmuon.optim.planner.calibrate import calibrate
