@@ -23,6 +23,7 @@ from dmuon.comm.testing import run_on_ranks
 from dmuon.optim import DMuon, param_groups
 
 NAME = "gpt"
+RESUME_AT = STEPS - 2  # stock HSDP saves its state before this step
 
 
 def run_hsdp(rank, world):
@@ -33,7 +34,7 @@ def run_hsdp(rank, world):
     from dmuon.integrations import checkpoint, fsdp
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    out, stages, saved = {}, None, {}
+    out, stages, saved, resumable = {}, None, {}, None
     for mode in ("owner", "sharded"):
         model = build(NAME)
         kw = dict(OPT)
@@ -50,6 +51,8 @@ def run_hsdp(rank, world):
         opt = DMuon(param_groups(model), **kw)
         assert opt.mode == mode
         for t in range(STEPS):
+            if mode == "sharded" and t == RESUME_AT:  # stock HSDP's state, whole on rank 0
+                resumable = checkpoint.full_state_dict(model, opt)
             loss_of(NAME, model, *batch(NAME, t, rank, world)).backward()
             opt.step()
             opt.zero_grad()
@@ -64,13 +67,32 @@ def run_hsdp(rank, world):
             saved[mode] = "saved"
         except ValueError as err:
             saved[mode] = str(err)
-    return out, stages, saved
+    return out, stages, saved, resumable if rank == 0 else None
+
+
+def resume_in_one_process(sd) -> dict:
+    """The rest of the run in one process from stock HSDP's full state dict (4 ranks →
+    1: the checkpoint reshards), on the global batches the 4 ranks had."""
+    from dmuon.integrations import checkpoint
+
+    model = build(NAME)
+    opt = DMuon(param_groups(model), **OPT)
+    checkpoint.load_full_state_dict(model, opt, sd)
+    for t in range(RESUME_AT, STEPS):
+        losses = [loss_of(NAME, model, *batch(NAME, t, r, 4)) for r in range(4)]
+        (sum(losses) / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    return full_params(model)
 
 
 def test_hsdp_2x2_equals_one_process():
     expected = reference(NAME, 4)
     results = run_on_ranks(run_hsdp, 4, timeout=180)
-    for rank, (params, stages, saved) in enumerate(results):
+    # stock HSDP's checkpoint, taken at step RESUME_AT, resumes in one process
+    diff, where = max_diff(resume_in_one_process(results[0][3]), expected)
+    assert diff <= TOLERANCE, f"HSDP resumed in one process: {where} differs by {diff:.2e}"
+    for rank, (params, stages, saved, _) in enumerate(results):
         assert saved["sharded"] == "saved", saved
         advice = "train stock HSDP instead (fully_shard on the 2-D mesh without dedicate"
         assert advice in saved["owner"], saved

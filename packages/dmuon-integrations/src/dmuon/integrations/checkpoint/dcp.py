@@ -6,7 +6,8 @@ One DCP checkpoint (a directory) holds::
      "optim": {"state": {fqn: {key: tensor}},  # see sharded_state: owners' state once, as Shard(0)
                "param_groups": [...]},
      "dmuon": "<json: mode, world size, plan digest at save time>",
-     "extra": {...}}                            # what the caller passed (step, RNG, scheduler, ...)
+     "extra": b"..."}                           # what the caller passed (step, scheduler, ...),
+                                                # torch.save'd whole: rank 0's
 
 Saving is collective over every rank of the job; loading is collective over the
 ranks of the new job, whatever their number: DCP reads each rank's tensors from
@@ -17,6 +18,8 @@ whole, and FSDP2 shards read their rows. A checkpoint is complete when its
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import warnings
@@ -86,8 +89,13 @@ def save(
         path: the checkpoint directory (created; use a fresh one per checkpoint).
         model: the model the optimizer was built on (FSDP2-sharded or plain).
         optimizer: the :class:`~dmuon.optim.DMuon`.
-        extra: picklable values to keep with the checkpoint (the step, a
-            scheduler's ``state_dict()``, RNG states); :func:`load` returns them.
+        extra: values to keep with the checkpoint (the step, a scheduler's
+            ``state_dict()``, the CPU RNG state of a generator seeded alike on every
+            rank), kept whole as ``torch.save`` keeps them (any keys, lists and
+            tensors); :func:`load` returns them on every rank. One value for the job:
+            rank 0's is saved, and a save whose ``extra`` differs between ranks (a
+            per-rank RNG state) warns, naming the keys, since each rank would get
+            rank 0's back. Keep per-rank values in files of your own per rank.
 
     Raises:
         TypeError: ``optimizer`` is not a DMuon.
@@ -109,17 +117,58 @@ def save(
     held = holdings(model, optimizer)
     settle(optimizer)
     try:
-        state = {
+        state: dict[str, Any] = {
             "model": get_model_state_dict(model),
             "optim": state_to_save(optimizer, held),
             "dmuon": describe_optimizer(optimizer),
         }
         if extra:
-            state["extra"] = dict(extra)
+            state["extra"] = _extra_bytes(extra)
         with _quiet_single_process():
             dcp.save(state, checkpoint_id=os.fspath(path))
     finally:
         release(optimizer)
+
+
+def _extra_bytes(extra: Mapping[str, Any]) -> bytes:
+    """``extra`` as ``torch.save`` writes it, rank 0's on every rank: one opaque value, so
+    DCP neither flattens it (dotted keys, lists, digit keys came back reshaped) nor keeps
+    an arbitrary rank's. Warns, naming the keys, when the ranks' values differ."""
+    buffer = io.BytesIO()
+    torch.save(dict(extra), buffer)
+    blob = buffer.getvalue()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return blob
+
+    def digests(values: Mapping[str, Any]) -> dict[str, str]:
+        out = {}
+        for key, value in values.items():
+            one = io.BytesIO()
+            torch.save(value, one)
+            out[str(key)] = hashlib.sha256(one.getvalue()).hexdigest()
+        return out
+
+    mine = digests(extra)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if all(d == every[0] for d in every):
+        return blob
+    keys = sorted({k for d in every for k in d if any(e.get(k) != d.get(k) for e in every)})
+    if dist.get_rank() == 0:
+        warnings.warn(
+            f"checkpoint.save: extra{keys} differs between ranks; the checkpoint keeps rank "
+            "0's, which load() returns on every rank. Keep per-rank values (a generator "
+            "seeded by rank) in files of your own per rank",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    held = [blob]
+    dist.broadcast_object_list(held, src=0)
+    return held[0]
+
+
+def _extra_from(blob: bytes) -> dict[str, Any]:
+    return dict(torch.load(io.BytesIO(blob), weights_only=False))
 
 
 def _read_metadata(path: str) -> Any:
@@ -179,25 +228,13 @@ def _read_checked(
     small: dict[str, Any] = {
         "optim": {"param_groups": _listify(_tree_from(metadata, "optim.param_groups"))},
     }
-    extra_tree = _listify(_tree_from(metadata, "extra"))
-    if extra_tree:
-        small["extra"] = extra_tree
+    if "extra" in metadata:  # one torch.save'd value (bytes)
+        small["extra"] = b""
     groups = small["optim"]["param_groups"]
     if not isinstance(groups, list):
         raise CheckpointMismatchError(
             [f"{path!r} has no optimizer param groups ('optim.param_groups')"]
         )
-    extra_tensors = {
-        k: v
-        for k, v in metadata.items()
-        if k.startswith("extra.") and isinstance(v, TensorStorageMetadata)
-    }
-    for key, md in extra_tensors.items():
-        node = small["extra"]
-        parts = key.split(".")[1:]
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     with _quiet_single_process():
         dcp.load(small, checkpoint_id=path)
     model_sd: dict[str, Any] = get_model_state_dict(model)
@@ -300,4 +337,4 @@ def load(
         load_into_optimizer(optimizer, held, targets, groups)
     finally:
         release(optimizer)
-    return dict(small.get("extra", {}))
+    return _extra_from(small["extra"]) if "extra" in small else {}

@@ -227,14 +227,17 @@ def load_full_state_dict(model: nn.Module, optimizer: DMuon, state_dict: Mapping
             groups,
         )
         # every rank holds the whole dict: each cuts its own shards (no collective), where
-        # DSD's full_state_dict would scatter rank 0's with no deadline
+        # DSD's full_state_dict would scatter rank 0's with no deadline. The model's own
+        # keys only, as DCP's load reads them: a saved entry the model no longer has (a
+        # buffer dropped since) is left, not refused after the weights were written
         set_model_state_dict(
             model,
             {
                 fqn: shard_of(full.to(local[fqn].device), local[fqn])
-                if is_dtensor(local.get(fqn))
+                if is_dtensor(local[fqn])
                 else full
                 for fqn, full in state_dict["model"].items()
+                if fqn in local
             },
         )
         saved = state_dict["optim"]["state"]

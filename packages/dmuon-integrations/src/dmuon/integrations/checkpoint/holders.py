@@ -84,13 +84,36 @@ def _rank(group: Any) -> int:
     return dist.get_rank(group)
 
 
+WRAPPER_NAMES = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+"""Attribute names of the modules that wrap another without a name of their own in a
+state dict: ``torch.compile``'s ``OptimizedModule``, activation checkpointing's
+``CheckpointWrapper`` and FSDP1's wrapper. ``get_model_state_dict`` drops them from the
+model's keys; :func:`model_fqns` drops them from the optimizer state's."""
+
+
 def model_fqns(model: nn.Module) -> dict[int, str]:
-    """``id(parameter) → fully-qualified name`` (a tied weight: its first name)."""
+    """``id(parameter) → fully-qualified name`` (a tied weight: its first name), as
+    ``get_model_state_dict`` names it: without DDP's ``module.`` and without the
+    wrappers of :data:`WRAPPER_NAMES`, so a checkpoint saved with ``torch.compile`` or
+    activation checkpointing loads without them, and the other way round.
+
+    Examples:
+        >>> import torch
+        >>> from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        ...     checkpoint_wrapper,
+        ... )
+        >>> model = torch.nn.Sequential(checkpoint_wrapper(torch.nn.Linear(2, 2)))
+        >>> sorted(model_fqns(model).values())
+        ['0.bias', '0.weight']
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
         model = model.module
-    return {id(p): name for name, p in model.named_parameters()}
+    return {
+        id(p): ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
+        for name, p in model.named_parameters()
+    }
 
 
 def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:

@@ -1,0 +1,152 @@
+"""What a checkpoint keeps besides the tensors, and the names it keeps them under.
+
+* ``extra`` comes back as it was passed, whatever its shape (lists of tensors, keys
+  that are digits or hold dots: DCP flattened it by key, and ``load`` rebuilt it wrongly
+  or failed), and one value for the job: rank 0's, with a warning naming the keys that
+  differ between ranks (DCP kept an arbitrary rank's, silently).
+* The optimizer's state is named as ``get_model_state_dict`` names the model's, without
+  ``torch.compile``'s ``_orig_mod`` and activation checkpointing's wrapper, so a run
+  saved with either resumes without it and the other way round (both halves are checked
+  against the one-process run that never saved).
+* ``load_full_state_dict`` loads the model's own keys, as DCP's ``load`` does: a saved
+  entry the model no longer has no longer fails after the weights were written.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from dmuon.comm.testing import run_on_ranks
+from dmuon.integrations import checkpoint
+from dmuon.optim import DMuon, param_groups
+
+OPT = {"lr": 0.02, "adamw_lr": 0.01, "weight_decay": 0.01}
+
+
+def _mlp(seed: int = 0, buffer: bool = False) -> nn.Sequential:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 2))
+    if buffer:
+        model.register_buffer("mask", torch.ones(8))
+    return model
+
+
+def _step(model: nn.Module, opt: DMuon, t: int) -> None:
+    g = torch.Generator().manual_seed(100 + t)
+    model(torch.randn(6, 4, generator=g)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_extra_comes_back_as_it_was_passed(tmp_path):
+    model = _mlp()
+    opt = DMuon(param_groups(model), **OPT)
+    _step(model, opt, 0)
+    rng = [torch.get_rng_state(), torch.arange(3)]
+    extra = {
+        "step": 7,
+        "rng": rng,  # a list of tensors: load failed (a list indexed by a string)
+        "by_rank": {"0": "a", "1": "b"},  # digit keys: came back a list, then failed
+        "data.epoch": 3,  # a dotted key: came back as {"data": {"epoch": 3}}
+        "sched": torch.optim.lr_scheduler.StepLR(opt, 2).state_dict(),
+        "empty": {},
+    }
+    checkpoint.save(tmp_path, model, opt, extra=extra)
+    fresh = _mlp(seed=1)
+    got = checkpoint.load(tmp_path, fresh, DMuon(param_groups(fresh), **OPT))
+    assert set(got) == set(extra)
+    assert torch.equal(got["rng"][0], rng[0]) and torch.equal(got["rng"][1], rng[1])
+    assert got["by_rank"] == {"0": "a", "1": "b"}
+    assert got["data.epoch"] == 3 and got["step"] == 7 and got["empty"] == {}
+    assert got["sched"] == extra["sched"]
+
+
+def run_extra_per_rank(rank, world, path):
+    from dmuon.integrations import ddp
+
+    model = _mlp()
+    opt = DMuon(param_groups(model), distributed=ddp.dedicate(model), **OPT)
+    _step(model, opt, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint.save(path, model, opt, extra={"step": 3, "rank": rank})
+    got = checkpoint.load(path, model, opt)
+    return got, [str(w.message) for w in caught if "differs between ranks" in str(w.message)]
+
+
+def test_an_extra_that_differs_between_ranks_is_rank_0s_with_a_warning(tmp_path):
+    results = run_on_ranks(run_extra_per_rank, 2, args=(str(tmp_path),), timeout=120)
+    for rank, (got, warned) in enumerate(results):
+        assert got == {"step": 3, "rank": 0}, (rank, got)
+        if rank == 0:
+            assert len(warned) == 1 and "extra['rank'] differs" in warned[0], warned
+        else:
+            assert warned == [], warned
+
+
+def _wrapped(how: str, model: nn.Module) -> nn.Module:
+    if how == "compile":
+        return torch.compile(model)  # an OptimizedModule: names under _orig_mod
+    if how == "checkpoint":
+        model[2] = checkpoint_wrapper(model[2])
+        return model
+    return model
+
+
+@pytest.mark.parametrize("how", ["compile", "checkpoint"])
+@pytest.mark.parametrize("form", ["dcp", "full"])
+@pytest.mark.parametrize("direction", ["saved wrapped", "loaded wrapped"])
+def test_a_checkpoint_does_not_depend_on_wrappers(tmp_path, how, form, direction):
+    """Train 2 steps, save, resume in a fresh model and train 2 more: equal to 4 steps
+    without a save, with the wrapper on the saving side or on the loading side only. The
+    steps run through the inner model (a compiled forward is not the point here)."""
+    reference = _mlp()
+    ref_opt = DMuon(param_groups(reference), **OPT)
+    for t in range(4):
+        _step(reference, ref_opt, t)
+
+    inner = _mlp()
+    model = _wrapped(how, inner) if direction == "saved wrapped" else inner
+    opt = DMuon(param_groups(model), **OPT)
+    for t in range(2):
+        _step(inner, opt, t)
+    full = checkpoint.full_state_dict(model, opt) if form == "full" else None
+    if form == "dcp":
+        checkpoint.save(tmp_path, model, opt)
+
+    fresh_inner = _mlp(seed=1)
+    fresh = _wrapped(how, fresh_inner) if direction == "loaded wrapped" else fresh_inner
+    fresh_opt = DMuon(param_groups(fresh), **OPT)
+    if form == "dcp":
+        checkpoint.load(tmp_path, fresh, fresh_opt)
+    else:
+        checkpoint.load_full_state_dict(fresh, fresh_opt, full)
+    for t in range(2, 4):
+        _step(fresh_inner, fresh_opt, t)
+    for (name, want), got in zip(
+        reference.named_parameters(), fresh_inner.parameters(), strict=True
+    ):
+        assert torch.equal(got, want), name
+
+
+def test_a_full_state_dict_entry_the_model_no_longer_has_is_left(tmp_path):
+    """A buffer dropped since the save: DCP's load leaves it, and so does the one-file
+    load (it raised torch's strict-load error after the weights were written)."""
+    model = _mlp(buffer=True)
+    opt = DMuon(param_groups(model), **OPT)
+    _step(model, opt, 0)
+    full = checkpoint.full_state_dict(model, opt)
+    fresh = _mlp(seed=1)
+    fresh_opt = DMuon(param_groups(fresh), **OPT)
+    checkpoint.load_full_state_dict(fresh, fresh_opt, full)
+    for (name, want), got in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(got, want), name
+    _step(model, opt, 1)
+    _step(fresh, fresh_opt, 1)  # the optimizer's state was loaded too
+    for (name, want), got in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(got, want), name
