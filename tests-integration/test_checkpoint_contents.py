@@ -150,3 +150,39 @@ def test_a_full_state_dict_entry_the_model_no_longer_has_is_left(tmp_path):
     _step(fresh, fresh_opt, 1)  # the optimizer's state was loaded too
     for (name, want), got in zip(model.named_parameters(), fresh.parameters(), strict=True):
         assert torch.equal(got, want), name
+
+
+def run_different_checkpoints(rank, world, root):
+    from dmuon.integrations import ddp
+    from dmuon.integrations.checkpoint import CheckpointMismatchError
+
+    model = _mlp()
+    opt = DMuon(param_groups(model), distributed=ddp.dedicate(model), **OPT)
+    _step(model, opt, 0)
+    checkpoint.save(f"{root}/step_1", model, opt)
+    _step(model, opt, 1)
+    checkpoint.save(f"{root}/step_2", model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    # each rank's "latest" differs (a filesystem not shared alike)
+    mine = f"{root}/step_{1 + rank}"
+    errors = []
+    for call in (checkpoint.check, checkpoint.load):
+        try:
+            call(mine, model, opt)
+        except CheckpointMismatchError as err:
+            errors.append(str(err))
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    checkpoint.load(f"{root}/step_1", model, opt)  # the same one everywhere: loads
+    return errors, unchanged
+
+
+def test_ranks_that_read_different_checkpoints_are_refused_on_every_rank(tmp_path):
+    """DCP read each rank's own directory and the job went on from two saves (rank 0 at
+    step 1, rank 1 at step 2): each save has an id, and a load (and ``check``) whose ranks
+    read different ones raises on every rank before anything changes."""
+    results = run_on_ranks(run_different_checkpoints, 2, args=(str(tmp_path),), timeout=120)
+    for rank, (errors, unchanged) in enumerate(results):
+        assert len(errors) == 2, (rank, errors)
+        assert all("the ranks read different checkpoints" in e for e in errors), errors
+        assert f"step_{1 + rank}" in errors[0], errors
+        assert unchanged, rank

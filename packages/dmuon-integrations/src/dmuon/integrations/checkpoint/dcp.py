@@ -22,6 +22,7 @@ import hashlib
 import io
 import json
 import os
+import uuid
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -33,6 +34,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from dmuon.comm.faults import wait_work
+from dmuon.comm.flags import flag_device
 from dmuon.integrations.checkpoint.compat import (
     CheckpointMismatchError,
     check_compatible,
@@ -58,17 +61,43 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def describe_optimizer(optimizer: DMuon) -> str:
-    """What a checkpoint records about ``optimizer`` (format, mode, world, plan), as JSON."""
+def describe_optimizer(optimizer: DMuon, save_id: str | None = None) -> str:
+    """What a checkpoint records about ``optimizer`` (format, mode, world, plan), as JSON;
+    :func:`save` adds a ``save_id`` that :func:`load` checks every rank read alike."""
     info = optimizer.engine.describe()
-    return json.dumps(
-        {
-            "format": FORMAT,
-            "mode": info["mode"],
-            "world_size": info["world_size"],
-            "plan_digest": info.get("plan_digest"),
-        }
-    )
+    described = {
+        "format": FORMAT,
+        "mode": info["mode"],
+        "world_size": info["world_size"],
+        "plan_digest": info.get("plan_digest"),
+    }
+    if save_id is not None:
+        described["save_id"] = save_id
+    return json.dumps(described)
+
+
+def _check_one_checkpoint(path: str, described: str, optimizer: DMuon) -> None:
+    """Refuse, on every rank, a load whose ranks read different checkpoints (each its own
+    ``path``: a filesystem that is not shared alike, a "latest" picked per rank): one
+    all-reduce of the save's id, under the optimizer's deadline. Checkpoints without an
+    id (saved before it existed) count as one."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    save_id = str(json.loads(described).get("save_id", "")) if described else ""
+    digest = int(hashlib.sha256(save_id.encode()).hexdigest()[:15], 16)
+    flags = torch.tensor([digest, -digest], dtype=torch.int64, device=flag_device(None))
+    with checkpoint_deadline(optimizer, "DMuon checkpoint load"):
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        wait_work(work, "all-reduce of the checkpoint's save id")
+    if flags.tolist() != [digest, -digest]:
+        raise CheckpointMismatchError(
+            [
+                f"the ranks read different checkpoints: rank {dist.get_rank()} read {path!r} "
+                f"(save {save_id[:12] or 'without an id'}), another rank another save. Give "
+                "every rank the same checkpoint directory (pick it on rank 0 and broadcast "
+                "it, on a filesystem every rank sees alike)"
+            ]
+        )
 
 
 @torch.no_grad()
@@ -120,7 +149,7 @@ def save(
         state: dict[str, Any] = {
             "model": get_model_state_dict(model),
             "optim": state_to_save(optimizer, held),
-            "dmuon": describe_optimizer(optimizer),
+            "dmuon": describe_optimizer(optimizer, save_id=uuid.uuid4().hex),
         }
         if extra:
             state["extra"] = _extra_bytes(extra)
@@ -227,6 +256,7 @@ def _read_checked(
     }
     small: dict[str, Any] = {
         "optim": {"param_groups": _listify(_tree_from(metadata, "optim.param_groups"))},
+        "dmuon": "",
     }
     if "extra" in metadata:  # one torch.save'd value (bytes)
         small["extra"] = b""
@@ -235,8 +265,11 @@ def _read_checked(
         raise CheckpointMismatchError(
             [f"{path!r} has no optimizer param groups ('optim.param_groups')"]
         )
+    if "dmuon" not in metadata:
+        del small["dmuon"]
     with _quiet_single_process():
         dcp.load(small, checkpoint_id=path)
+    _check_one_checkpoint(path, small.get("dmuon", ""), optimizer)
     model_sd: dict[str, Any] = get_model_state_dict(model)
     model_shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
     check_compatible(held, optimizer, model_shapes, saved_shapes, groups)
