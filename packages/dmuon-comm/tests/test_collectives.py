@@ -150,6 +150,30 @@ def test_all_gather_updates_of_empty_items_only_fills_out_and_returns_them():
     run_on_ranks(body, 2, timeout=60)
 
 
+def test_shard_all_to_all_of_empty_items_only_hands_back_every_item_both_ways():
+    """A dtype whose every item is empty (FSDP2 rows of a tensor-parallel shard of no
+    columns: a (4, 1) matrix split over tp 2) sends nothing, and the owners still get
+    their (empty) matrices and every rank its (empty) shards back; the items were left
+    out of both results (sharded mode's KeyError, its tp peers waiting)."""
+
+    def body(rank, n):
+        items = [MatrixItem("a", (4, 0)), MatrixItem("b", (0, 3)), MatrixItem("c", (2, 3))]
+        items += [MatrixItem("d", (2, 0), torch.bfloat16)]
+        plan = plan_owners(items, n)
+        full = {i.name: torch.full(i.shape, 3.0, dtype=i.dtype) for i in items}
+        shards = {name: torch_chunk_shard(t, n, rank) for name, t in full.items()}
+        gathered = shard_all_to_all(shards, plan).wait()
+        assert sorted(gathered) == sorted(plan.names_of(rank))
+        for name, t in gathered.items():
+            assert t.shape == full[name].shape and t.dtype == full[name].dtype, name
+        back = shard_all_to_all_reverse(gathered, plan).wait()
+        assert sorted(back) == ["a", "b", "c", "d"]
+        for name, t in back.items():
+            assert t.shape == shards[name].shape and torch.equal(t, shards[name]), name
+
+    run_on_ranks(body, 2, timeout=60)
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_shard_all_to_all_rebuilds_full_matrices_and_returns_the_right_shards(world):
     def body(rank, n):

@@ -179,9 +179,11 @@ def shard_all_to_all(
     finishers: list = []
     for dtype, per_rank in items_by_dtype(plan, n):
         volume = _volumes(per_rank, n)
-        if sum(volume) == 0:
-            continue
         device = next(iter(shards.values())).device if shards else None
+        if sum(volume) == 0:  # every shard empty (a tp shard of no columns): nothing moves,
+            # and the owners' matrices are empty as well
+            finishers.append((torch.empty(0, dtype=dtype, device=device), per_rank[me], 0))
+            continue
         send = torch.empty(sum(volume), dtype=dtype, device=device)
         offset = 0
         for its in per_rank:
@@ -262,9 +264,10 @@ def shard_all_to_all_reverse(
     finishers: list = []
     for dtype, per_rank in items_by_dtype(plan, n):
         volume = _volumes(per_rank, n)
-        if sum(volume) == 0:
-            continue
         device = next(iter(results.values())).device if results else None
+        if sum(volume) == 0:  # every result empty: each rank's shards are empty too
+            finishers.append((torch.empty(0, dtype=dtype, device=device), per_rank))
+            continue
         send = torch.empty(n * volume[me], dtype=dtype, device=device)
         blocks = send.view(n, volume[me])
         offset = 0

@@ -321,16 +321,18 @@ class SingleEngine(Engine):
         return split_of(p, info.name if info is not None else "", self.stats)
 
     def on_shard(self, p: torch.Tensor) -> bool:
-        """A tensor-parallel matrix, an expert stack split over its expert dimension
-        (:attr:`~dmuon.optim.engine.placements.MatrixPlacement.expert_split`: each rank
-        steps the experts it holds, as one batch, with no collective), and a matrix
+        """A tensor-parallel matrix, an expert stack split over its expert dimension, over
+        one mesh dimension or several (:attr:`~dmuon.optim.engine.placements.
+        MatrixPlacement.expert_split`, :attr:`~dmuon.optim.engine.placements.
+        MatrixPlacement.whole_experts`: each rank steps the experts it holds, as one batch,
+        with no collective), and a matrix
         replicated whole (each rank steps its copy, the gradient's pending sums carried out
         first by :meth:`begin_step`)."""
         info = self.info(p)
         if info is None or not is_dtensor(p):
             return self.split_of(p) is not None
         pl = placement_of_param(info)
-        return pl.tensor_split or pl.expert_split or pl.replicated_whole
+        return pl.tensor_split or pl.expert_split or pl.whole_experts or pl.replicated_whole
 
     def norm_parts(
         self,

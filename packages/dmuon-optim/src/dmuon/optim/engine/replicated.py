@@ -142,7 +142,13 @@ class ReplicatedEngine(PlannedEngine):
     def _split_group(self) -> dist.ProcessGroup | None:
         """The tensor-parallel group of the split matrices, or the expert-parallel group of
         the expert stacks (``None``: neither)."""
-        found = split_groups(self.matrices()) + expert_groups(self.matrices())
+        found: list[dist.ProcessGroup] = []
+        seen: set[tuple[int, ...]] = set()
+        for g in split_groups(self.matrices()) + expert_groups(self.matrices()):
+            ranks = tuple(dist.get_process_group_ranks(g))
+            if ranks not in seen:  # one mesh dim can hold both (tp and ep alike)
+                seen.add(ranks)
+                found.append(g)
         if len(found) > 1:
             ranks = sorted(tuple(dist.get_process_group_ranks(g)) for g in found)
             raise NotImplementedError(

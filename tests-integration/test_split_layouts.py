@@ -1,0 +1,138 @@
+"""Layouts of DTensor matrices that a mode said it takes, stepped like one process.
+
+Each rank gets the same global gradients, laid out as its parameter (``distribute_tensor``
+of one tensor), so the distributed run must equal one process stepping the whole
+tensors with those gradients (tolerance 1e-5).
+
+* ``single`` mode on an expert stack split along its expert dimension over two mesh
+  dimensions (``(Shard(0), Shard(0))`` on ``(efsdp, ep)``; Hugging Face's layout with
+  FSDP2 on top): ``placements.supported_by`` and the other modes' refusals name
+  ``single``, whose first step failed mixing the DTensor gradient with a plain state.
+* ``sharded`` mode on FSDP2 over tensor parallelism where a tp shard has no columns (a
+  ``(4, 1)`` matrix over tp 2): the all-to-all dropped the empty items, a KeyError on
+  those ranks while their tp peers waited in the Gram all-reduce.
+* ``replicated`` mode's ``clip_grad_norm_`` with a tensor-parallel matrix and an expert
+  stack on the same mesh dimension: refused as "split over different groups", naming
+  the same ranks twice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dmuon.comm.testing import run_on_ranks
+from dmuon.optim import DMuon, clip_grad_norm_, param_groups
+
+TOLERANCE = 1e-5
+STEPS = 3
+OPT = {"lr": 0.02, "weight_decay": 0.01, "ns_compute_dtype": torch.float32}
+
+
+def _model(shapes) -> nn.Module:
+    g = torch.Generator().manual_seed(0)
+    m = nn.Module()
+    for i, s in enumerate(shapes):
+        setattr(m, f"w{i}", nn.Parameter(torch.randn(*s, generator=g) / s[-1] ** 0.5))
+    return m
+
+
+def _grads(shapes, t: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + t)
+    return [torch.randn(*s, generator=g) for s in shapes]
+
+
+def _one_process(shapes, opt_kw) -> list[torch.Tensor]:
+    m = _model(shapes)
+    opt = DMuon(param_groups(m), **opt_kw)
+    for t in range(STEPS):
+        for p, g in zip(m.parameters(), _grads(shapes, t), strict=True):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in m.parameters()]
+
+
+def _placements(spec):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Replicate() if s == "R" else Shard(int(s[1:])) for s in spec]
+
+
+def run_layout(rank, world, mesh_shape, names, shapes, specs, opt_kw, clip=None):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    m = _model(shapes)
+    for i, spec in enumerate(specs):
+        full = getattr(m, f"w{i}").detach()
+        setattr(m, f"w{i}", nn.Parameter(distribute_tensor(full, mesh, _placements(spec))))
+    if opt_kw.get("process_group") == "dp":
+        opt_kw = {**opt_kw, "process_group": mesh["dp"].get_group()}
+    opt = DMuon(param_groups(m), **opt_kw, timeout=30)
+    norms = []
+    for t in range(STEPS):
+        for p, g, spec in zip(m.parameters(), _grads(shapes, t), specs, strict=True):
+            p.grad = distribute_tensor(g, mesh, _placements(spec))
+        if clip is not None:
+            norms.append(float(clip_grad_norm_(opt, clip)))
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().full_tensor() for p in m.parameters()], norms
+
+
+def _check(results, expected) -> None:
+    for rank, (got, _) in enumerate(results):
+        for i, (g, want) in enumerate(zip(got, expected, strict=True)):
+            diff = (g - want).abs().max().item()
+            assert diff <= TOLERANCE, f"rank {rank}: w{i} differs by {diff:.2e}"
+
+
+@pytest.mark.parametrize("experts", [4, 3])
+def test_single_mode_steps_experts_split_over_two_mesh_dims(experts):
+    shapes = [(experts, 3, 5), (5, 5)]
+    specs = [("S0", "S0"), ("R", "R")]
+    results = run_on_ranks(
+        run_layout,
+        4,
+        args=((2, 2), ("efsdp", "ep"), shapes, specs, {**OPT, "mode": "single"}),
+        timeout=120,
+    )
+    _check(results, _one_process(shapes, OPT))
+
+
+def test_sharded_mode_steps_fsdp2_rows_of_a_tp_shard_without_columns():
+    shapes = [(4, 1), (4, 3)]  # (4, 1) over tp 2: columns 1 + 0
+    specs = [("S0", "S1"), ("S0", "S1")]
+    results = run_on_ranks(
+        run_layout,
+        4,
+        args=((2, 2), ("dp", "tp"), shapes, specs, {**OPT, "mode": "sharded"}),
+        timeout=120,
+    )
+    _check(results, _one_process(shapes, OPT))
+
+
+def test_replicated_clip_with_a_split_matrix_and_experts_on_one_mesh_dim():
+    shapes = [(6, 8), (4, 3, 5)]
+    specs = [("R", "S0"), ("R", "S0")]  # rows over tp, experts over the same dim
+    clip = 1.0
+    kw = {**OPT, "mode": "replicated", "process_group": "dp"}
+    results = run_on_ranks(
+        run_layout, 4, args=((2, 2), ("dp", "tp"), shapes, specs, kw, clip), timeout=120
+    )
+    # one process: torch's norm of the whole gradients, then the same clipped steps
+    m = _model(shapes)
+    opt = DMuon(param_groups(m), **OPT)
+    want_norms = []
+    for t in range(STEPS):
+        for p, g in zip(m.parameters(), _grads(shapes, t), strict=True):
+            p.grad = g
+        want_norms.append(float(torch.nn.utils.clip_grad_norm_(list(m.parameters()), clip)))
+        opt.step()
+        opt.zero_grad()
+    for rank, (_, norms) in enumerate(results):
+        assert norms == pytest.approx(want_norms, rel=1e-5), (rank, norms, want_norms)
+    _check(results, [p.detach() for p in m.parameters()])
