@@ -150,10 +150,9 @@ class ReplicatedEngine(PlannedEngine):
                 seen.add(ranks)
                 found.append(g)
         if len(found) > 1:
-            ranks = sorted(tuple(dist.get_process_group_ranks(g)) for g in found)
             raise NotImplementedError(
                 f"clip_grad_norm_ in mode='replicated' with matrices split over different "
-                f"tensor- or expert-parallel groups ({ranks}); clip the DTensor gradients "
+                f"tensor- or expert-parallel groups ({sorted(seen)}); clip the DTensor gradients "
                 "with torch.nn.utils.clip_grad_norm_ before opt.step()"
             )
         return found[0] if found else None
