@@ -46,10 +46,11 @@ class BlockPeriodicOrthogonalize(Transform):
     communication, and a full step takes the split path of
     :meth:`~dmuon.optim.transforms.StepContext.orthogonalize` (``row_blocks`` and
     ``col_blocks`` do not apply; one process with the shards as its blocks steps the
-    same). Whole matrices — one process, the owner modes, FSDP2's ``sharded`` mode,
-    which gather each matrix on its owner — take the explicit blocks. Each update is
-    scaled with
-    the ``adjust_lr`` factor of the matrix it orthogonalised — the block's shape on
+    same; that holds in every mode, owner mode on a ``dp × tp`` mesh included: its
+    owner's ``tp`` row steps the shards). Whole matrices — one process, the owner modes
+    without tensor parallelism, FSDP2's ``sharded`` mode, which gather each matrix on
+    its owner — take the explicit blocks. Each update is scaled with the ``adjust_lr``
+    factor of the matrix it orthogonalised — the block's shape on
     block steps, the full shape on full steps — times ``block_lr_scale`` or
     ``full_lr_scale`` (the paper's two step sizes η_block and η_full, relative to
     the group's lr). ``P = 1`` is Muon; ``P`` larger than the run is BlockMuon.
