@@ -89,7 +89,7 @@ def rule_step(rule, W, G, st, hp, t, vote=lambda s: s):
     elif rule == "muon2":
         U = momentum_input(G, st, hp)
         st["grad_second_moment"] = hp["beta2"] * st["grad_second_moment"] + (1 - hp["beta2"]) * G**2
-        D = ns_(U / torch.sqrt(st["grad_second_moment"] + hp["eps"]))
+        D = ns_(U / torch.sqrt(st["grad_second_moment"] + hp["muon2_eps"]))
     elif rule == "mona":
         U = momentum_input(G, st, hp)
         prev = G if t == 1 else st["prev_grad"]

@@ -206,7 +206,7 @@ def test_muon2_is_the_papers_update(eps):
         O = polar(st["M"] / torch.sqrt(st["V"] + eps))
         return W * (1 - LR * WD) - LR * math.sqrt(m / n) * O
 
-    ours, _, _ = run_dmuon("muon2", SHAPES, adjust_lr="spectral", beta2=beta2, eps=eps)
+    ours, _, _ = run_dmuon("muon2", SHAPES, adjust_lr="spectral", beta2=beta2, muon2_eps=eps)
     paper, _ = paper_run(update, SHAPES, lambda m, n: {"M": zeros(m, n), "V": zeros(m, n)})
     assert_close(ours, paper)
 

@@ -35,7 +35,7 @@ CASES = [(r, {}) for r in sorted(RULES)] + [
     # ε comparable to V (G ~ N(0, 1), so V ~ 0.05–0.2): where ε sits (inside the root,
     # the paper's) and the absence of bias correction both move the step; at the default
     # ε = 1e-16 neither is visible
-    ("muon2", {"eps": 0.25}),
+    ("muon2", {"muon2_eps": 0.25}),
     ("musec", {"clip_mode": "soft"}),
     ("musec", {"clip_tau": 2.0}),
     ("sign_muon", {"local_polar": True}),

@@ -271,3 +271,49 @@ def test_state_dict_round_trip_keeps_fp32_state_of_a_bf16_model_exactly(rule):
         step(fresh_model, fresh, t)
     for p, q in zip(model.parameters(), fresh_model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+SQUARES = {
+    "muon2": "grad_second_moment",
+    "adamuon": "second_moment",
+    "normuon": "row_second_moment",
+}
+
+
+@pytest.mark.parametrize("rule", sorted(SQUARES))
+def test_second_moments_of_fp16_parameters_are_kept_in_fp32(rule):
+    """``(1 − β₂)·g²`` of gradients near 1e-4 is 0 in fp16: Muon²'s second moment was all
+    zeros (each step divided by the current gradient alone, 0.72 off the fp32 run). Kept
+    in fp32 (the momentum stays fp16, as the parameters), the fp16 run follows the fp32
+    one as the other rules do; ``state_dtype`` still decides when it is given, and the
+    state round-trips through a state dict exactly."""
+    torch.manual_seed(0)
+    w0 = torch.randn(16, 32)
+    grads = [1e-4 * torch.randn(16, 32) for _ in range(4)]
+
+    def run(dtype, **kw):
+        p = torch.nn.Parameter(w0.to(dtype).clone())
+        opt = DMuon([p], rule=rule, lr=0.05, **kw)
+        for g in grads:
+            p.grad = g.to(dtype)
+            opt.step()
+        return p, opt
+
+    ref, _ = run(torch.float32)
+    p, opt = run(torch.float16)
+    state = opt.state[p]
+    key = SQUARES[rule]
+    assert state[key].dtype == torch.float32 and bool((state[key] != 0).all()), key
+    assert state["momentum_buffer"].dtype == torch.float16
+    moved = (ref.detach() - w0).norm()
+    assert (p.detach().float() - ref.detach()).norm() / moved < 0.05
+    # state_dtype given: it decides
+    _, narrow = run(torch.float16, state_dtype="bfloat16")
+    narrow_state = next(iter(narrow.state.values()))
+    assert all(v.dtype == torch.bfloat16 for k, v in narrow_state.items() if k != "step")
+    # a state dict keeps the fp32 second moment exactly
+    q = torch.nn.Parameter(w0.half().clone())
+    other = DMuon([q], rule=rule, lr=0.05)
+    other.load_state_dict(opt.state_dict())
+    assert other.state[q][key].dtype == torch.float32
+    assert torch.equal(other.state[q][key], state[key])

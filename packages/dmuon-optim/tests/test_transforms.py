@@ -272,7 +272,8 @@ def test_a_rule_derives_its_options_from_its_chain():
         for key, opt in rule.options.items():
             want = rule.defaults.get(key, declared[key].default)
             assert opt.default == want, (rule.name, key)
-    assert RULES["muon2"].options["eps"].default == 1e-16  # AdamPrecondition's own
+    assert RULES["muon2"].options["muon2_eps"].default == 1e-16  # AdamPrecondition's own
+    assert "eps" not in RULES["muon2"].options  # NorMuon's eps sits outside the root
     assert "select_dim" in RULES["dion2"].options  # Dion3's row state fixes rows
     assert "select_dim" not in RULES["dion3"].options
 
@@ -287,8 +288,8 @@ def test_a_caller_value_wins_over_the_rule_default():
     assert [g["sign"] for g in opt.param_groups] == [True, False]  # rule default, group value
     opt = DMuon([w], rule="adamuon", sign=False, eps=1e-6)  # the constructor's value
     assert (opt.param_groups[0]["sign"], opt.param_groups[0]["eps"]) == (False, 1e-6)
-    opt = DMuon([w], rule="muon2", eps=1e-12)  # over muon2's own 1e-16
-    assert opt.param_groups[0]["eps"] == 1e-12
+    opt = DMuon([w], rule="muon2", muon2_eps=1e-12)  # over muon2's own 1e-16
+    assert opt.param_groups[0]["muon2_eps"] == 1e-12
 
 
 def test_every_key_a_rule_reads_is_a_key_its_groups_have():
@@ -330,3 +331,44 @@ def test_momentum_saturates_at_the_largest_finite_value_instead_of_overflowing(n
     assert M[0, 0, :2].tolist() == [big, -big]
     assert out[0, 0, :2].tolist() == [big, -big]
     assert torch.isfinite(out).all() and out[0, 0, 2] > 1.0  # small entries go on summing
+
+
+def test_every_rule_stays_finite_on_finite_gradients_past_the_dtypes_range():
+    """Gradients of ±1e38 (finite fp32) four steps running: the momentum saturates, and
+    so must whatever a rule adds to it. MONA's acceleration term (``X + γ/(1−μ)·D``,
+    18× the difference average) overflowed to ±inf and Newton–Schulz made the weights
+    NaN from the second step."""
+    from dmuon.optim import RULES, DMuon
+
+    for rule in RULES:
+        g = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(8, 16, generator=g))
+        opt = DMuon([p], rule=rule, lr=0.01)
+        for t in range(4):
+            p.grad = 1e38 * torch.randn(8, 16, generator=g).sign()
+            opt.step()
+            assert torch.isfinite(p).all(), (rule, t)
+
+
+def test_a_gradient_spike_does_not_freeze_muon2s_second_moment():
+    """One gradient entry of 1e20 (its square is past fp32's range): Muon²'s ``V`` is
+    saturated, not ``inf`` — an infinite entry stayed infinite (β₂·inf = inf), and its
+    update was 0 for the rest of the run. After the spike decays, that entry moves as
+    the others do."""
+    from dmuon.optim import DMuon
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8, 16, generator=g))
+    opt = DMuon([p], rule="muon2", lr=0.01, beta2=0.5)
+    spike = torch.randn(8, 16, generator=g)
+    spike[0, 0] = 1e20
+    p.grad = spike
+    opt.step()
+    V = opt.state[p]["grad_second_moment"]
+    assert torch.isfinite(V).all() and V[0, 0] == torch.finfo(torch.float32).max
+    for _ in range(200):  # β₂ = 0.5: max · 0.5**200 is back among the others
+        before = p.detach().clone()
+        p.grad = torch.randn(8, 16, generator=g)
+        opt.step()
+    moved = (p.detach() - before).abs()
+    assert moved[0, 0] > 0.1 * moved.mean(), (moved[0, 0], moved.mean())

@@ -311,9 +311,13 @@ def build_buckets(
         if not all(e.layout.stacks for e in b.entries):
             continue
         m, n = b.shape
-        dtype = state_dtype_of(group, b.dtype)  # group["state_dtype"] or the parameters'
+        # group["state_dtype"] or the parameters' (fp32 for fp16 parameters' squares)
         b.buffers = {
-            s.name: torch.zeros(s.batch_shape(b.size, m, n), dtype=dtype, device=b.device)
+            s.name: torch.zeros(
+                s.batch_shape(b.size, m, n),
+                dtype=state_dtype_of(group, b.dtype, s),
+                device=b.device,
+            )
             for s in specs
         }
         for e in b.entries:
@@ -329,7 +333,7 @@ def build_buckets(
         shapes = state_shapes(rule, layout)
         for s in specs:
             if s.name not in new_state[p]:
-                dtype = state_dtype_of(group, p.dtype)
+                dtype = state_dtype_of(group, p.dtype, s)
                 t = torch.zeros(shapes[s.name], dtype=dtype, device=p.device)  # local
                 _copy_old(t, old_state(p), s.name)
                 new_state[p][s.name] = t

@@ -99,7 +99,7 @@ def build_state(
             _copy_step(step, state.get(p, {}))
             holder = {"step": step}
             for spec in rule.state_specs():  # the owner's dtype: checkpoints broadcast it
-                holder[spec.name] = _placeholder(p, state_dtype_of(group, p.dtype))
+                holder[spec.name] = _placeholder(p, state_dtype_of(group, p.dtype, spec))
             state[p] = holder
     return out
 

@@ -53,19 +53,28 @@ __all__ = [
 ]
 
 
-def state_dtype_of(group: Any, param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a matrix group's state is stored in: ``group["state_dtype"]`` or, when
-    that is ``None``, the parameter's dtype (DMuon's behaviour before the option).
+def state_dtype_of(group: Any, param_dtype: torch.dtype, spec: Any = None) -> torch.dtype:
+    """The dtype a matrix group's state buffer ``spec`` is stored in:
+    ``group["state_dtype"]`` or, when that is ``None``, the parameter's dtype — but fp32
+    for a second moment (``spec.squares``) of fp16 parameters, whose squares would
+    underflow in fp16.
 
     Examples:
         >>> import torch
+        >>> from dmuon.optim.transforms import StateSpec
         >>> state_dtype_of({"state_dtype": "bfloat16"}, torch.float32)
         torch.bfloat16
         >>> state_dtype_of({"state_dtype": None}, torch.float16)
         torch.float16
+        >>> state_dtype_of({"state_dtype": None}, torch.float16, StateSpec("v", "matrix", True))
+        torch.float32
     """
     name = group.get("state_dtype")
-    return param_dtype if name is None else COMPUTE_DTYPES[name]
+    if name is not None:
+        return COMPUTE_DTYPES[name]
+    if param_dtype == torch.float16 and getattr(spec, "squares", False):
+        return torch.float32
+    return param_dtype
 
 
 def compute_dtype_for(param_dtype: torch.dtype) -> torch.dtype:

@@ -40,7 +40,8 @@ FSDP2 modes shard them over their ``R = dp/E_p`` replicas (``x/R`` instead of
 The matrix rule's state is counted from the rule's declared state
 (:meth:`~dmuon.optim.Rule.state_specs`): ``k_m`` tensors of the matrix's shape (the
 momentum; AdaMuon's second moment) and ``k_r`` of one value per row (NorMuon's), in
-``s`` bytes per element — the parameter's ``e`` by default, 4 or 2 with DMuon's
+``s`` bytes per element — the parameter's ``e`` by default (4 for a second moment of
+fp16 parameters, which DMuon keeps in fp32), 4 or 2 with DMuon's
 ``state_dtype="float32"``/``"bfloat16"``. Above, ``O_r e`` of state stands for
 ``Σ (k_m·numel + k_r·rows)·s`` over the matrices rank ``r`` owns, and ``Φ_M e`` of
 state for the same sum over every matrix. AdamW's scalar moments stay fp32 (8 bytes).
@@ -56,9 +57,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from dmuon.comm import MatrixItem, OwnerPlan
 from dmuon.optim.planner.config import ModelSpec
 from dmuon.optim.rules import get_rule
+from dmuon.optim.state_precision import state_dtype_of
 
 STATE_BYTES = {"float32": 4, "bfloat16": 2}
 SCALAR_LAYOUTS = ("sharded", "all_reduce", "owner")
@@ -131,15 +135,15 @@ def memory_per_rank(
     extra = held or [0] * N
     owned = max(sum(i.numel for i in plan.items_of(r)) + extra[r] for r in range(N))
     specs = get_rule(rule).state_specs()
-    k_m = sum(1 for x in specs if x.kind == "matrix")
-    k_r = len(specs) - k_m
-    s = STATE_BYTES[state_dtype] if state_dtype is not None else e
+    param_dtype = spec.matrices[0].dtype if spec.matrices else torch.bfloat16
+    group = {"state_dtype": state_dtype}
+    # bytes per element of each buffer's dtype, summed over the buffers of each kind
+    s_m = sum(state_dtype_of(group, param_dtype, x).itemsize for x in specs if x.kind == "matrix")
+    s_r = sum(state_dtype_of(group, param_dtype, x).itemsize for x in specs if x.kind == "row")
 
     def state(items: Sequence[MatrixItem], held_elements: int = 0) -> float:
         """Bytes of the matrix rule's state for ``items`` (plus held expert elements)."""
-        return (
-            sum(k_m * i.numel + k_r * i.batch * i.rows for i in items) + k_m * held_elements
-        ) * s
+        return sum(s_m * i.numel + s_r * i.batch * i.rows for i in items) + s_m * held_elements
 
     if scalars == "owner":  # the scalar tensors are in the plan: split them off
         names = {n for n, _ in spec.scalars}

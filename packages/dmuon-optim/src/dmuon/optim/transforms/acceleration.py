@@ -10,6 +10,7 @@ import torch
 
 from dmuon.optim.hyperparameters import Option, matrix_keys, real
 from dmuon.optim.transforms.base import StateSpec, StepContext, Transform
+from dmuon.optim.transforms.momentum import saturate_
 
 __all__ = ["GradDiffAcceleration"]
 
@@ -64,6 +65,8 @@ class GradDiffAcceleration(Transform):
         prev, D = state["prev_grad"], state["grad_diff_avg"]
         if ctx.step <= 1:
             prev.copy_(G)
-        D.mul_(beta).add_(G - prev, alpha=1.0 - beta)
+        # saturated, as the momentum is (momentum.saturate_): a difference or a sum of
+        # finite values past the dtype's range is ±max, not ±inf (NaN in Newton–Schulz)
+        saturate_(D.mul_(beta).add_(saturate_(G - prev), alpha=1.0 - beta))
         prev.copy_(G)
-        return X.add(D, alpha=gamma / (1.0 - mu))
+        return saturate_(X.add(D, alpha=gamma / (1.0 - mu)))

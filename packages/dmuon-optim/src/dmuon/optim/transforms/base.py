@@ -61,10 +61,16 @@ class StateSpec:
         name: key in the optimizer state (unique within a rule).
         kind: ``"matrix"`` — one value per entry, shape ``(m, n)`` like the matrix;
             ``"row"`` — one value per row (output neuron), shape ``(m,)``.
+        squares: a running mean of squares (a second moment). Kept in fp32 for fp16
+            parameters unless ``state_dtype`` says otherwise
+            (:func:`~dmuon.optim.state_precision.state_dtype_of`): fp16 squares of
+            gradient-sized values underflow (``(1 − β₂)·g²`` is 0 below ``g ≈ 1e-3``),
+            as AdamW's and Lion's fp32 state for fp16 parameters avoids too.
     """
 
     name: str
     kind: Literal["matrix", "row"]
+    squares: bool = False
 
     def batch_shape(self, batch: int, m: int, n: int) -> tuple[int, ...]:
         """Shape of the stacked buffer for ``batch`` matrices of shape ``m × n``."""

@@ -23,6 +23,7 @@ import torch
 from dmuon.optim.hyperparameters import Option, real
 from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.transforms.base import StateSpec, StepContext, Transform
+from dmuon.optim.transforms.momentum import saturate_
 
 __all__ = [
     "AdamPrecondition",
@@ -99,7 +100,7 @@ class RowNormalize(Transform):
     name: str = "row_second_moment"
 
     def state_specs(self) -> tuple[StateSpec, ...]:
-        return (StateSpec(self.name, "row"),)
+        return (StateSpec(self.name, "row", squares=True),)
 
     hyperparameters: ClassVar[Mapping[str, Option]] = {"beta2": _BETA2, "eps": _EPS}
     splits: ClassVar[bool] = True  # rows' sums and the rescale's norms over the group
@@ -142,7 +143,7 @@ class ElementwiseNormalize(Transform):
     """
 
     def state_specs(self) -> tuple[StateSpec, ...]:
-        return (StateSpec("second_moment", "matrix"),)
+        return (StateSpec("second_moment", "matrix", squares=True),)
 
     hyperparameters: ClassVar[Mapping[str, Option]] = {"beta2": _BETA2, "eps": _EPS}
     splits: ClassVar[bool] = True  # elementwise, and the rescale's norms over the group
@@ -153,7 +154,7 @@ class ElementwiseNormalize(Transform):
         beta2, eps = float(ctx.hp["beta2"]), float(ctx.hp["eps"])
         V, Xw = state["second_moment"], _wide(X)
         Vw = _wide(V)
-        Vw.mul_(beta2).addcmul_(Xw, Xw, value=1.0 - beta2)
+        saturate_(Vw.mul_(beta2).addcmul_(Xw, Xw, value=1.0 - beta2))
         if Vw is not V:
             V.copy_(Vw)
         Y = Xw / (Vw.sqrt() + eps)
@@ -170,34 +171,38 @@ class AdamPrecondition(Transform):
     (Liu et al., *Muon²*, arXiv 2604.09967); no bias correction, since the scale of
     ``X`` is removed by the normalisation in front of NS.
 
-    Hyperparameters: ``beta2``, ``eps``. State: ``grad_second_moment`` (``matrix``).
+    Hyperparameters: ``beta2``, ``muon2_eps`` (ε inside the root: its own name, since
+    NorMuon's, AdaMuon's and Dion3's ``eps`` sits outside it, 1e-8 against 1e-16).
+    State: ``grad_second_moment`` (``matrix``).
 
     Examples:
         >>> import torch
         >>> from dmuon.optim.transforms import AdamPrecondition, StepContext
         >>> G = torch.full((1, 2, 2), 2.0)
         >>> st = {"grad_second_moment": torch.zeros(1, 2, 2)}
-        >>> ctx = StepContext(grad=G, hp={"beta2": 0.0, "eps": 0.0})
+        >>> ctx = StepContext(grad=G, hp={"beta2": 0.0, "muon2_eps": 0.0})
         >>> AdamPrecondition()(G, st, ctx)[0, 0, 0].item()  # 2 / sqrt(4)
         1.0
     """
 
     def state_specs(self) -> tuple[StateSpec, ...]:
-        return (StateSpec("grad_second_moment", "matrix"),)
+        return (StateSpec("grad_second_moment", "matrix", squares=True),)
 
     hyperparameters: ClassVar[Mapping[str, Option]] = {
         "beta2": _BETA2,
-        "eps": Option(1e-16, real(0.0), "guard inside the root: X/√(V + ε)"),
+        "muon2_eps": Option(1e-16, real(0.0), "guard inside the root: X/√(V + ε)"),
     }
     splits: ClassVar[bool] = True  # elementwise
 
     def apply(
         self, X: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: StepContext
     ) -> torch.Tensor:
-        beta2, eps = float(ctx.hp["beta2"]), float(ctx.hp["eps"])
+        beta2, eps = float(ctx.hp["beta2"]), float(ctx.hp["muon2_eps"])
         G, V = _wide(ctx.grad), state["grad_second_moment"]
         Vw = _wide(V)
-        Vw.mul_(beta2).addcmul_(G, G, value=1.0 - beta2)
+        # saturated: a finite gradient spike whose square overflows leaves ±max, not an
+        # inf that would zero that entry's update for the rest of the run (β₂·inf = inf)
+        saturate_(Vw.mul_(beta2).addcmul_(G, G, value=1.0 - beta2))
         if Vw is not V:
             V.copy_(Vw)
         # 0/√(0 + ε) is 0 in fp32; a zero second moment with ε = 0 is guarded too
