@@ -84,7 +84,7 @@ def _check_one_checkpoint(path: str, described: str, optimizer: DMuon) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     save_id = str(json.loads(described).get("save_id", "")) if described else ""
-    digest = int(hashlib.sha256(save_id.encode()).hexdigest()[:15], 16)
+    digest = _digest(save_id.encode())
     flags = torch.tensor([digest, -digest], dtype=torch.int64, device=flag_device(None))
     with checkpoint_deadline(optimizer, "DMuon checkpoint load"):
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
@@ -122,9 +122,9 @@ def save(
             ``state_dict()``, the CPU RNG state of a generator seeded alike on every
             rank), kept whole as ``torch.save`` keeps them (any keys, lists and
             tensors); :func:`load` returns them on every rank. One value for the job:
-            rank 0's is saved, and a save whose ``extra`` differs between ranks (a
-            per-rank RNG state) warns, naming the keys, since each rank would get
-            rank 0's back. Keep per-rank values in files of your own per rank.
+            rank 0's is saved, and a rank whose ``extra`` differs from rank 0's (a
+            per-rank RNG state) warns, naming the keys, since it would get rank 0's
+            back. Keep per-rank values in files of your own per rank.
 
     Raises:
         TypeError: ``optimizer`` is not a DMuon.
@@ -152,48 +152,66 @@ def save(
             "dmuon": describe_optimizer(optimizer, save_id=uuid.uuid4().hex),
         }
         if extra:
-            state["extra"] = _extra_bytes(extra)
+            state["extra"] = _extra_bytes(extra, optimizer)
         with _quiet_single_process():
             dcp.save(state, checkpoint_id=os.fspath(path))
     finally:
         release(optimizer)
 
 
-def _extra_bytes(extra: Mapping[str, Any]) -> bytes:
+def _extra_bytes(extra: Mapping[str, Any], optimizer: DMuon) -> bytes:
     """``extra`` as ``torch.save`` writes it, rank 0's on every rank: one opaque value, so
     DCP neither flattens it (dotted keys, lists, digit keys came back reshaped) nor keeps
-    an arbitrary rank's. Warns, naming the keys, when the ranks' values differ."""
+    an arbitrary rank's. One all-reduce of a digest finds out whether the ranks' values
+    differ; if they do, rank 0's is broadcast and each other rank warns, naming its keys
+    that differ from rank 0's. Under the optimizer's deadline."""
     buffer = io.BytesIO()
     torch.save(dict(extra), buffer)
     blob = buffer.getvalue()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return blob
-
-    def digests(values: Mapping[str, Any]) -> dict[str, str]:
-        out = {}
-        for key, value in values.items():
-            one = io.BytesIO()
-            torch.save(value, one)
-            out[str(key)] = hashlib.sha256(one.getvalue()).hexdigest()
-        return out
-
-    mine = digests(extra)
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if all(d == every[0] for d in every):
-        return blob
-    keys = sorted({k for d in every for k in d if any(e.get(k) != d.get(k) for e in every)})
+    device = flag_device(None)
+    digest = _digest(blob)
+    flags = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    with checkpoint_deadline(optimizer, "DMuon checkpoint save"):
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        wait_work(work, "all-reduce of the digest of checkpoint.save's extra")
+        if flags.tolist() == [digest, -digest]:  # the same on every rank
+            return blob
+        size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+        wait_work(dist.broadcast(size, src=0, async_op=True), "broadcast of rank 0's extra")
+        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
+        if dist.get_rank() != 0:
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        wait_work(dist.broadcast(data, src=0, async_op=True), "broadcast of rank 0's extra")
     if dist.get_rank() == 0:
-        warnings.warn(
-            f"checkpoint.save: extra{keys} differs between ranks; the checkpoint keeps rank "
-            "0's, which load() returns on every rank. Keep per-rank values (a generator "
-            "seeded by rank) in files of your own per rank",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    held = [blob]
-    dist.broadcast_object_list(held, src=0)
-    return held[0]
+        return blob
+    kept = data.cpu().numpy().tobytes()
+    theirs = _extra_from(kept)
+    differ = sorted(
+        str(k)
+        for k in set(extra) | set(theirs)
+        if k not in extra or k not in theirs or _digest_of(extra[k]) != _digest_of(theirs[k])
+    )
+    warnings.warn(
+        f"checkpoint.save: extra{differ} on rank {dist.get_rank()} differs from rank 0's; the "
+        "checkpoint keeps rank 0's, which load() returns on every rank. Keep per-rank values "
+        "(a generator seeded by rank) in files of your own per rank",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return kept
+
+
+def _digest(blob: bytes) -> int:
+    """60 bits of the SHA-256 of ``blob``, an int64 every rank can compare by all-reduce."""
+    return int(hashlib.sha256(blob).hexdigest()[:15], 16)
+
+
+def _digest_of(value: Any) -> int:
+    one = io.BytesIO()
+    torch.save(value, one)
+    return _digest(one.getvalue())
 
 
 def _extra_from(blob: bytes) -> dict[str, Any]:
