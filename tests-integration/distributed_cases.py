@@ -231,10 +231,15 @@ def setup(mode: str, name: str, world: int, opt_kw: dict[str, Any] | None = None
     kw = dict(opt_kw or OPT)
     model = build(name)
     forward: nn.Module = model
-    if mode in ("owner_fsdp", "owner_fsdp_z3", "sharded"):
-        mesh = init_device_mesh("cpu", (world,))
+    if mode in ("owner_fsdp", "owner_fsdp_z3", "sharded", "owner_hsdp"):
+        # owner_hsdp: HSDP, 2 replicas of world/2 shards (a replica of all ranks at world 1)
+        mesh = (
+            init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            if mode == "owner_hsdp" and world > 1
+            else init_device_mesh("cpu", (world,))
+        )
         ignored = None
-        if mode.startswith("owner_fsdp"):
+        if mode.startswith("owner_fsdp") or mode == "owner_hsdp":
             ded = fsdp.dedicate(model, mesh, reshard_after_forward=mode.endswith("z3"))
             ignored = ded.params
             kw["distributed"] = ded

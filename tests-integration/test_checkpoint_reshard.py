@@ -137,3 +137,29 @@ def _assert_owner_state_saved_once(path):
         assert stored == math.prod(md[key].size), (
             f"{key}: {stored} elements stored for {md[key].size}"
         )
+
+
+def test_hsdp_owner_mode_checkpoint_resumes_as_hsdp_at_2_ranks_and_in_one_process(tmp_path):
+    """Owner mode under HSDP (2 replicas × 2 shards: each owner a slot of the 2-D mesh,
+    named by its global rank): the DCP checkpoint at step 2 resumes under HSDP at 4
+    ranks (the same plan), as FSDP2 owner mode at 2 ranks (another plan) and in one
+    process, each equal to the uninterrupted run; the one-file form resumes in one
+    process too. Refused before ("each owner slot spans a replicate group")."""
+    root = str(tmp_path)
+    saved = run_on_ranks(run_save, 4, args=(root, ["owner_hsdp"]), timeout=300)
+    expected = saved[0]["owner_hsdp"]["params"]
+    for rank in range(4):
+        assert saved[rank]["owner_hsdp"]["keys"] == saved[0]["owner_hsdp"]["keys"]
+    path = os.path.join(root, "owner_hsdp")
+    _assert_owner_state_saved_once(path)
+    resumed = run_on_ranks(run_resume, 4, args=(root, ["owner_hsdp"]), timeout=300)
+    for rank in range(4):
+        diff, where = max_diff(resumed[rank]["owner_hsdp"], expected)
+        assert diff <= TOLERANCE, f"HSDP at 4 ranks, rank {rank}: {where} off by {diff:.2e}"
+    os.symlink(path, os.path.join(root, "owner_fsdp"))  # the same checkpoint, read as FSDP2's
+    resumed = run_on_ranks(run_resume, 2, args=(root, ["owner_fsdp"]), timeout=300)
+    for rank in range(2):
+        diff, where = max_diff(resumed[rank]["owner_fsdp"], expected)
+        assert diff <= TOLERANCE, f"FSDP2 at 2 ranks, rank {rank}: {where} off by {diff:.2e}"
+    diff, where = max_diff(single_resume(path), expected)
+    assert diff <= TOLERANCE, f"HSDP checkpoint in one process: {where} off by {diff:.2e}"

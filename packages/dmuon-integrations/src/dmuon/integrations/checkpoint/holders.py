@@ -123,7 +123,7 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
         TypeError: ``optimizer`` is not a :class:`~dmuon.optim.DMuon`.
         ValueError: a parameter of the optimizer that is not in ``model``, a mode
             whose state cannot be checkpointed once (``sign``: every rank's momentum
-            is its own), or HSDP owner mode.
+            is its own), or HSDP owner mode on a mesh of part of the job.
 
     Examples:
         >>> import torch
@@ -145,13 +145,15 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
             "checkpoint the model only, or train in mode='owner'/'replicated'/'sharded'"
         )
     exchange: Any = getattr(engine, "exchange", None)
-    if exchange is not None and exchange.replicate_group is not None:
+    # HSDP owner mode: an owner is a slot of the 2-D mesh, named by its global rank over
+    # the world (the state is saved and loaded over every rank of the job)
+    hsdp = exchange is not None and exchange.replicate_group is not None
+    if hsdp and exchange.world_size != dist.get_world_size():
         raise ValueError(
-            "checkpointing HSDP owner mode (a 2-D mesh) is not supported yet: each "
-            "owner slot spans a replicate group. To checkpoint hybrid sharding, train stock "
-            "HSDP instead (fully_shard on the 2-D mesh without dedicate: DMuon runs in "
-            "sharded mode, whose checkpoints save and reshard), or dedicate over a 1-D "
-            "mesh (FSDP2 or DDP)"
+            f"checkpointing HSDP owner mode on a mesh of {exchange.world_size} of the job's "
+            f"{dist.get_world_size()} ranks is not supported: dedicate over a mesh of every "
+            "rank, or train stock HSDP (fully_shard on the 2-D mesh without dedicate: DMuon "
+            "runs in sharded mode, whose checkpoints save and reshard)"
         )
     names = model_fqns(model)
     out: list[Holding] = []
@@ -178,6 +180,11 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
                     name = dedicated.name_of(p)
                     owner = dedicated.owner(name) if name is not None else None
                 split = owner is not None and splits
+                if hsdp:  # no tensor parallelism beside HSDP (dedicate refuses it)
+                    slot = owner
+                    owner = exchange.slot_ranks[slot] if slot is not None else None
+                    out.append(Holding(fqn, p, gi, owner, None, False))
+                    continue
                 out.append(Holding(fqn, p, gi, owner, exchange.group, split))
                 continue
             owner_of = getattr(engine, "owner_of", None)

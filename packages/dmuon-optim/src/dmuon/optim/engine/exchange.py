@@ -45,8 +45,11 @@ from dmuon.comm import (
     MatrixItem,
     OwnerPlan,
     default_stats,
+    wait_work,
 )
+from dmuon.comm.flags import flag_device
 from dmuon.comm.process_groups import group_rank, group_size
+from dmuon.comm.torch_compat import all_gather_single
 from dmuon.optim.engine.layer_record import DEFAULT_PACK_MB, OwnerLayer, group_layers, pack_layers
 from dmuon.optim.engine.model_agreement import check_model_consistency, plan_with_replicated
 from dmuon.optim.engine.owner_split import check_split_model, local_plan
@@ -80,6 +83,26 @@ def _register(p: torch.Tensor, exchange: OwnerExchange) -> None:
     key = id(p)
     registry = _REGISTRY  # bound now: module globals are gone at interpreter exit
     _REGISTRY[key] = (weakref.ref(p, lambda _: registry.pop(key, None)), exchange)
+
+
+def slot_ranks(
+    group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None
+) -> tuple[int, ...]:
+    """The global rank of each owner slot ``i·S + j`` (``i`` the replica, ``j`` the rank in
+    the shard group): the group's ranks in group order, and under HSDP every replica's
+    row, gathered over the replicate group (one small all-gather, when the dedication is
+    built). ``(0,)`` without a process group."""
+    if not dist.is_available() or not dist.is_initialized():
+        return (0,)
+    S = group_size(group)
+    row = [dist.get_global_rank(group, j) if group is not None else j for j in range(S)]
+    if replicate_group is None or group_size(replicate_group) == 1:
+        return tuple(row)
+    mine = torch.tensor(row, dtype=torch.int64, device=flag_device(replicate_group))
+    rows = torch.empty(group_size(replicate_group) * S, dtype=torch.int64, device=mine.device)
+    work = all_gather_single(rows, mine, group=replicate_group, async_op=True)
+    wait_work(work, "all-gather of the HSDP mesh's ranks (owner slots)", replicate_group)
+    return tuple(int(r) for r in rows.tolist())
 
 
 class OwnerExchange:
@@ -206,6 +229,8 @@ class OwnerExchange:
         self.rank = (group_rank(replicate_group) * S if replicate_group is not None else 0) + (
             group_rank(group)
         )
+        # the global rank of each slot (checkpoints name an owner by it, over the world)
+        self.slot_ranks = slot_ranks(group, replicate_group)
         if reshard_after_forward and replicate_group is not None:
             raise ValueError(
                 "reshard_after_forward (ZeRO-3-like) is supported on a 1-D group; under HSDP "
