@@ -187,3 +187,64 @@ def test_ranks_that_read_different_checkpoints_are_refused_on_every_rank(tmp_pat
         assert all("the ranks read different checkpoints" in e for e in errors), errors
         assert f"step_{1 + rank}" in errors[0], errors
         assert unchanged, rank
+
+
+def run_extra_on_rank_0_only(rank, world, path):
+    from dmuon.integrations import ddp
+
+    model = _mlp()
+    opt = DMuon(param_groups(model), distributed=ddp.dedicate(model), **OPT)
+    _step(model, opt, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint.save(path, model, opt, extra={"step": 3} if rank == 0 else None)
+    return checkpoint.load(path, model, opt), [str(w.message) for w in caught]
+
+
+def test_extra_passed_on_rank_0_only_is_every_ranks():
+    """The DDP habit: only rank 0 passes ``extra``. Every rank enters the extra's
+    agreement (it hung when only rank 0 did), takes rank 0's silently, and loads it."""
+    import tempfile
+
+    path = tempfile.mkdtemp()
+    for rank, (got, warned) in enumerate(
+        run_on_ranks(run_extra_on_rank_0_only, 2, args=(path,), timeout=120)
+    ):
+        assert got == {"step": 3}, (rank, got)
+        assert not [w for w in warned if "extra" in w], warned
+
+
+def test_a_checkpoint_with_extra_in_the_earlier_layout_still_loads_it(tmp_path):
+    """Checkpoints written before ``extra`` was one value hold it flattened by DCP
+    (``extra.step``, ``extra.sched.last_epoch``, a tensor under ``extra.rng``): ``load``
+    reads it back from those keys (it returned ``{}``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from dmuon.integrations.checkpoint.dcp import describe_optimizer
+    from dmuon.integrations.checkpoint.holders import holdings, release, settle
+    from dmuon.integrations.checkpoint.sharded_state import state_to_save
+
+    model = _mlp()
+    opt = DMuon(param_groups(model), **OPT)
+    _step(model, opt, 0)
+    held = holdings(model, opt)
+    settle(opt)
+    try:  # what save() wrote then: extra a dict beside the rest, no save id
+        rng = torch.arange(4)
+        old = {"step": 7, "sched": {"last_epoch": 7}, "rng": rng}
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": state_to_save(opt, held),
+            "dmuon": describe_optimizer(opt),
+            "extra": old,
+        }
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP: "assumes a single process"
+            dcp.save(state, checkpoint_id=str(tmp_path))
+    finally:
+        release(opt)
+    fresh = _mlp(seed=1)
+    got = checkpoint.load(tmp_path, fresh, DMuon(param_groups(fresh), **OPT))
+    assert got.keys() == old.keys() and got["step"] == 7 and got["sched"] == {"last_epoch": 7}
+    assert torch.equal(got["rng"], rng)

@@ -390,3 +390,32 @@ def test_gather_full_state_dict_keeps_the_state_dtype():
                 bf16 += value.dtype == torch.bfloat16
                 torch.testing.assert_close(value, want, rtol=8e-3, atol=1e-6)
         assert bf16 == 6  # the six matrices' momentum
+
+
+def _gather_fp16_second_moments(rank, world):
+    import torch
+
+    from dmuon.integrations.hf import gather_full_state_dict
+    from dmuon.optim import DMuon
+
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(8, 8).half()) for _ in range(2)]
+    opt = DMuon([{"params": ps, "rule": "adamuon"}], mode="replicated")
+    for p in ps:
+        p.grad = torch.full_like(p, 1e-4)
+    opt.step()
+    return gather_full_state_dict(opt)["state"]
+
+
+def test_gather_full_state_dict_keeps_fp32_second_moments_of_fp16_weights():
+    """A second moment of fp16 weights lives in fp32 (``StateSpec.squares``); the gathered
+    dict keeps it so on every rank, owner included (it was cast to fp16 there: the
+    underflow the fp32 state avoids, back in the checkpoint)."""
+    import torch
+
+    from dmuon.comm.testing import run_on_ranks
+
+    for rank, state in enumerate(run_on_ranks(_gather_fp16_second_moments, 2, timeout=120)):
+        for idx, st in state.items():
+            assert st["second_moment"].dtype == torch.float32, (rank, idx)
+            assert st["momentum_buffer"].dtype == torch.float16, (rank, idx)

@@ -292,6 +292,26 @@ def test_a_caller_value_wins_over_the_rule_default():
     assert opt.param_groups[0]["muon2_eps"] == 1e-12
 
 
+def test_muon2s_old_eps_is_refused_naming_its_new_name():
+    """Muon²'s ε was ``eps`` (inside the root, 1e-16), which NorMuon's, AdaMuon's and
+    Dion3's ``eps`` (outside, 1e-8) shared: the constructor keyword and a loaded group
+    that still say ``eps`` are refused, saying ``muon2_eps``."""
+    import torch
+
+    from dmuon.optim import DMuon
+
+    w = torch.nn.Parameter(torch.ones(4, 4))
+    with pytest.raises(ValueError, match="rule 'muon2' names eps muon2_eps now"):
+        DMuon([w], rule="muon2", eps=1e-12)
+    opt = DMuon([w], rule="muon2")
+    w.grad = torch.ones(4, 4)
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0]["eps"] = sd["param_groups"][0].pop("muon2_eps")  # an old save
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['eps'\] for rule 'muon2' \(rule"):
+        opt.load_state_dict(sd)
+
+
 def test_every_key_a_rule_reads_is_a_key_its_groups_have():
     import torch
 

@@ -41,9 +41,23 @@ __all__ = [
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # torch.optim.AdamW's keywords, which DMuon's constructor spells for its scalar groups
 SCALAR_KEYWORDS = {"betas": "adamw_betas", "eps": "adamw_eps"}
+# Options a rule took under another name: (rule, old key) → its key now. Said in the errors
+# of a constructor keyword or a loaded group that still uses the old one.
+RENAMED_OPTIONS = {("muon2", "eps"): "muon2_eps"}
 # The structural keys a group's buckets depend on; changing them after construction
 # would silently mismatch the state, so step() refuses.
 STRUCTURE = ("rule", "flatten", "transposed", "split_sizes", "num_heads", "state_dtype")
+
+
+def _renamed(rule: str, keys: Collection[str]) -> str:
+    """`` (rule 'muon2' names eps muon2_eps now: rename the key)`` for keys of
+    :data:`RENAMED_OPTIONS`, else ``""``."""
+    moved = [(k, RENAMED_OPTIONS[(rule, k)]) for k in keys if (rule, k) in RENAMED_OPTIONS]
+    return "".join(
+        f" (rule {rule!r} names {old} {new} now: rename the key; {old} is another rule's "
+        "option with another meaning)"
+        for old, new in moved
+    )
 
 
 def _did_you_mean(unknown: list[str], used: set[str], keywords: Collection[str]) -> str:
@@ -152,10 +166,11 @@ class GroupDefaults:
         unused = sorted(set(self.rule_options) - used)
         if unused:
             rules_used = sorted({g["rule"] for g in groups} & set(RULES) | {self.rule})
+            moved = {k for r in rules_used for k in unused if (r, k) in RENAMED_OPTIONS}
             renamed = [
                 f"{key}= is {SCALAR_KEYWORDS[key]}= here"
                 for key in unused
-                if key in SCALAR_KEYWORDS
+                if key in SCALAR_KEYWORDS and key not in moved
             ]
             hint = (
                 f" ({'; '.join(renamed)}: DMuon's keywords for the AdamW/Lion of the scalar "
@@ -163,6 +178,8 @@ class GroupDefaults:
                 if renamed
                 else ""
             )
+            for rule in rules_used:
+                hint += _renamed(rule, unused)
             hint += _did_you_mean([k for k in unused if k not in SCALAR_KEYWORDS], used, keywords)
             raise ValueError(
                 f"unknown option(s) {unused} for rule(s) {rules_used}{hint}; accepted options: "
@@ -209,7 +226,8 @@ class GroupDefaults:
             unknown.remove("momentum")
         if unknown:
             raise ValueError(
-                f"{where}: unknown key(s) {unknown} for rule {rule_name!r}; accepted keys: "
+                f"{where}: unknown key(s) {unknown} for rule {rule_name!r}"
+                f"{_renamed(rule_name, unknown)}; accepted keys: "
                 f"{sorted(keys)} (and {sorted(BOOKKEEPING_KEYS)})"
             )
         for key, opt in keys.items():

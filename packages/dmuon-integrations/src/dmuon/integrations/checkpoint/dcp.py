@@ -151,8 +151,9 @@ def save(
             "optim": state_to_save(optimizer, held),
             "dmuon": describe_optimizer(optimizer, save_id=uuid.uuid4().hex),
         }
-        if extra:
-            state["extra"] = _extra_bytes(extra, optimizer)
+        # on every rank, whether it passed extra or not (rank 0's is kept): the digest's
+        # all-reduce is a collective
+        state["extra"] = _extra_bytes(extra or {}, optimizer)
         with _quiet_single_process():
             dcp.save(state, checkpoint_id=os.fspath(path))
     finally:
@@ -164,9 +165,11 @@ def _extra_bytes(extra: Mapping[str, Any], optimizer: DMuon) -> bytes:
     DCP neither flattens it (dotted keys, lists, digit keys came back reshaped) nor keeps
     an arbitrary rank's. One all-reduce of a digest finds out whether the ranks' values
     differ; if they do, rank 0's is broadcast and each other rank warns, naming its keys
-    that differ from rank 0's. Under the optimizer's deadline."""
+    that differ from rank 0's (a rank that passed none takes rank 0's silently). Under
+    the optimizer's deadline."""
+    extra = _on_host(dict(extra))  # a CUDA tensor would come back on cuda:0 on every rank
     buffer = io.BytesIO()
-    torch.save(dict(extra), buffer)
+    torch.save(extra, buffer)
     blob = buffer.getvalue()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return blob
@@ -184,9 +187,9 @@ def _extra_bytes(extra: Mapping[str, Any], optimizer: DMuon) -> bytes:
         if dist.get_rank() != 0:
             data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         wait_work(dist.broadcast(data, src=0, async_op=True), "broadcast of rank 0's extra")
-    if dist.get_rank() == 0:
-        return blob
     kept = data.cpu().numpy().tobytes()
+    if dist.get_rank() == 0 or not extra:  # a rank that passed none takes rank 0's
+        return kept
     theirs = _extra_from(kept)
     differ = sorted(
         str(k)
@@ -215,7 +218,44 @@ def _digest_of(value: Any) -> int:
 
 
 def _extra_from(blob: bytes) -> dict[str, Any]:
-    return dict(torch.load(io.BytesIO(blob), weights_only=False))
+    return dict(torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False))
+
+
+def _on_host(value: Any) -> Any:
+    """``value`` with every tensor in it (in dicts, lists and tuples) on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return type(value)((k, _on_host(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_on_host(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_on_host(v) for v in value)
+    return value
+
+
+def _old_extra(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Targets for ``extra`` as checkpoints before the one-value form stored it (flattened
+    by DCP under ``extra.<key>``), or ``None`` when there is none: nested dicts and lists
+    with a placeholder per leaf (a tensor of the saved size and dtype)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tree = _listify(_tree_from(metadata, "extra"))
+    if not tree:
+        return None
+    for key, md in metadata.items():
+        if key.startswith("extra.") and isinstance(md, TensorStorageMetadata):
+            node = tree
+            parts = key.split(".")[1:]
+            for part in parts[:-1]:
+                node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+            last = parts[-1]
+            empty = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            if isinstance(node, list):
+                node[int(last)] = empty
+            else:
+                node[last] = empty
+    return dict(tree) if isinstance(tree, dict) else None
 
 
 def _read_metadata(path: str) -> Any:
@@ -278,6 +318,8 @@ def _read_checked(
     }
     if "extra" in metadata:  # one torch.save'd value (bytes)
         small["extra"] = b""
+    elif (old_extra := _old_extra(metadata)) is not None:  # a checkpoint of before
+        small["extra"] = old_extra
     groups = small["optim"]["param_groups"]
     if not isinstance(groups, list):
         raise CheckpointMismatchError(
@@ -388,4 +430,7 @@ def load(
         load_into_optimizer(optimizer, held, targets, groups)
     finally:
         release(optimizer)
-    return _extra_from(small["extra"]) if "extra" in small else {}
+    extra = small.get("extra")
+    if extra is None:
+        return {}
+    return _extra_from(extra) if isinstance(extra, bytes) else dict(extra)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from dmuon.comm import wait_work
 from dmuon.integrations.checkpoint.deadline import checkpoint_deadline
-from dmuon.optim import DMuon
+from dmuon.optim import DMuon, get_rule
 from dmuon.optim.engine import PlannedEngine
 from dmuon.optim.optimizer_state import expected_state_shapes
 from dmuon.optim.state_precision import state_dtype_of
@@ -150,9 +150,15 @@ def gather_full_state_dict(optimizer: Any) -> dict[str, Any]:
             # holds it shard by shard; the broadcast runs over this tp column's dp group)
             shapes = expected_state_shapes(group, p, name, engine.on_shard, engine.split_of)
             st = sd["state"][idx]
+            specs = {s.name: s for s in get_rule(group["rule"]).state_specs()}
             for key in sorted(shapes):
-                # the state's own dtype (bf16 with state_dtype="bfloat16"), not the weight's
-                dtype = torch.float32 if key == "step" else state_dtype_of(group, p.dtype)
+                # the state's own dtype (bf16 with state_dtype="bfloat16"; fp32 for a second
+                # moment of fp16 weights), not the weight's
+                dtype = (
+                    torch.float32
+                    if key == "step"
+                    else state_dtype_of(group, p.dtype, specs.get(key))
+                )
                 if owner == engine.rank:
                     # on the parameter's device: a step counter may live on the host
                     value = st[key].detach().to(p.device, dtype).reshape(shapes[key])
