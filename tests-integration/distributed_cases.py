@@ -222,7 +222,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[fl
 
 def setup(mode: str, name: str, world: int, opt_kw: dict[str, Any] | None = None):
     """Model, module to call forward on, optimizer and dedication (or None), for one mode."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -232,9 +232,14 @@ def setup(mode: str, name: str, world: int, opt_kw: dict[str, Any] | None = None
     model = build(name)
     forward: nn.Module = model
     if mode in ("owner_fsdp", "owner_fsdp_z3", "sharded", "owner_hsdp"):
-        # owner_hsdp: HSDP, 2 replicas of world/2 shards (a replica of all ranks at world 1)
+        # owner_hsdp: HSDP, 2 replicas of world/2 shards, the ranks laid out column-major
+        # (replica 0 is ranks 0, 2, …): an owner slot i·S + j is not its global rank
         mesh = (
-            init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            DeviceMesh(
+                "cpu",
+                torch.arange(world).reshape(world // 2, 2).T,
+                mesh_dim_names=("replicate", "shard"),
+            )
             if mode == "owner_hsdp" and world > 1
             else init_device_mesh("cpu", (world,))
         )

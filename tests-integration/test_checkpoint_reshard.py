@@ -139,12 +139,12 @@ def _assert_owner_state_saved_once(path):
         )
 
 
-def test_hsdp_owner_mode_checkpoint_resumes_as_hsdp_at_2_ranks_and_in_one_process(tmp_path):
-    """Owner mode under HSDP (2 replicas × 2 shards: each owner a slot of the 2-D mesh,
-    named by its global rank): the DCP checkpoint at step 2 resumes under HSDP at 4
-    ranks (the same plan), as FSDP2 owner mode at 2 ranks (another plan) and in one
-    process, each equal to the uninterrupted run; the one-file form resumes in one
-    process too. Refused before ("each owner slot spans a replicate group")."""
+def test_hsdp_owner_mode_checkpoint_resumes_as_hsdp_as_fsdp2_and_in_one_process(tmp_path):
+    """Owner mode under HSDP (2 replicas × 2 shards, the ranks laid out column-major so
+    that an owner slot is not its global rank; ``holdings`` names each owner by its
+    global rank): the DCP checkpoint at step 2 resumes under HSDP at 4 ranks, as FSDP2
+    owner mode at 2 ranks (another plan) and in one process, each equal to the
+    uninterrupted run. Refused before ("each owner slot spans a replicate group")."""
     root = str(tmp_path)
     saved = run_on_ranks(run_save, 4, args=(root, ["owner_hsdp"]), timeout=300)
     expected = saved[0]["owner_hsdp"]["params"]

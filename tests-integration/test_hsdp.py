@@ -96,3 +96,36 @@ def test_hsdp_2x2_equals_one_process():
         # of the owner's shard index one more across the replicate group
         assert stages["reduce_to_owners"]["collectives"] > 0
         assert stages["broadcast_from_owners"]["collectives"] > 0
+
+
+def run_one_replica(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon.integrations import fsdp
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    model = build(NAME)
+    ded = fsdp.dedicate(model, mesh)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, ignored_params=ded.params)
+    fully_shard(model, mesh=mesh, ignored_params=ded.params)
+    opt = DMuon(param_groups(model), distributed=ded, **OPT)
+    for t in range(STEPS):
+        loss_of(NAME, model, *batch(NAME, t, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    ded.wait()
+    return full_params(model), ded.replicate_group is None
+
+
+def test_hsdp_mesh_of_one_replica_trains_as_fsdp2():
+    """A ``(1, N)`` HSDP mesh (one replica: a launcher's default of ``dp_replicate=1``)
+    is FSDP2 over the shard group: owner mode plans over it and trains like one process.
+    The plan had one replica while the replicate group was passed on, and the first
+    backward raised in ``reduce_to_owners``."""
+    expected = reference(NAME, 2)
+    for rank, (got, flat) in enumerate(run_on_ranks(run_one_replica, 2, timeout=120)):
+        assert flat, rank
+        diff, where = max_diff(got, expected)
+        assert diff <= TOLERANCE, f"rank {rank}: {where} differs by {diff:.2e}"

@@ -308,6 +308,8 @@ def build_dedication(
     tp_dim = tensor_parallel_dim(mesh, model, mine)
     if tp_dim is None:
         group, replicate_group = mesh_groups(mesh)
+        if replicate_group is not None and group_size(replicate_group) == 1:
+            replicate_group = None  # HSDP of one replica: FSDP2 over the shard group
     else:  # dp × tp: owners over the dimension the tensor-parallel placements do not use
         group, replicate_group = mesh.get_group(1 - tp_dim), None
     experts = (

@@ -166,11 +166,10 @@ class GroupDefaults:
         unused = sorted(set(self.rule_options) - used)
         if unused:
             rules_used = sorted({g["rule"] for g in groups} & set(RULES) | {self.rule})
-            moved = {k for r in rules_used for k in unused if (r, k) in RENAMED_OPTIONS}
             renamed = [
                 f"{key}= is {SCALAR_KEYWORDS[key]}= here"
                 for key in unused
-                if key in SCALAR_KEYWORDS and key not in moved
+                if key in SCALAR_KEYWORDS
             ]
             hint = (
                 f" ({'; '.join(renamed)}: DMuon's keywords for the AdamW/Lion of the scalar "

@@ -18,6 +18,7 @@ whole, and FSDP2 shards read their rows. A checkpoint is complete when its
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import json
@@ -225,12 +226,16 @@ def _on_host(value: Any) -> Any:
     """``value`` with every tensor in it (in dicts, lists and tuples) on the CPU."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
-    if isinstance(value, dict):
-        return type(value)((k, _on_host(v)) for k, v in value.items())
+    if isinstance(value, dict):  # a copy keeps its type (defaultdict's factory, order)
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = _on_host(v)
+        return out
     if isinstance(value, list):
         return [_on_host(v) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_on_host(v) for v in value)
+    if isinstance(value, tuple):
+        items = [_on_host(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return value
 
 

@@ -229,8 +229,6 @@ class OwnerExchange:
         self.rank = (group_rank(replicate_group) * S if replicate_group is not None else 0) + (
             group_rank(group)
         )
-        # the global rank of each slot (checkpoints name an owner by it, over the world)
-        self.slot_ranks = slot_ranks(group, replicate_group)
         if reshard_after_forward and replicate_group is not None:
             raise ValueError(
                 "reshard_after_forward (ZeRO-3-like) is supported on a 1-D group; under HSDP "
@@ -276,6 +274,9 @@ class OwnerExchange:
             check_model_consistency(
                 plan_with_replicated(plan, replicated, self._layer_of), group, replicate_group
             )
+        # the global rank of each slot (checkpoints name an owner by it, over the world):
+        # after the model check, which is the first collective
+        self.slot_ranks = slot_ranks(group, replicate_group)
         self.local_plan = local_plan(plan, self._params)
         for layer in self.layers:
             layer.dedicated.sort(key=plan.index)
