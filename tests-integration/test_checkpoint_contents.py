@@ -66,22 +66,25 @@ def test_extra_comes_back_as_it_was_passed(tmp_path):
     assert got["sched"] == extra["sched"]
 
 
-def run_extra_per_rank(rank, world, path):
+def run_save_extra(rank, world, path, rank_0_only):
+    """Owner mode on 2 ranks saves with ``extra`` (each rank's own, or rank 0's alone) and
+    loads it back: what ``load`` returned and the warnings of the save."""
     from dmuon.integrations import ddp
 
     model = _mlp()
     opt = DMuon(param_groups(model), distributed=ddp.dedicate(model), **OPT)
     _step(model, opt, 0)
+    extra = ({"step": 3} if rank == 0 else None) if rank_0_only else {"step": 3, "rank": rank}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        checkpoint.save(path, model, opt, extra={"step": 3, "rank": rank})
-    got = checkpoint.load(path, model, opt)
-    return got, [str(w.message) for w in caught if "differs from rank 0's" in str(w.message)]
+        checkpoint.save(path, model, opt, extra=extra)
+    return checkpoint.load(path, model, opt), [str(w.message) for w in caught]
 
 
 def test_an_extra_that_differs_between_ranks_is_rank_0s_with_a_warning(tmp_path):
-    results = run_on_ranks(run_extra_per_rank, 2, args=(str(tmp_path),), timeout=120)
-    for rank, (got, warned) in enumerate(results):
+    results = run_on_ranks(run_save_extra, 2, args=(str(tmp_path), False), timeout=120)
+    for rank, (got, caught) in enumerate(results):
+        warned = [w for w in caught if "differs from rank 0's" in w]
         assert got == {"step": 3, "rank": 0}, (rank, got)
         if rank == 1:  # the rank whose value the checkpoint does not keep
             assert len(warned) == 1, warned
@@ -189,18 +192,6 @@ def test_ranks_that_read_different_checkpoints_are_refused_on_every_rank(tmp_pat
         assert unchanged, rank
 
 
-def run_extra_on_rank_0_only(rank, world, path):
-    from dmuon.integrations import ddp
-
-    model = _mlp()
-    opt = DMuon(param_groups(model), distributed=ddp.dedicate(model), **OPT)
-    _step(model, opt, 0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        checkpoint.save(path, model, opt, extra={"step": 3} if rank == 0 else None)
-    return checkpoint.load(path, model, opt), [str(w.message) for w in caught]
-
-
 def test_extra_passed_on_rank_0_only_is_every_ranks():
     """The DDP habit: only rank 0 passes ``extra``. Every rank enters the extra's
     agreement (it hung when only rank 0 did), takes rank 0's silently, and loads it."""
@@ -208,7 +199,7 @@ def test_extra_passed_on_rank_0_only_is_every_ranks():
 
     path = tempfile.mkdtemp()
     for rank, (got, warned) in enumerate(
-        run_on_ranks(run_extra_on_rank_0_only, 2, args=(path,), timeout=120)
+        run_on_ranks(run_save_extra, 2, args=(path, True), timeout=120)
     ):
         assert got == {"step": 3}, (rank, got)
         assert not [w for w in warned if "extra" in w], warned

@@ -43,15 +43,26 @@ def _grads(shapes, t: int) -> list[torch.Tensor]:
     return [torch.randn(*s, generator=g) for s in shapes]
 
 
-def _one_process(shapes, opt_kw) -> list[torch.Tensor]:
+def _one_process(shapes, opt_kw, clip=None) -> tuple[list[torch.Tensor], list[float]]:
+    """The whole tensors stepped in one process, and (``clip``) torch's norm of the whole
+    gradients before each clipped step."""
     m = _model(shapes)
     opt = DMuon(param_groups(m), **opt_kw)
+    norms = []
     for t in range(STEPS):
         for p, g in zip(m.parameters(), _grads(shapes, t), strict=True):
             p.grad = g
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(list(m.parameters()), clip)))
         opt.step()
         opt.zero_grad()
-    return [p.detach() for p in m.parameters()]
+    return [p.detach() for p in m.parameters()], norms
+
+
+def _on_4_ranks(mesh_dims, shapes, specs, opt_kw, clip=None):
+    """:func:`run_layout` on 4 ranks, a ``2 × 2`` mesh of ``mesh_dims``."""
+    args = ((2, 2), mesh_dims, shapes, specs, opt_kw, clip)
+    return run_on_ranks(run_layout, 4, args=args, timeout=120)
 
 
 def _placements(spec):
@@ -94,25 +105,15 @@ def _check(results, expected) -> None:
 def test_single_mode_steps_experts_split_over_two_mesh_dims(experts):
     shapes = [(experts, 3, 5), (5, 5)]
     specs = [("S0", "S0"), ("R", "R")]
-    results = run_on_ranks(
-        run_layout,
-        4,
-        args=((2, 2), ("efsdp", "ep"), shapes, specs, {**OPT, "mode": "single"}),
-        timeout=120,
-    )
-    _check(results, _one_process(shapes, OPT))
+    results = _on_4_ranks(("efsdp", "ep"), shapes, specs, {**OPT, "mode": "single"})
+    _check(results, _one_process(shapes, OPT)[0])
 
 
 def test_sharded_mode_steps_fsdp2_rows_of_a_tp_shard_without_columns():
     shapes = [(4, 1), (4, 3)]  # (4, 1) over tp 2: columns 1 + 0
     specs = [("S0", "S1"), ("S0", "S1")]
-    results = run_on_ranks(
-        run_layout,
-        4,
-        args=((2, 2), ("dp", "tp"), shapes, specs, {**OPT, "mode": "sharded"}),
-        timeout=120,
-    )
-    _check(results, _one_process(shapes, OPT))
+    results = _on_4_ranks(("dp", "tp"), shapes, specs, {**OPT, "mode": "sharded"})
+    _check(results, _one_process(shapes, OPT)[0])
 
 
 def test_replicated_clip_with_a_split_matrix_and_experts_on_one_mesh_dim():
@@ -120,19 +121,9 @@ def test_replicated_clip_with_a_split_matrix_and_experts_on_one_mesh_dim():
     specs = [("R", "S0"), ("R", "S0")]  # rows over tp, experts over the same dim
     clip = 1.0
     kw = {**OPT, "mode": "replicated", "process_group": "dp"}
-    results = run_on_ranks(
-        run_layout, 4, args=((2, 2), ("dp", "tp"), shapes, specs, kw, clip), timeout=120
-    )
+    results = _on_4_ranks(("dp", "tp"), shapes, specs, kw, clip)
     # one process: torch's norm of the whole gradients, then the same clipped steps
-    m = _model(shapes)
-    opt = DMuon(param_groups(m), **OPT)
-    want_norms = []
-    for t in range(STEPS):
-        for p, g in zip(m.parameters(), _grads(shapes, t), strict=True):
-            p.grad = g
-        want_norms.append(float(torch.nn.utils.clip_grad_norm_(list(m.parameters()), clip)))
-        opt.step()
-        opt.zero_grad()
+    want, want_norms = _one_process(shapes, OPT, clip)
     for rank, (_, norms) in enumerate(results):
         assert norms == pytest.approx(want_norms, rel=1e-5), (rank, norms, want_norms)
-    _check(results, [p.detach() for p in m.parameters()])
+    _check(results, want)

@@ -82,15 +82,10 @@ def _check_one_checkpoint(path: str, described: str, optimizer: DMuon) -> None:
     ``path``: a filesystem that is not shared alike, a "latest" picked per rank): one
     all-reduce of the save's id, under the optimizer's deadline. Checkpoints without an
     id (saved before it existed) count as one."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
     save_id = str(json.loads(described).get("save_id", "")) if described else ""
-    digest = _digest(save_id.encode())
-    flags = torch.tensor([digest, -digest], dtype=torch.int64, device=flag_device(None))
-    with checkpoint_deadline(optimizer, "DMuon checkpoint load"):
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
-        wait_work(work, "all-reduce of the checkpoint's save id")
-    if flags.tolist() != [digest, -digest]:
+    if not _same_on_every_rank(
+        save_id.encode(), optimizer, "DMuon checkpoint load", "the checkpoint's save id"
+    ):
         raise CheckpointMismatchError(
             [
                 f"the ranks read different checkpoints: rank {dist.get_rank()} read {path!r} "
@@ -161,6 +156,20 @@ def save(
         release(optimizer)
 
 
+def _same_on_every_rank(blob: bytes, optimizer: DMuon, phase: str, what: str) -> bool:
+    """Whether every rank holds the same ``blob``: one all-reduce (max) of its digest and
+    of its negation, under the optimizer's deadline (``phase`` for the roll call). True
+    without a process group of two ranks or more."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return True
+    digest = _digest(blob)
+    flags = torch.tensor([digest, -digest], dtype=torch.int64, device=flag_device(None))
+    with checkpoint_deadline(optimizer, phase):
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        wait_work(work, f"all-reduce of the digest of {what}")
+    return flags.tolist() == [digest, -digest]  # the largest digest and the smallest
+
+
 def _extra_bytes(extra: Mapping[str, Any], optimizer: DMuon) -> bytes:
     """``extra`` as ``torch.save`` writes it, rank 0's on every rank: one opaque value, so
     DCP neither flattens it (dotted keys, lists, digit keys came back reshaped) nor keeps
@@ -169,24 +178,19 @@ def _extra_bytes(extra: Mapping[str, Any], optimizer: DMuon) -> bytes:
     that differ from rank 0's (a rank that passed none takes rank 0's silently). Under
     the optimizer's deadline."""
     extra = _on_host(dict(extra))  # a CUDA tensor would come back on cuda:0 on every rank
-    buffer = io.BytesIO()
-    torch.save(extra, buffer)
-    blob = buffer.getvalue()
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    blob = _saved(extra)
+    phase = "DMuon checkpoint save"
+    if _same_on_every_rank(blob, optimizer, phase, "checkpoint.save's extra"):
         return blob
     device = flag_device(None)
-    digest = _digest(blob)
-    flags = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    with checkpoint_deadline(optimizer, "DMuon checkpoint save"):
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
-        wait_work(work, "all-reduce of the digest of checkpoint.save's extra")
-        if flags.tolist() == [digest, -digest]:  # the same on every rank
-            return blob
+    with checkpoint_deadline(optimizer, phase):
         size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
         wait_work(dist.broadcast(size, src=0, async_op=True), "broadcast of rank 0's extra")
-        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
-        if dist.get_rank() != 0:
-            data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        data = (
+            torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
+            if dist.get_rank() == 0
+            else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        )
         wait_work(dist.broadcast(data, src=0, async_op=True), "broadcast of rank 0's extra")
     kept = data.cpu().numpy().tobytes()
     if dist.get_rank() == 0 or not extra:  # a rank that passed none takes rank 0's
@@ -195,7 +199,7 @@ def _extra_bytes(extra: Mapping[str, Any], optimizer: DMuon) -> bytes:
     differ = sorted(
         str(k)
         for k in set(extra) | set(theirs)
-        if k not in extra or k not in theirs or _digest_of(extra[k]) != _digest_of(theirs[k])
+        if k not in extra or k not in theirs or _saved(extra[k]) != _saved(theirs[k])
     )
     warnings.warn(
         f"checkpoint.save: extra{differ} on rank {dist.get_rank()} differs from rank 0's; the "
@@ -212,10 +216,11 @@ def _digest(blob: bytes) -> int:
     return int(hashlib.sha256(blob).hexdigest()[:15], 16)
 
 
-def _digest_of(value: Any) -> int:
-    one = io.BytesIO()
-    torch.save(value, one)
-    return _digest(one.getvalue())
+def _saved(value: Any) -> bytes:
+    """``value`` as ``torch.save`` writes it."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def _extra_from(blob: bytes) -> dict[str, Any]:

@@ -64,7 +64,6 @@ from dmuon.optim.planner.config import ModelSpec
 from dmuon.optim.rules import get_rule
 from dmuon.optim.state_precision import state_dtype_of
 
-STATE_BYTES = {"float32": 4, "bfloat16": 2}
 SCALAR_LAYOUTS = ("sharded", "all_reduce", "owner")
 
 __all__ = ["memory_per_rank"]
