@@ -22,6 +22,7 @@ from dmuon.optim.clip import clip_grad_norm_, clip_grad_value_
 from dmuon.optim.engine import (
     MODES,
     GradientChangedError,
+    GradientPresenceError,
     ModelMismatchError,
     NonFiniteGradientError,
     OwnerExchange,
@@ -61,6 +62,7 @@ __all__ = [
     "DMuon",
     "Entry",
     "GradientChangedError",
+    "GradientPresenceError",
     "HeadRows",
     "MatrixLayout",
     "MatrixSplit",

@@ -35,6 +35,7 @@ from dmuon.optim.engine.replicated import ReplicatedEngine
 from dmuon.optim.engine.report import PHASES, StepReport
 from dmuon.optim.engine.sharded import ShardedEngine
 from dmuon.optim.engine.sign import SignEngine
+from dmuon.optim.engine.split_presence import GradientPresenceError
 
 __all__ = [
     "DEFAULT_PACK_MB",
@@ -44,6 +45,7 @@ __all__ = [
     "Engine",
     "EngineParam",
     "GradientChangedError",
+    "GradientPresenceError",
     "MatrixPlacement",
     "ModelMismatchError",
     "NonFiniteGradientError",

@@ -31,6 +31,7 @@ from dmuon.comm.process_groups import group_size, twin_groups
 from dmuon.optim.engine.params import EngineParam, collect_params, frozen_params, is_dtensor
 from dmuon.optim.engine.placements import placement_of_param
 from dmuon.optim.engine.report import StepReport
+from dmuon.optim.engine.split_presence import PresenceGroups, agree_split_presence, presence_groups
 from dmuon.optim.engine.tensor_split import settle_pending_grad, settle_split_grads, split_of
 from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.vote import SignVote
@@ -113,6 +114,7 @@ class Engine:
         self._frozen: list[tuple[str, torch.Tensor]] = []
         self._dtensors: list[EngineParam] = []  # whose gradients settle_split_grads lays out
         self._whole: frozenset[int] = frozenset()  # ids of the replicated-whole DTensor matrices
+        self._presence: PresenceGroups | None = None  # split_presence(), made at first use
 
     def bind(self, stepper: Stepper) -> None:
         """Learn the optimizer's parameters (called once, after its groups exist).
@@ -124,6 +126,7 @@ class Engine:
         self._by_param = {id(e.param): e for e in self.params}
         self._frozen = frozen_params(stepper.param_groups)
         self._dtensors = [e for e in self.params if is_dtensor(e.param)]
+        self._presence = None
         self._whole = frozenset(
             id(e.param)
             for e in self._dtensors
@@ -187,8 +190,31 @@ class Engine:
         """Issue what every rank issues before the step's own collectives (owner mode:
         launch the reductions not launched yet), so guards may add collectives after it:
         here, lay every DTensor matrix's gradient out as its parameter
+        (:meth:`settle_dtensor_grads`)."""
+        self.settle_dtensor_grads()
+
+    def planning_groups(self) -> list[dist.ProcessGroup | None]:
+        """The groups this mode plans owners over, where a gradient missing on some ranks
+        counts as zero (here: none)."""
+        return []
+
+    def split_presence(self) -> PresenceGroups:
+        """The tensor-parallel groups whose ranks must agree on which DTensor parameters
+        hold a gradient (:func:`~dmuon.optim.engine.split_presence.presence_groups`, made
+        at first use, without a collective)."""
+        if self._presence is None:
+            self._presence = presence_groups(self._dtensors, self.planning_groups())
+        return self._presence
+
+    def settle_dtensor_grads(self) -> None:
+        """Agree on the DTensor gradients' presence over their tensor-parallel groups
+        (:func:`~dmuon.optim.engine.split_presence.agree_split_presence`: a gradient on
+        some ranks of a group only is refused on every rank of it, before the group's
+        first collective), then lay each out as its parameter
         (:func:`~dmuon.optim.engine.tensor_split.settle_split_grads`)."""
-        settle_split_grads(self._dtensors, self.stats)
+        if self._dtensors:
+            agree_split_presence(self.split_presence(), self.stats)
+            settle_split_grads(self._dtensors, self.stats)
 
     def begin_step_agreeing(
         self, slots: Callable[[frozenset[int]], torch.Tensor]
@@ -245,8 +271,8 @@ class Engine:
     def prepare_grads(self) -> None:
         """Make every gradient this rank holds final (owner mode: finish the reductions;
         here: lay DTensor gradients out as their parameters, so that the norms count this
-        rank's shards, :func:`~dmuon.optim.engine.tensor_split.settle_split_grads`)."""
-        settle_split_grads(self._dtensors, self.stats)
+        rank's shards, :meth:`settle_dtensor_grads`)."""
+        self.settle_dtensor_grads()
 
     def changed_gradients(self) -> list[str]:
         """Parameters whose gradient this rank changed after the engine had taken it for a

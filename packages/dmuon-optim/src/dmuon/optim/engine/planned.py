@@ -164,6 +164,9 @@ class PlannedEngine(Engine):
     def agreement_groups(self) -> list[dist.ProcessGroup | None]:
         return [self.group] if self.world_size > 1 else []
 
+    def planning_groups(self) -> list[dist.ProcessGroup | None]:
+        return [self.group]
+
     def subplan(self, key: str) -> OwnerPlan:
         """The plan of layer ``key``'s matrices."""
         return self._subplans[key]

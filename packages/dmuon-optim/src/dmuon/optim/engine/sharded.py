@@ -61,6 +61,7 @@ from dmuon.optim.engine.params import EngineParam, is_dtensor, subplan
 from dmuon.optim.engine.placements import placement_of, placement_of_param
 from dmuon.optim.engine.planned import Pipeline, PlannedEngine
 from dmuon.optim.engine.report import StepReport
+from dmuon.optim.engine.split_presence import PresenceGroups
 from dmuon.optim.engine.tensor_split import sharded_split_of, tensor_parallel_shape
 from dmuon.optim.matrix_split import MatrixSplit, local_tensor
 
@@ -265,6 +266,13 @@ class ShardedEngine(PlannedEngine):
                 if stepper.is_scalar(g):
                     stepper.step_scalars(g)
         pipe.drain()
+
+    def split_presence(self) -> PresenceGroups:
+        """None: this mode does not agree on it. FSDP2's reduce-scatter in the backward
+        gives every rank of its mesh a gradient or none, and the step's presence flags
+        agree over ``dp``; a gradient dropped afterwards on some ``tp`` ranks only ends in
+        the deadline's error naming the collectives, not the parameter."""
+        return []
 
     def agreement_groups(self) -> list[dist.ProcessGroup | None]:
         # the owner's tp row steps a split matrix together: tp agrees on a skip too
