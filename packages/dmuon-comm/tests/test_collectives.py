@@ -174,6 +174,77 @@ def test_shard_all_to_all_of_empty_items_only_hands_back_every_item_both_ways():
     run_on_ranks(body, 2, timeout=60)
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_fp16_average_does_not_overflow_where_the_mean_is_finite(replicas):
+    """Two ranks (or 2 × 2 under HSDP) each hold 40000 in fp16 (largest 65504): the sum
+    overflowed to inf before the division; the mean is 40000 (DDP divides first). An
+    fp32 bucket beside it still divides the sum (bitwise what it gave)."""
+
+    def body(rank, n):
+        shard, replicate = None, None
+        if replicas > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (replicas, n // replicas), mesh_dim_names=("r", "s"))
+            shard, replicate = mesh["s"].get_group(), mesh["r"].get_group()
+        items = [MatrixItem("h", (2, 2), torch.float16), MatrixItem("f", (2, 2), torch.float32)]
+        plan = plan_owners(items, n, replicate_size=replicas)
+        values = {"h": 40000.0, "f": 0.1 * (rank + 1)}
+        buckets = make_buckets(plan)
+        for b in buckets:
+            for name in b.names:
+                b.view(name).fill_(values[name])
+        owned = reduce_to_owners(buckets, plan, group=shard, replicate_group=replicate).wait()
+        return {k: v.clone() for k, v in owned.items()}
+
+    world = 2 * replicas
+    results = run_on_ranks(body, world, timeout=60)
+    got = {k: v for owned in results for k, v in owned.items()}
+    assert torch.equal(got["h"], torch.full((2, 2), 40000.0, dtype=torch.float16)), got["h"]
+    f = torch.tensor([0.1 * (r + 1) for r in range(world)], dtype=torch.float32)
+    assert torch.equal(got["f"], torch.full((2, 2), f.sum().item() / world)), got["f"]
+
+
+def test_a_rank_owning_nothing_puts_its_buffers_where_it_is_told():
+    """A rank that owns no item of the plan (a layer with fewer matrices than ranks) hands
+    in no update and no result: its send and receive buffers went to torch's default
+    device, the CPU, beside its peers' GPU buffers (NCCL refuses them). With ``device=``
+    (what the engines pass: the parameters') or an ``out`` (its device), they are there.
+    ``meta`` stands in for the GPU; the collectives are recorded, not run."""
+    import sys
+
+    # the module, not the function dmuon.comm re-exports under the same name
+    gather_module = sys.modules["dmuon.comm.all_gather_updates"]
+
+    def body(rank, n):
+        seen: list[tuple[str, str, str]] = []
+
+        def record(what):
+            def collective(out, inp, *args, **kwargs):
+                seen.append((what, str(inp.device), str(out.device)))
+
+            return collective
+
+        gather_module.all_gather_single = record("all_gather")  # type: ignore[assignment]
+        dist.all_to_all_single = record("all_to_all")  # type: ignore[assignment]
+        plan = plan_owners([MatrixItem("w", (4, 4))], n)
+        mine = {name: torch.zeros(4, 4, device="meta") for name in plan.names_of(rank)}
+        others = {} if mine else {"w": torch.zeros(4, 4, device="meta")}
+        all_gather_updates(mine, plan, device="meta")
+        all_gather_updates(mine, plan, out=others)  # the replicated engine's out
+        shards = {"w": torch.zeros(2, 4, device="meta")}
+        shard_all_to_all(shards, plan, device="meta")
+        shard_all_to_all_reverse(mine, plan, device="meta")
+        return plan.names_of(rank), seen
+
+    results = run_on_ranks(body, 2, timeout=60)
+    assert [tuple(names) for names, _ in results] == [("w",), ()]  # rank 1 owns nothing
+    for rank, (_, seen) in enumerate(results):
+        assert len(seen) == 4, seen
+        for what, send, recv in seen:
+            assert send == recv == "meta", (rank, what, send, recv)
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_shard_all_to_all_rebuilds_full_matrices_and_returns_the_right_shards(world):
     def body(rank, n):

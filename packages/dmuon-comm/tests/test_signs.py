@@ -69,6 +69,11 @@ def test_bad_input():
         unpack_signs(torch.zeros(2, dtype=torch.int8), (3,))
     with pytest.raises(ValueError, match=r"holds 8 signs but shape \(3, 3\) needs 9"):
         unpack_signs(torch.zeros(1, dtype=torch.uint8), (3, 3))
+    # a size inferred from the bytes handed the padding back as entries (7 signs, 8 votes)
+    with pytest.raises(ValueError, match=r"no negative size .* got \(-1,\)"):
+        unpack_signs(pack_signs(torch.ones(6)), (-1,))
+    with pytest.raises(ValueError, match=r"no negative size .* got \(2, -1\)"):
+        unpack_votes(pack_votes(torch.ones(6)), (2, -1))
 
 
 # pack_votes / unpack_votes: five votes in {−1, 0, +1} per byte, base 3 (majority_vote's)

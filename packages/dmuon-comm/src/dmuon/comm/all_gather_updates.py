@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from dmuon.comm.handles import CommHandle
 from dmuon.comm.owner_plan import OwnerPlan
-from dmuon.comm.plan_collective import begin, check_owned, items_by_dtype
+from dmuon.comm.plan_collective import begin, buffer_device, check_owned, items_by_dtype
 from dmuon.comm.process_groups import group_rank, group_size
 from dmuon.comm.stats import CommStats
 from dmuon.comm.torch_compat import all_gather_single
@@ -25,6 +25,7 @@ def all_gather_updates(
     out: Mapping[str, torch.Tensor] | None = None,
     stats: CommStats | None = None,
     verify: bool = False,
+    device: torch.device | str | None = None,
 ) -> CommHandle[dict[str, torch.Tensor]]:
     """Give every rank the update of every item, each computed by its owner.
 
@@ -45,6 +46,10 @@ def all_gather_updates(
         stats: where to record bytes; default :func:`~dmuon.comm.default_stats`.
         verify: agree across ranks on valid, matching inputs first (see
             :func:`~dmuon.comm.reduce_to_owners`).
+        device: where the send and receive buffers live. Default: the device of the
+            updates, else of ``out``. Pass it where this rank may own nothing of the
+            plan and gets no ``out``: the buffers must be on the device every other
+            rank's are (NCCL refuses CPU tensors).
 
     Returns:
         A handle whose ``wait()`` gives ``{name: update}`` for every item (views
@@ -83,9 +88,9 @@ def all_gather_updates(
 
     n, me, stats = begin(name, plan, group, check, verify=verify, stats=stats)
     works, received = [], []
+    device = buffer_device(device, updates, out)
     for dtype, per_rank in items_by_dtype(plan, n):
         volume = max(sum(i.numel for i in its) for its in per_rank)
-        device = next(iter(updates.values())).device if updates else None
         if volume == 0:  # only empty items (the empty shards of an uneven split): no send
             received.append((torch.empty(0, dtype=dtype, device=device), per_rank, 0))
             continue

@@ -256,8 +256,10 @@ def make_buckets(
     Buckets come in owner order (rank 0's first) and hold their items in the plan's
     canonical order, so every rank that calls this with the same plan and
     arguments gets the same layouts — what the owner-rooted collectives need. A
-    bucket is closed when the next item would take it past ``bucket_bytes``; an
-    item larger than that gets a bucket of its own. With ``bucket_bytes=None``
+    bucket is closed when the next item would take it past ``bucket_bytes``
+    (counted without the ``alignment`` padding: an aligned bucket may exceed it by
+    up to ``alignment - 1`` elements per item); an item larger than that gets a
+    bucket of its own. With ``bucket_bytes=None``
     (default) each owner has one bucket per dtype: the collectives are coalesced
     per owner.
 

@@ -127,7 +127,9 @@ def majority_vote(
     # received[r] is rank r's chunk for the positions this rank votes on: sum the votes
     # per position over the ranks and pack their sign
     votes = unpack_votes(received, (n, chunk * VOTES_PER_BYTE), dtype=torch.int8)
-    mine = pack_votes(votes.sum(dim=0, dtype=torch.int32))
+    # a sum of n votes in {-1, 0, 1} fits int8 up to 127 ranks (a quarter of int32's bytes)
+    mine = pack_votes(votes.sum(dim=0, dtype=torch.int8 if n <= 127 else torch.int32))
+    del votes, received  # before the result's buffers: the vote's peak is the sum's
     result = torch.empty_like(packed)
     wait_work(
         all_gather_single(result, mine, group=group, async_op=True),

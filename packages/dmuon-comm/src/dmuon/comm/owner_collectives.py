@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from dmuon.comm.averaging import divides_before_the_sum
 from dmuon.comm.faults import wait_work
 from dmuon.comm.flat_buffers import FlatBucket
 from dmuon.comm.handles import CommHandle
@@ -156,7 +157,10 @@ def reduce_to_owners(
         buckets: this rank's contribution for every item, in the same layouts on
             every rank (build them with :func:`~dmuon.comm.make_buckets`).
         plan: the owner plan.
-        op: ``"avg"`` (default) or ``"sum"``.
+        op: ``"avg"`` (default) or ``"sum"``. An fp16 bucket's mean divides every
+            rank's buffer by the world size before the sum, as DDP does (the sum of
+            fp16 gradients overflows where their mean does not,
+            :mod:`dmuon.comm.averaging`); other dtypes divide the owner's sum.
         group: process group of the plan's ranks (HSDP: the shard group);
             default the world.
         replicate_group: HSDP only, the replicate group of this rank.
@@ -213,6 +217,13 @@ def reduce_to_owners(
     else:
         average, (S, R, me) = check()
     stats.count_call(name)
+    # fp16 means divide first (DDP's order): a sum past 65504 overflows where the mean
+    # does not (dmuon.comm.averaging); the other dtypes divide the sum on the owner
+    first = {id(b) for b in buckets if average and divides_before_the_sum(b.dtype)}
+    if plan.world_size > 1:
+        for b in buckets:
+            if id(b) in first:
+                b.buffer.div_(plan.world_size)
     works = []
     if S > 1:
         for b in buckets:
@@ -236,7 +247,7 @@ def reduce_to_owners(
         owned: dict[str, torch.Tensor] = {}
         for b in buckets:
             if b.owner == me:
-                if average and plan.world_size > 1:
+                if average and plan.world_size > 1 and id(b) not in first:
                     b.buffer.div_(plan.world_size)
                 owned.update(b.views())
         return owned

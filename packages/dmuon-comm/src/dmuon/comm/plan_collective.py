@@ -21,7 +21,7 @@ from dmuon.comm.owner_plan import OwnerPlan
 from dmuon.comm.process_groups import agree, fingerprint
 from dmuon.comm.stats import CommStats, default_stats
 
-__all__ = ["begin", "check_owned", "items_by_dtype"]
+__all__ = ["begin", "buffer_device", "check_owned", "items_by_dtype"]
 
 
 def begin(
@@ -47,6 +47,32 @@ def begin(
         n, me = check()
     stats.count_call(name)
     return n, me, stats
+
+
+def buffer_device(
+    device: torch.device | str | None, *given: Mapping[str, torch.Tensor] | None
+) -> torch.device | None:
+    """Where a plan-wide collective's buffers live: ``device`` when given, else the
+    device of the first tensor among ``given`` (the caller's inputs, then its ``out``),
+    else ``None`` (torch's default device).
+
+    A rank that owns nothing of a layer hands in no update: its buffers must still be on
+    the device of every other rank's (under NCCL, the GPU), so the engines pass the
+    parameters' device.
+
+    Examples:
+        >>> import torch
+        >>> buffer_device(None, {}, {"a": torch.zeros(1)})
+        device(type='cpu')
+        >>> buffer_device("meta", {}) == torch.device("meta")
+        True
+    """
+    if device is not None:
+        return torch.device(device)
+    for tensors in given:
+        for t in (tensors or {}).values():
+            return t.device
+    return None
 
 
 def items_by_dtype(plan: OwnerPlan, n: int) -> Iterator[tuple[torch.dtype, list[list[MatrixItem]]]]:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from dmuon.comm.handles import CommHandle
 from dmuon.comm.items import MatrixItem
 from dmuon.comm.owner_plan import OwnerPlan
-from dmuon.comm.plan_collective import begin, check_owned, items_by_dtype
+from dmuon.comm.plan_collective import begin, buffer_device, check_owned, items_by_dtype
 from dmuon.comm.process_groups import group_rank, group_size
 from dmuon.comm.stats import CommStats
 
@@ -118,6 +118,7 @@ def shard_all_to_all(
     group: dist.ProcessGroup | None = None,
     stats: CommStats | None = None,
     verify: bool = False,
+    device: torch.device | str | None = None,
 ) -> CommHandle[dict[str, torch.Tensor]]:
     """Gather every matrix's row shards on its owner (one all-to-all per dtype).
 
@@ -134,6 +135,7 @@ def shard_all_to_all(
         stats: where to record bytes; default :func:`~dmuon.comm.default_stats`.
         verify: agree across ranks on valid, matching inputs first (see
             :func:`~dmuon.comm.reduce_to_owners`).
+        device: where the buffers live (default: the shards' device).
 
     Returns:
         A handle whose ``wait()`` gives ``{name: full matrix}`` for the items this
@@ -177,9 +179,9 @@ def shard_all_to_all(
     n, me, stats = begin(name, plan, group, check, verify=verify, stats=stats)
     works: list[object] = []
     finishers: list = []
+    device = buffer_device(device, shards)
     for dtype, per_rank in items_by_dtype(plan, n):
         volume = _volumes(per_rank, n)
-        device = next(iter(shards.values())).device if shards else None
         if sum(volume) == 0:  # every shard empty (a tp shard of no columns): nothing moves,
             # and the owners' matrices are empty as well
             finishers.append((torch.empty(0, dtype=dtype, device=device), per_rank[me], 0))
@@ -222,6 +224,7 @@ def shard_all_to_all_reverse(
     group: dist.ProcessGroup | None = None,
     stats: CommStats | None = None,
     verify: bool = False,
+    device: torch.device | str | None = None,
 ) -> CommHandle[dict[str, torch.Tensor]]:
     """Send each owner's full results back as row shards (the reverse of :func:`shard_all_to_all`).
 
@@ -236,6 +239,9 @@ def shard_all_to_all_reverse(
         group: the group the matrices are sharded over; default the world.
         stats: where to record bytes; default :func:`~dmuon.comm.default_stats`.
         verify: agree across ranks on valid, matching inputs first.
+        device: where the buffers live. Default: the results' device. Pass it where
+            this rank may own nothing of the plan: its buffers must be on the device
+            every other rank's are (NCCL refuses CPU tensors).
 
     Returns:
         A handle whose ``wait()`` gives ``{name: this rank's shard}`` for every item
@@ -262,9 +268,9 @@ def shard_all_to_all_reverse(
     n, me, stats = begin(name, plan, group, check, verify=verify, stats=stats)
     works: list[object] = []
     finishers: list = []
+    device = buffer_device(device, results)
     for dtype, per_rank in items_by_dtype(plan, n):
         volume = _volumes(per_rank, n)
-        device = next(iter(results.values())).device if results else None
         if sum(volume) == 0:  # every result empty: each rank's shards are empty too
             finishers.append((torch.empty(0, dtype=dtype, device=device), per_rank))
             continue

@@ -218,6 +218,11 @@ def _unpacked(
     the entries of byte ``b`` (``arg`` and ``what``: the argument and its entries, for the
     errors)."""
     shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise ValueError(
+            f"shape must have no negative size (the packed bytes do not say how many "
+            f"{what} they hold: give every dimension), got {shape}"
+        )
     n = math.prod(shape)
     if packed.dtype != torch.uint8 or packed.dim() != 1:
         raise ValueError(

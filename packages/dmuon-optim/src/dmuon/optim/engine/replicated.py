@@ -102,7 +102,12 @@ class ReplicatedEngine(PlannedEngine):
                     view = local_tensor(e.param.detach()).view(shape)
                     (mine if self.owner_of(e.param) == self.rank else others)[e.name] = view
                 handle = all_gather_updates(
-                    mine, self.subplan(key), group=self.group, out=others, stats=self.stats
+                    mine,
+                    self.subplan(key),
+                    group=self.group,
+                    out=others,
+                    stats=self.stats,
+                    device=view.device,  # a rank owning none of the layer's: still there
                 )
             pipe.push(handle, lambda _: None)
             report.groups += 1

@@ -254,7 +254,12 @@ class ShardedEngine(PlannedEngine):
                 stepper.step_matrices(index, key, report, grads=grads, sink=sink)
             with report.phase("publish"):
                 back = shard_all_to_all_reverse(
-                    results, self.subplan(key), group=self.group, stats=self.stats
+                    results,
+                    self.subplan(key),
+                    group=self.group,
+                    stats=self.stats,
+                    # a rank owning none of the layer's matrices: its buffers still there
+                    device=self.matrices(key)[0].param.device,
                 )
             pipe.push(back, functools.partial(apply, key))
             report.groups += 1

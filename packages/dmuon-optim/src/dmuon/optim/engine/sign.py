@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import FlatBucket, majority_vote, wait_work
+from dmuon.comm.averaging import divides_before_the_sum
 from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.base import Stepper
 from dmuon.optim.engine.params import EngineParam
@@ -86,6 +87,9 @@ class SignEngine(PlannedEngine):
             }
             bucket = FlatBucket.from_tensors({k: v.detach() for k, v in tensors.items()})
             if n > 1:
+                first = divides_before_the_sum(bucket.dtype)  # fp16: the sum would overflow
+                if first:
+                    bucket.buffer.div_(n)
                 wait_work(
                     dist.all_reduce(bucket.buffer, group=self.group, async_op=True),
                     "all-reduce of scalar gradients",
@@ -94,7 +98,8 @@ class SignEngine(PlannedEngine):
                 self.stats.record_collective(
                     "all_reduce_scalars", "all_reduce", nbytes=bucket.nbytes, world_size=n
                 )
-                bucket.buffer.div_(n)
+                if not first:
+                    bucket.buffer.div_(n)
             for e in es:
                 e.param.grad = bucket.view(e.name).view(e.param.shape)
 

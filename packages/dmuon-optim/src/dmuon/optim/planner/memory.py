@@ -17,7 +17,12 @@ owner mode); the busiest rank (largest ``O_r``) is reported:
   DDP buckets ``Φe`` and the all-gather's ``ℓNe``;
 * ``sharded`` (FSDP2): weights ``Φe/N + 2ℓe``, gradients ``Φe/N + ℓe``, state
   ``O_r e + 8Φ_S/N``, all-to-all buffers ``2ℓe``;
-* ``sign``: weights and gradients ``Φe``, state ``Φ_M e + 8Φ_S``, packed signs ``ℓ/8``.
+* ``sign``: weights and gradients ``Φe``, state ``Φ_M e + 8Φ_S``, the vote's buffers
+  at their peak, ``max(12ℓ/5, 7ℓ/5 + 3ℓ/N)`` (counted from
+  :func:`dmuon.comm.majority_vote`'s ``"packed"`` method: packing the signs takes an
+  int8 sign and a digit per entry, ``2ℓ``, beside the packed votes sent and received,
+  ``ℓ/5`` each; then the received votes unpacked as int8, ``ℓ``, and this rank's share
+  of the positions summed, signed and packed in int8, ``3ℓ/N``).
 
 The scalar parameters of owner mode (ZeRO-2-like) follow the integration
 (``scalars=``): ``"sharded"`` (the above: ``fsdp.dedicate``, FSDP2 shards them),
@@ -187,7 +192,7 @@ def memory_per_rank(
         m = (sh(phi, e) + 2 * layer * e, sh(phi, e) + layer * e, owned_state + 8 * ps / N,
              2 * layer * e)  # fmt: skip
     elif mode == "sign":
-        m = (phi * e, phi * e, all_state + 8 * ps, layer / 8)
+        m = (phi * e, phi * e, all_state + 8 * ps, layer * max(12 / 5, 7 / 5 + 3 / N))
     else:
         raise ValueError(f"unknown mode {mode!r}")
     keys = ("weights", "gradients", "optimizer_state", "buffers")
