@@ -31,6 +31,7 @@ from dmuon.optim.optimizer_state import (
     check_loaded_state,
     check_state_dict_keys,
     refuse_foreign_placeholders,
+    refuse_mismatched_dicts,
     reload_matrix_state,
     reload_scalar_state,
 )
@@ -366,6 +367,11 @@ class DMuon(torch.optim.Optimizer):
                 loss = closure()
         sparse = None  # refused in the step's agreement, on every rank (run_step)
         for index, group in enumerate(self.param_groups):
+            if index not in self._records:
+                raise RuntimeError(
+                    f"param group {index} was appended to param_groups directly: DMuon has "
+                    "no state or plan for it. Use opt.add_param_group(group)"
+                )
             found = self._records[index].check(group)  # what the caller changed since
             sparse = sparse or found
         try:
@@ -540,6 +546,7 @@ class DMuon(torch.optim.Optimizer):
         hook = refuse_foreign_placeholders(self._engine)
         seen: list[dict[str, Any]] = []  # the dict torch loads, after the caller's hooks
         handles = [
+            self.register_load_state_dict_pre_hook(refuse_mismatched_dicts()),
             self.register_load_state_dict_pre_hook(hook),
             self.register_load_state_dict_pre_hook(lambda _, sd: seen.append(sd)),
         ]

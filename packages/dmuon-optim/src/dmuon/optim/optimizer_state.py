@@ -16,6 +16,7 @@ import torch
 
 from dmuon.optim.batches import Bucket, build_buckets, state_shapes
 from dmuon.optim.engine.base import Engine
+from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.group_options import param_name
 from dmuon.optim.layout import matrix_layout
 from dmuon.optim.matrix_split import MatrixSplit, local_tensor
@@ -30,6 +31,7 @@ __all__ = [
     "check_state_dict_keys",
     "expected_state_shapes",
     "refuse_foreign_placeholders",
+    "refuse_mismatched_dicts",
     "reload_matrix_state",
     "reload_scalar_state",
 ]
@@ -239,6 +241,69 @@ def refuse_foreign_placeholders(
                         )
 
     return hook
+
+
+def refuse_mismatched_dicts() -> Callable[[torch.optim.Optimizer, dict[str, Any]], None]:
+    """A load-state-dict pre-hook: raise, before anything changes, if a dict's groups name
+    other parameters than the optimizer's (groups or parameters in another order: torch
+    would pair each saved state and group with the wrong parameter, silently), or if a
+    state tensor was saved as a DTensor where the optimizer keeps a plain tensor, or the
+    reverse (a dict saved in another mode: FSDP2's DTensor state against a plain one);
+    torch's copy would fail half-way, leaving the state mixed.
+
+    Both are the same on every rank, so every rank refuses alike. Malformed dicts are
+    left to the checks that name them.
+    """
+
+    def hook(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        saved_groups, state = state_dict.get("param_groups"), state_dict.get("state")
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(opt.param_groups):
+            return
+        for gi, (live, saved) in enumerate(zip(opt.param_groups, saved_groups, strict=True)):
+            if not isinstance(saved, Mapping):
+                return
+            mine, theirs = live.get("param_names"), saved.get("param_names")
+            if mine is not None and theirs is not None and list(mine) != list(theirs):
+                raise ValueError(
+                    f"param group {gi} of the state dict holds {_listed(theirs)}, this "
+                    f"optimizer's holds {_listed(mine)}: the groups or their parameters are "
+                    "in another order than when it was saved, and each saved state would "
+                    "go to another parameter. Build the param groups as they were built "
+                    "for the save (param_groups(model) on the same model), or load with "
+                    "dmuon.integrations.checkpoint, which matches by name"
+                )
+            ids = saved.get("params")
+            if not isinstance(state, Mapping) or not isinstance(ids, list):
+                continue
+            if len(ids) != len(live["params"]):
+                continue
+            for i, (p, pid) in enumerate(zip(live["params"], ids, strict=True)):
+                saved_state = state.get(pid)
+                if not isinstance(saved_state, Mapping):
+                    continue
+                for key, value in opt.state.get(p, {}).items():
+                    other = saved_state.get(key)
+                    if not (isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor)):
+                        continue
+                    if is_dtensor(value) != is_dtensor(other):
+                        kinds = ("a DTensor", "a plain tensor")
+                        name = param_name(mine, i, gi, p)
+                        raise ValueError(
+                            f"state {key!r} of {name} was saved as "
+                            f"{kinds[not is_dtensor(other)]}, and this optimizer keeps "
+                            f"{kinds[not is_dtensor(value)]}: the dict was saved in another "
+                            "mode (FSDP2's sharded parameters against plain ones). Load it "
+                            "in the mode it was saved in, or save and load across modes "
+                            "with dmuon.integrations.checkpoint"
+                        )
+
+    return hook
+
+
+def _listed(names: Any) -> str:
+    names = list(names)
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    return f"{names[:4]}{more}"
 
 
 def _foreign_placeholder_message(
