@@ -42,6 +42,7 @@ from distributed_cases import (
     max_diff,
     reference,
 )
+from torch import nn
 
 from dmuon.comm.testing import run_on_ranks
 from dmuon.integrations import deepspeed as dmuon_ds
@@ -274,6 +275,56 @@ def test_check_config_names_the_stage_and_the_supported_ones():
     assert dmuon_ds.check_config({"zero_optimization": {"stage": 2}, "scheduler": {}})
     with pytest.raises(dmuon_ds.UnsupportedConfigError, match="resolve it before"):
         dmuon_ds.check_config({"zero_optimization": {"stage": 2}, "gradient_clipping": "auto"})
+    # DeepSpeed's older spellings, which it still reads: refused as the new ones are
+    with pytest.raises(dmuon_ds.UnsupportedConfigError, match=r"bfloat16\.enabled"):
+        dmuon_ds.check_config({"bfloat16": {"enabled": True}})
+    with pytest.raises(dmuon_ds.UnsupportedConfigError, match=r"zero_optimization\.cpu_offload"):
+        dmuon_ds.check_config({"zero_optimization": {"stage": 2, "cpu_offload": True}})
+
+
+def run_refused_then_corrected(rank: int, world: int, stage: int) -> list[str]:
+    """A refused owner-mode initialize (a bad DMuon option, a bad dedicate option, a
+    batch size DeepSpeed refuses), then the corrected call on the same model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2}
+    config["zero_optimization"] = {"stage": stage}
+    seen = []
+    for bad_options, bad_config in [
+        ({"momentum": 2.0}, {}),
+        ({"dedicate_options": {"reshard_after_forward": True} if stage else {"no_such": 1}}, {}),
+        ({}, {"train_batch_size": 6}),
+    ]:
+        try:
+            dmuon_ds.initialize(
+                model, {**config, **bad_config}, mode="owner", lr=0.02, **bad_options
+            )
+            seen.append("accepted")
+        except Exception as err:
+            seen.append(f"{type(err).__name__}: {err}")
+    engine, *_ = dmuon_ds.initialize(model, config, mode="owner", lr=0.02)
+    engine.backward(engine(torch.randn(2, 8)).pow(2).mean())
+    engine.step()
+    return seen
+
+
+@needs_deepspeed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_refused_owner_initialize_leaves_the_model_to_a_corrected_call(stage):
+    # before: the refused call left the model dedicated, and the corrected one raised
+    # "parameter '0.weight' is dedicated twice"; stage 2 handed dedicate_options it
+    # does not take to plan_owners (TypeError)
+    for seen in run_on_ranks(run_refused_then_corrected, 2, args=(stage,), timeout=200):
+        assert "momentum" in seen[0], seen
+        if stage:
+            assert (
+                "dedicate_options ['reshard_after_forward'] are not taken at ZeRO stage 2"
+                in seen[1]
+            ), seen
+        else:  # not an option of ddp.dedicate: refused by Python before any dedication
+            assert "no_such" in seen[1], seen
+        assert seen[2] != "accepted" and "dedicated twice" not in seen[2], seen
 
 
 def _guide_script() -> str:

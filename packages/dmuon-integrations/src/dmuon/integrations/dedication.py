@@ -171,6 +171,15 @@ class Dedication:
             h.remove()
         self.handles.clear()
 
+    def undedicate(self) -> None:
+        """Remove the hooks and let the parameters go, so that they can be dedicated again
+        (:meth:`OwnerExchange.undedicate <dmuon.optim.engine.OwnerExchange.undedicate>`): for
+        a setup that failed after ``dedicate()``, e.g. a refused optimizer option. Call it
+        on every rank; the dedication is not used afterwards.
+        """
+        self.remove()
+        self.exchange.undedicate()
+
     def add_hooks(self, installer: Callable[[], list[RemovableHandle]]) -> None:
         """Run ``installer`` (it installs hooks on the model and returns their handles),
         keep its handles in :attr:`handles` and remember it for :meth:`reinstall`."""

@@ -50,12 +50,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmuon.comm import layer_key
+from dmuon.comm import layer_key, plan_owners
 from dmuon.integrations import ddp
-from dmuon.integrations.dedication import build_dedication
+from dmuon.integrations.dedication import Dedication, build_dedication
 from dmuon.integrations.deepspeed_checkpoint import load_checkpoint, save_checkpoint
 from dmuon.integrations.deepspeed_optimizer import ZeroClientOptimizer, dmuon_of
 from dmuon.optim import RULES, SCALAR_ALGORITHMS, DMuon, clip_grad_norm_, param_groups
@@ -153,7 +154,7 @@ def check_config(
             f"mode={mode!r} is not supported at ZeRO stage {stage} ({why}): supported are "
             f"{_supported_text()}"
         )
-    for key in ("fp16", "bf16"):
+    for key in ("fp16", "bf16", "bfloat16"):  # DeepSpeed reads "bfloat16" without "bf16"
         if (cfg.get(key) or {}).get("enabled", False):
             raise UnsupportedConfigError(
                 f"{key}.enabled is not supported with DMuon: DeepSpeed's mixed-precision "
@@ -171,6 +172,11 @@ def check_config(
                 f"zero_optimization.{key} is not supported with DMuon (ZeRO-Offload runs "
                 "DeepSpeed's own CPU optimizer)"
             )
+    if zero.get("cpu_offload"):  # DeepSpeed's older spelling of offload_optimizer to the CPU
+        raise UnsupportedConfigError(
+            "zero_optimization.cpu_offload is not supported with DMuon (ZeRO-Offload runs "
+            "DeepSpeed's own CPU optimizer)"
+        )
     if mode == "owner" and stage > 0 and _clipping(cfg, absent=0.0) > 0.0:
         raise UnsupportedConfigError(
             f"gradient_clipping is not supported at ZeRO stage {stage}: ZeRO would clip the "
@@ -321,9 +327,11 @@ def initialize(
         groups: parameter groups (default :func:`dmuon.optim.param_groups`); groups
             whose rule is a matrix rule go to DMuon, ``"scalar"``/``"adamw"``/
             ``"lion"`` groups to the scalar optimizer.
-        dedicate_options: more arguments for the owner plan (``strategy``,
-            ``layer_of``, ``layer_pack_mb``, ``stats``, ...; see
-            :func:`dmuon.integrations.fsdp.dedicate`).
+        dedicate_options: more arguments of the dedication: at stage 0 those of
+            :func:`dmuon.integrations.ddp.dedicate`; at stages 1/2 the owner plan's
+            (``group``, ``strategy``, ``layer_of``, ``layer_pack_mb``, ``stats`` and the
+            other keywords of :func:`dmuon.comm.plan_owners`; any other key is refused
+            by name).
         initialize_options: more arguments of ``deepspeed.initialize``
             (``training_data``, ``lr_scheduler``, ...).
         **dmuon_options: arguments of :class:`~dmuon.optim.DMuon` (``lr``,
@@ -376,8 +384,34 @@ def initialize(
         _check_scheduler_lrs(cfg, _group_lrs(chosen, dmuon_options))
     if mode == "replicated":
         client: Any = DMuon(chosen, mode="replicated", **dmuon_options)
-    elif stage == 0:
-        client = _owner_dmuon(model, chosen, dmuon_options, dict(dedicate_options or {}))
+        return deepspeed.initialize(
+            model=model, optimizer=client, config=cfg, **dict(initialize_options or {})
+        )
+    ded = _dedicate(model, chosen, stage, dmuon_options, dict(dedicate_options or {}))
+    try:
+        return _owner_initialize(
+            deepspeed, model, chosen, ded, stage, cfg, dmuon_options, initialize_options
+        )
+    except Exception:
+        # a refused option, or DeepSpeed's own refusal: the model is left as it came, so
+        # the corrected call can dedicate it again
+        ded.undedicate()
+        raise
+
+
+def _owner_initialize(
+    deepspeed: Any,
+    model: nn.Module,
+    chosen: list[dict[str, Any]],
+    ded: Dedication,
+    stage: int,
+    cfg: dict[str, Any],
+    dmuon_options: dict[str, Any],
+    initialize_options: Mapping[str, Any] | None,
+) -> Any:
+    """Owner mode after the dedication: the client optimizer, ``deepspeed.initialize``."""
+    if stage == 0:
+        client: Any = DMuon(_renamed_rule_keys(chosen), distributed=ded, **dmuon_options)
         max_norm = _clipping(cfg)
         if max_norm > 0.0:
             # DeepSpeed would clip the local gradients before the owners hold the reduced
@@ -393,18 +427,17 @@ def initialize(
         # ZeRO-1/2 would clip the scalars by their own norm at DeepSpeed's default (1.0)
         # when the key is absent; an explicit value was refused by check_config
         cfg["gradient_clipping"] = 0.0
-        client = _owner_client(model, chosen, dmuon_options, dict(dedicate_options or {}))
+        client = _owner_client(chosen, ded, dmuon_options)
     out = deepspeed.initialize(
         model=model, optimizer=client, config=cfg, **dict(initialize_options or {})
     )
     engine = out[0]
-    if mode == "owner" and stage == 0:
+    if stage == 0:
         # The dedication's hooks reduce the matrices to their owners and all-reduce the
         # rest, like DDP; DeepSpeed's own all-reduce of every gradient (the switch its
         # pipeline engine turns off too) would only repeat that traffic.
         engine.enable_backward_allreduce = False
-    if mode == "owner":
-        _follow_accumulation_boundary(engine, client)
+    _follow_accumulation_boundary(engine, client)
     return out
 
 
@@ -449,25 +482,55 @@ def _matrix_ids(groups: list[dict[str, Any]], defaults: Mapping[str, Any]) -> se
     return ids
 
 
-def _owner_dmuon(
+def _dedicate(
     model: nn.Module,
     groups: list[dict[str, Any]],
+    stage: int,
     dmuon_options: dict[str, Any],
     dedicate_options: dict[str, Any],
-) -> DMuon:
-    """Stage 0, owner mode: DMuon as a DDP replacement (matrices owned, rest all-reduced)."""
-    groups = _renamed_rule_keys(groups)
-    matrices = _matrix_ids(groups, _dmuon_defaults(dmuon_options))
-    ded = ddp.dedicate(model, predicate=lambda _name, p: id(p) in matrices, **dedicate_options)
-    return DMuon(groups, distributed=ded, **dmuon_options)
+) -> Dedication:
+    """The matrix groups' parameters dedicated to owners: stage 0 as by
+    :func:`dmuon.integrations.ddp.dedicate` (the other parameters all-reduced), stages
+    1/2 alone (ZeRO partitions the rest)."""
+    matrices = _matrix_ids(_renamed_rule_keys(groups), _dmuon_defaults(dmuon_options))
+
+    def predicate(_name: str, p: torch.Tensor) -> bool:
+        return id(p) in matrices
+
+    if stage == 0:
+        return ddp.dedicate(model, predicate=predicate, **dedicate_options)
+    taken = {"group", "strategy", "layer_of", "layer_pack_mb", "stats"}
+    planned = set(inspect.signature(plan_owners).parameters) - {
+        "items",
+        "world_size",
+        "replicate_size",
+        "held",
+    }
+    unknown = sorted(set(dedicate_options) - taken - planned)
+    if unknown:
+        raise ValueError(
+            f"dedicate_options {unknown} are not taken at ZeRO stage {stage}, where ZeRO "
+            "holds the scalar parameters and DMuon dedicates the matrices alone; accepted: "
+            f"{sorted(taken | planned)} (the owner plan's options)"
+        )
+    return build_dedication(
+        model,
+        dedicate_options.pop("group", None),
+        predicate=predicate,
+        strategy=dedicate_options.pop("strategy", "lpt"),
+        layer_of=dedicate_options.pop("layer_of", layer_key),
+        layer_pack_mb=dedicate_options.pop("layer_pack_mb", DEFAULT_PACK_MB),
+        stats=dedicate_options.pop("stats", None),
+        all_reduce_rest=False,
+        kind="deepspeed",
+        plan_options=dedicate_options,
+    )
 
 
 def _owner_client(
-    model: nn.Module,
-    groups: list[dict[str, Any]],
-    dmuon_options: dict[str, Any],
-    dedicate_options: dict[str, Any],
+    groups: list[dict[str, Any]], ded: Dedication, dmuon_options: dict[str, Any]
 ) -> ZeroClientOptimizer:
+    """Stages 1/2: DMuon in owner mode on the matrix groups, the rest for ZeRO."""
     defaults = _dmuon_defaults(dmuon_options)
     groups = _renamed_rule_keys(groups)
     matrices = _matrix_ids(groups, defaults)
@@ -480,18 +543,6 @@ def _owner_client(
             if algorithm == "scalar":
                 algorithm = defaults["scalar_optimizer"]
             scalar_groups.append(_scalar_group(g, algorithm, defaults))
-    ded = build_dedication(
-        model,
-        dedicate_options.pop("group", None),
-        predicate=lambda _name, p: id(p) in matrices,
-        strategy=dedicate_options.pop("strategy", "lpt"),
-        layer_of=dedicate_options.pop("layer_of", layer_key),
-        layer_pack_mb=dedicate_options.pop("layer_pack_mb", DEFAULT_PACK_MB),
-        stats=dedicate_options.pop("stats", None),
-        all_reduce_rest=False,
-        kind="deepspeed",
-        plan_options=dedicate_options,
-    )
     dmuon = DMuon(matrix_groups, distributed=ded, **dmuon_options)
     return ZeroClientOptimizer(scalar_groups, dmuon)
 

@@ -311,6 +311,14 @@ class OwnerExchange:
 
     # ------------------------------------------------------------------ lookups
 
+    def undedicate(self) -> None:
+        """Let the dedicated parameters go: :func:`exchange_of` answers ``None`` for them
+        again, so a new dedication may take them (after a setup that failed once the
+        dedication was built; its hooks are removed by the caller first)."""
+        for p in self._params.values():
+            if exchange_of(p) is self:
+                _REGISTRY.pop(id(p), None)
+
     @property
     def names(self) -> tuple[str, ...]:
         """Names of the dedicated parameters, in the plan's canonical order."""
