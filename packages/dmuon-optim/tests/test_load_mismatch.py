@@ -100,3 +100,22 @@ def test_dtensor_state_against_plain_state_is_refused_before_anything_changes():
         assert "was saved as a plain tensor, and this optimizer keeps a DTensor" in message
         assert "dmuon.integrations.checkpoint" in message
         assert unchanged
+
+
+def test_a_group_saved_with_another_rule_is_refused_before_anything_changes():
+    # before: the saved rule replaced the group's, past the checks the constructor runs
+    # for its mode (sign mode's ranks then diverged; owner mode ran sign_muon)
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    saved = DMuon([{"params": [w], "param_names": ["w"]}], rule="dion2")
+    w.grad = torch.randn(4, 4)
+    saved.step()
+    opt = DMuon([{"params": [w], "param_names": ["w"]}])
+    with pytest.raises(
+        ValueError, match=r"saved with rule 'dion2', this optimizer's steps it with 'muon'"
+    ):
+        opt.load_state_dict(saved.state_dict())
+    assert (
+        opt.param_groups[0]["rule"] == "muon"
+        and not opt.state[w].get("momentum_buffer", torch.zeros(1)).any()
+    )

@@ -12,6 +12,7 @@ tuples) so that ``param_groups`` and state dicts hold nothing else.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -127,7 +128,8 @@ def real(
                 f"must be {what}, got the string {value!r}: pass a number, "
                 f"float({value!r}) (a YAML file or the command line gives a string)"
             )
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        # numbers.Real: numpy's scalars too (a schedule computed with numpy), not bool
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ValueError(f"must be {what}, got {value!r}")
         v = float(value)
         ok = math.isfinite(v)
@@ -143,7 +145,8 @@ def integer(lo: int) -> Check:
     """An integer ``≥ lo``; returned as ``int``."""
 
     def check(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        # numbers.Integral: numpy's integers too, not bool
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
             raise ValueError(f"must be an integer >= {lo}, got {value!r}")
         return int(value)
 

@@ -246,7 +246,9 @@ def refuse_foreign_placeholders(
 def refuse_mismatched_dicts() -> Callable[[torch.optim.Optimizer, dict[str, Any]], None]:
     """A load-state-dict pre-hook: raise, before anything changes, if a dict's groups name
     other parameters than the optimizer's (groups or parameters in another order: torch
-    would pair each saved state and group with the wrong parameter, silently), or if a
+    would pair each saved state and group with the wrong parameter, silently), or were
+    saved with another rule (the load would switch it past the checks of the mode, e.g.
+    ``sign`` mode's vote), or if a
     state tensor was saved as a DTensor where the optimizer keeps a plain tensor, or the
     reverse (a dict saved in another mode: FSDP2's DTensor state against a plain one);
     torch's copy would fail half-way, leaving the state mixed.
@@ -271,6 +273,14 @@ def refuse_mismatched_dicts() -> Callable[[torch.optim.Optimizer, dict[str, Any]
                     "go to another parameter. Build the param groups as they were built "
                     "for the save (param_groups(model) on the same model), or load with "
                     "dmuon.integrations.checkpoint, which matches by name"
+                )
+            rule = saved.get("rule", saved.get("algorithm"))  # "algorithm": older dicts
+            if isinstance(rule, str) and "rule" in live and rule != live["rule"]:
+                raise ValueError(
+                    f"param group {gi} of the state dict was saved with rule {rule!r}, this "
+                    f"optimizer's steps it with {live['rule']!r}: a rule is chosen when the "
+                    "optimizer is built, where its mode checks it (and the state is built for "
+                    f"it). Build the optimizer with rule={rule!r} for this group to resume it"
                 )
             ids = saved.get("params")
             if not isinstance(state, Mapping) or not isinstance(ids, list):
