@@ -10,24 +10,19 @@ averaging collectives (:func:`~dmuon.comm.reduce_to_owners` with ``op="avg"``, o
 mode's all-reduced buckets, ``sign`` mode's scalar gradients) divide fp16 first, as DDP
 does, and every other dtype after the sum (bf16 and fp32 have fp32's exponent range:
 one rounding fewer, and the results they always gave).
+
+Examples:
+    >>> import torch
+    >>> torch.float16 in DIVIDED_BEFORE_THE_SUM, torch.bfloat16 in DIVIDED_BEFORE_THE_SUM
+    (True, False)
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["DIVIDED_BEFORE_THE_SUM", "divides_before_the_sum"]
+__all__ = ["DIVIDED_BEFORE_THE_SUM"]
 
 DIVIDED_BEFORE_THE_SUM: frozenset[torch.dtype] = frozenset({torch.float16})
-"""The dtypes whose mean over ranks divides each rank's tensor before the sum."""
-
-
-def divides_before_the_sum(dtype: torch.dtype) -> bool:
-    """Whether a mean over ranks of ``dtype`` divides before the sum (fp16) or after it.
-
-    Examples:
-        >>> import torch
-        >>> divides_before_the_sum(torch.float16), divides_before_the_sum(torch.bfloat16)
-        (True, False)
-    """
-    return dtype in DIVIDED_BEFORE_THE_SUM
+"""The dtypes whose mean over ranks divides each rank's tensor before the sum (a set the
+collectives read, ``b.dtype in DIVIDED_BEFORE_THE_SUM``, with no call per bucket)."""

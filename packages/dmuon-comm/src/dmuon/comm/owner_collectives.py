@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from dmuon.comm.averaging import divides_before_the_sum
+from dmuon.comm.averaging import DIVIDED_BEFORE_THE_SUM
 from dmuon.comm.faults import wait_work
 from dmuon.comm.flat_buffers import FlatBucket
 from dmuon.comm.handles import CommHandle
@@ -219,7 +219,7 @@ def reduce_to_owners(
     stats.count_call(name)
     # fp16 means divide first (DDP's order): a sum past 65504 overflows where the mean
     # does not (dmuon.comm.averaging); the other dtypes divide the sum on the owner
-    first = {id(b) for b in buckets if average and divides_before_the_sum(b.dtype)}
+    first = {id(b) for b in buckets if average and b.dtype in DIVIDED_BEFORE_THE_SUM}
     if plan.world_size > 1:
         for b in buckets:
             if id(b) in first:

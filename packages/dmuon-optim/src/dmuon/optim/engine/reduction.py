@@ -41,7 +41,7 @@ from dmuon.comm import (
     reduce_to_owners,
     wait_work,
 )
-from dmuon.comm.averaging import divides_before_the_sum
+from dmuon.comm.averaging import DIVIDED_BEFORE_THE_SUM
 from dmuon.comm.flags import flag_device
 from dmuon.comm.process_groups import group_size, twin_groups
 from dmuon.optim.engine.layer_record import OwnerLayer
@@ -444,7 +444,7 @@ class Reduction:
         n = self.size
         for b in layer.allreduce_buckets:
             if n > 1:
-                if self.reduce_op == "avg" and divides_before_the_sum(b.dtype):
+                if self.reduce_op == "avg" and b.dtype in DIVIDED_BEFORE_THE_SUM:
                     b.buffer.div_(n)  # fp16: before the sum, which would overflow
                 layer.allreduce_works.append(
                     dist.all_reduce(b.buffer, group=self.group, async_op=True)
@@ -489,7 +489,7 @@ class Reduction:
             wait_work(w, f"all-reduce of layer {key!r}'s replicated gradients", self.group)
         n = self.size
         for b in layer.allreduce_buckets:
-            if n > 1 and self.reduce_op == "avg" and not divides_before_the_sum(b.dtype):
+            if n > 1 and self.reduce_op == "avg" and b.dtype not in DIVIDED_BEFORE_THE_SUM:
                 b.buffer.div_(n)
             for name in b.names:
                 p = self.params[name]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import FlatBucket, majority_vote, wait_work
-from dmuon.comm.averaging import divides_before_the_sum
+from dmuon.comm.averaging import DIVIDED_BEFORE_THE_SUM
 from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.base import Stepper
 from dmuon.optim.engine.params import EngineParam
@@ -87,7 +87,7 @@ class SignEngine(PlannedEngine):
             }
             bucket = FlatBucket.from_tensors({k: v.detach() for k, v in tensors.items()})
             if n > 1:
-                first = divides_before_the_sum(bucket.dtype)  # fp16: the sum would overflow
+                first = bucket.dtype in DIVIDED_BEFORE_THE_SUM  # fp16: the sum would overflow
                 if first:
                     bucket.buffer.div_(n)
                 wait_work(
