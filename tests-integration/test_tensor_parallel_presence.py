@@ -1,5 +1,5 @@
-"""A gradient dropped on some ranks of a tensor-parallel group is refused, by name, on every
-rank of the group, before the group's first collective; nothing is stepped.
+"""A gradient dropped on some ranks of a tensor-parallel group is refused on every rank, by
+name where it is known, before the group's first collective over it; nothing is stepped.
 
 DTensor's backward gives a parameter held over ``tp`` a gradient on every rank of it or
 on none. A training loop that drops one (``p.grad = None`` on one ``tp`` rank) used to
@@ -7,8 +7,11 @@ leave the group's ranks in different collectives: a split matrix's Gram all-gath
 one rank, the next pending sum on the other, both ending at DMuon's deadline in an error
 that named two collectives and no parameter; a matrix replicated whole over ``tp`` with
 a ``Replicate()`` gradient (no collective at all) was stepped on one rank and not on the
-other, silently. Four layouts of ``PendingNet``, through the step and through
-``clip_grad_norm_`` (whose settling of the gradients comes first):
+other, silently. The gradient is dropped on one rank only: in ``replicated`` mode
+(dp 2 × tp 2) the other dp row's tp group holds whole gradients, and its ranks refuse
+too (the step's agreement carries the refusal) instead of waiting for the deadline.
+Four layouts of ``PendingNet``, through the step and through ``clip_grad_norm_``
+(whose settling of the gradients comes first):
 
 * ``fc1.weight``: colwise (``Shard(0)``), a gradient of the parameter's placements;
 * ``tok.weight``: rowwise with a ``Partial`` gradient (a reduce-scatter settles it);
@@ -58,7 +61,7 @@ def run_dropped(rank: int, world: int, mode: str, where: str, name: str) -> dict
     model, opt = build()
     before = {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()}
     backward(model, 0)
-    if tp.get_local_rank() == 1:
+    if rank == 1:  # tp rank 1 of the first dp row only: the other row's gradients are whole
         model.get_parameter(name).grad = None
     error = None
     try:
@@ -84,6 +87,7 @@ def run_dropped(rank: int, world: int, mode: str, where: str, name: str) -> dict
         "untouched": untouched,
         "same": same,
         "tp_rank": tp.get_local_rank(),
+        "faulty_group": rank < tp.size(),
         "steps": opt.steps_taken,
     }
 
@@ -106,10 +110,15 @@ def test_a_gradient_dropped_on_one_tensor_parallel_rank_is_refused_by_name(
     for rank, r in enumerate(results):
         err = r["error"]
         assert err is not None, f"rank {rank} stepped: {r}"
-        assert err["names"] == [name], (rank, err)
-        held = "missing" if r["tp_rank"] == 1 else "present"
-        assert f"{name!r} (on 1 of 2 ranks; {held} on this rank)" in err["message"], err
-        assert rank in err["ranks"] and len(err["ranks"]) == 2, err
+        # every rank refuses (the others' step agreement carries it): none waits
+        assert err["ranks"] == [0, 1], (rank, err)
+        if r["faulty_group"]:
+            assert err["names"] == [name], (rank, err)
+            held = "missing" if r["tp_rank"] == 1 else "present"
+            said = f"{name!r} (on 1 of 2 ranks of group [0, 1]; {held} on this rank)"
+            assert said in err["message"], err
+        else:
+            assert err["names"] == [] and "on other ranks' groups" in err["message"], err
         assert r["untouched"], f"rank {rank}: a parameter changed in the refused step"
         assert r["same"], f"rank {rank}: the next iteration differs from a clean run's"
         assert r["steps"] == 1, r

@@ -119,3 +119,22 @@ def test_a_group_saved_with_another_rule_is_refused_before_anything_changes():
         opt.param_groups[0]["rule"] == "muon"
         and not opt.state[w].get("momentum_buffer", torch.zeros(1)).any()
     )
+
+
+def test_a_dict_saved_from_the_bare_model_loads_into_the_wrapped_one():
+    # names gain DDP's "module." or torch.compile's "_orig_mod." under a wrapper: the same
+    # parameters in the same order, which torch pairs by position (review: refused once)
+    from dmuon.optim import param_groups
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    saved = DMuon(param_groups(model), ns_compute_dtype="float32")
+    model(torch.ones(2, 4)).sum().backward()
+    saved.step()
+    wrapped = nn.Module()
+    wrapped.module = model  # DDP's layout
+    opt = DMuon(param_groups(wrapped), ns_compute_dtype="float32")
+    assert opt.param_groups[0]["param_names"][0].startswith("module.")
+    opt.load_state_dict(saved.state_dict())
+    p = model[0].weight
+    assert torch.equal(opt.state[p]["momentum_buffer"], saved.state[p]["momentum_buffer"])

@@ -265,7 +265,7 @@ def refuse_mismatched_dicts() -> Callable[[torch.optim.Optimizer, dict[str, Any]
             if not isinstance(saved, Mapping):
                 return
             mine, theirs = live.get("param_names"), saved.get("param_names")
-            if mine is not None and theirs is not None and list(mine) != list(theirs):
+            if mine is not None and theirs is not None and _unwrapped(mine) != _unwrapped(theirs):
                 raise ValueError(
                     f"param group {gi} of the state dict holds {_listed(theirs)}, this "
                     f"optimizer's holds {_listed(mine)}: the groups or their parameters are "
@@ -308,6 +308,18 @@ def refuse_mismatched_dicts() -> Callable[[torch.optim.Optimizer, dict[str, Any]
                         )
 
     return hook
+
+
+WRAPPER_NAMES = frozenset(
+    {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+)
+"""The name components wrappers add to a parameter's name (DDP's ``module.``,
+``torch.compile``'s ``_orig_mod.``, activation checkpointing's and FSDP1's): a dict saved
+from the bare model loads into the wrapped one, as torch pairs by position."""
+
+
+def _unwrapped(names: Any) -> list[str]:
+    return [".".join(c for c in str(n).split(".") if c not in WRAPPER_NAMES) for n in names]
 
 
 def _listed(names: Any) -> str:

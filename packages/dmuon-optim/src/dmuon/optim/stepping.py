@@ -35,6 +35,7 @@ from dmuon.optim.engine.guards import (
     check_agreement,
 )
 from dmuon.optim.engine.report import StepReport
+from dmuon.optim.engine.split_presence import GradientPresenceError
 from dmuon.optim.engine.tensor_split import settle_pending_grads
 from dmuon.optim.rules import get_rule
 from dmuon.optim.scalar import get_scalar_rule
@@ -122,7 +123,13 @@ def _agree(
         ranks, names, skipping = agree_step(
             engine, number, check_finite=check, skip=skip, begin=True, sparse=sparse
         )
-    except (StepMismatchError, ThawedParameterError, GradientChangedError, SparseGradientError):
+    except (
+        StepMismatchError,
+        ThawedParameterError,
+        GradientChangedError,
+        SparseGradientError,
+        GradientPresenceError,
+    ):
         engine.skip_step()  # nothing in flight: the optimizer stays usable
         raise
     if skipping:  # some rank's loss scaler found an Inf: every rank skips

@@ -46,6 +46,7 @@ from dmuon.comm.process_groups import twin_groups
 from dmuon.comm.torch_compat import all_gather_single
 from dmuon.optim.engine.base import Engine
 from dmuon.optim.engine.params import EngineParam, is_dtensor
+from dmuon.optim.engine.split_presence import presence_error
 from dmuon.optim.sparse_gradients import first_sparse, sparse_gradient_error
 
 __all__ = [
@@ -201,7 +202,7 @@ def nonfinite_ranks(engine: Engine) -> tuple[list[int], list[str]]:
 
 # The bits of a rank's slot under the step number (16·number + …, see agree_step); a
 # sparse gradient's refusal sets the slot to -1, which no number gives.
-NONFINITE, CHANGED, SKIP, THAWED, NUMBER = 1, 2, 4, 8, 16
+NONFINITE, CHANGED, SKIP, THAWED, MISSING, NUMBER = 1, 2, 4, 8, 16, 32
 
 
 class _Local:
@@ -223,12 +224,14 @@ class _Local:
         self.bad = _nonfinite_names(engine, vouched) if finite else []
         self.changed = engine.changed_gradients()
         self.thawed = engine.thawed()
+        self.missing = engine.missing_gradients()
         self.skip = skip
         self.slot = (
             -1
             if self.sparse is not None
             else (
                 NUMBER * (number or 0)
+                + MISSING * int(bool(self.missing))
                 + THAWED * int(bool(self.thawed))
                 + SKIP * int(skip)
                 + CHANGED * int(bool(self.changed))
@@ -266,7 +269,9 @@ def agree_step(
 ) -> tuple[list[int], list[str], list[int]]:
     """Agree with every rank on the step number and (``check_finite``) finiteness.
 
-    One all-reduce of one ``int64`` slot per rank: ``16·number + (8 if a parameter
+    One all-reduce of one ``int64`` slot per rank: ``32·number + (16 if this rank found
+    a tensor-parallel gradient missing on some ranks of its group,
+    :meth:`Engine.missing_gradients`) + (8 if a parameter
     frozen when the optimizer was built holds a gradient here) + (4 if this rank asks to
     skip the step) + (2 if it changed a gradient after the engine took it) + (1 if it
     holds a non-finite gradient)``, summed over :meth:`Engine.guard_groups`. ``skip``:
@@ -293,6 +298,8 @@ def agree_step(
 
     Raises:
         StepMismatchError: the ranks are at different step numbers (on every rank).
+        GradientPresenceError: a rank found a tensor-parallel gradient on some ranks of
+            its group only (:meth:`Engine.missing_gradients`; on every rank).
         ThawedParameterError: a rank holds a gradient of a parameter frozen when the
             optimizer was built (:meth:`Engine.thawed`; on every rank).
         GradientChangedError: a rank changed a gradient after the engine had taken it
@@ -329,6 +336,8 @@ def agree_step(
     if not groups:
         if mine.sparse is not None:
             raise sparse_gradient_error(mine.sparse)
+        if mine.missing:
+            raise presence_error([engine.rank], mine.missing)
         if mine.thawed:
             raise _thawed_error([engine.rank], mine.thawed, engine, number)
         if mine.changed:
@@ -357,6 +366,9 @@ def agree_step(
             "'skip_step' skips a step with a NaN/Inf gradient on any rank everywhere)",
             steps,
         )
+    missing_ranks = [r for r, v in enumerate(slots) if v & MISSING]
+    if missing_ranks:
+        raise presence_error(missing_ranks, mine.missing)
     thawed_ranks = [r for r, v in enumerate(slots) if v & THAWED]
     if thawed_ranks:
         raise _thawed_error(thawed_ranks, mine.thawed, engine, number)

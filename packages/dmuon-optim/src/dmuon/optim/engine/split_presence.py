@@ -8,10 +8,14 @@ parameter a gradient on every rank of its mesh or on none; a training loop that 
 one rank's (``p.grad = None`` on one ``tp`` rank, a hook that returns ``None`` there)
 leaves the group's ranks in different collectives, and the step would end in a deadline
 error that names two collectives but no parameter. :func:`agree_split_presence` counts,
-with one small all-reduce per group, on how many ranks of the group each parameter has
-a gradient, before the step's (or clipping's) first collective over the group, and
-every rank of the group raises :class:`GradientPresenceError`, naming the parameters,
-when some have one and some do not. Nothing is stepped and no state is changed.
+with one small all-reduce per group (every group's before any answer is read), on how
+many ranks of the group each parameter has a gradient, before the step's (or
+clipping's) first collective over the group, and returns the parameters some ranks
+hold a gradient of and others do not. The engine leaves them out of its settling (no
+collective of theirs is issued), and the step's agreement carries the refusal to every
+rank of the job (:func:`~dmuon.optim.engine.guards.agree_step`), which raises
+:class:`GradientPresenceError` everywhere, naming them where they are known. Nothing
+is stepped and no state is changed.
 
 Expert stacks split over their expert dimension are left out: each rank steps its own
 experts, with no collective, and a rank whose experts saw no token may hold no gradient.
@@ -31,7 +35,13 @@ from dmuon.comm.flags import flag_device
 from dmuon.optim.engine.params import EngineParam, is_dtensor
 from dmuon.optim.engine.placements import placement_of_param
 
-__all__ = ["GradientPresenceError", "agree_split_presence", "presence_groups"]
+__all__ = [
+    "GradientPresenceError",
+    "agree_split_presence",
+    "missing_names",
+    "presence_error",
+    "presence_groups",
+]
 
 STATS_NAME = "split_presence_flags"
 """The name under which the engine's stats count the presence all-reduces."""
@@ -41,11 +51,12 @@ PresenceGroups = list[tuple[dist.ProcessGroup, list[EngineParam]]]
 
 class GradientPresenceError(RuntimeError):
     """A DTensor parameter has a gradient on some ranks of its tensor-parallel group and
-    none on others (raised on every rank of the group, before its first collective).
+    none on others (raised on every rank, by the step's agreement).
 
     Attributes:
-        names: the parameters at fault, as errors name them.
-        ranks: the group's global ranks.
+        names: the parameters at fault known on this rank (none on a rank outside the
+            groups where a gradient is missing).
+        ranks: the ranks that found a parameter at fault.
 
     Examples:
         >>> err = GradientPresenceError("fc1.weight: 1 of 2 ranks", ["fc1.weight"], [0, 1])
@@ -94,56 +105,55 @@ def presence_groups(
     return [found[k] for k in sorted(found)]
 
 
-def agree_split_presence(groups: PresenceGroups, stats: CommStats | None = None) -> None:
+def agree_split_presence(groups: PresenceGroups, stats: CommStats | None = None) -> list[str]:
     """Count, over each group of :func:`presence_groups`, the ranks holding a gradient of
-    each of its parameters (one ``int32`` all-reduce per group, waited under DMuon's
-    deadline, counted in ``stats`` under :data:`STATS_NAME`), and raise where a count is
-    neither zero nor the group's size.
-
-    Raises:
-        GradientPresenceError: on every rank of the group, naming the parameters with a
-            gradient on some of its ranks only, and whether this rank holds one.
-    """
+    each of its parameters (one ``int32`` all-reduce per group, every group's issued and
+    waited under DMuon's deadline before any is read, counted in ``stats`` under
+    :data:`STATS_NAME`), and describe each parameter whose count is neither zero nor the
+    group's size, as errors name it (``[]``: none). The parameters' own names are in
+    :func:`missing_names`."""
+    counted = []
     for group, params in groups:
         here = [e.param.grad is not None for e in params]
         counts = torch.tensor(here, dtype=torch.int32, device=flag_device(group))
         size = dist.get_world_size(group)
-        wait_work(
-            dist.all_reduce(counts, group=group, async_op=True),
-            "all-reduce of the gradient-presence flags of tensor-parallel parameters",
-            group,
-        )
+        work = dist.all_reduce(counts, group=group, async_op=True)
         if stats is not None:
             stats.record_collective(STATS_NAME, "all_reduce", nbytes=counts.nbytes, world_size=size)
-        _check(params, here, counts.tolist(), size, group)
+        counted.append((group, params, here, counts, size, work))
+    found = []
+    for group, params, here, counts, size, work in counted:
+        what = "all-reduce of the gradient-presence flags of tensor-parallel parameters"
+        wait_work(work, what, group)
+        ranks = list(_ranks(group))
+        for e, mine, n in zip(params, here, counts.tolist(), strict=True):
+            if 0 < n < size:
+                held = "present" if mine else "missing"
+                found.append(
+                    f"{e.name!r} (on {n} of {size} ranks of group {ranks}; {held} on this rank)"
+                )
+    return found
 
 
-def _check(
-    params: Sequence[EngineParam],
-    here: Sequence[bool],
-    counts: Sequence[int],
-    size: int,
-    group: dist.ProcessGroup,
-) -> None:
-    bad = [i for i, n in enumerate(counts) if 0 < n < size]
-    if not bad:
-        return
-    ranks = list(_ranks(group))
-    names = [params[i].name for i in bad]
-    listed = ", ".join(
-        f"{params[i].name!r} (on {counts[i]} of {size} ranks; "
-        f"{'present' if here[i] else 'missing'} on this rank)"
-        for i in bad[:5]
-    )
-    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-    raise GradientPresenceError(
-        f"a gradient is missing on some ranks of tensor-parallel group {ranks} and present "
-        f"on others: {listed}{more}. The group steps these parameters together (their "
-        "shards, or the same copy on every rank), so every rank of it must hold their "
-        "gradients or none must; DTensor's backward gives them on every rank. Do not set "
-        "p.grad = None (or drop a gradient in a hook) on some ranks only. Nothing was "
-        "stepped on this group's ranks",
-        names,
+def missing_names(found: Sequence[str]) -> list[str]:
+    """The parameter names in :func:`agree_split_presence`'s descriptions."""
+    return [f.split("'")[1] for f in found]
+
+
+def presence_error(ranks: list[int], found: Sequence[str]) -> GradientPresenceError:
+    """The error every rank raises when the step's agreement says a gradient is missing on
+    some ranks of a tensor-parallel group (``ranks``: where it was found; ``found``: this
+    rank's descriptions, empty on a rank outside those groups)."""
+    listed = "; ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    here = f": {listed}" if found else " (on other ranks' groups)"
+    return GradientPresenceError(
+        f"a gradient is missing on some ranks of a tensor-parallel group and present on "
+        f"others, found by rank(s) {ranks}{here}. The group steps these parameters "
+        "together (their shards, or the same copy on every rank), so every rank of it must "
+        "hold their gradients or none must; DTensor's backward gives them on every rank. "
+        "Do not set p.grad = None (or drop a gradient in a hook) on some ranks only. "
+        "Nothing was stepped on any rank; zero_grad() and go on",
+        missing_names(found),
         ranks,
     )
 
