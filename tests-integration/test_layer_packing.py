@@ -232,14 +232,15 @@ def test_an_unbounded_pack_size_packs_every_layer():
 def test_deepspeed_zero_stages_pass_the_pack_size_on():
     # DeepSpeed ZeRO 1/2 in owner mode build the dedication themselves from
     # dedicate_options; before, layer_pack_mb went on to plan_owners: TypeError.
-    from dmuon.integrations.deepspeed import _owner_client
+    from dmuon.integrations.deepspeed import _dedicate, _owner_client
     from dmuon.optim import param_groups
 
     unpacked, packed = ["blocks.0", "blocks.1"], ["blocks.0..blocks.1"]
     for options, keys in (({"layer_pack_mb": 0}, unpacked), ({}, packed)):
         model = Stack()
         del model.blocks[2:]
-        client = _owner_client(model, param_groups(model), {}, options)
+        groups = param_groups(model)
+        client = _owner_client(groups, _dedicate(model, groups, 2, {}, options), {})
         assert client.dmuon.engine.exchange.layer_keys() == keys
 
 
