@@ -20,9 +20,12 @@ CASES = [
 
 @pytest.mark.parametrize(("module", "dependency", "extra"), CASES)
 def test_missing_framework_names_its_extra(module, dependency, extra, monkeypatch):
-    # the framework unimportable (None in sys.modules), whether installed here or not, and
-    # the dmuon module (with its submodules) imported afresh
+    # the framework unimportable (None in sys.modules, its submodules an earlier test
+    # imported forgotten), whether installed here or not, and the dmuon module (with its
+    # submodules) imported afresh
     monkeypatch.setitem(sys.modules, dependency, None)
+    for name in [n for n in sys.modules if n.startswith(dependency + ".")]:
+        monkeypatch.delitem(sys.modules, name)
     for name in [n for n in sys.modules if n == module or n.startswith(module + ".")]:
         monkeypatch.delitem(sys.modules, name)
     with pytest.raises(ModuleNotFoundError) as err:

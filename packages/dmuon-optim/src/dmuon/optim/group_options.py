@@ -247,6 +247,13 @@ def check_param(p: Any, rule_name: str, group: Mapping[str, Any], name: str) -> 
     """Raise unless ``"rule"`` can step ``p`` (a real float tensor; a rule: a matrix)."""
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{name} is a {type(p).__name__}; DMuon optimizes torch.Tensors")
+    if not p.is_leaf:
+        raise ValueError(
+            f"{name} is not a leaf tensor (it was computed from others, e.g. "
+            "weight * 2 or weight.to(dtype)); an optimizer steps the tensors autograd "
+            "gives gradients to: pass the model's parameters (model.parameters(), or "
+            "nn.Parameter / tensor.detach().requires_grad_() for a tensor of your own)"
+        )
     if p.dtype not in FLOAT_DTYPES:
         raise ValueError(
             f"{name} has dtype {p.dtype}; DMuon optimizes real floating-point parameters "

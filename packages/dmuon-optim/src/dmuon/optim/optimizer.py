@@ -30,8 +30,7 @@ from dmuon.optim.optimizer_state import (
     build_state,
     check_loaded_state,
     check_state_dict_keys,
-    refuse_foreign_placeholders,
-    refuse_mismatched_dicts,
+    refuse_unloadable,
     reload_matrix_state,
     reload_scalar_state,
 )
@@ -543,11 +542,9 @@ class DMuon(torch.optim.Optimizer):
             check_state_dict_keys(state_dict)
         # Registered last, so it checks the dict the caller's own pre-hooks return,
         # and runs before torch's load changes anything.
-        hook = refuse_foreign_placeholders(self._engine)
         seen: list[dict[str, Any]] = []  # the dict torch loads, after the caller's hooks
         handles = [
-            self.register_load_state_dict_pre_hook(refuse_mismatched_dicts()),
-            self.register_load_state_dict_pre_hook(hook),
+            self.register_load_state_dict_pre_hook(refuse_unloadable(self._engine)),
             self.register_load_state_dict_pre_hook(lambda _, sd: seen.append(sd)),
         ]
         try:

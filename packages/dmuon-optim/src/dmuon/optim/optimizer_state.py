@@ -10,7 +10,7 @@ under the same keys. Matrix state is views into one stacked buffer per shape
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,12 +26,15 @@ from dmuon.optim.state_precision import state_dtype_of
 
 __all__ = [
     "FULL_STATE_FORMAT",
+    "WRAPPER_ATTRIBUTES",
+    "WRAPPER_NAMES",
+    "StatePair",
     "build_state",
     "check_loaded_state",
     "check_state_dict_keys",
     "expected_state_shapes",
-    "refuse_foreign_placeholders",
-    "refuse_mismatched_dicts",
+    "paired_states",
+    "refuse_unloadable",
     "reload_matrix_state",
     "reload_scalar_state",
 ]
@@ -203,119 +206,90 @@ def check_loaded_state(
                     raise ValueError(f"state {key!r} of {name} has shape {got}; expected {shape}")
 
 
-def refuse_foreign_placeholders(
-    engine: Engine,
-) -> Callable[[torch.optim.Optimizer, dict[str, Any]], None]:
-    """A load-state-dict pre-hook: raise if a dict holds a placeholder where this rank
-    holds full state.
+def refuse_unloadable(engine: Engine) -> Callable[[torch.optim.Optimizer, dict[str, Any]], None]:
+    """A load-state-dict pre-hook: raise, before anything changes, on a dict that torch
+    would load wrongly without a word.
 
-    A placeholder (an empty tensor) stands for state another rank keeps; loading one
-    for a parameter this rank steps would restart its momentum from zero without a
-    word. The pattern is read off the optimizer's live state, which
-    :func:`build_state` shaped after what this rank steps. Malformed dicts are left to
-    the checks that name them (torch's group sizes, :func:`check_loaded_state`).
+    * Its groups name other parameters than the optimizer's (groups or parameters in
+      another order: torch would pair each saved state and group with the wrong
+      parameter).
+    * A group was saved with another rule (the load would switch it past the checks of
+      the mode, e.g. ``sign`` mode's vote).
+    * A state tensor was saved as a DTensor where the optimizer keeps a plain tensor,
+      or the reverse (a dict saved in another mode: FSDP2's DTensor state against a
+      plain one); torch's copy would fail half-way, leaving the state mixed.
+    * It holds a placeholder (an empty tensor, state another rank keeps) where this
+      rank holds full state: loading it would restart the parameter's momentum from
+      zero. The pattern is read off the optimizer's live state, which
+      :func:`build_state` shaped after what this rank steps.
+
+    The first three are the same on every rank, so every rank refuses alike. Malformed
+    dicts are left to the checks that name them (torch's group sizes,
+    :func:`check_loaded_state`).
     """
 
     def hook(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        saved_groups, state = state_dict.get("param_groups"), state_dict.get("state")
-        if not isinstance(state, Mapping):
-            return
+        saved_groups = state_dict.get("param_groups")
         if not isinstance(saved_groups, list) or len(saved_groups) != len(opt.param_groups):
             return
         for gi, (live, saved) in enumerate(zip(opt.param_groups, saved_groups, strict=True)):
-            ids = saved.get("params") if isinstance(saved, Mapping) else None
-            if not isinstance(ids, list) or len(ids) != len(live["params"]):
-                return
-            for i, (p, pid) in enumerate(zip(live["params"], ids, strict=True)):
-                theirs = state.get(pid)
-                if not isinstance(theirs, Mapping):
+            if isinstance(saved, Mapping):
+                _refuse_other_group(gi, live, saved)
+        for pair in paired_states(opt.param_groups, opt.state, state_dict):
+            for key, mine in pair.mine.items():
+                other = pair.theirs.get(key)
+                if not (isinstance(mine, torch.Tensor) and isinstance(other, torch.Tensor)):
                     continue
-                for key, mine in opt.state.get(p, {}).items():
-                    other = theirs.get(key)
-                    if key == "step" or not isinstance(mine, torch.Tensor) or mine.numel() == 0:
-                        continue
-                    if isinstance(other, torch.Tensor) and other.numel() == 0:
-                        name = param_name(live.get("param_names"), i, gi, p)
-                        raise ValueError(
-                            _foreign_placeholder_message(engine, state_dict, key, name)
-                        )
+                if is_dtensor(mine) != is_dtensor(other):
+                    kinds = ("a DTensor", "a plain tensor")
+                    raise ValueError(
+                        f"state {key!r} of {pair.name} was saved as "
+                        f"{kinds[not is_dtensor(other)]}, and this optimizer keeps "
+                        f"{kinds[not is_dtensor(mine)]}: the dict was saved in another "
+                        "mode (FSDP2's sharded parameters against plain ones). Load it "
+                        "in the mode it was saved in, or save and load across modes "
+                        "with dmuon.integrations.checkpoint"
+                    )
+                if key != "step" and mine.numel() > 0 and other.numel() == 0:
+                    raise ValueError(
+                        _foreign_placeholder_message(engine, state_dict, key, pair.name)
+                    )
 
     return hook
 
 
-def refuse_mismatched_dicts() -> Callable[[torch.optim.Optimizer, dict[str, Any]], None]:
-    """A load-state-dict pre-hook: raise, before anything changes, if a dict's groups name
-    other parameters than the optimizer's (groups or parameters in another order: torch
-    would pair each saved state and group with the wrong parameter, silently), or were
-    saved with another rule (the load would switch it past the checks of the mode, e.g.
-    ``sign`` mode's vote), or if a
-    state tensor was saved as a DTensor where the optimizer keeps a plain tensor, or the
-    reverse (a dict saved in another mode: FSDP2's DTensor state against a plain one);
-    torch's copy would fail half-way, leaving the state mixed.
-
-    Both are the same on every rank, so every rank refuses alike. Malformed dicts are
-    left to the checks that name them.
-    """
-
-    def hook(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        saved_groups, state = state_dict.get("param_groups"), state_dict.get("state")
-        if not isinstance(saved_groups, list) or len(saved_groups) != len(opt.param_groups):
-            return
-        for gi, (live, saved) in enumerate(zip(opt.param_groups, saved_groups, strict=True)):
-            if not isinstance(saved, Mapping):
-                return
-            mine, theirs = live.get("param_names"), saved.get("param_names")
-            if mine is not None and theirs is not None and _unwrapped(mine) != _unwrapped(theirs):
-                raise ValueError(
-                    f"param group {gi} of the state dict holds {_listed(theirs)}, this "
-                    f"optimizer's holds {_listed(mine)}: the groups or their parameters are "
-                    "in another order than when it was saved, and each saved state would "
-                    "go to another parameter. Build the param groups as they were built "
-                    "for the save (param_groups(model) on the same model), or load with "
-                    "dmuon.integrations.checkpoint, which matches by name"
-                )
-            rule = saved.get("rule", saved.get("algorithm"))  # "algorithm": older dicts
-            if isinstance(rule, str) and "rule" in live and rule != live["rule"]:
-                raise ValueError(
-                    f"param group {gi} of the state dict was saved with rule {rule!r}, this "
-                    f"optimizer's steps it with {live['rule']!r}: a rule is chosen when the "
-                    "optimizer is built, where its mode checks it (and the state is built for "
-                    f"it). Build the optimizer with rule={rule!r} for this group to resume it"
-                )
-            ids = saved.get("params")
-            if not isinstance(state, Mapping) or not isinstance(ids, list):
-                continue
-            if len(ids) != len(live["params"]):
-                continue
-            for i, (p, pid) in enumerate(zip(live["params"], ids, strict=True)):
-                saved_state = state.get(pid)
-                if not isinstance(saved_state, Mapping):
-                    continue
-                for key, value in opt.state.get(p, {}).items():
-                    other = saved_state.get(key)
-                    if not (isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor)):
-                        continue
-                    if is_dtensor(value) != is_dtensor(other):
-                        kinds = ("a DTensor", "a plain tensor")
-                        name = param_name(mine, i, gi, p)
-                        raise ValueError(
-                            f"state {key!r} of {name} was saved as "
-                            f"{kinds[not is_dtensor(other)]}, and this optimizer keeps "
-                            f"{kinds[not is_dtensor(value)]}: the dict was saved in another "
-                            "mode (FSDP2's sharded parameters against plain ones). Load it "
-                            "in the mode it was saved in, or save and load across modes "
-                            "with dmuon.integrations.checkpoint"
-                        )
-
-    return hook
+def _refuse_other_group(gi: int, live: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    """Raise if saved group ``gi`` names other parameters or another rule than ``live``."""
+    mine, theirs = live.get("param_names"), saved.get("param_names")
+    if mine is not None and theirs is not None and _unwrapped(mine) != _unwrapped(theirs):
+        raise ValueError(
+            f"param group {gi} of the state dict holds {_listed(theirs)}, this "
+            f"optimizer's holds {_listed(mine)}: the groups or their parameters are "
+            "in another order than when it was saved, and each saved state would "
+            "go to another parameter. Build the param groups as they were built "
+            "for the save (param_groups(model) on the same model), or load with "
+            "dmuon.integrations.checkpoint, which matches by name"
+        )
+    rule = saved.get("rule", saved.get("algorithm"))  # "algorithm": older dicts
+    if isinstance(rule, str) and "rule" in live and rule != live["rule"]:
+        raise ValueError(
+            f"param group {gi} of the state dict was saved with rule {rule!r}, this "
+            f"optimizer's steps it with {live['rule']!r}: a rule is chosen when the "
+            "optimizer is built, where its mode checks it (and the state is built for "
+            f"it). Build the optimizer with rule={rule!r} for this group to resume it"
+        )
 
 
-WRAPPER_NAMES = frozenset(
-    {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
-)
-"""The name components wrappers add to a parameter's name (DDP's ``module.``,
-``torch.compile``'s ``_orig_mod.``, activation checkpointing's and FSDP1's): a dict saved
-from the bare model loads into the wrapped one, as torch pairs by position."""
+WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+"""Attribute names of the modules that wrap another without a name of their own in a
+state dict: ``torch.compile``'s ``OptimizedModule``, activation checkpointing's
+``CheckpointWrapper`` and FSDP1's wrapper. ``get_model_state_dict`` drops them from the
+model's keys (``dmuon.integrations.checkpoint`` from the optimizer state's)."""
+
+WRAPPER_NAMES = WRAPPER_ATTRIBUTES | {"module"}
+"""The name components wrappers add to a parameter's name: DDP's ``module.`` and those of
+:data:`WRAPPER_ATTRIBUTES`. Left out when a load compares names, so a dict saved from the
+bare model loads into the wrapped one, as torch pairs by position."""
 
 
 def _unwrapped(names: Any) -> list[str]:
@@ -363,7 +337,10 @@ def reload_scalar_state(
     exactly, and a dict saved with fp16/bf16 state (before DMuon kept it in fp32) is
     widened. Matrix state and entries it cannot match are left as they are.
     """
-    for p, mine, theirs in _saved_states(groups, state, state_dict, scalar=True):
+    for pair in paired_states(groups, state, state_dict):
+        if pair.group.get("rule") not in SCALAR_ALGORITHMS:
+            continue
+        p, mine, theirs = pair.param, pair.mine, pair.theirs
         dtype = scalar_state_dtype(p)
         for key, value in list(mine.items()):
             other = theirs.get(key)
@@ -390,7 +367,10 @@ def reload_matrix_state(
     whose shape matches into the live buffer, in place (the buffers stay views of their
     bucket). Placeholders and entries it cannot match are left as they are.
     """
-    for p, mine, theirs in _saved_states(groups, state, state_dict, scalar=False):
+    for pair in paired_states(groups, state, state_dict):
+        if pair.group.get("rule") in SCALAR_ALGORITHMS:
+            continue
+        p, mine, theirs = pair.param, pair.mine, pair.theirs
         for key, value in mine.items():
             other = theirs.get(key)
             if key == "step" or not isinstance(other, torch.Tensor) or value.numel() == 0:
@@ -401,27 +381,41 @@ def reload_matrix_state(
                 value.copy_(other)
 
 
-def _saved_states(
-    groups: list[dict[str, Any]],
-    state: Mapping[Any, Any],
-    state_dict: Mapping[str, Any],
-    *,
-    scalar: bool,
-) -> Iterator[tuple[torch.Tensor, dict[str, Any], Mapping[str, Any]]]:
-    """``(parameter, its live state, its saved state)`` for each parameter of the scalar
-    groups (``scalar``) or of the matrix groups, matched to ``state_dict`` by group and
-    position as ``torch.optim.Optimizer.load_state_dict`` matches them; a group or entry
-    that does not match is passed over."""
+class StatePair(NamedTuple):
+    """One parameter's live state and the state a dict saved for it."""
+
+    group: dict[str, Any]
+    """The live param group."""
+    param: torch.Tensor
+    name: str
+    """The parameter's name, as errors give it."""
+    mine: dict[str, Any]
+    """Its live state."""
+    theirs: Mapping[str, Any]
+    """The state the dict holds for it."""
+
+
+def paired_states(
+    groups: list[dict[str, Any]], state: Mapping[Any, Any], state_dict: Mapping[str, Any]
+) -> Iterator[StatePair]:
+    """Each parameter's live state with the state ``state_dict`` saved for it, matched by
+    group and position as ``torch.optim.Optimizer.load_state_dict`` matches them.
+
+    A group whose saved ``params`` is not a list of as many entries (torch refuses such
+    a dict), and an entry that is not a state mapping on either side, are passed over.
+    """
     saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
     if not isinstance(saved_groups, list) or not isinstance(saved_state, Mapping):
         return
-    for live, saved in zip(groups, saved_groups, strict=False):
-        if (live.get("rule") in SCALAR_ALGORITHMS) != scalar or not isinstance(saved, Mapping):
+    for gi, (live, saved) in enumerate(zip(groups, saved_groups, strict=False)):
+        ids = saved.get("params") if isinstance(saved, Mapping) else None
+        if not isinstance(ids, list) or len(ids) != len(live["params"]):
             continue
-        for p, pid in zip(live["params"], saved.get("params", ()), strict=False):
+        for i, (p, pid) in enumerate(zip(live["params"], ids, strict=True)):
             mine, theirs = state.get(p), saved_state.get(pid)
             if isinstance(mine, dict) and isinstance(theirs, Mapping):
-                yield p, mine, theirs
+                name = param_name(live.get("param_names"), i, gi, p)
+                yield StatePair(live, p, name, mine, theirs)
 
 
 def _placeholder(p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from dmuon.optim import DMuon, get_rule
 from dmuon.optim.engine import exchange_of
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.engine.placements import placement_of
+from dmuon.optim.optimizer_state import WRAPPER_ATTRIBUTES
 
 __all__ = ["Holding", "holdings", "model_fqns", "release", "settle"]
 
@@ -84,18 +85,12 @@ def _rank(group: Any) -> int:
     return dist.get_rank(group)
 
 
-WRAPPER_NAMES = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
-"""Attribute names of the modules that wrap another without a name of their own in a
-state dict: ``torch.compile``'s ``OptimizedModule``, activation checkpointing's
-``CheckpointWrapper`` and FSDP1's wrapper. ``get_model_state_dict`` drops them from the
-model's keys; :func:`model_fqns` drops them from the optimizer state's."""
-
-
 def model_fqns(model: nn.Module) -> dict[int, str]:
     """``id(parameter) → fully-qualified name`` (a tied weight: its first name), as
     ``get_model_state_dict`` names it: without DDP's ``module.`` and without the
-    wrappers of :data:`WRAPPER_NAMES`, so a checkpoint saved with ``torch.compile`` or
-    activation checkpointing loads without them, and the other way round.
+    wrappers of :data:`~dmuon.optim.optimizer_state.WRAPPER_ATTRIBUTES`, so a checkpoint
+    saved with ``torch.compile`` or activation checkpointing loads without them, and the
+    other way round.
 
     Examples:
         >>> import torch
@@ -111,7 +106,7 @@ def model_fqns(model: nn.Module) -> dict[int, str]:
     if isinstance(model, DistributedDataParallel):
         model = model.module
     return {
-        id(p): ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
+        id(p): ".".join(part for part in name.split(".") if part not in WRAPPER_ATTRIBUTES)
         for name, p in model.named_parameters()
     }
 

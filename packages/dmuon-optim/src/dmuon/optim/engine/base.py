@@ -34,7 +34,6 @@ from dmuon.optim.engine.report import StepReport
 from dmuon.optim.engine.split_presence import (
     PresenceGroups,
     agree_split_presence,
-    missing_names,
     presence_groups,
 )
 from dmuon.optim.engine.tensor_split import settle_pending_grad, settle_split_grads, split_of
@@ -120,7 +119,7 @@ class Engine:
         self._dtensors: list[EngineParam] = []  # whose gradients settle_split_grads lays out
         self._whole: frozenset[int] = frozenset()  # ids of the replicated-whole DTensor matrices
         self._presence: PresenceGroups | None = None  # split_presence(), made at first use
-        self._missing: list[str] = []  # missing_gradients(): the last presence count's
+        self._missing: dict[str, str] = {}  # missing_gradients(): the last presence count's
 
     def bind(self, stepper: Stepper) -> None:
         """Learn the optimizer's parameters (called once, after its groups exist).
@@ -226,21 +225,20 @@ class Engine:
             # dropped on every rank of the group: no collective of theirs (a pending sum
             # here, the norm's, the step's) can pair up wrongly after this; the record
             # stays for the step's agreement, which refuses the step on every rank
-            names = set(missing_names(found))
             for e in self._dtensors:
-                if e.name in names:
+                if e.name in found:
                     e.param.grad = None
-            self._missing += [f for f in found if f not in self._missing]
+            self._missing.update(found)
         settle_split_grads(self._dtensors, self.stats)
 
-    def missing_gradients(self) -> list[str]:
+    def missing_gradients(self) -> dict[str, str]:
         """The DTensor parameters :meth:`settle_dtensor_grads` found with a gradient on some
         ranks of their tensor-parallel group only since the last step's agreement (their
-        gradients then dropped on every rank of it), described as errors name them
+        gradients then dropped on every rank of it): name → description as errors give it
         (:func:`~dmuon.optim.engine.split_presence.agree_split_presence`). The step's
         agreement reads it once (and it is emptied) and refuses the step on every rank
         when any rank found one; :meth:`discard_grads` empties it too."""
-        found, self._missing = self._missing, []
+        found, self._missing = self._missing, {}
         return found
 
     def begin_step_agreeing(
@@ -266,7 +264,7 @@ class Engine:
         """Drop the gradients of a step that will not be taken (``DMuon.zero_grad``): what
         the backward launched is finished, the next backward starts a new step. Every
         rank calls it alike (owner mode communicates, as :meth:`skip_step`)."""
-        self._missing = []
+        self._missing = {}
 
     def thawed(self) -> list[str]:
         """The parameters of the groups that did not require a gradient when the

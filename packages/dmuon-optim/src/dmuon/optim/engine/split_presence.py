@@ -25,7 +25,7 @@ gradient missing on one of those ranks counts as zero (the engine's presence fla
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,6 @@ from dmuon.optim.engine.placements import placement_of_param
 __all__ = [
     "GradientPresenceError",
     "agree_split_presence",
-    "missing_names",
     "presence_error",
     "presence_groups",
 ]
@@ -105,13 +104,12 @@ def presence_groups(
     return [found[k] for k in sorted(found)]
 
 
-def agree_split_presence(groups: PresenceGroups, stats: CommStats | None = None) -> list[str]:
+def agree_split_presence(groups: PresenceGroups, stats: CommStats | None = None) -> dict[str, str]:
     """Count, over each group of :func:`presence_groups`, the ranks holding a gradient of
     each of its parameters (one ``int32`` all-reduce per group, every group's issued and
     waited under DMuon's deadline before any is read, counted in ``stats`` under
-    :data:`STATS_NAME`), and describe each parameter whose count is neither zero nor the
-    group's size, as errors name it (``[]``: none). The parameters' own names are in
-    :func:`missing_names`."""
+    :data:`STATS_NAME`), and return each parameter whose count is neither zero nor the
+    group's size: its name → its description as errors give it (``{}``: none)."""
     counted = []
     for group, params in groups:
         here = [e.param.grad is not None for e in params]
@@ -121,7 +119,7 @@ def agree_split_presence(groups: PresenceGroups, stats: CommStats | None = None)
         if stats is not None:
             stats.record_collective(STATS_NAME, "all_reduce", nbytes=counts.nbytes, world_size=size)
         counted.append((group, params, here, counts, size, work))
-    found = []
+    found: dict[str, str] = {}
     for group, params, here, counts, size, work in counted:
         what = "all-reduce of the gradient-presence flags of tensor-parallel parameters"
         wait_work(work, what, group)
@@ -129,22 +127,21 @@ def agree_split_presence(groups: PresenceGroups, stats: CommStats | None = None)
         for e, mine, n in zip(params, here, counts.tolist(), strict=True):
             if 0 < n < size:
                 held = "present" if mine else "missing"
-                found.append(
-                    f"{e.name!r} (on {n} of {size} ranks of group {ranks}; {held} on this rank)"
+                found.setdefault(
+                    e.name,
+                    f"{e.name!r} (on {n} of {size} ranks of group {ranks}; {held} on this rank)",
                 )
     return found
 
 
-def missing_names(found: Sequence[str]) -> list[str]:
-    """The parameter names in :func:`agree_split_presence`'s descriptions."""
-    return [f.split("'")[1] for f in found]
-
-
-def presence_error(ranks: list[int], found: Sequence[str]) -> GradientPresenceError:
+def presence_error(ranks: list[int], found: Mapping[str, str]) -> GradientPresenceError:
     """The error every rank raises when the step's agreement says a gradient is missing on
     some ranks of a tensor-parallel group (``ranks``: where it was found; ``found``: this
-    rank's descriptions, empty on a rank outside those groups)."""
-    listed = "; ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    rank's parameters at fault, name → description as :func:`agree_split_presence` gives
+    them, empty on a rank outside those groups)."""
+    described = list(found.values())
+    listed = "; ".join(described[:5])
+    listed += f" and {len(described) - 5} more" if len(described) > 5 else ""
     here = f": {listed}" if found else " (on other ranks' groups)"
     return GradientPresenceError(
         f"a gradient is missing on some ranks of a tensor-parallel group and present on "
@@ -153,7 +150,7 @@ def presence_error(ranks: list[int], found: Sequence[str]) -> GradientPresenceEr
         "hold their gradients or none must; DTensor's backward gives them on every rank. "
         "Do not set p.grad = None (or drop a gradient in a hook) on some ranks only. "
         "Nothing was stepped on any rank; zero_grad() and go on",
-        missing_names(found),
+        list(found),
         ranks,
     )
 
