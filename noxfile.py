@@ -61,7 +61,12 @@ WORKERS = ("-n", "2", "--dist", "loadfile")
 # One compute thread per process: with two workers each running torch's default of one
 # OpenMP thread per core, the threads of one worker spin while the other's run (a 0.4 s
 # test took 33 s, the optim suite 163 s instead of 106 s). Ranks and subprocesses inherit it.
-PYTEST_ENV = {"OMP_NUM_THREADS": "1"}
+# Bytecode is written (PYTHONDONTWRITEBYTECODE empty: unset for Python), although packages
+# install with --no-compile: each module is compiled at its first import and read back by
+# every later process. A machine that sets PYTHONDONTWRITEBYTECODE=1 otherwise compiles
+# torch, lightning and transformers again in every subprocess a test starts
+# (test_lightning.py: 149 s of CPU without the cache, 64 s with it).
+PYTEST_ENV = {"OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": ""}
 # The [torchtitan] extra pulls torchtitan's trainer dependencies; CI installs the package
 # alone and what `torchtitan.components.optimizer` and `torchtitan.models` import.
 TORCHTITAN_NO_DEPS = ("torchtitan==0.3.0", "spmd_types==0.2.3")
@@ -760,7 +765,7 @@ def demo(session: nox.Session) -> None:
     """
     install_local(session, PACKAGES)
     session.install(*CONSTRAINTS, "matplotlib>=3.8", "rich>=13")
-    session.run("python", "benchmarks/demo.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    session.run("python", "benchmarks/demo.py", *session.posargs, env=PYTEST_ENV)
 
 
 @nox.session
