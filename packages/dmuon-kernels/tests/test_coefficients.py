@@ -80,3 +80,11 @@ def test_explicit_triples_are_accepted():
 def test_bad_coefficients_raise_naming_the_value(coefficients, steps, match):
     with pytest.raises(ValueError, match=match):
         resolve_coefficients(coefficients, steps)
+
+
+@pytest.mark.parametrize("steps", [2.5, 0, True])
+def test_get_coefficients_names_a_bad_step_count(steps):
+    """A step count that is not a positive integer is named (``2.5``: ``TypeError: can't
+    multiply sequence by non-int`` before)."""
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        get_coefficients("keller", steps)

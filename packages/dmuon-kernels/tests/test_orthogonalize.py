@@ -221,6 +221,12 @@ def test_bad_input_raises_naming_shape_and_dtype(G, match):
         ({"eps": float("nan")}, "eps must be a finite number > 0, got nan"),
         ({"compute_dtype": torch.int32}, "compute_dtype must be None .* got torch.int32"),
         ({"compute_dtype": "float32"}, "compute_dtype must be None .* got 'float32'"),
+        # fp8 has no batched matmul (NotImplementedError deep in torch before)
+        ({"compute_dtype": torch.float8_e4m3fn}, "compute_dtype .* one of torch.float16"),
+        # the argument named (TypeError "'NoneType' object is not iterable" before)
+        ({"coefficients": None}, r"coefficients must be a set's name .* got None"),
+        ({"coefficients": [("a", 0, 0)]}, r"coefficients\[0\] must be three finite real"),
+        ({"coefficients": [(float("nan"), 0, 0)]}, r"coefficients\[0\] must be three finite"),
         ({"steps": 3, "restarts": (3,)}, r"restarts must be iteration indices in \[1, 3\)"),
     ],
 )

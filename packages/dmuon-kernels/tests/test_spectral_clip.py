@@ -73,3 +73,36 @@ def test_an_infinite_tau_clips_nothing(mode):
     M = torch.randn(6, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     out = spectral_clip(M, float("inf"), mode=mode)
     assert torch.equal(out, M) and out is not M
+
+
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+@pytest.mark.parametrize("scale", [1e20, 1e-25, 1e-40])
+def test_the_scale_of_m_and_tau_is_free_in_float32(mode, scale):
+    """Clipping is homogeneous: ``clip_{cτ}(cM) = c clip_τ(M)``. In fp32, entries of 1e20
+    (``M Mᵀ`` overflows), 1e-25 (``τ²`` underflows) and 1e-40 (subnormal) clip as at scale
+    1 (compared with the SVD of the fp32 input as given: subnormals keep fewer bits).
+    Before: OverflowError, ``ValueError: cannot convert float NaN to integer``, or NaN."""
+    g = torch.Generator().manual_seed(0)
+    M = torch.randn(2, 16, 40, dtype=torch.float64, generator=g) * torch.tensor([[[1.0]], [[0.5]]])
+    tau = 4.0
+    fn = (
+        (lambda s: s.clamp(max=tau))
+        if mode == "hard"
+        else lambda s: s / (1 + (s / tau) ** 2).sqrt()
+    )
+    given = (M * scale).float()
+    ref = svd_reference(given.double() / scale, fn)
+    out = spectral_clip(given, tau * scale, mode=mode)
+    assert torch.isfinite(out).all()
+    assert rel_err(out.double() / scale, ref) < 1e-5
+
+
+def test_a_ratio_beyond_the_compute_dtype_is_named():
+    """σ_max/τ ≈ 1e21 in fp32: ``σ²/τ²`` is not representable; the error says so and names
+    the way out (it was ``OverflowError: cannot convert float infinity to integer``)."""
+    M = torch.randn(16, 40, generator=torch.Generator().manual_seed(0)) * 1e20
+    with pytest.raises(
+        ValueError, match=r"beyond torch.float32's range.*compute_dtype=torch.float64"
+    ):
+        spectral_clip(M, 1.0)
+    assert torch.isfinite(spectral_clip(M.double(), 1.0, compute_dtype=torch.float64)).all()

@@ -75,7 +75,7 @@ def to_wide_normalized(
     On a 2-core x86 CPU (one thread, fp32, torch 2.13) the transposing write of a
     2048 × 512 matrix took 4.3 ms against 0.8 ms for a plain one, and adding the
     transposed update to the weight 9.1 ms against 0.9 ms; the products cost the same
-    in either layout and gave the same bits. Ignored on the autograd path.
+    in either layout and gave the same result to rounding. Ignored on the autograd path.
     """
     check_matrix_input(G)
     m, n = G.shape[-2], G.shape[-1]
@@ -93,8 +93,8 @@ def to_wide_normalized(
     # CPU, torch 2.13, vector_norm(ord=inf) of a (4, 384, 1536) fp32 batch took 15 ms,
     # amax + amin 0.8–1.4 ms); dividing by it upcasts, transposes to the wide
     # orientation and makes X contiguous in one write, so a tall matrix reduces in the
-    # same memory order as its transpose and gives bit for bit the same result; the
-    # division by the norm casts to the compute dtype on its store.
+    # same memory order as its transpose (the same result to rounding: the products'
+    # blocking differs); the division by the norm casts to the compute dtype on its store.
     dims = (-2, -1)
     scale = torch.maximum(G3.amax(dim=dims, keepdim=True), -G3.amin(dim=dims, keepdim=True))
     scale = torch.where(scale > 0, scale, 1.0).to(work)

@@ -16,7 +16,8 @@ set maps all of ``(0, 1]`` into ``[0, 1.21]`` and is increasing near 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -185,7 +186,13 @@ def get_coefficients(name: str, steps: int = 5) -> Schedule:
         raise ValueError(
             f"unknown coefficient set {name!r}; expected one of {sorted(COEFFICIENT_SETS)}"
         ) from None
+    _check_steps(steps)
     return cset.triples(steps)
+
+
+def _check_steps(steps: object) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
 
 
 def resolve_coefficients(coefficients: str | Sequence[Sequence[float]], steps: int) -> Schedule:
@@ -194,10 +201,14 @@ def resolve_coefficients(coefficients: str | Sequence[Sequence[float]], steps: i
     An explicit list is used as given when ``steps`` equals its length; shorter
     lists repeat their last triple, longer ones are truncated.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    _check_steps(steps)
     if isinstance(coefficients, str):
         return get_coefficients(coefficients, steps)
+    if not isinstance(coefficients, Iterable):
+        raise ValueError(
+            f"coefficients must be a set's name ({sorted(COEFFICIENT_SETS)}) or a list of "
+            f"(a, b, c) triples, got {coefficients!r}"
+        )
     triples: list[Triple] = []
     for i, t in enumerate(coefficients):
         if isinstance(t, (str, bytes)) or not hasattr(t, "__len__") or len(t) != 3:
@@ -205,10 +216,25 @@ def resolve_coefficients(coefficients: str | Sequence[Sequence[float]], steps: i
                 f"coefficients[{i}] must be an (a, b, c) triple, got {t!r}: coefficients is a "
                 "set's name or a list of triples (a flat (a, b, c)? wrap it: [(a, b, c)])"
             )
-        triples.append((float(t[0]), float(t[1]), float(t[2])))
+        triple = tuple(_real(x) for x in t)
+        if None in triple or not all(math.isfinite(x) for x in triple if x is not None):
+            raise ValueError(
+                f"coefficients[{i}] must be three finite real numbers (a, b, c), got {t!r}"
+            )
+        triples.append(triple)  # type: ignore[arg-type]
     if not triples:
         raise ValueError("coefficients must hold at least one (a, b, c) triple")
     return CoefficientSet("custom", tuple(triples), "", 0.0, (0.0, 0.0)).triples(steps)
+
+
+def _real(x: object) -> float | None:
+    """``float(x)`` for a real number (a Python, numpy or 0-d torch one), else None."""
+    if isinstance(x, (bool, str, bytes)):
+        return None
+    try:
+        return float(x)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 def ns_scalar_map(

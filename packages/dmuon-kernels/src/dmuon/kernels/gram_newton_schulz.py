@@ -124,7 +124,9 @@ def gram_newton_schulz(
         restarts: iterations at which ``X`` is re-formed and ``R`` recomputed exactly
             (``()`` for none).
         eps: relative guard of the normalisation.
-        compute_dtype: dtype of the matmuls; default fp16 on CUDA, bf16 on CPU.
+        compute_dtype: dtype of the matmuls; default per device, see
+            :func:`~dmuon.kernels.default_compute_dtype` (fp16 on CUDA; bf16 on CPUs
+            with native bf16, fp32 on the others).
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see
             :func:`~dmuon.kernels.orthogonalize`).
         cuda_graph: capture and replay the call as a CUDA graph (see

@@ -63,12 +63,11 @@ class NSOptions:
         if not 0 < self.eps < float("inf"):
             raise ValueError(f"eps must be a finite number > 0, got {self.eps!r}")
         dtype = self.compute_dtype
-        if dtype is not None and (
-            not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
-        ):
+        if dtype is not None and dtype not in MATMUL_DTYPES:
             raise ValueError(
-                "compute_dtype must be None (per device and method) or a floating-point "
-                f"torch.dtype (torch.float32, torch.bfloat16, ...), got {dtype!r}"
+                "compute_dtype must be None (per device and method) or one of "
+                f"{', '.join(map(str, MATMUL_DTYPES))} (the dtypes torch multiplies "
+                f"matrices in), got {dtype!r}"
             )
         if method != "gram":
             return schedule, ()
@@ -81,6 +80,9 @@ class NSOptions:
             restarts = ()  # the default restart lies past a 1- or 2-step schedule
         return schedule, check_restarts(restarts, self.steps)
 
+
+MATMUL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The dtypes ``compute_dtype`` may name (fp8 has no batched matmul in torch)."""
 
 DEFAULTS = NSOptions()
 """The defaults of every entry point's keyword arguments."""

@@ -61,7 +61,10 @@ def orthogonalize(
     (:func:`~dmuon.kernels.ns_scalar_map`); its band for each coefficient set is
     listed in :data:`~dmuon.kernels.COEFFICIENT_SETS`. A batch ``(..., m, n)`` runs
     as one batched call (no Python loop over matrices). A zero matrix gives zeros;
-    an input with a zero-sized dimension gives an empty result.
+    an input with a zero-sized dimension gives an empty result. A matrix holding a
+    NaN or an infinity gives NaN in every entry of that matrix only (the others of the
+    batch are unaffected); callers check finiteness first (``DMuon``'s step, by
+    default, refuses a non-finite gradient before it is orthogonalised).
 
     Args:
         G: ``(..., m, n)`` real floating tensor (fp16, bf16, fp32 or fp64).

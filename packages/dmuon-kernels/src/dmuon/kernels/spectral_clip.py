@@ -58,7 +58,7 @@ def _inverse_sqrt_steps(kappa: float) -> int:
     return math.ceil(math.log(max(kappa, 1.0)) / math.log(2.25)) + 6
 
 
-def _hard_clip(M: torch.Tensor, tau: float, steps: int) -> torch.Tensor:
+def _hard_clip(M: torch.Tensor, tau: torch.Tensor, steps: int) -> torch.Tensor:
     A = M @ M.mT
     I = _eye_like(A)
     S = A - (tau * tau) * I
@@ -71,7 +71,14 @@ def _hard_clip(M: torch.Tensor, tau: float, steps: int) -> torch.Tensor:
     # ‖B‖₂ = max(‖A‖₂, τ²) (between them where the sign is inexact); 5% of room keeps
     # every eigenvalue of B/s below 1, inside the iteration's (0, 2) convergence interval.
     s = 1.05 * torch.clamp_min(_spectral_bound(A), tau * tau)
-    inner = _inverse_sqrt_steps(float((s / (tau * tau)).amax()))
+    kappa = float((s / (tau * tau)).amax())
+    if not math.isfinite(kappa):
+        raise ValueError(
+            f"spectral_clip: σ_max²/τ² of M is beyond {M.dtype}'s range (σ_max/τ above "
+            f"about {math.sqrt(torch.finfo(M.dtype).max):.1e}, or M holds inf/NaN); pass "
+            "compute_dtype=torch.float64, or a tau nearer M's spectral norm"
+        )
+    inner = _inverse_sqrt_steps(kappa)
     return tau * (_inverse_sqrt_spd(B, inner, s) @ M)
 
 
@@ -146,11 +153,20 @@ def spectral_clip(
         return empty_result(M)
     transposed = M.shape[-2] > M.shape[-1]
     X = (M.mT if transposed else M).to(compute_dtype)
+    # Clipping is homogeneous, clip_τ(M) = 2ᵉ clip_{τ/2ᵉ}(M/2ᵉ): each matrix is scaled by
+    # a power of two (exact) to entries below 1, so that M Mᵀ and τ² neither overflow
+    # nor underflow; τ/2ᵉ is kept within 2^±40 (a σ/τ ratio beyond that is not
+    # representable in fp32's M Mᵀ either way).
+    _, e = torch.frexp(X.detach().abs().amax(dim=(-2, -1), keepdim=True))
+    e = e.clamp(math.ceil(math.log2(tau)) - 40, math.floor(math.log2(tau)) + 40)
+    X = torch.ldexp(X, -e)
+    t = torch.ldexp(torch.full_like(e, float(tau), dtype=X.dtype), -e)
     if mode == "hard":
-        Y = _hard_clip(X, float(tau), steps)
+        Y = _hard_clip(X, t, steps)
     else:
         A = X @ X.mT  # once: it is one of the two m × n products
-        Y = _inverse_sqrt_spd(_eye_like(A) + A / (tau * tau), steps) @ X
+        Y = _inverse_sqrt_spd(_eye_like(A) + A / (t * t), steps) @ X
+    Y = torch.ldexp(Y, e)
     if transposed:
         Y = Y.mT
     return Y.to(M.dtype)

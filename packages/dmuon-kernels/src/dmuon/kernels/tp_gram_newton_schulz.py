@@ -88,8 +88,10 @@ def tp_gram_newton_schulz(
         reduce: ``reduce(tensor, op)`` with ``op`` in :data:`REDUCE_OPS` returns the
             elementwise ``"sum"`` or ``"max"`` of ``tensor`` over the group (it may
             work in place and return None), e.g. torch's distributed ``all_reduce``
-            on the tensor-parallel process group (dmuon-kernels itself holds no
-            distributed code). It is called ``3 + len(restarts)``
+            on the tensor-parallel process group, given ``op`` as a ``ReduceOp``:
+            ``lambda t, op: dist.all_reduce(t, {"sum": ReduceOp.SUM, "max":
+            ReduceOp.MAX}[op], group=tp)`` (dmuon-kernels itself holds no distributed
+            code). It is called ``3 + len(restarts)``
             times, in the same order on every rank.
         restarts: iterations at which ``X`` is re-formed and ``R`` recomputed (and
             reduced) exactly. ``None``: ``(2,)`` when the Gram side (the unsplit
