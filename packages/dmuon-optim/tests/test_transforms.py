@@ -84,6 +84,48 @@ def test_block_bounds_follow_tensor_split(size, blocks):
 
 def test_selected_count():
     assert [selected_count(0.25, s) for s in (1, 4, 5, 100)] == [1, 1, 2, 25]
+    # the decimal the fraction prints as: 0.07 · 100 is 7.000000000000001 in binary (8)
+    assert [selected_count(f, 100) for f in (0.07, 0.29, 0.57)] == [7, 29, 57]
+    assert selected_count(0.071, 100) == 8
+
+
+@pytest.mark.parametrize("rule", ["normuon", "adamuon", "dion3"])
+def test_a_zero_row_with_eps_zero_stays_finite(rule):
+    """A gradient row that is zero (a dead unit) gives a zero second moment; with
+    ``eps=0`` (accepted) the normalisation divided 0 by 0 and the weights became NaN,
+    a finite gradient passing every non-finite check."""
+    from dmuon.optim import DMuon
+
+    p = torch.nn.Parameter(torch.randn(6, 10, generator=torch.Generator().manual_seed(0)))
+    extra = {"fraction": 1.0} if rule == "dion3" else {}
+    opt = DMuon([p], rule=rule, lr=0.01, eps=0.0, **extra)
+    g = torch.randn(6, 10, generator=torch.Generator().manual_seed(1))
+    g[2] = 0.0
+    for _ in range(3):
+        p.grad = g.clone()
+        opt.step()
+    assert torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("rule", ["dion2", "dion3"])
+def test_dion_selects_fp16_rows_by_their_true_l1_norm(rule):
+    """An fp16 momentum of finite entries whose row sums pass 65504: the rows chosen are
+    those with the largest L1 norms, as in fp32 (the fp16 sums were inf and topk broke
+    the tie by position)."""
+    from dmuon.optim import DMuon
+
+    grad = (torch.randn(16, 24, generator=torch.Generator().manual_seed(1)) * 3e3).half()
+    assert torch.isinf(grad.abs().sum(dim=1)).any()  # the trap is set
+    extra = {"select_dim": "rows"} if rule == "dion2" else {}
+    moved = {}
+    for dtype in (torch.float32, torch.float16):
+        p = torch.nn.Parameter(torch.zeros(16, 24, dtype=dtype))
+        opt = DMuon([p], rule=rule, lr=0.1, fraction=0.25, **extra)
+        p.grad = grad.to(dtype)
+        opt.step()
+        moved[dtype] = (p.detach().float().abs().sum(dim=1) > 0).nonzero().flatten().tolist()
+    exact = sorted(grad.double().abs().sum(dim=1).topk(4).indices.tolist())
+    assert moved[torch.float16] == moved[torch.float32] == exact
 
 
 @pytest.mark.parametrize("mode", ["hard", "soft"])
@@ -261,6 +303,16 @@ def test_a_rule_refuses_a_default_for_a_key_its_chain_does_not_read():
 
     with pytest.raises(ValueError, match=r"rule 'r': defaults for \['beta2'\]"):
         Rule("r", (Momentum(),), defaults={"beta2": 0.9})
+
+
+def test_a_rule_refuses_a_default_for_a_common_matrix_key():
+    """``momentum``/``adjust_lr`` are the constructor's keys: a rule's default for them was
+    accepted, never checked and never used (a group stepped with μ = 0.95, not 0.5)."""
+    from dmuon.optim import Rule
+    from dmuon.optim.transforms import Momentum
+
+    with pytest.raises(ValueError, match=r"rule 'r': defaults for \['momentum'\], common"):
+        Rule("r", (Momentum(),), defaults={"momentum": 0.5})
 
 
 def test_a_rule_derives_its_options_from_its_chain():

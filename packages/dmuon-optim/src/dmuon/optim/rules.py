@@ -59,7 +59,9 @@ class Rule:
         chain: the transforms, in order.
         defaults: this rule's own default for a key its chain declares (Muon²'s
             ``eps``, AdaMuon's ``sign`` switch); checked like any value. A caller's
-            value (``DMuon(**options)`` or a group's key) always wins over it.
+            value (``DMuon(**options)`` or a group's key) always wins over it. Not for
+            the common matrix keys (:data:`MATRIX_KEYS`: ``lr``, ``momentum``, ...),
+            whose default is the constructor's.
         uses_step: whether a transform reads the step count (the step runs matrices
             with different counts in separate batches).
         summary: one line.
@@ -75,7 +77,8 @@ class Rule:
         ValueError: at definition, naming the rule, the transform and the key: a state
             name declared twice; a key declared twice with different defaults or checks;
             a key with no default (neither a common matrix key nor in ``defaults``);
-            a ``defaults`` key the chain does not read, or a bad value for it.
+            a ``defaults`` key the chain does not read, a common matrix key, or a bad
+            value for it.
 
     Examples:
         >>> from dmuon.optim import get_rule
@@ -121,6 +124,13 @@ class Rule:
                         f"{same.default!r}: {same.doc}); a key is one Option, shared by "
                         "every transform that reads it"
                     )
+        common = sorted(set(self.defaults) & set(MATRIX_KEYS))
+        if common:
+            raise ValueError(
+                f"rule {self.name!r}: defaults for {common}, common matrix keys whose "
+                "default is the DMuon constructor's (and the caller's value, its own): a "
+                "rule cannot set them. Give the value to DMuon(...) or to the param group"
+            )
         unread = sorted(set(self.defaults) - set(declared))
         if unread:
             raise ValueError(

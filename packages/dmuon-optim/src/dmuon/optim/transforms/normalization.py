@@ -119,8 +119,16 @@ class RowNormalize(Transform):
         vw.mul_(beta2).add_(row_mean, alpha=1.0 - beta2)
         if vw is not v:
             v.copy_(vw)
-        Y = Xw / (vw.sqrt().unsqueeze(-1) + eps)
+        denom = vw.sqrt().unsqueeze(-1) + eps
+        Y = Xw / (_nonzero(denom) if eps == 0 else denom)
         return match_frobenius(Y, Xw, split).to(X.dtype)
+
+
+def _nonzero(denom: torch.Tensor) -> torch.Tensor:
+    """``denom`` with its zeros replaced by 1: a zero second moment (an entry or row whose
+    every value so far was 0, so its numerator is 0 too) with ``ε = 0`` gives 0, not
+    0/0 = NaN."""
+    return torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
 @dataclass(frozen=True)
@@ -157,7 +165,8 @@ class ElementwiseNormalize(Transform):
         saturate_(Vw.mul_(beta2).addcmul_(Xw, Xw, value=1.0 - beta2))
         if Vw is not V:
             V.copy_(Vw)
-        Y = Xw / (Vw.sqrt() + eps)
+        denom = Vw.sqrt() + eps
+        Y = Xw / (_nonzero(denom) if eps == 0 else denom)
         return match_frobenius(Y, Xw, ctx.split).to(X.dtype)
 
 
@@ -206,8 +215,7 @@ class AdamPrecondition(Transform):
         if Vw is not V:
             V.copy_(Vw)
         # 0/√(0 + ε) is 0 in fp32; a zero second moment with ε = 0 is guarded too
-        denom = (Vw + eps).sqrt()
-        Y = _wide(X) / torch.where(denom > 0, denom, torch.ones_like(denom))
+        Y = _wide(X) / _nonzero((Vw + eps).sqrt())
         return Y.to(X.dtype)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import ClassVar
 
 import torch
@@ -17,8 +18,15 @@ __all__ = ["ErrorFeedbackSelect", "selected_count"]
 
 
 def selected_count(fraction: float, size: int) -> int:
-    """``k = ⌈fraction · size⌉``, at least 1 and at most ``size``."""
-    return max(1, min(size, math.ceil(fraction * size)))
+    """``k = ⌈fraction · size⌉``, at least 1 and at most ``size``, with ``fraction`` taken
+    as the decimal it prints as (``0.07 · 100`` is 7, not the binary product's
+    ``7.000000000000001`` rounded up to 8).
+
+    Examples:
+        >>> selected_count(0.07, 100), selected_count(0.25, 10), selected_count(1e-9, 10)
+        (7, 3, 1)
+    """
+    return max(1, min(size, math.ceil(Fraction(str(float(fraction))) * size)))
 
 
 @dataclass(frozen=True)
@@ -96,7 +104,10 @@ class ErrorFeedbackSelect(Transform):
             raise ValueError("row-kind state (NorMuon's v) needs select_dim='rows'")
         Mw = M.mT if cols else M  # slices are the rows of Mw
         k = selected_count(float(ctx.hp["fraction"]), Mw.shape[-2])
-        idx = Mw.abs().sum(dim=-1).topk(k, dim=-1).indices.sort(dim=-1).values  # (B, k)
+        # L1 norms summed in fp32 at least: an fp16 row of finite entries sums past
+        # 65504 to inf, and topk would break the tie by position
+        norms = Mw.abs().sum(dim=-1, dtype=torch.promote_types(Mw.dtype, torch.float32))
+        idx = norms.topk(k, dim=-1).indices.sort(dim=-1).values  # (B, k)
         idx_full = idx.unsqueeze(-1).expand(-1, -1, Mw.shape[-1])
         U = Mw.gather(-2, idx_full)
         Mw.scatter_(-2, idx_full, U * mu)

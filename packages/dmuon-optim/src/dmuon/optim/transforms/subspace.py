@@ -11,6 +11,7 @@ import torch
 
 from dmuon.optim.hyperparameters import Option, choice, integer, real
 from dmuon.optim.transforms.base import StepContext, Transform
+from dmuon.optim.transforms.selection import selected_count
 
 __all__ = ["RANK_SCHEDULES", "TopKPolar", "rank_fraction_at", "sketch_matrix", "sketch_seed"]
 
@@ -124,7 +125,7 @@ class TopKPolar(Transform):
         hp = ctx.hp
         m, n = X.shape[-2], X.shape[-1]
         full = min(m, n)
-        k = max(1, min(full, math.ceil(rank_fraction_at(hp, ctx.step) * full)))
+        k = selected_count(rank_fraction_at(hp, ctx.step), full)
         width = min(full, k + int(hp["oversample"]))
         work = torch.float64 if X.dtype == torch.float64 else torch.float32
         # The factors returned do not depend on X's scale, but A @ Ω and the QR's norms
