@@ -204,7 +204,7 @@ CASES = [
          "must be an (a, b, c) triple"),
     Case("coefficients-nan", "`ns_coefficients=[(nan, 1, 1)]`",
          lambda: DMuon([W()], ns_coefficients=[(float("nan"), 1.0, 1.0)]), ValueError,
-         "every coefficient must be a finite number"),
+         "coefficients[0] must be three finite real numbers"),
     Case("ns-method", "`ns_method='svd'`", lambda: DMuon([W()], ns_method="svd"), ValueError,
          "ns_method must be one of ['gram', 'standard'], got 'svd'"),
     Case("adjust-lr", "`adjust_lr='weird'`", lambda: DMuon([W()], adjust_lr="weird"),

@@ -203,11 +203,8 @@ def _coefficients(value: Any) -> str | tuple[tuple[float, float, float], ...]:
         triples = tuple(value)
         if not triples:
             raise ValueError("no triple given")
-        resolve_coefficients(triples, len(triples))
-        out = tuple((float(a), float(b), float(c)) for a, b, c in triples)
-        if not all(math.isfinite(x) for t in out for x in t):
-            raise ValueError("every coefficient must be a finite number")
-        return out
+        resolve_coefficients(triples, len(triples))  # three finite numbers each, or raises
+        return tuple((float(a), float(b), float(c)) for a, b, c in triples)
     except (TypeError, ValueError) as e:
         raise ValueError(
             f"must be one of {sorted(COEFFICIENT_SETS)} or a sequence of (a, b, c) triples, "
