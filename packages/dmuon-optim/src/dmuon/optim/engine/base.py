@@ -306,6 +306,15 @@ class Engine:
         agreement raises :class:`~dmuon.optim.engine.GradientChangedError` on them."""
         return []
 
+    def stale_gradients(self) -> list[str]:
+        """Parameters whose gradient is still the averaged one the last step left on this
+        rank, added to by this step's backward or stepped again without a ``zero_grad()``
+        (owner mode: only the owner held it, so the others' gradients would be averaged
+        with it as if it were the owner's own); the step's agreement raises
+        :class:`~dmuon.optim.engine.StaleGradientError` on them. Here: none (every rank
+        holds its own gradient, which one process would add to alike)."""
+        return []
+
     def norm_tensors(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
         """Gradients for the global norm, each element counted on exactly one rank, and the
         groups to sum the per-rank partial norms over."""

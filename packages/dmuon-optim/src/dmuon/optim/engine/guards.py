@@ -54,6 +54,7 @@ __all__ = [
     "GradientChangedError",
     "NonFiniteGradientError",
     "RankDivergenceError",
+    "StaleGradientError",
     "StepMismatchError",
     "ThawedParameterError",
     "agree_step",
@@ -94,6 +95,28 @@ class GradientChangedError(RuntimeError):
 
     Examples:
         >>> GradientChangedError("changed", [0], ["w"]).names
+        ['w']
+    """
+
+    def __init__(self, message: str, ranks: list[int], names: list[str]) -> None:
+        super().__init__(message)
+        self.ranks, self.names = ranks, names
+
+
+class StaleGradientError(RuntimeError):
+    """A gradient was still the averaged one the last step left on its owner, not zeroed
+    since: this step's backward added to it, or ``step()`` came again without a backward
+    (owner mode). Only the owner held that average, so the reduction would average it
+    with the other ranks' new gradients as if it were the owner's own (``avg₁/N + avg₂``
+    where one process steps with ``avg₁ + avg₂``). Raised on every rank by the step's
+    agreement, before anything was updated.
+
+    Attributes:
+        ranks: the ranks where such a gradient was found.
+        names: the parameters found on this rank.
+
+    Examples:
+        >>> StaleGradientError("stale", [0], ["w"]).names
         ['w']
     """
 
@@ -202,7 +225,7 @@ def nonfinite_ranks(engine: Engine) -> tuple[list[int], list[str]]:
 
 # The bits of a rank's slot under the step number (16·number + …, see agree_step); a
 # sparse gradient's refusal sets the slot to -1, which no number gives.
-NONFINITE, CHANGED, SKIP, THAWED, MISSING, NUMBER = 1, 2, 4, 8, 16, 32
+NONFINITE, CHANGED, SKIP, THAWED, MISSING, STALE, NUMBER = 1, 2, 4, 8, 16, 32, 64
 
 
 class _Local:
@@ -223,6 +246,7 @@ class _Local:
         finite = check_finite and self.sparse is None  # a sparse gradient cannot be summed
         self.bad = _nonfinite_names(engine, vouched) if finite else []
         self.changed = engine.changed_gradients()
+        self.stale = engine.stale_gradients()
         self.thawed = engine.thawed()
         self.missing = engine.missing_gradients()
         self.skip = skip
@@ -231,6 +255,7 @@ class _Local:
             if self.sparse is not None
             else (
                 NUMBER * (number or 0)
+                + STALE * int(bool(self.stale))
                 + MISSING * int(bool(self.missing))
                 + THAWED * int(bool(self.thawed))
                 + SKIP * int(skip)
@@ -269,7 +294,9 @@ def agree_step(
 ) -> tuple[list[int], list[str], list[int]]:
     """Agree with every rank on the step number and (``check_finite``) finiteness.
 
-    One all-reduce of one ``int64`` slot per rank: ``32·number + (16 if this rank found
+    One all-reduce of one ``int64`` slot per rank: ``64·number + (32 if this rank's
+    launch found the averaged gradient the last step left on it not zeroed since,
+    :meth:`Engine.stale_gradients`) + (16 if this rank found
     a tensor-parallel gradient missing on some ranks of its group,
     :meth:`Engine.missing_gradients`) + (8 if a parameter
     frozen when the optimizer was built holds a gradient here) + (4 if this rank asks to
@@ -304,6 +331,8 @@ def agree_step(
             optimizer was built (:meth:`Engine.thawed`; on every rank).
         GradientChangedError: a rank changed a gradient after the engine had taken it
             (:meth:`Engine.changed_gradients`; on every rank).
+        StaleGradientError: a rank's gradient was still the averaged one the last step
+            left on it (:meth:`Engine.stale_gradients`; on every rank).
         SparseGradientError: a rank holds a sparse gradient (``sparse``; on every rank).
     """
 
@@ -342,6 +371,8 @@ def agree_step(
             raise _thawed_error([engine.rank], mine.thawed, engine, number)
         if mine.changed:
             raise _changed_error([engine.rank], mine.changed, engine)
+        if mine.stale:
+            raise _stale_error([engine.rank], mine.stale)
         bad = mine.bad
         return ([engine.rank] if bad else []), bad, ([engine.rank] if skip else [])
     if summed is None:
@@ -375,6 +406,9 @@ def agree_step(
     changed_ranks = [r for r, v in enumerate(slots) if v & CHANGED]
     if changed_ranks:
         raise _changed_error(changed_ranks, mine.changed, engine)
+    stale_ranks = [r for r, v in enumerate(slots) if v & STALE]
+    if stale_ranks:
+        raise _stale_error(stale_ranks, mine.stale)
     skipping = [r for r, v in enumerate(slots) if v & SKIP]
     return [r for r, v in enumerate(slots) if v & NONFINITE], mine.bad, skipping
 
@@ -410,6 +444,21 @@ def _changed_error(ranks: list[int], names: list[str], engine: Engine) -> Gradie
         "A model wrapped in DistributedDataParallel after dedicate() does this too (DDP "
         "all-reduces the gradients in place after backward): dedicate() replaces DDP, so "
         "drop the wrapper",
+        ranks,
+        names,
+    )
+
+
+def _stale_error(ranks: list[int], names: list[str]) -> StaleGradientError:
+    here = f"; on this rank: {names[:3]}" if names else ""
+    return StaleGradientError(
+        f"a gradient was still the averaged gradient the last step left on its owner, "
+        f"not zeroed since, on rank(s) {ranks}{here}: this step's backward added to it, or "
+        "step() was called again without a backward. Owner mode reduces each matrix's "
+        "gradient to its owner only, so the others hold none to add to and the sum would "
+        "be wrong. Call opt.zero_grad() after each opt.step() (to accumulate micro-batches "
+        "within a step, run all but the last inside no_sync()). Nothing was updated on any "
+        "rank, and this iteration's gradients are spent: zero_grad() and go on",
         ranks,
         names,
     )

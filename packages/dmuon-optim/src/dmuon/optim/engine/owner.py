@@ -348,6 +348,9 @@ class OwnerEngine(Engine):
             changed += self._replicas.changed_gradients()
         return changed
 
+    def stale_gradients(self) -> list[str]:
+        return self.exchange.reduction.stale_gradients()
+
     def step(self, stepper: Stepper, report: StepReport) -> None:
         ex = self.exchange
         with report.phase("comm_wait"):

@@ -48,7 +48,7 @@ from dmuon.optim.engine.layer_record import OwnerLayer
 from dmuon.optim.engine.owner_split import as_gradient
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.engine.publication import Publication
-from dmuon.optim.engine.taken_gradients import TakenGradients
+from dmuon.optim.engine.taken_gradients import KeptGradients, TakenGradients
 from dmuon.optim.engine.tensor_split import laid_out_as, mark_relaid
 from dmuon.optim.matrix_split import local_tensor
 
@@ -193,6 +193,9 @@ class Reduction:
         # each gradient copied into a bucket, as it was then: a change after that would not
         # reach the owner
         self.taken = TakenGradients()
+        # the reduced gradients a step leaves on their owner, and those it reduced now
+        self.kept = KeptGradients()
+        self.reduced_views: dict[str, torch.Tensor] = {}
         # fixed for the exchange's life, so not sorted per step: the flags' order
         self.flag_names = sorted(params)
         # the parameters whose local gradient a launch sets to None (free_local_grads)
@@ -342,6 +345,10 @@ class Reduction:
         # The flags before the launches below: when no rank synchronised a gradient,
         # nothing was launched anywhere, and nothing is (the accumulated gradients stay
         # where they are, even under free_local_grads, for the backward that follows).
+        # a reduced gradient the last step left, added to or stepped again: found before
+        # the agreement is read (StaleGradientError), for the layers not launched yet
+        for name in self.kept.pending():
+            self.kept.check(name, self.params, self.present)
         names = self.flag_names  # by name: one order on every rank
         # a gradient counts if it arrived in this step's backward or is there: accumulated
         # (and not dropped by a model.zero_grad() since), or held without a backward's
@@ -396,6 +403,8 @@ class Reduction:
         grads: list[torch.Tensor] = []
         missing: list[torch.Tensor] = []
         buckets = layer.reduce_buckets + layer.allreduce_buckets
+        for name in layer.dedicated:  # before a copy (or free_local_grads) can hide it
+            self.kept.check(name, self.params, self.present)
         for b in buckets:
             for name in b.names:
                 g = self.params[name].grad
@@ -482,7 +491,7 @@ class Reduction:
         for name in layer.dedicated:
             p = self.params[name]
             if name in owned and self.global_present[name]:
-                p.grad = self._gradient(name, owned[name])
+                p.grad = self.reduced_views[name] = self._gradient(name, owned[name])
             else:
                 p.grad = None
         for w in layer.allreduce_works:
@@ -544,8 +553,17 @@ class Reduction:
         for layer in self.layers:
             self.wait_reduced(layer.key)
 
+    def stale_gradients(self) -> list[str]:
+        """Parameters whose ``p.grad`` was the averaged gradient the last step left on this
+        owner, not zeroed since, at this step's launch (:class:`KeptGradients`)."""
+        return self.kept.stale()
+
     def end_step(self) -> None:
-        """Forget this step's bookkeeping (the engine calls it after publishing)."""
+        """Forget this step's bookkeeping (the engine calls it after publishing); the
+        reduced gradients still in ``p.grad`` are kept in mind for the next step."""
+        self.kept.clear()
+        self.kept.leave({n: g for n, g in self.reduced_views.items() if self.params[n].grad is g})
+        self.reduced_views.clear()
         for layer in self.layers:
             layer.ready.clear()
             layer.launched = layer.reduced = False

@@ -9,16 +9,24 @@ version counter(s) — so that the step's agreement can refuse such a change on 
 dense layers' reduction (:class:`~dmuon.optim.engine.reduction.Reduction`) and the expert
 stacks' (:class:`~dmuon.optim.engine.expert_replicas.ExpertReplicas`) keep one each.
 A write that counts on no version counter it reads goes unseen.
+
+The other way round, :class:`KeptGradients` records the averaged gradient a step leaves
+on each owner (``p.grad``, a view of the bucket; the other ranks hold none): a backward
+that adds to it without a ``zero_grad()`` between (or a second ``step()`` without a
+backward) would send it to the owner again as if it were the owner's own gradient, and
+the owner would step with ``avg₁/N + avg₂`` where one process steps with ``avg₁ + avg₂``.
+The step's agreement refuses it on every rank (:class:`~dmuon.optim.StaleGradientError`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+import weakref
+from collections.abc import Callable, Container, Hashable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["TakenGradients", "own_version"]
+__all__ = ["KeptGradients", "TakenGradients", "own_version"]
 
 
 def own_version(g: torch.Tensor) -> int:
@@ -78,3 +86,76 @@ class TakenGradients:
         """Forget this step's record (after the step's agreement)."""
         self._taken.clear()
         self._changed.clear()
+
+
+class KeptGradients:
+    """The reduced gradients a step left on this rank (the owner's), to find them stale.
+
+    :meth:`leave` records, after a step, each gradient the reduction set: views of the
+    reduction's buffers, which share one version counter per buffer. :meth:`check`,
+    before the next step's launch of a parameter, takes every kept gradient of its buffer
+    that is still ``p.grad`` and finds them *stale* when the buffer's version moved by
+    exactly the number of them this step's backward reached: nothing but the backward's
+    accumulation into them (``+1`` each) touched them, so no ``zero_grad`` ran between
+    (in place, it moves each by one more; to ``None``, ``p.grad`` is another tensor). A
+    buffer nothing touched (moved by 0, no gradient arrived) is a second ``step()``
+    without a backward. Anything else — a write it cannot attribute — is let through.
+
+    Examples:
+        >>> import torch
+        >>> buffer = torch.zeros(4)
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> p.grad = buffer[:2]  # the reduced gradient the step used, a view
+        >>> kept = KeptGradients()
+        >>> kept.leave({"w": p.grad})
+        >>> p.grad.add_(1)  # the next backward, without zero_grad()
+        tensor([1., 1.])
+        >>> kept.check("w", {"w": p}, arrived={"w"}), kept.stale()
+        (True, ['w'])
+    """
+
+    def __init__(self) -> None:
+        # name → (the gradient left, its buffer's key); buffer's key → its version then
+        self._kept: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._versions: dict[int, int] = {}
+        self._stale: list[str] = []
+
+    def leave(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """After a step: ``grads`` (name → the reduced gradient set) stay on this rank."""
+        self._kept, self._versions = {}, {}
+        for name, g in grads.items():
+            base = g._base if g._base is not None else g
+            self._kept[name] = (weakref.ref(g), id(base))
+            self._versions[id(base)] = own_version(g)  # shared with every view of base
+
+    def check(self, name: str, params: Mapping[str, torch.Tensor], arrived: Container[str]) -> bool:
+        """Whether the gradients the last step left in ``name``'s buffer are stale (see
+        above; ``arrived``: the names this step's backward reached); recorded for
+        :meth:`stale`. The buffer's kept gradients are forgotten either way."""
+        entry = self._kept.get(name)
+        if entry is None:
+            return False
+        key = entry[1]
+        names = [n for n, (_, k) in self._kept.items() if k == key]
+        live = [n for n in names if (g := params[n].grad) is not None and self._kept[n][0]() is g]
+        for n in names:
+            del self._kept[n]
+        if not live:
+            return False
+        moved = own_version(params[live[0]].grad) - self._versions[key]  # type: ignore[arg-type]
+        if moved != sum(n in arrived for n in live):
+            return False
+        self._stale += live
+        return name in live
+
+    def pending(self) -> list[str]:
+        """The names still to :meth:`check` this step."""
+        return list(self._kept)
+
+    def stale(self) -> list[str]:
+        """The parameters found stale this step (emptied by :meth:`clear`)."""
+        return list(self._stale)
+
+    def clear(self) -> None:
+        """Forget what was found this step (the record of what the step left stays)."""
+        self._stale.clear()
