@@ -457,7 +457,9 @@ def _stale_error(ranks: list[int], names: list[str]) -> StaleGradientError:
         "step() was called again without a backward. Owner mode reduces each matrix's "
         "gradient to its owner only, so the others hold none to add to and the sum would "
         "be wrong. Call opt.zero_grad() after each opt.step() (to accumulate micro-batches "
-        "within a step, run all but the last inside no_sync()). Nothing was updated on any "
+        "within a step, run all but the last inside no_sync(); a zeroing through "
+        "p.grad.data is not seen: use opt.zero_grad() or model.zero_grad()). Nothing was "
+        "updated on any "
         "rank, and this iteration's gradients are spent: zero_grad() and go on",
         ranks,
         names,
