@@ -31,11 +31,7 @@ from dmuon.comm.process_groups import group_size, twin_groups
 from dmuon.optim.engine.params import EngineParam, collect_params, frozen_params, is_dtensor
 from dmuon.optim.engine.placements import placement_of_param
 from dmuon.optim.engine.report import StepReport
-from dmuon.optim.engine.split_presence import (
-    PresenceGroups,
-    agree_split_presence,
-    presence_groups,
-)
+from dmuon.optim.engine.split_presence import PresenceGroups, agree_split_presence, presence_groups
 from dmuon.optim.engine.tensor_split import settle_pending_grad, settle_split_grads, split_of
 from dmuon.optim.matrix_split import MatrixSplit
 from dmuon.optim.vote import SignVote

@@ -66,7 +66,16 @@ __all__ = [
 NONFINITE_POLICIES = ("raise", "skip_step", None)
 
 
-class NonFiniteGradientError(RuntimeError):
+class _FoundOnRanks(RuntimeError):
+    """An error the step's agreement raises on every rank: its message, the ranks where
+    the fault was found, and the parameters at fault on this rank."""
+
+    def __init__(self, message: str, ranks: list[int], names: list[str]) -> None:
+        super().__init__(message)
+        self.ranks, self.names = ranks, names
+
+
+class NonFiniteGradientError(_FoundOnRanks):
     """A gradient holds NaN or Inf on some rank (raised on every rank, state untouched).
 
     Attributes:
@@ -79,12 +88,8 @@ class NonFiniteGradientError(RuntimeError):
         [1]
     """
 
-    def __init__(self, message: str, ranks: list[int], names: list[str]) -> None:
-        super().__init__(message)
-        self.ranks, self.names = ranks, names
 
-
-class GradientChangedError(RuntimeError):
+class GradientChangedError(_FoundOnRanks):
     """A gradient was changed after the engine had taken it for a collective (owner mode:
     reduced to its owner during backward), so the change would be lost. Raised on every
     rank by the step's agreement, before anything was updated.
@@ -98,12 +103,8 @@ class GradientChangedError(RuntimeError):
         ['w']
     """
 
-    def __init__(self, message: str, ranks: list[int], names: list[str]) -> None:
-        super().__init__(message)
-        self.ranks, self.names = ranks, names
 
-
-class StaleGradientError(RuntimeError):
+class StaleGradientError(_FoundOnRanks):
     """A gradient was still the averaged one the last step left on its owner, not zeroed
     since: this step's backward added to it, or ``step()`` came again without a backward
     (owner mode). Only the owner held that average, so the reduction would average it
@@ -120,12 +121,8 @@ class StaleGradientError(RuntimeError):
         ['w']
     """
 
-    def __init__(self, message: str, ranks: list[int], names: list[str]) -> None:
-        super().__init__(message)
-        self.ranks, self.names = ranks, names
 
-
-class ThawedParameterError(RuntimeError):
+class ThawedParameterError(_FoundOnRanks):
     """A parameter that did not require a gradient when the optimizer was built holds one
     at a step (:meth:`Engine.thawed`): the distributed modes planned without it, so
     nothing would average its gradient or step it alike. Raised on every rank by the
@@ -139,10 +136,6 @@ class ThawedParameterError(RuntimeError):
         >>> ThawedParameterError("thawed", [1], []).ranks
         [1]
     """
-
-    def __init__(self, message: str, ranks: list[int], names: list[str]) -> None:
-        super().__init__(message)
-        self.ranks, self.names = ranks, names
 
 
 class RankDivergenceError(RuntimeError):
@@ -459,8 +452,8 @@ def _stale_error(ranks: list[int], names: list[str]) -> StaleGradientError:
         "be wrong. Call opt.zero_grad() after each opt.step() (to accumulate micro-batches "
         "within a step, run all but the last inside no_sync(); a zeroing through "
         "p.grad.data is not seen: use opt.zero_grad() or model.zero_grad()). Nothing was "
-        "updated on any "
-        "rank, and this iteration's gradients are spent: zero_grad() and go on",
+        "updated on any rank, and this iteration's gradients are spent: zero_grad() and go "
+        "on",
         ranks,
         names,
     )

@@ -115,34 +115,35 @@ class KeptGradients:
     """
 
     def __init__(self) -> None:
-        # name → (the gradient left, its buffer's key); buffer's key → its version then
-        self._kept: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
-        self._versions: dict[int, int] = {}
+        # each buffer's kept gradients (name → the gradient left) and its version then,
+        # by buffer; and the buffer of each name
+        self._buffers: dict[int, tuple[int, dict[str, weakref.ref[torch.Tensor]]]] = {}
+        self._buffer_of: dict[str, int] = {}
         self._stale: list[str] = []
 
     def leave(self, grads: Mapping[str, torch.Tensor]) -> None:
         """After a step: ``grads`` (name → the reduced gradient set) stay on this rank."""
-        self._kept, self._versions = {}, {}
+        self._buffers, self._buffer_of = {}, {}
         for name, g in grads.items():
-            base = g._base if g._base is not None else g
-            self._kept[name] = (weakref.ref(g), id(base))
-            self._versions[id(base)] = own_version(g)  # shared with every view of base
+            key = id(g._base if g._base is not None else g)
+            # the version is shared with every view of the buffer
+            self._buffers.setdefault(key, (own_version(g), {}))[1][name] = weakref.ref(g)
+            self._buffer_of[name] = key
 
     def check(self, name: str, params: Mapping[str, torch.Tensor], arrived: Container[str]) -> bool:
         """Whether the gradients the last step left in ``name``'s buffer are stale (see
         above; ``arrived``: the names this step's backward reached); recorded for
         :meth:`stale`. The buffer's kept gradients are forgotten either way."""
-        entry = self._kept.get(name)
-        if entry is None:
+        key = self._buffer_of.get(name)
+        if key is None:
             return False
-        key = entry[1]
-        names = [n for n, (_, k) in self._kept.items() if k == key]
-        live = [n for n in names if (g := params[n].grad) is not None and self._kept[n][0]() is g]
-        for n in names:
-            del self._kept[n]
+        version, kept = self._buffers.pop(key)
+        for n in kept:
+            del self._buffer_of[n]
+        live = [n for n, ref in kept.items() if (g := params[n].grad) is not None and ref() is g]
         if not live:
             return False
-        moved = own_version(params[live[0]].grad) - self._versions[key]  # type: ignore[arg-type]
+        moved = own_version(params[live[0]].grad) - version  # type: ignore[arg-type]
         if moved != sum(n in arrived for n in live):
             return False
         self._stale += live
@@ -150,7 +151,7 @@ class KeptGradients:
 
     def pending(self) -> list[str]:
         """The names still to :meth:`check` this step."""
-        return list(self._kept)
+        return list(self._buffer_of)
 
     def stale(self) -> list[str]:
         """The parameters found stale this step (emptied by :meth:`clear`)."""
