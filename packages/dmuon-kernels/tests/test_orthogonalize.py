@@ -247,3 +247,22 @@ def test_short_schedules_run_without_the_default_restart(steps):
     assert torch.equal(
         orthogonalize(G, steps=steps, restarts=[2], compute_dtype=torch.float32), want
     )
+
+
+def test_bf16_restarts_at_three_by_default():
+    """bf16's evolved Gram matrix drifts: with a restart at 2 the top singular value of
+    a wide matrix whose spectrum spreads over three decades reached 1.38; the default
+    restarts at 3 in bf16 (the same cost) and stays within the fp16 band."""
+    sv = torch.logspace(0, -3, 64, dtype=torch.float64)
+    G = matrix_with_singular_values(64, 256, sv, seed=3).to(torch.float32)
+    got = orthogonalize(G, compute_dtype=torch.bfloat16)
+    assert torch.equal(got, orthogonalize(G, compute_dtype=torch.bfloat16, restarts=(3,)))
+    assert torch.linalg.svdvals(got.double()).max() < 1.2
+    at_two = orthogonalize(G, compute_dtype=torch.bfloat16, restarts=(2,))  # still honoured
+    assert torch.linalg.svdvals(at_two.double()).max() > 1.2
+    # fp16 and fp32 keep the restart at 2; a 3-step bf16 schedule restarts at 2
+    for dtype in (torch.float16, torch.float32):
+        want = orthogonalize(G, compute_dtype=dtype, restarts=(2,))
+        assert torch.equal(orthogonalize(G, compute_dtype=dtype), want)
+    want = orthogonalize(G, steps=3, compute_dtype=torch.bfloat16, restarts=(2,))
+    assert torch.equal(orthogonalize(G, steps=3, compute_dtype=torch.bfloat16), want)

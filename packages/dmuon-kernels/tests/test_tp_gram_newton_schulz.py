@@ -272,3 +272,19 @@ def test_short_schedules_run_without_the_default_restart(steps):
     )
     ref = gram_newton_schulz(G, steps=steps, restarts=(), compute_dtype=torch.float64)
     assert rel_err(O, ref) < 1e-12
+
+
+def test_bf16_takes_the_bf16_default_restart():
+    """A short Gram side restarts once, where the whole-matrix kernel does: at 3 in bf16."""
+    G = torch.randn(32, 128, generator=torch.Generator().manual_seed(1))
+    O = tp_gram_newton_schulz(G, split_dim=-1, reduce=identity, compute_dtype=torch.bfloat16)
+    at_three = tp_gram_newton_schulz(
+        G, split_dim=-1, reduce=identity, compute_dtype=torch.bfloat16, restarts=(3,)
+    )
+    assert torch.equal(O, at_three)
+    assert not torch.equal(
+        O,
+        tp_gram_newton_schulz(
+            G, split_dim=-1, reduce=identity, compute_dtype=torch.bfloat16, restarts=(2,)
+        ),
+    )

@@ -32,7 +32,7 @@ from dmuon.kernels.backends import BACKENDS, resolve_backend, triton_candidates
 from dmuon.kernels.coefficients import Schedule
 from dmuon.kernels.compute_dtype import default_compute_dtype
 from dmuon.kernels.cuda_graphs import graph_cache
-from dmuon.kernels.ns_options import NSOptions
+from dmuon.kernels.ns_options import NSOptions, default_restarts
 from dmuon.kernels.symmetric_ops import TORCH_OPS, SymmetricOps
 
 __all__ = ["CallPlan", "Iteration", "graph_key", "random_wide_batch", "run", "wants_graph"]
@@ -134,15 +134,16 @@ def _plan_key(G: object, method: str, iteration: Iteration, options: NSOptions) 
     answered from a plan that another rule made.
     """
     o = options
-    restarts = tuple(o.restarts) if type(o.restarts) in (tuple, list) else None
+    restarts = o.restarts
+    if type(restarts) in (tuple, list):
+        restarts = tuple(restarts)  # type: ignore[arg-type]
     plain = (
         isinstance(G, torch.Tensor)
         and G.ndim >= 2
         and type(method) is str
         and type(o.coefficients) is str
         and type(o.steps) is int
-        and restarts is not None
-        and set(map(type, restarts)) <= {int}
+        and (restarts is None or (type(restarts) is tuple and set(map(type, restarts)) <= {int}))
         and type(o.eps) is float
         and (o.compute_dtype is None or isinstance(o.compute_dtype, torch.dtype))
         and type(o.backend) is str
@@ -161,13 +162,15 @@ def _make_plan(
     iteration: Iteration,
     options: NSOptions,
     schedule: Schedule,
-    restarts: tuple[int, ...],
+    restarts: tuple[int, ...] | None,
 ) -> CallPlan:
     dtype = (
         options.compute_dtype
         if options.compute_dtype is not None
         else default_compute_dtype(G.device, method)
     )
+    if restarts is None:
+        restarts = default_restarts(len(schedule), dtype) if method == "gram" else ()
     choice = resolve_backend(
         options.backend, device=G.device, compute_dtype=dtype, gram_size=min(G.shape[-2:])
     )

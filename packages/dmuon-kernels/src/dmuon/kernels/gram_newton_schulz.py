@@ -106,7 +106,7 @@ def gram_newton_schulz(
     *,
     coefficients: str | Sequence[Sequence[float]] = DEFAULTS.coefficients,
     steps: int = DEFAULTS.steps,
-    restarts: Sequence[int] = DEFAULTS.restarts,
+    restarts: Sequence[int] | None = DEFAULTS.restarts,
     eps: float = DEFAULTS.eps,
     compute_dtype: torch.dtype | None = DEFAULTS.compute_dtype,
     backend: str = DEFAULTS.backend,
@@ -122,7 +122,8 @@ def gram_newton_schulz(
         coefficients: a name from :data:`~dmuon.kernels.COEFFICIENT_SETS` or explicit triples.
         steps: number of iterations.
         restarts: iterations at which ``X`` is re-formed and ``R`` recomputed exactly
-            (``()`` for none).
+            (``()`` for none); ``None`` (default): one, at iteration 2, or 3 in bf16
+            (:func:`~dmuon.kernels.ns_options.default_restarts`).
         eps: relative guard of the normalisation.
         compute_dtype: dtype of the matmuls; default per device, see
             :func:`~dmuon.kernels.default_compute_dtype` (fp16 on CUDA; bf16 on CPUs

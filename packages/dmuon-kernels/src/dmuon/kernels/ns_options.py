@@ -16,7 +16,7 @@ import torch
 
 from dmuon.kernels.coefficients import Schedule, resolve_coefficients
 
-__all__ = ["DEFAULTS", "NSOptions", "check_restarts"]
+__all__ = ["DEFAULTS", "NSOptions", "check_restarts", "default_restarts"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,10 @@ class NSOptions:
         coefficients: coefficient-set name or explicit ``(a, b, c)`` triples.
         steps: number of Newton–Schulz steps.
         restarts: Gram restarts (ignored by the standard iteration). The default,
-            ``(2,)``, applies to schedules of more than 2 steps; 1 or 2 steps have no
-            iteration to restart at, and run without.
+            ``None``, is one restart chosen per compute dtype
+            (:func:`default_restarts`). An explicit ``(2,)`` on a 1- or 2-step
+            schedule, which has no iteration to restart at, runs without (as the
+            earlier default ``(2,)`` did).
         eps: relative guard of the normalisation.
         compute_dtype: dtype of the matmuls; ``None``: per device and method.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
@@ -37,21 +39,23 @@ class NSOptions:
     Examples:
         >>> from dmuon.kernels.ns_options import DEFAULTS
         >>> DEFAULTS.coefficients, DEFAULTS.steps, DEFAULTS.restarts
-        ('polar_express', 5, (2,))
+        ('polar_express', 5, None)
         >>> len(DEFAULTS.resolve("gram")[0])  # five (a, b, c) triples
         5
     """
 
     coefficients: str | Sequence[Sequence[float]] = "polar_express"
     steps: int = 5
-    restarts: Sequence[int] = (2,)
+    restarts: Sequence[int] | None = None
     eps: float = 1e-7
     compute_dtype: torch.dtype | None = None
     backend: str = "auto"
     cuda_graph: bool | None = None
 
-    def resolve(self, method: str) -> tuple[Schedule, tuple[int, ...]]:
-        """The checked schedule and restarts (``()`` for the standard iteration).
+    def resolve(self, method: str) -> tuple[Schedule, tuple[int, ...] | None]:
+        """The checked schedule and restarts (``()`` for the standard iteration; ``None``
+        for the default, which :func:`default_restarts` resolves once the compute dtype
+        is known).
 
         Raises:
             ValueError: ``coefficients``, ``steps`` or (for ``"gram"``) ``restarts``
@@ -72,12 +76,10 @@ class NSOptions:
         if method != "gram":
             return schedule, ()
         restarts = self.restarts
-        if (
-            isinstance(restarts, Sequence)
-            and tuple(restarts) == tuple(DEFAULTS.restarts)
-            and self.steps <= max(DEFAULTS.restarts)
-        ):
-            restarts = ()  # the default restart lies past a 1- or 2-step schedule
+        if restarts is None:
+            return schedule, None
+        if isinstance(restarts, Sequence) and tuple(restarts) == (2,) and self.steps <= 2:
+            restarts = ()  # the earlier default restart lies past a 1- or 2-step schedule
         return schedule, check_restarts(restarts, self.steps)
 
 
@@ -86,6 +88,28 @@ MATMUL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 DEFAULTS = NSOptions()
 """The defaults of every entry point's keyword arguments."""
+
+
+def default_restarts(steps: int, compute_dtype: torch.dtype) -> tuple[int, ...]:
+    """The Gram restarts used when none are given: one, at iteration 2, or at 3 in bf16.
+
+    Iteration 2 is the restart the Gram Newton–Schulz paper uses for five-step
+    schedules (fp16). In bf16, whose 8-bit mantissa lets the evolved ``R`` drift more,
+    a restart at 2 lets the top singular value of a wide matrix reach 1.17–1.38 on
+    spectra spread over decades (256 × 1024, Polar Express, five steps), where a
+    restart at 3 keeps it at 1.13, the same as fp16: same number of products, same
+    cost (``benchmarks/ns_restarts.py`` measures both). A schedule too short for the
+    restart runs without (3 steps in bf16 restart at 2; 1 or 2 steps, none).
+
+    Examples:
+        >>> import torch
+        >>> default_restarts(5, torch.float16), default_restarts(5, torch.bfloat16)
+        ((2,), (3,))
+        >>> default_restarts(3, torch.bfloat16), default_restarts(2, torch.float32)
+        ((2,), ())
+    """
+    at = 3 if compute_dtype == torch.bfloat16 and steps > 3 else 2
+    return (at,) if steps > at else ()
 
 
 def check_restarts(restarts: Sequence[int], steps: int) -> tuple[int, ...]:

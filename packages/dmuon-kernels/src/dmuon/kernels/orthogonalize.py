@@ -23,7 +23,7 @@ def orthogonalize(
     method: str = "gram",
     coefficients: str | Sequence[Sequence[float]] = DEFAULTS.coefficients,
     steps: int = DEFAULTS.steps,
-    restarts: Sequence[int] = DEFAULTS.restarts,
+    restarts: Sequence[int] | None = DEFAULTS.restarts,
     eps: float = DEFAULTS.eps,
     compute_dtype: torch.dtype | None = DEFAULTS.compute_dtype,
     backend: str = DEFAULTS.backend,
@@ -71,7 +71,9 @@ def orthogonalize(
         method: ``"gram"`` (default) or ``"standard"``.
         coefficients: coefficient-set name or explicit ``(a, b, c)`` triples.
         steps: number of Newton–Schulz steps.
-        restarts: Gram restarts (ignored by ``"standard"``).
+        restarts: Gram restarts (ignored by ``"standard"``); ``None`` (default): one,
+            at iteration 2, or 3 in bf16
+            (:func:`~dmuon.kernels.ns_options.default_restarts`).
         eps: relative guard of the normalisation.
         compute_dtype: dtype of the matmuls; default per device and method, see
             :func:`~dmuon.kernels.default_compute_dtype`.

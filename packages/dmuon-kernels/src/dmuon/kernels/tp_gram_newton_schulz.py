@@ -46,7 +46,7 @@ from dmuon.kernels._layout import check_matrix_input
 from dmuon.kernels.coefficients import resolve_coefficients
 from dmuon.kernels.compute_dtype import default_compute_dtype
 from dmuon.kernels.gram_newton_schulz import gram_iterations
-from dmuon.kernels.ns_options import DEFAULTS, check_restarts
+from dmuon.kernels.ns_options import DEFAULTS, check_restarts, default_restarts
 from dmuon.kernels.symmetric_ops import TORCH_OPS, SymmetricOps
 
 __all__ = ["REDUCE_OPS", "tp_gram_newton_schulz"]
@@ -94,8 +94,10 @@ def tp_gram_newton_schulz(
             code). It is called ``3 + len(restarts)``
             times, in the same order on every rank.
         restarts: iterations at which ``X`` is re-formed and ``R`` recomputed (and
-            reduced) exactly. ``None``: ``(2,)`` when the Gram side (the unsplit
-            dimension) is the short side of the whole matrix, every step
+            reduced) exactly. ``None``: one restart
+            (:func:`~dmuon.kernels.ns_options.default_restarts`: at 2, at 3 in bf16)
+            when the Gram side (the unsplit dimension) is the short side of the whole
+            matrix, every step
             ``(1, …, steps − 1)`` when it is the long side (see above).
         coefficients: as for :func:`~dmuon.kernels.gram_newton_schulz`.
         steps: as for :func:`~dmuon.kernels.gram_newton_schulz`.
@@ -158,7 +160,9 @@ def tp_gram_newton_schulz(
     X = (X / (norm + eps)[:, None, None]).to(dtype).contiguous()
     gram_side = X.shape[-2]
     if restarts is None:
-        restarts = tuple(range(1, steps)) if gram_side > split_size else (2,) if steps > 2 else ()
+        restarts = (
+            tuple(range(1, steps)) if gram_side > split_size else default_restarts(steps, dtype)
+        )
     restarts_t = check_restarts(restarts, steps)
 
     def gram(Y: torch.Tensor) -> torch.Tensor:
