@@ -146,3 +146,36 @@ def test_a_layer_used_on_some_ranks_only_steps_as_one_process_in_owner_mode(scal
         for name in want:
             diff = float((got[name] - want[name]).abs().max())
             assert diff < 1e-5, f"rank {rank}: {name} differs by {diff:.2e}"
+
+
+# ------------------------------------- owner mode, ZeRO-3-like: a layer on some ranks only
+# Under reshard_after_forward=True every rank re-gathers a layer's weights in its forward
+# and backward pre-hooks, so a layer that ran on some ranks only pairs the ranks'
+# broadcasts wrongly (gloo aborted a rank on the size mismatch; two layers of one size
+# would swap weights). The check at the end of the training forward names it on every
+# rank before any backward broadcast.
+
+
+def _chain_resharded(rank: int, world: int) -> dict[str, object]:
+    from dmuon.integrations import ddp
+
+    model = Chain()
+    ded = ddp.dedicate(model, reshard_after_forward=True)
+    opt = DMuon(param_groups(model), distributed=ded, timeout=15, **OPT)
+    for step in range(STEPS):
+        try:
+            out = model(_batch(step, rank), use_extra=step == 1 and rank == 0)
+        except PartialUseError as err:
+            return {"step": step, "error": str(err), "names": err.names}
+        F.mse_loss(out, torch.zeros(4, 2)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"step": None, "error": None, "names": []}
+
+
+def test_a_layer_used_on_some_ranks_only_under_reshard_after_forward_is_named_on_every_rank():
+    for rank, r in enumerate(run_on_ranks(_chain_resharded, 2, timeout=90)):
+        assert r["step"] == 1 and r["names"] == ["extra.weight"], (rank, r)
+        assert "reshard_after_forward=False" in r["error"], r["error"]
+        mine = "['extra.weight']" if rank == 0 else "none of them"
+        assert f"this rank used {mine}" in r["error"], r["error"]

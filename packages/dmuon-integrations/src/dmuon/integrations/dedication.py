@@ -27,6 +27,7 @@ from dmuon.integrations.hooks import (
     install_hooks,
     layer_modules,
 )
+from dmuon.integrations.partial_use import install_partial_use_check
 from dmuon.integrations.selection import (
     Predicate,
     mesh_groups,
@@ -37,6 +38,7 @@ from dmuon.optim import OwnerExchange
 from dmuon.optim import deadline as auto_deadline
 from dmuon.optim.engine import DEFAULT_PACK_MB, format_description
 from dmuon.optim.engine.expert_split import in_place_replicas, replica_owners
+from dmuon.optim.engine.guards import guard_groups
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.engine.placements import placement_of
 
@@ -276,6 +278,7 @@ def build_dedication(
     free_local_grads: bool = False,
     layer_pack_mb: float = DEFAULT_PACK_MB,
     experts_in_place: bool = False,
+    check_rest_use: bool = False,
 ) -> Dedication:
     """Plan owners for ``model``'s dedicated parameters, build their exchange, hook it in.
 
@@ -386,7 +389,40 @@ def build_dedication(
         ) from err
     ded = Dedication(model, exchange, kind=kind, experts=tuple(i.name for i, _ in experts))
     ded.add_hooks(lambda: install_hooks(model, exchange))
+    _check_use(ded, check_rest_use)
     return ded
+
+
+def _check_use(ded: Dedication, rest: bool) -> None:
+    """Install the check that every rank used what must be used on every rank
+    (:func:`~dmuon.integrations.partial_use.install_partial_use_check`, one all-reduce at
+    the end of each training forward): with ``rest``, the parameters left to FSDP2; under
+    ``reshard_after_forward``, the dedicated weights, which backward re-gathers layer by
+    layer."""
+    ex = ded.exchange
+    model = ded.model
+    groups = [ex.group] if group_size(ex.group) > 1 else []
+    if ex.replicate_group is not None and group_size(ex.replicate_group) > 1:
+        groups.append(ex.replicate_group)
+    if not groups:
+        return
+    dedicated = {id(p) for p in ded.params}
+    names = (
+        [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in dedicated]
+        if rest
+        else []
+    )
+    resharded = list(ex.names) if ex.publication.reshard_after_forward else []
+    if names or resharded:
+        ded.add_hooks(
+            lambda: install_partial_use_check(
+                model,
+                names,
+                guard_groups(groups),
+                lambda: ex.publication.timeout,
+                resharded=resharded,
+            )
+        )
 
 
 def in_place_experts(

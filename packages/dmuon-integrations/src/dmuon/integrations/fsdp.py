@@ -24,12 +24,9 @@ from typing import Any
 from torch import nn
 
 from dmuon.comm import CommStats, layer_key
-from dmuon.comm.process_groups import group_size
 from dmuon.integrations.dedication import Dedication, build_dedication
-from dmuon.integrations.partial_use import install_partial_use_check
 from dmuon.integrations.selection import Predicate
 from dmuon.optim.engine import DEFAULT_PACK_MB
-from dmuon.optim.engine.guards import guard_groups
 
 __all__ = ["dedicate"]
 
@@ -76,7 +73,9 @@ def dedicate(
         reshard_after_forward: ZeRO-3-like: a rank keeps only the matrices it owns
             and the others are broadcast around each layer's forward and backward
             (3(N−1)/N·P bytes per step instead of 2(N−1)/N·P); default ZeRO-2-like,
-            every matrix resident. 1-D meshes of plain tensors only.
+            every matrix resident. 1-D meshes of plain tensors only. Every rank must
+            run every dedicated layer: the end of each training forward checks it
+            (:class:`~dmuon.integrations.PartialUseError` on every rank otherwise).
         reduce_op: how the dedicated gradients are combined over the ranks, to match
             FSDP2's for the rest: ``"avg"`` (FSDP2's default: the mean) or ``"sum"``
             (after ``set_gradient_divide_factor(1.0)`` on the FSDP2 modules, as
@@ -136,20 +135,6 @@ def dedicate(
         kind="fsdp",
         plan_options=plan_options,
         experts_in_place=True,
+        check_rest_use=True,  # FSDP2 synchronises the rest (partial_use.py)
     )
-    # FSDP2 synchronises the rest: each must be used on every rank (partial_use.py)
-    ex = ded.exchange
-    groups = [ex.group] if group_size(ex.group) > 1 else []
-    if ex.replicate_group is not None and group_size(ex.replicate_group) > 1:
-        groups.append(ex.replicate_group)
-    if groups:
-        dedicated = {id(p) for p in ded.params}
-        rest = [
-            n for n, p in model.named_parameters() if p.requires_grad and id(p) not in dedicated
-        ]
-        ded.add_hooks(
-            lambda: install_partial_use_check(
-                model, rest, guard_groups(groups), lambda: ex.publication.timeout
-            )
-        )
     return ded

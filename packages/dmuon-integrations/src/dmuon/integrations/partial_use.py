@@ -38,6 +38,12 @@ from dmuon.comm.flags import flag_device
 
 __all__ = ["PartialUseError", "install_partial_use_check"]
 
+PARTIAL_USE_FLAGS = (
+    "all-reduce of parameter-use flags at the end of a training forward (a rank missing "
+    "here is still in its forward: in a layer the others did not run, or stalled)"
+)
+"""The collective of the check, as a :class:`~dmuon.comm.CollectiveError` names it."""
+
 
 class PartialUseError(RuntimeError):
     """A parameter FSDP2 synchronises was used on some ranks only (raised on every rank).
@@ -60,14 +66,22 @@ def install_partial_use_check(
     names: Sequence[str],
     groups: Sequence[dist.ProcessGroup | None],
     timeout: Any,
+    *,
+    resharded: Sequence[str] = (),
 ) -> list[RemovableHandle]:
-    """Check, after every training forward of ``model``, that every rank used ``names``.
+    """Check, after every training forward of ``model``, that every rank used ``names``
+    and ``resharded``.
 
     Args:
         model: the root module (its forward ends the check).
         names: the parameters FSDP2 synchronises (``model.named_parameters()`` names).
         groups: the groups whose ranks must agree (twins of the mesh's groups).
         timeout: returns the deadline of the check's all-reduce (DMuon's ``timeout=``).
+        resharded: dedicated weights under ``reshard_after_forward=True`` (ZeRO-3-like).
+            Their backward pre-hooks re-gather them layer by layer, so a layer whose
+            forward ran on some ranks only makes the ranks' broadcasts pair up wrongly:
+            gloo aborts a rank on the size mismatch, and two layers of one size would
+            swap weights silently. Checked in the same all-reduce.
 
     Returns:
         The hook handles (``handle.remove()`` undoes them).
@@ -79,8 +93,9 @@ def install_partial_use_check(
         >>> len(handles)
         3
     """
-    watched = set(names)
+    watched = set(names) | set(resharded)
     order = sorted(watched)
+    resharded_set = set(resharded)
     owned: dict[nn.Module, list[str]] = {}
     for mod_name, module in model.named_modules():
         for p_name, _ in module.named_parameters(recurse=False):
@@ -111,23 +126,43 @@ def install_partial_use_check(
         with collective_timeout(timeout()):
             for g in groups:
                 work = dist.all_reduce(flags, group=g, async_op=True)
-                wait_work(work, "all-reduce of FSDP2 parameter-use flags", g)
+                wait_work(work, PARTIAL_USE_FLAGS, g)
                 sizes *= dist.get_world_size(g)
         partial = [n for n, f in zip(order, flags.tolist(), strict=True) if 0 < f < sizes]
         if partial:
-            mine = [n for n in partial if n in used]
-            raise PartialUseError(
-                f"parameter(s) {partial[:5]} (synchronised by FSDP2) were used in this "
-                f"forward on some ranks only (this rank used {mine[:5] or 'none of them'}). "
-                "FSDP2 leaves a parameter without a gradient out of its reduce-scatter, so "
-                "the ranks would hang in backward. Use them on every rank (e.g. run every "
-                "expert and multiply an unused one's output by zero), or give them to DMuon: "
-                "ddp.dedicate(model, scalars='owner') reduces absent gradients as zeros",
-                partial,
-            )
+            raise PartialUseError(_message(partial, used, resharded_set), partial)
 
     handles.append(model.register_forward_pre_hook(start))
     for module, here in owned.items():
         handles.append(module.register_forward_hook(ran(here)))
     handles.append(model.register_forward_hook(agree))
     return handles
+
+
+def _message(partial: list[str], used: set[str], resharded: set[str]) -> str:
+    """What :class:`PartialUseError` says of the parameters used on some ranks only."""
+    parts = []
+    synced = [n for n in partial if n not in resharded]
+    if synced:
+        mine = [n for n in synced if n in used]
+        parts.append(
+            f"parameter(s) {synced[:5]} (synchronised by FSDP2) were used in this "
+            f"forward on some ranks only (this rank used {mine[:5] or 'none of them'}). "
+            "FSDP2 leaves a parameter without a gradient out of its reduce-scatter, so "
+            "the ranks would hang in backward. Use them on every rank (e.g. run every "
+            "expert and multiply an unused one's output by zero), or give them to DMuon: "
+            "ddp.dedicate(model, scalars='owner') reduces absent gradients as zeros"
+        )
+    gathered = [n for n in partial if n in resharded]
+    if gathered:
+        mine = [n for n in gathered if n in used]
+        parts.append(
+            f"dedicated weight(s) {gathered[:5]} were used in this forward on some ranks "
+            f"only (this rank used {mine[:5] or 'none of them'}). Under "
+            "reshard_after_forward=True every rank re-gathers each layer's weights in its "
+            "backward, layer by layer, so the ranks' broadcasts would not meet. Run every "
+            "dedicated layer on every rank (multiply an unused branch's output by zero), "
+            "or keep the weights resident (reshard_after_forward=False), which handles a "
+            "layer used on some ranks only"
+        )
+    return "; ".join(parts)
