@@ -109,3 +109,69 @@ def test_another_ranks_state_dict_is_refused_and_the_own_one_loads():
     next(iter(single["state"].values()))["step"] = torch.tensor(3.0)
     opt.load_state_dict(single)
     assert next(iter(opt.state.values()))["step"].item() == 3.0
+
+
+# ------------------------------------------- sharded mode: a dict of another world size
+# FSDP2's state is DTensors on the saving mesh. torch's load copies them into the live
+# DTensors and failed half-way ("different meshes"), leaving some state on the old mesh:
+# the next step failed too. Now refused before anything changes, naming both meshes.
+
+
+def _sharded(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon.optim import DMuon, param_groups
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5))
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model, mesh=mesh)
+    opt = DMuon(param_groups(model), rule="normuon", lr=0.02)
+    g = torch.Generator().manual_seed(torch.distributed.get_rank())
+    model(torch.randn(4, 6, generator=g)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _save_sharded(rank: int, world: int) -> bytes:
+    import io
+
+    _, opt = _sharded(world)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    return buf.getvalue()
+
+
+def _load_sharded(rank: int, world: int, blobs: list[bytes]) -> tuple[str, bool]:
+    import io
+
+    _, opt = _sharded(world)
+    before = {
+        (id(p), k): (type(v), v.to_local().clone() if hasattr(v, "to_local") else v.clone())
+        for p, st in opt.state.items()
+        for k, v in st.items()
+    }
+    theirs = torch.load(io.BytesIO(blobs[rank % len(blobs)]), weights_only=False)
+    with pytest.raises(ValueError, match="saved") as err:
+        opt.load_state_dict(theirs)
+    after = {
+        (id(p), k): (type(v), v.to_local() if hasattr(v, "to_local") else v)
+        for p, st in opt.state.items()
+        for k, v in st.items()
+    }
+    unchanged = before.keys() == after.keys() and all(
+        before[k][0] is after[k][0] and torch.equal(before[k][1], after[k][1]) for k in before
+    )
+    return str(err.value), unchanged
+
+
+def test_a_sharded_dict_of_another_world_size_is_refused_before_anything_changes():
+    blobs = run_on_ranks(_save_sharded, 2, timeout=90)
+    for rank, (message, unchanged) in enumerate(
+        run_on_ranks(_load_sharded, 3, args=(blobs,), timeout=90)
+    ):
+        assert unchanged, f"rank {rank}: the refused load changed the state"
+        if rank < 2:  # rank 2 loads rank 0's dict: a placeholder where it steps (refused too)
+            assert "mesh of ranks [0, 1]" in message and "ranks [0, 1, 2]" in message, message

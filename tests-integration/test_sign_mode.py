@@ -7,6 +7,8 @@ chain on ``S`` and applies it; the scalar parameters take AdamW on the averaged
 gradient, as sign mode does.
 """
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from distributed_cases import OPT, TOLERANCE, batch, build, full_params, loss_of, max_diff
@@ -129,3 +131,73 @@ def test_ranks_without_a_gradient_abstain_so_the_vote_is_the_one_rank_that_has_o
     for rank, got in enumerate(run_on_ranks(run_abstaining, world, timeout=120)):
         diff, where = max_diff(got, expected)
         assert diff <= TOLERANCE, f"rank {rank}: {where} differs by {diff:.2e}"
+
+
+def run_reordered(rank, world, name):
+    """Rank 1 lists the scalar groups' parameters in reverse: their gradients are averaged
+    by name (one flat buffer per dtype; by position, rank 1's entries were summed with
+    other parameters' — silently, with the ranks' weights drifting apart)."""
+    model = build(name)
+    groups = param_groups(model)
+    if rank == 1:
+        for g in groups:
+            if g.get("rule") == "scalar":
+                g["params"] = g["params"][::-1]
+                if "param_names" in g:
+                    g["param_names"] = g["param_names"][::-1]
+    opt = DMuon(groups, rule="sign_muon", mode="sign", **OPT)
+    for t in range(STEPS):
+        loss_of(name, model, *batch(name, t, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    return full_params(model)
+
+
+def test_ranks_listing_the_scalars_in_other_orders_step_as_the_simulation():
+    expected = simulate(NAME, 2)
+    for rank, got in enumerate(run_on_ranks(run_reordered, 2, args=(NAME,), timeout=120)):
+        diff, where = max_diff(got, expected)
+        assert diff <= TOLERANCE, f"rank {rank}: {where} differs by {diff:.2e}"
+
+
+def run_missing_scalar(rank, world):
+    from dmuon.optim import ModelMismatchError
+
+    model = two_matrices()
+    model[0].register_parameter("bias", torch.nn.Parameter(torch.zeros(8)))
+    if rank == 1:  # the same model but for one scalar parameter
+        model[0].bias = None
+    try:
+        DMuon(param_groups(model), rule="sign_muon", mode="sign", timeout=20, **OPT)
+    except ModelMismatchError as err:
+        return str(err)
+    return None
+
+
+def test_a_scalar_parameter_on_some_ranks_only_is_named_on_every_rank_when_built():
+    """Sign mode all-reduces the scalars' gradients itself: a rank without one hung in
+    another collective (or, for another shape, gloo aborted a rank)."""
+    for rank, message in enumerate(run_on_ranks(run_missing_scalar, 2, timeout=90)):
+        assert message is not None, f"rank {rank} built the optimizer"
+        assert "'[all-reduced] 0.bias'" in message and "rank 1 lacks" in message, message
+
+
+def run_swapped_state(rank, world):
+    model = two_matrices()
+    opt = DMuon(param_groups(model), rule="sign_muon", mode="sign", **OPT)
+    x, y = matrix_batch(rank)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    theirs = [None]
+    torch.distributed.broadcast_object_list(theirs if rank else [opt.state_dict()], src=0)
+    mine = opt.state_dict()
+    with pytest.warns(UserWarning, match="rank 0 of 2 on rank 1 of 2") if rank else nullcontext():
+        opt.load_state_dict(theirs[0] if rank else mine)
+    return True
+
+
+def test_another_ranks_sign_state_loads_with_a_warning():
+    """Sign-Muon's momentum is each rank's own: rank 0's dict (what Lightning loads on
+    every rank) resumes training, not rank 1's run, and says so; a rank's own loads
+    silently."""
+    assert run_on_ranks(run_swapped_state, 2, timeout=90) == [True, True]

@@ -229,6 +229,9 @@ def refuse_unloadable(engine: Engine) -> Callable[[torch.optim.Optimizer, dict[s
     """
 
     def hook(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("distributed")
+        if isinstance(saved, Mapping):
+            engine.check_loaded_description(saved)
         saved_groups = state_dict.get("param_groups")
         if not isinstance(saved_groups, list) or len(saved_groups) != len(opt.param_groups):
             return
@@ -250,12 +253,26 @@ def refuse_unloadable(engine: Engine) -> Callable[[torch.optim.Optimizer, dict[s
                         "in the mode it was saved in, or save and load across modes "
                         "with dmuon.integrations.checkpoint"
                     )
+                if is_dtensor(mine) and mine.device_mesh != other.device_mesh:  # type: ignore[attr-defined]
+                    raise ValueError(
+                        f"state {key!r} of {pair.name} was saved as a DTensor on a mesh of "
+                        f"ranks {_mesh_ranks(other)}, and this optimizer keeps it on ranks "
+                        f"{_mesh_ranks(mine)}: the dict was saved at another world size or "
+                        "on another mesh (torch's copy would fail half-way, leaving the "
+                        "state mixed). Load it where it was saved, or save and load across "
+                        "world sizes with dmuon.integrations.checkpoint"
+                    )
                 if key != "step" and mine.numel() > 0 and other.numel() == 0:
                     raise ValueError(
                         _foreign_placeholder_message(engine, state_dict, key, pair.name)
                     )
 
     return hook
+
+
+def _mesh_ranks(t: torch.Tensor) -> list[int]:
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    return [int(r) for r in mesh.mesh.flatten().tolist()]
 
 
 def _refuse_other_group(gi: int, live: Mapping[str, Any], saved: Mapping[str, Any]) -> None:

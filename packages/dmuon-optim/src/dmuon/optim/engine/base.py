@@ -329,6 +329,11 @@ class Engine:
         """Every gradient this rank holds (what clipping scales)."""
         return [e.param.grad for e in self.params if e.param.grad is not None]
 
+    def check_loaded_description(self, saved: Mapping[str, Any]) -> None:
+        """Look at the ``"distributed"`` entry (:meth:`describe` of the saving engine) of a
+        state dict about to be loaded: raise, before anything changes, or warn. Nothing
+        by default."""
+
     def describe(self) -> dict[str, Any]:
         """Plain facts for the optimizer's state dict."""
         return {"mode": self.mode, "world_size": self.world_size, "rank": self.rank}

@@ -99,7 +99,7 @@ class PlannedEngine(Engine):
         matrices = [e for e in self.params if self.planned(e)]
         self.plan = plan_owners([e.item for e in matrices], self.world_size, **self.plan_options)
         if self.world_size > 1:  # a group of one (dp = 1 on a dp × tp mesh): nothing to agree
-            check_model_consistency(self.plan, self.group)
+            check_model_consistency(self.checked_plan(), self.group)
         self.layers = layers_in_order(matrices)
         self._by_layer = {key: [] for key in self.layers}
         for e in matrices:  # once here, read by every step's layers
@@ -113,6 +113,13 @@ class PlannedEngine(Engine):
 
     def guard_groups(self) -> list[dist.ProcessGroup | None]:
         return self._guard_groups
+
+    def checked_plan(self) -> OwnerPlan:
+        """What every rank must hold alike, before the first collective
+        (:func:`~dmuon.optim.engine.model_agreement.check_model_consistency`): the planned
+        matrices; an engine that synchronises more itself adds those."""
+        assert self.plan is not None
+        return self.plan
 
     def planned(self, e: EngineParam) -> bool:
         """Whether ``e`` is given an owner: every matrix parameter (an engine may step some

@@ -9,20 +9,27 @@ scalar parameters' gradients are averaged here (one all-reduce per dtype), since
 nothing else synchronises them: train the model without DDP.
 
 A matrix whose gradient is missing on this rank but present on another is stepped
-with a zero gradient (its momentum decays; a zero sign abstains from the vote); one
+with a zero gradient: its momentum decays, and this rank votes with the signs of the
+decayed momentum (it abstains, a zero sign, only while its momentum is zero); one
 that no rank has a gradient for is skipped everywhere. Every rank holds the momentum
-of every matrix (it is rank-specific by design).
+of every matrix (it is rank-specific by design), so a state dict loads back exactly
+only on the rank that saved it (another rank's is loaded with a warning).
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import FlatBucket, majority_vote, wait_work
+from dmuon.comm import FlatBucket, OwnerPlan, majority_vote, wait_work
 from dmuon.comm.averaging import DIVIDED_BEFORE_THE_SUM
 from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.base import Stepper
+from dmuon.optim.engine.model_agreement import plan_with_replicated
 from dmuon.optim.engine.params import EngineParam
 from dmuon.optim.engine.planned import PlannedEngine
 from dmuon.optim.engine.report import StepReport
@@ -54,6 +61,30 @@ class SignEngine(PlannedEngine):
     def steps(self, p: torch.Tensor) -> bool:
         return True
 
+    def check_loaded_description(self, saved: Mapping[str, Any]) -> None:
+        """Warn when the dict was saved by another rank or world size: Sign-Muon's momentum
+        is this rank's own, so another rank's resumes training, not this rank's run
+        (Lightning, for one, loads rank 0's dict on every rank)."""
+        if saved.get("mode") != "sign":
+            return
+        if (saved.get("rank"), saved.get("world_size")) != (self.rank, self.world_size):
+            warnings.warn(
+                f"loading the sign-mode state dict of rank {saved.get('rank')} of "
+                f"{saved.get('world_size')} on rank {self.rank} of {self.world_size}: "
+                "Sign-Muon keeps a different momentum on every rank, so this rank resumes "
+                "with that rank's momentum, not its own. Save and load one state dict per "
+                "rank (opt.state_dict() on each) to resume exactly",
+                stacklevel=5,  # the caller of DMuon.load_state_dict
+            )
+
+    def checked_plan(self) -> OwnerPlan:
+        """The matrices, and the scalar parameters whose gradients this engine all-reduces
+        itself (:meth:`_average_scalars`): a rank with another scalar shape, an extra or a
+        missing one is named on every rank before the first collective (it aborted a rank
+        in gloo's size check, or hung in two different collectives)."""
+        scalars = sorted((e.name, e.layer, e.param) for e in self.params if not e.matrix)
+        return plan_with_replicated(super().checked_plan(), scalars)
+
     def step(self, stepper: Stepper, report: StepReport) -> None:
         with report.phase("comm_wait"):
             present = self.agree_presence()
@@ -75,7 +106,9 @@ class SignEngine(PlannedEngine):
 
     def _average_scalars(self, present: dict[str, bool]) -> None:
         n = group_size(self.group)
-        scalars = [e for e in self.params if not e.matrix]
+        # by name: the ranks may list the same parameters in different orders (their
+        # entries of one flat buffer would be summed with another parameter's)
+        scalars = sorted((e for e in self.params if not e.matrix), key=lambda e: e.name)
         by_dtype: dict[tuple[torch.dtype, torch.device], list[EngineParam]] = {}
         for e in scalars:
             if present[e.name]:
