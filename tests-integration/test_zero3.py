@@ -155,23 +155,31 @@ def run_loads(rank, world):
     params = dict(model.named_parameters())
     zeroed = all(float(params[n].detach().abs().max()) == 0 for n in others)
     whole = {n: torch.ones(p.shape) for n, p in model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:
         model.load_state_dict(whole, strict=False)
         refused = None
     except RuntimeError as e:
         refused = str(e)
+    # refused before anything was copied (the modules ahead of the first freed weight's
+    # were loaded, and the ranks then drifted apart)
+    unchanged = all(
+        torch.equal(p.detach(), before[n]) or bool(torch.isnan(p.detach()).all())
+        for n, p in model.named_parameters()
+    )
     ded.wait()
     model.load_state_dict(whole, strict=False)
     loaded = all(bool((p.detach() == 1).all()) for p in model.parameters())
-    return freed, zeroed, refused, loaded
+    return freed, zeroed, refused, unchanged, loaded
 
 
 def test_zero3_like_loads_refuse_only_a_write_into_a_freed_weight():
-    for rank, (freed, zeroed, refused, loaded) in enumerate(
+    for rank, (freed, zeroed, refused, unchanged, loaded) in enumerate(
         run_on_ranks(run_loads, 2, timeout=120)
     ):
         assert freed, f"rank {rank} frees nothing: the test would prove nothing"
         assert zeroed, f"rank {rank}: the load of the entries that are not dedicated failed"
         assert refused is not None and "is freed on this rank" in refused, (rank, refused)
         assert any(f"{n!r}" in refused for n in freed), (rank, refused, freed)
+        assert unchanged, f"rank {rank}: the refused load changed weights"
         assert loaded, f"rank {rank}: the load after ded.wait() did not take every weight"

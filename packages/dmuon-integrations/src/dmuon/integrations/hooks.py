@@ -455,13 +455,30 @@ def _holders(model: nn.Module, exchange: OwnerExchange) -> dict[str, list[tuple[
 def _load_waits(
     model: nn.Module, exchange: OwnerExchange, held: Mapping[str, list[tuple[str, str | None]]]
 ) -> list[RemovableHandle]:
-    """A load-state-dict pre-hook on the model and on every module holding a dedicated
-    parameter or an expert stack of ``exchange`` (``held``: :func:`_holders`): whichever
-    ``load_state_dict`` copies one in (the model's or a submodule's) lets the broadcasts
-    still in flight land first, not over the loaded weights. ZeRO-3-like: the expert
-    stacks' land; a load that would write into a dedicated weight this rank does not own,
-    freed between forwards, is refused, naming it (a load of other entries, or of resident
-    weights, goes on)."""
+    """A load-state-dict pre-hook on the model, on every module holding a dedicated
+    parameter or an expert stack of ``exchange`` (``held``: :func:`_holders`) and on every
+    module above one: whichever ``load_state_dict`` copies one in (the model's or a
+    submodule's) lets the broadcasts still in flight land first, not over the loaded
+    weights. ZeRO-3-like: the expert stacks' land; a load that would write into a
+    dedicated weight this rank does not own, freed between forwards, is refused, naming
+    it, by the first hook torch runs — the one of the module whose ``load_state_dict``
+    was called, which looks at every weight below it — so before anything is copied (a
+    load of other entries, or of resident weights, goes on)."""
+
+    def below(prefix: str) -> list[tuple[str, str | None]]:
+        """Every held weight of module ``prefix`` and the modules under it, named from it."""
+        out = []
+        for module, mine in held.items():
+            if prefix and module != prefix and not module.startswith(prefix + "."):
+                continue
+            rel = module[len(prefix) :].lstrip(".")
+            out += [(f"{rel}.{local}" if rel else local, n) for local, n in mine]
+        return out
+
+    above = {""}
+    for module in held:
+        parts = module.split(".") if module else []
+        above.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
 
     def hook_for(mine: list[tuple[str, str | None]]) -> Callable[..., None]:
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
@@ -485,8 +502,8 @@ def _load_waits(
         return hook
 
     return [
-        model.get_submodule(prefix).register_load_state_dict_pre_hook(hook_for(mine))
-        for prefix, mine in held.items()
+        model.get_submodule(prefix).register_load_state_dict_pre_hook(hook_for(below(prefix)))
+        for prefix in sorted(above)
     ]
 
 
