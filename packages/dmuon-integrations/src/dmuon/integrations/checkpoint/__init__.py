@@ -9,7 +9,7 @@
   form of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``.
 """
 
-from dmuon.integrations.checkpoint.compat import CheckpointMismatchError
+from dmuon.integrations.checkpoint.compat import CheckpointMismatchError, CheckpointReadError
 from dmuon.integrations.checkpoint.dcp import check, load, save
 from dmuon.integrations.checkpoint.full import full_state_dict, load_full_state_dict
 from dmuon.integrations.checkpoint.holders import Holding, holdings
@@ -17,6 +17,7 @@ from dmuon.integrations.checkpoint.sharded_state import optimizer_state_dict
 
 __all__ = [
     "CheckpointMismatchError",
+    "CheckpointReadError",
     "Holding",
     "check",
     "full_state_dict",

@@ -23,6 +23,7 @@ from dmuon.integrations.checkpoint.holders import Holding
 from dmuon.integrations.checkpoint.split_state import as_loaded
 from dmuon.optim import DMuon
 from dmuon.optim.batches import state_shapes
+from dmuon.optim.group_options import STRUCTURE
 from dmuon.optim.layout import matrix_layout
 from dmuon.optim.rules import RULES, get_rule
 from dmuon.optim.scalar import scalar_state_shapes
@@ -34,6 +35,18 @@ __all__ = [
     "load_into_optimizer",
     "saved_groups",
 ]
+
+# The group keys a matrix state's layout follows besides the rule: they must match too
+# (the state's shapes, the tensors read into, follow the optimizer's).
+_LAYOUT = tuple(k for k in STRUCTURE if k not in ("rule", "state_dtype"))
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists, as a checkpoint's param groups hold them."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
 
 # Keys of a param group that describe its parameters, not its hyperparameters.
 _NOT_HYPER = ("params", "param_names")
@@ -64,6 +77,32 @@ class CheckpointMismatchError(ValueError):
             + "\n".join(f"  {p}" for p in shown)
         )
         self.problems = list(problems)
+
+
+class CheckpointReadError(RuntimeError):
+    """A checkpoint's files could not be read (a data file truncated, corrupt or missing).
+
+    ``torch.distributed.checkpoint`` reports this as its ``CheckpointException``, a
+    ``BaseException`` that an ``except Exception`` fallback does not catch; this wraps it
+    (``__cause__``). Raised on every rank, with the model and optimizer unchanged.
+
+    Attributes:
+        path: the checkpoint directory.
+        ranks: the ranks whose reads failed.
+
+    Examples:
+        >>> err = CheckpointReadError("ckpt/step-100", [1], "EOFError: ...")
+        >>> err.ranks
+        [1]
+    """
+
+    def __init__(self, path: str, ranks: Sequence[int], detail: str) -> None:
+        super().__init__(
+            f"could not read checkpoint {path!r} (rank(s) {list(ranks)} failed; nothing was "
+            f"changed): {detail}. Load an earlier checkpoint"
+        )
+        self.path = path
+        self.ranks = list(ranks)
 
 
 def expected_state_shapes(h: Holding, group: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -132,6 +171,13 @@ def check_compatible(
                     f"optimizer runs {live['rule']!r}; build the optimizer with the rule "
                     "the checkpoint was trained with"
                 )
+            for key in _LAYOUT:
+                if key in saved and _plain(saved[key]) != _plain(live.get(key)):
+                    problems.append(
+                        f"param group {gi} was saved with {key}={saved[key]!r}, the optimizer "
+                        f"has {key}={live.get(key)!r}: the state is laid out by it; build the "
+                        f"group with {key}={saved[key]!r}, as the checkpoint was trained"
+                    )
             names = list(saved.get("params") or [])
             mine = by_group.get(gi, [])
             if set(names) != set(mine):

@@ -33,12 +33,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from dmuon.comm.faults import wait_work
 from dmuon.comm.flags import flag_device
 from dmuon.integrations.checkpoint.compat import (
     CheckpointMismatchError,
+    CheckpointReadError,
     check_compatible,
     load_into_optimizer,
 )
@@ -274,7 +276,41 @@ def _read_metadata(path: str) -> Any:
             f"{path!r} holds no complete DCP checkpoint (no .metadata file: the save did not "
             "finish, or this is not a checkpoint directory)"
         )
-    return dcp.FileSystemReader(path).read_metadata()
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except Exception as err:  # unpickling garbage: name the file
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        where = os.path.join(path, ".metadata")
+        raise CheckpointReadError(path, [rank], f"{where}: {type(err).__name__}: {err}") from err
+
+
+def _read_metadata_everywhere(path: str, optimizer: DMuon) -> Any:
+    """:func:`_read_metadata` on every rank, agreed before DCP's first collective: a rank
+    that cannot read it (a node-local copy, a shared file system that has not caught up,
+    a corrupt file) raises its own error, and the others raise naming it, instead of
+    waiting in DCP's collective for the process group's timeout. One all-reduce of a
+    flag per rank, under the optimizer's deadline."""
+    failed: Exception | None = None
+    try:
+        metadata = _read_metadata(path)
+    except Exception as err:  # every rank must reach the agreement below
+        failed, metadata = err, None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=flag_device(None))
+        flags[dist.get_rank()] = int(failed is not None)
+        with checkpoint_deadline(optimizer, "DMuon checkpoint load"):
+            work = dist.all_reduce(flags, async_op=True)
+            wait_work(work, "all-reduce of the checkpoint's metadata flags")
+        ranks = [r for r, f in enumerate(flags.tolist()) if f]
+        if ranks and failed is None:
+            raise FileNotFoundError(
+                f"rank(s) {ranks} could not read {os.path.join(path, '.metadata')!r} (not on "
+                "their file system, or it has not caught up there, or a corrupt file), this "
+                "rank could; nothing was changed. Load from a directory every rank sees"
+            )
+    if failed is not None:
+        raise failed
+    return metadata
 
 
 def _tree_from(keys: Mapping[str, Any], prefix: str) -> dict[str, Any]:
@@ -315,7 +351,7 @@ def _read_checked(
     and the dtype of every saved tensor (by flat key).
     """
     held = holdings(model, optimizer)
-    metadata = _read_metadata(path).state_dict_metadata
+    metadata = _read_metadata_everywhere(path, optimizer).state_dict_metadata
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved_shapes = {
@@ -405,10 +441,13 @@ def load(
         The ``extra`` values given to :func:`save` (``{}`` if none).
 
     Raises:
-        FileNotFoundError: ``path`` holds no complete checkpoint.
+        FileNotFoundError: ``path`` holds no complete checkpoint, on this rank or on
+            another (every rank raises).
         CheckpointMismatchError: a missing key, a shape that differs, a group with
             another rule, other parameters or hyperparameters that do not check
             (nothing is changed).
+        CheckpointReadError: a data file could not be read (truncated, corrupt,
+            missing); nothing is changed.
 
     Examples:
         >>> import tempfile, torch
@@ -428,15 +467,25 @@ def load(
     settle(optimizer)
     try:
         held, groups, small, model_sd, saved_dtypes = _read_checked(path, model, optimizer)
-        # Phase 2: the tensors. The model loads in place; the optimizer into fresh
-        # tensors (of the saved dtypes) that load_state_dict then copies into its
-        # stacked buffers.
+        # Phase 2: the tensors, into fresh ones: the model's (laid out as its own,
+        # DTensors included) and the optimizer's (of the saved dtypes), copied in once
+        # every file was read, so a file that fails to read changes nothing.
         targets = state_targets(optimizer, held, saved_dtypes)
-        with _quiet_single_process():
-            dcp.load({"model": model_sd, "optim": {"state": targets}}, checkpoint_id=path)
+        weights = {
+            k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v
+            for k, v in model_sd.items()
+        }
+        try:
+            with _quiet_single_process():
+                dcp.load({"model": weights, "optim": {"state": targets}}, checkpoint_id=path)
+        except CheckpointException as err:  # a BaseException: `except Exception` misses it
+            detail = "; ".join(
+                f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(err.failures.items())
+            )
+            raise CheckpointReadError(path, sorted(err.failures), detail) from err
         with checkpoint_deadline(optimizer, "DMuon checkpoint load"):
             to_owners(optimizer, held, targets)  # tensor-parallel state: pieces to owners
-        set_model_state_dict(model, model_sd)
+        set_model_state_dict(model, weights)
         load_into_optimizer(optimizer, held, targets, groups)
     finally:
         release(optimizer)

@@ -177,6 +177,41 @@ def _flat_shapes(sd: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]:
     return out
 
 
+def _check_dtypes(
+    held: list[Holding], optimizer: DMuon, local: Mapping[str, Any], sd: Mapping[str, Any]
+) -> None:
+    """Refuse a tensor that is not floating where the model's or the optimizer's is: the
+    copy would cast it (an int64 momentum of magnitude 1e-2 became zeros; a complex one
+    lost its imaginary part), before anything changes."""
+    problems = []
+    for fqn, full in (sd.get("model") or {}).items():
+        mine = local.get(fqn)
+        if mine is not None and _not_floating_like(full, mine):
+            problems.append(f"'model.{fqn}' is {full.dtype} in the checkpoint, {mine.dtype} here")
+    saved = (sd.get("optim") or {}).get("state") or {}
+    for h in held:
+        for key, value in optimizer.state[h.param].items():
+            full = (saved.get(h.fqn) or {}).get(key)
+            if full is not None and key != "step" and _not_floating_like(full, value):
+                problems.append(
+                    f"'optim.state.{h.fqn}.{key}' is {full.dtype} in the checkpoint, "
+                    f"{value.dtype} here"
+                )
+    if problems:
+        raise CheckpointMismatchError(
+            [*problems, "a floating-point tensor was expected (the load would cast it)"]
+        )
+
+
+def _not_floating_like(saved: Any, mine: Any) -> bool:
+    return (
+        isinstance(saved, torch.Tensor)
+        and isinstance(mine, torch.Tensor)
+        and mine.is_floating_point()
+        and not saved.is_floating_point()
+    )
+
+
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, optimizer: DMuon, state_dict: Mapping[str, Any]) -> None:
     """Load a :func:`full_state_dict` into ``model`` and ``optimizer``, at any world size.
@@ -226,6 +261,7 @@ def load_full_state_dict(model: nn.Module, optimizer: DMuon, state_dict: Mapping
             _flat_shapes(state_dict),
             groups,
         )
+        _check_dtypes(held, optimizer, local, state_dict)
         # every rank holds the whole dict: each cuts its own shards (no collective), where
         # DSD's full_state_dict would scatter rank 0's with no deadline. The model's own
         # keys only, as DCP's load reads them: a saved entry the model no longer has (a

@@ -137,7 +137,9 @@ def holdings(model: nn.Module, optimizer: DMuon) -> list[Holding]:
         raise ValueError(
             "mode='sign' keeps a different momentum on every rank (Sign-Muon votes on "
             "local momenta), so there is no single optimizer state to save or reshard; "
-            "checkpoint the model only, or train in mode='owner'/'replicated'/'sharded'"
+            "save opt.state_dict() on every rank (each rank's own, loaded back on that rank), "
+            "or train with another rule (e.g. rule='muon') in mode='owner'/'replicated'/"
+            "'sharded' (rule='sign_muon' runs in mode='sign', 'sharded' or one process)"
         )
     exchange: Any = getattr(engine, "exchange", None)
     # HSDP owner mode: an owner is a slot of the 2-D mesh, named by its global rank over
