@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from dmuon.comm import CollectiveError
 from dmuon.comm.roll_call import (
+    RollCall,
     call_roll,
     note_collective,
     note_phase,
@@ -173,3 +174,22 @@ def test_processes_with_a_responder_exit_cleanly(tmp_path, ending):
     for rank, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0 and "exiting" in out, f"rank {rank}: rc {p.returncode}\n{err}"
         assert "terminate called" not in err, err
+
+
+def test_ranks_waiting_in_different_dmuon_collectives_are_told_apart():
+    """A rank that saved alone waits in the save's all-reduce while the others went on into
+    their next step's: every rank answers from inside a DMuon collective, so none is
+    stalled, but the summary says where each waits (it said only that every rank waited)."""
+    answers = {
+        0: {"phase": "DMuon checkpoint save", "collective": "all-reduce of steps"},
+        1: {"phase": "DMuon step 3", "collective": "all-reduce of gradient-presence flags"},
+        2: {"phase": "DMuon step 3", "collective": "all-reduce of gradient-presence flags"},
+    }
+    summary = RollCall([0, 1, 2], answers, [], [], caller=1).summary()
+    assert "they wait in different DMuon collectives" in summary, summary
+    assert "rank 0 in 'DMuon checkpoint save' (all-reduce of steps)" in summary, summary
+    assert "ranks [1, 2] in 'DMuon step 3'" in summary, summary
+    same = {r: answers[1] for r in (0, 1)}
+    assert "every rank answered and was waiting in a DMuon collective" in (
+        RollCall([0, 1], same, [], [], caller=0).summary()
+    )

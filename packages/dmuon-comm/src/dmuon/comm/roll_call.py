@@ -286,9 +286,32 @@ class RollCall:
                 "were waiting for it"
             )
         if not parts:
-            parts.append("every rank answered and was waiting in a DMuon collective")
+            parts.append(self._all_waiting())
         by = "" if self.age == 0 else f" (called by rank {self.caller} {self.age:.1f} s earlier)"
         return f"roll call over ranks {self.expected}{by}: " + "; ".join(parts)
+
+    def _all_waiting(self) -> str:
+        """Every rank answered from inside a DMuon collective: whether it was the same one."""
+        where: dict[tuple[str, str], list[int]] = {}
+        for rank in sorted(self.answers):
+            a = self.answers[rank]
+            where.setdefault((str(a.get("phase")), str(a.get("collective"))), []).append(rank)
+        if len(where) < 2:
+            return "every rank answered and was waiting in a DMuon collective"
+        listed = [
+            f"{_ranks(ranks)} in {phase!r} ({collective})"
+            for (phase, collective), ranks in list(where.items())[:4]
+        ]
+        return (
+            "every rank answered, but they wait in different DMuon collectives: "
+            + "; ".join(listed)
+            + " — a rank ran a step, save or load the others did not (e.g. a checkpoint "
+            "saved on one rank only); run it on every rank"
+        )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 def call_roll(expected: list[int], grace: float = DEFAULT_GRACE) -> RollCall:
