@@ -141,28 +141,31 @@ def install_partial_use_check(
 
 def _message(partial: list[str], used: set[str], resharded: set[str]) -> str:
     """What :class:`PartialUseError` says of the parameters used on some ranks only."""
+    kinds = (
+        (
+            [n for n in partial if n not in resharded],
+            "parameter(s) {} (synchronised by FSDP2)",
+            "FSDP2 leaves a parameter without a gradient out of its reduce-scatter, so the "
+            "ranks would hang in backward. Use them on every rank (e.g. run every expert and "
+            "multiply an unused one's output by zero), or give them to DMuon: "
+            "ddp.dedicate(model, scalars='owner') reduces absent gradients as zeros",
+        ),
+        (
+            [n for n in partial if n in resharded],
+            "dedicated weight(s) {}",
+            "Under reshard_after_forward=True every rank re-gathers each layer's weights in "
+            "its backward, layer by layer, so the ranks' broadcasts would not meet. Run every "
+            "dedicated layer on every rank (multiply an unused branch's output by zero), or "
+            "keep the weights resident (reshard_after_forward=False), which handles a layer "
+            "used on some ranks only",
+        ),
+    )
     parts = []
-    synced = [n for n in partial if n not in resharded]
-    if synced:
-        mine = [n for n in synced if n in used]
-        parts.append(
-            f"parameter(s) {synced[:5]} (synchronised by FSDP2) were used in this "
-            f"forward on some ranks only (this rank used {mine[:5] or 'none of them'}). "
-            "FSDP2 leaves a parameter without a gradient out of its reduce-scatter, so "
-            "the ranks would hang in backward. Use them on every rank (e.g. run every "
-            "expert and multiply an unused one's output by zero), or give them to DMuon: "
-            "ddp.dedicate(model, scalars='owner') reduces absent gradients as zeros"
-        )
-    gathered = [n for n in partial if n in resharded]
-    if gathered:
-        mine = [n for n in gathered if n in used]
-        parts.append(
-            f"dedicated weight(s) {gathered[:5]} were used in this forward on some ranks "
-            f"only (this rank used {mine[:5] or 'none of them'}). Under "
-            "reshard_after_forward=True every rank re-gathers each layer's weights in its "
-            "backward, layer by layer, so the ranks' broadcasts would not meet. Run every "
-            "dedicated layer on every rank (multiply an unused branch's output by zero), "
-            "or keep the weights resident (reshard_after_forward=False), which handles a "
-            "layer used on some ranks only"
-        )
+    for names, what, advice in kinds:
+        if names:
+            mine = [n for n in names if n in used]
+            parts.append(
+                f"{what.format(names[:5])} were used in this forward on some ranks only "
+                f"(this rank used {mine[:5] or 'none of them'}). {advice}"
+            )
     return "; ".join(parts)
