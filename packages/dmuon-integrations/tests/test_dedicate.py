@@ -65,14 +65,15 @@ def test_ddp_dedicate_names_owners_all_reduced_and_hooks():
     assert "head.weight" in ded.all_reduced
     assert ded.params == {net.blocks[0].weight, net.blocks[1].weight, net.conv.weight}
     # a forward pre-hook per layer (its module; the small layers are packed, each
-    # member keeps its hook) + a state-dict pre-hook that waits for broadcasts and a
-    # load-state-dict pre-hook, each on the model and on each module holding a dedicated
-    # weight
+    # member keeps its hook) + a state-dict pre-hook that waits for broadcasts, on the
+    # model and on each module holding a dedicated weight + a load-state-dict pre-hook on
+    # those and on every module above one (a load refused there changes nothing below)
     layers = sum(len(ded.exchange.layer(k).members) for k in ded.exchange.layer_keys())
     assert layers == 6  # blocks.0, blocks.1, conv, emb, head, norm
     holders = {n.rpartition(".")[0] for n in ded.names} | {""}
     assert len(holders) == 4  # blocks.0, blocks.1, conv, the model
-    assert len(ded.handles) == 3 + len(ded.all_reduced) + layers + 2 * len(holders)
+    above = holders | {"blocks"}
+    assert len(ded.handles) == 3 + len(ded.all_reduced) + layers + len(holders) + len(above)
     assert "blocks.0" in ded.summary() and "Dedication(kind='ddp'" in repr(ded)
     ded.remove()
     assert ded.handles == []
