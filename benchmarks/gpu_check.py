@@ -364,6 +364,7 @@ def ns_row(case: NSCase, device: str, timer, gemm: dict[str, float]) -> dict[str
         orthogonalize,
         release_cuda_graphs,
     )
+    from dmuon.kernels.ns_options import default_restarts
 
     row: dict[str, Any] = dataclasses.asdict(case)
     if case.graphs and device != "cuda":
@@ -396,7 +397,7 @@ def ns_row(case: NSCase, device: str, timer, gemm: dict[str, float]) -> dict[str
         m, n = sorted((case.rows, case.cols))
         if device == "cuda" and m >= 64:
             tuner = default_autotuner()
-            restarts = (2,) if case.method == "gram" else ()
+            restarts = default_restarts(5, dtype) if case.method == "gram" else ()
             key = tuner.key(G.device, case.method, case.batch, m, n, dtype, 5, restarts)
             decision = tuner.lookup(key)
             row["auto_decision"] = decision.to_json() if decision else None
