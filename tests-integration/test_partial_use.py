@@ -174,8 +174,11 @@ def _chain_resharded(rank: int, world: int) -> dict[str, object]:
 
 
 def test_a_layer_used_on_some_ranks_only_under_reshard_after_forward_is_named_on_every_rank():
+    """The forward's prefetches may already differ between the ranks (here rank 0 has one
+    broadcast more in flight), so the message says the job cannot go on."""
     for rank, r in enumerate(run_on_ranks(_chain_resharded, 2, timeout=90)):
         assert r["step"] == 1 and r["names"] == ["extra.weight"], (rank, r)
         assert "reshard_after_forward=False" in r["error"], r["error"]
+        assert "cannot go on" in r["error"] and "restart" in r["error"], r["error"]
         mine = "['extra.weight']" if rank == 0 else "none of them"
         assert f"this rank used {mine}" in r["error"], r["error"]

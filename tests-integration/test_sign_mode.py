@@ -134,17 +134,18 @@ def test_ranks_without_a_gradient_abstain_so_the_vote_is_the_one_rank_that_has_o
 
 
 def run_reordered(rank, world, name):
-    """Rank 1 lists the scalar groups' parameters in reverse: their gradients are averaged
-    by name (one flat buffer per dtype; by position, rank 1's entries were summed with
-    other parameters' — silently, with the ranks' weights drifting apart)."""
+    """Rank 1 lists every group's parameters in reverse. The scalars' gradients are
+    averaged by name (one flat buffer per dtype; by position, rank 1's entries were summed
+    with other parameters'), and the matrices are stacked for the vote by name (by
+    position, same-shape matrices of a layer voted with each other's signs) — both
+    silently, with the ranks' weights drifting apart."""
     model = build(name)
     groups = param_groups(model)
     if rank == 1:
         for g in groups:
-            if g.get("rule") == "scalar":
-                g["params"] = g["params"][::-1]
-                if "param_names" in g:
-                    g["param_names"] = g["param_names"][::-1]
+            g["params"] = g["params"][::-1]
+            if "param_names" in g:
+                g["param_names"] = g["param_names"][::-1]
     opt = DMuon(groups, rule="sign_muon", mode="sign", **OPT)
     for t in range(STEPS):
         loss_of(name, model, *batch(name, t, rank, world)).backward()
@@ -153,7 +154,7 @@ def run_reordered(rank, world, name):
     return full_params(model)
 
 
-def test_ranks_listing_the_scalars_in_other_orders_step_as_the_simulation():
+def test_ranks_listing_the_parameters_in_other_orders_step_as_the_simulation():
     expected = simulate(NAME, 2)
     for rank, got in enumerate(run_on_ranks(run_reordered, 2, args=(NAME,), timeout=120)):
         diff, where = max_diff(got, expected)

@@ -74,8 +74,10 @@ def dedicate(
             and the others are broadcast around each layer's forward and backward
             (3(N−1)/N·P bytes per step instead of 2(N−1)/N·P); default ZeRO-2-like,
             every matrix resident. 1-D meshes of plain tensors only. Every rank must
-            run every dedicated layer: the end of each training forward checks it
-            (:class:`~dmuon.integrations.PartialUseError` on every rank otherwise).
+            run every dedicated layer: the end of each training forward of ``model``
+            itself checks it (:class:`~dmuon.integrations.PartialUseError` on every
+            rank otherwise; a loop that calls only its submodules, as a Lightning
+            ``training_step`` may, goes unchecked).
         reduce_op: how the dedicated gradients are combined over the ranks, to match
             FSDP2's for the rest: ``"avg"`` (FSDP2's default: the mean) or ``"sum"``
             (after ``set_gradient_divide_factor(1.0)`` on the FSDP2 modules, as

@@ -82,6 +82,9 @@ def install_partial_use_check(
             forward ran on some ranks only makes the ranks' broadcasts pair up wrongly:
             gloo aborts a rank on the size mismatch, and two layers of one size would
             swap weights silently. Checked in the same all-reduce.
+            The forward's own prefetches may already have differed between the ranks
+            (one rank has a broadcast in flight the others never issue), so after this
+            error the job cannot go on: the message says to restart.
 
     Returns:
         The hook handles (``handle.remove()`` undoes them).
@@ -154,10 +157,11 @@ def _message(partial: list[str], used: set[str], resharded: set[str]) -> str:
             [n for n in partial if n in resharded],
             "dedicated weight(s) {}",
             "Under reshard_after_forward=True every rank re-gathers each layer's weights in "
-            "its backward, layer by layer, so the ranks' broadcasts would not meet. Run every "
-            "dedicated layer on every rank (multiply an unused branch's output by zero), or "
-            "keep the weights resident (reshard_after_forward=False), which handles a layer "
-            "used on some ranks only",
+            "its forward and backward, layer by layer, so the ranks' broadcasts no longer "
+            "meet: this job cannot go on. Run every dedicated layer on every rank (multiply "
+            "an unused branch's output by zero), or keep the weights resident "
+            "(reshard_after_forward=False), which handles a layer used on some ranks only, "
+            "and restart from the last checkpoint",
         ),
     )
     parts = []

@@ -204,6 +204,7 @@ def build_buckets(
     include: Callable[[int, torch.Tensor], bool] | None = None,
     split_of: Callable[[torch.Tensor], MatrixSplit | None] | None = None,
     on_shard: Callable[[torch.Tensor], bool] | None = None,
+    order: Sequence[int] | None = None,
 ) -> tuple[list[Bucket], dict[torch.Tensor, dict[str, torch.Tensor]]]:
     """Bucket a matrix group and create its state, eagerly, keeping old values.
 
@@ -226,6 +227,11 @@ def build_buckets(
             shaped) by the local tensor and batched with any other matrices of their
             shape; what each rank holds may differ (uneven shards), and no collective
             runs on them.
+        order: the order in which the group's parameters are batched (default: the
+            group's). The optimizer passes the order of their names, so that every rank
+            stacks the same matrices in the same places whatever order it listed them in
+            (a collective on a batch, Sign-Muon's vote or a tensor-parallel Gram
+            all-reduce, pairs them by place).
 
     Returns:
         The buckets, in order of first appearance, and the new state per parameter.
@@ -245,7 +251,9 @@ def build_buckets(
     specs: tuple[StateSpec, ...] = rule.state_specs()
     buckets: dict[tuple[Any, ...], Bucket] = {}
     layouts: dict[int, MatrixLayout] = {}
-    for i, p in enumerate(group["params"]):
+    params = group["params"]
+    for i in order if order is not None else range(len(params)):
+        p = params[i]
         if include is not None and not include(i, p):
             continue
         split = split_of(p) if split_of is not None else None

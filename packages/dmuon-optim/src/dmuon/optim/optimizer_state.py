@@ -80,6 +80,12 @@ def build_state(
     rule = get_rule(algorithm)
     out: dict[str | None, list[Bucket]] = {}
     built: set[int] = set()
+    # batched by name: the same stacking on every rank, whatever order each listed them in
+    order = (
+        sorted(range(len(names)), key=names.__getitem__)
+        if names is not None and len(names) == len(group["params"])
+        else None
+    )
     for pipeline_group in engine.step_groups():
 
         def include(i: int, p: torch.Tensor, key: str | None = pipeline_group) -> bool:
@@ -93,6 +99,7 @@ def build_state(
             include=include,
             split_of=engine.split_of,
             on_shard=engine.on_shard,
+            order=order,
         )
         out[pipeline_group] = buckets
         for p, st in new_state.items():

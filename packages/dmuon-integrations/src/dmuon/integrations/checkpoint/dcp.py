@@ -284,6 +284,20 @@ def _read_metadata(path: str) -> Any:
         raise CheckpointReadError(path, [rank], f"{where}: {type(err).__name__}: {err}") from err
 
 
+def _dcp_load(state: dict[str, Any], path: str) -> None:
+    """``dcp.load`` into ``state``; a file that fails to read raises
+    :class:`CheckpointReadError` (DCP's ``CheckpointException`` is a ``BaseException``,
+    which ``except Exception`` misses)."""
+    try:
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=path)
+    except CheckpointException as err:
+        detail = "; ".join(
+            f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(err.failures.items())
+        )
+        raise CheckpointReadError(path, sorted(err.failures), detail) from err
+
+
 def _read_metadata_everywhere(path: str, optimizer: DMuon) -> Any:
     """:func:`_read_metadata` on every rank, agreed before DCP's first collective: a rank
     that cannot read it (a node-local copy, a shared file system that has not caught up,
@@ -373,8 +387,7 @@ def _read_checked(
         )
     if "dmuon" not in metadata:
         del small["dmuon"]
-    with _quiet_single_process():
-        dcp.load(small, checkpoint_id=path)
+    _dcp_load(small, path)
     _check_one_checkpoint(path, small.get("dmuon", ""), optimizer)
     model_sd: dict[str, Any] = get_model_state_dict(model)
     model_shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
@@ -475,14 +488,7 @@ def load(
             k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v
             for k, v in model_sd.items()
         }
-        try:
-            with _quiet_single_process():
-                dcp.load({"model": weights, "optim": {"state": targets}}, checkpoint_id=path)
-        except CheckpointException as err:  # a BaseException: `except Exception` misses it
-            detail = "; ".join(
-                f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(err.failures.items())
-            )
-            raise CheckpointReadError(path, sorted(err.failures), detail) from err
+        _dcp_load({"model": weights, "optim": {"state": targets}}, path)
         with checkpoint_deadline(optimizer, "DMuon checkpoint load"):
             to_owners(optimizer, held, targets)  # tensor-parallel state: pieces to owners
         set_model_state_dict(model, weights)
