@@ -174,3 +174,19 @@ def test_a_full_state_dict_with_integer_state_is_refused_before_anything_changes
     with pytest.raises(checkpoint.CheckpointMismatchError, match=r"torch.int64 in the checkpoint"):
         checkpoint.load_full_state_dict(model, opt, sd)
     assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("keep", [16, 3000])
+def test_a_data_file_cut_before_the_small_entries_is_a_read_error_in_load_and_check(tmp_path, keep):
+    """The first read (param groups, extra) failed with DCP's BaseException too."""
+    path = str(tmp_path / "cut")
+    checkpoint.save(path, *_one_process())
+    for f in glob.glob(os.path.join(path, "*.distcp")):
+        with open(f, "r+b") as fh:
+            fh.truncate(keep)
+    model, opt = _one_process()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for call in (checkpoint.check, checkpoint.load):
+        with pytest.raises(CheckpointReadError, match="nothing was changed"):
+            call(path, model, opt)
+    assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
