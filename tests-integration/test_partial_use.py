@@ -12,6 +12,8 @@ and a model whose ranks all use every expert trains as before.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,9 +55,14 @@ def train(rank: int, world: int, partial: bool, rehook: bool = False):
     fully_shard(model, mesh=mesh, ignored_params=ded.params)
     opt = DMuon(param_groups(model), distributed=ded, timeout=10)
     used = [0] if (partial and rank == 1) else [0, 1]
+    return _train_until_refused(opt, lambda step: model(torch.randn(4, 8), used))
+
+
+def _train_until_refused(opt: DMuon, forward: Callable[[int], torch.Tensor]) -> dict[str, object]:
+    """Three steps of ``forward(step)``; where one is refused, its step and message."""
     for step in range(3):
         try:
-            out = model(torch.randn(4, 8), used)
+            out = forward(step)
         except PartialUseError as err:
             return {"step": step, "error": str(err), "names": err.names}
         F.mse_loss(out, torch.zeros(4, 2)).backward()
@@ -162,15 +169,9 @@ def _chain_resharded(rank: int, world: int) -> dict[str, object]:
     model = Chain()
     ded = ddp.dedicate(model, reshard_after_forward=True)
     opt = DMuon(param_groups(model), distributed=ded, timeout=15, **OPT)
-    for step in range(STEPS):
-        try:
-            out = model(_batch(step, rank), use_extra=step == 1 and rank == 0)
-        except PartialUseError as err:
-            return {"step": step, "error": str(err), "names": err.names}
-        F.mse_loss(out, torch.zeros(4, 2)).backward()
-        opt.step()
-        opt.zero_grad()
-    return {"step": None, "error": None, "names": []}
+    return _train_until_refused(
+        opt, lambda step: model(_batch(step, rank), use_extra=step == 1 and rank == 0)
+    )
 
 
 def test_a_layer_used_on_some_ranks_only_under_reshard_after_forward_is_named_on_every_rank():
