@@ -14,6 +14,8 @@ Cases:
   ``self.clip_gradients`` and stepped in that order.
 * ``adamw_only``: ``configure_optimizers`` returns a plain AdamW (no DMuon) under
   ``DMuonStrategy``: refused on every rank when the optimizers are set up.
+* ``some_ranks_only``: a layer the second batch runs on rank 0 only, under
+  ``reshard_after_forward=True``: refused on every rank before backward.
 """
 
 from __future__ import annotations
@@ -137,8 +139,38 @@ class RootWeights(L.LightningModule):
         return DMuon(param_groups(self), distributed=self.trainer.strategy.dedication, **DMUON)
 
 
-CASES = {"two_optimizers": TwoOptimizers, "adamw_only": AdamWOnly, "root_weights": RootWeights}
-DEDICATE = {"root_weights": {"layer_pack_mb": 0}}
+class SomeRanksOnly(L.LightningModule):
+    """A layer (``extra``) that the second step runs on rank 0 only, in a ``training_step``
+    that never calls the LightningModule's forward, under ``reshard_after_forward=True``
+    (ZeRO-3-like)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.extra, self.b = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = torch.tanh(self.a(x))
+        if batch_idx == 1 and self.global_rank == 0:
+            h = h + torch.tanh(self.extra(h))
+        return nn.functional.mse_loss(self.b(h), y)
+
+    def configure_optimizers(self):
+        strategy = self.trainer.strategy
+        return DMuon(param_groups(self), distributed=strategy.dedication, timeout=30, **DMUON)
+
+
+CASES = {
+    "two_optimizers": TwoOptimizers,
+    "adamw_only": AdamWOnly,
+    "root_weights": RootWeights,
+    "some_ranks_only": SomeRanksOnly,
+}
+DEDICATE = {
+    "root_weights": {"layer_pack_mb": 0},
+    "some_ranks_only": {"reshard_after_forward": True},
+}
 
 
 def main() -> None:

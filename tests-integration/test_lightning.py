@@ -719,3 +719,20 @@ def test_owner_mode_without_a_dmuon_is_refused_on_every_rank(tmp_path):
         assert f"[rank{rank}]: ValueError: DMuonStrategy (owner mode)" in output, output[-4000:]
     assert "configure_optimizers returned ['AdamW']" in output
     assert "dmuon_optimizer(self" in output
+
+
+def test_a_layer_run_on_some_ranks_only_under_zero3_like_is_named_on_every_rank(tmp_path):
+    """``DMuonStrategy(dedicate_options={"reshard_after_forward": True})`` and a
+    ``training_step`` that runs ``extra`` on rank 0 only at its second batch, calling the
+    submodules itself (never the LightningModule's forward, where ``ddp.dedicate``'s check
+    sits): the strategy begins the check with each ``training_step`` and ends it before
+    ``backward``. Every rank raises ``PartialUseError`` naming ``extra.weight``, and
+    teardown does not wait for broadcasts that cannot complete. Before: no check ran; the
+    backward re-gathers paired wrongly and every rank stopped at DMuon's deadline with a
+    ``CollectiveError``, in the step and again in teardown."""
+    output = _run_case(tmp_path, "some_ranks_only", fails=True)
+    tail = output[-4000:]
+    for rank in range(WORLD):
+        assert f"[rank{rank}]: dmuon.integrations.partial_use.PartialUseError" in output, tail
+    assert "dedicated weight(s) ['extra.weight']" in output and "cannot go on" in output
+    assert "CollectiveError" not in output, tail

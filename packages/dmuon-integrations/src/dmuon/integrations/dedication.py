@@ -27,7 +27,7 @@ from dmuon.integrations.hooks import (
     install_hooks,
     layer_modules,
 )
-from dmuon.integrations.partial_use import install_partial_use_check
+from dmuon.integrations.partial_use import PartialUseCheck
 from dmuon.integrations.selection import (
     Predicate,
     mesh_groups,
@@ -81,6 +81,11 @@ class Dedication:
     """Names of the expert stacks whose mesh spans the dedication's group, which each rank
     steps where they live (``ddp.dedicate``): neither dedicated nor all-reduced with the
     scalars (on a ``dp × ep`` mesh, one owner among each stack's replicas steps it)."""
+    use_check: PartialUseCheck | None = field(default=None, repr=False)
+    """The check that every rank used what must be used on every rank (``fsdp.dedicate``:
+    the parameters left to FSDP2; ``reshard_after_forward=True``: the dedicated weights),
+    or None. A trainer that never calls the model's own forward drives it
+    (:attr:`PartialUseCheck.driven <dmuon.integrations.partial_use.PartialUseCheck.driven>`)."""
 
     @property
     def params(self) -> set[nn.Parameter]:
@@ -163,12 +168,21 @@ class Dedication:
         """
         self.exchange.wait_all_published()
 
-    def remove(self) -> None:
+    def remove(self, *, wait: bool = True) -> None:
         """Remove the hooks (the parameters stay dedicated to this exchange); put them back
         with :meth:`reinstall`. Call it on every rank: the broadcasts still in flight are
         waited first (no forward would wait for them after), under HSDP with the second
-        stage's broadcasts (ZeRO-3-like: the expert stacks' alone)."""
-        self.exchange.publication.wait_in_flight()
+        stage's broadcasts (ZeRO-3-like: the expert stacks' alone).
+
+        Args:
+            wait: ``False`` after an error that left the ranks' collectives out of step
+                (a :class:`~dmuon.comm.CollectiveError`, or a
+                :class:`~dmuon.integrations.PartialUseError` under
+                ``reshard_after_forward``): the broadcasts in flight may never complete, so
+                they are not waited for, and the weights are not to be trained further.
+        """
+        if wait:
+            self.exchange.publication.wait_in_flight()
         for h in self.handles:
             h.remove()
         self.handles.clear()
@@ -395,7 +409,7 @@ def build_dedication(
 
 def _check_use(ded: Dedication, rest: bool) -> None:
     """Install the check that every rank used what must be used on every rank
-    (:func:`~dmuon.integrations.partial_use.install_partial_use_check`, one all-reduce at
+    (:class:`~dmuon.integrations.partial_use.PartialUseCheck`, one all-reduce at
     the end of each training forward): with ``rest``, the parameters left to FSDP2; under
     ``reshard_after_forward``, the dedicated weights, which backward re-gathers layer by
     layer."""
@@ -414,15 +428,10 @@ def _check_use(ded: Dedication, rest: bool) -> None:
     )
     resharded = list(ex.names) if ex.publication.reshard_after_forward else []
     if names or resharded:
-        ded.add_hooks(
-            lambda: install_partial_use_check(
-                model,
-                names,
-                guard_groups(groups),
-                lambda: ex.publication.timeout,
-                resharded=resharded,
-            )
+        ded.use_check = PartialUseCheck(
+            model, names, guard_groups(groups), lambda: ex.publication.timeout, resharded=resharded
         )
+        ded.add_hooks(ded.use_check.install)
 
 
 def in_place_experts(

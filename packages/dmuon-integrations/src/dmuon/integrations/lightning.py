@@ -47,12 +47,14 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from dmuon.comm import CollectiveError
 from dmuon.integrations import ddp
 from dmuon.integrations.checkpoint import full_state_dict, load_full_state_dict
 from dmuon.integrations.dedication import Dedication
 from dmuon.integrations.extras import raise_missing_extra
 from dmuon.integrations.hf.state import gather_full_state_dict, missing_state
 from dmuon.integrations.hooks import wait_modules
+from dmuon.integrations.partial_use import PartialUseError
 from dmuon.optim import DMuon, clip_grad_norm_, clip_grad_value_, param_groups
 from dmuon.optim.engine import exchange_of
 from dmuon.optim.loss_scaling import AGREED_MODES
@@ -179,6 +181,7 @@ class DMuonStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self._dedicate_options = {"scalars": scalars, **dict(dedicate_options or {})}
         self._dedication: Dedication | None = None
+        self._collectives_broken = False  # on_exception: teardown waits for nothing
         self._root_layers: list[str] = []
 
     @property
@@ -219,6 +222,10 @@ class DMuonStrategy(DDPStrategy):
         # holds itself), which the trainer's training_step does not run: see _enter_root
         where = wait_modules(self.model, self._dedication.exchange)
         self._root_layers = [key for key, modules in where.items() if "" in modules]
+        if self._dedication.use_check is not None:
+            # the check at the end of the module's own forward would never run: the
+            # strategy begins it with each training_step and ends it before backward
+            self._dedication.use_check.driven = True
         if self._precision_plugin is not None:
             plugin: Any = self._precision_plugin  # DMuonPrecision's attribute (any plugin)
             plugin._dmuon_dedication = self._dedication
@@ -234,9 +241,29 @@ class DMuonStrategy(DDPStrategy):
                 publication.forward_enter(key)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """``DDPStrategy.training_step``, after the waits of :meth:`_enter_root`."""
+        """``DDPStrategy.training_step``, after the waits of :meth:`_enter_root`; under
+        ``reshard_after_forward`` it begins the check that every rank ran every dedicated
+        layer (ended by :meth:`backward`)."""
         self._enter_root()
+        check = self._dedication.use_check if self._dedication is not None else None
+        if check is not None:
+            check.begin()
         return super().training_step(*args, **kwargs)
+
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        """``DDPStrategy.backward``; under ``reshard_after_forward`` first the check that
+        every rank ran every dedicated layer in this forward.
+
+        Raises:
+            dmuon.integrations.PartialUseError: (every rank alike) a dedicated layer ran
+                on some ranks only: their backward re-gathers would pair up wrongly.
+        """
+        check = self._dedication.use_check if self._dedication is not None else None
+        if check is not None:
+            check.end()
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """``DDPStrategy.validation_step``, after the waits of :meth:`_enter_root`."""
@@ -411,11 +438,23 @@ class DMuonStrategy(DDPStrategy):
                 # the parameters' device: nothing to move afterwards.
                 opt.load_state_dict(saved)
 
+    def on_exception(self, exception: BaseException) -> None:
+        """Note an error after which the ranks' collectives are out of step (a
+        :class:`~dmuon.comm.CollectiveError`, a :class:`~dmuon.integrations.PartialUseError`):
+        :meth:`teardown` then does not wait for broadcasts that may never complete."""
+        if isinstance(exception, (CollectiveError, PartialUseError)):
+            self._collectives_broken = True
+        super().on_exception(exception)
+
     def teardown(self) -> None:
-        """Wait for the last broadcasts, remove the owner hooks, then as ``DDPStrategy``."""
+        """Wait for the last broadcasts (not after an error that left the ranks'
+        collectives out of step: :meth:`on_exception`), remove the owner hooks, then as
+        ``DDPStrategy``."""
         if self._dedication is not None:
-            self._dedication.wait()
-            self._dedication.remove()
+            broken = self._collectives_broken
+            if not broken:
+                self._dedication.wait()
+            self._dedication.remove(wait=not broken)
             self._dedication = None
             if self._precision_plugin is not None:
                 plugin: Any = self._precision_plugin

@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from dmuon.comm import collective_timeout, wait_work
 from dmuon.comm.flags import flag_device
 
-__all__ = ["PartialUseError", "install_partial_use_check"]
+__all__ = ["PartialUseCheck", "PartialUseError", "install_partial_use_check"]
 
 PARTIAL_USE_FLAGS = (
     "all-reduce of parameter-use flags at the end of a training forward (a rank missing "
@@ -61,16 +61,14 @@ class PartialUseError(RuntimeError):
         self.names = names
 
 
-def install_partial_use_check(
-    model: nn.Module,
-    names: Sequence[str],
-    groups: Sequence[dist.ProcessGroup | None],
-    timeout: Any,
-    *,
-    resharded: Sequence[str] = (),
-) -> list[RemovableHandle]:
-    """Check, after every training forward of ``model``, that every rank used ``names``
-    and ``resharded``.
+class PartialUseCheck:
+    """The check that every rank used ``names`` and ``resharded`` in a training forward.
+
+    Installed as hooks (:meth:`install`), it runs at the end of every forward of
+    ``model`` with gradients enabled. A trainer whose training step never calls
+    ``model``'s own forward (Lightning calls ``training_step``, which may call the
+    submodules alone) sets :attr:`driven` and calls :meth:`begin` before the step's
+    forward and :meth:`end` before its backward instead.
 
     Args:
         model: the root module (its forward ends the check).
@@ -86,6 +84,116 @@ def install_partial_use_check(
             (one rank has a broadcast in flight the others never issue), so after this
             error the job cannot go on: the message says to restart.
 
+    Attributes:
+        driven: ``True``: the root forward's hooks leave the check to :meth:`begin` and
+            :meth:`end`, which the trainer calls.
+
+    Examples:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        >>> check = PartialUseCheck(model, ["0.bias"], [], lambda: None)
+        >>> handles = check.install()
+        >>> check.driven = True  # a trainer begins and ends it
+        >>> check.begin()
+        >>> _ = model[0](torch.randn(3, 4))  # a submodule alone
+        >>> len(handles), sorted(check.used)
+        (3, ['0.bias'])
+        >>> check.end()  # no group: nothing to compare
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        names: Sequence[str],
+        groups: Sequence[dist.ProcessGroup | None],
+        timeout: Any,
+        *,
+        resharded: Sequence[str] = (),
+    ) -> None:
+        self.model = model
+        self.groups = list(groups)
+        self.timeout = timeout
+        self.resharded = set(resharded)
+        self.order = sorted(set(names) | self.resharded)
+        self.used: set[str] = set()
+        self.driven = False
+
+    def install(self) -> list[RemovableHandle]:
+        """Hook ``model``: each module holding a checked parameter notes that it ran; the
+        root forward begins and ends the check (unless :attr:`driven`).
+
+        Returns:
+            The hook handles (``handle.remove()`` undoes them).
+        """
+        watched = set(self.order)
+        owned: dict[nn.Module, list[str]] = {}
+        for mod_name, module in self.model.named_modules():
+            for p_name, _ in module.named_parameters(recurse=False):
+                full = f"{mod_name}.{p_name}" if mod_name else p_name
+                if full in watched:
+                    owned.setdefault(module, []).append(full)
+
+        def start(module: nn.Module, args: Any) -> None:
+            if not self.driven and torch.is_grad_enabled():
+                self.begin()
+
+        def ran(names_here: list[str]) -> Any:
+            def hook(module: nn.Module, args: Any, output: Any) -> None:
+                if torch.is_grad_enabled():
+                    self.used.update(names_here)
+
+            return hook
+
+        def agree(module: nn.Module, args: Any, output: Any) -> None:
+            if not self.driven and torch.is_grad_enabled():
+                self.end()
+
+        handles = [self.model.register_forward_pre_hook(start)]
+        handles += [module.register_forward_hook(ran(here)) for module, here in owned.items()]
+        handles.append(self.model.register_forward_hook(agree))
+        return handles
+
+    def begin(self) -> None:
+        """A training forward begins: nothing used yet."""
+        self.used.clear()
+
+    def end(self) -> None:
+        """A training forward ended: compare what the ranks used (one all-reduce).
+
+        Raises:
+            PartialUseError: (every rank alike) a checked parameter was used on some
+                ranks only.
+            dmuon.comm.CollectiveError: a rank did not reach the check by the deadline.
+        """
+        used, self.used = self.used, set()
+        if not self.groups:
+            return
+        flags = torch.tensor(
+            [int(n in used) for n in self.order],
+            dtype=torch.int32,
+            device=flag_device(self.groups[0]),
+        )
+        sizes = 1
+        with collective_timeout(self.timeout()):
+            for g in self.groups:
+                work = dist.all_reduce(flags, group=g, async_op=True)
+                wait_work(work, PARTIAL_USE_FLAGS, g)
+                sizes *= dist.get_world_size(g)
+        partial = [n for n, f in zip(self.order, flags.tolist(), strict=True) if 0 < f < sizes]
+        if partial:
+            raise PartialUseError(_message(partial, used, self.resharded), partial)
+
+
+def install_partial_use_check(
+    model: nn.Module,
+    names: Sequence[str],
+    groups: Sequence[dist.ProcessGroup | None],
+    timeout: Any,
+    *,
+    resharded: Sequence[str] = (),
+) -> list[RemovableHandle]:
+    """Check, after every training forward of ``model``, that every rank used ``names``
+    and ``resharded``: :class:`PartialUseCheck` installed (its arguments).
+
     Returns:
         The hook handles (``handle.remove()`` undoes them).
 
@@ -96,50 +204,7 @@ def install_partial_use_check(
         >>> len(handles)
         3
     """
-    watched = set(names) | set(resharded)
-    order = sorted(watched)
-    resharded_set = set(resharded)
-    owned: dict[nn.Module, list[str]] = {}
-    for mod_name, module in model.named_modules():
-        for p_name, _ in module.named_parameters(recurse=False):
-            full = f"{mod_name}.{p_name}" if mod_name else p_name
-            if full in watched:
-                owned.setdefault(module, []).append(full)
-    used: set[str] = set()
-    handles: list[RemovableHandle] = []
-
-    def start(module: nn.Module, args: Any) -> None:
-        if module is model and torch.is_grad_enabled():
-            used.clear()
-
-    def ran(names_here: list[str]) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if torch.is_grad_enabled():
-                used.update(names_here)
-
-        return hook
-
-    def agree(module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled() or not groups:
-            return
-        flags = torch.tensor(
-            [int(n in used) for n in order], dtype=torch.int32, device=flag_device(groups[0])
-        )
-        sizes = 1
-        with collective_timeout(timeout()):
-            for g in groups:
-                work = dist.all_reduce(flags, group=g, async_op=True)
-                wait_work(work, PARTIAL_USE_FLAGS, g)
-                sizes *= dist.get_world_size(g)
-        partial = [n for n, f in zip(order, flags.tolist(), strict=True) if 0 < f < sizes]
-        if partial:
-            raise PartialUseError(_message(partial, used, resharded_set), partial)
-
-    handles.append(model.register_forward_pre_hook(start))
-    for module, here in owned.items():
-        handles.append(module.register_forward_hook(ran(here)))
-    handles.append(model.register_forward_hook(agree))
-    return handles
+    return PartialUseCheck(model, names, groups, timeout, resharded=resharded).install()
 
 
 def _message(partial: list[str], used: set[str], resharded: set[str]) -> str:
