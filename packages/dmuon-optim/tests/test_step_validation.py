@@ -54,6 +54,44 @@ def test_a_scalar_group_value_edited_after_construction_is_checked():
         opt.step()
 
 
+@pytest.mark.parametrize(
+    ("rule", "key", "value"),
+    [("normuon", "beta_2", 0.9), ("adamw", "amsgrad", True), ("muon", "nestrov", False)],
+)
+def test_a_key_added_after_construction_is_refused_as_the_constructor_refuses_it(rule, key, value):
+    """A misspelt key or an option the rule lacks, added between steps: refused at the
+    next step as at construction (before: ignored silently, and the optimizer's own state
+    dict then failed to load), the optimizer unchanged and usable once it is removed."""
+    p = mat(4, 4) if rule != "adamw" else nn.Parameter(torch.randn(4))
+    opt = DMuon([{"params": [p], "rule": rule}])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    before = p.detach().clone()
+    opt.param_groups[0][key] = value
+    for _ in range(2):  # refused again: nothing was recorded
+        with pytest.raises(ValueError, match=rf"unknown key\(s\) \['{key}'\] for rule '{rule}'"):
+            opt.step()
+    assert torch.equal(p.detach(), before)
+    del opt.param_groups[0][key]
+    opt.step()
+    DMuon([{"params": [p], "rule": rule}]).load_state_dict(opt.state_dict())
+
+
+def test_two_values_that_contradict_each_other_are_refused_at_every_step():
+    """``state_rounding='stochastic'`` set between steps without ``state_dtype='bfloat16'``:
+    refused at this and every later step, as the constructor refuses it (before: accepted,
+    the momentum stayed fp32 and the state dict did not load)."""
+    p = mat(4, 4)
+    opt = DMuon([p])
+    p.grad = torch.randn(4, 4)
+    opt.param_groups[0]["state_rounding"] = "stochastic"
+    for _ in range(2):
+        with pytest.raises(ValueError, match="needs state_dtype='bfloat16'"):
+            opt.step()
+    opt.param_groups[0]["state_rounding"] = "nearest"
+    opt.step()
+
+
 def test_a_scheduler_changing_lr_every_step_passes():
     p = mat(4, 4)
     opt = DMuon([p])

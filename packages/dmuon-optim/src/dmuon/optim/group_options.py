@@ -32,8 +32,10 @@ __all__ = [
     "GroupDefaults",
     "accepted_options",
     "check_distinct_params",
+    "check_together",
     "check_value",
     "param_name",
+    "refuse_unknown_keys",
     "renamed_rule_key",
     "structure_of",
 ]
@@ -218,29 +220,59 @@ class GroupDefaults:
             defaults = dict(self.matrix)
             for key, opt in get_rule(rule_name).options.items():
                 defaults[key] = self.rule_options.get(key, opt.default)
-        unknown = sorted(k for k in group if k not in keys and k not in BOOKKEEPING_KEYS)
-        if rule_name in SCALAR_ALGORITHMS and "max_momentum" in group and "momentum" in unknown:
-            # OneCycleLR/CyclicLR(cycle_momentum=True) write "momentum" into every
-            # group; it cycles the matrix groups' μ and is ignored by AdamW/Lion.
-            unknown.remove("momentum")
-        if unknown:
-            raise ValueError(
-                f"{where}: unknown key(s) {unknown} for rule {rule_name!r}"
-                f"{_renamed(rule_name, unknown)}; accepted keys: "
-                f"{sorted(keys)} (and {sorted(BOOKKEEPING_KEYS)})"
-            )
+        refuse_unknown_keys(group, where)
         for key, opt in keys.items():
             value = group[key] if key in group else defaults[key]
             group[key] = check_value(key, value, opt, where)
-        if group.get("state_rounding") == "stochastic" and group.get("state_dtype") != "bfloat16":
-            raise ValueError(
-                f"{where}: state_rounding 'stochastic' rounds fp32 state to bfloat16; it needs "
-                f"state_dtype='bfloat16', got state_dtype={group.get('state_dtype')!r}"
-            )
+        check_together(group, where)
         names = group.get("param_names")
         for i, p in enumerate(params):
             check_param(p, rule_name, group, param_name(names, i, index, p))
         return group
+
+
+def refuse_unknown_keys(group: Mapping[str, Any], where: str, *, added: bool = False) -> None:
+    """Raise if ``group`` holds a key its ``"rule"`` does not take (nor bookkeeping:
+    :data:`~dmuon.optim.hyperparameters.BOOKKEEPING_KEYS`). A misspelt key would be
+    ignored silently, and the optimizer's own state dict would not load.
+
+    Args:
+        group: a group whose ``"rule"`` is resolved (a name of ``RULES`` or a scalar
+            optimizer).
+        where: how errors name the group.
+        added: the key was added after construction (``step()`` found it): said so.
+
+    Raises:
+        ValueError: naming the unknown keys, the rule and the accepted keys.
+    """
+    rule_name = group["rule"]
+    keys = accepted_options(rule_name)
+    unknown = sorted(k for k in group if k not in keys and k not in BOOKKEEPING_KEYS)
+    if rule_name in SCALAR_ALGORITHMS and "max_momentum" in group and "momentum" in unknown:
+        # OneCycleLR/CyclicLR(cycle_momentum=True) write "momentum" into every
+        # group; it cycles the matrix groups' μ and is ignored by AdamW/Lion.
+        unknown.remove("momentum")
+    if unknown:
+        when = " (set after construction; nothing was stepped)" if added else ""
+        raise ValueError(
+            f"{where}: unknown key(s) {unknown} for rule {rule_name!r}{when}"
+            f"{_renamed(rule_name, unknown)}; accepted keys: "
+            f"{sorted(keys)} (and {sorted(BOOKKEEPING_KEYS)})"
+        )
+
+
+def check_together(group: Mapping[str, Any], where: str) -> None:
+    """Raise if two of ``group``'s checked values contradict each other (each value alone
+    passed its :class:`~dmuon.optim.hyperparameters.Option`).
+
+    Raises:
+        ValueError: ``state_rounding='stochastic'`` without ``state_dtype='bfloat16'``.
+    """
+    if group.get("state_rounding") == "stochastic" and group.get("state_dtype") != "bfloat16":
+        raise ValueError(
+            f"{where}: state_rounding 'stochastic' rounds fp32 state to bfloat16; it needs "
+            f"state_dtype='bfloat16', got state_dtype={group.get('state_dtype')!r}"
+        )
 
 
 def check_param(p: Any, rule_name: str, group: Mapping[str, Any], name: str) -> None:

@@ -18,8 +18,10 @@ import torch
 from dmuon.optim.group_options import (
     STRUCTURE,
     accepted_options,
+    check_together,
     check_value,
     param_name,
+    refuse_unknown_keys,
     structure_of,
 )
 from dmuon.optim.sparse_gradients import first_sparse
@@ -48,12 +50,14 @@ class GroupRecord:
         structure: :func:`structure_of` the group.
         shapes: each parameter's shape.
         values: each accepted key's checked value.
+        keys: the group's keys (a key added since is checked, e.g. a misspelt one).
     """
 
     index: int
     structure: tuple[Any, ...]
     shapes: tuple[torch.Size, ...]
     values: dict[str, Any] = field(default_factory=dict)
+    keys: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self._shapes = list(self.shapes)  # what check compares a list of shapes with
@@ -67,6 +71,7 @@ class GroupRecord:
             structure_of(group),
             tuple(p.shape for p in group["params"]),
             {k: group[k] for k in options if k in group},
+            frozenset(group),
         )
 
     def check(self, group: dict[str, Any]) -> str | None:
@@ -81,8 +86,9 @@ class GroupRecord:
             RuntimeError: its structure (:data:`STRUCTURE`, its parameters) changed, or a
                 parameter's shape changed (its ``.data`` replaced) — each naming the
                 parameter.
-            ValueError: a value the caller set since the last step does not check
-                (named with the key, as the constructor names it); nothing is stepped.
+            ValueError: a value the caller set since the last step does not check, alone
+                or with another (named with the key, as the constructor names it), or a
+                key the rule does not take was added; nothing is stepped.
         """
         where = f"param group {self.index}"
         if structure_of(group) != self.structure:
@@ -129,7 +135,12 @@ class GroupRecord:
         return ""
 
     def _check_values(self, group: dict[str, Any], where: str) -> None:
-        """Check each value the caller replaced since the last step (:meth:`check`)."""
+        """Check each value the caller replaced since the last step, and each key added
+        (:meth:`check`)."""
+        if group.keys() != self.keys:
+            refuse_unknown_keys(group, where, added=True)
+            self.keys = frozenset(group)  # scheduler bookkeeping (initial_lr, ...)
+        checked: dict[str, Any] = {}
         for key, value in self.values.items():
             now = group.get(key, _MISSING)
             if now is value:
@@ -137,4 +148,8 @@ class GroupRecord:
             if now is _MISSING:
                 raise ValueError(f"{where}: key {key!r} was removed after construction")
             option = accepted_options(group["rule"])[key]
-            group[key] = self.values[key] = check_value(key, now, option, where)
+            checked[key] = check_value(key, now, option, where)
+        if checked:  # recorded once every check passed: a refused value stays refused
+            check_together({**group, **checked}, where)
+            group.update(checked)
+            self.values.update(checked)
