@@ -176,7 +176,7 @@ def test_a_huge_finite_gradient_keeps_momentum_and_weights_finite(rule, nesterov
     # error feedback), the guard saw only finite gradients, and every weight became NaN.
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(6, 10))
-    kw = {"nesterov": nesterov} if "nesterov" in RULES[rule].options else {}
+    kw = {"nesterov": nesterov} if "nesterov" in RULES[rule].reads else {}
     opt = DMuon([w], rule=rule, lr=0.05, weight_decay=0.0, **kw)
     direction = torch.randn(6, 10).sign()
     for step in range(1, 6):

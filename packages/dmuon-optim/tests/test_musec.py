@@ -108,3 +108,20 @@ def test_zero_gradient_gives_zero_step_and_saturated_momentum_stays_finite():
     W.grad[0, 0] = -3e38
     opt.step()
     assert torch.isfinite(W).all()
+
+
+def test_a_clip_level_below_a_millionth_is_refused_when_the_optimizer_is_built():
+    """τ = 1e-30: σ_max(B)²/τ² left fp32's range, so every step raised inside the kernel
+    (naming its own ``compute_dtype``, not ``clip_tau``) after the momentum had absorbed
+    the gradient. Now refused by the group check, naming ``clip_tau``; the smallest
+    accepted level steps, finite, at spectral norm one (every direction clipped)."""
+    w = torch.nn.Parameter(torch.randn(16, 24, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"clip_tau must be a finite real number >= 1e-06"):
+        DMuon([w], rule="musec", clip_tau=1e-30)
+    opt = DMuon([w], rule="musec", clip_tau=1e-6, lr=1.0, weight_decay=0.0, adjust_lr=None)
+    before = w.detach().clone()
+    w.grad = torch.randn(16, 24)
+    opt.step()
+    update = (before - w.detach()).double()
+    assert torch.isfinite(update).all()
+    assert abs(float(torch.linalg.matrix_norm(update, ord=2)) - 1.0) < 1e-3

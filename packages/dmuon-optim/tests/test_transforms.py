@@ -199,7 +199,7 @@ def test_a_rule_refuses_two_transforms_declaring_the_same_state_name():
     from dmuon.optim import Rule
     from dmuon.optim.transforms import Momentum
 
-    with pytest.raises(ValueError, match=r"state name\(s\) \['momentum_buffer'\]"):
+    with pytest.raises(ValueError, match=r"'momentum_buffer' by Momentum, Momentum\)"):
         Rule("twice", (Momentum(), Momentum()))
 
 
@@ -245,6 +245,52 @@ def test_a_switch_has_no_default_until_the_rule_gives_one():
     )
     with pytest.raises(ValueError, match=r"rule 'r': default sign must be True or False"):
         Rule("r", (Sign(when_option="sign"),), defaults={"sign": "yes"})
+
+
+def test_one_switch_turns_on_several_links():
+    """Two links under one ``when_option`` key: one option (before: refused at definition,
+    each link declaring its own switch with its own name in the text)."""
+    from dmuon.optim import Rule
+    from dmuon.optim.transforms import AdjustLR, Momentum, Orthogonalize, Sign
+
+    rule = Rule(
+        "r",
+        (Momentum(), Sign(when_option="sw"), Orthogonalize(when_option="sw"), AdjustLR()),
+        defaults={"sw": True},
+    )
+    assert rule.options["sw"].default is True
+    G = torch.randn(1, 4, 6)
+    off = Sign(when_option="sw")(G, {}, StepContext(grad=G, hp={"sw": False}))
+    on = Sign(when_option="sw")(G, {}, StepContext(grad=G, hp={"sw": True}))
+    assert torch.equal(off, G) and torch.equal(on, torch.sign(G))
+
+
+def test_two_inline_options_alike_but_for_their_check_say_so():
+    """Two transforms each declaring ``Option(0.9, real(...), "EMA decay")`` inline: two
+    check functions, so two Options; the error says that, not "0.9: EMA decay unlike 0.9:
+    EMA decay"."""
+    from dataclasses import dataclass
+
+    from dmuon.optim import Rule
+    from dmuon.optim.hyperparameters import Option, real
+
+    def decay() -> dict[str, Option]:
+        return {"beta3": Option(0.9, real(0.0, 1.0, hi_open=True), "EMA decay")}
+
+    @dataclass(frozen=True)
+    class T1(Transform):
+        hyperparameters: ClassVar[dict[str, Option]] = decay()
+
+        def apply(self, X, state, ctx):
+            return X
+
+    @dataclass(frozen=True)
+    class T2(T1):
+        hyperparameters: ClassVar[dict[str, Option]] = decay()
+
+    with pytest.raises(ValueError, match="the same default and meaning as T1's") as err:
+        Rule("r", (T1(), T2()))
+    assert "declare it once at module level" in str(err.value)
 
 
 def test_a_rule_refuses_two_transforms_declaring_one_key_differently():

@@ -99,12 +99,16 @@ class Rule:
     options: Mapping[str, Option] = field(init=False)
 
     def __post_init__(self) -> None:
-        names = [s.name for t in self.chain for s in t.state_specs()]
-        repeated = sorted({n for n in names if names.count(n) > 1})
+        owners: dict[str, list[str]] = {}
+        for t in self.chain:
+            for spec in t.state_specs():
+                owners.setdefault(spec.name, []).append(type(t).__name__)
+        repeated = {n: who for n, who in sorted(owners.items()) if len(who) > 1}
         if repeated:
+            listed = "; ".join(f"{n!r} by {', '.join(who)}" for n, who in repeated.items())
             raise ValueError(
-                f"rule {self.name!r}: state name(s) {repeated} are declared by more than one "
-                "transform of its chain; each buffer needs its own name"
+                f"rule {self.name!r}: state name(s) declared by more than one transform of "
+                f"its chain ({listed}); each buffer needs its own name"
             )
         object.__setattr__(self, "options", self._derive_options())
 
@@ -117,12 +121,22 @@ class Rule:
                 # a common key's one declaration is MATRIX_KEYS'; another key's, its first
                 first, same = declared.setdefault(key, (who, MATRIX_KEYS.get(key, opt)))
                 if opt != same:
+                    other = "MATRIX_KEYS" if key in MATRIX_KEYS else first
+                    if (opt.default, opt.doc) == (same.default, same.doc):
+                        differ = (
+                            f"the same default and meaning as {other}'s, but another Option "
+                            "object (its check is another function)"
+                        )
+                    else:
+                        differ = (
+                            f"default {opt.default!r}: {opt.doc}) unlike {other} (default "
+                            f"{same.default!r}: {same.doc}"
+                        )
                     raise ValueError(
-                        f"rule {self.name!r}: {who} declares hyperparameter {key!r} (default "
-                        f"{opt.default!r}: {opt.doc}) unlike "
-                        f"{'MATRIX_KEYS' if key in MATRIX_KEYS else first} (default "
-                        f"{same.default!r}: {same.doc}); a key is one Option, shared by "
-                        "every transform that reads it"
+                        f"rule {self.name!r}: {who} declares hyperparameter {key!r} "
+                        f"({differ}); a key is one Option, shared by every transform that "
+                        "reads it: declare it once at module level and use that object in "
+                        "each transform's hyperparameters"
                     )
         common = sorted(set(self.defaults) & set(MATRIX_KEYS))
         if common:

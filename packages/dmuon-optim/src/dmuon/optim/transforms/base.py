@@ -40,6 +40,7 @@ from dmuon.optim.vote import SignVote, local_vote
 
 __all__ = [
     "COMPUTE_DTYPES",
+    "SWITCH",
     "StateSpec",
     "StepContext",
     "Transform",
@@ -182,6 +183,11 @@ class StepContext:
         return choice.path == "gather"
 
 
+SWITCH = Option(REQUIRED, boolean, "run the transforms of the chain that name it (when_option=)")
+"""The declaration of every ``when_option`` switch: one :class:`Option`, so that one switch
+may turn on several links of a chain."""
+
+
 @dataclass(frozen=True)
 class Transform(ABC):
     """One link of an update rule's chain: a frozen dataclass with an :meth:`apply` hook.
@@ -245,9 +251,7 @@ class Transform(ABC):
         that chains the transform gives it one)."""
         specs = dict(self.hyperparameters)
         if self.when_option is not None:
-            specs[self.when_option] = Option(
-                REQUIRED, boolean, f"run {type(self).__name__} (a switch of the chain)"
-            )
+            specs[self.when_option] = SWITCH
         return specs
 
     def read_keys(self) -> tuple[str, ...]:
