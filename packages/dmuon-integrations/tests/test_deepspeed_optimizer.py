@@ -124,3 +124,23 @@ def test_load_state_dict_is_refused_alone_and_keeps_stepping_the_matrices_after(
     assert steps == [1], "DMuon's step did not run after load_state_dict"
     assert not torch.equal(model[0].weight, w)
     assert model[0].weight.grad is None
+
+
+def test_a_scalar_groups_keys_are_the_ones_its_rule_reads(monkeypatch):
+    """A scalar rule of one's own that reads ``eps`` (AdamW's keys under another name)
+    gets ``adamw_eps`` in DeepSpeed's client optimizer as in DMuon (before: ``eps`` was
+    kept for ``"adamw"`` alone, and the client optimizer refused the group, "missing
+    'eps'"); Lion, which reads none, loses one given to it."""
+    from dataclasses import replace
+
+    from dmuon.integrations.deepspeed import _dmuon_defaults, _scalar_group
+    from dmuon.optim import scalar
+
+    monkeypatch.setitem(
+        scalar.SCALAR_RULES, "adamw2", replace(scalar.SCALAR_RULES["adamw"], name="adamw2")
+    )
+    defaults = _dmuon_defaults({"adamw_eps": 1e-3, "lr": 0.02})
+    group = _scalar_group({"params": []}, "adamw2", defaults)
+    assert group["eps"] == 1e-3 and group["rule"] == "adamw2"
+    assert "eps" not in _scalar_group({"params": [], "eps": 1e-3}, "lion", defaults)
+    assert _scalar_group({"params": [], "eps": 1e-5}, "adamw", defaults)["eps"] == 1e-5

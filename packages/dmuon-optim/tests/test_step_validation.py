@@ -181,3 +181,14 @@ def test_the_default_deadline_is_auto_and_grows_with_the_slowest_iteration():
 def test_a_bad_timeout_is_refused_naming_the_choices(bad):
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds, 'auto'"):
         DMuon([mat(3, 3)], timeout=bad)
+
+
+def test_a_bad_option_of_the_default_rule_is_refused_when_no_group_takes_that_rule():
+    """``rule="normuon", beta2=1.5`` with every group naming ``"muon"``: refused at
+    construction, naming ``beta2`` (before: accepted, shown in ``opt.defaults``, and
+    refused only when a later ``add_param_group`` took the default rule)."""
+    p = mat(4, 4)
+    with pytest.raises(ValueError, match=r"DMuon: beta2 must be"):
+        DMuon([{"params": [p], "rule": "muon"}], rule="normuon", beta2=1.5)
+    opt = DMuon([{"params": [p], "rule": "muon"}], rule="normuon", beta2=0.5)
+    assert opt.defaults["beta2"] == 0.5

@@ -59,7 +59,14 @@ from dmuon.integrations import ddp
 from dmuon.integrations.dedication import Dedication, build_dedication
 from dmuon.integrations.deepspeed_checkpoint import load_checkpoint, save_checkpoint
 from dmuon.integrations.deepspeed_optimizer import ZeroClientOptimizer, dmuon_of
-from dmuon.optim import RULES, SCALAR_ALGORITHMS, DMuon, clip_grad_norm_, param_groups
+from dmuon.optim import (
+    RULES,
+    SCALAR_ALGORITHMS,
+    DMuon,
+    clip_grad_norm_,
+    get_scalar_rule,
+    param_groups,
+)
 from dmuon.optim.engine import DEFAULT_PACK_MB
 from dmuon.optim.group_options import renamed_rule_key
 
@@ -564,15 +571,22 @@ def _scalar_lr(defaults: Mapping[str, Any]) -> Any:
 def _scalar_group(
     group: Mapping[str, Any], algorithm: str, defaults: Mapping[str, Any]
 ) -> dict[str, Any]:
-    # The same resolution as DMuon's: a group's own value, else adamw_* (lr: _scalar_lr).
+    # The same resolution as DMuon's: a group's own value, else adamw_* (lr: _scalar_lr),
+    # for each key the scalar rule reads (its ScalarRule's options: a rule of its own
+    # that reads eps gets adamw_eps; Lion, which does not, loses an eps given to it)
+    constructor = {
+        "lr": _scalar_lr(defaults),
+        "betas": defaults["adamw_betas"],
+        "eps": defaults["adamw_eps"],
+        "weight_decay": defaults["adamw_weight_decay"],
+        "cautious_weight_decay": defaults["cautious_weight_decay"],
+    }
     out = dict(group)
     out["rule"] = algorithm
-    out.setdefault("lr", _scalar_lr(defaults))
-    out.setdefault("betas", defaults["adamw_betas"])
-    out.setdefault("weight_decay", defaults["adamw_weight_decay"])
-    out.setdefault("cautious_weight_decay", defaults["cautious_weight_decay"])
-    if algorithm == "adamw":
-        out.setdefault("eps", defaults["adamw_eps"])
-    else:
-        out.pop("eps", None)
+    reads = get_scalar_rule(algorithm).options
+    for key, value in constructor.items():
+        if key in reads:
+            out.setdefault(key, value)
+        else:
+            out.pop(key, None)
     return out

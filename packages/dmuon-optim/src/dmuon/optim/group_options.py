@@ -124,9 +124,14 @@ class GroupDefaults:
             k: check_value(f"adamw_{k}", v, SCALAR_OPTIONS[k], "DMuon") for k, v in scalar.items()
         }
         options = dict(rule_options)
+        default_rule = get_rule(rule).options
         for key, value in options.items():
             if key in MATRIX_KEYS:
                 checked[key] = check_value(key, value, MATRIX_KEYS[key], "DMuon")
+            elif key in default_rule:
+                # checked now even if no group takes the default rule: ``opt.defaults``
+                # shows it, and a group added later would be refused only then
+                check_value(key, value, default_rule[key], "DMuon")
         return cls(rule, scalar_optimizer, checked, scalars, options)
 
     def to_config(self) -> dict[str, Any]:
