@@ -383,3 +383,32 @@ def test_hugging_face_attention_clips_as_one_process(kind):
         for rank in range(world):
             diff, where = max_diff(results[rank][mode], expected)
             assert diff <= TOLERANCE, f"{mode}, rank {rank}: {where} differs by {diff:.2e}"
+
+
+def run_nan_on_one_rank(rank: int, world: int) -> tuple[str | None, bool]:
+    """Rank 1 alone sees a NaN token; rank 0's logits are finite (and far over τ)."""
+    model = Net()
+    qk = QKClip(model, tau=TAU)
+    before = full(model)
+    x, _ = batch(0, rank, world)
+    if rank == 1:
+        x[0, 2, 0] = float("nan")
+    model(x)
+    try:
+        qk.step()
+        message = None
+    except RuntimeError as err:
+        message = str(err)
+    unchanged = all(torch.equal(p, before[n]) for n, p in full(model).items())
+    return message, unchanged
+
+
+def test_a_nan_logit_on_one_rank_is_refused_on_every_rank_and_nothing_is_scaled():
+    """gloo's MAX all-reduce drops rank 1's NaN for rank 0's number, which would let every
+    rank clip by rank 0's maxima as if nothing had happened."""
+    results = run_on_ranks(run_nan_on_one_rank, 2, timeout=60)
+    for rank, (message, unchanged) in enumerate(results):
+        assert message is not None, f"rank {rank}: a NaN logit on rank 1 was not refused"
+        assert "non-finite maximum logit" in message and "'blocks.0.attn'" in message, message
+        assert unchanged, f"rank {rank}: weights scaled by a refused step"
+    assert results[0][0] == results[1][0]

@@ -492,7 +492,9 @@ def test_transposed_head_rows_are_columns():
     bias = torch.zeros(12)
     part = HeadRows(c_attn, "key", 2, bias=bias, offset=4, transposed=True)
     assert part.rows(2) == [[4, 5], [6, 7]]
-    with pytest.raises(ValueError, match=r"need 14 rows; the weight has 12 columns"):
+    with pytest.raises(
+        ValueError, match=r"need 14 rows; the weight of shape \(4, 12\) has 12 columns"
+    ):
         HeadRows(c_attn, "key", 2, offset=10, transposed=True).rows(2)
     with pytest.raises(ValueError, match=r"bias of shape \(4,\) does not match .* 12 output"):
         HeadRows(c_attn, "query", 2, bias=torch.zeros(4), transposed=True)
@@ -553,12 +555,50 @@ def test_record_checks_name_and_shape():
         clip.record("", torch.zeros(3))
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_maximum_logit_is_refused_and_nothing_is_scaled(bad):
+    """A NaN maximum would give η = 1 (no clip) and hide the divergence; +inf η = 0."""
+    mha = blown_up_mha()
+    clip = QKClip(mha, tau=TAU)
+    before = {n: p.detach().clone() for n, p in mha.named_parameters()}
+    clip.record("", torch.tensor([bad, 4 * TAU]))  # head 1 over τ: it would be scaled
+    with pytest.raises(RuntimeError, match=r"non-finite maximum logit.*attention '' heads \[0\]"):
+        clip.step()
+    for n, p in mha.named_parameters():
+        assert torch.equal(p, before[n]), f"{n} changed by a refused step"
+    # the refused step's maxima are gone: the next step clips what it records alone
+    clip.record("", torch.tensor([TAU / 2, 4 * TAU]))
+    assert clip.step().factors[""].tolist() == [1.0, 0.25]
+
+
+def test_a_nan_in_the_forward_is_refused_at_the_step():
+    mha = blown_up_mha()
+    clip = QKClip(mha, tau=TAU)
+    before = mha.in_proj_weight.detach().clone()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    x[1, 2, 0] = math.nan  # one token: the queries and keys of its row are NaN
+    mha(x, x, x, need_weights=False)
+    with pytest.raises(RuntimeError, match=r"attention '' heads \[0, 1\]"):
+        clip.step()
+    assert torch.equal(mha.in_proj_weight, before)
+
+
 def test_head_rows_checks():
     w = torch.zeros(6, 4)
     with pytest.raises(ValueError, match=r"role must be one of .* got 'value'"):
         HeadRows(w, "value", 2)
-    with pytest.raises(ValueError, match=r"need 8 rows; the weight has 6"):
+    with pytest.raises(ValueError, match=r"need 8 rows; the weight of shape \(6, 4\) has 6"):
         AttentionHeads("a", 4, 4, (HeadRows(w, "query", 2), HeadRows(w, "key", 2)))
+    # the layer and the part are named: which of several weights is too small
+    k = torch.zeros(4, 4)
+    match = (
+        r"attention 'layers.0.attn', parts\[1\]: 4 heads of 2 key rows \(offset 0, stride 2\) "
+        r"need 8 rows; the weight of shape \(4, 4\) has 4 rows: at most 2 of these heads fit"
+    )
+    with pytest.raises(ValueError, match=match):
+        AttentionHeads(
+            "layers.0.attn", 4, 4, (HeadRows(torch.zeros(8, 4), "query", 2), HeadRows(k, "key", 2))
+        )
     match = r"heads \(3\) must be a positive multiple of kv_heads \(2\)"
     with pytest.raises(ValueError, match=match):
         AttentionHeads("a", 3, 2, (HeadRows(w, "query", 2), HeadRows(w, "key", 2)))

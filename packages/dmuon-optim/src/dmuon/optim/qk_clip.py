@@ -256,6 +256,13 @@ class QKClip:
 
         Call it on every rank after ``optimizer.step()`` (a collective when the
         group has more than one rank).
+
+        Raises:
+            RuntimeError: a head's maximum logit is NaN or +inf on some rank (the
+                forward's queries or keys were not finite), on every rank alike, naming
+                the attention layers and heads. Nothing is scaled (``η`` of a NaN is
+                meaningless, and a clip of 1 would hide the divergence); the step's
+                maxima are discarded, so the next step records afresh.
         """
         attentions = self.attentions
         device = attentions[0].parts[0].weight.device
@@ -267,6 +274,10 @@ class QKClip:
                 for a in attentions
             ]
         )
+        # NaN as +inf: a MAX reduction may drop a NaN (gloo's keeps the other rank's number
+        # when the NaN is not on the first rank), +inf it keeps, so every rank sees a
+        # non-finite maximum wherever one rank recorded it
+        flat = torch.nan_to_num(flat, nan=math.inf, posinf=math.inf, neginf=-math.inf)
         if group_size(self.process_group) > 1:
             work = dist.all_reduce(
                 flat, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True
@@ -279,6 +290,7 @@ class QKClip:
         report = QKClipReport(max_logits=s_max, factors=etas)
         if not bool((flat > self.tau).any()):  # one sync; nothing to scale (η = 1 everywhere)
             return report
+        _refuse_non_finite(s_max)  # +inf > τ: checked only when something is over τ
         for ex in _exchanges(attentions):
             # every rank holds the owners' attention weights of this step (the expert
             # stacks' broadcasts travel on)
@@ -294,6 +306,23 @@ class QKClip:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+def _refuse_non_finite(s_max: dict[str, torch.Tensor]) -> None:
+    """Raise when a reduced maximum is +inf (a NaN or +inf recorded on some rank).
+
+    The maxima are all-reduced, so every rank raises alike, before anything is scaled.
+    """
+    bad = {n: torch.nonzero(s == math.inf).flatten().tolist() for n, s in s_max.items()}
+    bad = {n: heads for n, heads in bad.items() if heads}
+    if bad:
+        where = "; ".join(f"attention {n!r} heads {heads}" for n, heads in bad.items())
+        raise RuntimeError(
+            f"QKClip.step: a non-finite maximum logit (NaN or +inf, on some rank) in {where}: "
+            "the forward's queries or keys were not finite (the model diverged: look at the "
+            "loss, the learning rate, loss scaling). Nothing was scaled; the step's maxima "
+            "are discarded"
+        )
 
 
 def _exchanges(attentions: Sequence[AttentionHeads]) -> list[OwnerExchange]:

@@ -123,14 +123,23 @@ class HeadRows:
         return int(self.weight.shape[self.out_dim])
 
     def rows(self, heads: int) -> list[list[int]]:
-        """The rows of each of ``heads`` heads (checked against the weight's rows)."""
+        """The rows of each of ``heads`` heads (checked against the weight's rows).
+
+        Raises:
+            ValueError: the heads need more rows than the weight has (the role, the
+                rows needed, the weight's shape and how many heads would fit).
+        """
         stride = self.count if self.stride is None else self.stride
         last = self.offset + (heads - 1) * stride + self.count
         if last > self.out_features:
             what = "columns (output features, stored (in, out))" if self.transposed else "rows"
+            room = self.out_features - self.offset - self.count
+            fit = 0 if room < 0 else room // stride + 1
             raise ValueError(
-                f"{heads} heads of {self.count} rows (offset {self.offset}, stride {stride}) "
-                f"need {last} rows; the weight has {self.out_features} {what}"
+                f"{heads} heads of {self.count} {self.role} rows (offset {self.offset}, "
+                f"stride {stride}) need {last} rows; the weight of shape "
+                f"{tuple(self.weight.shape)} has {self.out_features} {what}: at most {fit} of "
+                "these heads fit (check the head count, count, offset and stride)"
             )
         return [
             list(range(self.offset + h * stride, self.offset + h * stride + self.count))
@@ -180,8 +189,11 @@ class AttentionHeads:
                 f"attention {self.name!r} needs query rows and key rows, got roles "
                 f"{[p.role for p in self.parts]}"
             )
-        for p in self.parts:
-            p.rows(self.kv_heads if p.role == "key" else self.heads)
+        for i, p in enumerate(self.parts):
+            try:
+                p.rows(self.kv_heads if p.role == "key" else self.heads)
+            except ValueError as err:  # name the layer and the part, not just the numbers
+                raise ValueError(f"attention {self.name!r}, parts[{i}]: {err}") from None
 
 
 def group_factors(eta: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -27,7 +27,10 @@ def dmuon_optimizer(
     Args:
         lr: the matrix rule's learning rate (and the AdamW one unless ``adamw_lr``).
         mode: DMuon's execution mode (``sharded`` for FSDP2 / tensor parallel).
-        split_sizes: ``{regex: sizes}`` for fused projections (q, k, v of ``wqkv``).
+        split_sizes: ``{regex: sizes}`` for fused projections whose rows are q, then k,
+            then v. Not torchtitan's fused ``wqkv`` (``FusedQKVLinear`` interleaves its
+            rows per key/value head, so contiguous blocks mix q, k and v): refused
+            there; it is orthogonalised whole, as the recipes do.
         **dmuon: other :class:`~dmuon.optim.DMuon` keyword arguments.
 
     Examples:

@@ -22,7 +22,11 @@ container class itself is the extension point, chosen by its ``Config`` in a
   :mod:`~dmuon.integrations.torchtitan.experts`);
 * drops the ``fused``/``foreach`` keys torchtitan adds to every group
   (:mod:`~dmuon.integrations.torchtitan.options`) and refuses any key DMuon does
-  not take, naming it;
+  not take, naming it, and ``split_sizes`` on torchtitan's fused ``wqkv``
+  (``FusedQKVLinear`` interleaves q, k and v per key/value head);
+* refuses a mode other than ``"owner"`` on a model prepared by
+  :func:`~dmuon.integrations.torchtitan.parallelize_for_owners` (FSDP2 left its
+  matrices out, so nothing else would average their gradients);
 * saves and loads through DMuon's sharded state
   (:mod:`~dmuon.integrations.torchtitan.state`), so torchtitan's DCP checkpointer
   reshards it;
@@ -44,9 +48,10 @@ from dmuon.integrations.torchtitan.experts import check_expert_stacks
 from dmuon.integrations.torchtitan.options import (
     OPTIMIZER_NAME,
     check_constructor_kwargs,
+    check_fused_qkv_splits,
     strip_implementation_keys,
 )
-from dmuon.integrations.torchtitan.owners import dedicate_for_owners
+from dmuon.integrations.torchtitan.owners import dedicate_for_owners, owner_layout
 from dmuon.integrations.torchtitan.state import container_state, load_container_state
 from dmuon.optim import DMuon, clip_grad_norm_, param_groups
 
@@ -68,7 +73,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
     Raises:
         ValueError: several model parts, a ``ParamGroupConfig`` naming another
             optimizer, a key DMuon does not accept (the error names it),
-            ``mode="owner"`` on a model not parallelised for it,
+            ``mode="owner"`` on a model not parallelised for it, another mode on a model
+            that is, ``split_sizes`` on torchtitan's fused ``wqkv`` (named),
             ``max_norm`` ≤ 0, or an expert stack whose experts are split over ranks
             (named, with its placements).
 
@@ -98,8 +104,11 @@ class DMuonOptimizersContainer(OptimizersContainer):
         ``weight_decay``, ``adamw_lr``, rule options, …)."""
 
         split_sizes: dict[str, list[int]] = field(default_factory=dict)
-        """With no ``param_groups``: ``{regex: sizes}`` for fused projections, passed to
-        :func:`dmuon.optim.param_groups` (torchtitan's fused ``wqkv``: q, k, v sizes)."""
+        """With no ``param_groups``: ``{regex: sizes}`` for fused projections whose rows are
+        q, then k, then v, passed to :func:`dmuon.optim.param_groups`. Not torchtitan's
+        fused ``wqkv`` (``FusedQKVLinear``): it interleaves its rows per key/value head,
+        so contiguous blocks would mix q, k and v rows; it is refused there (the recipes
+        orthogonalise ``wqkv`` whole)."""
 
         max_norm: float | None = None
         """Clip the gradients to this global norm with :func:`dmuon.optim.clip_grad_norm_`
@@ -131,7 +140,9 @@ class DMuonOptimizersContainer(OptimizersContainer):
                 f"clipping), got {config.max_norm!r}"
             )
         model = model_parts[0]
+        _check_mode_fits_layout(model, config.mode)
         groups = self._dmuon_groups(config, model)
+        check_fused_qkv_splits(model, groups)
         check_expert_stacks(model, groups, str(config.dmuon.get("rule", "muon")))
         kwargs = {"mode": config.mode, **config.dmuon}
         # owner mode: dedicated now, after init_weights (the owners' weights go to every rank)
@@ -142,7 +153,9 @@ class DMuonOptimizersContainer(OptimizersContainer):
             optimizer = DMuon(groups, **kwargs)
         except (TypeError, ValueError) as err:
             if ded is not None:
-                ded.remove()
+                # let the matrices go (not just the hooks): the corrected config can
+                # dedicate them again on the same model
+                ded.undedicate()
             raise type(err)(f"torchtitan optimizer config for DMuon: {err}") from err
         self.dmuon = optimizer
         self.dedication = ded
@@ -202,3 +215,28 @@ class DMuonOptimizersContainer(OptimizersContainer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what DCP read into :meth:`state_dict`'s tensors (at any world size)."""
         load_container_state(self.model_parts[0], self.dmuon, state_dict)
+
+
+def _check_mode_fits_layout(model: nn.Module, mode: str | None) -> None:
+    """Refuse a mode other than ``"owner"`` on a model
+    :func:`~dmuon.integrations.torchtitan.parallelize_for_owners`
+    prepared (on every rank alike: each rank recorded the same layout).
+
+    That ``parallelize_fn`` leaves the matrices out of FSDP2, so only owner mode's
+    reduction to the owners sums their gradients over the ranks: ``single`` would step
+    each rank's local gradient (the ranks drift apart), ``replicated`` each matrix with
+    its owner's local gradient alone, silently wrong either way.
+
+    Raises:
+        ValueError: the mode and what to use instead.
+    """
+    layout = owner_layout(model)
+    if layout is not None and mode != "owner":
+        raise ValueError(
+            f"DMuonOptimizersContainer.Config.mode={mode!r} on a model parallelised by "
+            "dmuon.integrations.torchtitan.parallelize_for_owners: it left "
+            f"{len(layout.names)} matrices out of FSDP2 for owner mode, and no other mode "
+            "sums their gradients over the ranks; use mode='owner' "
+            "(dmuon_optimizer(mode='owner')), or torchtitan's own parallelize_fn for "
+            "mode='sharded'"
+        )

@@ -288,7 +288,7 @@ def dedicate_for_owners(model: nn.Module, **dedicate_options: Any) -> Dedication
     ded = dedicate(model, layout.mesh, reduce_op="sum", free_local_grads=True, **dedicate_options)
     names = set(ded.names)
     if names != layout.names:
-        ded.remove()
+        ded.undedicate()  # the matrices let go too: a corrected model can be dedicated again
         extra = sorted(names - layout.names)[:4]
         missing = sorted(layout.names - names)[:4]
         raise ValueError(
