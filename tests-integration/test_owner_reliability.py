@@ -86,6 +86,31 @@ def run_used_on_rank_0_only(rank: int, world: int) -> dict:
     return _train_until_error(rank, lambda x, _: model(x, use_extra=rank == 0), opt)
 
 
+class Widening(nn.Module):
+    """``wide → extra → head`` (8 → 32 → 32 → 2): three layers of three shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.wide, self.extra, self.head = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.wide(x))
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.head(h)
+
+
+def run_used_on_rank_0_only_layer_by_layer(rank: int, world: int) -> dict:
+    model = Widening()
+    _, opt = _optimizer(model, reshard_after_forward=True, layer_pack_mb=0)
+    try:
+        return _train_until_error(rank, lambda x, _: model(x, use_extra=rank == 0), opt)
+    except CollectiveError as err:  # in the forward, before the loop's try
+        return {"error": str(err), "reason": err.reason, "seconds": 0.0}
+
+
 def run_stall_in_backward(rank: int, world: int) -> dict:
     model = Net()
     _, opt = _optimizer(model, reshard_after_forward=True)
@@ -111,6 +136,21 @@ def test_zero3_parameter_used_on_one_rank_raises_on_every_rank_within_the_deadli
         assert v["seconds"] < DMUON_TIMEOUT, v  # at the end of the forward, no deadline
         assert v.get("names") == ["extra.weight"], v  # PartialUseError, on every rank
         assert "reshard_after_forward=True" in v["error"], v["error"]
+
+
+@pytest.mark.timeout(150)
+def test_zero3_layer_on_one_rank_whose_forward_waits_for_it_is_named_at_the_deadline():
+    """Every layer its own broadcast (``layer_pack_mb=0``): rank 0's forward waits for
+    ``extra``'s weights, which rank 1 never re-gathers, so the check at the end of the
+    forward is never reached there. At the deadline rank 0 says where it waits and why
+    under ``reshard_after_forward``; the roll call shows rank 1 elsewhere (at the check,
+    which names the forward as where the missing rank is)."""
+    v = _ok_values(run_used_on_rank_0_only_layer_by_layer)
+    mine, other = v[0]["error"], v[1]["error"]
+    assert mine is not None and "before layer 'extra' runs" in mine, mine
+    assert "a layer run on some ranks only" in mine, mine
+    assert "rank 1" in mine.split("oll call")[1], mine  # the roll call names it
+    assert other is not None and "parameter-use flags" in other, other
 
 
 @pytest.mark.timeout(150)

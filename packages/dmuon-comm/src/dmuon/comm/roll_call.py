@@ -37,6 +37,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,7 @@ __all__ = [
     "call_roll",
     "note_collective",
     "note_phase",
+    "noted_phase",
     "responder_status",
     "start_responder",
     "stop_responder",
@@ -82,6 +84,27 @@ def note_phase(text: str) -> None:
     """
     global _phase
     _phase = (text, time.monotonic())
+
+
+@contextlib.contextmanager
+def noted_phase(text: str) -> Iterator[None]:
+    """:func:`note_phase` ``text`` inside the block, the phase before it after.
+
+    For a wait whose place tells the ranks apart (``"before layer 'blocks.3' runs"``):
+    when ranks wait for different layers, the roll call lists them.
+
+    Examples:
+        >>> with noted_phase("before layer 'fc' runs"):
+        ...     _progress()["phase"]
+        "before layer 'fc' runs"
+    """
+    global _phase
+    before = _phase
+    _phase = (text, time.monotonic())
+    try:
+        yield
+    finally:
+        _phase = before
 
 
 def note_collective(what: str | None) -> None:
@@ -306,7 +329,8 @@ class RollCall:
             "every rank answered, but they wait in different DMuon collectives: "
             + "; ".join(listed)
             + " — a rank ran a step, save or load the others did not (e.g. a checkpoint "
-            "saved on one rank only); run it on every rank"
+            "saved on one rank only), or a layer with DMuon's weights the others did not "
+            "(a branch taken on some ranks only); run it on every rank"
         )
 
 

@@ -52,6 +52,7 @@ from dmuon.comm import (
     wait_work,
 )
 from dmuon.comm.process_groups import group_size
+from dmuon.comm.roll_call import noted_phase
 from dmuon.optim import deadline
 from dmuon.optim.engine.layer_record import OwnerLayer
 from dmuon.optim.engine.params import is_dtensor
@@ -271,14 +272,24 @@ class Publication:
     @contextlib.contextmanager
     def _deadline(self, where: str) -> Iterator[None]:
         """Every wait inside under DMuon's deadline; a :class:`CollectiveError` names the
-        ranks that did not answer the roll call, and where this rank was."""
+        ranks that did not answer the roll call, and where this rank was. ``where`` is this
+        rank's phase meanwhile, so a roll call lists ranks waiting for different layers
+        (a layer run on some ranks only, ZeRO-3-like)."""
         try:
-            with collective_timeout(self.timeout):
+            with noted_phase(where), collective_timeout(self.timeout):
                 yield
         except CollectiveError as err:
+            hint = (
+                " (reshard_after_forward=True: every rank re-gathers each layer it runs, so "
+                "a layer run on some ranks only leaves the ranks waiting for different "
+                "layers' weights; run every dedicated layer on every rank, or keep the "
+                "weights resident)"
+                if self.reshard_after_forward
+                else ""
+            )
             raise err.after_roll_call().with_context(
                 f"rank {self.rank}, {where}: waiting for the weights published by DMuon step "
-                f"{self.published_step}"
+                f"{self.published_step}{hint}"
             ) from err
 
     def wait_published(self, key: str) -> None:
