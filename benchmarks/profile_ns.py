@@ -22,7 +22,12 @@ kernels' self time (``self_device_time_total``), the optimizer steps run on the
 Llama-3.2-1B weight shapes of ``benchmarks/step.py`` (16 layers, 112 matrices, bf16
 Newton–Schulz), one optimizer at a time, and each case also records how many kernels
 it launched. That is the breakdown of the gap between DMuon and ``torch.optim.Muon``
-on large matrices (``benchmarks/gpu_run.py`` runs it).
+on large matrices (``benchmarks/gpu_run.py`` runs it). CUDA graphs are off while it
+profiles (:func:`dmuon.kernels.set_cuda_graphs_enabled`): DMuon replays its
+Newton–Schulz calls from CUDA graphs by default, and a graph's replay shows no
+``aten::`` operators, so the breakdown of DMuon's rows would read about zero. The
+rows are the eager calls; with graphs the kernels are the same and only their
+launches cost less (``benchmarks/gpu_check.py`` times both).
 
     python benchmarks/profile_ns.py              # ~5 minutes on 2 shared cores
     python benchmarks/profile_ns.py --quick
@@ -51,7 +56,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.*` importable
 
 from benchmarks.common.metrics import machine_info  # noqa: E402
 from benchmarks.step import LLAMA1B, TINY, Config, TorchMuonFP32, ns_dtype  # noqa: E402
-from dmuon.kernels import orthogonalize  # noqa: E402
+from dmuon.kernels import cuda_graphs_enabled, orthogonalize, set_cuda_graphs_enabled  # noqa: E402
 from dmuon.optim import DMuon  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -222,11 +227,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not args.dry_run:
         shapes = [(2048, 8192), (4096, 14336)]
     load_before = os.getloadavg()[0]
-    rows = ns_cases(shapes, dtype, repeats, args.device)
-    rows += step_cases(dtype, repeats, args.quick, args.device, args.dry_run)
+    graphs = cuda_graphs_enabled()
+    # a graph's replay hides its operators from the profiler: profile the eager calls
+    set_cuda_graphs_enabled(False)
+    try:
+        rows = ns_cases(shapes, dtype, repeats, args.device)
+        rows += step_cases(dtype, repeats, args.quick, args.device, args.dry_run)
+    finally:
+        set_cuda_graphs_enabled(graphs)
+    if args.device == "cuda":
+        print(
+            "CUDA graphs off while profiling (a replay shows no aten:: operators): DMuon's "
+            "rows are its eager calls; with graphs (its default) only the launches cost less"
+        )
     print_table(rows)
     meta = {
         **machine_info(args.device),
+        "cuda_graphs": False,
         "dtype": str(dtype).removeprefix("torch."),
         "shared_machine": args.shared_machine,
         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},

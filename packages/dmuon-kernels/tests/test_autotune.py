@@ -361,3 +361,39 @@ def test_auto_tunes_once_per_shape_and_runs_the_winner(tmp_path, monkeypatch):
     assert clock.timed == 3  # same shape: remembered
     orthogonalize(torch.randn(64, 80, device=DEVICE), compute_dtype=torch.float32)
     assert clock.timed == 6  # a new shape is tuned
+
+
+def test_without_autotuning_takes_the_torch_products_untimed(monkeypatch):
+    """Inside without_autotuning(), "auto" where the rule says "tune" (as on a GPU) runs
+    the torch products and never asks the autotuner, whose timing differs per process;
+    outside, and after the context, it asks again. An explicit backend is honoured."""
+    import dmuon.kernels.dispatch as dispatch
+    from dmuon.kernels.dispatch import autotuning_allowed, without_autotuning
+
+    asked = []
+    other = SymmetricOps(
+        "float64",
+        lambda X: syrk_torch(X.double()).to(X.dtype),
+        lambda A, b, c, a=0.0: sym_poly_torch(A.double(), b, c, a).to(A.dtype),
+        lambda A, B, a: sym_mul_torch(A.double(), B.double(), a).to(A.dtype),
+    )
+
+    def tuned(G, plan):
+        asked.append(tuple(G.shape))
+        return other
+
+    monkeypatch.setattr(dispatch, "_tuned_ops", tuned)
+    monkeypatch.setattr(dispatch, "resolve_backend", lambda b, **k: "tune" if b == "auto" else b)
+    G = torch.randn(3, 40, 72, generator=torch.Generator().manual_seed(4))
+    kw = dict(compute_dtype=torch.float32)
+    reference = orthogonalize(G, backend="torch", **kw)
+    with without_autotuning():
+        with without_autotuning():  # nests
+            assert not autotuning_allowed()
+        assert not autotuning_allowed()
+        pinned = orthogonalize(G, **kw)
+    assert asked == [] and autotuning_allowed()
+    assert torch.equal(pinned, reference)  # the torch products, bit for bit
+    tuned_out = orthogonalize(G, **kw)
+    assert asked == [(3, 40, 72)]
+    assert not torch.equal(tuned_out, reference)  # the stand-in rounds otherwise

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -80,3 +81,48 @@ def test_prints_the_tables_and_says_it_is_a_dry_run(dry_run):
     assert "DRY RUN" in stdout
     assert "Symmetric kernels vs torch" in stdout and "orthogonalize" in stdout
     assert "Targets:" in stdout
+
+
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_tests_are_the_files_that_run_cuda_code():
+    """The GPU check runs only the kernel tests that exercise CUDA (the whole suite took
+    ~2 min on an H200, past the step's limit): every file that takes tritonref's DEVICE
+    or COMPILED, or asks torch.cuda whether a device is there, and no other."""
+    here = pathlib.Path(__file__).parent
+    cuda = re.compile(
+        r"from tritonref import [^\n]*\b(DEVICE|COMPILED)\b"
+        r"|torch\.cuda\.(is_available|device_count)\("
+    )
+    found = {f.name for f in here.glob("test_*.py") if cuda.search(f.read_text())}
+    found.discard(pathlib.Path(__file__).name)  # this file names the pattern
+    assert tuple(sorted(found)) == _gpu_check_module().GPU_TESTS
+
+
+def test_a_test_run_past_its_limit_keeps_the_tail_of_its_output(tmp_path):
+    """At the limit pytest gets SIGINT: the JSON keeps what it printed, where it was."""
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n\ndef test_fast():\n    pass\n\ndef test_slow():\n    time.sleep(60)\n"
+    )
+    check = _gpu_check_module()
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "test_slow.py"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    result = check.run_limited(command, 8.0, env, tmp_path)
+    assert result["status"] == "timed out after 8 s"
+    assert result["seconds"] < 30
+    assert "test_fast PASSED" in result["output_tail"]
+    assert "KeyboardInterrupt" in result["output_tail"] and "test_slow" in result["output_tail"]
+
+
+def test_out_defaults_to_the_gpu_tools_folder(monkeypatch, tmp_path):
+    check = _gpu_check_module()
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert check.parse_args([]).out == tmp_path
+    monkeypatch.delenv("OUT")
+    assert check.parse_args([]).out == ROOT / "benchmarks" / "results"

@@ -60,29 +60,39 @@ class CudaGraphCall:
         self.static_out = static_out
 
     def replay(self, G: torch.Tensor) -> torch.Tensor:
-        self.static_in.copy_(G)
-        self.graph.replay()
-        return self.static_out.clone()
+        # a graph replays on the current device's stream: make the graph's device current
+        with torch.cuda.device(self.static_in.device):
+            self.static_in.copy_(G)
+            self.graph.replay()
+            return self.static_out.clone()
 
 
 def capture_cuda_graph(fn: Call, example: torch.Tensor) -> CudaGraphCall:
     """Capture ``fn`` on a static copy of ``example`` as a CUDA graph.
+
+    Everything happens with ``example``'s device current and on streams of that device:
+    the warm-up's side stream and the capture stream. ``torch.cuda.graph`` without a
+    ``stream=`` captures on a stream it made on whatever device was current when it was
+    first used, which records nothing of work launched on another device's tensors.
 
     Raises:
         ValueError: ``example`` is not a CUDA tensor.
     """
     if example.device.type != "cuda":
         raise ValueError(f"CUDA graphs need a CUDA tensor, got one on {example.device}")
-    static_in = example.detach().clone()
-    side = torch.cuda.Stream(device=example.device)
-    side.wait_stream(torch.cuda.current_stream(example.device))
-    with torch.cuda.stream(side):  # warm-up outside the capture (lazy init, workspaces)
-        fn(static_in)
-    torch.cuda.current_stream(example.device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: another thread (NCCL watchdog, data loader) may touch CUDA meanwhile.
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        static_out = fn(static_in)
+    device = example.device
+    with torch.cuda.device(device):
+        static_in = example.detach().clone()
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up outside the capture (lazy init, workspaces)
+            fn(static_in)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        capture = torch.cuda.Stream(device=device)
+        # thread_local: another thread (NCCL watchdog, data loader) may touch CUDA meanwhile.
+        with torch.cuda.graph(graph, stream=capture, capture_error_mode="thread_local"):
+            static_out = fn(static_in)
     return CudaGraphCall(graph, static_in, static_out)
 
 

@@ -16,12 +16,26 @@ to its iteration and the products (the same arithmetic in the same order: result
 are bitwise those of a fresh resolution). What can change between calls is decided
 per call as before: the autotuner's answer (``backend="auto"`` on CUDA), the CUDA-
 graph switch and whether a capture is running.
+
+**Processes that must agree.** The autotuner times candidates in each process, so
+two processes running the same call may pick different products (and Triton's own
+tile autotuning different tiles), whose results differ by rounding (about 2e-3
+relative after a Gram call on an H200). Where several processes compute the same
+orthogonalisation and must hold bitwise-equal results (replicas of one model),
+:func:`without_autotuning` makes ``"auto"`` take the torch products, untimed.
+
+**Devices.** A CUDA call runs with its tensor's device current
+(``torch.cuda.device``): the autotuner's timing, the Triton launches and the CUDA
+graph's capture and replay all use the current device's stream, which need not be
+the tensor's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +49,16 @@ from dmuon.kernels.cuda_graphs import graph_cache
 from dmuon.kernels.ns_options import NSOptions, default_restarts
 from dmuon.kernels.symmetric_ops import TORCH_OPS, SymmetricOps
 
-__all__ = ["CallPlan", "Iteration", "graph_key", "random_wide_batch", "run", "wants_graph"]
+__all__ = [
+    "CallPlan",
+    "Iteration",
+    "autotuning_allowed",
+    "graph_key",
+    "random_wide_batch",
+    "run",
+    "wants_graph",
+    "without_autotuning",
+]
 
 Iterate = Callable[[torch.Tensor, SymmetricOps], torch.Tensor]
 Iteration = Callable[[torch.Tensor, Schedule, tuple[int, ...], SymmetricOps], torch.Tensor]
@@ -186,6 +209,50 @@ def _make_plan(
     return CallPlan(method, iterate, schedule, restarts, options.eps, dtype, ops)
 
 
+_UNTUNED: contextvars.ContextVar[bool] = contextvars.ContextVar("dmuon_untuned", default=False)
+
+
+@contextlib.contextmanager
+def without_autotuning() -> Iterator[None]:
+    """Inside it, ``backend="auto"`` takes the torch products without asking the autotuner.
+
+    The autotuner times its candidates in each process, and its answer (and Triton's
+    choice of tiles) may differ between processes on the same problem: their results
+    then differ by rounding. Processes that compute the same orthogonalisation and
+    must agree bitwise — the ranks of ``single`` mode under DDP, each repeating the
+    whole step — run it inside this context, where the choice depends on nothing
+    timed. An explicit ``backend="triton"`` is still honoured (the caller chose it on
+    every process alike). Nests; restores the previous setting on exit.
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.kernels import orthogonalize
+        >>> from dmuon.kernels.dispatch import autotuning_allowed, without_autotuning
+        >>> with without_autotuning():
+        ...     O = orthogonalize(torch.randn(8, 16))
+        ...     autotuning_allowed()
+        False
+        >>> autotuning_allowed()
+        True
+    """
+    token = _UNTUNED.set(True)
+    try:
+        yield
+    finally:
+        _UNTUNED.reset(token)
+
+
+def autotuning_allowed() -> bool:
+    """False inside :func:`without_autotuning`: ``backend="auto"`` then takes the torch products.
+
+    Examples:
+        >>> from dmuon.kernels.dispatch import autotuning_allowed
+        >>> autotuning_allowed()
+        True
+    """
+    return not _UNTUNED.get()
+
+
 def _tuned_ops(G: torch.Tensor, plan: CallPlan) -> SymmetricOps:
     """The autotuner's products for this shape (timed the first time it is seen)."""
     candidates = triton_candidates()
@@ -231,19 +298,37 @@ def run(G: torch.Tensor, method: str, iteration: Iteration, options: NSOptions) 
         plan = _make_plan(G, method, iteration, options, schedule, restarts)
         if key is not None:
             _PLANS[key] = plan
-    ops = plan.ops if plan.ops is not None else _tuned_ops(G, plan)
+    if G.device.type != "cuda":
+        # graphs are CUDA-only: the cache is not even asked
+        return _whole_call(G, plan, _ops(G, plan))
+    # the tensor's device current: timing, Triton launches and a graph's capture and
+    # replay use the current device's stream, which need not be the tensor's
+    with torch.cuda.device(G.device):
+        return _run_cuda(G, plan, _ops(G, plan), cuda_graph)
 
-    def whole_call(G: torch.Tensor) -> torch.Tensor:
-        # CPU, torch products: a tall matrix is iterated in its own layout (no transpose
-        # in memory, see to_wide_normalized); the Triton kernels and CUDA take it wide.
-        in_place = ops is TORCH_OPS and G.device.type == "cpu"
-        X, layout = to_wide_normalized(
-            G, plan.eps, plan.compute_dtype, plan.method, tall_in_place=in_place
-        )
-        return restore(plan.iterate(X, ops), layout)
 
-    if G.device.type != "cuda":  # graphs are CUDA-only: the cache is not even asked
-        return whole_call(G)
+def _ops(G: torch.Tensor, plan: CallPlan) -> SymmetricOps:
+    """The plan's products; ``"auto"`` on CUDA asks the autotuner, unless it is switched
+    off (:func:`without_autotuning`) and the torch products are taken."""
+    if plan.ops is not None:
+        return plan.ops
+    return _tuned_ops(G, plan) if autotuning_allowed() else TORCH_OPS
+
+
+def _whole_call(G: torch.Tensor, plan: CallPlan, ops: SymmetricOps) -> torch.Tensor:
+    # CPU, torch products: a tall matrix is iterated in its own layout (no transpose
+    # in memory, see to_wide_normalized); the Triton kernels and CUDA take it wide.
+    in_place = ops is TORCH_OPS and G.device.type == "cpu"
+    X, layout = to_wide_normalized(
+        G, plan.eps, plan.compute_dtype, plan.method, tall_in_place=in_place
+    )
+    return restore(plan.iterate(X, ops), layout)
+
+
+def _run_cuda(
+    G: torch.Tensor, plan: CallPlan, ops: SymmetricOps, cuda_graph: bool | None
+) -> torch.Tensor:
+    """A CUDA call (``G``'s device current): through the graph cache when it wants one."""
     cache = graph_cache()
     if wants_graph(
         device_type=G.device.type,
@@ -261,5 +346,9 @@ def run(G: torch.Tensor, method: str, iteration: Iteration, options: NSOptions) 
             eps=plan.eps,
             ops_name=ops.name,
         )
+
+        def whole_call(X: torch.Tensor) -> torch.Tensor:
+            return _whole_call(X, plan, ops)
+
         return cache.run(key, whole_call, G, force=cuda_graph is True)
-    return whole_call(G)
+    return _whole_call(G, plan, ops)

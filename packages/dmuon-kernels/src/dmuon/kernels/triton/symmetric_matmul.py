@@ -27,6 +27,8 @@ interpreter's numpy arithmetic on bf16 is wrong.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 try:
@@ -291,6 +293,29 @@ def lower_tile_matmul(
     def grid(meta):
         return (batch * lower_tile_count(m, meta["BLOCK"]),)
 
+    if A.device.type == "cuda" and A.device.index != torch.cuda.current_device():
+        # Triton launches on the current device's stream: make the operands' device
+        # current for a tensor on another GPU (and for the autotuner's timing runs)
+        with torch.cuda.device(A.device):
+            _launch(grid, A, B, C, m, k, alpha, beta, diag, precision)
+    else:
+        _launch(grid, A, B, C, m, k, alpha, beta, diag, precision)
+    return C
+
+
+def _launch(
+    grid: Callable[[dict], tuple[int]],
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    m: int,
+    k: int,
+    alpha: float,
+    beta: float,
+    diag: float,
+    precision: str,
+) -> None:
+    """One launch of the kernel on the current device's stream."""
     _lower_tile_kernel[grid](
         A,
         B,
@@ -314,4 +339,3 @@ def lower_tile_matmul(
         UPCAST=INTERPRETING,
         PRECISION=precision,
     )
-    return C

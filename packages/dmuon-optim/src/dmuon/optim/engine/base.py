@@ -19,6 +19,7 @@ The rule never knows which mode runs it (DESIGN.md: same rules, same results).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from dmuon.comm import CommStats, default_stats
 from dmuon.comm.process_groups import group_size, twin_groups
+from dmuon.kernels.dispatch import without_autotuning
 from dmuon.optim.engine.params import EngineParam, collect_params, frozen_params, is_dtensor
 from dmuon.optim.engine.placements import placement_of_param
 from dmuon.optim.engine.report import StepReport
@@ -133,6 +135,26 @@ class Engine:
             for e in self._dtensors
             if e.matrix and placement_of_param(e).replicated_whole
         )
+
+    def repeats_orthogonalization(self) -> bool:
+        """Whether several ranks compute the same orthogonalisation, each on its own, and
+        must hold bitwise-equal results (replicas of one weight). Then :meth:`products`
+        keeps the per-process autotuner out of the step. No mode by default: an owner's
+        result reaches the other ranks by a collective."""
+        return False
+
+    def products(self) -> contextlib.AbstractContextManager[None]:
+        """The context of the step's rule calls: :func:`dmuon.kernels.dispatch.
+        without_autotuning` where :meth:`repeats_orthogonalization`, else nothing.
+
+        ``backend="auto"`` times its candidates in each process, and two ranks may pick
+        different products (and Triton different tiles) for the same shape: their results
+        differ by rounding, and replicas that must stay equal drift apart. Agreeing on the
+        choice would take a collective inside the chain, which a rank with an empty batch
+        never reaches; the torch products need none and are the same on every rank."""
+        if self.repeats_orthogonalization():
+            return without_autotuning()
+        return contextlib.nullcontext()
 
     def info(self, p: torch.Tensor) -> EngineParam | None:
         """The engine's view of ``p`` (``None`` for a frozen parameter)."""
@@ -432,13 +454,22 @@ class SingleEngine(Engine):
                 copies.append(float(world))
         return out, copies, [None]
 
+    def repeats_orthogonalization(self) -> bool:
+        """On several ranks, every rank repeats the whole step (DDP's averaged gradients,
+        the same on every rank; a replicated or split matrix over a mesh): the replicas
+        must stay bitwise equal, so ``backend="auto"`` takes the torch products, which
+        need no timing and no collective (:meth:`Engine.products`). With one process,
+        the autotuner chooses."""
+        return group_size(None) > 1
+
     def step(self, stepper: Stepper, report: StepReport) -> None:
-        for index, group in enumerate(stepper.param_groups):
-            if stepper.is_scalar(group):
-                with report.phase("scalar"):
-                    stepper.step_scalars(group)
-            else:
-                stepper.step_matrices(index, None, report)
+        with self.products():
+            for index, group in enumerate(stepper.param_groups):
+                if stepper.is_scalar(group):
+                    with report.phase("scalar"):
+                        stepper.step_scalars(group)
+                else:
+                    stepper.step_matrices(index, None, report)
         report.groups = 1
 
 

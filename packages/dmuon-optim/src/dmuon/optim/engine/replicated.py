@@ -88,7 +88,19 @@ class ReplicatedEngine(PlannedEngine):
             or (info is not None and expert_group_of(info) is not None)
         )
 
+    def repeats_orthogonalization(self) -> bool:
+        """A matrix replicated whole over ``tp`` is stepped by every rank of its owner's
+        ``tp`` row, each copy then all-gathered over ``dp`` to its own ``tp`` column: the
+        copies must be equal, so ``backend="auto"`` takes the torch products
+        (:meth:`Engine.products <dmuon.optim.engine.base.Engine.products>`). Every other
+        matrix is computed once, by its owner, and its bytes all-gathered."""
+        return bool(self._whole)
+
     def step(self, stepper: Stepper, report: StepReport) -> None:
+        with self.products():
+            self._step(stepper, report)
+
+    def _step(self, stepper: Stepper, report: StepReport) -> None:
         matrix_groups = [i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)]
         pipe = Pipeline(self.pipeline_depth, report)
         for key in self.layers:

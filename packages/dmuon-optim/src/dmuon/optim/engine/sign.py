@@ -85,7 +85,17 @@ class SignEngine(PlannedEngine):
         scalars = sorted((e.name, e.layer, e.param) for e in self.params if not e.matrix)
         return plan_with_replicated(super().checked_plan(), scalars)
 
+    def repeats_orthogonalization(self) -> bool:
+        """Every rank steps every matrix, and with ``local_polar=True`` orthogonalises
+        the same voted signs: ``backend="auto"`` takes the torch products on every rank
+        (:meth:`Engine.products <dmuon.optim.engine.base.Engine.products>`)."""
+        return self.world_size > 1
+
     def step(self, stepper: Stepper, report: StepReport) -> None:
+        with self.products():
+            self._step(stepper, report)
+
+    def _step(self, stepper: Stepper, report: StepReport) -> None:
         with report.phase("comm_wait"):
             present = self.agree_presence()
             self._average_scalars(present)
