@@ -254,12 +254,15 @@ def run_tests(device: str, timeout: float) -> dict[str, Any]:
     what ran, which the JSON keeps (the tail of the output), before it is killed."""
     command = test_command()
     if device != "cuda":
-        return {"command": " ".join(command), "status": "skipped: needs CUDA"}
+        return {"command": " ".join(["python", *command[1:]]), "status": "skipped: needs CUDA"}
     import importlib.util
 
     missing = [m for m in ("pytest", "hypothesis") if importlib.util.find_spec(m) is None]
     if missing:
-        return {"command": " ".join(command), "status": f"skipped: {', '.join(missing)} missing"}
+        return {
+            "command": " ".join(["python", *command[1:]]),
+            "status": f"skipped: {', '.join(missing)} missing",
+        }
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     env.update(DMUON_TRITON_COMPILED="1", DMUON_TRITON_AUTOTUNE="0")
@@ -293,7 +296,7 @@ def run_limited(
         for n, word in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?)", output)
     }
     return {
-        "command": " ".join(command),
+        "command": " ".join(["python", *command[1:]]),
         "status": status,
         "counts": counts,
         "seconds": round(time.perf_counter() - start, 1),

@@ -269,11 +269,25 @@ def bundle(out: pathlib.Path) -> list[str]:
     return [f.name for f in files]
 
 
+def shown(command: list[str]) -> str:
+    """``command`` as the summary records it: no path of this machine (the interpreter is
+    ``python``, the repository's files relative to it, the output folder ``$OUT``)."""
+    out = os.environ.get("OUT")
+    parts = ["python"]
+    for arg in command[1:]:
+        if out and arg.startswith(out):
+            arg = "$OUT" + arg[len(out) :]
+        elif arg.startswith(str(ROOT) + os.sep):
+            arg = os.path.relpath(arg, ROOT)
+        parts.append(arg)
+    return " ".join(parts)
+
+
 def run_step(
     name: str, command: list[str], limit: float, env: dict, scratch: pathlib.Path
 ) -> dict[str, Any]:
     """Run one step under its limit; its output's tail goes to the summary and stdout."""
-    print(f"== {name} (limit {limit:.0f} s): {' '.join(command[1:])}", flush=True)
+    print(f"== {name} (limit {limit:.0f} s): {shown(command)}", flush=True)
     t0 = time.monotonic()
     log_path = scratch / f"{name}.log"
     with log_path.open("w") as log:
@@ -302,7 +316,7 @@ def run_step(
         print(tail, flush=True)
     return {
         "name": name,
-        "command": " ".join(command[1:]),
+        "command": shown(command),
         "status": status,
         "seconds": round(time.monotonic() - t0, 1),
         "output_tail": tail,
