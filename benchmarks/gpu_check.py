@@ -270,6 +270,11 @@ def run_tests(device: str, timeout: float) -> dict[str, Any]:
     return run_limited(command, timeout, env, TESTS)
 
 
+def _default_sigint() -> None:
+    """In the child, before its program starts: SIGINT back to its default action."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_limited(
     command: list[str], timeout: float, env: dict[str, str], cwd: pathlib.Path
 ) -> dict[str, Any]:
@@ -277,7 +282,16 @@ def run_limited(
     after 15 s a kill); the status, pytest's counts, the seconds and the output's tail."""
     start = time.perf_counter()
     with tempfile.TemporaryFile(mode="w+", errors="replace") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        proc = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            # a launcher run in the background (nohup, `&`) ignores SIGINT, and its children
+            # inherit that: pytest would never see the SIGINT below
+            preexec_fn=_default_sigint,
+        )
         try:
             code = proc.wait(timeout=timeout)
             status = "passed" if code == 0 else f"failed (exit {code})"

@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 
@@ -106,14 +107,20 @@ def test_the_gpu_tests_are_the_files_that_run_cuda_code():
 
 
 def test_a_test_run_past_its_limit_keeps_the_tail_of_its_output(tmp_path):
-    """At the limit pytest gets SIGINT: the JSON keeps what it printed, where it was."""
+    """At the limit pytest gets SIGINT: the JSON keeps what it printed, where it was —
+    also when the launcher ignores SIGINT (run in the background, as CI and the device
+    tool run it: its children inherit the ignored signal, and pytest never stopped)."""
     (tmp_path / "test_slow.py").write_text(
         "import time\n\ndef test_fast():\n    pass\n\ndef test_slow():\n    time.sleep(60)\n"
     )
     check = _gpu_check_module()
     command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "test_slow.py"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
-    result = check.run_limited(command, 8.0, env, tmp_path)
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        result = check.run_limited(command, 8.0, env, tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     assert result["status"] == "timed out after 8 s"
     assert result["seconds"] < 30
     assert "test_fast PASSED" in result["output_tail"]
