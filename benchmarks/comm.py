@@ -34,7 +34,6 @@ import argparse
 import json
 import math
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -43,11 +42,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import (
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.*` importable
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common.metrics import file_tag, machine_info  # noqa: E402
+from dmuon.comm import (  # noqa: E402
     VOTES_PER_BYTE,
     CommStats,
     MatrixItem,
-    __version__,
     all_gather_updates,
     broadcast_from_owners,
     cost_model,
@@ -61,7 +64,7 @@ from dmuon.comm import (
     shard_range,
     unpack_votes,
 )
-from dmuon.comm.testing import run_on_ranks
+from dmuon.comm.testing import run_on_ranks  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 MODES = ["fp32 all-reduce", "owner", "replicated", "sharded", "sign packed", "sign int8"]
@@ -220,19 +223,13 @@ def bench_rank(
     }
 
 
-def machine_info(backend: str) -> dict[str, Any]:
-    info = {
-        "date": time.strftime("%Y-%m-%d"),
-        "backend": backend,
-        "torch": torch.__version__,
-        "dmuon_comm": __version__,
-        "python": platform.python_version(),
-        "cpu": platform.processor() or platform.machine(),
-        "threads_per_rank": 1,
-    }
-    if backend == "nccl":
-        info["gpu"] = torch.cuda.get_device_name()
-        info["cuda"] = torch.version.cuda
+def run_info(backend: str, world_size: int) -> dict[str, Any]:
+    """The shared machine record (CPU model, native bf16, versions, commit) of the ranks
+    that ran, plus the backend: every rank runs one torch thread (``run_on_ranks``'
+    default)."""
+    device = "cuda" if backend == "nccl" else "cpu"
+    info = machine_info(device, world_size=world_size, threads_per_rank=1)
+    info["backend"] = backend
     return info
 
 
@@ -324,7 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
-    p.add_argument("--tag", default="", help="suffix of the result files (e.g. -quick)")
+    p.add_argument(
+        "--tag",
+        type=file_tag,
+        default="",
+        help="suffix of the result files: --tag quick writes comm-<device>-<backend>-w<N>-quick",
+    )
     args = p.parse_args(argv)
     if args.backend == "nccl" and torch.cuda.device_count() < max(args.world_sizes):
         print(f"nccl needs one GPU per rank; found {torch.cuda.device_count()}", file=sys.stderr)
@@ -345,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout=1800,
         )[0]
         result = {
-            "meta": machine_info(args.backend),
+            "meta": run_info(args.backend, n),
             "world_size": n,
             **out,
             "config": {"layers": args.layers, "d_model": args.d_model, "repeats": args.repeats},

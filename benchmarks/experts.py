@@ -269,7 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         stem = "experts-cpu" + ("-quick" if args.quick else "")
-        machine = {**machine_info(), "load_average_1min": round(os.getloadavg()[0], 2)}
+        # each layout's world is in its own entry; every rank runs one thread
+        machine = {
+            **machine_info(threads_per_rank=1),
+            "load_average_1min": round(os.getloadavg()[0], 2),
+        }
         payload = {"machine": machine, "size": size, "rounds": rounds, "steps": steps}
         payload["layouts"] = result
         (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")

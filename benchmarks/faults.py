@@ -18,10 +18,12 @@ death, the one alive outside any DMuon collective after a hang or a skip; see
 :mod:`dmuon.comm.roll_call`; for ``partial``, the parameters a
 :class:`~dmuon.integrations.PartialUseError` names, on every rank including the
 faulty one) and the seconds from the start of the failing iteration to the raise.
-Prints a table and writes ``benchmarks/results/faults.json``. Nothing here asserts on time.
+Prints a table and writes ``benchmarks/results/faults.json`` (``--out`` elsewhere), with
+the machine. Nothing here asserts on time.
 
     python benchmarks/faults.py               # T = 2 s
     python benchmarks/faults.py --timeout 5
+    python benchmarks/faults.py --cases owner:kill sign:skip --out faults-two.json
 """
 
 from __future__ import annotations
@@ -31,17 +33,27 @@ import json
 import os
 import pathlib
 import signal
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dmuon.comm import CollectiveError
-from dmuon.comm.testing import RankFailure, RankOutcome, rank_store, run_on_ranks
-from dmuon.optim import DMuon, param_groups
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common.metrics import machine_info  # noqa: E402
+from dmuon.comm import CollectiveError  # noqa: E402
+from dmuon.comm.testing import RankFailure, RankOutcome, rank_store, run_on_ranks  # noqa: E402
+from dmuon.optim import DMuon, param_groups  # noqa: E402
 
 WORLD, FAULTY = 3, 2
+#: every (mode, fault) the default run covers, in order
+CASES = [(m, f) for m in ("owner", "replicated", "sharded") for f in ("kill", "hang", "skip")]
+CASES += [("sign", "skip"), ("owner_reshard", "stall"), ("owner_fsdp", "partial")]
+CASES += [("owner", "nosave")]
 _TIMEOUT = [2.0]  # set by main(); read by the forked ranks
 
 
@@ -150,16 +162,35 @@ def _rank(rank: int, world: int, mode: str, fault: str, timeout: float):
     return {"reason": "none", "named": [], "seconds": 0.0, "message": ""}
 
 
-def main() -> None:
+def _case(text: str) -> tuple[str, str]:
+    mode, _, fault = text.partition(":")
+    if (mode, fault) not in CASES:
+        known = " ".join(f"{m}:{f}" for m, f in CASES)
+        raise argparse.ArgumentTypeError(f"unknown case {text!r}; choose from {known}")
+    return mode, fault
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--timeout", type=float, default=2.0, help="DMuon(timeout=...) in s")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=ROOT / "benchmarks" / "results" / "faults.json",
+        help="the JSON file to write (default: benchmarks/results/faults.json)",
+    )
+    parser.add_argument(
+        "--cases",
+        type=_case,
+        nargs="+",
+        default=CASES,
+        metavar="MODE:FAULT",
+        help="the cases to run (default: all)",
+    )
+    args = parser.parse_args(argv)
     _TIMEOUT[0] = args.timeout
     rows = []
-    cases = [(m, f) for m in ("owner", "replicated", "sharded") for f in ("kill", "hang", "skip")]
-    cases += [("sign", "skip"), ("owner_reshard", "stall"), ("owner_fsdp", "partial")]
-    cases += [("owner", "nosave")]
-    for mode, fault in cases:
+    for mode, fault in args.cases:
         # a skipping rank waits in DDP's/FSDP2's own collective: the harness ends it
         limit = 30 if fault == "skip" else 90
         try:
@@ -180,11 +211,14 @@ def main() -> None:
                 f"{mode:13s} {fault:7s} rank {o.rank}: {v['reason']:9s} "
                 f"names rank(s) {v['named']}  {v['seconds']:6.2f} s"
             )
-    out = pathlib.Path(__file__).parent / "results" / "faults.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"timeout_s": args.timeout, "world": WORLD, "rows": rows}, indent=1))
+    out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    machine = machine_info("cpu", world_size=WORLD, threads_per_rank=1)
+    result = {"timeout_s": args.timeout, "world": WORLD, "machine": machine, "rows": rows}
+    out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -10,13 +10,15 @@ CPU) it times ``dmuon.kernels.orthogonalize`` and reports, side by side:
 * batched / loop speed-up for batches of 8 same-shape matrices (target: ≥ 1.5×
   for 8 × 256 × 1024 on CPU).
 
-Writes ``benchmarks/results/kernels-<device>.json`` and ``.png`` and prints a table.
+Writes ``benchmarks/results/kernels-<device>[-quick][-dry-run][-<tag>].json`` and
+``.png`` and prints a table.
 Timings use ``torch.utils.benchmark`` with all of the process's threads; nothing
 here asserts on time.
 
     python benchmarks/kernels.py              # full run on the default device
     python benchmarks/kernels.py --quick      # a one-minute subset
     python benchmarks/kernels.py --device cuda
+    python benchmarks/kernels.py --tag nobf16 # writes kernels-cpu-nobf16.json and .png
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.common` importable
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common.metrics import machine_info  # noqa: E402
+from benchmarks.common.metrics import file_tag, machine_info  # noqa: E402
 from benchmarks.common.progress import progress  # noqa: E402
 from dmuon.kernels import ns_flops, orthogonalize  # noqa: E402
 
@@ -293,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated among fp16, bf16, fp32 (default: the device's fast ones)",
     )
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    p.add_argument(
+        "--tag",
+        type=file_tag,
+        default="",
+        help="suffix of the result files: --tag nobf16 writes kernels-<device>-nobf16.json",
+    )
     args = p.parse_args(argv)
     if args.dtypes and (bad := [d for d in args.dtypes.split(",") if d.strip() not in DTYPES]):
         p.error(f"--dtypes: {bad} not among {', '.join(DTYPES)}")
@@ -300,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"kernels-{args.device}" + ("-quick" if args.quick else "")
-    stem += "-dry-run" if args.dry_run else ""
+    stem += ("-dry-run" if args.dry_run else "") + args.tag
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     plot(result, args.out / f"{stem}.png")
     print_table(result)

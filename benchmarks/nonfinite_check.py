@@ -39,6 +39,8 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` importable
 
 from benchmarks.common.metrics import machine_info  # noqa: E402
 
+WORLD = 2  # gloo ranks, one torch thread each
+
 FORMS = ("all", "vouched")
 
 
@@ -85,7 +87,7 @@ def measure(
 
     per_rank = run_on_ranks(
         _rank_main,
-        2,
+        WORLD,
         args=(tuple(depths), width, iterations, repeats),
         timeout=timeout,
         threads_per_rank=1,
@@ -126,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "nonfinite-check-cpu.json"
-        machine = {**machine_info(), "load_average_1min": round(os.getloadavg()[0], 2)}
+        machine = {
+            **machine_info(world_size=WORLD, threads_per_rank=1),
+            "load_average_1min": round(os.getloadavg()[0], 2),
+        }
         result = {"machine": machine, "width": args.width, "rows": rows}
         path.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {path}")

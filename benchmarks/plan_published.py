@@ -24,6 +24,7 @@ rate over the GPU's peak is carried over to the A800 as a fraction of peak (Hopp
 measured, Ampere predicted: a stated assumption, not a measurement of the A800).
 
     python benchmarks/plan_published.py            # prints the table, writes JSON
+    python benchmarks/plan_published.py --out plan-published.json   # the JSON elsewhere
     python benchmarks/plan_published.py --measured benchmarks/results/gpu-check-<gpu>.json
 """
 
@@ -38,6 +39,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from benchmarks.common.metrics import machine_info
 from dmuon.optim.planner.config import load_model
 from dmuon.optim.planner.profiles import (
     DEVICES,
@@ -88,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         type=pathlib.Path,
         default=MEASURED if MEASURED.is_file() else None,
         help="a benchmarks/gpu_check.py result: also predict with its measured NS efficiency",
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=OUT,
+        help="the JSON file to write (default: benchmarks/results/plan-published-a800.json)",
     )
     args = parser.parse_args(argv)
     cluster = ClusterProfile(
@@ -148,15 +156,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['imbalance']:>10.1%}"
             + (f" {row['predicted_overhead_measured_ns']:>+20.1%}" if measured is not None else "")
         )
-    OUT.parent.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     out = {
+        # nothing is timed here: the record says which commit and versions predicted
+        "machine": machine_info("cpu"),
         "cluster": "128 × A800 (datasheet profile), 8 per node, nvlink3-a800 / ib-ndr",
         "measured_ns_profile": None if measured is None else measured.device.source,
         "assumptions": [{"what": w, "value": v} for w, v in p.assumptions],
         "rows": rows,
     }
-    OUT.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {OUT}")
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
     return 0
 
 

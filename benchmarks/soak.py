@@ -10,12 +10,14 @@ the newest complete checkpoint. The same run without kills is the reference.
 Reported: resumes, steps lost beyond the last checkpoint before each kill (must be
 0), steps redone, and the divergence of the final weights from the reference
 (bitwise equality is expected: same world size, same plan, CPU). Writes
-``benchmarks/results/soak-cpu-gloo-w<N>.json`` and ``.png`` (loss per step, kills
-marked) and prints a table. Not part of CI; never asserts on time. Exits non-zero
-when a step was lost or the weights diverged.
+``soak-cpu-gloo-w<N>.json`` (with the machine) and ``.png`` (loss per step, kills
+marked) into ``--results`` (default ``benchmarks/results``; ``--out`` is the work
+directory of the checkpoints) and prints a table. Not part of CI; never asserts on
+time. Exits non-zero when a step was lost or the weights diverged.
 
     python benchmarks/soak.py                       # 4 ranks, 120 steps, 3 kills
     python benchmarks/soak.py --steps 600 --kills 10 --every 20   # ~30 minutes on 2 cores
+    python benchmarks/soak.py --nproc 2 --steps 12 --every 4 --kills 1 --results soak-quick
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ def analyse(events: list[dict], kills: list[int]) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=120)
@@ -182,15 +184,25 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="global batch")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", default=None, help="work directory (default: a temporary one)")
+    parser.add_argument(
+        "--results",
+        type=pathlib.Path,
+        default=RESULTS,
+        help="folder for the JSON and PNG (default: benchmarks/results)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     parser.add_argument("--kill-at", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return
 
     import torch
+
+    if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` importable
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.common.metrics import machine_info
 
     rng = random.Random(args.seed)
     kills = sorted(rng.sample(range(args.every + 1, args.steps), args.kills))
@@ -222,10 +234,12 @@ def main() -> None:
         "per_kill": rows, "resumes": len([r for r in rows if r["resumed_at"] is not None]),
         "steps_lost": lost, "diverged_parameters": diverged, "max_abs_diff": max_diff,
         "seconds_with_kills": t_killed, "seconds_without": t_straight,
-        "command": _command(),
+        "command": _command(sys.argv[1:] if argv is None else argv),
+        # every rank runs one thread: launch() sets OMP_NUM_THREADS=1 for torchrun
+        "machine": machine_info("cpu", world_size=args.nproc, threads_per_rank=1),
     }  # fmt: skip
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"soak-cpu-gloo-w{args.nproc}"
+    args.results.mkdir(parents=True, exist_ok=True)
+    stem = args.results / f"soak-cpu-gloo-w{args.nproc}"
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot(events, work / "straight" / "events.jsonl", rows, stem.with_suffix(".png"))
     print(f"wrote {stem}.json and .png")
@@ -233,16 +247,16 @@ def main() -> None:
         raise SystemExit(1)
 
 
-def _command() -> str:
-    """The command line, without the work directory (a path of this machine)."""
-    argv, out = sys.argv[1:], []
+def _command(argv: list[str]) -> str:
+    """The command line, without the work and results directories (paths of this machine)."""
+    out: list[str] = []
     skip = False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--out":
+        elif a in ("--out", "--results"):
             skip = True
-        elif not a.startswith("--out="):
+        elif not a.startswith(("--out=", "--results=")):
             out.append(a)
     return " ".join(["python benchmarks/soak.py", *out])
 

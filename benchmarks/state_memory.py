@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import platform
 import resource
 import sys
 import time
@@ -53,6 +52,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.common` impor
 
 from benchmarks.common.data import BatchSampler  # noqa: E402
 from benchmarks.common.memory import state_bytes  # noqa: E402
+from benchmarks.common.metrics import machine_info  # noqa: E402
 from benchmarks.common.model import GPT  # noqa: E402
 from benchmarks.step_world import WorldConfig  # noqa: E402
 from dmuon.comm.testing import run_on_ranks  # noqa: E402
@@ -233,7 +233,8 @@ def main() -> int:
     result = {
         "world": args.world,
         "device": "cpu",
-        "machine": platform.processor() or platform.machine(),
+        # the shared record: CPU model, native bf16, versions, commit, world, threads
+        "machine": machine_info("cpu", world_size=args.world, threads_per_rank=1),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "model": {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_head": cfg.n_head},

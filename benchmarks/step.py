@@ -19,8 +19,9 @@ ratios to AdamW and to vanilla Muon and the targets of issue 6 (DMuon
 optimizer step ≤ 0.55× vanilla's; DMuon step ≤ 1.15× AdamW's where vanilla's
 is ≥ 1.5×; plan imbalance ≤ 5%).
 
-Writes ``benchmarks/results/step-single-<device>[-quick].json`` (or
-``step-world<N>-<device>[-quick].json``) and ``.png`` and prints a table.
+Writes ``benchmarks/results/step-single-<device>[-quick][-dry-run][-<N>thread][-<tag>].json``
+(or ``step-world<N>-<device>[-quick][-b<B>][-tp|-dp-tp][-<tag>].json``) and ``.png`` and
+prints a table.
 Nothing here asserts on time.
 
     python benchmarks/step.py --single            # full run on the default device
@@ -28,6 +29,7 @@ Nothing here asserts on time.
     python benchmarks/step.py --single --threads 1   # steadier on a shared machine (-1thread files)
     python benchmarks/step.py --world 2           # 2 ranks: every setup, phases per step
     python benchmarks/step.py --world 4 --quick   # a small model, a few steps
+    python benchmarks/step.py --single --threads 1 --rules muon --tag bf16   # ...-1thread-bf16
 
 The load average before and after is stored with the results: on a shared
 machine, compare ratios, not milliseconds. On a CPU ``--single`` also records each
@@ -54,7 +56,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.*` importable
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common.metrics import machine_info  # noqa: E402
+from benchmarks.common.metrics import file_tag, machine_info  # noqa: E402
 from benchmarks.common.progress import progress  # noqa: E402
 from dmuon.kernels import ns_flops  # noqa: E402
 from dmuon.optim import RULES, DMuon  # noqa: E402
@@ -458,7 +460,10 @@ def main_world(args: argparse.Namespace) -> int:
         device=args.device,
         timeout=args.timeout,
     )
-    result["meta"] = machine_info(args.device)
+    # the ranks' threads, not this launcher's (torch's default here: one per core)
+    result["meta"] = machine_info(
+        args.device, world_size=args.world, threads_per_rank=step_world.THREADS_PER_RANK
+    )
     result["meta"]["load_average_1min"] = {
         "before": load_before,
         "after": result.pop("load_average_1min"),
@@ -471,6 +476,7 @@ def main_world(args: argparse.Namespace) -> int:
         stem += "-tp"
     elif set(setups) <= set(step_world.DP_TP_SETUPS):  # the dp × tp comparison on its own
         stem += "-dp-tp"
+    stem += args.tag
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     step_world.plot(result, args.out / f"{stem}.png")
     step_world.print_table(result)
@@ -523,6 +529,13 @@ def main(argv: list[str] | None = None) -> int:
         help="--world: sequences per rank (default 4; more tokens shrink the optimizer's share)",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="--world: seconds for the run")
+    p.add_argument(
+        "--tag",
+        type=file_tag,
+        default="",
+        help="suffix of the result files: --single --threads 1 --tag bf16 writes "
+        "step-single-<device>-1thread-bf16.json",
+    )
     args = p.parse_args(argv)
     if args.world is not None:
         return main_world(args)
@@ -544,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     stem += "-dry-run" if args.dry_run else ""
     if args.threads is not None:
         stem += f"-{args.threads}thread"
+    stem += args.tag
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     plot(result, args.out / f"{stem}.png")
     print_table(result)

@@ -40,6 +40,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.common` importable
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common.metrics import machine_info  # noqa: E402
+
 PACKAGES = ("kernels", "comm", "optim", "integrations")
 
 
@@ -177,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             "layers": args.layers,
             "d_model": args.d_model,
             "torch": torch.__version__,
+            # what is counted depends on the code and versions: the record names them
+            "machine": machine_info("cpu", world_size=args.world, threads_per_rank=1),
             "ranks": ranks,
         }
         args.json.write_text(json.dumps(result, indent=1) + "\n")

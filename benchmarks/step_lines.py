@@ -38,6 +38,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common.metrics import machine_info  # noqa: E402
+
 #: the DMuon setups of ``benchmarks/step_world.py`` on a 1-D group of ranks (``muon_vanilla``
 #: is ``mode="single"`` under DDP)
 DMUON_SETUPS = (
@@ -164,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             "d_model": args.d_model,
             "torch": torch.__version__,
             "python": sys.version.split()[0],
+            # the lines counted depend on the code and the versions, not on the machine:
+            # the record says which commit and versions they are of
+            "machine": machine_info("cpu", world_size=args.world, threads_per_rank=1),
             "lines": {s: {str(n): v for n, v in lines.items()} for s, lines in result.items()},
         }
         args.json.write_text(json.dumps(out, indent=1) + "\n")

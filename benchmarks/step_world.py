@@ -174,6 +174,9 @@ LABELS = {
     "owner_dp_tp_gather": "DMuon owner, dp × tp (owners over dp), gather path forced",
 }
 PHASES = ("forward", "backward", "optimizer", "comm_wait")
+#: torch threads of each rank (``run_on_ranks``' own default, on CPU and GPU alike): the
+#: ranks share the machine's cores, and more threads per rank would oversubscribe them
+THREADS_PER_RANK = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -541,7 +544,7 @@ def run_world(
             world,
             args=(setups, cfg, steps, warmup, device),
             timeout=timeout,
-            threads_per_rank=1,
+            threads_per_rank=THREADS_PER_RANK,
         )
     rows = aggregate(per_rank, setups)
     return {

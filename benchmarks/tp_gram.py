@@ -6,19 +6,24 @@ For a matrix split by columns over ``t`` tensor-parallel ranks, per rank:
   the iteration on its own ``m × n/t`` shard; the ``m × m`` work is repeated on every
   rank, the ``m × n`` products are divided by ``t``. It moves ``(restarts + 1)``
   all-reduces of the ``m × m`` Gram matrix.
-* **Gather + Gram**: the shards are gathered to one rank, which runs
-  :func:`dmuon.kernels.gram_newton_schulz` on the whole matrix and scatters the
-  result: ``2 (t − 1)/t · m n`` elements move, and the other ranks wait.
+* **Gather + Gram**: one all-gather of the shards, then every rank runs
+  :func:`dmuon.kernels.gram_newton_schulz` on the whole matrix and keeps its shard
+  (the library's gather path, ``tp_path="gather"``).
 
 One process measures the compute of one rank: the TP-native time is that of one
 shard's iteration with the group's sum left out (the shapes, and so the FLOPs, are
-those of a real rank), the gather time is the whole-matrix call. Bytes are counted
-from the shapes; the α–β time of the collectives is not included (see
-``benchmarks/comm.py`` for the fitted α, β of a backend).
+those of a real rank), the gather time is the whole-matrix call. The bytes are those
+the library's own α–β model says each rank sends
+(:func:`dmuon.comm.tensor_parallel_path`'s ``gram_bytes`` and ``gather_bytes``, what
+``tp_path="auto"`` prices): a ring all-reduce sends ``2 (t − 1)/t`` of its payload per
+rank, an all-gather ``(t − 1)/t`` of the whole matrix; the Gram matrices travel in the
+compute dtype, the shards in their own (fp32 here). The time of the collectives is not
+included (see ``benchmarks/comm.py`` for the fitted α, β of a backend).
 
     python benchmarks/tp_gram.py                 # CUDA if present: 4096×14336 split 2, 4
     python benchmarks/tp_gram.py --device cpu    # CPU: 1024×3584 split 2, 4
     python benchmarks/tp_gram.py --dry-run       # toy shapes (benchmarks/gpu_run.py --dry-run)
+    python benchmarks/tp_gram.py --device cuda --bytes-only   # the bytes column alone, no GPU
 
 Writes ``benchmarks/results/tp-gram-<device>.json`` and ``.png`` and prints a table.
 Nothing here asserts on time.
@@ -40,6 +45,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks.*` importable
 
 from benchmarks.common.metrics import machine_info  # noqa: E402
 from benchmarks.kernels import timeit as median_time  # noqa: E402
+from dmuon.comm import tensor_parallel_path  # noqa: E402
 from dmuon.kernels import default_compute_dtype, gram_newton_schulz, tp_gram_newton_schulz  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -62,13 +68,32 @@ def timeit(fn, min_run_time: float, device: str) -> float:
     return median_time(fn, min_run_time)
 
 
+def bytes_per_rank(
+    m: int, n: int, t: int, *, gram_element_size: int, shard_element_size: int
+) -> dict[str, int]:
+    """Bytes one rank sends on each path, from the library's own model
+    (:func:`dmuon.comm.tensor_parallel_path`, columns split over ``t`` ranks), so that
+    this table and ``tp_path="auto"`` count the same traffic: the Gram path's
+    ``(restarts + 1)`` ring all-reduces of the ``m × m`` Gram matrix (each rank sends
+    ``2 (t − 1)/t`` of it) plus the two small normalisation all-reduces, the gather
+    path's one all-gather (each rank sends ``(t − 1)/t`` of the whole matrix)."""
+    path = tensor_parallel_path(
+        m,
+        n,
+        -1,
+        t,
+        gram_element_size=gram_element_size,
+        gather_element_size=shard_element_size,
+    )
+    return {"native_bytes": round(path.gram_bytes), "gather_bytes": round(path.gather_bytes)}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = args.device
-    cases = DRY_RUN_CASES if args.dry_run else (CUDA_CASES if device == "cuda" else CPU_CASES)
+    cases = cases_of(device, args.dry_run)
     min_run = 0.01 if args.dry_run else args.min_run_time
     dtype = default_compute_dtype(torch.device(device), "gram")
     elem = torch.empty((), dtype=dtype).element_size()
-    restarts = 1  # the default for a short Gram side: one restart at step 2
     rows = []
     for label, m, n in cases:
         G = torch.randn(m, n, device=device)
@@ -83,6 +108,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
 
             native = timeit(one_rank, min_run, device)
+            cost = bytes_per_rank(
+                m, n, t, gram_element_size=elem, shard_element_size=G.element_size()
+            )
             rows.append(
                 {
                     "case": label,
@@ -93,15 +121,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "native_ms": native * 1e3,
                     "gather_ms": whole * 1e3,
                     "speedup": whole / native,
-                    "native_bytes": (restarts + 1) * m * m * elem,
-                    "gather_bytes": 2 * (t - 1) * m * n // t * elem,
+                    "native_bytes": cost["native_bytes"],
+                    "gather_bytes": cost["gather_bytes"],
+                    "shard_dtype": str(G.dtype).removeprefix("torch."),
                 }
             )
     return {"meta": machine_info(device), "rows": rows, "dry_run": args.dry_run}
 
 
+def cases_of(device: str, dry_run: bool) -> list[tuple[str, int, int]]:
+    return DRY_RUN_CASES if dry_run else (CUDA_CASES if device == "cuda" else CPU_CASES)
+
+
+def print_bytes(device: str, dry_run: bool) -> None:
+    """The "MB sent per rank" figures of :func:`run` for ``device``'s shapes, without a
+    device: the model is analytic (Gram in the device's compute dtype, fp32 shards)."""
+    elem = torch.empty((), dtype=default_compute_dtype(torch.device(device), "gram")).element_size()
+    print("case  TP  MB sent per rank: TP-native / gather")
+    for label, m, n in cases_of(device, dry_run):
+        for t in DEGREES:
+            b = bytes_per_rank(m, n, t, gram_element_size=elem, shard_element_size=4)
+            print(f"{label}  {t}  {b['native_bytes'] / 1e6:.1f} / {b['gather_bytes'] / 1e6:.1f}")
+
+
 def print_table(result: dict[str, Any]) -> None:
-    header = ["case", "TP", "dtype", "TP-native ms", "gather ms", "speed-up", "MB native/gather"]
+    header = [
+        "case",
+        "TP",
+        "dtype",
+        "TP-native ms",
+        "gather ms",
+        "speed-up",
+        "MB sent/rank native/gather",
+    ]
     lines = [header]
     for r in result["rows"]:
         lines.append(
@@ -151,7 +203,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     p.add_argument("--no-plot", action="store_true", help="JSON only (gpu_run.py's file limit)")
+    p.add_argument(
+        "--bytes-only",
+        action="store_true",
+        help="print the bytes each rank sends for the device's shapes, time nothing, "
+        "write nothing (the model's figures need no GPU)",
+    )
     args = p.parse_args(argv)
+    if args.bytes_only:
+        print_bytes(args.device, args.dry_run)
+        return 0
     torch.manual_seed(0)
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)

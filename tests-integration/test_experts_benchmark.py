@@ -18,6 +18,7 @@ def test_quick_run_writes_every_setup_of_both_layouts(tmp_path):
     result = json.loads((tmp_path / "experts-cpu-quick.json").read_text())
     assert (tmp_path / "experts-cpu-quick.png").stat().st_size > 10_000
     assert result["machine"]["cores"] >= 1 and "cpu_native_bf16" in result["machine"]
+    assert result["machine"]["threads_per_rank"] == 1  # the ranks', not the launcher's
     layouts = result["layouts"]
     assert set(layouts) == set(experts.LAYOUTS)
     size = result["size"]

@@ -20,3 +20,4 @@ def test_a_tiny_run_writes_both_forms_per_depth_and_the_machine(tmp_path):
         assert row["all_us"] > 0 and row["vouched_us"] > 0 and row["ratio"] > 0
     for key in ("cpu", "cpu_native_bf16", "torch", "load_average_1min", "date"):
         assert key in result["machine"], key
+    assert result["machine"]["world_size"] == 2 and result["machine"]["threads_per_rank"] == 1

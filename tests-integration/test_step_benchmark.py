@@ -24,6 +24,10 @@ def test_every_setup_steps_on_two_ranks_and_is_written(tmp_path):
     result = json.loads((tmp_path / "step-world2-cpu-quick.json").read_text())
     assert (tmp_path / "step-world2-cpu-quick.png").stat().st_size > 10_000
     assert sorted(result["rows"]) == sorted(setups)
+    # the ranks' threads, not the launcher's, and the world they ran in
+    meta = result["meta"]
+    assert meta["world_size"] == 2
+    assert meta["torch_threads"] == meta["threads_per_rank"] == step_world.THREADS_PER_RANK == 1
     for name, row in result["rows"].items():
         assert set(row["seconds"]) == set(step_world.PHASES), name
         assert row["total"] > 0 and len(row["all_totals"]) == 2, name

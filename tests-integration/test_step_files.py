@@ -19,6 +19,9 @@ def test_step_files_writes_the_figures_of_each_rank(tmp_path, capsys):
     assert step_files.main(["--json", str(out), "--timeout", "120"]) == 0
     result = json.loads(out.read_text())
     assert result["world"] == 2 and len(result["ranks"]) == 2
+    machine = result["machine"]  # which commit and versions the files are of
+    assert machine["world_size"] == 2 and machine["threads_per_rank"] == 1
+    assert "git_commit" in machine and "triton" in machine
     for rank in result["ranks"]:
         sequence = rank["sequence"]
         assert all(f.startswith("dmuon/") and f.endswith(".py") for f in sequence)

@@ -36,3 +36,7 @@ def test_the_table_names_every_setup_and_depth(capsys, tmp_path):
 
     result = json.loads(out.read_text())
     assert set(result["lines"]["owner_ddp"]) == {"2", "3"}
+    # the figures are the code's: the record names the commit and versions they are of
+    machine = result["machine"]
+    assert machine["world_size"] == 2 and machine["threads_per_rank"] == 1
+    assert "git_commit" in machine and "triton" in machine

@@ -11,18 +11,21 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib
+import importlib.metadata
 import os
 import pathlib
 import platform
+import re
 import subprocess
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["allocator_settings", "machine_info", "steps_to_reach"]
+__all__ = ["allocator_settings", "file_tag", "machine_info", "steps_to_reach"]
 
 
 def steps_to_reach(xs: Sequence[float], losses: Sequence[float], target: float) -> float | None:
@@ -57,6 +60,27 @@ def _cpu_native_bf16() -> bool | None:
     except ImportError:
         return None
     return cpu_has_native_bf16()
+
+
+def file_tag(text: str) -> str:
+    """The ``--tag`` of a benchmark as the suffix of its result files: ``"nobf16"`` and
+    ``"-nobf16"`` both give ``"-nobf16"`` (argparse reads ``--tag -nobf16`` as a missing
+    value, so the dash is optional; ``--tag=-nobf16`` works too), ``""`` gives ``""``.
+
+    Raises:
+        argparse.ArgumentTypeError: characters other than letters, digits, ``.``, ``_``
+            and ``-`` (the tag becomes part of a file name).
+
+    Examples:
+        >>> file_tag("nobf16"), file_tag("-nobf16"), file_tag("")
+        ('-nobf16', '-nobf16', '')
+    """
+    if text and not re.fullmatch(r"[A-Za-z0-9._-]+", text):
+        raise argparse.ArgumentTypeError(
+            f"--tag must be letters, digits, '.', '_' or '-' (it names the result files), "
+            f"got {text!r}"
+        )
+    return "" if not text else text if text.startswith("-") else f"-{text}"
 
 
 def _cpu_name() -> str:
@@ -105,8 +129,35 @@ def allocator_settings() -> dict[str, str]:
     return {k: os.environ[k] for k in ALLOCATOR_VARIABLES if os.environ.get(k)}
 
 
-def machine_info(device: str = "cpu") -> dict[str, Any]:
-    """Date, versions and hardware for a result file."""
+def _triton_version() -> str | None:
+    """Triton's version from its distribution metadata (no import: importing triton on a
+    machine without a GPU driver can be slow or noisy); ``None`` when it is absent."""
+    for dist in ("triton", "pytorch-triton"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def machine_info(
+    device: str = "cpu",
+    *,
+    world_size: int | None = None,
+    threads_per_rank: int | None = None,
+) -> dict[str, Any]:
+    """Date, versions and hardware for a result file.
+
+    Args:
+        device: what the timed code ran on.
+        world_size: the number of processes of a distributed run (recorded when given).
+        threads_per_rank: the torch threads each rank ran with, for a run whose ranks set
+            their own (``run_on_ranks(threads_per_rank=...)``). When given it is what
+            ``torch_threads`` records: the launching process's own count (torch's default,
+            the cores) says nothing about the timed code, and a reader of
+            ``torch_threads`` would take it for the ranks'. The launcher's count is kept
+            as ``launcher_torch_threads``.
+    """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     info: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -117,11 +168,19 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
         "cpu_native_bf16": _cpu_native_bf16(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        # the GPU kernels' figures depend on it (autotuned tiles, generated code)
+        "triton": _triton_version(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "git_commit": _git_commit(),
         "allocator": allocator_settings(),
     }
+    if world_size is not None:
+        info["world_size"] = world_size
+    if threads_per_rank is not None:
+        info["launcher_torch_threads"] = info["torch_threads"]
+        info["torch_threads"] = threads_per_rank
+        info["threads_per_rank"] = threads_per_rank
     for package in ("kernels", "comm", "optim", "integrations"):
         try:
             info[f"dmuon_{package}"] = importlib.import_module(f"dmuon.{package}").__version__
