@@ -25,7 +25,7 @@ rank that is elsewhere. Wrap such modules together with a module every rank runs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -116,6 +116,7 @@ class PartialUseCheck:
         self.order = sorted(set(names) | self.resharded)
         self.used: set[str] = set()
         self.driven = False
+        self._agree: Callable[..., None] | None = None  # install() makes it
 
     def install(self) -> list[RemovableHandle]:
         """Hook ``model``: each module holding a checked parameter notes that it ran; the
@@ -143,10 +144,34 @@ class PartialUseCheck:
 
             return hook
 
-        def agree(module: nn.Module, args: Any, output: Any) -> None:
-            if not self.driven and torch.is_grad_enabled():
-                self.end()
+        used, order, groups = self.used, self.order, self.groups
+        timeout, resharded = self.timeout, self.resharded
 
+        def agree(module: nn.Module, args: Any, output: Any, by_trainer: bool = False) -> None:
+            # The comparison inline, over locals (end() calls this hook too): under
+            # torch.compile dynamo traces the hook, and a call to a function or a method
+            # here broke the graph once more, in the deadline's timedelta.
+            if (self.driven and not by_trainer) or not torch.is_grad_enabled():
+                return  # driven: the trainer's end() compares (a forward inside its step)
+            if not groups:
+                used.clear()
+                return
+            flags = torch.tensor(
+                [int(n in used) for n in order], dtype=torch.int32, device=flag_device(groups[0])
+            )
+            mine = set(used)
+            used.clear()
+            sizes = 1
+            with collective_timeout(timeout()):
+                for g in groups:
+                    work = dist.all_reduce(flags, group=g, async_op=True)
+                    wait_work(work, PARTIAL_USE_FLAGS, g)
+                    sizes *= dist.get_world_size(g)
+            partial = [n for n, f in zip(order, flags.tolist(), strict=True) if 0 < f < sizes]
+            if partial:
+                raise PartialUseError(_message(partial, mine, resharded), partial)
+
+        self._agree = agree
         handles = [self.model.register_forward_pre_hook(start)]
         handles += [module.register_forward_hook(ran(here)) for module, here in owned.items()]
         handles.append(self.model.register_forward_hook(agree))
@@ -164,23 +189,9 @@ class PartialUseCheck:
                 ranks only.
             dmuon.comm.CollectiveError: a rank did not reach the check by the deadline.
         """
-        used, self.used = self.used, set()
-        if not self.groups:
-            return
-        flags = torch.tensor(
-            [int(n in used) for n in self.order],
-            dtype=torch.int32,
-            device=flag_device(self.groups[0]),
-        )
-        sizes = 1
-        with collective_timeout(self.timeout()):
-            for g in self.groups:
-                work = dist.all_reduce(flags, group=g, async_op=True)
-                wait_work(work, PARTIAL_USE_FLAGS, g)
-                sizes *= dist.get_world_size(g)
-        partial = [n for n, f in zip(self.order, flags.tolist(), strict=True) if 0 < f < sizes]
-        if partial:
-            raise PartialUseError(_message(partial, used, self.resharded), partial)
+        if self._agree is None:
+            raise RuntimeError("PartialUseCheck.end() before install(): nothing was watched")
+        self._agree(self.model, (), None, by_trainer=True)
 
 
 def install_partial_use_check(
