@@ -5,8 +5,9 @@ On CUDA, ``backend="auto"`` times its candidates in each process, so two ranks c
 different products for the same shape (the Triton kernels and cuBLAS differ by about
 2e-3 relative after a Gram call on an H200: ``benchmarks/results/gpu-check-*.json``).
 In ``single`` mode under DDP every rank repeats the whole step on the same averaged
-gradients, and in ``sign`` mode every rank orthogonalises every matrix: replicas would
-drift apart. The engines of those modes run the step without the autotuner
+gradients, in ``sign`` mode every rank orthogonalises every matrix, a matrix replicated
+whole over tp is stepped by every rank of its owner's tp row (replicated and owner mode),
+and HSDP's replicas each step every matrix (sharded mode): replicas would drift apart. The engines of those modes run the step without the autotuner
 (``Engine.products``: :func:`dmuon.kernels.dispatch.without_autotuning`).
 
 No GPU here, so each rank fakes what a GPU does: the backend rule answers ``"tune"``
@@ -137,3 +138,52 @@ def test_replicated_whole_matrices_stay_equal_over_tp_whatever_each_autotuner_pi
         for rank in range(1, 4):
             a, b = results[0][name], results[rank][name]
             assert torch.equal(a, b), f"{name}: rank {rank} differs by {(a - b).abs().max()}"
+
+
+def _owner_whole(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Owner mode on dp 2 × tp 2: a matrix replicated whole over tp is stepped by every
+    rank of its owner's tp row, then broadcast over dp in each tp column."""
+    from test_tensor_parallel_pending_sums import run_pending
+
+    _disagreeing_tuner(rank % 2)
+    return run_pending(rank, world, "owner", True)[2]
+
+
+def _sharded_hsdp(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Sharded mode under HSDP (2 replicas × 2 shards): each replica plans and steps its
+    matrices within its shard group, so every matrix is orthogonalised once per replica;
+    replica 1's autotuner picks the other products. The full weights this rank ends with."""
+    from distributed_cases import OPT, batch, build, full_params, loss_of
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon.optim import DMuon, param_groups
+
+    _disagreeing_tuner(rank // 2)  # the replica
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = build("gpt")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = DMuon(param_groups(model), **OPT)
+    assert opt.mode == "sharded", opt.mode
+    for t in range(STEPS):
+        loss_of("gpt", model, *batch("gpt", t, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    return full_params(model)
+
+
+def test_owner_and_hsdp_replicas_stay_equal_whatever_each_autotuner_picks():
+    """Owner mode's matrices replicated whole over tp, and sharded mode's HSDP replicas,
+    repeat an orthogonalisation on several ranks too (before: 3e-8 apart over tp in owner
+    mode, 5e-7 between the HSDP replicas, found by a review)."""
+    owner = run_on_ranks(_owner_whole, 4, timeout=240)
+    for name in ("mix.weight", "head.weight"):
+        for rank in range(1, 4):
+            a, b = owner[0][name], owner[rank][name]
+            assert torch.equal(a, b), f"owner {name}: rank {rank} differs by {(a - b).abs().max()}"
+    hsdp = run_on_ranks(_sharded_hsdp, 4, timeout=240)
+    for name, a in hsdp[0].items():
+        b = hsdp[2][name]  # rank 2: replica 1's first shard rank
+        assert torch.equal(a, b), f"HSDP {name}: replica 1 differs by {(a - b).abs().max()}"

@@ -139,8 +139,8 @@ class Engine:
     def repeats_orthogonalization(self) -> bool:
         """Whether several ranks compute the same orthogonalisation, each on its own, and
         must hold bitwise-equal results (replicas of one weight). Then :meth:`products`
-        keeps the per-process autotuner out of the step. No mode by default: an owner's
-        result reaches the other ranks by a collective."""
+        keeps the per-process autotuner out of the step. False by default: a matrix
+        orthogonalised once, by its owner, reaches the other ranks by a collective."""
         return False
 
     def products(self) -> contextlib.AbstractContextManager[None]:

@@ -351,7 +351,19 @@ class OwnerEngine(Engine):
     def stale_gradients(self) -> list[str]:
         return self.exchange.reduction.stale_gradients()
 
+    def repeats_orthogonalization(self) -> bool:
+        """A matrix replicated whole over ``tp`` is stepped by every rank of its owner's
+        ``tp`` row, each copy then broadcast over ``dp`` in its own ``tp`` column: the
+        copies must be equal, so ``backend="auto"`` takes the torch products
+        (:meth:`Engine.products <dmuon.optim.engine.base.Engine.products>`). Any other
+        matrix is orthogonalised once, by its owner."""
+        return bool(self._whole_by_layer)
+
     def step(self, stepper: Stepper, report: StepReport) -> None:
+        with self.products():
+            self._step(stepper, report)
+
+    def _step(self, stepper: Stepper, report: StepReport) -> None:
         ex = self.exchange
         with report.phase("comm_wait"):
             ex.reduction.flush()

@@ -53,6 +53,7 @@ from dmuon.comm import (
     wait_work,
 )
 from dmuon.comm.flags import flag_device
+from dmuon.comm.process_groups import group_size
 from dmuon.comm.torch_compat import all_gather_single
 from dmuon.optim.apply import apply_update
 from dmuon.optim.batches import Entry
@@ -193,7 +194,19 @@ class ShardedEngine(PlannedEngine):
         local = t.to_local()  # type: ignore[attr-defined]
         return local.view(local.shape[0], *self.shape_of(e)[1:])
 
+    def repeats_orthogonalization(self) -> bool:
+        """Whether ranks outside the planning group step the same matrices: HSDP's
+        replicas (each replica plans and steps within its shard group) and, on FSDP2 over
+        tensor parallelism, every ``tp`` rank of a matrix FSDP2 shards over ``dp`` alone.
+        Their copies must be equal, so ``backend="auto"`` takes the torch products
+        (:meth:`Engine.products <dmuon.optim.engine.base.Engine.products>`)."""
+        return group_size(None) > group_size(self.group)
+
     def step(self, stepper: Stepper, report: StepReport) -> None:
+        with self.products():
+            self._step(stepper, report)
+
+    def _step(self, stepper: Stepper, report: StepReport) -> None:
         with report.phase("comm_wait"):
             present = self.agree_presence()
         matrix_groups = [i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)]
