@@ -7,8 +7,9 @@ different products for the same shape (the Triton kernels and cuBLAS differ by a
 In ``single`` mode under DDP every rank repeats the whole step on the same averaged
 gradients, in ``sign`` mode every rank orthogonalises every matrix, a matrix replicated
 whole over tp is stepped by every rank of its owner's tp row (replicated and owner mode),
-and HSDP's replicas each step every matrix (sharded mode): replicas would drift apart. The engines of those modes run the step without the autotuner
-(``Engine.products``: :func:`dmuon.kernels.dispatch.without_autotuning`).
+and HSDP's replicas each step every matrix (sharded mode): replicas would drift apart.
+The engines of those modes run the step without the autotuner (``Engine.products``:
+:func:`dmuon.kernels.dispatch.without_autotuning`).
 
 No GPU here, so each rank fakes what a GPU does: the backend rule answers ``"tune"``
 (ask the autotuner) on the CPU, and the autotuner disagrees by rank — rank 0 has only
