@@ -144,8 +144,9 @@ class Engine:
         return False
 
     def products(self) -> contextlib.AbstractContextManager[None]:
-        """The context of the step's rule calls: :func:`dmuon.kernels.dispatch.
-        without_autotuning` where :meth:`repeats_orthogonalization`, else nothing.
+        """The context :func:`~dmuon.optim.stepping.run_step` runs :meth:`step` in:
+        :func:`dmuon.kernels.dispatch.without_autotuning` where
+        :meth:`repeats_orthogonalization`, else nothing.
 
         ``backend="auto"`` times its candidates in each process, and two ranks may pick
         different products (and Triton different tiles) for the same shape: their results
@@ -463,13 +464,12 @@ class SingleEngine(Engine):
         return group_size(None) > 1
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
-        with self.products():
-            for index, group in enumerate(stepper.param_groups):
-                if stepper.is_scalar(group):
-                    with report.phase("scalar"):
-                        stepper.step_scalars(group)
-                else:
-                    stepper.step_matrices(index, None, report)
+        for index, group in enumerate(stepper.param_groups):
+            if stepper.is_scalar(group):
+                with report.phase("scalar"):
+                    stepper.step_scalars(group)
+            else:
+                stepper.step_matrices(index, None, report)
         report.groups = 1
 
 

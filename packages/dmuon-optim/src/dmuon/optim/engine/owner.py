@@ -360,10 +360,6 @@ class OwnerEngine(Engine):
         return bool(self._whole_by_layer)
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
-        with self.products():
-            self._step(stepper, report)
-
-    def _step(self, stepper: Stepper, report: StepReport) -> None:
         ex = self.exchange
         with report.phase("comm_wait"):
             ex.reduction.flush()

@@ -97,10 +97,6 @@ class ReplicatedEngine(PlannedEngine):
         return bool(self._whole)
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
-        with self.products():
-            self._step(stepper, report)
-
-    def _step(self, stepper: Stepper, report: StepReport) -> None:
         matrix_groups = [i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)]
         pipe = Pipeline(self.pipeline_depth, report)
         for key in self.layers:

@@ -203,10 +203,6 @@ class ShardedEngine(PlannedEngine):
         return group_size(None) > group_size(self.group)
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
-        with self.products():
-            self._step(stepper, report)
-
-    def _step(self, stepper: Stepper, report: StepReport) -> None:
         with report.phase("comm_wait"):
             present = self.agree_presence()
         matrix_groups = [i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)]

@@ -92,10 +92,6 @@ class SignEngine(PlannedEngine):
         return self.world_size > 1
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
-        with self.products():
-            self._step(stepper, report)
-
-    def _step(self, stepper: Stepper, report: StepReport) -> None:
         with report.phase("comm_wait"):
             present = self.agree_presence()
             self._average_scalars(present)
