@@ -54,7 +54,7 @@ from dmuon.integrations.dedication import Dedication
 from dmuon.integrations.extras import raise_missing_extra
 from dmuon.integrations.hf.state import gather_full_state_dict, missing_state
 from dmuon.integrations.hooks import wait_modules
-from dmuon.integrations.partial_use import PartialUseError
+from dmuon.integrations.partial_use import PartialUseCheck, PartialUseError
 from dmuon.optim import DMuon, clip_grad_norm_, clip_grad_value_, param_groups
 from dmuon.optim.engine import exchange_of
 from dmuon.optim.loss_scaling import AGREED_MODES
@@ -245,8 +245,7 @@ class DMuonStrategy(DDPStrategy):
         ``reshard_after_forward`` it begins the check that every rank ran every dedicated
         layer (ended by :meth:`backward`)."""
         self._enter_root()
-        check = self._dedication.use_check if self._dedication is not None else None
-        if check is not None:
+        if (check := self._use_check()) is not None:
             check.begin()
         return super().training_step(*args, **kwargs)
 
@@ -260,10 +259,13 @@ class DMuonStrategy(DDPStrategy):
             dmuon.integrations.PartialUseError: (every rank alike) a dedicated layer ran
                 on some ranks only: their backward re-gathers would pair up wrongly.
         """
-        check = self._dedication.use_check if self._dedication is not None else None
-        if check is not None:
+        if (check := self._use_check()) is not None:
             check.end()
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _use_check(self) -> PartialUseCheck | None:
+        """The dedication's partial-use check, which this strategy drives (or None)."""
+        return self._dedication.use_check if self._dedication is not None else None
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """``DDPStrategy.validation_step``, after the waits of :meth:`_enter_root`."""
