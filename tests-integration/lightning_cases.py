@@ -1,17 +1,24 @@
 """LightningModules for the cases of ``test_lightning.py`` that the examples do not cover.
 
-    python lightning_cases.py --case two_optimizers --out PREFIX   # 2 CPU processes, gloo
+    python lightning_cases.py --case two_optimizers root_weights --out PREFIX  # 2 processes
 
 Run as a script, Lightning's own launcher starts the second process (``devices=2``,
-``strategy=DMuonStrategy()``); every rank saves its final parameters to
-``PREFIX.rank<N>.pt``. The tests import this module for the models, the data and the
-per-rank batches, and train the single-process reference with a plain loop.
+``strategy=DMuonStrategy()``), and the cases run one after another in that one launch (a
+Lightning launch costs ~20 s on two cores, most of it importing Lightning twice). Every
+rank saves ``{"params": ...}`` (its final parameters) or ``{"error": "module.Type:
+message"}`` (what ``trainer.fit`` raised, after Lightning's teardown) to
+``PREFIX.<case>.rank<N>.pt``. A case that is refused must leave the process group usable,
+so refused cases run last, the one that stops mid-step (``some_ranks_only``) at the end.
+The tests import this module for the models, the data and the per-rank batches, and
+train the single-process reference with a plain loop.
 
 Cases:
 
 * ``two_optimizers``: manual optimization with ``configure_optimizers`` returning
   ``[AdamW(biases), DMuon(matrices)]`` (the AdamW first), each clipped by norm with
   ``self.clip_gradients`` and stepped in that order.
+* ``root_weights``: a weight matrix the LightningModule holds itself, and a
+  ``training_step`` that never calls the module.
 * ``adamw_only``: ``configure_optimizers`` returns a plain AdamW (no DMuon) under
   ``DMuonStrategy``: refused on every rank when the optimizers are set up.
 * ``some_ranks_only``: a layer the second batch runs on rank 0 only, under
@@ -177,27 +184,33 @@ def main() -> None:
     from dmuon.integrations.lightning import DMuonStrategy
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", choices=sorted(CASES), required=True)
-    parser.add_argument("--out", required=True, help="save each rank's final parameters here")
+    parser.add_argument("--case", nargs="+", choices=sorted(CASES), required=True)
+    parser.add_argument("--out", required=True, help="save each rank's result here")
     args = parser.parse_args()
 
-    model = CASES[args.case]()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=DMuonStrategy(dedicate_options=DEDICATE.get(args.case)),
-        max_epochs=1,
-        use_distributed_sampler=False,  # RankBatches gives each rank its half
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-    )
-    data = dataset()
-    loader = DataLoader(data, batch_sampler=RankBatches(len(data), trainer.global_rank))
-    trainer.fit(model, loader)
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    torch.save(params, f"{args.out}.rank{trainer.global_rank}.pt")
+    for case in args.case:  # one launch, one process group, one Trainer after another
+        model = CASES[case]()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=WORLD,
+            strategy=DMuonStrategy(dedicate_options=DEDICATE.get(case)),
+            max_epochs=1,
+            use_distributed_sampler=False,  # RankBatches gives each rank its half
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=False,
+        )
+        data = dataset()
+        loader = DataLoader(data, batch_sampler=RankBatches(len(data), trainer.global_rank))
+        result: dict[str, object]
+        try:
+            trainer.fit(model, loader)  # on an error, Lightning tears down, then re-raises
+        except Exception as exc:  # the case's expected refusal: recorded, the next case runs
+            result = {"error": f"{type(exc).__module__}.{type(exc).__name__}: {exc}"}
+        else:
+            result = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        torch.save(result, f"{args.out}.{case}.rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

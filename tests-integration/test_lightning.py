@@ -609,24 +609,47 @@ def test_owner_checkpoints_round_trip_through_the_strategy_under_zero3_like(tmp_
 CASES_SCRIPT = pathlib.Path(__file__).resolve().parent / "lightning_cases.py"
 
 
-def _run_case(
-    tmp_path: pathlib.Path, case: str, *, fails: bool = False
-) -> list[dict[str, torch.Tensor]] | str:
+# Every case in one Lightning launch (each launch costs ~20 s of CI's two cores): the ones
+# that train first, then the refused ones, the one that stops mid-step last.
+CASES_RUN = ("two_optimizers", "root_weights", "adamw_only", "some_ranks_only")
+
+
+@pytest.fixture(scope="module")
+def cases_run(tmp_path_factory) -> tuple[dict[str, list[dict]], str]:
+    """Each case's per-rank result (``{"params": ...}`` or ``{"error": ...}``) and the
+    launch's output."""
+    tmp_path = tmp_path_factory.mktemp("lightning-cases")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(
         [*map(str, sorted((ROOT / "packages").glob("*/src"))), env.get("PYTHONPATH", "")]
     )
-    out = tmp_path / case
-    cmd = [sys.executable, str(CASES_SCRIPT), "--case", case, "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    if fails:
-        assert proc.returncode != 0, proc.stdout[-4000:]
-        return proc.stdout + proc.stderr
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return [torch.load(f"{out}.rank{r}.pt") for r in range(WORLD)]
+    out = tmp_path / "case"
+    cmd = [sys.executable, str(CASES_SCRIPT), "--case", *CASES_RUN, "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420, cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    results = {
+        case: [torch.load(f"{out}.{case}.rank{r}.pt", weights_only=False) for r in range(WORLD)]
+        for case in CASES_RUN
+    }
+    return results, output
 
 
-def test_a_second_optimizer_stepped_before_dmuon_reads_the_averaged_gradients(tmp_path):
+def _trained(cases_run, case: str) -> list[dict[str, torch.Tensor]]:
+    results = cases_run[0]
+    for rank, result in enumerate(results[case]):
+        assert "params" in result, f"rank {rank}: {case} raised {result.get('error')}"
+    return [result["params"] for result in results[case]]
+
+
+def _refused(cases_run, case: str) -> list[str]:
+    results = cases_run[0]
+    for rank, result in enumerate(results[case]):
+        assert "error" in result, f"rank {rank}: {case} was not refused"
+    return [result["error"] for result in results[case]]
+
+
+def test_a_second_optimizer_stepped_before_dmuon_reads_the_averaged_gradients(cases_run):
     """Manual optimization, ``[AdamW(biases), DMuon(matrices)]`` under DMuonStrategy, each
     clipped with ``self.clip_gradients`` and stepped in that order: both ranks end with
     the parameters of one process (plain loop, torch's clipping) to 1e-5.
@@ -639,8 +662,7 @@ def test_a_second_optimizer_stepped_before_dmuon_reads_the_averaged_gradients(tm
     """
     import lightning_cases as cases
 
-    ranks = _run_case(tmp_path, "two_optimizers")
-    assert isinstance(ranks, list)
+    ranks = _trained(cases_run, "two_optimizers")
 
     model = cases.TwoOptimizers()
     matrices, biases = cases.split(model)
@@ -667,15 +689,14 @@ def test_a_second_optimizer_stepped_before_dmuon_reads_the_averaged_gradients(tm
             assert diff <= TOLERANCE, f"rank {rank}: {name} differs by {diff:.2e}"
 
 
-def test_weights_the_lightning_module_holds_itself_are_waited_for(tmp_path):
+def test_weights_the_lightning_module_holds_itself_are_waited_for(cases_run):
     """``DMuonStrategy`` waits for the layers whose wait is the LightningModule's own
     forward pre-hook before each ``training_step`` (the trainer never calls the module):
     both ranks end with the parameters of one process. Before, the rank that did not own
     ``w`` read last step's, and every step after the first was refused."""
     import lightning_cases as cases
 
-    ranks = _run_case(tmp_path, "root_weights")
-    assert isinstance(ranks, list)
+    ranks = _trained(cases_run, "root_weights")
     model = cases.RootWeights()
     opt = cases.DMuon(cases.param_groups(model), **cases.DMUON)  # single mode
     data = cases.dataset()
@@ -708,20 +729,19 @@ def test_an_owner_mode_checkpoint_resumed_without_dmuon_strategy_says_what_to_do
     assert "owner mode" in str(err.value)
 
 
-def test_owner_mode_without_a_dmuon_is_refused_on_every_rank(tmp_path):
+def test_owner_mode_without_a_dmuon_is_refused_on_every_rank(cases_run):
     """``configure_optimizers`` returning a plain AdamW under DMuonStrategy (owner mode):
     no step would broadcast the owners' matrices. Every rank raises when the optimizers
     are set up, naming ``dmuon_optimizer``. Before: the second backward stopped with "a
     second gradient of 'net.4.bias' arrived after its layer 'net.4' was reduced; call
     backward once per optimizer step ...", which named neither cause nor fix."""
-    output = _run_case(tmp_path, "adamw_only", fails=True)
-    for rank in range(WORLD):
-        assert f"[rank{rank}]: ValueError: DMuonStrategy (owner mode)" in output, output[-4000:]
-    assert "configure_optimizers returned ['AdamW']" in output
-    assert "dmuon_optimizer(self" in output
+    for error in _refused(cases_run, "adamw_only"):
+        assert error.startswith("builtins.ValueError: DMuonStrategy (owner mode)"), error
+        assert "configure_optimizers returned ['AdamW']" in error
+        assert "dmuon_optimizer(self" in error
 
 
-def test_a_layer_run_on_some_ranks_only_under_zero3_like_is_named_on_every_rank(tmp_path):
+def test_a_layer_run_on_some_ranks_only_under_zero3_like_is_named_on_every_rank(cases_run):
     """``DMuonStrategy(dedicate_options={"reshard_after_forward": True})`` and a
     ``training_step`` that runs ``extra`` on rank 0 only at its second batch, calling the
     submodules itself (never the LightningModule's forward, where ``ddp.dedicate``'s check
@@ -730,9 +750,8 @@ def test_a_layer_run_on_some_ranks_only_under_zero3_like_is_named_on_every_rank(
     teardown does not wait for broadcasts that cannot complete. Before: no check ran; the
     backward re-gathers paired wrongly and every rank stopped at DMuon's deadline with a
     ``CollectiveError``, in the step and again in teardown."""
-    output = _run_case(tmp_path, "some_ranks_only", fails=True)
-    tail = output[-4000:]
-    for rank in range(WORLD):
-        assert f"[rank{rank}]: dmuon.integrations.partial_use.PartialUseError" in output, tail
-    assert "dedicated weight(s) ['extra.weight']" in output and "cannot go on" in output
-    assert "CollectiveError" not in output, tail
+    for error in _refused(cases_run, "some_ranks_only"):
+        assert error.startswith("dmuon.integrations.partial_use.PartialUseError"), error
+        assert "dedicated weight(s) ['extra.weight']" in error and "cannot go on" in error
+    _, output = cases_run
+    assert "CollectiveError" not in output, output[-4000:]
