@@ -31,8 +31,12 @@ def test_dmuon_is_a_namespace_package_spread_over_the_distributions():
 def test_each_distribution_is_typed(name):
     """PEP 561: a ``py.typed`` marker in each installed package (``dmuon`` itself is a
     namespace package, so each subpackage carries its own), and the classifier."""
-    files = importlib.metadata.files(f"dmuon-{name}") or []
-    assert f"dmuon/{name}/py.typed" in {str(f).replace("\\", "/") for f in files}
+    files = {str(f).replace("\\", "/") for f in importlib.metadata.files(f"dmuon-{name}") or []}
+    if any(f.startswith("dmuon/") for f in files):  # a wheel's install lists its files
+        assert f"dmuon/{name}/py.typed" in files
+    else:  # an editable install (pip install -e) lists a .pth: the marker beside the source
+        module = importlib.import_module(f"dmuon.{name}")
+        assert (pathlib.Path(module.__file__).parent / "py.typed").is_file()
     classifiers = importlib.metadata.metadata(f"dmuon-{name}").get_all("Classifier") or []
     assert "Typing :: Typed" in classifiers
 
