@@ -365,9 +365,10 @@ EXTRA_IMPORTS: dict[str, tuple[str, ...]] = {
         "dmuon.integrations.torchtitan.recipes",
     ),
 }
-# The build backend every pyproject.toml names; `python -m build --no-isolation` checks that
-# it satisfies each package's [build-system] requires (and fails if not).
-BUILD_BACKEND = "hatchling>=1.25"
+# The build backend every pyproject.toml names, at the lower bound they state (1.25 failed:
+# `license-files` as a list needs 1.26): `python -m build --no-isolation` builds with it and
+# checks that it satisfies each package's [build-system] requires (and fails if not).
+BUILD_BACKEND = "hatchling==1.26.3"
 
 
 @nox.session(tags=["ci"])

@@ -102,7 +102,8 @@ def test_broadcast_from_owners_round_trips_the_owners_values(world):
         for b in buckets:
             if b.owner == rank:
                 b.pack({name: data(name, 50 + rank) for name in b.names})
-        params = {i.name: torch.zeros(i.shape, dtype=i.dtype) for i in ITEMS}
+        # out= the model's own Parameters (leaves that need grad), as the README shows
+        params = {i.name: torch.nn.Parameter(torch.zeros(i.shape, dtype=i.dtype)) for i in ITEMS}
         got = broadcast_from_owners(buckets, plan, out=params).wait()
         assert sorted(got) == sorted(plan.names)
         for name in plan.names:
@@ -118,7 +119,7 @@ def test_all_gather_updates_gives_every_rank_every_owners_update(world):
         plan = plan_owners(ITEMS, n)
         # Non-contiguous updates are fine: they are copied into the send buffer.
         updates = {name: data(name, 70 + rank).mT.contiguous().mT for name in plan.names_of(rank)}
-        params = {"h.1.square": torch.zeros(6, 6)}
+        params = {"h.1.square": torch.nn.Parameter(torch.zeros(6, 6))}  # a leaf needing grad
         got = all_gather_updates(updates, plan, out=params).wait()
         assert sorted(got) == sorted(plan.names)
         for name in plan.names:

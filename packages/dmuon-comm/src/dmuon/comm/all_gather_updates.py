@@ -115,8 +115,9 @@ def all_gather_updates(
                 for item in its:
                     result[item.name] = recv[offset : offset + item.numel].view(item.shape)
                     offset += item.numel
-        for key, t in (out or {}).items():
-            t.copy_(result[key])
+        with torch.no_grad():  # `out` may hold a model's Parameters (leaves needing grad)
+            for key, t in (out or {}).items():
+                t.copy_(result[key])
         return result
 
     return CommHandle(works, finish, what="all-gather of updated matrices", group=group)

@@ -203,9 +203,10 @@ class FlatBucket:
                     f"unpack_into: destination {slot.name!r} has shape "
                     f"{tuple(tensors[slot.name].shape)}, the bucket holds {slot.shape}"
                 )
-        for slot in self.slots:
-            if slot.name in tensors:
-                tensors[slot.name].copy_(self._views[slot.name])
+        with torch.no_grad():  # destinations may be a model's Parameters (leaves needing grad)
+            for slot in self.slots:
+                if slot.name in tensors:
+                    tensors[slot.name].copy_(self._views[slot.name])
 
     @classmethod
     def from_tensors(

@@ -71,7 +71,8 @@ def triton_candidates() -> dict[str, SymmetricOps]:
     """The Triton :class:`~dmuon.kernels.SymmetricOps` by name; raises if Triton is missing."""
     loaded, error = _load_triton()
     if loaded is None:
-        raise ValueError(f"backend='triton' needs Triton ({error}); {_INSTALL_HINT}")
+        hint = "" if _INSTALL_HINT in error else f"; {_INSTALL_HINT}"  # said once
+        raise ValueError(f"backend='triton' needs Triton ({error}){hint}")
     return dict(loaded[0])
 
 

@@ -4,6 +4,7 @@ Renamed so that each module name means one thing in the repository; this alias
 is removed in the next release.
 """
 
+import importlib
 import warnings
 
 from dmuon.optim.engine.model_agreement import *  # noqa: F403
@@ -15,3 +16,12 @@ warnings.warn(
     DeprecationWarning,
     stacklevel=2,
 )
+
+
+def __getattr__(name: str) -> object:
+    """The old module's other names (not in ``__all__``, e.g. type aliases and constants),
+    from :mod:`dmuon.optim.engine.model_agreement` where they live now."""
+    try:
+        return getattr(importlib.import_module("dmuon.optim.engine.model_agreement"), name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
