@@ -286,6 +286,7 @@ def docs(session: nox.Session) -> None:
         "mkdocstrings[python]>=0.26",
         "ruff>=0.6",  # mkdocstrings formats the signatures with it
         *TEST_TOOLS[:2],
+        "pytest-xdist>=3.5",
         "selenium>=4.20",
     )
     # No install of the packages: mkdocstrings reads their sources (mkdocs.yml `paths`).
@@ -302,6 +303,8 @@ def docs(session: nox.Session) -> None:
         "-q",
         "-p",
         "no:cacheprovider",
+        # two workers, each with its own browser and server; tests, not files, are spread
+        *("-n", "2", "--dist", "load"),
         "docs/tests",
         *session.posargs,
         env=env,

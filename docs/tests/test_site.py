@@ -185,11 +185,17 @@ def _pages() -> list[str]:
     return sorted({doc["location"].split("#")[0] for doc in index["docs"]})
 
 
-def test_every_page_loads_with_its_images_and_no_console_errors(browser, site_url):
+# The pages in this many parts, one test each: `nox -s docs` runs the tests on two
+# workers (pytest-xdist), each with its own browser, and this test is the longest.
+PAGE_PARTS = 2
+
+
+@pytest.mark.parametrize("part", range(PAGE_PARTS))
+def test_every_page_loads_with_its_images_and_no_console_errors(browser, site_url, part):
     pages = _pages()
     assert len(pages) >= 10, pages  # the nav has at least this many pages
     broken: dict[str, object] = {}
-    for page in pages:
+    for page in pages[part::PAGE_PARTS]:
         _open(browser, site_url + page)
         title = browser.find_element(By.CSS_SELECTOR, "article h1").text
         images = browser.execute_script(
