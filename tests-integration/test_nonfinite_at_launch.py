@@ -15,8 +15,15 @@ rank 1 by a tensor hook (so it arrives through backward, as a real one does):
 * two finite entries of 3e38, whose fp32 sum overflows: the layer is not vouched for,
   the gradient is read again, found finite, and the step runs (a sum that overflows
   proves nothing either way);
-* ``free_local_grads``: the launches release the local gradients, so nothing is
-  vouched for (the agreement leaves the released ones out, as before).
+* ``free_local_grads`` (``fsdp.dedicate``, torchtitan's owner mode): the launches
+  release the local gradients, so each one's own norm at the copy is the only proof
+  left: a clean backward vouches for every dedicated matrix; a NaN or Inf in one
+  dedicated matrix's gradient on rank 1 alone raises
+  :class:`~dmuon.optim.NonFiniteGradientError` on both ranks (naming the matrix on rank
+  1) under ``nonfinite="raise"`` and skips the step on both under ``"skip_step"``; either
+  way the weights after the next (clean) step are exactly those of a run that never saw
+  the poisoned batch. Before, the released gradients were left out of the check with no
+  proof, and the NaN reached the weights on every rank.
 """
 
 from __future__ import annotations
@@ -100,8 +107,8 @@ def test_the_step_reads_only_the_gradients_no_launch_vouched_for(results, case):
     for rank, runs in enumerate(results):
         r = runs[case]
         where = f"{case}, rank {rank}"
-        if case == "free_local_grads":
-            assert r["vouched"] == [], where
+        if case == "free_local_grads":  # FSDP2 holds the rest: only the matrices are DMuon's
+            assert r["vouched"] == ["0.weight", "2.weight", "3.weight"], where
         elif case == "clean" or rank != POISONED_RANK:
             assert r["vouched"] == everything, where
         else:
@@ -114,3 +121,100 @@ def test_the_step_reads_only_the_gradients_no_launch_vouched_for(results, case):
         else:
             assert r["error"] is None, f"{where}: {r['error']}"
             assert r["finite"], where
+
+
+# ---------------------------------------------------------------------------------------
+# free_local_grads: a NaN/Inf in a released gradient on one rank, under both policies
+
+FREE_CASES = [(policy, bad) for policy in ("raise", "skip_step") for bad in ("nan", "inf")]
+
+
+def _free_runs(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    runs = {f"{policy}-{bad}": _free_run(rank, policy, bad) for policy, bad in FREE_CASES}
+    runs["reference"] = _free_run(rank, "raise", None)  # the poisoned batch never seen
+    return runs
+
+
+def _free_run(rank: int, policy: str, bad: str | None) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon.integrations import fsdp
+    from dmuon.optim import DMuon, NonFiniteGradientError, param_groups
+
+    torch.manual_seed(0)
+    model = _model()
+    ded = fsdp.dedicate(model, free_local_grads=True)
+    fully_shard(model, ignored_params=set(ded.params))
+    opt = DMuon(param_groups(model), distributed=ded, lr=0.02, nonfinite=policy)
+    target = model[2].weight  # a dedicated matrix: its gradient is released at its launch
+    poisoned = [False]
+
+    def poison(g: torch.Tensor) -> torch.Tensor:
+        if not poisoned[0]:
+            return g
+        g = g.clone()
+        g[1, 2] = float(bad)  # type: ignore[arg-type]
+        return g
+
+    if rank == POISONED_RANK:
+        target.register_hook(poison)
+
+    def batch(seed: int) -> None:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * seed + rank))
+        model(x).square().mean().backward()
+
+    error = None
+    batch(1)
+    opt.step()
+    opt.zero_grad()
+    if bad is not None:
+        poisoned[0] = True
+        batch(2)
+        poisoned[0] = False
+        try:
+            opt.step()
+        except NonFiniteGradientError as err:
+            error = {"ranks": err.ranks, "names": err.names}
+        opt.zero_grad()
+    batch(3)
+    opt.step()
+    opt.zero_grad()
+    ded.wait()
+    weights = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+    return {
+        "error": error,
+        "skipped": opt.skipped_steps,
+        "target": next(e.name for e in opt.engine.params if e.param is target),
+        "weights": weights,
+    }
+
+
+@pytest.fixture(scope="module")
+def free_results() -> list[dict[str, dict[str, Any]]]:
+    return run_on_ranks(_free_runs, 2, timeout=240)  # every case in one start of the ranks
+
+
+@pytest.mark.parametrize(("policy", "bad"), FREE_CASES)
+def test_a_nonfinite_released_gradient_on_one_rank_is_caught_on_every_rank(
+    free_results, policy, bad
+):
+    for rank, runs in enumerate(free_results):
+        r, ref = runs[f"{policy}-{bad}"], runs["reference"]
+        where = f"{policy}, {bad}, rank {rank}"
+        if policy == "raise":
+            assert r["error"] is not None, f"{where}: the {bad} gradient was not refused"
+            assert r["error"]["ranks"] == [POISONED_RANK], where
+            expected = [r["target"]] if rank == POISONED_RANK else []
+            assert r["error"]["names"] == expected, where
+            assert r["skipped"] == 0, where
+        else:
+            assert r["error"] is None, f"{where}: {r['error']}"
+            assert r["skipped"] == 1, f"{where}: the step with the {bad} gradient was not skipped"
+        for name, w in r["weights"].items():
+            assert bool(torch.isfinite(w).all()), f"{where}: {name} is not finite"
+            assert torch.equal(w, ref["weights"][name]), (
+                f"{where}: {name} differs from the run without the batch"
+            )

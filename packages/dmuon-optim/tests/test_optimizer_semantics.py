@@ -66,15 +66,19 @@ def test_step_and_state_dict_hooks_run():
 
 
 def test_hyperparameters_are_plain_values_and_every_group_has_a_rule():
+    """Plain values, except a tensor the caller passed: the group keeps that object (read
+    at every step, as torch.optim does; test_tensor_hyperparameters.py)."""
     m = model()
     groups = param_groups(m)
-    opt = DMuon(groups, lr=1, momentum=0.9, adamw_lr=torch.tensor(0.5))
+    lr = torch.tensor(0.5)
+    opt = DMuon(groups, lr=1, momentum=0.9, adamw_lr=lr)
     assert [g["rule"] for g in opt.param_groups] == ["muon", "adamw"]
     for g in opt.param_groups:
         for k, v in g.items():
-            if k not in ("params", "param_names"):
+            if k not in ("params", "param_names") and v is not lr:
                 assert isinstance(v, (float, int, bool, str, tuple, type(None))), (k, v)
-    assert type(opt.param_groups[0]["lr"]) is float and opt.param_groups[1]["lr"] == 0.5
+    assert type(opt.param_groups[0]["lr"]) is float
+    assert opt.param_groups[1]["lr"] is lr and float(opt.param_groups[1]["lr"]) == 0.5
 
 
 def test_the_deprecated_algorithm_key_still_names_the_rule():

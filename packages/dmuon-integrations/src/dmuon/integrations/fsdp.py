@@ -14,6 +14,12 @@ gradient is reduced to the owner from a hook per layer during backward, the owne
 steps it, and the new weight is broadcast back and waited in that layer's next
 forward. No FSDP2 internals are touched: ``ignored_params`` is its public way to
 leave parameters alone.
+
+Precision: FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` casts only the parameters
+FSDP2 manages, so the dedicated matrices keep their own dtype while the activations
+around them arrive in ``param_dtype``. A forward without ``torch.autocast`` under such a
+policy is refused, on every rank; ``reduce_dtype`` and ``output_dtype``
+alone, or the policy under ``torch.autocast``, train as in stock FSDP2.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from dmuon.comm import CommStats, layer_key
 from dmuon.integrations.dedication import Dedication, build_dedication
@@ -56,7 +64,10 @@ def dedicate(
     collective), gives every rank rank 0's dedicated weights (``fully_shard`` takes the
     others from each rank's own copy), and hooks the model:
     gradient reduction to owners per layer from post-accumulate-grad hooks, and a
-    forward pre-hook per layer that waits for the layer's published weights.
+    forward pre-hook per layer that waits for the layer's published weights. A forward
+    pre-hook on ``model`` refuses, at each forward, an FSDP2 ``param_dtype`` cast that
+    cannot reach the dedicated matrices, outside ``torch.autocast`` (guide: FSDP2,
+    Precision).
 
     Args:
         model: the model (the same on every rank).
@@ -108,7 +119,10 @@ def dedicate(
 
     Raises:
         ValueError: a bad mesh, a ``reduce_op`` other than ``"avg"``/``"sum"``, or no
-            parameter to dedicate.
+            parameter to dedicate; at a forward of ``model`` outside ``torch.autocast``,
+            an FSDP2 ``MixedPrecisionPolicy`` whose ``param_dtype`` differs from the
+            dedicated matrices' dtype: FSDP2's cast does not reach them (the error names
+            the policy and a matrix; use ``torch.autocast`` or no ``param_dtype``).
         RuntimeError: a process ``torchrun`` started (``WORLD_SIZE`` > 1) that has not
             called ``init_process_group``.
         dmuon.optim.ModelMismatchError: the ranks' models differ.
@@ -139,4 +153,105 @@ def dedicate(
         experts_in_place=True,
         check_rest_use=True,  # FSDP2 synchronises the rest (partial_use.py)
     )
+    ded.add_hooks(lambda: _install_precision_check(ded))
     return ded
+
+
+def _policy_of(module: Any) -> Any:
+    """The ``MixedPrecisionPolicy`` that ``fully_shard`` gave ``module``, or ``None``.
+
+    torch (2.13) keeps it in the module's FSDP state only (``FSDPModule`` has setters but
+    no public getter for it), so it is read there, and ``None`` when a torch version
+    stores it elsewhere: the check then stays silent, as before it existed.
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return None
+    try:
+        return getattr(get_state(), "_mp_policy", None)
+    except Exception:  # an unreadable policy is not a refusal
+        return None
+
+
+def _describe(policy: Any) -> str:
+    fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+    return (
+        "MixedPrecisionPolicy(" + ", ".join(f"{f}={getattr(policy, f, None)}" for f in fields) + ")"
+    )
+
+
+def _cast_conflicts(ded: Dedication) -> tuple[bool, list[tuple[str, Any, str, Any]]]:
+    """Whether the model has FSDP2 modules yet, and each ``(unit, policy, name, matrix)``
+    whose policy's ``param_dtype`` differs from a dedicated matrix's dtype (the first
+    such matrix per unit)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False, []
+    model = ded.model
+    units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    dedicated = {id(p) for p in ded.params}
+    matrices = [
+        (n, p) for n, p in model.named_parameters() if id(p) in dedicated and p.is_floating_point()
+    ]
+    out = []
+    for where, unit in units:
+        policy = _policy_of(unit)
+        dtype = getattr(policy, "param_dtype", None)
+        if dtype is None:
+            continue
+        first = next(((n, p) for n, p in matrices if p.dtype != dtype), None)
+        if first is not None:
+            out.append((where, policy, *first))
+    return bool(units), out
+
+
+class _PrecisionCheck:
+    """Refuse an FSDP2 ``param_dtype`` cast the dedicated matrices cannot follow.
+
+    ``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))``
+    casts the parameters FSDP2 manages (and, by default, each unit's inputs) to
+    ``param_dtype``; the dedicated matrices are ``ignored_params``, outside FSDP2, so they
+    keep their own dtype (fp32) and their layers meet ``param_dtype`` activations: torch's
+    matmul then fails with a dtype mismatch that names neither the parameter nor the cause.
+    ``dedicate`` cannot refuse the policy itself: the documented order shards after it,
+    and under ``torch.autocast`` the same policy works (autocast casts the dedicated
+    weights too). So a forward pre-hook on the dedication's model, first among its hooks,
+    checks each forward; it reads only the policies, autocast's state and the dtypes,
+    which every rank has alike, so every rank raises alike, before any of DMuon's
+    collectives of that forward.
+
+    The policies are read at the first forward that finds FSDP2 modules in the model
+    (they do not change afterwards); autocast's state at every forward.
+    """
+
+    def __init__(self, ded: Dedication) -> None:
+        self.ded = ded
+        self.conflicts: list[tuple[str, Any, str, Any]] | None = None
+
+    def __call__(self, _module: nn.Module, _args: Any) -> None:
+        if self.conflicts is None:
+            sharded, conflicts = _cast_conflicts(self.ded)
+            if not sharded:
+                return  # not under fully_shard yet: look again at the next forward
+            self.conflicts = conflicts
+        for where, policy, pname, p in self.conflicts:
+            if torch.is_autocast_enabled(p.device.type):
+                continue
+            unit = f"fully_shard unit {where!r}" if where else "the model's fully_shard"
+            raise ValueError(
+                f"{unit} has {_describe(policy)}, but the dedicated parameter {pname!r} is "
+                f"{p.dtype}: the dedicated matrices are left out of FSDP2 (ignored_params), "
+                "so its cast to param_dtype does not reach them and their layers would meet "
+                f"{policy.param_dtype} activations against {p.dtype} weights. Supported: run "
+                f"the forward under torch.autocast({p.device.type!r}, "
+                f"dtype={policy.param_dtype}) (the policy may stay: autocast casts the "
+                "dedicated weights too), or call fully_shard without param_dtype "
+                "(reduce_dtype/output_dtype alone are fine) "
+                "(dmuon.integrations.fsdp.dedicate)"
+            )
+
+
+def _install_precision_check(ded: Dedication) -> list[RemovableHandle]:
+    """The forward pre-hook of :class:`_PrecisionCheck`, first among the model's."""
+    return [ded.model.register_forward_pre_hook(_PrecisionCheck(ded), prepend=True)]

@@ -123,14 +123,19 @@ def _clip_norm(
         if inf:
             partial = torch.stack([g.detach().abs().max().float() for g in counted]).max()
         else:
-            norms = torch._foreach_norm([g.detach() for g in counted], norm_type)
-            powers = torch.stack([n.float() for n in norms]).pow(norm_type)
+            # each norm accumulated and returned in fp32, whatever the gradient's dtype: an
+            # fp16 gradient's own norm overflows past 65504 though every entry is finite
+            # (64×64 entries of 1100: 70400), and an Inf total would clip it to 0
+            norms = torch._foreach_norm(
+                [g.detach() for g in counted], norm_type, dtype=torch.float32
+            )
+            powers = torch.stack(norms).pow(norm_type)
             # a tensor several ranks count (single mode's DTensor shards) is counted 1/copies
             # times on each; copies are 1 in every other mode (x / 1.0 is exact)
             partial = (powers / torch.tensor(copies, device=powers.device)).sum()
     else:
         partial = torch.zeros((), device=device)
-    partial = partial.to(torch.float32)
+    partial = partial.to(torch.float32)  # all-reduced in fp32 (a 0-D float32 tensor returned)
     for pg in groups:
         if group_size(pg) > 1:
             op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM

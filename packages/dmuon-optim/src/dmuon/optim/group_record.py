@@ -4,17 +4,24 @@ The constructor checks every group (:mod:`dmuon.optim.group_options`); a caller 
 still change a group afterwards — a scheduler sets ``lr``, a user sets
 ``group["momentum"] = 1.5``, replaces a parameter's ``.data`` with another shape, or
 hands in a sparse gradient. :class:`GroupRecord` keeps what the group's state was
-built for and re-checks, at every step and cheaply, what changed since.
+built for and re-checks, at every step and cheaply, what changed since. A value held
+as a one-element tensor (an ``lr`` tensor, as ``torch.optim`` takes it) stays the
+caller's object in the group and is re-checked at every step, since the caller may
+change it in place. :func:`group_values` gives the step's agreement a fingerprint of
+every group's checked values, so that ranks holding different values are refused on
+every rank (:func:`~dmuon.optim.engine.guards.agree_step`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from dmuon.optim.engine.guards import GroupValues
 from dmuon.optim.group_options import (
     STRUCTURE,
     accepted_options,
@@ -26,7 +33,7 @@ from dmuon.optim.group_options import (
 )
 from dmuon.optim.sparse_gradients import first_sparse
 
-__all__ = ["GroupRecord"]
+__all__ = ["GroupRecord", "group_values"]
 
 _MISSING = object()
 
@@ -38,7 +45,8 @@ class GroupRecord:
     Taken when the group's state is (re)built. :meth:`check` runs at every step,
     before anything is stepped, and costs one pass over the group's parameters and
     keys (identity and shape comparisons; a value is re-checked only when the
-    caller replaced it, as an LR scheduler does every step). It is the only look of
+    caller replaced it, as an LR scheduler does every step, or when it is a tensor the
+    caller may have changed in place). It is the only look of
     the step for sparse gradients (:func:`~dmuon.optim.sparse_gradients.first_sparse`):
     it names the first it finds, and ``DMuon.step`` refuses the step on every rank
     (:func:`~dmuon.optim.engine.guards.agree_step`) before every mode's engine, the
@@ -61,18 +69,25 @@ class GroupRecord:
 
     def __post_init__(self) -> None:
         self._shapes = list(self.shapes)  # what check compares a list of shapes with
+        self._digest: bytes | None = None  # of values, while none is a tensor
+        self.label = f"group{self.index}"  # who the group is across ranks (see of)
 
     @classmethod
     def of(cls, group: Mapping[str, Any], index: int) -> GroupRecord:
         """The record of a group just normalised (its values are checked)."""
         options = accepted_options(group["rule"])
-        return cls(
+        record = cls(
             index,
             structure_of(group),
             tuple(p.shape for p in group["params"]),
             {k: group[k] for k in options if k in group},
             frozenset(group),
         )
+        names = group.get("param_names")
+        if names:  # by its parameters: ranks may list the same groups in another order
+            text = repr(sorted(names)).encode()
+            record.label = hashlib.blake2b(text, digest_size=8).hexdigest()
+        return record
 
     def check(self, group: dict[str, Any]) -> str | None:
         """Raise if ``group`` no longer matches what its state was built for; return its
@@ -143,8 +158,8 @@ class GroupRecord:
         checked: dict[str, Any] = {}
         for key, value in self.values.items():
             now = group.get(key, _MISSING)
-            if now is value:
-                continue
+            if now is value and not isinstance(now, torch.Tensor):
+                continue  # a tensor may have changed in place: re-checked every step
             if now is _MISSING:
                 raise ValueError(f"{where}: key {key!r} was removed after construction")
             option = accepted_options(group["rule"])[key]
@@ -153,3 +168,48 @@ class GroupRecord:
             check_together({**group, **checked}, where)
             group.update(checked)
             self.values.update(checked)
+            self._digest = None
+
+    def described(self) -> dict[str, Any]:
+        """Each checked value as the ranks compare it: plain numbers, strings and tuples
+        (a tensor's current value as a float; an object by its type's name, as its
+        ``repr`` may hold an address)."""
+        return {k: _plain(v) for k, v in sorted(self.values.items())}
+
+    def digest(self) -> bytes:
+        """8 bytes of :attr:`label` and :meth:`described`, the same on every rank for the
+        same group and values (kept until a value changes; re-read every step while one
+        is a tensor). ``label``: the group's parameter names, when it has them (another
+        rank may list the same groups in another order), else its index."""
+        if self._digest is not None:
+            return self._digest
+        text = repr((self.label, self.described())).encode()
+        digest = hashlib.blake2b(text, digest_size=8).digest()
+        if not any(isinstance(v, torch.Tensor) for v in self.values.values()):
+            self._digest = digest
+        return digest
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return float(value.item())
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    text = str(value)  # a dtype's name; an object's repr may hold its address
+    return type(value).__qualname__ if " at 0x" in text else text
+
+
+def group_values(records: Iterable[GroupRecord]) -> GroupValues:
+    """The step's agreement's view of ``records`` (every group's): one fingerprint of
+    their checked values, whatever the order of the groups, and how to name them when
+    ranks differ."""
+    records = list(records)
+    h = hashlib.blake2b(digest_size=8)
+    for digest in sorted(r.digest() for r in records):
+        h.update(digest)
+    return GroupValues(
+        int.from_bytes(h.digest(), "little"),
+        lambda: {r.label: (r.index, r.described()) for r in records},
+    )

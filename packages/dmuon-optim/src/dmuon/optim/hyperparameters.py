@@ -111,7 +111,13 @@ def real(
     lo_open: bool = False,
     hi_open: bool = False,
 ) -> Check:
-    """A finite real number in the interval; returned as ``float``."""
+    """A finite real number in the interval; returned as ``float``.
+
+    A one-element real tensor (an ``lr`` tensor, as ``torch.optim`` takes it)
+    is checked by its value and returned as itself: the group keeps the caller's tensor,
+    so that a change made to it in place reaches the next step, as in ``torch.optim``
+    (``DMuon.step`` re-checks it and reads its value at every step).
+    """
     left = "(" if lo_open else "["
     right = ")" if hi_open else "]"
     if hi == math.inf:
@@ -119,9 +125,15 @@ def real(
     else:
         what = f"a real number in {left}{lo}, {hi}{right}"
 
-    def check(value: Any) -> float:
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
+    def check(value: Any) -> Any:
+        if (
+            isinstance(value, torch.Tensor)
+            and value.numel() == 1
+            and value.dtype != torch.bool
+            and not value.is_complex()
+        ):
+            check(value.item())  # its value now; the caller's tensor stays in the group
+            return value
         if isinstance(value, str) and _parses_as_float(value):
             # YAML 1.1 (PyYAML) reads 1e-3 as a string; so does argparse without type=float
             raise ValueError(

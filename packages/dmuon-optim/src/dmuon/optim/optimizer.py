@@ -24,7 +24,7 @@ from dmuon.optim.engine.modes import check_layouts, make_engine
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.engine.tensor_split import drop_relaid_grads
 from dmuon.optim.group_options import GroupDefaults, check_distinct_params
-from dmuon.optim.group_record import GroupRecord
+from dmuon.optim.group_record import GroupRecord, group_values
 from dmuon.optim.loss_scaling import AGREED_MODES, scaler_skips, unscale_
 from dmuon.optim.optimizer_state import (
     build_state,
@@ -72,9 +72,16 @@ class DMuon(torch.optim.Optimizer):
 
     It is a true ``torch.optim.Optimizer``: ``step(closure=None)``,
     ``zero_grad``, ``state_dict()`` / ``load_state_dict(state_dict)``,
-    ``add_param_group``, step and state-dict hooks, and the LR schedulers of
-    ``torch.optim.lr_scheduler`` work; hyperparameters are plain values in
-    ``param_groups``; state is created for every parameter at construction.
+    step and state-dict hooks, and the LR schedulers of
+    ``torch.optim.lr_scheduler`` work; ``add_param_group`` after construction
+    works in ``single`` mode only (every distributed mode planned its owners and
+    buffers for the parameters it was built with, so it raises ``RuntimeError``
+    there: build a new DMuon with every group). Hyperparameters are plain values in
+    ``param_groups`` — or a one-element tensor (an ``lr`` tensor), which the group
+    keeps and every step reads, as ``torch.optim`` does; state is created for every
+    parameter at construction. In a distributed mode every rank must hold the same
+    group values: each step compares them across ranks (in its first all-reduce) and
+    refuses, on every rank, a step whose ranks differ or whose value one rank refuses.
     Parameters whose ``grad`` is ``None`` are skipped without touching their state.
     The state tensors of matrix parameters are views into one stacked buffer per
     shape: change them in place (or through :meth:`load_state_dict`), do not
@@ -294,9 +301,15 @@ class DMuon(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; its keys are checked and completed, its state created at once.
 
+        Works in ``single`` mode only once the optimizer is built: every distributed
+        mode planned its owners, buffers and exchange for the parameters it was built
+        with.
+
         Raises:
             ValueError: unknown key (named, with the accepted ones), bad value, or a
                 parameter the group's rule cannot take.
+            RuntimeError: the optimizer is built and its mode is not ``single`` (build a
+                new DMuon with every group).
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
@@ -351,6 +364,16 @@ class DMuon(torch.optim.Optimizer):
 
         Returns:
             The closure's loss, or ``None``.
+
+        Raises:
+            ValueError: a group value set since the last step does not check, on this
+                rank (that error) or on another rank
+                (:class:`~dmuon.optim.engine.guards.GroupValuesError`, naming the
+                rank); or the ranks hold different group values (``GroupValuesError``
+                on every rank, naming the group, key and ranks). Raised on every rank
+                alike, nothing stepped; the next step with agreed values runs.
+            RuntimeError: a group's structure or a parameter's shape changed (on every
+                rank alike, as above).
         """
         number = self.steps_taken + self.skipped_steps + 1
         unscaled, self._unscaled_step = self._unscaled_step == number, None
@@ -364,15 +387,25 @@ class DMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        sparse = None  # refused in the step's agreement, on every rank (run_step)
+        # refused in the step's agreement, on every rank alike (run_step): a sparse
+        # gradient, a group value this rank refuses (raised here alone, it would leave
+        # the other ranks waiting in the step's first collective), and the groups' values
+        # compared across ranks (a scheduler stepped on one rank only)
+        sparse: str | None = None
+        refused: Exception | None = None
         for index, group in enumerate(self.param_groups):
-            if index not in self._records:
-                raise RuntimeError(
-                    f"param group {index} was appended to param_groups directly: DMuon has "
-                    "no state or plan for it. Use opt.add_param_group(group)"
-                )
-            found = self._records[index].check(group)  # what the caller changed since
+            try:
+                if index not in self._records:
+                    raise RuntimeError(
+                        f"param group {index} was appended to param_groups directly: DMuon "
+                        "has no state or plan for it. Use opt.add_param_group(group)"
+                    )
+                found = self._records[index].check(group)  # what the caller changed since
+            except (ValueError, TypeError, RuntimeError) as err:
+                refused = err
+                break
             sparse = sparse or found
+        values = None if refused else group_values(self._records[i] for i in sorted(self._records))
         try:
             report, stepped = run_step(
                 self,
@@ -380,6 +413,8 @@ class DMuon(torch.optim.Optimizer):
                 number,
                 skip=scaler_skip,
                 sparse=sparse,
+                values=values,
+                refused=refused,
                 timeout=self._next_deadline(),
                 nonfinite=self.nonfinite,
                 check_every=self.check_every,

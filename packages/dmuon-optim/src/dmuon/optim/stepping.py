@@ -28,6 +28,8 @@ from dmuon.optim.engine.exchange import any_dedicated, exchange_of
 from dmuon.optim.engine.guards import (
     NONFINITE_POLICIES,
     GradientChangedError,
+    GroupValues,
+    GroupValuesError,
     NonFiniteGradientError,
     StepMismatchError,
     ThawedParameterError,
@@ -52,6 +54,8 @@ def run_step(
     *,
     skip: bool = False,
     sparse: str | None = None,
+    values: GroupValues | None = None,
+    refused: BaseException | None = None,
     timeout: float | None,
     nonfinite: str | None,
     check_every: int | None,
@@ -66,6 +70,11 @@ def run_step(
     ``sparse``: this rank's first parameter with a sparse gradient, as errors name it
     (:meth:`~dmuon.optim.group_record.GroupRecord.check`); every rank refuses the step
     (:class:`~dmuon.optim.sparse_gradients.SparseGradientError`), none is left waiting.
+    ``refused``: the error this rank's check of its groups raised; every rank refuses the
+    step alike (this rank with ``refused``, the others with
+    :class:`~dmuon.optim.engine.guards.GroupValuesError`). ``values``: this rank's group
+    values, compared across ranks in the same agreement (a difference:
+    :class:`~dmuon.optim.engine.guards.GroupValuesError` on every rank).
     """
     if engine.mode != "owner" and any_dedicated():  # no dedication in this process: none
         dedicated = next((e.name for e in engine.params if exchange_of(e.param)), None)
@@ -85,7 +94,7 @@ def run_step(
             with report.phase("comm_wait"):  # the guards' flags are communication too
                 # begins the step (Engine.begin_step), the flags carried in its first
                 # collective where it has one (owner mode: the presence flags')
-                finite = _agree(engine, nonfinite, number, skip, sparse)
+                finite = _agree(engine, nonfinite, number, skip, sparse, values, refused)
             if not finite:
                 engine.skip_step()
             else:
@@ -111,18 +120,28 @@ def _agree(
     number: int,
     skip: bool = False,
     sparse: str | None = None,
+    values: GroupValues | None = None,
+    refused: BaseException | None = None,
 ) -> bool:
     """Begin the step (:meth:`~dmuon.optim.engine.Engine.begin_step`) and agree with every
     rank on the step number, on a loss scaler's skip (``skip``: this rank's scaler found
     an Inf; any rank's skips every rank), on refusing a sparse gradient (``sparse``: this
-    rank's) and whether all gradients are finite (:func:`~dmuon.optim.engine.agree_step`);
-    raise, or say whether to step."""
+    rank's), on refusing a group value (``refused``: this rank's error), on the group
+    values (``values``) and whether all gradients are finite
+    (:func:`~dmuon.optim.engine.agree_step`); raise, or say whether to step."""
     try:
         # a scaler's Inf is expected, not an error: no rank checks when any rank skips
         # (each rank's skip comes from the same agreed Inf flag of its ShardedGradScaler)
         check = nonfinite is not None and not skip
         ranks, names, skipping = agree_step(
-            engine, number, check_finite=check, skip=skip, begin=True, sparse=sparse
+            engine,
+            number,
+            check_finite=check,
+            skip=skip,
+            begin=True,
+            sparse=sparse,
+            values=values,
+            refused=refused,
         )
     except (
         StepMismatchError,
@@ -130,8 +149,13 @@ def _agree(
         GradientChangedError,
         SparseGradientError,
         GradientPresenceError,
+        GroupValuesError,
     ):
         engine.skip_step()  # nothing in flight: the optimizer stays usable
+        raise
+    except BaseException as err:
+        if err is refused:  # this rank's own refusal, agreed by every rank
+            engine.skip_step()
         raise
     if skipping:  # some rank's loss scaler found an Inf: every rank skips
         return False
@@ -166,6 +190,7 @@ def step_matrices(
     """Run matrix group ``index``'s rule on ``buckets`` (same-shape batches)."""
     if not buckets:
         return
+    group = _read_tensors(group)
     # each bucket's entries with a gradient, listed once for the step (step_bucket's active)
     lists = [active_entries(b, grads) for b in buckets]
     active: dict[int, tuple[torch.Tensor, int]] = {}  # id → (parameter, index in its group)
@@ -224,8 +249,22 @@ def step_scalars(
         params,
         grads,  # type: ignore[arg-type]
         [state[p] for p in params],
-        group,
+        _read_tensors(group),
     )
+
+
+def _read_tensors(group: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``group`` with each value held as a one-element tensor (an ``lr`` tensor the caller
+    changes in place, as ``torch.optim`` allows) read as a float now: the group keeps
+    the caller's tensor (:func:`~dmuon.optim.hyperparameters.real`), so that every step
+    reads its current value, checked by ``DMuon.step``'s
+    :meth:`~dmuon.optim.group_record.GroupRecord.check` first."""
+    read = {
+        k: float(v)
+        for k, v in group.items()
+        if isinstance(v, torch.Tensor) and k != "params"  # params: a list, never a tensor
+    }
+    return {**group, **read} if read else group
 
 
 def check_guard_options(timeout: Any, nonfinite: Any, check_every: Any, store: Any) -> None:

@@ -8,6 +8,7 @@ from dmuon.optim.engine.exchange import OwnerExchange, exchange_of, format_descr
 from dmuon.optim.engine.guards import (
     NONFINITE_POLICIES,
     GradientChangedError,
+    GroupValuesError,
     NonFiniteGradientError,
     RankDivergenceError,
     StaleGradientError,
@@ -47,6 +48,7 @@ __all__ = [
     "EngineParam",
     "GradientChangedError",
     "GradientPresenceError",
+    "GroupValuesError",
     "MatrixPlacement",
     "ModelMismatchError",
     "NonFiniteGradientError",

@@ -26,6 +26,14 @@ the next collective, or silently train another model).
   its owner as backward produces it; a rank whose training loop changed one afterwards
   (:meth:`Engine.changed_gradients`, seen by the gradient's version counter) sets a
   bit, and every rank raises :class:`GradientChangedError` before anything is updated.
+* **Group values** (the same all-reduce, four slots more): a value a rank's ``step()``
+  refused (:meth:`~dmuon.optim.group_record.GroupRecord.check`: ``momentum=1.5`` set on
+  one rank) sets that rank's slot to ``-2``, and every rank raises before any collective
+  of the step proper, as for a sparse gradient; and a fingerprint of each rank's checked
+  group values (:class:`GroupValues`) is summed with its square, so that ranks holding
+  different values (a scheduler stepped on one rank only) raise
+  :class:`GroupValuesError` on every rank instead of stepping each matrix with its
+  owner's learning rate.
 * **Rank agreement** (:func:`check_agreement`): a checksum per parameter — the
   integer sum of its bit patterns, so any flipped bit in one element changes it —
   all-gathered and compared. Parameters sharded by FSDP2 differ by design and are
@@ -35,13 +43,16 @@ the next collective, or silently train another model).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dmuon.comm import wait_work
 from dmuon.comm.flags import flag_device
+from dmuon.comm.objects import all_gather_objects
 from dmuon.comm.process_groups import twin_groups
 from dmuon.comm.torch_compat import all_gather_single
 from dmuon.optim.engine.base import Engine
@@ -52,6 +63,8 @@ from dmuon.optim.sparse_gradients import first_sparse, sparse_gradient_error
 __all__ = [
     "NONFINITE_POLICIES",
     "GradientChangedError",
+    "GroupValues",
+    "GroupValuesError",
     "NonFiniteGradientError",
     "RankDivergenceError",
     "StaleGradientError",
@@ -138,6 +151,44 @@ class ThawedParameterError(_FoundOnRanks):
     """
 
 
+class GroupValuesError(_FoundOnRanks, ValueError):
+    """The ranks' parameter groups disagree: a value was refused on some rank(s) only, or
+    the ranks hold different checked values (an ``lr`` a scheduler set on one rank only).
+    Raised on every rank by the step's agreement, before anything was updated (a rank
+    that refused a value raises that value's own error instead).
+
+    Attributes:
+        ranks: the ranks that refused a value, or whose values differ from the lowest
+            rank's.
+        names: the differing values, as ``"group0.lr"`` (empty for a refusal).
+
+    Examples:
+        >>> GroupValuesError("differ", [1], ["group0.lr"]).names
+        ['group0.lr']
+    """
+
+
+@dataclass(frozen=True)
+class GroupValues:
+    """This rank's checked group values, as the step's agreement compares them.
+
+    Attributes:
+        fingerprint: a 64-bit digest of every group's checked values (equal values give
+            the same digest on every rank).
+        describe: every group's index on this rank and values by key, under a label
+            that is the same on every rank (its parameter names' digest, else its
+            index), gathered only when the fingerprints differ, to name the group, the
+            key and the ranks.
+
+    Examples:
+        >>> GroupValues(7, lambda: {"group0": (0, {"lr": 0.02})}).describe()
+        {'group0': (0, {'lr': 0.02})}
+    """
+
+    fingerprint: int
+    describe: Callable[[], Mapping[str, tuple[int, Mapping[str, Any]]]]
+
+
 class RankDivergenceError(RuntimeError):
     """Parameters that should be identical on every rank differ (raised on every rank).
 
@@ -174,12 +225,24 @@ class StepMismatchError(RuntimeError):
 
 
 def guard_groups(groups: list[dist.ProcessGroup | None]) -> list[dist.ProcessGroup | None]:
-    """A twin of each group (same ranks, its own communicator) for the guards' flags.
+    """A twin of each group (same ranks, its own communicator) for the guards' flags,
+    each set of ranks once.
 
-    Only the members of a group create its twin (``use_local_synchronization``), so
-    every rank calls this once, at construction, for its own groups.
+    The flags are all-reduced over the groups in turn, so a group listed twice (a
+    replicated mode's ``tp`` dimension that splits a matrix and holds the experts too)
+    would count every rank's slot twice: its bits shifted (a non-finite flag read as a
+    changed gradient) and the group values' sums off. Only the members of a group
+    create its twin (``use_local_synchronization``), so every rank calls this once, at
+    construction, for its own groups.
     """
-    return twin_groups(groups)
+    distinct: list[dist.ProcessGroup | None] = []
+    seen: set[tuple[int, ...]] = set()
+    for g in groups:
+        ranks = tuple(dist.get_process_group_ranks(dist.group.WORLD if g is None else g))
+        if ranks not in seen:
+            seen.add(ranks)
+            distinct.append(g)
+    return twin_groups(distinct)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -216,9 +279,19 @@ def nonfinite_ranks(engine: Engine) -> tuple[list[int], list[str]]:
     return ranks, names
 
 
-# The bits of a rank's slot under the step number (16·number + …, see agree_step); a
-# sparse gradient's refusal sets the slot to -1, which no number gives.
+# The bits of a rank's slot under the step number (64·number + …, see agree_step); a
+# sparse gradient's refusal sets the slot to -1, a refused group value to -2, which no
+# number gives.
 NONFINITE, CHANGED, SKIP, THAWED, MISSING, STALE, NUMBER = 1, 2, 4, 8, 16, 32, 64
+SPARSE, REFUSED = -1, -2
+# after the world's slots: Σa, Σa², Σb, Σb² of two 21-bit pieces of each rank's
+# fingerprint (a, b ∈ [1, 2²¹]): all ranks equal iff n·Σa² = (Σa)² and the same for b
+# (Cauchy–Schwarz), with n·a² < 2⁶³ for any n < 2²¹ ranks: four slots, whatever the world
+VALUE_SLOTS, _PIECE = 4, (1 << 21) - 1
+
+
+def _pieces(fingerprint: int) -> tuple[int, int]:
+    return (fingerprint & _PIECE) + 1, ((fingerprint >> 21) & _PIECE) + 1
 
 
 class _Local:
@@ -233,10 +306,14 @@ class _Local:
         skip: bool,
         sparse: str | None,
         vouched: frozenset[int] = frozenset(),
+        values: GroupValues | None = None,
+        refused: BaseException | None = None,
     ) -> None:
         # this rank's first parameter with a sparse gradient: its slot is then -1
         self.sparse = sparse
-        finite = check_finite and self.sparse is None  # a sparse gradient cannot be summed
+        self.refused, self.values = refused, values  # a refused value: its slot is -2
+        # a sparse gradient cannot be summed; a refused step reads nothing more
+        finite = check_finite and self.sparse is None and refused is None
         self.bad = _nonfinite_names(engine, vouched) if finite else []
         self.changed = engine.changed_gradients()
         self.stale = engine.stale_gradients()
@@ -244,7 +321,9 @@ class _Local:
         self.missing = engine.missing_gradients()
         self.skip = skip
         self.slot = (
-            -1
+            REFUSED
+            if refused is not None
+            else SPARSE
             if self.sparse is not None
             else (
                 NUMBER * (number or 0)
@@ -258,11 +337,15 @@ class _Local:
         )
 
     def slots(self, device: torch.device) -> torch.Tensor:
-        """One ``int64`` slot per rank of the world, this rank's set, the others zero."""
+        """One ``int64`` slot per rank of the world, this rank's set, the others zero; then
+        :data:`VALUE_SLOTS` for the group values' fingerprint (zero without ``values``)."""
         rank, world = _global_rank()
-        flags = torch.zeros(world, dtype=torch.int64, device=device)
+        flags = torch.zeros(world + VALUE_SLOTS, dtype=torch.int64)
         flags[rank] = self.slot
-        return flags
+        if self.values is not None and self.refused is None:
+            a, b = _pieces(self.values.fingerprint)
+            flags[world:] = torch.tensor([a, a * a, b, b * b], dtype=torch.int64)
+        return flags.to(device)
 
 
 def _sparse_name(engine: Engine) -> str | None:
@@ -284,6 +367,8 @@ def agree_step(
     skip: bool = False,
     begin: bool = False,
     sparse: str | None = None,
+    values: GroupValues | None = None,
+    refused: BaseException | None = None,
 ) -> tuple[list[int], list[str], list[int]]:
     """Agree with every rank on the step number and (``check_finite``) finiteness.
 
@@ -299,6 +384,13 @@ def agree_step(
     every rank's. ``sparse``: this rank's first parameter with a sparse gradient, as
     errors name it (``DMuon.step``: :meth:`~dmuon.optim.group_record.GroupRecord.check`;
     :func:`nonfinite_ranks`); its slot is then ``-1``, and every rank raises.
+    ``refused``: the error this rank's check of its groups raised (``DMuon.step``:
+    :meth:`~dmuon.optim.group_record.GroupRecord.check`); its slot is then ``-2``, and
+    every rank raises — this rank ``refused`` itself, the others a
+    :class:`GroupValuesError` with its message (a rank raising alone would leave the
+    others waiting in the step's first collective). ``values``: this rank's group values
+    (:class:`GroupValues`), compared in :data:`VALUE_SLOTS` more slots of the same
+    all-reduce (no collective more a step; an error gathers the values to name them).
 
     ``begin``: begin the step too (:meth:`Engine.begin_step`). An engine whose first
     collective of the step can carry the slots (owner mode: the gradient-presence flags'
@@ -327,6 +419,8 @@ def agree_step(
         StaleGradientError: a rank's gradient was still the averaged one the last step
             left on it (:meth:`Engine.stale_gradients`; on every rank).
         SparseGradientError: a rank holds a sparse gradient (``sparse``; on every rank).
+        GroupValuesError: a rank refused a group value (``refused``; that rank raises
+            ``refused``), or the ranks' ``values`` differ (on every rank).
     """
 
     def read(vouched: frozenset[int] = frozenset()) -> _Local:
@@ -337,6 +431,8 @@ def agree_step(
             skip=skip,
             sparse=sparse,
             vouched=vouched,
+            values=values,
+            refused=refused,
         )
 
     world = _global_rank()[1]
@@ -356,6 +452,8 @@ def agree_step(
     if summed is None or mine is None:  # not carried: read after the begin, as always
         mine = read()
     if not groups:
+        if refused is not None:
+            raise refused
         if mine.sparse is not None:
             raise sparse_gradient_error(mine.sparse)
         if mine.missing:
@@ -374,8 +472,12 @@ def agree_step(
         for g in groups:
             wait_work(dist.all_reduce(flags, group=g, async_op=True), what, g)
         summed = flags
-    slots = summed.tolist()
-    refusing = [r for r, v in enumerate(slots) if v < 0]
+    world = summed.numel() - VALUE_SLOTS
+    *slots, sum_a, sum_a2, sum_b, sum_b2 = summed.tolist()
+    refusing = [r for r, v in enumerate(slots) if v == REFUSED]
+    if refusing:
+        raise _refusal(refused, refusing, groups)
+    refusing = [r for r, v in enumerate(slots) if v == SPARSE]
     if refusing:
         here = f"{mine.sparse} on rank(s) {refusing}" if mine.sparse else None
         raise sparse_gradient_error(here or f"a parameter on rank(s) {refusing}")
@@ -390,6 +492,9 @@ def agree_step(
             "'skip_step' skips a step with a NaN/Inf gradient on any rank everywhere)",
             steps,
         )
+    n = len(steps)
+    if values is not None and (n * sum_a2 != sum_a * sum_a or n * sum_b2 != sum_b * sum_b):
+        raise _values_error(values, groups, world)
     missing_ranks = [r for r, v in enumerate(slots) if v & MISSING]
     if missing_ranks:
         raise presence_error(missing_ranks, mine.missing)
@@ -404,6 +509,74 @@ def agree_step(
         raise _stale_error(stale_ranks, mine.stale)
     skipping = [r for r, v in enumerate(slots) if v & SKIP]
     return [r for r, v in enumerate(slots) if v & NONFINITE], mine.bad, skipping
+
+
+def _gathered(obj: Any, groups: Sequence[dist.ProcessGroup | None]) -> dict[int, Any]:
+    """Every rank's ``obj`` over the agreement's groups, by global rank (an error path:
+    every rank of the groups reached it from the same summed slots)."""
+    rank = _global_rank()[0]
+    out: dict[int, Any] = {}
+    for g in groups:
+        out.update(all_gather_objects((rank, obj), g))
+    return out
+
+
+def _refusal(
+    refused: BaseException | None, ranks: list[int], groups: Sequence[dist.ProcessGroup | None]
+) -> BaseException:
+    """The error of a step some rank(s) refused a group value of: this rank's own, or one
+    naming the refusing ranks and (gathered) their message."""
+    said = _gathered(None if refused is None else str(refused), groups)
+    if refused is not None:
+        return refused
+    message = next((said[r] for r in ranks if said.get(r)), None)
+    gist = f": {message}" if message else ""
+    return GroupValuesError(
+        f"DMuon step refused on every rank: rank(s) {ranks} refused a parameter group's "
+        f"value{gist}. Nothing was updated on any rank; set the value on every rank alike "
+        "(and fix it there), then step again",
+        ranks,
+        [],
+    )
+
+
+def _values_error(
+    values: GroupValues, groups: Sequence[dist.ProcessGroup | None], world: int
+) -> GroupValuesError:
+    """The ranks' group values differ: gather them to name the groups, keys and ranks."""
+    described = _gathered(values.describe(), groups)
+    first = min(described)
+    base = described[first]
+    differing: dict[str, list[int]] = {}
+    shown: dict[str, str] = {}
+    for r in sorted(described):
+        theirs = described[r]
+        for label in sorted(set(base) | set(theirs)):
+            index, a = base.get(label, (None, {}))
+            other, b = theirs.get(label, (None, {}))
+            for key in sorted(set(a) | set(b)):
+                if a.get(key) != b.get(key):
+                    name = f"group{other if index is None else index}.{key}"
+                    differing.setdefault(name, []).append(r)
+                    shown.setdefault(name, f"rank {first}: {a.get(key)!r}")
+                    shown[name] += f", rank {r}: {b.get(key)!r}"
+    ranks = sorted({r for rs in differing.values() for r in rs})
+    if not differing:  # a rank outside the gathered groups' reach (or a digest collision)
+        what = f"the ranks' checked group values differ (world of {world})"
+    else:
+        what = "; ".join(
+            f"param group {name.split('.')[0][5:]} {name.split('.', 1)[1]!r} ({shown[name]})"
+            for name in list(differing)[:5]
+        )
+    return GroupValuesError(
+        f"DMuon step refused on every rank: the ranks' parameter groups hold different "
+        f"values: {what}. A value set on some ranks only (a scheduler stepped on one rank, "
+        "ReduceLROnPlateau fed a rank's local loss) would step each matrix with whichever "
+        "rank's value steps it; nothing was updated on any rank. Set group values alike on "
+        "every rank (step schedulers on every rank, with an agreed metric), then step again",
+        ranks,
+        list(differing),
+    )
 
 
 def _thawed_error(

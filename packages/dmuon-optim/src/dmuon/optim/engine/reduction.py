@@ -182,8 +182,8 @@ class Reduction:
         ]
         self.split = frozenset(name for name, p in params.items() if is_dtensor(p))
         # the layers whose launch sums its gradients (finite_at_launch), with their
-        # parameters by id: not under free_local_grads (the launch releases them), nor a
-        # layer with a tensor-parallel shard
+        # parameters by id: not under free_local_grads (there each gradient has its own
+        # norm, released_norms), nor a layer with a tensor-parallel shard
         self.ids_of = {
             layer.key: frozenset(id(params[n]) for n in names)
             for layer in self.layers
@@ -198,10 +198,10 @@ class Reduction:
         self.reduced_views: dict[str, torch.Tensor] = {}
         # fixed for the exchange's life, so not sorted per step: the flags' order
         self.flag_names = sorted(params)
-        # the parameters whose local gradient a launch sets to None (free_local_grads)
-        self.released: frozenset[int] = (
-            frozenset(id(p) for p in params.values()) if free_local_grads else frozenset()
-        )
+        # free_local_grads: each launched layer's gradients by name, with their fp32 ℓ1 norms
+        # taken at the copy, before the launch set them to None: the only proof left that
+        # the released gradients were finite (finite_at_launch, released_nonfinite)
+        self.released_norms: dict[str, tuple[list[str], torch.Tensor]] = {}
         # the expert stacks stepped in place whose gradients are summed among their
         # replicas as backward produces them (attach_experts, expert_grad_ready)
         self.experts: ExpertReplicas | None = None
@@ -322,11 +322,15 @@ class Reduction:
             agreement: the step's guards, to carry in the flags' all-reduce
                 (:func:`~dmuon.optim.engine.guards.agree_step`): called once, before it,
                 with the ids of the parameters whose local gradient its non-finite check
-                need not read — those the launches below release (``free_local_grads``:
-                every one of this reduction's) and those a launch in backward proved
-                finite (:meth:`finite_at_launch`) — it gives this rank's ``int64``
+                need not read — those a launch in backward proved finite
+                (:meth:`finite_at_launch`) — it gives this rank's ``int64``
                 agreement slots, which are summed over the same groups as the flags,
-                appended to them — one all-reduce a step, not two. Not called when the
+                appended to them — one all-reduce a step, not two. Under
+                ``free_local_grads`` a gradient a launch in backward released and found
+                NaN or Inf in is, while ``agreement`` runs, ``p.grad`` again as a stand-in
+                of its launch's norm (:meth:`released_nonfinite`), so that the check finds
+                and names it on this rank and every rank raises or skips; the gradients
+                of the layers the flush launches are still there to be read. Not called when the
                 step was flushed already (a clip or ``unscale_`` finished the reductions
                 before ``step()``).
 
@@ -360,7 +364,16 @@ class Reduction:
             flags = torch.tensor(local, dtype=torch.int32, device=self.flag_device)
         else:
             # int64: the agreement's slots carry the step number
-            slots = agreement(self.released | self.finite_at_launch()).to(self.flag_device)
+            # the released gradients whose launch found a NaN/Inf stand in for the check
+            # (read inside agreement()), named on this rank as the others would be
+            vouched, nonfinite = self._launch_proofs()  # one read of them all
+            stand_ins = self._stand_ins(nonfinite)
+            try:
+                slots = agreement(vouched)
+            finally:
+                for p in stand_ins:
+                    p.grad = None  # released, as the launch left it
+            slots = slots.to(self.flag_device)
             flags = torch.cat([torch.tensor(local, dtype=torch.int64, device=slots.device), slots])
         for g, size in zip(self.flag_groups, self.sizes, strict=True):
             if size > 1:
@@ -401,6 +414,7 @@ class Reduction:
         # for the missing ones) per layer, not a copy per gradient
         slots: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
+        taken: list[str] = []  # the names of slots' gradients
         missing: list[torch.Tensor] = []
         buckets = layer.reduce_buckets + layer.allreduce_buckets
         for name in layer.dedicated:  # before a copy (or free_local_grads) can hide it
@@ -428,6 +442,7 @@ class Reduction:
                     g = local_tensor(g)
                 slots.append(view)
                 grads.append(g.reshape(view.shape))
+                taken.append(name)
         if missing:
             torch._foreach_zero_(missing)
         if slots:
@@ -437,6 +452,13 @@ class Reduction:
                 # non-finite check reads it instead of each gradient (finite_at_launch)
                 sums = [b.buffer.sum(dtype=torch.float32) for b in buckets]
                 layer.launch_sum = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+            elif self.free_local_grads:
+                # the proof the released gradients leave (finite_at_launch): one norm per
+                # gradient, to name the bad one, in fp32 (an fp16 norm overflows at 65504).
+                # ℓ1: as for a sum, a NaN or Inf entry makes it NaN or Inf, and
+                # torch._foreach_norm takes them all in one fused launch on a GPU
+                norms = torch._foreach_norm(slots, 1, dtype=torch.float32)
+                self.released_norms[layer.key] = (taken, torch.stack(norms))
         if self.free_local_grads:  # once copied: a failed copy leaves the gradients
             for name in layer.dedicated + layer.replicated:  # the buckets' names
                 self.params[name].grad = None
@@ -488,6 +510,8 @@ class Reduction:
         self.taken.settle(layer.dedicated + layer.replicated)
         owned = layer.reduce_handle.wait() if layer.reduce_handle is not None else {}
         layer.launch_sum = None  # it spoke of the local gradients replaced below
+        for k in (layer.key, *layer.members):
+            self.released_norms.pop(k, None)
         for name in layer.dedicated:
             p = self.params[name]
             if name in owned and self.global_present[name]:
@@ -521,15 +545,57 @@ class Reduction:
         agreement anyway (:meth:`changed_gradients`). One read of all the layers' sums: the
         step's non-finite check (:func:`~dmuon.optim.engine.guards.agree_step`) then reads
         only the gradients no launch has vouched for, instead of every gradient again.
+
+        Under ``free_local_grads`` the launch sets the gradients it copies to ``None``:
+        each one's own norm at the copy (``released_norms``) vouches for it when finite;
+        one that is not is :meth:`released_nonfinite`'s, for the check to find.
         """
+        return self._launch_proofs()[0]
+
+    def released_nonfinite(self) -> dict[str, torch.Tensor]:
+        """The parameters whose gradient a launch released (``free_local_grads``) with a
+        NaN or Inf entry, or finite entries whose fp32 ℓ1 norm overflows, by name: their
+        norm at the copy (a 0-D fp32 tensor). No other record of them is left on this rank,
+        so :meth:`flush` shows them to the step's non-finite check as stand-in gradients."""
+        return self._launch_proofs()[1]
+
+    def _launch_proofs(self) -> tuple[frozenset[int], dict[str, torch.Tensor]]:
+        """:meth:`finite_at_launch` and :meth:`released_nonfinite`, from one read of every
+        launch's sums and norms."""
         taken = [(layer, layer.launch_sum) for layer in self.layers]
         layers = [layer for layer, s in taken if s is not None]
-        if not layers:
-            return frozenset()
-        finite = torch.isfinite(torch.stack([s for _, s in taken if s is not None]))
-        if not bool(finite.all()):
-            layers = [layer for layer, ok in zip(layers, finite.tolist(), strict=True) if ok]
-        return frozenset().union(*(self.ids_of[layer.key] for layer in layers))
+        released = list(self.released_norms.values())
+        if not layers and not released:
+            return frozenset(), {}
+        finite = torch.isfinite(
+            torch.cat(
+                [*(s.reshape(1) for _, s in taken if s is not None), *(n for _, n in released)]
+            )
+        ).tolist()
+        ok_layers, ok_norms = finite[: len(layers)], finite[len(layers) :]
+        ids = frozenset().union(
+            *(self.ids_of[layer.key] for layer, ok in zip(layers, ok_layers, strict=True) if ok)
+        )
+        names = [name for ns, _ in released for name in ns]
+        if all(ok_norms):
+            return ids | {id(self.params[n]) for n in names}, {}
+        norms = [n for _, layer_norms in released for n in layer_norms.unbind()]
+        ids |= {id(self.params[n]) for n, ok in zip(names, ok_norms, strict=True) if ok}
+        bad = {n: norms[i] for i, (n, ok) in enumerate(zip(names, ok_norms, strict=True)) if not ok}
+        return ids, bad
+
+    def _stand_ins(self, nonfinite: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Give each parameter of ``nonfinite`` (:meth:`released_nonfinite`) a stand-in
+        gradient: its launch's norm (NaN or Inf), expanded to its shape without memory (for a
+        tensor-parallel shard, a DTensor of its local part). Returns the parameters given
+        one; :meth:`flush` sets their gradients back to ``None`` after the check."""
+        given = []
+        for name, norm in nonfinite.items():
+            p = self.params[name]
+            local = norm.to(dtype=p.dtype, device=p.device).expand(local_tensor(p).shape)
+            p.grad = as_gradient(p, local)
+            given.append(p)
+        return given
 
     def _gradient(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """``p.grad`` of parameter ``name`` from its reduced ``local`` part: a view shaped
@@ -568,6 +634,7 @@ class Reduction:
             layer.ready.clear()
             layer.launched = layer.reduced = False
             layer.launch_sum = None
+        self.released_norms.clear()
         self.present.clear()
         self.accumulated.clear()
         self.taken.clear()

@@ -55,8 +55,8 @@ Every mode but the owner modes and ``replicated`` also all-reduces the int32
 gradient-presence flags of the parameters it steps (``presence_flags``); owner mode
 does it for the dedicated items (``owner-ddp``: and the all-reduced scalars;
 ``owner-ddp-zero1``: the owned scalars are dedicated items), at
-the start of the step, with the step's agreement (a slot per rank) in the same
-``int64`` all-reduce.
+the start of the step, with the step's agreement (a slot per rank, and four for the
+group values) in the same ``int64`` all-reduce.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ from dmuon.comm import VOTES_PER_BYTE, CommStats, MatrixItem, OwnerPlan, layer_k
 from dmuon.comm.cost_model import cost_model
 from dmuon.comm.owner_plan import natural_key
 from dmuon.optim.batches import batch_runs
+from dmuon.optim.engine.guards import VALUE_SLOTS
 from dmuon.optim.engine.layer_packing import DEFAULT_PACK_MB, pack_runs
 from dmuon.optim.engine.params import subplan
 from dmuon.optim.planner.config import ModelSpec
@@ -339,9 +340,10 @@ def _owner(
     # presence flags: one per dedicated item (and all-reduced scalar), two slots for the
     # engine's UnsyncedGradientsError check (the gradients held back by no_sync(), the
     # ranks that synchronised one), and the step's agreement carried in the same
-    # all-reduce (one slot per rank: engine/guards.py's agree_step), all int64, at the
-    # step's start
-    presence = _presence(len(plan.items) + len(all_reduced) + 2 + n, n, "step", itemsize=8)
+    # all-reduce (one slot per rank and VALUE_SLOTS for the group values: engine/guards.py's
+    # agree_step), all int64, at the step's start
+    agreement = n + VALUE_SLOTS
+    presence = _presence(len(plan.items) + len(all_reduced) + 2 + agreement, n, "step", 8)
     out = [reduce, bcast, *([again] if z3 else []), presence]
     if summed:
         # issued with the unit's reductions from the backward hooks (one round a unit)
