@@ -13,7 +13,8 @@ tensors with those gradients (tolerance 1e-5).
   those ranks while their tp peers waited in the Gram all-reduce.
 * ``replicated`` mode's ``clip_grad_norm_`` with a tensor-parallel matrix and an expert
   stack on the same mesh dimension: refused as "split over different groups", naming
-  the same ranks twice.
+  the same ranks twice; and a NaN on one rank there, reported as a changed gradient
+  (the agreement summed the flags over that ``tp`` dimension twice).
 """
 
 from __future__ import annotations
@@ -127,3 +128,44 @@ def test_replicated_clip_with_a_split_matrix_and_experts_on_one_mesh_dim():
     for rank, (_, norms) in enumerate(results):
         assert norms == pytest.approx(want_norms, rel=1e-5), (rank, norms, want_norms)
     _check(results, want)
+
+
+def run_nan_on_one_rank(rank, world):
+    """The layout above in ``replicated`` mode, ``nonfinite="raise"``: rank 3 alone holds
+    a NaN in the expert stack's gradient at the first step. Returns the error's type,
+    its ranks and this rank's names."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from dmuon.optim import NonFiniteGradientError
+
+    shapes, specs = [(6, 8), (4, 3, 5)], [("R", "S0"), ("R", "S0")]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    m = _model(shapes)
+    for i, spec in enumerate(specs):
+        full = getattr(m, f"w{i}").detach()
+        setattr(m, f"w{i}", nn.Parameter(distribute_tensor(full, mesh, _placements(spec))))
+    kw = {**OPT, "mode": "replicated", "process_group": mesh["dp"].get_group()}
+    opt = DMuon(param_groups(m), **kw, nonfinite="raise", timeout=30)
+    for p, g, spec in zip(m.parameters(), _grads(shapes, 0), specs, strict=True):
+        p.grad = distribute_tensor(g, mesh, _placements(spec))
+    if rank == 3:
+        m.w1.grad.to_local().view(-1)[0] = float("nan")
+    try:
+        opt.step()
+    except NonFiniteGradientError as err:
+        return "NonFiniteGradientError", err.ranks, err.names
+    except Exception as err:  # the wrong error: reported, not raised, to show which
+        return type(err).__name__, [], [str(err)[:200]]
+    return "stepped", [], []
+
+
+def test_a_nan_on_one_rank_of_a_split_matrix_and_experts_on_one_mesh_dim_is_named():
+    """The agreement's flags are summed over each set of ranks once. Before, the ``tp``
+    dimension that splits ``w0`` and holds ``w1``'s experts was listed twice, every slot
+    counted twice and its bits shifted: the NaN was reported as a changed gradient
+    (``GradientChangedError``) on every rank."""
+    for rank, (kind, ranks, names) in enumerate(run_on_ranks(run_nan_on_one_rank, 4, timeout=120)):
+        assert kind == "NonFiniteGradientError", (rank, kind, names)
+        assert ranks == [3], (rank, ranks)
+        assert names == (["w1"] if rank == 3 else []), (rank, names)
