@@ -148,3 +148,40 @@ def test_policies_without_a_cast_train_as_stock_fsdp2():
     for rank, gaps in enumerate(run_on_ranks(_working, WORLD, timeout=180)):
         for name, gap in gaps.items():
             assert gap < TOLERANCE, f"rank {rank}, {name}: {gap:.2e} from stock FSDP2"
+
+
+def _nested_unit(rank: int, world: int) -> tuple[str, int]:
+    """A ``fully_shard`` unit of its own around the LayerNorm, with a bf16 ``param_dtype``
+    that hands fp32 on (``output_dtype``), and the dedicated matrices under the root unit
+    (no policy): the unit's cast reaches no dedicated matrix."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from dmuon.integrations import fsdp
+    from dmuon.optim import DMuon, param_groups
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 4))
+    ded = fsdp.dedicate(model, layer_pack_mb=0)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    fully_shard(model[0], mp_policy=policy)
+    fully_shard(model, ignored_params=set(ded.params))
+    opt = DMuon(param_groups(model), distributed=ded, lr=0.02)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    try:
+        for _ in range(2):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    except ValueError as err:
+        return f"refused: {err}", opt.steps_taken
+    ded.wait()
+    return "trained", opt.steps_taken
+
+
+def test_a_policy_of_a_unit_holding_no_dedicated_matrix_is_not_refused():
+    """Each unit's ``param_dtype`` is compared with the dedicated matrices of that unit
+    only (not those of its parent or of a nested unit). Before, the LayerNorm unit's
+    policy was compared with every dedicated matrix of the model and refused this
+    setup, which trains."""
+    for rank, (outcome, steps) in enumerate(run_on_ranks(_nested_unit, WORLD, timeout=180)):
+        assert outcome == "trained" and steps == 2, (rank, outcome[:300])

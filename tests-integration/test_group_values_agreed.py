@@ -23,26 +23,31 @@ from dmuon.optim import DMuon, param_groups
 
 WORLD = 2
 NAME = "mixed"
-KEPT = (0, 3, 4)  # the steps taken; 1 (a refused momentum) and 2 (rank 1's lr) are refused
+# the steps taken; 1 (a refused momentum), 2 (rank 1's lr) and 3 (a weight decay past
+# float's range: OverflowError, once raised on that rank alone) are refused
+KEPT = (0, 4, 5)
 
 
 def train(rank: int, world: int, mode: str):
     model, forward, opt, ded = setup(mode, NAME, world, dict(OPT, timeout=30))
     errors = {}
     agreed = dict(opt.param_groups[0])
-    for t in range(5):
+    for t in range(6):
         loss_of(NAME, forward, *batch(NAME, t, rank, world)).backward()
         group = opt.param_groups[0]
         if rank == 1 and t == 1:
             group["momentum"] = 1.5  # refused by this rank's check alone
         if rank == 1 and t == 2:
             group["lr"] = group["lr"] / 2  # valid, but rank 1's alone
+        if rank == 1 and t == 3:
+            group["weight_decay"] = 10**400  # float(10**400) raised OverflowError
         try:
             opt.step()
         except ValueError as err:
             errors[t] = (type(err).__name__, str(err))
             if rank == 1:  # agreed again, as a fixed training loop would
-                group["momentum"], group["lr"] = agreed["momentum"], agreed["lr"]
+                for key in ("momentum", "lr", "weight_decay"):
+                    group[key] = agreed[key]
         opt.zero_grad()
     if ded is not None:
         ded.wait()
@@ -77,7 +82,10 @@ def test_a_group_value_of_one_rank_is_refused_on_every_rank(mode):
         name, text = errors[2]
         assert name == "GroupValuesError", text
         assert "param group 0 'lr' (rank 0: 0.02, rank 1: 0.01)" in text, text
-    assert sorted(errors0) == sorted(errors1) == [1, 2]
+    # step 3: a ValueError naming the key on rank 1, GroupValuesError on rank 0
+    assert errors1[3][0] == "ValueError" and "weight_decay must be" in errors1[3][1]
+    assert errors0[3][0] == "GroupValuesError" and "weight_decay" in errors0[3][1]
+    assert sorted(errors0) == sorted(errors1) == [1, 2, 3]
     assert taken0 == taken1 == len(KEPT)
     ref = reference()
     for params in (params0, params1):

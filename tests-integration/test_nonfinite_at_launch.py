@@ -132,6 +132,7 @@ FREE_CASES = [(policy, bad) for policy in ("raise", "skip_step") for bad in ("na
 def _free_runs(rank: int, world: int) -> dict[str, dict[str, Any]]:
     runs = {f"{policy}-{bad}": _free_run(rank, policy, bad) for policy, bad in FREE_CASES}
     runs["reference"] = _free_run(rank, "raise", None)  # the poisoned batch never seen
+    runs["raise-overflow"] = _free_run(rank, "raise", "overflow")
     return runs
 
 
@@ -153,7 +154,10 @@ def _free_run(rank: int, policy: str, bad: str | None) -> dict[str, Any]:
         if not poisoned[0]:
             return g
         g = g.clone()
-        g[1, 2] = float(bad)  # type: ignore[arg-type]
+        if bad == "overflow":  # finite entries whose fp32 ℓ1 norm (not max norm) overflows
+            g[1, 2] = g[1, 3] = 3e38
+        else:
+            g[1, 2] = float(bad)  # type: ignore[arg-type]
         return g
 
     if rank == POISONED_RANK:
@@ -218,3 +222,13 @@ def test_a_nonfinite_released_gradient_on_one_rank_is_caught_on_every_rank(
             assert torch.equal(w, ref["weights"][name]), (
                 f"{where}: {name} differs from the run without the batch"
             )
+
+
+def test_finite_released_gradients_whose_sum_would_overflow_are_stepped(free_results):
+    """Two entries of 3e38 (finite) in a released gradient on one rank: the launch's
+    proof is a max norm, which cannot overflow, so the step runs on every rank. With an
+    ℓ1 norm the sum overflowed and the finite gradient was refused as non-finite."""
+    for rank, runs in enumerate(free_results):
+        r = runs["raise-overflow"]
+        assert r["error"] is None, f"rank {rank}: refused {r['error']}"
+        assert r["skipped"] == 0, rank

@@ -180,10 +180,23 @@ def _describe(policy: Any) -> str:
     )
 
 
+def _own_parameters(unit: Any, fsdp_module: type) -> list[nn.Parameter]:
+    """The parameters of ``unit``'s modules, not those of a nested ``fully_shard`` unit
+    (whose own policy applies to them)."""
+    out: list[nn.Parameter] = []
+    stack: list[nn.Module] = [unit]
+    while stack:
+        module = stack.pop()
+        out.extend(module.parameters(recurse=False))
+        stack.extend(c for c in module.children() if not isinstance(c, fsdp_module))
+    return out
+
+
 def _cast_conflicts(ded: Dedication) -> tuple[bool, list[tuple[str, Any, str, Any]]]:
     """Whether the model has FSDP2 modules yet, and each ``(unit, policy, name, matrix)``
-    whose policy's ``param_dtype`` differs from a dedicated matrix's dtype (the first
-    such matrix per unit)."""
+    whose policy's ``param_dtype`` differs from the dtype of a dedicated matrix of that
+    unit (the first such matrix per unit; a matrix belongs to the innermost unit around
+    it, whose forward casts its inputs)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
@@ -191,18 +204,20 @@ def _cast_conflicts(ded: Dedication) -> tuple[bool, list[tuple[str, Any, str, An
     model = ded.model
     units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     dedicated = {id(p) for p in ded.params}
-    matrices = [
-        (n, p) for n, p in model.named_parameters() if id(p) in dedicated and p.is_floating_point()
-    ]
+    names = {id(p): n for n, p in model.named_parameters()}
     out = []
     for where, unit in units:
         policy = _policy_of(unit)
         dtype = getattr(policy, "param_dtype", None)
         if dtype is None:
             continue
-        first = next(((n, p) for n, p in matrices if p.dtype != dtype), None)
-        if first is not None:
-            out.append((where, policy, *first))
+        mine = [
+            p
+            for p in _own_parameters(unit, FSDPModule)
+            if id(p) in dedicated and p.is_floating_point() and p.dtype != dtype
+        ]
+        if mine:
+            out.append((where, policy, names.get(id(mine[0]), "?"), mine[0]))
     return bool(units), out
 
 

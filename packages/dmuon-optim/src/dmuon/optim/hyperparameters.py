@@ -143,7 +143,10 @@ def real(
         # numbers.Real: numpy's scalars too (a schedule computed with numpy), not bool
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ValueError(f"must be {what}, got {value!r}")
-        v = float(value)
+        try:
+            v = float(value)
+        except OverflowError:  # an int past float's range (10**400)
+            raise ValueError(f"must be {what}, got {value!r}") from None
         ok = math.isfinite(v)
         ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
         if not ok:
@@ -160,6 +163,8 @@ def integer(lo: int) -> Check:
         # numbers.Integral: numpy's integers too, not bool
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
             raise ValueError(f"must be an integer >= {lo}, got {value!r}")
+        if int(value) >= 2**63:  # no loop count or index is meant (10**400 overflowed later)
+            raise ValueError(f"must be an integer >= {lo} and < 2**63, got {value!r}")
         return int(value)
 
     return check

@@ -401,7 +401,7 @@ class DMuon(torch.optim.Optimizer):
                         "has no state or plan for it. Use opt.add_param_group(group)"
                     )
                 found = self._records[index].check(group)  # what the caller changed since
-            except (ValueError, TypeError, RuntimeError) as err:
+            except Exception as err:  # any error of a check: agreed, not raised alone
                 refused = err
                 break
             sparse = sparse or found

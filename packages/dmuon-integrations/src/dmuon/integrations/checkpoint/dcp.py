@@ -328,16 +328,24 @@ def _read_metadata_everywhere(path: str, optimizer: DMuon) -> Any:
 
 
 def _tree_from(keys: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    """Targets for non-tensor leaves under ``prefix`` (``a.0.b`` → nested dicts/lists)."""
+    """Targets for the leaves under ``prefix`` (``a.0.b`` → nested dicts/lists): ``None``
+    for a non-tensor, an empty tensor of the saved size and dtype for a tensor (a group's
+    ``lr`` given as a tensor, which the group keeps)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     root: dict[str, Any] = {}
-    for key in keys:
+    for key, meta in keys.items():
         if not key.startswith(prefix + "."):
             continue
         parts = key[len(prefix) + 1 :].split(".")
         node = root
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = None
+        node[parts[-1]] = (
+            torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+            if isinstance(meta, TensorStorageMetadata)
+            else None
+        )
     return root
 
 

@@ -534,10 +534,18 @@ def _refusal(
     return GroupValuesError(
         f"DMuon step refused on every rank: rank(s) {ranks} refused a parameter group's "
         f"value{gist}. Nothing was updated on any rank; set the value on every rank alike "
-        "(and fix it there), then step again",
+        f"(and fix it there), {_NEXT}",
         ranks,
         [],
     )
+
+
+# what a refused step leaves to do: replicated and sharded modes may step again on the
+# same gradients; owner mode reduced them to their owners during backward (spent)
+_NEXT = (
+    "then run the next iteration (in owner mode this step's gradients were spent in their "
+    "reductions: zero_grad() and a new backward first)"
+)
 
 
 def _values_error(
@@ -560,6 +568,25 @@ def _values_error(
                     differing.setdefault(name, []).append(r)
                     shown.setdefault(name, f"rank {first}: {a.get(key)!r}")
                     shown[name] += f", rank {r}: {b.get(key)!r}"
+    labelled = {r: sorted(d) for r, d in described.items()}
+    if any(labels != labelled[first] for labels in labelled.values()):
+        # the groups are told apart by their parameters' names, where a group has them:
+        # one rank's groups with ``param_names`` and another's without cannot be matched
+        named = sorted(r for r, d in described.items() if not all(k.startswith("group") for k in d))
+        unnamed = sorted(set(described) - set(named))
+        if named and unnamed:
+            why = f"rank(s) {named} give their groups 'param_names', rank(s) {unnamed} do not"
+        else:
+            unnamed = sorted(r for r, labels in labelled.items() if labels != labelled[first])
+            why = f"rank(s) {unnamed} hold groups of other parameters than rank {first}"
+        return GroupValuesError(
+            f"DMuon step refused on every rank: the ranks' parameter groups cannot be matched: "
+            f"{why}. Build the param groups the same way on every rank (e.g. "
+            "dmuon.optim.param_groups(model) everywhere); nothing was updated on any rank, "
+            f"{_NEXT}",
+            unnamed,
+            [],
+        )
     ranks = sorted({r for rs in differing.values() for r in rs})
     if not differing:  # a rank outside the gathered groups' reach (or a digest collision)
         what = f"the ranks' checked group values differ (world of {world})"
@@ -573,7 +600,7 @@ def _values_error(
         f"values: {what}. A value set on some ranks only (a scheduler stepped on one rank, "
         "ReduceLROnPlateau fed a rank's local loss) would step each matrix with whichever "
         "rank's value steps it; nothing was updated on any rank. Set group values alike on "
-        "every rank (step schedulers on every rank, with an agreed metric), then step again",
+        f"every rank (step schedulers on every rank, with an agreed metric), {_NEXT}",
         ranks,
         list(differing),
     )

@@ -27,6 +27,7 @@ part, ``p.grad.to_local()``, and comes back as a DTensor with the placements it 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -198,7 +199,7 @@ class Reduction:
         self.reduced_views: dict[str, torch.Tensor] = {}
         # fixed for the exchange's life, so not sorted per step: the flags' order
         self.flag_names = sorted(params)
-        # free_local_grads: each launched layer's gradients by name, with their fp32 ℓ1 norms
+        # free_local_grads: each launched layer's gradients by name, with their fp32 max norms
         # taken at the copy, before the launch set them to None: the only proof left that
         # the released gradients were finite (finite_at_launch, released_nonfinite)
         self.released_norms: dict[str, tuple[list[str], torch.Tensor]] = {}
@@ -455,9 +456,10 @@ class Reduction:
             elif self.free_local_grads:
                 # the proof the released gradients leave (finite_at_launch): one norm per
                 # gradient, to name the bad one, in fp32 (an fp16 norm overflows at 65504).
-                # ℓ1: as for a sum, a NaN or Inf entry makes it NaN or Inf, and
-                # torch._foreach_norm takes them all in one fused launch on a GPU
-                norms = torch._foreach_norm(slots, 1, dtype=torch.float32)
+                # the max norm: a NaN or Inf entry makes it NaN or Inf, and finite entries
+                # cannot overflow it (an ℓ1 norm of entries near 3e38 did: a finite gradient
+                # refused); torch._foreach_norm takes them all in one fused launch on a GPU
+                norms = torch._foreach_norm(slots, math.inf, dtype=torch.float32)
                 self.released_norms[layer.key] = (taken, torch.stack(norms))
         if self.free_local_grads:  # once copied: a failed copy leaves the gradients
             for name in layer.dedicated + layer.replicated:  # the buckets' names
@@ -554,7 +556,7 @@ class Reduction:
 
     def released_nonfinite(self) -> dict[str, torch.Tensor]:
         """The parameters whose gradient a launch released (``free_local_grads``) with a
-        NaN or Inf entry, or finite entries whose fp32 ℓ1 norm overflows, by name: their
+        NaN or Inf entry, by name: their
         norm at the copy (a 0-D fp32 tensor). No other record of them is left on this rank,
         so :meth:`flush` shows them to the step's non-finite check as stand-in gradients."""
         return self._launch_proofs()[1]
