@@ -480,9 +480,11 @@ def _install_and_import(
     install = ["-m", "pip", "install", "-q", "--report", str(report)]
     install += [*CONSTRAINTS, "-c", str(pins), "--find-links", str(dist)]
     if alone:
-        # --no-index: its dmuon dependencies can only come from the wheels just built.
+        # The wheel file itself; its dmuon dependencies at the pinned versions, found in
+        # dist/ (the report below refuses one from anywhere else); other declared
+        # dependencies (numpy for dmuon-integrations) from the index.
         (wheel,) = dist.glob(f"{label.replace('-', '_')}-*.whl")
-        session.run(py, *install, "--no-index", str(wheel), external=True)
+        session.run(py, *install, str(wheel), external=True)
     else:
         session.run(py, *install, label, external=True)
     for item in json.loads(report.read_text())["install"]:
