@@ -149,7 +149,7 @@ def integration(session: nox.Session) -> None:
         "no:cacheprovider",
         *WORKERS,
         # the slowest tests in CI's log, where the suite's time goes (CI has 2 cores)
-        "--durations=15",
+        "--durations=40",
         "tests-integration",
         *session.posargs,
         env=PYTEST_ENV,

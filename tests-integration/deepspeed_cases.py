@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from typing import Any
 
@@ -14,6 +15,22 @@ needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
     reason="DeepSpeed is not installed: pip install 'dmuon-integrations[deepspeed]'",
 )
+
+
+def import_deepspeed() -> None:
+    """DeepSpeed, imported in the test's process before the ranks fork, so they inherit it.
+
+    With it the module DeepSpeed's ZeRO optimizer check imports at the first
+    ``deepspeed.initialize`` of a process: ``deepspeed.runtime.zero.muon`` calls
+    ``torch.compile`` at import, which imports Inductor (9 s of CPU in each rank, measured
+    with cProfile, against a 25 s test on a busy machine).
+    """
+    import deepspeed
+
+    # a DeepSpeed without its own Muon: nothing more to import early
+    with contextlib.suppress(ImportError):
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+
 
 # Every (ZeRO stage, mode) DMuon serves under DeepSpeed.
 CASES = [(stage, mode) for stage, modes in dmuon_ds.SUPPORTED.items() for mode in modes]

@@ -30,7 +30,7 @@ import sys
 
 import pytest
 import torch
-from deepspeed_cases import CASES, deepspeed_config, needs_deepspeed
+from deepspeed_cases import CASES, deepspeed_config, import_deepspeed, needs_deepspeed
 from distributed_cases import (
     OPT,
     STEPS,
@@ -171,7 +171,7 @@ def _train_and_refuse(rank: int, world: int):
 
 @needs_deepspeed
 def test_supported_stages_equal_single_process_and_refused_ones_raise_on_every_rank():
-    import deepspeed  # noqa: F401  (imported once here, before the ranks fork)
+    import_deepspeed()  # once here, before the ranks fork
 
     expected = reference("gpt", WORLD)
     moved, _ = max_diff(expected, full_params(build("gpt")))
@@ -242,7 +242,7 @@ def test_a_config_without_gradient_clipping_gets_deepspeeds_default_where_it_is_
     ZeRO would clip the scalars by their own norm (refused when asked for): DMuon turns the
     default off there, and the run equals one process without clipping (before, it equalled
     neither)."""
-    import deepspeed  # noqa: F401
+    import_deepspeed()  # once here, before the ranks fork
     from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
 
     clipped = loud_reference(WORLD, GRADIENT_CLIPPING_DEFAULT)

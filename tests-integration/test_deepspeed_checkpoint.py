@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from deepspeed_cases import CASES, deepspeed_config, needs_deepspeed
+from deepspeed_cases import CASES, deepspeed_config, import_deepspeed, needs_deepspeed
 from distributed_cases import (
     OPT,
     TOLERANCE,
@@ -134,7 +134,7 @@ def _resume_alone(rank: int, world: int, root: str) -> dict:
 
 
 def test_deepspeed_checkpoints_resume_bitwise_and_reshard_dmuons_state(tmp_path):
-    import deepspeed  # noqa: F401  (imported once here, before the ranks fork)
+    import_deepspeed()  # once here, before the ranks fork
 
     results = run_on_ranks(_save_and_resume, WORLD, args=(str(tmp_path),), timeout=900)
     for rank, out in enumerate(results):

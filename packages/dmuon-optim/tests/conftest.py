@@ -1,6 +1,11 @@
 import pytest
 import torch
 
+# torch.optim.Optimizer imports torch._dynamo at its first add_param_group: imported
+# here once, the ranks that dmuon.comm.testing.run_on_ranks forks inherit it instead of
+# each importing it again (several seconds of CPU per rank).
+import torch._dynamo
+
 # CI runs on 2 cores next to other jobs; keep torch from oversubscribing them.
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
