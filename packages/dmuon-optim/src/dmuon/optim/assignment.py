@@ -35,7 +35,9 @@ _CONVS = (
     nn.ConvTranspose2d,
     nn.ConvTranspose3d,
 )
+_CONV_TRANSPOSES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+_EMBEDDING_ENDINGS = ("emb", "embed", "embeds", "embedding", "embeddings")
 DEFAULT_HEAD_NAMES = ("lm_head", "head", "output", "classifier")
 
 ROOT_HEAD_NAMES = ("fc",)
@@ -213,24 +215,47 @@ def _vocabulary_head(
     return wide[-1] if wide else None
 
 
+def named_like_embedding(name: str) -> bool:
+    """Whether ``name`` (a module's or a parameter's own name, no dots) is named like an
+    embedding: one of its ``_``-separated words starts with ``emb`` (``embed_tokens``,
+    ``emb``, ``embedding``) or ends with one of ``emb``, ``embed``, ``embedding(s)``
+    (``tok_embeddings``, ``posemb``), or it is GPT-2's ``wte``/``wpe``.
+
+    Words, not a substring of the whole name: ``member_table`` or ``remember`` holds
+    ``emb`` without being an embedding, and a hidden matrix so named would otherwise be
+    sent to AdamW.
+
+    Examples:
+        >>> from dmuon.optim.assignment import named_like_embedding
+        >>> [named_like_embedding(n) for n in ("embed_tokens", "tok_embeddings", "wte", "pos_emb")]
+        [True, True, True, True]
+        >>> named_like_embedding("member_table"), named_like_embedding("remember")
+        (False, False)
+    """
+    words = name.lower().split("_")
+    return name.lower() in ("wte", "wpe") or any(
+        w.startswith("emb") or w.endswith(_EMBEDDING_ENDINGS) for w in words
+    )
+
+
 def embedding_like(name: str, head_names: Sequence[str] = DEFAULT_HEAD_NAMES) -> bool:
     """Whether parameter ``name`` is named like an embedding or an output head.
 
     Its module's name (the last component before the parameter's) is one of
-    ``head_names`` or contains ``emb`` (``embed_tokens``, ``tok_embeddings``), or is
-    GPT-2's ``wte``/``wpe``. Only names are seen: a parameter handed to
+    ``head_names`` or :func:`named_like_embedding` (``embed_tokens``, ``tok_embeddings``,
+    GPT-2's ``wte``/``wpe``; not ``member_table``). Only names are seen: a parameter handed to
     :class:`~dmuon.optim.DMuon` without one cannot be judged.
 
     Examples:
         >>> from dmuon.optim.assignment import embedding_like
         >>> embedding_like("model.embed_tokens.weight"), embedding_like("lm_head.weight")
         (True, True)
-        >>> embedding_like("layers.0.mlp.up_proj.weight")
-        False
+        >>> embedding_like("layers.0.mlp.up_proj.weight"), embedding_like("router.remember.weight")
+        (False, False)
     """
     parts = name.split(".")
     module = parts[-2] if len(parts) > 1 else ""
-    return module in head_names or "emb" in module or module in ("wte", "wpe")
+    return module in head_names or named_like_embedding(module)
 
 
 def warn_embedding_matrices(groups: Sequence[Mapping[str, Any]], matrix_rules: Any) -> None:
@@ -258,6 +283,124 @@ def warn_embedding_matrices(groups: Sequence[Mapping[str, Any]], matrix_rules: A
         )
 
 
+_PLAIN = "2-D hidden weight"
+
+
+def _matrix_group(
+    name: str,
+    p: torch.Tensor,
+    mods: Sequence[tuple[str, nn.Module]],
+    by_name: Mapping[str, nn.Module],
+    split_sizes: Mapping[str, Sequence[int]] | None,
+    num_heads: Mapping[str, int | Sequence[int]] | None,
+    forced: bool,
+) -> tuple[Any, dict[str, Any], str]:
+    """The matrix group of parameter ``name`` (held as ``mods``: ``(full name, module)``
+    pairs): ``(key, extra group keys, reason)``, the key's first item the group's name —
+    decisions 7 to 9 of :func:`param_groups`.
+
+    One function for the parameters the ``matrix`` predicate forces and for the others, so
+    that a forced parameter is laid out and cut (``split_sizes``, ``num_heads``, the q|k|v
+    split of ``nn.MultiheadAttention`` and GPT-2's ``c_attn``) as it would be unforced:
+    the predicate chooses the side, not how the rule sees the matrix. Unforced, a 2-D
+    ``nn.Parameter`` named like an embedding gives the key ``None`` (the scalar side).
+    """
+    local = [(n.rsplit(".", 1)[-1], m) for n, m in mods]
+    is_weight_of = [m for (pn, m) in local if pn == "weight"]
+    convs = [m for m in is_weight_of if isinstance(m, _CONVS)]
+    conv1d = [(n, m) for (n, m) in mods if n.rsplit(".", 1)[-1] == "weight" and is_conv1d(m)]
+    if p.ndim < 2:  # only when forced: DMuon refuses it, naming the parameter
+        return ("matrix",), {}, f"{p.ndim}-D"
+    if convs and p.ndim > 2:
+        if isinstance(convs[0], _CONV_TRANSPOSES) and convs[0].groups == 1:
+            return (
+                ("matrix: conv transpose", True, True),
+                {"flatten": True, "transposed": True},
+                "ConvTranspose weight (in, out, *kernel), stepped as one flattened matrix "
+                "(out, in·kernel)",
+            )
+        if isinstance(convs[0], _CONV_TRANSPOSES):
+            # (in, out/groups, *kernel): dims 0 and 1 swapped would mix the groups' output
+            # channels in one row, so it is flattened as stored, the input channels as rows
+            return (
+                ("matrix: conv", True),
+                {"flatten": True},
+                "ConvTranspose weight (in, out/groups, *kernel), groups > 1: one flattened "
+                "matrix (in, out/groups·kernel), rows the input channels",
+            )
+        return (
+            ("matrix: conv", True),
+            {"flatten": True},
+            "conv weight, one flattened matrix (out, in·kernel)",
+        )
+    sizes = _match(split_sizes, name)
+    heads_n = _match(num_heads, name)
+    heads_v = heads_n if isinstance(heads_n, int) or heads_n is None else tuple(heads_n)
+    if conv1d and p.ndim == 2:
+        mod_name = conv1d[0][0].rsplit(".", 1)[0]
+        gpt2 = None if sizes is not None else _gpt2_qkv_split(mod_name, conv1d[0][1], by_name)
+        sizes = gpt2 if sizes is None else sizes
+        extra: dict[str, Any] = {"transposed": True}
+        label = "matrix: Conv1D (in, out)"
+        if sizes is not None:
+            extra["split_sizes"] = tuple(sizes)
+            label += f" {tuple(sizes)}"
+        if heads_v is not None:
+            extra["num_heads"] = heads_v
+            label += f" {heads_v}"
+        reason = "Conv1D weight (in, out), stepped as its transpose (out, in)" + (
+            ", q|k|v split (GPT-2 c_attn)"
+            if gpt2 is not None
+            else ", cut by split_sizes/num_heads"
+            if len(extra) > 1
+            else ""
+        )
+        return (label, True), extra, reason
+    if p.ndim == 2:
+        mha = [
+            m
+            for (pn, m) in local
+            if pn == "in_proj_weight" and isinstance(m, nn.MultiheadAttention)
+        ]
+        linear = any(isinstance(m, nn.Linear) for m in is_weight_of)
+        if sizes is None and mha:
+            e = mha[0].embed_dim
+            sizes = (e, e, e)
+        own_names = name.split(".")[-2:]  # the parameter's own name and its module's
+        if (
+            not forced
+            and sizes is None
+            and heads_v is None
+            and not linear
+            and not mha
+            and any(named_like_embedding(n) for n in own_names)
+        ):
+            return None, {}, "2-D parameter named like an embedding"
+        if sizes is None and heads_v is None:
+            return ("matrix",), {}, _PLAIN
+        sizes_t = tuple(sizes) if sizes is not None else None
+        label = "matrix: fused" if sizes_t else "matrix: per-head"
+        extra = {}
+        if sizes_t is not None:
+            extra["split_sizes"] = sizes_t
+        if heads_v is not None:
+            extra["num_heads"] = heads_v
+        reason = "fused QKV (nn.MultiheadAttention)" if mha else "split_sizes/num_heads"
+        return (f"{label} {sizes_t or ''} {heads_v or ''}".strip(),), extra, reason
+    extra = {"flatten": False}
+    if sizes is not None:
+        extra["split_sizes"] = tuple(sizes)
+    if heads_v is not None:
+        extra["num_heads"] = heads_v
+    label = "matrix: stacks"
+    if len(extra) > 1:
+        label += f" {extra.get('split_sizes') or ''} {extra.get('num_heads') or ''}"
+    reason = f"{p.ndim}-D stack of matrices (last two dims)" + (
+        ", each cut by split_sizes/num_heads" if len(extra) > 1 else ""
+    )
+    return (label.strip(), False), extra, reason
+
+
 def param_groups(
     model: nn.Module,
     *,
@@ -277,6 +420,10 @@ def param_groups(
     1. Frozen parameters (``requires_grad=False``) are left out unless
        ``include_frozen``.
     2. ``scalar(name, p)`` / ``matrix(name, p)`` predicates, when given, force a side.
+       They skip decisions 3 to 6 only: a parameter the ``matrix`` predicate forces is
+       laid out and cut by 7 to 9 as it would be unforced (its ``split_sizes`` and
+       ``num_heads``, the q|k|v split of ``nn.MultiheadAttention`` and GPT-2's
+       ``c_attn``), since the predicate says which side, not what the matrix is.
     3. 0-D and 1-D parameters (biases, norm gains, scalars) → scalar optimizer.
     4. Embedding weights (``nn.Embedding``/``EmbeddingBag``), and an output head
        tied to one → scalar optimizer.
@@ -289,7 +436,14 @@ def param_groups(
        vocabulary, or as a positional embedding's context, stays a hidden matrix).
     6. Any parameter of a norm layer → scalar optimizer.
     7. Convolution weights → matrix rule with ``flatten=True``: each is one
-       ``(out, in·kernel)`` matrix, flattened per parameter, never across. Hugging
+       ``(out, in·kernel)`` matrix, flattened per parameter, never across.
+       ``nn.ConvTranspose1d/2d/3d`` weights are stored ``(in, out, *kernel)``: with
+       ``groups=1`` they also get ``transposed=True`` and are stepped as ``(out,
+       in·kernel)``, rows the output channels (a stride-1 transposed convolution is
+       the convolution of weight ``w.transpose(0, 1)``, kernel flipped, and trains as
+       it); with ``groups > 1`` they are flattened as stored, ``(in,
+       out/groups·kernel)``, rows the input channels (swapping dims 0 and 1 would put
+       the output channels of different groups in one row). Hugging
        Face's ``Conv1D`` weights (GPT-2; stored ``(in, out)``, the transpose of
        ``nn.Linear``'s; told without importing ``transformers``, see :func:`is_conv1d`)
        → matrix rule with ``transposed=True``: each is stepped as its ``(out, in)``
@@ -300,8 +454,11 @@ def param_groups(
     8. 2-D weights → matrix rule. ``nn.MultiheadAttention.in_proj_weight`` gets
        ``split_sizes=(E, E, E)`` (q, k, v orthogonalised separately); names matching a
        regular expression of ``split_sizes`` / ``num_heads`` get those. A 2-D
-       ``nn.Parameter`` held directly by a module (not a Linear) whose name contains
-       ``emb`` (positional embeddings) → scalar optimizer.
+       ``nn.Parameter`` held directly by a module (not a Linear), with neither, whose own
+       name or module's name is :func:`named_like_embedding` (a word starting with
+       ``emb`` or ending in ``emb``/``embed``/``embedding(s)``, or ``wte``/``wpe``:
+       ``pos_emb``, ``embeddings.position``; not ``router.member_table``) → scalar
+       optimizer.
     9. Parameters with more than 2 dims that are not conv weights (MoE expert stacks
        ``(E, m, n)``) → matrix rule with ``flatten=False``: a batch of matrices; names
        matching ``split_sizes`` / ``num_heads`` cut each matrix's rows as in 8 (e.g.
@@ -384,9 +541,9 @@ def param_groups(
         force_matrix = matrix is not None and matrix(name, p)
         if force_scalar and force_matrix:
             raise ValueError(f"both the matrix and the scalar predicate claim parameter {name!r}")
-        local = [(n.rsplit(".", 1)[-1], m) for n, m in mods]
-        is_weight_of = [m for (pn, m) in local if pn == "weight"]
-        emb = [m for m in is_weight_of if isinstance(m, _EMBEDDINGS)]
+        emb = [
+            m for (n, m) in mods if n.rsplit(".", 1)[-1] == "weight" and isinstance(m, _EMBEDDINGS)
+        ]
         heads = [
             m
             for (n, m) in mods
@@ -394,26 +551,17 @@ def param_groups(
             and n.rsplit(".", 1)[-1] == "weight"
             and (_named_head(n.rpartition(".")[0], head_names) or m is vocab_head)
         ]
-        conv1d = [(n, m) for (n, m) in mods if n.rsplit(".", 1)[-1] == "weight" and is_conv1d(m)]
         scalar_key = ("scalar: embeddings and head",)
         small_key = ("scalar: norms, biases and scalars",)
         if force_scalar:
             group = put(scalar_key, {"rule": "scalar"}, name, p)
             reason = "scalar predicate"
         elif force_matrix:
-            reason = "matrix predicate"
-            if conv1d:
-                group = put(("matrix: Conv1D (in, out)", True), {"transposed": True}, name, p)
-            elif p.ndim > 2:
-                conv = any(isinstance(m, _CONVS) for m in is_weight_of)
-                group = put(
-                    ("matrix: conv" if conv else "matrix: stacks", conv),
-                    {"flatten": conv},
-                    name,
-                    p,
-                )
-            else:
-                group = put(("matrix",), {}, name, p)
+            # the predicate skips the embedding, head and norm decisions only: the matrix
+            # is cut (split_sizes, num_heads, q|k|v) and laid out as any other
+            key, extra, how = _matrix_group(name, p, mods, by_name, split_sizes, num_heads, True)
+            group = put(key, extra, name, p)
+            reason = "matrix predicate" + ("" if how == _PLAIN else f"; {how}")
         elif p.ndim < 2:
             what = (
                 "bias"
@@ -433,75 +581,14 @@ def param_groups(
         elif any(isinstance(m, _NORMS) for _, m in mods):
             group = put(small_key, {"rule": "scalar", **scalar_decay}, name, p)
             reason = "norm parameter"
-        elif any(isinstance(m, _CONVS) for m in is_weight_of):
-            group = put(("matrix: conv", True), {"flatten": True}, name, p)
-            reason = "conv weight, one flattened matrix (out, in·kernel)"
-        elif conv1d:
-            mod_name = conv1d[0][0].rsplit(".", 1)[0]
-            sizes = _match(split_sizes, name)
-            gpt2 = None if sizes is not None else _gpt2_qkv_split(mod_name, conv1d[0][1], by_name)
-            sizes = gpt2 if sizes is None else sizes
-            heads_n = _match(num_heads, name)
-            extra: dict[str, Any] = {"transposed": True}
-            label = "matrix: Conv1D (in, out)"
-            if sizes is not None:
-                extra["split_sizes"] = tuple(sizes)
-                label += f" {tuple(sizes)}"
-            if heads_n is not None:
-                extra["num_heads"] = heads_n if isinstance(heads_n, int) else tuple(heads_n)
-                label += f" {extra['num_heads']}"
-            group = put((label, True), extra, name, p)
-            reason = "Conv1D weight (in, out), stepped as its transpose (out, in)" + (
-                ", q|k|v split (GPT-2 c_attn)"
-                if gpt2 is not None
-                else ", cut by split_sizes/num_heads"
-                if len(extra) > 1
-                else ""
-            )
-        elif p.ndim == 2:
-            sizes = _match(split_sizes, name)
-            heads_n = _match(num_heads, name)
-            mha = [
-                m
-                for (pn, m) in local
-                if pn == "in_proj_weight" and isinstance(m, nn.MultiheadAttention)
-            ]
-            linear = any(isinstance(m, nn.Linear) for m in is_weight_of)
-            if sizes is None and mha:
-                e = mha[0].embed_dim
-                sizes = (e, e, e)
-            if sizes is None and heads_n is None and not linear and not mha and "emb" in name:
-                group = put(scalar_key, {"rule": "scalar"}, name, p)
-                reason = "2-D parameter named like an embedding"
-            elif sizes is not None or heads_n is not None:
-                sizes_t = tuple(sizes) if sizes is not None else None
-                heads_v = heads_n if isinstance(heads_n, int) or heads_n is None else tuple(heads_n)
-                label = "matrix: fused" if sizes_t else "matrix: per-head"
-                extra = {}
-                if sizes_t is not None:
-                    extra["split_sizes"] = sizes_t
-                if heads_v is not None:
-                    extra["num_heads"] = heads_v
-                group = put((f"{label} {sizes_t or ''} {heads_v or ''}".strip(),), extra, name, p)
-                reason = "fused QKV (nn.MultiheadAttention)" if mha else "split_sizes/num_heads"
-            else:
-                group = put(("matrix",), {}, name, p)
-                reason = "2-D hidden weight"
         else:
-            sizes = _match(split_sizes, name)
-            heads_n = _match(num_heads, name)
-            extra = {"flatten": False}
-            if sizes is not None:
-                extra["split_sizes"] = tuple(sizes)
-            if heads_n is not None:
-                extra["num_heads"] = heads_n if isinstance(heads_n, int) else tuple(heads_n)
-            label = "matrix: stacks"
-            if len(extra) > 1:
-                label += f" {extra.get('split_sizes') or ''} {extra.get('num_heads') or ''}"
-            group = put((label.strip(), False), extra, name, p)
-            reason = f"{p.ndim}-D stack of matrices (last two dims)" + (
-                ", each cut by split_sizes/num_heads" if len(extra) > 1 else ""
+            key, extra, reason = _matrix_group(
+                name, p, mods, by_name, split_sizes, num_heads, False
             )
+            if key is None:
+                group = put(scalar_key, {"rule": "scalar"}, name, p)
+            else:
+                group = put(key, extra, name, p)
         assignments.append(Assignment(name, shape, group, reason))
 
     groups = sorted(specs.values(), key=lambda g: (g.get("rule") == "scalar", g["name"]))

@@ -328,8 +328,9 @@ MATRIX_KEYS: dict[str, Option] = {
     "transposed": Option(
         None,
         boolean,
-        "2-D weights stored (in, out), Hugging Face's Conv1D: the rule sees each as its "
-        "transpose (out, in), rows = output neurons (param_groups sets it)",
+        "2-D weights stored (in, out), Hugging Face's Conv1D, or with flatten=True conv "
+        "weights stored (in, out, *kernel), nn.ConvTranspose with groups=1: the rule sees "
+        "each as its transpose (out, in·kernel), rows = output neurons (param_groups sets it)",
     ),
     "split_sizes": Option(
         None, _sizes, "row blocks orthogonalised separately (fused QKV), summing to the rows"

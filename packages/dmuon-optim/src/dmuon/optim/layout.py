@@ -13,6 +13,14 @@ Every parameter of a matrix group is first viewed as ``(L, M, N)``:
   blocks below). Its views (:meth:`MatrixLayout.block_view`) are transposed views of the
   parameter, and its state is seen in the parameter's own shape
   (:meth:`MatrixLayout.state_view`: a transposed view of the rule's ``(m, n)`` state).
+  With ``flatten=True`` it is for a conv weight stored ``(in, out, *kernel)``
+  (``nn.ConvTranspose1d/2d/3d`` with ``groups=1``) → ``(1, out, in·∏kernel)``: dims 0 and
+  1 swapped before flattening, so that the rows are the output channels, as of an
+  ``nn.Conv`` weight. A stride-1 transposed convolution *is* the convolution whose
+  weight is ``w.transpose(0, 1)`` with its kernel flipped, and a flip permutes the
+  columns, which the polar factor follows; flattened as stored, ``(in, out·kernel)``, it
+  would be orthogonalised as a different matrix, its row statistics taken over input
+  channels and its ``adjust_lr`` shape factor that of other dimensions.
 
 Then its ``M`` rows are cut into *blocks*: ``split_sizes`` (fused QKV) gives
 consecutive row blocks, and ``num_heads`` splits each block's rows into per-head
@@ -67,8 +75,9 @@ class MatrixLayout:
         flat: the ``(L, M, N)`` view.
         blocks: the row blocks, in row order.
         flatten: the ``flatten`` setting the layout was made with.
-        transposed: the parameter is stored ``(in, out)`` and seen as its transpose
-            (the group key ``transposed``); then ``flat`` is ``(1, out, in)``.
+        transposed: the parameter is stored ``(in, out)`` (or ``(in, out, *kernel)``) and
+            seen as its transpose (the group key ``transposed``); then ``flat`` is
+            ``(1, out, in)`` (``(1, out, in·kernel)``).
 
     Examples:
         >>> import torch
@@ -117,8 +126,8 @@ class MatrixLayout:
             >>> v.shape, v.data_ptr() == buf.data_ptr(), bool((v[:, 8:16] == buf[1].T).all())
             (torch.Size([8, 24]), True, True)
         """
-        if self.transposed and len(shape) == 2:  # matrix state (row state is 1-D)
-            return t.view(self.flat[1], self.flat[2]).mT
+        if self.transposed and len(shape) >= 2:  # matrix state (row state is 1-D)
+            return t.view(shape[1], shape[0], *shape[2:]).transpose(0, 1)
         return t.view(shape)
 
     def count(self, block: Block) -> int:
@@ -141,10 +150,20 @@ class MatrixLayout:
 
         For a whole-parameter block on a contiguous tensor this is contiguous and
         ``.view(count, rows, N)`` is free. For a ``transposed`` layout it is a view of
-        ``t.mT``: writing into it writes the parameter's columns.
+        ``t.transpose(0, 1)``: writing into it writes the parameter's columns. A transposed
+        conv weight's is ``(L, heads, rows, in, *kernel)``: its ``N = in·kernel`` columns do
+        not merge into one dimension of a view (``in`` is the outer dimension in memory), so
+        callers ``reshape`` it, as they do every view, to ``(count, rows, N)``. ``t`` may
+        come in another shape of the same elements (``sharded`` mode's gathered gradients
+        are ``(dim0, rest)``): it is seen in the parameter's shape first.
         """
         L, M, N = self.flat
-        v = t.mT.unsqueeze(0) if self.transposed else t.view(L, M, N)
+        if self.transposed:
+            if tuple(t.shape) != self.param_shape:
+                t = t.view(self.param_shape)
+            v = t.transpose(0, 1).unsqueeze(0)
+        else:
+            v = t.view(L, M, N)
         if block.rows != M:
             v = v.narrow(1, block.row_start, block.rows)
         return v.unflatten(1, (block.heads, block.matrix_rows))
@@ -161,14 +180,15 @@ class MatrixLayout:
 def _flat_shape(
     shape: tuple[int, ...], flatten: bool | None, where: str, transposed: bool = False
 ) -> tuple[int, int, int]:
-    if transposed and len(shape) != 2:
+    if transposed and (len(shape) < 2 or (len(shape) > 2 and flatten is not True)):
         raise ValueError(
-            f"{where} has shape {shape} ({len(shape)}-D); the group key 'transposed' is for "
-            "2-D weights stored (in, out), as Hugging Face's Conv1D stores them; give this "
-            "parameter a group without it"
+            f"{where} has shape {shape} ({len(shape)}-D) and flatten={flatten}; the group key "
+            "'transposed' is for 2-D weights stored (in, out), as Hugging Face's Conv1D stores "
+            "them, and, with flatten=True, for conv weights stored (in, out, *kernel), as "
+            "nn.ConvTranspose (groups=1) stores them; give this parameter a group without it"
         )
-    if transposed:
-        return (1, shape[1], shape[0])
+    if transposed:  # (in, out, *kernel) → (out, in·kernel): rows are the output neurons
+        return (1, shape[1], shape[0] * math.prod(shape[2:]))
     if len(shape) < 2:
         shown = "" if "shape" in where else f" (shape {shape})"  # where may name it already
         raise ValueError(
@@ -200,7 +220,7 @@ def matrix_layout(param: torch.Tensor, group: dict[str, Any], where: str) -> Mat
 
     Raises:
         ValueError: a 0-/1-D parameter, a >2-D one without ``flatten`` (or with
-            ``transposed``), split sizes
+            ``transposed`` and ``flatten`` not ``True``), split sizes
             that do not sum to the rows, or heads that do not divide a block.
 
     Examples:
@@ -213,6 +233,9 @@ def matrix_layout(param: torch.Tensor, group: dict[str, Any], where: str) -> Mat
         >>> lay = matrix_layout(c_attn, {"transposed": True, "split_sizes": (64, 64, 64)}, "c")
         >>> lay.flat, tuple((lay.count(b), lay.matrix_shape(b)) for b in lay.blocks)
         ((1, 192, 64), ((3, (64, 64)),))
+        >>> up = torch.zeros(16, 8, 3, 3)  # nn.ConvTranspose2d(16, 8, 3): (in, out, *kernel)
+        >>> matrix_layout(up, {"transposed": True, "flatten": True}, "up").flat  # (out, in·k)
+        (1, 8, 144)
     """
     shape = tuple(param.shape)
     flatten = group.get("flatten")
