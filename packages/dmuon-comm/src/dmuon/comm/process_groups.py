@@ -122,7 +122,13 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return rank
 
 
-def twin_groups(groups: list[dist.ProcessGroup | None]) -> list[dist.ProcessGroup | None]:
+# (ranks, purpose) → the twin made for them: one per process, reused
+_TWINS: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
+
+
+def twin_groups(
+    groups: Sequence[dist.ProcessGroup | None], *, purpose: str = "agreement"
+) -> list[dist.ProcessGroup | None]:
     """A twin of each group: the same ranks, a communicator of its own.
 
     For a check that must not be matched with a collective another library issues on
@@ -130,12 +136,50 @@ def twin_groups(groups: list[dist.ProcessGroup | None]) -> list[dist.ProcessGrou
     parallelism's next collective). Only the members of a group create its twin
     (``use_local_synchronization``), so every rank calls this once, at construction,
     for its own groups.
+
+    A twin is created once per process for each set of ranks and ``purpose`` and
+    reused by every later call (every optimizer and every ``dedicate()`` of the
+    process): ``torch.distributed`` never frees a group nobody destroys, so a twin
+    per call would leak a communicator (and its sockets or NCCL memory) with each
+    optimizer built, or refused. Uses whose collectives could meet in a different
+    order on different ranks take different ``purpose`` values, so they never share a
+    communicator: ``"agreement"`` (the step's guards), ``"presence"`` (owner mode's
+    gradient-presence flags), ``"use"`` (the partial-use check at the end of a
+    forward), ``"reduce"`` (owner mode's reductions and broadcasts, away from FSDP2's
+    own), ``"publish"`` (ZeRO-3-like broadcasts, away from the reductions). Two users
+    of one purpose issue their collectives in program order, as every rank does. After
+    ``destroy_process_group()`` and a new ``init_process_group()`` the twins are made
+    anew. Every member must ask for the same twins in the same order (as for any
+    ``new_group``): a twin is made on the first call for its ranks and purpose.
+
+    Args:
+        groups: the groups (``None``: the world).
+        purpose: what the twin is for (keyword).
+
+    Raises:
+        ValueError: ``purpose`` empty, or not a ``str``.
     """
+    if not isinstance(purpose, str) or not purpose:
+        raise ValueError(f"twin_groups: purpose must be a non-empty str, got {purpose!r}")
     twins: list[dist.ProcessGroup | None] = []
     for g in groups:
-        ranks = dist.get_process_group_ranks(dist.group.WORLD if g is None else g)
-        twins.append(dist.new_group(ranks, use_local_synchronization=True))
+        ranks = tuple(dist.get_process_group_ranks(dist.group.WORLD if g is None else g))
+        key = (ranks, purpose)
+        twin = _TWINS.get(key)
+        if twin is None or not _alive(twin):
+            twin = dist.new_group(list(ranks), use_local_synchronization=True)
+            _TWINS[key] = twin
+        twins.append(twin)
     return twins
+
+
+def _alive(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still registered (neither it nor its world destroyed)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def fingerprint(*parts: object) -> int:

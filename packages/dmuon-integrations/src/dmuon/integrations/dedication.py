@@ -20,7 +20,9 @@ from dmuon.comm import (
     collective_timeout,
     plan_owners,
 )
-from dmuon.comm.process_groups import check_launched, group_size
+from dmuon.comm.faults import wait_work
+from dmuon.comm.flags import flag_device
+from dmuon.comm.process_groups import check_launched, group_size, twin_groups
 from dmuon.integrations.hooks import (
     check_one_module,
     check_untied,
@@ -38,7 +40,6 @@ from dmuon.optim import OwnerExchange
 from dmuon.optim import deadline as auto_deadline
 from dmuon.optim.engine import DEFAULT_PACK_MB, format_description
 from dmuon.optim.engine.expert_split import in_place_replicas, replica_owners
-from dmuon.optim.engine.guards import guard_groups
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.engine.placements import placement_of
 
@@ -120,12 +121,15 @@ class Dedication:
 
     @property
     def group(self) -> dist.ProcessGroup | None:
-        """The process group of the owners (HSDP: the shard group)."""
+        """The process group of the owners (HSDP: the shard group): a twin of the mesh's
+        (the same ranks, a communicator of DMuon's own), so that FSDP2's collectives on
+        the mesh's group never meet DMuon's reductions."""
         return self.exchange.group
 
     @property
     def replicate_group(self) -> dist.ProcessGroup | None:
-        """HSDP: this rank's replicate group (``None`` otherwise)."""
+        """HSDP: this rank's replicate group, a twin of the mesh's as :attr:`group` is
+        (``None`` otherwise)."""
         return self.exchange.replicate_group
 
     @property
@@ -383,6 +387,7 @@ def build_dedication(
     seconds = auto_deadline.AUTO_FLOOR_SECONDS
     try:
         with collective_timeout(seconds):
+            group, replicate_group = _own_groups(group, replicate_group)
             exchange = OwnerExchange(
                 dedicated,
                 plan=plan,
@@ -407,6 +412,35 @@ def build_dedication(
     return ded
 
 
+def _own_groups(
+    group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """Twins of the owners' groups (the same ranks, communicators of DMuon's own, made
+    once per process: :func:`~dmuon.comm.process_groups.twin_groups`), over which the
+    exchange reduces and broadcasts.
+
+    FSDP2 issues its reduce-scatters and all-gathers on the mesh's groups in an order of
+    its own: with a dedicated layer used on some ranks only, one rank's reductions
+    (launched in backward) would otherwise be matched with another rank's reduce-scatter,
+    and both would hang until the process group's timeout. Each group is first answered
+    by one tiny all-reduce under the current deadline: making a twin waits for every
+    member without one (a rank that never calls ``dedicate()`` would hold the others
+    there for the process group's half hour)."""
+
+    def own(g: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        if group_size(g) == 1:
+            return g  # a group of one: no collective to keep apart
+        here = torch.zeros(1, device=flag_device(g))
+        wait_work(
+            dist.all_reduce(here, group=g, async_op=True),
+            "all-reduce that every rank is in dedicate(), before DMuon's own groups are made",
+            g,
+        )
+        return twin_groups([g], purpose="reduce")[0]
+
+    return own(group), None if replicate_group is None else own(replicate_group)
+
+
 def _check_use(ded: Dedication, rest: bool) -> None:
     """Install the check that every rank used what must be used on every rank
     (:class:`~dmuon.integrations.partial_use.PartialUseCheck`, one all-reduce at
@@ -429,7 +463,11 @@ def _check_use(ded: Dedication, rest: bool) -> None:
     resharded = list(ex.names) if ex.publication.reshard_after_forward else []
     if names or resharded:
         ded.use_check = PartialUseCheck(
-            model, names, guard_groups(groups), lambda: ex.publication.timeout, resharded=resharded
+            model,
+            names,
+            twin_groups(groups, purpose="use"),
+            lambda: ex.publication.timeout,
+            resharded=resharded,
         )
         ded.add_hooks(ded.use_check.install)
 

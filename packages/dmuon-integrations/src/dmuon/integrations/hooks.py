@@ -20,6 +20,10 @@ Only public module and tensor hooks are used (no framework internals):
 * ``module.register_forward_pre_hook`` on each layer holding expert stacks stepped in
   place (``dp × ep``): ``exchange.publication.experts_enter``, which waits for that
   layer's stacks' broadcasts from their owners among the replicas only;
+* ``module.register_forward_pre_hook`` on each other module holding a dedicated
+  parameter (a ``Linear`` inside a block), ZeRO-2-like: ``exchange.publication.wait_published``
+  for its layer, so that a submodule called directly after ``opt.step()`` reads current
+  weights too;
 * ``module.register_state_dict_pre_hook`` and
   ``module.register_load_state_dict_pre_hook`` on the model and on each module holding
   a dedicated parameter or a stack: the broadcasts in flight land before a
@@ -29,6 +33,7 @@ Only public module and tensor hooks are used (no framework internals):
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -95,7 +100,10 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     names or, below a container a forward never calls, on each first module that is not
     one (:func:`layer_modules`), and, with ``reshard_after_forward``, hooks that release
     and re-gather them. The waits are registered first (``prepend=True``): the model's own
-    pre-hooks read current weights. Per layer holding
+    pre-hooks read current weights. ZeRO-2-like, on every other module holding a
+    dedicated parameter (a ``Linear`` inside a block): a forward pre-hook that waits for
+    its layer's publication, so that the submodule called directly reads current weights
+    too (:func:`_holder_waits`). Per layer holding
     expert stacks (:func:`~dmuon.comm.layer_key` of their names, as for the dense layers;
     below a container that is never called, the first module that is not one): a forward
     pre-hook that waits for their broadcasts from their owners among the replicas (a
@@ -128,8 +136,22 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
         check_one_module({k: m for k, m in where.items() if exchange.layer(k).dedicated})
     handles: list[RemovableHandle] = []
 
+    # The gradient hooks hold the reduction weakly: torch keeps them on the C++ side of
+    # each parameter, where Python's garbage collector does not see the cycle parameter →
+    # hook → exchange → parameter, so a model, optimizer and dedication dropped without
+    # remove() were never freed. While the model lives its forward hooks (below, plain
+    # Python references) keep the exchange alive.
+    reduction = weakref.ref(exchange.reduction)
+
     def grad_hook(p: torch.Tensor) -> None:
-        exchange.reduction.grad_ready(p)
+        r = reduction()
+        if r is not None:
+            r.grad_ready(p)
+
+    def expert_grad_hook(p: torch.Tensor) -> None:
+        r = reduction()
+        if r is not None:
+            r.expert_grad_ready(p)
 
     for name in [*exchange.names, *exchange.replicated_names]:
         p = exchange.param(name)
@@ -142,7 +164,7 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
             # of the ranks' mean loss, as the dense ones are averaged
             handles.append(p.register_hook(lambda g: g / n))
         # on dp × ep, its reduction to its owner among the replicas, started in backward
-        handles.append(p.register_post_accumulate_grad_hook(exchange.reduction.expert_grad_ready))
+        handles.append(p.register_post_accumulate_grad_hook(expert_grad_hook))
 
     def call(method: Callable[[str], None], key: str) -> Callable[..., None]:
         # Under torch.compile the layer hooks run eagerly, between graphs: they wait on
@@ -177,6 +199,7 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
                 )
     handles += _expert_waits(model, exchange)
     held = _holders(model, exchange)
+    handles += _holder_waits(model, exchange, where, held)
     handles += _state_dict_waits(model, exchange, held)
     handles += _load_waits(model, exchange, held)
     return handles
@@ -450,6 +473,48 @@ def _holders(model: nn.Module, exchange: OwnerExchange) -> dict[str, list[tuple[
             prefix, _, local = name.rpartition(".")
             held.setdefault(prefix, []).append((local, ours.get(id(p))))
     return held
+
+
+def _holder_waits(
+    model: nn.Module,
+    exchange: OwnerExchange,
+    where: Mapping[str, Sequence[str]],
+    held: Mapping[str, list[tuple[str, str | None]]],
+) -> list[RemovableHandle]:
+    """ZeRO-2-like: a forward pre-hook on every module holding a dedicated parameter
+    (``held``: :func:`_holders`) that its layer's hook does not already sit on (``where``:
+    :func:`wait_modules`), which waits for that layer's publication.
+
+    The layer's hook runs only when the layer's module is called: a submodule called
+    directly right after ``opt.step()`` (``model.blocks[1].fc(h)`` for a probe or partial
+    inference) would read the weights of the step before on a rank that does not own
+    them. Inside the layer's forward the wait has already landed (the holder's hook finds
+    it done), and it leaves the layers' forward-order bookkeeping alone (it is not
+    ``forward_enter``). Under ``torch.compile`` it is traced as nothing (no graph break
+    per holder): the compiled model's forward waits at its layers' hooks. ZeRO-3-like
+    (``reshard_after_forward``) installs none: waiting would re-gather the layer (a
+    collective the other ranks do not join) outside its forward."""
+    if exchange.reshard_after_forward:
+        return []
+    key_of: dict[str, str] = {}
+    for key in exchange.layer_keys():
+        for name in exchange.layer(key).dedicated or exchange.layer_names(key):
+            key_of[name] = key
+    handles = []
+    for prefix, mine in held.items():
+        keys = dict.fromkeys(key_of[n] for _, n in mine if n is not None and n in key_of)
+        keys = {k: None for k in keys if prefix not in where.get(k, ())}
+        if not keys:
+            continue
+
+        def hook(*_: Any, keys: tuple[str, ...] = tuple(keys)) -> None:
+            if torch.compiler.is_compiling():
+                return
+            for key in keys:
+                exchange.publication.wait_published(key)
+
+        handles.append(model.get_submodule(prefix).register_forward_pre_hook(hook, prepend=True))
+    return handles
 
 
 def _load_waits(

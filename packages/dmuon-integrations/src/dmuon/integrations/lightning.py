@@ -210,11 +210,12 @@ class DMuonStrategy(DDPStrategy):
                 f"DMuonStrategy dedicates a LightningModule, got {type(self.model).__name__}"
             )
         if any(exchange_of(p) is not None for p in self.model.parameters()):
-            # The owner registry keeps a parameter dedicated for its lifetime; a second
+            # Still dedicated: an earlier fit's teardown (which undedicates) did not run;
             # dedicate would fail deep inside with "dedicated twice". Same on every rank.
             raise ValueError(
-                f"this {type(self.model).__name__} was dedicated by an earlier Trainer.fit "
-                "under DMuonStrategy, and a module is dedicated once: build a new module and "
+                f"this {type(self.model).__name__} is still dedicated by an earlier "
+                "Trainer.fit under DMuonStrategy whose teardown did not run: call "
+                "undedicate() on that strategy's dedication, or build a new module and "
                 "resume with trainer.fit(new_module, ckpt_path=...)"
             )
         self._dedication = ddp.dedicate(self.model, **self._dedicate_options)
@@ -450,13 +451,17 @@ class DMuonStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         """Wait for the last broadcasts (not after an error that left the ranks'
-        collectives out of step: :meth:`on_exception`), remove the owner hooks, then as
-        ``DDPStrategy``."""
+        collectives out of step: :meth:`on_exception`), remove the owner hooks and let the
+        parameters go (:meth:`Dedication.undedicate
+        <dmuon.integrations.Dedication.undedicate>`, not just ``remove()``: the module is no
+        longer dedicated, and once the trainer's optimizer is dropped nothing keeps the
+        exchange and its buckets alive), then as ``DDPStrategy``."""
         if self._dedication is not None:
             broken = self._collectives_broken
             if not broken:
                 self._dedication.wait()
             self._dedication.remove(wait=not broken)
+            self._dedication.exchange.undedicate()
             self._dedication = None
             if self._precision_plugin is not None:
                 plugin: Any = self._precision_plugin

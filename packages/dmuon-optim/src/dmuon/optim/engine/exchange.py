@@ -60,17 +60,23 @@ from dmuon.optim.engine.tensor_split import tensor_groups
 
 __all__ = ["OwnerExchange", "any_dedicated", "exchange_of", "format_description"]
 
-# id(parameter) → (weak reference to it, its exchange). Keyed by id: tensors compare
-# elementwise, so they cannot be dictionary keys by value.
-_REGISTRY: dict[int, tuple[weakref.ref[torch.Tensor], OwnerExchange]] = {}
+# id(parameter) → (weak reference to it, weak reference to its exchange). Keyed by id:
+# tensors compare elementwise, so they cannot be dictionary keys by value. The exchange
+# is held weakly: it holds the parameters (and its buckets, as much memory again), so a
+# strong reference here would keep every dedicated model alive for the whole process,
+# and its parameters "dedicated" with no object left to let them go. The exchange lives
+# as long as something of the run holds it: the dedication, its hooks on the model, the
+# optimizer's engine.
+_REGISTRY: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[OwnerExchange]]] = {}
 
 
 def exchange_of(p: torch.Tensor) -> OwnerExchange | None:
-    """The :class:`OwnerExchange` a parameter was dedicated to (``None``: not dedicated)."""
+    """The :class:`OwnerExchange` a parameter was dedicated to (``None``: not dedicated,
+    or its exchange was let go or freed)."""
     entry = _REGISTRY.get(id(p))
     if entry is None or entry[0]() is not p:
         return None
-    return entry[1]
+    return entry[1]()
 
 
 def any_dedicated() -> bool:
@@ -82,7 +88,16 @@ def any_dedicated() -> bool:
 def _register(p: torch.Tensor, exchange: OwnerExchange) -> None:
     key = id(p)
     registry = _REGISTRY  # bound now: module globals are gone at interpreter exit
-    _REGISTRY[key] = (weakref.ref(p, lambda _: registry.pop(key, None)), exchange)
+    _REGISTRY[key] = (weakref.ref(p, lambda _: registry.pop(key, None)), weakref.ref(exchange))
+
+
+def _forget(registry: dict[int, Any], keys: list[int]) -> None:
+    """An exchange was freed: drop its parameters' entries (those not taken since by
+    another exchange), so that :func:`any_dedicated` answers ``False`` again."""
+    for key in keys:
+        entry = registry.get(key)
+        if entry is not None and entry[1]() is None:
+            registry.pop(key, None)
 
 
 def slot_ranks(
@@ -250,7 +265,14 @@ class OwnerExchange:
             )
         for item, p in dedicated:
             if exchange_of(p) is not None:
-                raise ValueError(f"parameter {item.name!r} is dedicated twice")
+                raise ValueError(
+                    f"parameter {item.name!r} is dedicated twice: it is already held by "
+                    "another dedication (its OwnerExchange, which its hooks, its Dedication "
+                    "or an optimizer built on it keep alive). Call Dedication.undedicate() "
+                    "on every rank on the first dedication to let its parameters go (or "
+                    "drop every reference to it: the Dedication, the DMuon built on it, and "
+                    "its hooks with Dedication.remove()), then dedicate again"
+                )
         self.layers, self._params, self._layer_of = group_layers(dedicated, replicated, plan)
         if not (split or reshard_after_forward):
             # ZeRO-3-like frees a layer after its own forward; a tensor-parallel layer's
@@ -283,6 +305,8 @@ class OwnerExchange:
             layer.make_buckets(self.local_plan, self._params)
         for _, p in dedicated:
             _register(p, self)
+        # no reference to self in the finaliser: it would keep the exchange alive
+        weakref.finalize(self, _forget, _REGISTRY, [id(p) for _, p in dedicated])
         self.publication = Publication(
             self.layers,
             self._params,

@@ -26,6 +26,13 @@ the next collective, or silently train another model).
   its owner as backward produces it; a rank whose training loop changed one afterwards
   (:meth:`Engine.changed_gradients`, seen by the gradient's version counter) sets a
   bit, and every rank raises :class:`GradientChangedError` before anything is updated.
+* **Weights written during publication** (the same flag vector): in owner mode the
+  stepped weights are broadcast from their owners after ``step()``; a rank that wrote a
+  dedicated weight before that broadcast was waited for (``Dedication.wait()``, or the
+  layer's forward pre-hook) lost the write on some ranks
+  (:meth:`~dmuon.optim.engine.Publication.written_weights`) and sets a bit, and every
+  rank raises :class:`RankDivergenceError` naming the parameters and ranks before
+  anything is updated.
 * **Group values** (the same all-reduce, four slots more): a value a rank's ``step()``
   refused (:meth:`~dmuon.optim.group_record.GroupRecord.check`: ``momentum=1.5`` set on
   one rank) sets that rank's slot to ``-2``, and every rank raises before any collective
@@ -194,7 +201,9 @@ class RankDivergenceError(RuntimeError):
 
     Attributes:
         names: the parameters that differ.
-        ranks: for each, the ranks whose copy differs from rank 0's.
+        ranks: for each, the ranks whose copy differs from rank 0's (a dedicated weight
+            written while owner mode published it, which the step's agreement refuses
+            before the copies drift apart: the ranks that wrote it).
 
     Examples:
         >>> RankDivergenceError("differ", ["w"], [[1]]).names
@@ -282,7 +291,7 @@ def nonfinite_ranks(engine: Engine) -> tuple[list[int], list[str]]:
 # The bits of a rank's slot under the step number (64·number + …, see agree_step); a
 # sparse gradient's refusal sets the slot to -1, a refused group value to -2, which no
 # number gives.
-NONFINITE, CHANGED, SKIP, THAWED, MISSING, STALE, NUMBER = 1, 2, 4, 8, 16, 32, 64
+NONFINITE, CHANGED, SKIP, THAWED, MISSING, STALE, WRITTEN, NUMBER = 1, 2, 4, 8, 16, 32, 64, 128
 SPARSE, REFUSED = -1, -2
 # after the world's slots: Σa, Σa², Σb, Σb² of two 21-bit pieces of each rank's
 # fingerprint (a, b ∈ [1, 2²¹]): all ranks equal iff n·Σa² = (Σa)² and the same for b
@@ -319,6 +328,10 @@ class _Local:
         self.stale = engine.stale_gradients()
         self.thawed = engine.thawed()
         self.missing = engine.missing_gradients()
+        # owner mode's weights written while their publication was in flight; only an
+        # engine that publishes weights has the method (OwnerEngine)
+        written = getattr(engine, "written_weights", None)
+        self.written: list[str] = written() if written is not None else []
         self.skip = skip
         self.slot = (
             REFUSED
@@ -327,6 +340,7 @@ class _Local:
             if self.sparse is not None
             else (
                 NUMBER * (number or 0)
+                + WRITTEN * int(bool(self.written))
                 + STALE * int(bool(self.stale))
                 + MISSING * int(bool(self.missing))
                 + THAWED * int(bool(self.thawed))
@@ -372,7 +386,9 @@ def agree_step(
 ) -> tuple[list[int], list[str], list[int]]:
     """Agree with every rank on the step number and (``check_finite``) finiteness.
 
-    One all-reduce of one ``int64`` slot per rank: ``64·number + (32 if this rank's
+    One all-reduce of one ``int64`` slot per rank: ``128·number + (64 if this rank wrote
+    a dedicated weight while its publication was in flight, owner mode's
+    ``written_weights``) + (32 if this rank's
     launch found the averaged gradient the last step left on it not zeroed since,
     :meth:`Engine.stale_gradients`) + (16 if this rank found
     a tensor-parallel gradient missing on some ranks of its group,
@@ -414,6 +430,8 @@ def agree_step(
             its group only (:meth:`Engine.missing_gradients`; on every rank).
         ThawedParameterError: a rank holds a gradient of a parameter frozen when the
             optimizer was built (:meth:`Engine.thawed`; on every rank).
+        RankDivergenceError: a rank wrote a dedicated weight while its publication was
+            in flight (owner mode; on every rank, naming the parameters and ranks).
         GradientChangedError: a rank changed a gradient after the engine had taken it
             (:meth:`Engine.changed_gradients`; on every rank).
         StaleGradientError: a rank's gradient was still the averaged one the last step
@@ -460,6 +478,8 @@ def agree_step(
             raise presence_error([engine.rank], mine.missing)
         if mine.thawed:
             raise _thawed_error([engine.rank], mine.thawed, engine, number)
+        if mine.written:
+            raise _written_error({engine.rank: mine.written}, number)
         if mine.changed:
             raise _changed_error([engine.rank], mine.changed, engine)
         if mine.stale:
@@ -501,6 +521,9 @@ def agree_step(
     thawed_ranks = [r for r, v in enumerate(slots) if v & THAWED]
     if thawed_ranks:
         raise _thawed_error(thawed_ranks, mine.thawed, engine, number)
+    if any(v & WRITTEN for v in slots):
+        # every rank reached here from the same summed slots: gather the names
+        raise _written_error(_gathered(mine.written, groups), number)
     changed_ranks = [r for r, v in enumerate(slots) if v & CHANGED]
     if changed_ranks:
         raise _changed_error(changed_ranks, mine.changed, engine)
@@ -624,6 +647,31 @@ def _thawed_error(
     )
 
 
+def _written_error(written: Mapping[int, list[str]], number: int | None) -> RankDivergenceError:
+    """Dedicated weights written while their publication was in flight (``written``: each
+    rank's names, gathered), named on every rank."""
+    by_name: dict[str, list[int]] = {}
+    for rank in sorted(written):
+        for name in written[rank]:
+            by_name.setdefault(name, []).append(rank)
+    shown = "; ".join(f"{name!r} on rank(s) {ranks}" for name, ranks in list(by_name.items())[:5])
+    more = f" and {len(by_name) - 5} more" if len(by_name) > 5 else ""
+    return RankDivergenceError(
+        f"DMuon step {number} refused on every rank: dedicated weight(s) were written after "
+        f"the last opt.step() while their new values were still arriving from their owners: "
+        f"{shown}{more}. In owner mode each weight is broadcast from its owner after "
+        "step(), so a write before that broadcast is waited for (a re-init, an EMA copy_to, "
+        "p.mul_(...), load_state_dict, p.data = ...) is overwritten on the ranks that do not "
+        "own the weight and may be lost on its owner: the ranks now hold different weights. "
+        "Call Dedication.wait() (ded.wait()) on every rank after opt.step() before writing "
+        "or reading weights outside a forward. Nothing was updated by this step; redo the "
+        "write after ded.wait() if it sets the weights the same way on every rank (a copy_ "
+        "or a seeded re-init), else reload a checkpoint, then zero_grad() and go on",
+        list(by_name),
+        list(by_name.values()),
+    )
+
+
 def _changed_error(ranks: list[int], names: list[str], engine: Engine) -> GradientChangedError:
     here = f"; on this rank: {names[:3]}" if names else ""
     return GradientChangedError(
@@ -636,7 +684,11 @@ def _changed_error(ranks: list[int], names: list[str], engine: Engine) -> Gradie
         "dmuon.optim.clip_grad_value_(opt, clip_value), which clip the reduced gradients. "
         "A model wrapped in DistributedDataParallel after dedicate() does this too (DDP "
         "all-reduces the gradients in place after backward): dedicate() replaces DDP, so "
-        "drop the wrapper",
+        "drop the wrapper. A post-accumulate-grad hook of your own registered after "
+        "dedicate() (p.register_post_accumulate_grad_hook changing or replacing p.grad) "
+        "does it on every step: register it before dedicate(), or make it a tensor hook "
+        "(p.register_hook(lambda g: g * 0.5)), which changes the gradient before DMuon "
+        "takes it",
         ranks,
         names,
     )

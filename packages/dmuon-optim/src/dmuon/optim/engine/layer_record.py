@@ -41,7 +41,9 @@ class OwnerLayer:
             the forward pre-hooks go on each member's module).
         dedicated: names of its dedicated parameters (stepped by their owners).
         replicated: names of its all-reduced parameters (stepped by every rank).
-        reduce_buckets: flat buffers the dedicated gradients are reduced to owners in.
+        reduce_buckets: flat buffers the dedicated gradients are reduced to owners in
+            (ZeRO-3-like: only from the layer's launch until its reduction is waited on,
+            :meth:`open_reduce_buckets`, :meth:`close_reduce_buckets`).
         publish_buckets: flat buffers the dedicated weights live in and are broadcast
             from (the parameters are views into them).
         allreduce_buckets: flat buffers of the replicated gradients, one per dtype.
@@ -72,6 +74,8 @@ class OwnerLayer:
     reduced: bool = False
     publish_handle: CommHandle | None = None
     resident: bool = True
+    # how make_buckets laid out the reduce buckets, to make them again (open_reduce_buckets)
+    reduce_layout: tuple[OwnerPlan, torch.device] | None = None
 
     def __post_init__(self) -> None:
         if not self.members:
@@ -88,6 +92,7 @@ class OwnerLayer:
         the local shapes), one all-reduce bucket per dtype of the replicated ones (a
         DTensor by its local part)."""
         device = params[[*self.dedicated, *self.replicated][0]].device
+        self.reduce_layout = (plan, device)
         self.reduce_buckets = make_buckets(plan, names=self.dedicated, device=device)
         self.publish_buckets = make_buckets(plan, names=self.dedicated, device=device)
         by_dtype: dict[torch.dtype, list[str]] = {}
@@ -99,6 +104,26 @@ class OwnerLayer:
             )
             for dt, names in by_dtype.items()
         ]
+
+    def close_reduce_buckets(self) -> None:
+        """Drop the reduce buckets until :meth:`open_reduce_buckets` (ZeRO-3-like).
+
+        The layer's gradients need them only from its launch until its reduction is
+        waited on: kept for the life of the exchange, every layer's would hold ``Φ_M e``
+        through the next forward and backward, where the ZeRO-3-like mode saves the
+        weights. The reduced gradients the owner's ``p.grad`` holds are views that keep
+        their own bucket's storage alive until ``zero_grad()`` drops them; a bucket of
+        another owner is freed here.
+        """
+        self.reduce_buckets = []
+
+    def open_reduce_buckets(self) -> None:
+        """Make the reduce buckets again, as :meth:`make_buckets` laid them out, if
+        :meth:`close_reduce_buckets` dropped them (new storage: the gradients the last
+        step left on the owner stay views of the old)."""
+        if not self.reduce_buckets and self.dedicated and self.reduce_layout is not None:
+            plan, device = self.reduce_layout
+            self.reduce_buckets = make_buckets(plan, names=self.dedicated, device=device)
 
 
 def group_layers(
@@ -126,7 +151,11 @@ def group_layers(
     layers: dict[str, OwnerLayer] = {}
     for item, p in dedicated:
         if item.name in params:
-            raise ValueError(f"parameter {item.name!r} is dedicated twice")
+            raise ValueError(
+                f"parameter {item.name!r} is dedicated twice: it is already held by another "
+                "dedication; call undedicate() on that Dedication (dmuon.integrations) "
+                "before dedicating it again"
+            )
         if item.name not in plan:
             raise ValueError(f"the plan has no item {item.name!r}; plan every dedicated item")
         params[item.name] = p

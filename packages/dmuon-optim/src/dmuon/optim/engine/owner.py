@@ -351,6 +351,13 @@ class OwnerEngine(Engine):
     def stale_gradients(self) -> list[str]:
         return self.exchange.reduction.stale_gradients()
 
+    def written_weights(self) -> list[str]:
+        """The dedicated weights this rank wrote while their publication was in flight
+        (:meth:`~dmuon.optim.engine.Publication.written_weights`): the step's agreement
+        refuses the step on every rank (such a write is lost on some ranks, which would
+        then train different models)."""
+        return self.exchange.publication.written_weights()
+
     def repeats_orthogonalization(self) -> bool:
         """A matrix replicated whole over ``tp`` is stepped by every rank of its owner's
         ``tp`` row, each copy then broadcast over ``dp`` in its own ``tp`` column: the

@@ -26,6 +26,19 @@ A tensor-parallel DTensor parameter (owner mode over ``dp × tp``,
 copies its shard into the bucket before the broadcast, the other ranks copy it out
 once the broadcast is waited on.
 
+A write to a dedicated weight while its publication is in flight (between ``opt.step()``
+and the wait, in the layer's forward pre-hook or ``Dedication.wait()``) would be lost:
+on a rank that does not own it the broadcast lands over it, on the owner the send may
+carry the weight from before or after it, so the ranks would hold different models.
+Each parameter's own version counter (and that it is still a view of its slot) is
+recorded when its broadcast is launched and compared when it is waited
+(:meth:`Publication.written_weights`); the next step's agreement refuses the step on
+every rank (:func:`~dmuon.optim.engine.guards.agree_step`). The broadcast itself moves
+no parameter's counter: it writes the bucket, whose counter is not the parameter's
+(``p.data = view`` keeps ``p``'s own), so only the user's writes through ``p`` count
+(``p.mul_``, ``p.copy_``, an ``init`` function, ``load_state_dict``, ``p.data = ...``;
+not a write through ``p.data``, which has a counter of its own).
+
 The expert stacks that owner mode steps where they live on a ``dp × ep`` mesh are
 published by their own broadcasts (:mod:`~dmuon.optim.engine.expert_replicas`), which
 the optimizer attaches here (:attr:`Publication.experts`): the forward pre-hook of the
@@ -51,7 +64,7 @@ from dmuon.comm import (
     collective_timeout,
     wait_work,
 )
-from dmuon.comm.process_groups import group_size
+from dmuon.comm.process_groups import group_size, twin_groups
 from dmuon.comm.roll_call import noted_phase
 from dmuon.optim import deadline
 from dmuon.optim.engine.layer_record import OwnerLayer
@@ -154,6 +167,12 @@ class Publication:
         self.published_step = 0
         self.experts: ExpertReplicas | None = None
         self._backward_resident: list[str] = []
+        # per layer key whose broadcast is in flight: each parameter's name, its version
+        # counters and data pointer when the broadcast was launched (see written_weights)
+        self._sent: dict[str, list[tuple[str, tuple[int, int], int]]] = {}
+        # dedicated parameters written while their publication was in flight, found when
+        # it was waited; the next step's agreement reads them (written_weights)
+        self._written: list[str] = []
         # DTensor shards travel by copies (see the module docstring)
         self._copied = {n for n, p in params.items() if is_dtensor(p)}
         self._alias_all()
@@ -161,9 +180,8 @@ class Publication:
         # order: separate process groups keep the two sequences from interleaving.
         self._publish_group = group
         S = group_size(group)
-        if reshard_after_forward and S > 1:
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(S))
-            self._publish_group = dist.new_group(ranks)
+        if reshard_after_forward and S > 1:  # one per process and rank set (twin_groups)
+            self._publish_group = twin_groups([group], purpose="publish")[0]
 
     def _alias_all(self) -> None:
         for layer in self.layers:
@@ -215,11 +233,51 @@ class Publication:
                         shard.copy_(b.view(name).view(shard.shape))
 
     def _finish(self, layer: OwnerLayer) -> None:
-        """Wait for ``layer``'s broadcast in flight (if any) and land its copies."""
+        """Wait for ``layer``'s broadcast in flight (if any) and land its copies; note the
+        parameters written meanwhile (:meth:`written_weights`), before the copies land
+        (they write the DTensor shards themselves)."""
         if layer.publish_handle is not None:
             layer.publish_handle.wait()
             layer.publish_handle = None
+            self._written += self._moved(layer.key, forget=True)
             self._copy_out(layer)
+
+    def _stamp(self, name: str) -> tuple[tuple[int, int], int]:
+        """Parameter ``name``'s version counters (its own and its local shard's) and data
+        pointer, as :meth:`written_weights` compares them."""
+        p = self._params[name]
+        local = local_tensor(p)
+        return (p._version, local._version), local.data_ptr()
+
+    def _record_sent(self, layer: OwnerLayer) -> None:
+        """Note each parameter of ``layer`` as its broadcast is launched."""
+        self._sent[layer.key] = [
+            (name, *self._stamp(name)) for b in layer.publish_buckets for name in b.names
+        ]
+
+    def _moved(self, key: str, forget: bool = False) -> list[str]:
+        """The parameters of layer ``key`` written since its broadcast was launched: a
+        version counter moved, or the data replaced (``p.data = ...``: no longer the
+        tensor it was, a view of its slot)."""
+        sent = self._sent.pop(key, []) if forget else self._sent.get(key, [])
+        return [name for name, *stamp in sent if tuple(stamp) != self._stamp(name)]
+
+    def written_weights(self) -> list[str]:
+        """The dedicated parameters this rank wrote while their publication was in flight
+        (after ``opt.step()``, before the wait: their layer's forward pre-hook, or
+        ``Dedication.wait()``), found since the last call (then forgotten), and those of
+        the layers still in flight written already.
+
+        Such a write is lost, on the ranks that do not own the parameter (the broadcast
+        lands over it) or on the owner (its send may carry the weight from before the
+        write): the ranks would train different models. The step's agreement reads this
+        once per step and refuses the step on every rank
+        (:class:`~dmuon.optim.RankDivergenceError`).
+        """
+        found, self._written = self._written, []
+        for key in list(self._sent):
+            found += self._moved(key)
+        return list(dict.fromkeys(found))
 
     def _broadcast(self, layer: OwnerLayer) -> None:
         self._finished = min(self._finished, self._position[layer.key])
@@ -247,6 +305,7 @@ class Publication:
                 self._alias(b, name)  # the model was moved or its data replaced: re-alias
         if layer.publish_buckets and self.world_size > 1:
             self._broadcast(layer)
+            self._record_sent(layer)
             self._hooked = min(self._hooked, self._position[key])
 
     def unwaited(self, key: str) -> bool:

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import FrameType
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,7 +58,34 @@ from dmuon.optim.matrix_split import local_tensor
 if TYPE_CHECKING:
     from dmuon.optim.engine.expert_replicas import ExpertReplicas
 
-__all__ = ["Reduction", "UnsyncedGradientsError"]
+__all__ = ["Reduction", "UnsyncedGradientsError", "in_reentrant_backward"]
+
+# the frame a custom autograd Function's backward runs under (torch.autograd.function)
+_FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
+
+
+def in_reentrant_backward() -> bool:
+    """Whether the caller runs inside a *reentrant* backward: one that the backward of a
+    custom autograd Function started while the outer backward goes on.
+
+    ``torch.utils.checkpoint(..., use_reentrant=True)`` (Hugging Face's
+    ``gradient_checkpointing_enable()`` default) runs one per checkpointed segment. Its
+    gradients are accumulated into ``p.grad`` when that segment's backward ends, not when
+    the outer one does: a module called in two segments (ALBERT's one layer, run N
+    times) gets two post-accumulate-grad hooks a step, so a layer complete after the first
+    may still receive more. The engine runs a reentrant backward on the thread of the
+    Function's backward, so that backward's Python frame is below the caller's.
+
+    Examples:
+        >>> in_reentrant_backward()
+        False
+    """
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _FUNCTION_BACKWARD:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class UnsyncedGradientsError(RuntimeError):
@@ -178,7 +207,7 @@ class Reduction:
         # reductions' own group the two orders would meet the flags' all-reduce against a
         # reduction, and both ranks would wait until the step's deadline.
         self.flag_groups = [
-            twin_groups([g])[0] if size > 1 else g
+            twin_groups([g], purpose="presence")[0] if size > 1 else g
             for g, size in zip(self.groups, self.sizes, strict=True)
         ]
         self.split = frozenset(name for name, p in params.items() if is_dtensor(p))
@@ -206,6 +235,24 @@ class Reduction:
         # the expert stacks stepped in place whose gradients are summed among their
         # replicas as backward produces them (attach_experts, expert_grad_ready)
         self.experts: ExpertReplicas | None = None
+        # ZeRO-3-like: a layer's reduce buckets exist only from its launch until its
+        # reduction is waited on (OwnerLayer.close_reduce_buckets), none between steps
+        self.transient_buckets = publication.reshard_after_forward
+        if self.transient_buckets:
+            for layer in self.layers:
+                layer.close_reduce_buckets()
+        # the last graph task a gradient arrived in, and whether it is a reentrant one
+        # (in_reentrant_backward: the stack walked once per graph task, not per gradient)
+        self.graph_task: tuple[int, bool] = (-1, False)
+
+    def _in_reentrant_backward(self) -> bool:
+        """:func:`in_reentrant_backward`, read once per autograd graph task."""
+        task = torch._C._current_graph_task_id()
+        if task < 0:
+            return False  # not called from a backward (a direct grad_ready)
+        if self.graph_task[0] != task:
+            self.graph_task = (task, in_reentrant_backward())
+        return self.graph_task[1]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -308,6 +355,13 @@ class Reduction:
             self.publication.wait_all_layers()
         self.present.add(name)
         layer.ready.add(name)
+        if self._in_reentrant_backward():
+            # Inside a reentrant backward (checkpointing with use_reentrant=True) a
+            # complete layer may still get gradients: a module reused in another
+            # checkpointed segment gets one more per use, which one process sums. Its launch
+            # (and every later one: the order is fixed) waits for a gradient arriving in the
+            # outer backward, or for the flush; the same order on every rank either way.
+            return
         while self.next_launch < len(self.reduce_order):
             nxt = self.reduce_order[self.next_launch]
             if len(nxt.ready) < nxt.expected:
@@ -417,6 +471,8 @@ class Reduction:
         grads: list[torch.Tensor] = []
         taken: list[str] = []  # the names of slots' gradients
         missing: list[torch.Tensor] = []
+        if self.transient_buckets:
+            layer.open_reduce_buckets()
         buckets = layer.reduce_buckets + layer.allreduce_buckets
         for name in layer.dedicated:  # before a copy (or free_local_grads) can hide it
             self.kept.check(name, self.params, self.present)
@@ -530,6 +586,8 @@ class Reduction:
                 p = self.params[name]
                 p.grad = self._gradient(name, b.view(name)) if self.global_present[name] else None
         layer.reduce_handle, layer.allreduce_works, layer.reduced = None, [], True
+        if self.transient_buckets:
+            layer.close_reduce_buckets()  # the owner's p.grad views keep its own alive
 
     def changed_gradients(self) -> list[str]:
         """Parameters whose gradient was changed (in place, or replaced) after it was copied

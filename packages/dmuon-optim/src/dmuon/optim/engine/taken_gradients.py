@@ -10,6 +10,14 @@ dense layers' reduction (:class:`~dmuon.optim.engine.reduction.Reduction`) and t
 stacks' (:class:`~dmuon.optim.engine.expert_replicas.ExpertReplicas`) keep one each.
 A write that counts on no version counter it reads goes unseen.
 
+A gradient that is a view of a larger tensor (``p.grad`` preallocated as views of one
+flat buffer, as apex and Megatron do) shares its base's version counter with every other
+view: a later layer's accumulation moves it too, though this gradient did not change.
+For such a gradient :meth:`TakenGradients.take` also keeps a checksum of its values (its
+fp32 sum and 2-norm), and a moved counter counts as a change only when the checksum moved
+too: torch's ``clip_grad_norm_`` scaling it, ``mul_``, ``neg_`` are still found, a write
+that keeps both the sum and the norm (a permutation of the entries) is not.
+
 The other way round, :class:`KeptGradients` records the averaged gradient a step leaves
 on each owner (``p.grad``, a view of the bucket; the other ranks hold none): a backward
 that adds to it without a ``zero_grad()`` between (or a second ``step()`` without a
@@ -35,6 +43,24 @@ def own_version(g: torch.Tensor) -> int:
     return g._version
 
 
+def shares_version(g: torch.Tensor) -> bool:
+    """Whether ``g`` is a plain view of another tensor, so that its version counter moves
+    with writes to any view of the same base (not only to ``g``)."""
+    return type(g) is torch.Tensor and g._base is not None
+
+
+def checksum(g: torch.Tensor) -> torch.Tensor:
+    """``g``'s fp32 sum and 2-norm (a float32 tensor of 2): what :class:`TakenGradients`
+    compares of a gradient whose version counter it shares with other views."""
+    return torch.stack([g.sum(dtype=torch.float32), g.norm(dtype=torch.float32)])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two checksums are equal, NaN matching NaN (a NaN gradient stays NaN; the
+    step's non-finite check is the one that finds it)."""
+    return bool(torch.all((a == b) | (a.isnan() & b.isnan())))
+
+
 class TakenGradients:
     """Each gradient copied into a bucket this step, by key, as it was then.
 
@@ -55,19 +81,28 @@ class TakenGradients:
 
     def __init__(self, versions: Callable[[torch.Tensor], Any] = own_version) -> None:
         self._versions = versions
-        # key → (name, parameter, the gradient taken, its versions)
-        self._taken: dict[Hashable, tuple[str, torch.Tensor, torch.Tensor, Any]] = {}
+        # key → (name, parameter, the gradient taken, its versions, and its checksum when
+        # its version counter is shared with other views, shares_version)
+        self._taken: dict[
+            Hashable, tuple[str, torch.Tensor, torch.Tensor, Any, torch.Tensor | None]
+        ] = {}
         self._changed: list[str] = []
 
     def take(self, key: Hashable, name: str, param: torch.Tensor) -> None:
         """``param``'s gradient (if any) was copied into its bucket now."""
         g = param.grad
         if g is not None:
-            self._taken[key] = (name, param, g, self._versions(g))
+            summed = checksum(g) if shares_version(g) else None
+            self._taken[key] = (name, param, g, self._versions(g), summed)
 
     def _is_changed(self, key: Hashable) -> bool:
-        _, param, g, versions = self._taken[key]
-        return param.grad is not g or self._versions(g) != versions
+        _, param, g, versions, summed = self._taken[key]
+        if param.grad is not g:
+            return True
+        if self._versions(g) == versions:
+            return False
+        # a view's counter moves with its siblings' writes: its values tell
+        return summed is None or not _same(checksum(g), summed)
 
     def settle(self, keys: Iterable[Hashable]) -> None:
         """Before the gradients of ``keys`` are replaced by the reduced ones: remember which

@@ -12,7 +12,10 @@ owner mode); the busiest rank (largest ``O_r``) is reported:
 * ``owner`` (ZeRO-2-like): weights and gradients ``Φ_M e + Φ_S e/N``, state
   ``O_r e + 8Φ_S/N``, reduce buckets ``Φ_M e``;
 * ``owner-z3`` (``reshard_after_forward``): weights ``O_r e + Φ_S e/N + 2ℓe``,
-  gradients ``O_r e + Φ_S e/N + ℓe``, state ``O_r e + 8Φ_S/N``, a reduce bucket ``ℓe``;
+  gradients ``O_r e + Φ_S e/N + ℓe``, state ``O_r e + 8Φ_S/N``, reduce buckets
+  ``Φ_M e`` at their peak: each layer's exists from its launch in backward until the
+  step waits for its reduction, so at the end of backward every layer's does (none
+  between steps, nor during the forward);
 * ``replicated`` (DDP): weights and gradients ``Φe``, state ``O_r e + 8Φ_S``,
   DDP buckets ``Φe`` and the all-gather's ``ℓNe``;
 * ``sharded`` (FSDP2): weights ``Φe/N + 2ℓe``, gradients ``Φe/N + ℓe``, state
@@ -185,7 +188,7 @@ def memory_per_rank(
         m = (pm * e + ps * e / N, pm * e + ps * e / N, owned_state + 8 * ps / N, pm * e)
     elif mode == "owner-z3":
         m = (owned * e + ps * e / N + 2 * layer * e, owned * e + ps * e / N + layer * e,
-             owned_state + 8 * ps / N, layer * e)  # fmt: skip
+             owned_state + 8 * ps / N, pm * e)  # fmt: skip
     elif mode == "replicated":
         m = (phi * e, phi * e, owned_state + 8 * ps, phi * e + layer * N * e)
     elif mode == "sharded":
