@@ -507,13 +507,14 @@ def _holder_waits(
         if not keys:
             continue
 
-        def hook(*_: Any, keys: tuple[str, ...] = tuple(keys)) -> None:
+        def holder_wait(*_: Any, keys: tuple[str, ...] = tuple(keys)) -> None:
             if torch.compiler.is_compiling():
                 return
             for key in keys:
                 exchange.publication.wait_published(key)
 
-        handles.append(model.get_submodule(prefix).register_forward_pre_hook(hook, prepend=True))
+        submodule = model.get_submodule(prefix)
+        handles.append(submodule.register_forward_pre_hook(holder_wait, prepend=True))
     return handles
 
 
