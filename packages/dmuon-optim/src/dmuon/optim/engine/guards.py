@@ -661,7 +661,7 @@ def _written_error(written: Mapping[int, list[str]], number: int | None) -> Rank
         f"the last opt.step() while their new values were still arriving from their owners: "
         f"{shown}{more}. In owner mode each weight is broadcast from its owner after "
         "step(), so a write before that broadcast is waited for (a re-init, an EMA copy_to, "
-        "p.mul_(...), load_state_dict, p.data = ...) is overwritten on the ranks that do not "
+        "p.mul_(...), p.data = ...) is overwritten on the ranks that do not "
         "own the weight and may be lost on its owner: the ranks now hold different weights. "
         "Call Dedication.wait() (ded.wait()) on every rank after opt.step() before writing "
         "or reading weights outside a forward. Nothing was updated by this step; redo the "

@@ -152,9 +152,8 @@ def group_layers(
     for item, p in dedicated:
         if item.name in params:
             raise ValueError(
-                f"parameter {item.name!r} is dedicated twice: it is already held by another "
-                "dedication; call undedicate() on that Dedication (dmuon.integrations) "
-                "before dedicating it again"
+                f"parameter {item.name!r} is dedicated twice: the dedicated items name it more "
+                "than once (each parameter is dedicated once, under one name)"
             )
         if item.name not in plan:
             raise ValueError(f"the plan has no item {item.name!r}; plan every dedicated item")

@@ -36,8 +36,9 @@ recorded when its broadcast is launched and compared when it is waited
 every rank (:func:`~dmuon.optim.engine.guards.agree_step`). The broadcast itself moves
 no parameter's counter: it writes the bucket, whose counter is not the parameter's
 (``p.data = view`` keeps ``p``'s own), so only the user's writes through ``p`` count
-(``p.mul_``, ``p.copy_``, an ``init`` function, ``load_state_dict``, ``p.data = ...``;
-not a write through ``p.data``, which has a counter of its own).
+(``p.mul_``, ``p.copy_``, an ``init`` function, ``p.data = ...``; not a write through
+``p.data``, which has a counter of its own; ``load_state_dict`` of the model or a
+submodule waits for the broadcasts before it copies, so it is never one).
 
 The expert stacks that owner mode steps where they live on a ``dp × ep`` mesh are
 published by their own broadcasts (:mod:`~dmuon.optim.engine.expert_replicas`), which
