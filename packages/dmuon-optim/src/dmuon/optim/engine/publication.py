@@ -361,8 +361,16 @@ class Publication:
         second stage of HSDP broadcasts is issued in one order on every rank).
         ZeRO-3-like: materialise it. Every wait is under :attr:`timeout`.
         """
+        if self._landed(key):
+            return
         with self._deadline(f"before layer {key!r} runs"):
             self._wait_published(key)
+
+    def _landed(self, key: str) -> bool:
+        """ZeRO-2-like: layer ``key``'s broadcast (and every earlier layer's) already
+        landed, so a wait has nothing to do: the hooks of every module holding a weight
+        ask this first, without entering the deadline and the roll call's phase note."""
+        return not self.reshard_after_forward and self._finished > self._position[key]
 
     def _wait_published(self, key: str) -> None:
         if self.reshard_after_forward:
@@ -482,6 +490,9 @@ class Publication:
     def forward_enter(self, key: str) -> None:
         """Forward pre-hook: layer ``key`` holds the owners' weights; under ZeRO-3-like,
         the next layer is prefetched."""
+        if self._landed(key):
+            self._hooked = max(self._hooked, self._position[key] + 1)
+            return
         with self._deadline(f"before layer {key!r} runs"):
             self._wait_published(key)
             self._hooked = max(self._hooked, self._position[key] + 1)
