@@ -52,9 +52,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from dmuon.optim.assignment import is_conv1d
 from dmuon.optim.attention_logits import allowed_from_mask, head_max_logits
 from dmuon.optim.engine.params import is_dtensor
+from dmuon.optim.layout_keys import is_conv1d
 from dmuon.optim.qk_heads import AttentionHeads, HeadRows
 
 __all__ = ["KINDS", "attention_heads", "attention_kind", "install_hooks"]

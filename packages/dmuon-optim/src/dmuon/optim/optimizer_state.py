@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dmuon.optim.batches import Bucket, build_buckets, state_shapes
+from dmuon.optim.batch_layout import Bucket, build_buckets, state_shapes
 from dmuon.optim.engine.base import Engine
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.group_options import param_name

@@ -22,7 +22,7 @@ import torch
 from dmuon.integrations.checkpoint.holders import Holding
 from dmuon.integrations.checkpoint.split_state import as_loaded
 from dmuon.optim import DMuon
-from dmuon.optim.batches import state_shapes
+from dmuon.optim.batch_layout import state_shapes
 from dmuon.optim.group_options import STRUCTURE
 from dmuon.optim.layout import matrix_layout
 from dmuon.optim.rules import RULES, get_rule

@@ -31,7 +31,7 @@ from dmuon.comm.chunk_gather import all_gather_chunks
 from dmuon.integrations.checkpoint.holders import Holding
 from dmuon.integrations.checkpoint.split_state import as_saved
 from dmuon.optim import DMuon, get_rule
-from dmuon.optim.batches import state_shapes
+from dmuon.optim.batch_layout import state_shapes
 from dmuon.optim.engine.placements import placement_of
 from dmuon.optim.layout import matrix_layout
 from dmuon.optim.matrix_split import local_tensor

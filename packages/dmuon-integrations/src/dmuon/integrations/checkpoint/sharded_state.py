@@ -40,7 +40,7 @@ from dmuon.integrations.checkpoint.holders import Holding, holdings
 from dmuon.integrations.checkpoint.owned_split import owner_shapes, saved_entry, split_target
 from dmuon.integrations.checkpoint.split_state import as_saved
 from dmuon.optim import DMuon, get_rule
-from dmuon.optim.batches import state_shapes
+from dmuon.optim.batch_layout import state_shapes
 from dmuon.optim.layout import matrix_layout
 
 __all__ = [

@@ -56,7 +56,7 @@ from dmuon.comm.flags import flag_device
 from dmuon.comm.process_groups import group_size
 from dmuon.comm.torch_compat import all_gather_single
 from dmuon.optim.apply import apply_update
-from dmuon.optim.batches import Entry
+from dmuon.optim.batch_layout import Entry
 from dmuon.optim.engine.base import Stepper, local_norm_tensors, world_of
 from dmuon.optim.engine.params import EngineParam, is_dtensor, subplan
 from dmuon.optim.engine.placements import placement_of, placement_of_param

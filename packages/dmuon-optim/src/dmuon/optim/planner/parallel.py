@@ -444,7 +444,7 @@ class SplitPricer:
 
     def __call__(self, call: Sequence[MatrixItem]) -> SplitChoice:
         """The price of one call of split matrices (all of one whole shape and split, as
-        :func:`dmuon.optim.batches.build_buckets` buckets them).
+        :func:`dmuon.optim.batch_layout.build_buckets` buckets them).
 
         Raises:
             ValueError: an empty call, a matrix that is not split, or a call that mixes

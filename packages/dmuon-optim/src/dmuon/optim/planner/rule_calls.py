@@ -6,11 +6,11 @@ the rule once per *step unit* and batch: the engine's pipeline groups
 (:meth:`~dmuon.optim.engine.base.Engine.step_groups`) are owner mode's units (a layer,
 or a pack of consecutive small layers,
 :func:`~dmuon.optim.engine.layer_packing.pack_runs`) and the planned modes' layers;
-within a unit, :func:`dmuon.optim.batches.build_buckets` puts the matrices a rank steps
+within a unit, :func:`dmuon.optim.batch_layout.build_buckets` puts the matrices a rank steps
 into one bucket per shape and dtype (a tensor-parallel matrix per whole shape and split,
 ``MatrixSplit.key``), in order of first appearance, and
 :func:`dmuon.optim.batches.step_bucket` cuts each bucket into consecutive runs of at
-most ``max_batch_elements`` matrix entries (:func:`dmuon.optim.batches.default_batch_elements`:
+most ``max_batch_elements`` matrix entries (:func:`dmuon.optim.batch_cuts.default_batch_elements`:
 no cap on a GPU, ``2²⁰`` on a CPU). Same-shape matrices of different units never share
 a call. So a rank's Newton–Schulz time is
 
@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 from dmuon.comm import MatrixItem, NSCost
 from dmuon.kernels import ns_flops
-from dmuon.optim.batches import batch_runs
+from dmuon.optim.batch_cuts import batch_runs
 from dmuon.optim.planner.parallel import SplitChoice, SplitPricer
 
 __all__ = ["HELD_UNIT", "layer_of", "rule_calls", "unit_flops", "unit_work"]
@@ -108,7 +108,7 @@ def rule_calls(
 
 def _chunks(bucket: list[MatrixItem], limit: int) -> list[list[MatrixItem]]:
     """Consecutive runs of ``bucket`` of at most ``limit`` matrix entries, at least one
-    item each (:func:`dmuon.optim.batches.batch_runs`, as the engine batches)."""
+    item each (:func:`dmuon.optim.batch_cuts.batch_runs`, as the engine batches)."""
     sizes = [item.batch * item.rows * item.cols for item in bucket]
     return [[bucket[i] for i in run] for run in batch_runs(sizes, limit)]
 

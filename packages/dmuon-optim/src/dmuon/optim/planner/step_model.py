@@ -63,7 +63,7 @@ from typing import Any
 
 from dmuon.comm import MatrixItem, NSCost, OwnerPlan, plan_owners
 from dmuon.kernels import ns_flops
-from dmuon.optim.batches import default_batch_elements
+from dmuon.optim.batch_cuts import default_batch_elements
 from dmuon.optim.engine.layer_packing import DEFAULT_PACK_MB
 from dmuon.optim.engine.params import subplan
 from dmuon.optim.planner.config import ModelSpec
@@ -303,7 +303,7 @@ def plan_flops(plan: OwnerPlan, shape: TrainingShape) -> list[int]:
 
 def batch_elements(cluster: ClusterProfile) -> int:
     """Matrix entries per batched rule call on the profile's device, as the engine cuts
-    them (:func:`dmuon.optim.batches.default_batch_elements`): ``2²⁰`` for a profile
+    them (:func:`dmuon.optim.batch_cuts.default_batch_elements`): ``2²⁰`` for a profile
     calibrated on a CPU, no cap otherwise (a GPU's)."""
     machine = cluster.device.measured.get("machine")
     cpu = isinstance(machine, dict) and "gpu" in machine and machine["gpu"] is None

@@ -71,7 +71,7 @@ import torch
 from dmuon.comm import VOTES_PER_BYTE, CommStats, MatrixItem, OwnerPlan, layer_key
 from dmuon.comm.cost_model import cost_model
 from dmuon.comm.owner_plan import natural_key
-from dmuon.optim.batches import batch_runs
+from dmuon.optim.batch_cuts import batch_runs
 from dmuon.optim.engine.guards import VALUE_SLOTS
 from dmuon.optim.engine.layer_packing import DEFAULT_PACK_MB, pack_runs
 from dmuon.optim.engine.params import subplan
@@ -408,7 +408,7 @@ def _sharded(plan: OwnerPlan, n: int, params: int) -> list[Transfer]:
 def _chunks(counts: Sequence[int], per: int, limit: int) -> list[int]:
     """Matrices per batched call: consecutive runs of entries (``counts`` matrices each)
     holding at most ``limit`` matrix entries, at least one entry each
-    (:func:`dmuon.optim.batches.batch_runs`, as the engine batches)."""
+    (:func:`dmuon.optim.batch_cuts.batch_runs`, as the engine batches)."""
     runs = batch_runs([c * per for c in counts], limit)
     return [sum(counts[i] for i in run) for run in runs]
 
@@ -453,7 +453,7 @@ def dmuon_transfers(
             ``owner-ddp-zero1``: of the matrices and :func:`owned_scalar_items`.
         mode: one of :data:`DMUON_MODES`.
         batch_limit: matrix entries per batched rule call (sign mode's votes):
-            :func:`dmuon.optim.batches.default_batch_elements` of the device.
+            :func:`dmuon.optim.batch_cuts.default_batch_elements` of the device.
         layer_pack_mb: owner mode's pack limit (the exchange's ``layer_pack_mb``);
             ``0`` where the exchange packs nothing (``owner-z3`` never packs; nor does
             a tensor-parallel model: :func:`~dmuon.optim.planner.step_model.predict`
