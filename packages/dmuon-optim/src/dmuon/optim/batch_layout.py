@@ -49,6 +49,12 @@ class Entry:
         local: the rule steps this rank's local part of the parameter (a DTensor's
             ``to_local()``): a tensor-parallel shard, or the whole experts of a stack
             split over its expert dimension.
+        offset: where the part of the parameter this rank steps sits in the whole
+            parameter, ``()`` when it steps the whole of it: a tensor-parallel shard's
+            ``(split.dim, split.offset)``, a local part's global offset (a rank's
+            experts of a stack). Seeds stochastic rounding
+            (:func:`~dmuon.optim.state_precision.rounding_seed`), so that distinct parts
+            of one parameter draw distinct bits on their ranks.
         count: the number of matrices of this block (fixed with its layout and block,
             which do not change after construction).
         plain: the block is the whole parameter, one 2-D matrix: its gradient goes into
@@ -72,6 +78,7 @@ class Entry:
     block: Block
     start: int
     local: bool = False
+    offset: tuple[int, ...] = ()
     count: int = field(init=False, repr=False, compare=False)
     plain: bool = field(init=False, repr=False, compare=False)
 
@@ -277,7 +284,8 @@ def build_buckets(
             if key not in buckets:
                 buckets[key] = Bucket(shape, p.dtype, p.device, split=split, gathered=gathered)
             b = buckets[key]
-            b.entries.append(Entry(i, p, layout, block, b.size, shard))
+            offset = () if gathered or not shard else _part_offset(p, split)
+            b.entries.append(Entry(i, p, layout, block, b.size, shard, offset))
             b.size += layout.count(block)
 
     new_state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
@@ -319,6 +327,24 @@ def build_buckets(
                 _copy_old(t, old_state(p), s.name)
                 new_state[p][s.name] = t
     return list(buckets.values()), new_state
+
+
+def _part_offset(p: torch.Tensor, split: MatrixSplit | None) -> tuple[int, ...]:
+    """Where the part of ``p`` this rank steps sits in ``p`` (:attr:`Entry.offset`): a
+    split's ``(dim, offset)``; a DTensor's local tensor's global offset; ``()`` for the
+    whole parameter (an offset of zeros: a replicated DTensor, or rank 0's part of a
+    stack, which then draws the bits the whole stack does in one process)."""
+    if split is not None:
+        return (split.dim, split.offset)
+    mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", None)
+    if mesh is None or placements is None:  # not a DTensor: the whole tensor
+        return ()
+    try:  # DTensor has no public accessor of its local tensor's global offset
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - a torch that moved it: parts share bits
+        return ()
+    _, offset = compute_local_shape_and_global_offset(p.shape, mesh, placements)
+    return tuple(int(o) for o in offset) if any(offset) else ()
 
 
 def _cuts_matrices(group: Mapping[str, Any]) -> bool:

@@ -230,8 +230,25 @@ def _run_batch(
         U, scale = rule.update(G.to(wide_dtype), wide, group, step=step, vote=vote, split=split)
         U = U.to(b.dtype)
         rounding = group.get("state_rounding") or "nearest"
-        # by step, parameter and block: the same bits in every mode and batch cut
-        seeds = [(rounding_seed(step, e.index, e.block.row_start, b.shape), e.count) for e in part]
+        # by step, parameter name and block: the same bits on every rank, in every mode,
+        # batch cut and listing order (the name, not e.index: ranks may list a group's
+        # parameters in different orders; positions only where the group has no names)
+        names = group.get("param_names")
+        if names is not None and len(names) != len(group["params"]):
+            names = None
+        seeds = [
+            (
+                rounding_seed(
+                    step,
+                    e.index if names is None else names[e.index],
+                    e.block.row_start,
+                    b.shape,
+                    e.offset,
+                ),
+                e.count,
+            )
+            for e in part
+        ]
         for k, v in st.items():
             round_state_(v, wide[k], rounding, seeds)
     if b.gathered:  # this rank's shard of every whole update

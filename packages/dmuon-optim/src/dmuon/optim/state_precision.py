@@ -25,9 +25,10 @@ Rounding (``state_rounding``):
   BFloat16 Training" (2020, arXiv:2010.06192), §3–4. Implemented on the fp32 bit
   pattern: add a uniform random integer in ``[0, 2¹⁶)`` to the 16 bits bf16 drops,
   then truncate them. The random bits come from a ``torch.Generator`` seeded from the
-  step number and the matrix's position in its group and bucket (:func:`rounding_seed`),
-  so a run is reproducible and a matrix draws the same bits whichever rank steps it
-  and whatever batch it sits in.
+  step number, the parameter's *name* (``param_names``; without names, its position in
+  its group) and where the block sits in it (:func:`rounding_seed`), so a run is
+  reproducible and a matrix draws the same bits whichever rank steps it, whatever
+  batch it sits in and in whatever order a rank lists its group's parameters.
 
 Scalar parameters (AdamW/Lion) keep fp32 state whatever ``state_dtype`` says: their
 ``exp_avg_sq`` holds squares of gradients that bf16's 8-bit significand resolves
@@ -37,6 +38,8 @@ model whose matrices take Muon (DESIGN.md, "Numerics").
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from typing import Any
 
 import torch
@@ -46,6 +49,7 @@ from dmuon.optim.hyperparameters import COMPUTE_DTYPES, STATE_ROUNDING
 __all__ = [
     "STATE_ROUNDING",
     "compute_dtype_for",
+    "name_key",
     "round_state_",
     "rounding_seed",
     "state_dtype_of",
@@ -124,23 +128,66 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.
     return torch.where(torch.isnan(bits.view(torch.float32)), out.new_tensor(float("nan")), out)
 
 
-def rounding_seed(step: int, index: int, start: int, shape: tuple[int, ...]) -> int:
-    """The seed of the stochastic rounding of one entry's state at one step.
+@functools.lru_cache(maxsize=65536)
+def name_key(name: str) -> int:
+    """A parameter name as a 64-bit integer, the same in every process and run.
 
-    A function of the step number, the parameter's index in its group, the first row
-    of its block and the matrix shape only — not of the rank or of how a bucket is
-    cut into batches — so every execution mode draws the same bits for the same
-    matrix (a 64-bit mix, SplitMix64's finaliser). Same-shape parameters at the same
-    index of two groups share their bits; rounding stays unbiased for each.
+    BLAKE2b of the UTF-8 name, its first 8 bytes: stable across processes, machines and
+    Python versions — Python's ``hash()`` of a ``str`` is salted per process
+    (``PYTHONHASHSEED``), so two ranks would disagree. Cached: a step seeds every matrix.
 
     Examples:
-        >>> rounding_seed(1, 0, 0, (4, 4)) == rounding_seed(1, 0, 0, (4, 4))
+        >>> name_key("h1.weight") == name_key("h1.weight")
         True
-        >>> rounding_seed(1, 0, 0, (4, 4)) == rounding_seed(2, 0, 0, (4, 4))
+        >>> name_key("h1.weight") == name_key("h2.weight")
+        False
+        >>> name_key("h1.weight")  # fixed for good: the seeds of a run depend on it
+        3945095573980450193
+    """
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def rounding_seed(
+    step: int,
+    matrix: str | int,
+    start: int,
+    shape: tuple[int, ...],
+    offset: tuple[int, ...] = (),
+) -> int:
+    """The seed of the stochastic rounding of one entry's state at one step.
+
+    The contract: a function of *what* is rounded, never of *who* rounds it or *how* it
+    is batched — so every rank, every listing order and every batch cut draws the same
+    bits for the same matrix, and ranks that step a replicated matrix alike stay equal
+    bit for bit. Its inputs:
+
+    - ``step``: the parameter's step count;
+    - ``matrix``: the parameter's name (``param_names``, hashed by :func:`name_key`),
+      which every rank gives alike whatever order it lists a group's parameters in;
+      an ``int`` — its position in its group — only where the group has no names (then
+      the engine too names a parameter by position, and ranks must list alike);
+    - ``start``: the first row of its block (the blocks of a fused QKV split);
+    - ``shape``: the matrix shape;
+    - ``offset``: where the part a rank steps sits in the whole parameter, ``()`` for
+      the whole of it: a tensor-parallel shard's (dimension, offset), the global
+      offset of a rank's local experts — so distinct parts draw distinct bits.
+
+    Mixed into 64 bits by SplitMix64's finaliser. Parameters of different names (and
+    blocks, parts) draw different bits; rounding stays unbiased for each.
+
+    Examples:
+        >>> rounding_seed(1, "h1.weight", 0, (4, 4)) == rounding_seed(1, "h1.weight", 0, (4, 4))
+        True
+        >>> rounding_seed(1, "h1.weight", 0, (4, 4)) == rounding_seed(2, "h1.weight", 0, (4, 4))
+        False
+        >>> rounding_seed(1, "h1.weight", 0, (4, 4)) == rounding_seed(1, "h2.weight", 0, (4, 4))
+        False
+        >>> rounding_seed(1, "w", 0, (4, 4), (4, 0, 0)) == rounding_seed(1, "w", 0, (4, 4))
         False
     """
+    key = name_key(matrix) if isinstance(matrix, str) else int(matrix)
     z = 0
-    for v in (step, index, start, *shape):
+    for v in (step, key, start, *shape, *offset):
         z = (z * 0x9E3779B97F4A7C15 + int(v) + 1) & 0xFFFFFFFFFFFFFFFF
         z ^= z >> 30
         z = (z * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
