@@ -9,6 +9,7 @@ the step in ``stepping.py``, the execution modes in ``engine/``. ``DMuon`` is th
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -271,6 +272,7 @@ class DMuon(torch.optim.Optimizer):
         self.last_step: StepReport | None = None
         self._deadline: Deadline = Deadline(getattr(self, "timeout", "auto"))
         self._unscaled_step: int | None = None  # the step whose gradients unscale_ unscaled
+        self._unscaled_by: weakref.ref[torch.amp.GradScaler] | None = None  # and its scaler
         self._store = None  # unpickled: the roll call's store is MASTER_ADDR's, if any
 
     @property
@@ -377,6 +379,7 @@ class DMuon(torch.optim.Optimizer):
         """
         number = self.steps_taken + self.skipped_steps + 1
         unscaled, self._unscaled_step = self._unscaled_step == number, None
+        self._unscaled_by = None
         scaler_skip, refusal = False, None
         if hasattr(self, "found_inf"):  # torch.amp.GradScaler.step, in owner mode
             try:
@@ -446,7 +449,7 @@ class DMuon(torch.optim.Optimizer):
         dedication's parameters would not join. ``model.zero_grad()`` does not do this.
         A dropped step's :meth:`unscale_` is forgotten too (:attr:`unscaled`).
         """
-        self._unscaled_step = None
+        self._unscaled_step = self._unscaled_by = None
         try:
             with collective_timeout(self._deadline.seconds()):
                 self._engine.discard_grads()
@@ -484,16 +487,25 @@ class DMuon(torch.optim.Optimizer):
         with collective_timeout(self.collective_deadline()):  # the reductions it finishes
             unscale_(self._engine, self, scaler)
         self._unscaled_step = self.steps_taken + self.skipped_steps + 1
+        self._unscaled_by = weakref.ref(scaler)
 
     @property
     def unscaled(self) -> bool:
         """Whether :meth:`unscale_` has unscaled the gradients the next step reads.
 
-        ``False`` again once that step has run (taken or skipped). A training loop
-        that may clip before its scaler steps (Lightning's manual optimization)
-        reads it to unscale once per step.
+        ``False`` again once that step has run (taken or skipped), or
+        :meth:`zero_grad` dropped it. A training loop that may clip before its scaler
+        steps (Lightning's manual optimization) reads it to unscale once per step.
+
+        A step the scaler skips (an Inf found) in ``single``, ``replicated`` or
+        ``sharded`` mode never reaches :meth:`step` (``scaler.step(opt)`` skips it
+        itself), so the scaler's own record of this optimizer tells: once it has
+        stepped (``scaler.step``), or begun a new iteration (``scaler.update()``), the
+        gradients the next backward makes are scaled again.
         """
-        return self._unscaled_step == self.steps_taken + self.skipped_steps + 1
+        if self._unscaled_step != self.steps_taken + self.skipped_steps + 1:
+            return False
+        return _scaler_unscaled(self, self._unscaled_by)
 
     def collective_deadline(self) -> float | None:
         """The deadline, in seconds, of DMuon's collectives now (``None``: the group's).
@@ -572,26 +584,38 @@ class DMuon(torch.optim.Optimizer):
                 the wrong shape, a group whose hyperparameters do not validate, or a
                 placeholder for a parameter this rank steps (a dict saved by another
                 rank, mode or world size). The optimizer is unchanged when it raises.
+
+        Load-state-dict pre-hooks see the dict as given (they run before DMuon's
+        checks); post-hooks see the state as loaded, DMuon's own restoring of its
+        buffers already done, and what they change stays (as with ``torch.optim``).
         """
         if not self._optimizer_load_state_dict_pre_hooks:
             check_state_dict_keys(state_dict)
         # Registered last, so it checks the dict the caller's own pre-hooks return,
         # and runs before torch's load changes anything.
         seen: list[dict[str, Any]] = []  # the dict torch loads, after the caller's hooks
+
+        def reload(_: torch.optim.Optimizer) -> None:
+            # torch cast the state of fp16/bf16 parameters to their dtype (fp32 scalar
+            # state, matrix state with state_dtype="float32"); undo it. A post-hook put
+            # first, so that the caller's own post-hooks see (and may change) the state as
+            # loaded: run after them, this copy would overwrite what they changed.
+            loaded = seen[-1] if seen else state_dict
+            reload_scalar_state(self.param_groups, self.state, loaded)
+            reload_matrix_state(self.param_groups, self.state, loaded)
+
+        # Registered for this call only (not in the constructor): hooks are not pickled,
+        # and prepended here no post-hook of the caller's, prepended or not, runs first.
         handles = [
             self.register_load_state_dict_pre_hook(refuse_unloadable(self._engine)),
             self.register_load_state_dict_pre_hook(lambda _, sd: seen.append(sd)),
+            self.register_load_state_dict_post_hook(reload, prepend=True),
         ]
         try:
             super().load_state_dict(state_dict)
         finally:
             for handle in handles:
                 handle.remove()
-        # torch cast the state of fp16/bf16 parameters to their dtype (fp32 scalar state,
-        # matrix state with state_dtype="float32"); undo it
-        loaded = seen[-1] if seen else state_dict
-        reload_scalar_state(self.param_groups, self.state, loaded)
-        reload_matrix_state(self.param_groups, self.state, loaded)
 
     def check_param_groups(self, param_groups: Sequence[Mapping[str, Any]]) -> None:
         """Check saved param groups as :meth:`load_state_dict` would, changing nothing.
@@ -640,10 +664,20 @@ class DMuon(torch.optim.Optimizer):
         """The state dict of ``torch.optim.Optimizer``, plus ``"distributed"``: the mode,
         rank, world size and (in owner-like modes) the plan digest and each parameter's
         owner. Parameters another rank steps hold placeholders (empty tensors) under the
-        same keys on this rank; the owners hold the values."""
-        sd = super().state_dict()
-        sd["distributed"] = self._engine.describe()
-        return sd
+        same keys on this rank; the owners hold the values.
+
+        ``"distributed"`` is added before the state-dict post-hooks run (as a post-hook
+        put first, for this call only), so that the caller's post-hooks see, and may
+        change or drop, the whole dict this returns."""
+
+        def describe(_: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+            sd["distributed"] = self._engine.describe()
+
+        handle = self.register_state_dict_post_hook(describe, prepend=True)
+        try:
+            return super().state_dict()
+        finally:
+            handle.remove()
 
     def __getstate__(self) -> dict[str, Any]:
         if getattr(self, "_engine", None) is not None and self._engine.mode != "single":
@@ -687,6 +721,34 @@ class DMuon(torch.optim.Optimizer):
         self._initialized = True
         for index in range(len(self.param_groups)):
             self._rebuild(index)
+
+
+def _scaler_unscaled(
+    optimizer: torch.optim.Optimizer, scaler_ref: weakref.ref[torch.amp.GradScaler] | None
+) -> bool:
+    """Whether the scaler that unscaled ``optimizer``'s gradients has not yet stepped it
+    or updated since (``True`` where that cannot be read).
+
+    torch's scalers offer no public way to ask this, and on a skipped step they never
+    call the optimizer, so this reads ``GradScaler._per_optimizer_states`` (keyed by
+    ``id(optimizer)``; its ``"stage"``: ``OptState.UNSCALED`` after ``unscale_``,
+    ``STEPPED`` after ``step``, the entry gone after ``update``), stable since torch
+    1.6 and the same in FSDP's ``ShardedGradScaler``. Guarded: a scaler freed,
+    disabled (its ``unscale_`` records nothing) or without that record answers
+    ``True``, the step count alone deciding, as before this check.
+    """
+    scaler = scaler_ref() if scaler_ref is not None else None
+    if scaler is None or not scaler.is_enabled():
+        return True
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not isinstance(states, Mapping):
+        return True
+    state = states.get(id(optimizer))  # .get: a defaultdict must not grow an entry here
+    stage = state.get("stage") if isinstance(state, Mapping) else None
+    unscaled_stage = getattr(getattr(torch.amp.grad_scaler, "OptState", None), "UNSCALED", None)
+    if unscaled_stage is None:
+        return True
+    return stage is unscaled_stage
 
 
 # The constructor's own keywords, offered when a misspelt one reaches the rule options.
