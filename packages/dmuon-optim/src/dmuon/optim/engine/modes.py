@@ -9,14 +9,18 @@
 =============  ==============================================================
 
 Detection (``mode=None``): a dedication (``distributed=`` or dedicated
-parameters) means ``owner``; DTensor matrices mean ``sharded``; no process group,
-or a group of one, means ``single``. Otherwise the optimizer cannot know whether
-the gradients were averaged (DDP) or are local, and guessing wrong is silently
-wrong — so it raises and asks for ``mode="replicated"`` (DDP averaged them),
-``mode="sign"`` (local gradients), ``mode="single"`` (every rank does all the work) or a
-``dedicate()`` for owner mode. A process a launcher started as one of several
-(``WORLD_SIZE`` > 1) without a process group is refused too, rather than detected as
-``single`` (every process would train alone); ``mode="single"`` said outright is taken.
+parameters) means ``owner``; DTensor matrices mean ``sharded``, and so do scalar
+parameters sharded over a mesh dimension (FSDP2's) when no matrix is a plain tensor (a
+model of norms and biases alone has no matrix to tell FSDP2 by; plain matrices beside
+FSDP2's scalars may be ones kept out of ``fully_shard`` for a dedication, so they stay
+ambiguous); no process group, or a group of one, means ``single``. Otherwise the
+optimizer cannot know whether the gradients were averaged (DDP) or are local, and
+guessing wrong is silently wrong — so it raises and asks for ``mode="replicated"``
+(DDP averaged them), ``mode="sign"`` (local gradients), ``mode="single"`` (every rank
+does all the work) or a ``dedicate()`` for owner mode. A process a launcher started as
+one of several (``WORLD_SIZE`` > 1) without a process group is refused too, rather than
+detected as ``single`` (every process would train alone); ``mode="single"`` said
+outright is taken.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dmuon.optim.engine.base import Engine, SingleEngine, Stepper
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
 from dmuon.optim.engine.owner import OwnerEngine
 from dmuon.optim.engine.params import collect_params, is_dtensor
-from dmuon.optim.engine.placements import check_placements
+from dmuon.optim.engine.placements import check_placements, sharded_scalars
 from dmuon.optim.engine.replicated import ReplicatedEngine
 from dmuon.optim.engine.sharded import ShardedEngine
 from dmuon.optim.engine.sign import SignEngine
@@ -88,12 +92,22 @@ def make_engine(
     elif len(dedicated) > 1:
         raise ValueError("the parameters are dedicated by more than one dedicate() call")
     dtensors = [e.name for e in params if e.matrix and is_dtensor(e.param)]
+    plain = [e.name for e in params if e.matrix and not is_dtensor(e.param)]
+    fsdp_scalars = sharded_scalars(params)
     if mode is None:
         if exchange is not None:
             mode = "owner"
-        elif dtensors:
+        elif dtensors or (fsdp_scalars and not plain):
             mode = "sharded"
         elif _world(process_group) > 1:
+            hint = (
+                f"; the scalar parameters are FSDP2's (e.g. {fsdp_scalars[0]!r}) but the "
+                f"matrices are plain tensors (e.g. {plain[0]!r}): if you kept the matrices "
+                "out of fully_shard, dedicate them (dmuon.integrations.fsdp.dedicate) and "
+                "pass distributed= its result"
+                if fsdp_scalars
+                else ""
+            )
             raise ValueError(
                 f"a process group of {_world(process_group)} ranks is initialised, and DMuon "
                 "cannot tell how the gradients arrive. Say mode='replicated' if DDP already "
@@ -102,7 +116,7 @@ def make_engine(
                 "mode='single' to have every rank do all the work, or use "
                 "dmuon.integrations.fsdp.dedicate / ddp.dedicate for owner mode (then build "
                 "DMuon after dedicate(), with distributed= its result: a dedication made "
-                "after the optimizer is not seen)"
+                f"after the optimizer is not seen){hint}"
             )
         else:
             check_launched("DMuon(...)")  # torchrun without a process group: not single
@@ -139,7 +153,8 @@ def make_engine(
 
 
 def check_layouts(param_groups: list[dict[str, Any]], mode: str, process_group: Any = None) -> None:
-    """Refuse a matrix whose DTensor layout ``mode`` does not step
+    """Refuse a matrix whose DTensor layout ``mode`` does not step, or in ``sign`` mode a
+    scalar parameter that is a DTensor
     (:func:`~dmuon.optim.engine.placements.check_placements`), or, in ``replicated``
     and ``owner`` mode, a split that crosses ``process_group``, the group it plans owners
     over (owner mode: the dedication's)

@@ -226,15 +226,22 @@ class OwnerEngine(Engine):
         return self._replicas.owner_of(p)
 
     def _sharded_over(self, p: torch.Tensor) -> bool:
-        """A DTensor whose mesh spans more of the exchange's group than this rank (FSDP2
-        over ``dp`` synchronises it); a tensor-parallel DTensor over ``tp`` alone is not."""
+        """A DTensor whose mesh spans more of the dedication's ranks than this rank (FSDP2
+        over ``dp`` synchronises it); a tensor-parallel DTensor over ``tp`` alone is not.
+
+        The dedication's ranks are its group *and*, under HSDP, its replicate group: on an
+        ``(R, 1)`` mesh the shard group is this rank alone, and FSDP2 averages the gradient
+        over the replicate dimension only (it was refused as synchronised by nothing)."""
         if not is_dtensor(p):
             return False
         if self.world_size == 1:
             return True
         mesh = p.device_mesh  # type: ignore[attr-defined]
-        group = self.exchange.group
-        mine = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        ex = self.exchange
+        group = ex.group if ex.group is not None else dist.group.WORLD
+        mine = set(dist.get_process_group_ranks(group))
+        if ex.replicate_group is not None:
+            mine |= set(dist.get_process_group_ranks(ex.replicate_group))
         return any(
             len(set(dist.get_process_group_ranks(mesh.get_group(d))) & mine) > 1
             for d in range(mesh.ndim)

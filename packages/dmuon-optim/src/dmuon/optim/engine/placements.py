@@ -94,6 +94,7 @@ __all__ = [
     "check_placements",
     "placement_of",
     "placement_of_param",
+    "sharded_scalars",
     "supported_by",
 ]
 
@@ -425,8 +426,57 @@ def supported_by(pl: MatrixPlacement) -> tuple[str, ...]:
     return modes + (("single", "replicated", "owner") if pl.tensor_split or pl.expert_split else ())
 
 
+def sharded_scalars(params: Iterable[EngineParam]) -> list[str]:
+    """The scalar parameters (AdamW/Lion groups) that are DTensors split over some mesh
+    dimension: FSDP2 shards every parameter it manages (``Shard(0)`` over ``dp``), so such
+    a parameter says that FSDP2 reduce-scatters its gradient, as a ``Shard(0)`` matrix
+    does. Mode detection reads them (:func:`~dmuon.optim.engine.modes.make_engine`): a
+    model whose only parameters are scalars has no matrix to tell FSDP2 by.
+
+    Examples:
+        >>> import torch
+        >>> from dmuon.optim import DMuon
+        >>> from dmuon.optim.engine import collect_params
+        >>> opt = DMuon([{"params": [torch.nn.Parameter(torch.ones(4))], "rule": "adamw"}])
+        >>> sharded_scalars(collect_params(opt.param_groups))  # a plain tensor
+        []
+    """
+    return [e.name for e in params if not e.matrix and placement_of(e.param, e.name).shards]
+
+
+def _check_scalars(params: list[EngineParam], mode: str) -> None:
+    """Refuse, in ``sign`` mode, a scalar parameter that is a DTensor: sign mode averages
+    the scalar gradients itself, in one flat buffer of local tensors, which a DTensor
+    gradient cannot be copied into (it crashed inside ``FlatBucket.pack`` with torch's
+    "got mixed torch.Tensor and DTensor"); and under FSDP2 the gradient is already
+    averaged, while Sign-Muon's matrices need each rank's local gradient, which FSDP2 does
+    not leave. Every other mode steps a DTensor scalar on its local tensor."""
+    if mode != "sign":
+        return
+    for e in params:
+        if e.matrix or not is_dtensor(e.param):
+            continue
+        pl = placement_of(e.param, e.name)
+        fsdp = (
+            "FSDP2 shards every parameter it manages and averages its gradient, while "
+            "Sign-Muon votes on each rank's own local gradients: train the model without "
+            "fully_shard for mode='sign', or keep FSDP2 and leave mode unset "
+            "(mode='sharded', which steps FSDP2's parameters), or dedicate the matrices "
+            "(dmuon.integrations.fsdp.dedicate: owner mode)"
+            if pl.shards
+            else "sign mode averages the scalar gradients itself, over local tensors: keep "
+            "this parameter a plain tensor (out of DTensor parallelism), or use "
+            "mode='single' or mode='replicated'"
+        )
+        raise ValueError(
+            f"scalar parameter {e.name!r} (shape {tuple(e.param.shape)}) is a DTensor with "
+            f"placements {pl.summary()}, which mode='sign' does not step; {fsdp}"
+        )
+
+
 def check_placements(params: Iterable[EngineParam], mode: str) -> None:
-    """Refuse every matrix parameter ``mode`` does not step correctly.
+    """Refuse every matrix parameter ``mode`` does not step correctly, and in ``sign``
+    mode every scalar parameter that is a DTensor (:func:`_check_scalars`).
 
     Raises:
         ValueError: naming the first such parameter, its placements, and the mode that
@@ -444,6 +494,7 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
         ValueError: matrix parameter 'group0.param0' is a plain tensor, but mode='sharded' ...
     """
     params = list(params)
+    _check_scalars(params, mode)
     experts = [e.name for e in params if e.matrix and placement_of_param(e).expert_split]
     layouts = {e.name: placement_of_param(e) for e in params if e.matrix}
     every = (

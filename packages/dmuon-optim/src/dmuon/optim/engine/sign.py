@@ -6,7 +6,9 @@ of their signs through :func:`dmuon.comm.majority_vote` with ``method="packed"``
 (votes in ``{−1, 0, +1}`` packed 5 per byte: 1/20 of an fp32 all-reduce), and every
 rank applies the same voted step (Mishra, Trivedi & Kumar, arXiv 2605.16311). The
 scalar parameters' gradients are averaged here (one all-reduce per dtype), since
-nothing else synchronises them: train the model without DDP.
+nothing else synchronises them: train the model without DDP or FSDP2 (a scalar parameter
+that is a DTensor is refused before the first step:
+:func:`~dmuon.optim.engine.placements.check_placements`).
 
 A matrix whose gradient is missing on this rank but present on another is stepped
 with a zero gradient: its momentum decays, and this rank votes with the signs of the
