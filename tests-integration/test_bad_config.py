@@ -136,6 +136,15 @@ def _sign_with_dedication(rank: int, world: int) -> None:
     DMuon(param_groups(model), rule="sign_muon", distributed=ddp.dedicate(model))
 
 
+def _sign_with_fully_shard(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.LayerNorm(8), nn.LayerNorm(8))  # norms only: no matrix refused first
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    DMuon(param_groups(model), mode="sign")
+
+
 def _mesh_larger_than_world(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -303,6 +312,8 @@ CASES = [
          "was dedicated to an owner after this optimizer was built", 2),
     Case("sign-with-dedication", "`rule='sign_muon'` with a dedication",
          _sign_with_dedication, ValueError, "uses rule 'sign_muon', which votes across ranks", 2),
+    Case("sign-with-fully-shard", "`mode='sign'` on a model under `fully_shard()`",
+         _sign_with_fully_shard, ValueError, "which mode='sign' does not step", 2),
     Case("mode-contradicts-dedication", "a dedication and `mode='replicated'`",
          _mode_contradicts_dedication, ValueError,
          "the parameters are dedicated to owners, which is owner mode", 2),
