@@ -1,11 +1,14 @@
-"""Gathering small Python objects (error messages, plan descriptions) from every rank.
+"""Gathering small Python objects (error messages, plan descriptions) from every rank,
+or sending one rank's to the others.
 
 ``torch.distributed.all_gather_object`` turns its byte tensors back into bytes with
 ``Tensor.numpy()``, so it fails with "Numpy is not available" where numpy is not
 installed — and numpy is not a dependency of torch or of DMuon. This is the same
 collective on plain ``uint8`` tensors: pickle, all-gather the lengths, all-gather
-the payloads padded to the longest (gloo has no uneven all-gather), unpickle.
-Meant for the rare, small messages of error paths, not for tensors.
+the payloads padded to the longest (gloo has no uneven all-gather), unpickle; and
+:func:`broadcast_object` the same way with one sender (``broadcast_object_list`` has
+the same numpy dependency). Meant for the rare, small messages of error paths and of
+construction, not for tensors.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dmuon.comm.faults import wait_work
 from dmuon.comm.flags import flag_device
 from dmuon.comm.torch_compat import all_gather_single
 
-__all__ = ["all_gather_objects"]
+__all__ = ["all_gather_objects", "broadcast_object"]
 
 
 _WHAT = "all-gather of picklable objects"
@@ -53,3 +56,33 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
     wait_work(all_gather_single(everyone, padded, group=group, async_op=True), _WHAT, group)
     rows = everyone.view(n, longest).cpu()
     return [pickle.loads(bytes(rows[r, : lengths[r]].tolist())) for r in range(n)]
+
+
+def broadcast_object(obj: Any, group: dist.ProcessGroup | None = None) -> Any:
+    """The ``obj`` of rank 0 of ``group`` (the group's first rank), on every rank.
+
+    Every rank of ``group`` must call it; the others' ``obj`` is ignored. Two broadcasts
+    from that rank, the payload's length and then the pickled payload, under the current
+    :func:`~dmuon.comm.collective_timeout`. Without a process group (or with a group of
+    one rank) it returns ``obj``.
+
+    Examples:
+        >>> broadcast_object({"owners": [0, 1]})  # one process
+        {'owners': [0, 1]}
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return obj
+    device = flag_device(group)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    first = dist.get_rank() == src
+    data = pickle.dumps(obj) if first else b""
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    what = "broadcast of a picklable object"
+    wait_work(dist.broadcast(length, src=src, group=group, async_op=True), what, group)
+    payload = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        if first
+        else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    )
+    wait_work(dist.broadcast(payload, src=src, group=group, async_op=True), what, group)
+    return obj if first else pickle.loads(bytes(payload.cpu().tolist()))

@@ -96,9 +96,12 @@ def plan_owners(
 
     The result is a pure function of the arguments, independent of the order of
     ``items`` (names must be unique): every rank gets the same plan without
-    communicating. (The one exception: an ILP solve stopped by its time limit may
-    end differently on different machines; :func:`~dmuon.comm.check_plan_consistency`
-    detects that.)
+    communicating. The one exception is ``strategy="ilp"``: ``ilp_time_limit`` is
+    wall-clock time, so ranks slowed differently — on one machine too, by CPU
+    contention — can stop the solver at different points and plan different owners.
+    :func:`~dmuon.comm.plan_adoption.adopt_first_plan` then gives every rank the first rank's plan
+    (``dedicate()`` and DMuon's own modes call it);
+    :func:`~dmuon.comm.check_plan_consistency` detects plans that still differ.
 
     Args:
         items: the matrices; names must be unique.
@@ -112,7 +115,7 @@ def plan_owners(
         spread_layers: apply the same-layer constraint.
         refine: run the local search after LPT (``False``: plain LPT, for ablations).
         replicate_size: ``R`` for HSDP; 1 otherwise.
-        ilp_time_limit: seconds the ILP solver may run.
+        ilp_time_limit: seconds (wall clock) the ILP solver may run.
         ilp_gap: relative optimality gap at which the ILP solver stops.
         held: per rank, the matrices it steps outside the plan (``world_size`` lists;
             names unique among them and the items).

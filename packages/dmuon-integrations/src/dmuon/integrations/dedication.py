@@ -22,6 +22,7 @@ from dmuon.comm import (
 )
 from dmuon.comm.faults import wait_work
 from dmuon.comm.flags import flag_device
+from dmuon.comm.plan_adoption import adopt_first_plan
 from dmuon.comm.process_groups import check_launched, group_size, twin_groups
 from dmuon.integrations.hooks import (
     check_one_module,
@@ -342,6 +343,7 @@ def build_dedication(
             replicate_group = None  # HSDP of one replica: FSDP2 over the shard group
     else:  # dp × tp: owners over the dimension the tensor-parallel placements do not use
         group, replicate_group = mesh.get_group(1 - tp_dim), None
+    tp_group = None if tp_dim is None else mesh.get_group(tp_dim)
     experts = (
         in_place_experts(dedicated, group)
         if experts_in_place and tp_dim is None and replicate_group is None
@@ -381,13 +383,19 @@ def build_dedication(
         held=held,
         **plan_options,
     )
-    # The model check and the first broadcast of the weights: before DMuon(timeout=)
-    # exists, under the floor of timeout="auto" (a rank that never dedicates is an
-    # error within minutes, not the process group's half hour).
+    # The plan's agreement, the model check and the first broadcast of the weights:
+    # before DMuon(timeout=) exists, under the floor of timeout="auto" (a rank that never
+    # dedicates is an error within minutes, not the process group's half hour).
     seconds = auto_deadline.AUTO_FLOOR_SECONDS
     try:
         with collective_timeout(seconds):
             group, replicate_group = _own_groups(group, replicate_group)
+            # An ILP plan made under a wall-clock limit can differ between ranks: every
+            # rank takes the first one's (only a fingerprint travels when they agree), over
+            # the shard group then the replicate group, or dp then tp (the tp ranks of a
+            # dp × tp mesh step the same owned matrices).
+            also = replicate_group if replicate_group is not None else tp_group
+            plan = adopt_first_plan(plan, [group] if also is None else [group, also])
             exchange = OwnerExchange(
                 dedicated,
                 plan=plan,
@@ -403,8 +411,9 @@ def build_dedication(
             )
     except CollectiveError as err:
         raise err.with_context(
-            f"{kind}.dedicate() (the model check and rank 0's first broadcast, under "
-            f"the default deadline of {seconds:g} s: every rank must call dedicate())"
+            f"{kind}.dedicate() (the plan's agreement, the model check and rank 0's first "
+            f"broadcast, under the default deadline of {seconds:g} s: every rank must call "
+            "dedicate())"
         ) from err
     ded = Dedication(model, exchange, kind=kind, experts=tuple(i.name for i, _ in experts))
     ded.add_hooks(lambda: install_hooks(model, exchange))

@@ -7,6 +7,11 @@ timeout. The engine compares the owner plans first
 (:func:`dmuon.comm.check_plan_consistency`: one all-gather of a fixed-size
 fingerprint, so it cannot hang on the mismatch itself); only when they differ do
 the ranks exchange their parameter lists to say *which* parameter differs.
+
+Where each rank planned for itself (``dedicate()``, DMuon's own modes),
+:func:`dmuon.comm.plan_adoption.adopt_first_plan` has already given every rank the first
+rank's plan if only the owners differed (an ILP solve stopped by its wall-clock limit at
+different points on different ranks), so what is left to find here is a different model.
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ __all__ = ["ModelMismatchError", "check_model_consistency", "plan_with_replicate
 
 
 class ModelMismatchError(PlanMismatchError):
-    """The ranks hold different models (raised on every rank, before any other collective).
+    """The ranks hold different models, or plan one model's owners differently (raised on
+    every rank, before any other collective).
 
     Attributes:
         digests: global rank → that rank's plan digest prefix.
-        differences: one line per difference, naming the parameter and the ranks.
+        differences: one line per difference, naming the parameter and the ranks (empty
+            when the parameters agree and only the owners differ).
 
     Examples:
         >>> err = ModelMismatchError("models differ", {0: "ab", 1: "cd"}, ["rank 1: extra 'w'"])
@@ -105,8 +112,18 @@ def _check_group(plan: OwnerPlan, group: dist.ProcessGroup | None) -> ModelMisma
         gathered = all_gather_objects(_parameter_list(plan), group=group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
         lines = _differences([list(g) for g in gathered], ranks)
+        if not lines:
+            # The same parameters, grouped alike: the plans differ in their owners (or the
+            # sizes they were made for), not the models, and rebuilding would not help.
+            text = (
+                "the ranks hold the same parameters but different owner plans for them:\n"
+                f"{err}\n  dedicate() and DMuon(distributed=...) give every rank the first "
+                "rank's plan themselves; for a plan made by hand, pass every rank the same "
+                "one (dmuon.comm.plan_adoption.adopt_first_plan takes the first rank's)"
+            )
+            return ModelMismatchError(text, err.digests, lines)
         text = "the ranks hold different models, so their collectives would not match:\n"
-        text += "\n".join(f"  {line}" for line in lines) if lines else str(err)
+        text += "\n".join(f"  {line}" for line in lines)
         text += "\n  build the same model on every rank (same config, same frozen parameters)"
         if any(" in layer " in line for line in lines):
             text += (

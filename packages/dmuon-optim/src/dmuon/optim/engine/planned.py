@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from dmuon.comm import CommHandle, CommStats, OwnerPlan, default_stats, plan_owners, wait_work
 from dmuon.comm.flags import flag_device
+from dmuon.comm.plan_adoption import adopt_first_plan
 from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.base import Engine, Stepper, world_of
 from dmuon.optim.engine.guards import guard_groups
@@ -99,6 +100,9 @@ class PlannedEngine(Engine):
         matrices = [e for e in self.params if self.planned(e)]
         self.plan = plan_owners([e.item for e in matrices], self.world_size, **self.plan_options)
         if self.world_size > 1:  # a group of one (dp = 1 on a dp × tp mesh): nothing to agree
+            # an ILP plan made under a wall-clock limit can differ between ranks: every
+            # rank takes the first one's (only a fingerprint travels when they agree)
+            self.plan = adopt_first_plan(self.plan, [self.group])
             check_model_consistency(self.checked_plan(), self.group)
         self.layers = layers_in_order(matrices)
         self._by_layer = {key: [] for key in self.layers}
