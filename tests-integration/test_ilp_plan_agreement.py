@@ -8,10 +8,12 @@ rank" — wrong advice, the models were identical. Now every rank takes the firs
 plan when only the owners differ (:func:`dmuon.comm.plan_adoption.adopt_first_plan`),
 and a real model mismatch is still reported as one.
 
-The solves are made to differ deterministically: one rank's solver reads a clock that
-jumps a million seconds at each read, so to it every time limit has run out as soon as
-it starts and it skips its second stage (the total work), as a rank slowed down by the
-others does.
+A solve cut short cannot be made to happen on cue (whether a time limit bites depends
+on the machine and its load; a clock faked in the solver changed the plan on one machine
+and not on another), so the plan that differs is made deterministically: every rank
+plans with ``lpt``, and one rank's ``plan_owners`` is given ``strategy="single"`` (all
+owners on one rank), an outcome as different as any late ILP solve's. What is tested is
+what follows the solve: the adoption of the first rank's plan.
 """
 
 import torch
@@ -21,25 +23,19 @@ from dmuon.comm.testing import run_on_ranks
 
 D = 8
 LAYERS = 3
-PLAN = {"strategy": "ilp", "pack_below": 0}  # small matrices: one unit each, a real ILP
+PLAN = {"strategy": "lpt", "pack_below": 0}  # small matrices: one unit each
+ILP = {"strategy": "ilp", "pack_below": 0}
 
 
-class LateClock:
-    """Every read a million seconds after the last (see the module docstring)."""
+def make_late(module) -> None:
+    """``module.plan_owners`` plans other owners on this rank (see the module docstring;
+    a forked rank: nothing to undo)."""
+    plan_owners = module.plan_owners
 
-    def __init__(self) -> None:
-        self.now = 0.0
+    def other(*args, **kwargs):
+        return plan_owners(*args, **{**kwargs, "strategy": "single"})
 
-    def monotonic(self) -> float:
-        self.now += 1e6
-        return self.now
-
-
-def make_late() -> None:
-    """This rank's ILP solves run out of time at once (a forked rank: nothing to undo)."""
-    import dmuon.comm.ilp
-
-    dmuon.comm.ilp.time = LateClock()
+    module.plan_owners = other
 
 
 class Block(nn.Module):
@@ -85,7 +81,7 @@ def _dedicate_and_step(rank, world, late_rank):
     from dmuon.optim import DMuon, param_groups
 
     if rank == late_rank:
-        make_late()
+        make_late(dmuon.integrations.dedication)
     made = record_plans(dmuon.integrations.dedication)
     model = Net()
     ded = ddp.dedicate(model, layer_pack_mb=0, **PLAN)
@@ -118,7 +114,7 @@ def _hsdp_dedicate(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     # rank 2 is slot (1, 0): first in its shard group, not in its replicate group
     if rank == 2:
-        make_late()
+        make_late(dmuon.integrations.dedication)
     made = record_plans(dmuon.integrations.dedication)
     ded = fsdp.dedicate(Net(), mesh, **PLAN)
     assert ded.exchange.plan.replicate_size == 2
@@ -137,7 +133,7 @@ def _engine_bind(rank, world):
     from dmuon.optim.engine.replicated import ReplicatedEngine
 
     if rank == 1:
-        make_late()
+        make_late(dmuon.optim.engine.planned)
     model = Net()
     opt = DMuon(param_groups(model), lr=0.02, mode="replicated")
     engine = ReplicatedEngine(None, **PLAN)  # DMuon's own modes plan themselves: same check
@@ -157,7 +153,7 @@ def _other_model(rank, world):
     from dmuon.optim import ModelMismatchError
 
     try:
-        ddp.dedicate(Net(d=D if rank != 1 else D + 1), layer_pack_mb=0, **PLAN)
+        ddp.dedicate(Net(d=D if rank != 1 else D + 1), layer_pack_mb=0, **ILP)
     except ModelMismatchError as err:
         return str(err), err.differences
     return None

@@ -494,7 +494,6 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
         ValueError: matrix parameter 'group0.param0' is a plain tensor, but mode='sharded' ...
     """
     params = list(params)
-    _check_scalars(params, mode)
     experts = [e.name for e in params if e.matrix and placement_of_param(e).expert_split]
     layouts = {e.name: placement_of_param(e) for e in params if e.matrix}
     every = (
@@ -611,3 +610,6 @@ def check_placements(params: Iterable[EngineParam], mode: str) -> None:
             "(mode='single', each rank its experts, or mode='replicated' over dp). Keep this "
             "matrix out of tensor parallelism, or out of DMuon (give it to another optimizer)"
         )
+    # after the matrices: their refusal says more (which mode steps the model), and a
+    # scalar's is only reached when every matrix is one the mode takes
+    _check_scalars(params, mode)
