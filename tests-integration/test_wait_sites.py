@@ -56,6 +56,12 @@ WRAPPERS = {"all_gather_single", "reduce_scatter_single"}  # dmuon.comm.torch_co
 # (file under packages/, function) → why its ``.wait()`` is timed
 HANDLE_WAITS = {
     ("dmuon-comm/src/dmuon/comm/faults.py", "wait_work"): "wait_work itself",
+    ("dmuon-comm/src/dmuon/comm/faults.py", "_stream_wait"): (
+        "wait_work's stream wait (NCCL: returns at once); settle() checks the deadline"
+    ),
+    ("dmuon-comm/src/dmuon/comm/faults.py", "_raise_if_failed"): (
+        "settle(): the wait of a work is_completed() reported done (returns at once)"
+    ),
     ("dmuon-comm/src/dmuon/comm/testing.py", "_collect"): (
         "the test harness waits for its rank processes, bounded by run_on_ranks' timeout"
     ),

@@ -34,10 +34,13 @@ class CommHandle(Generic[T]):
         *,
         what: str = "communication",
         group: Any = None,
+        device: Any = None,
     ):
         self._works = [w for w in works if w is not None]
         self.what = what
         self._group = group
+        # where the result is used next (kernels, not a host read): see wait_work
+        self._device = device
         self._finish: Callable[[], T] | None = finish
         self._result: T | None = None
 
@@ -56,7 +59,7 @@ class CommHandle(Generic[T]):
         """
         if self._finish is not None:
             for w in self._works:
-                wait_work(w, self.what, self._group)
+                wait_work(w, self.what, self._group, device=self._device)
             finish, self._finish = self._finish, None
             self._result = finish()
             self._works = []

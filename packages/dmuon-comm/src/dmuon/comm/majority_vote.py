@@ -100,6 +100,7 @@ def majority_vote(
             dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=group, async_op=True),
             "majority vote all-reduce",
             group,
+            device=x.device,  # used by kernels next, not read on the host
         )
         stats.record_collective(name, "all_reduce", nbytes=votes.nbytes, world_size=n)
         return ternary_signs(votes, out_dtype).reshape(x.shape)
@@ -115,6 +116,7 @@ def majority_vote(
         dist.all_to_all_single(received, packed, group=group, async_op=True),
         "majority vote all-to-all",
         group,
+        device=x.device,  # used by kernels next, not read on the host
     )
     stats.record(
         name,
@@ -135,6 +137,7 @@ def majority_vote(
         all_gather_single(result, mine, group=group, async_op=True),
         "majority vote all-gather",
         group,
+        device=x.device,  # used by kernels next, not read on the host
     )
     stats.record_collective(name, "all_gather", nbytes=mine.nbytes, world_size=n)
     return unpack_votes(result, x.shape, dtype=out_dtype)

@@ -128,6 +128,13 @@ def _reduce_op(op: object) -> bool:
     raise ValueError(f"op must be 'avg' or 'sum' (or ReduceOp.AVG/SUM), got {op!r}")
 
 
+def _device_of(buckets: Sequence[FlatBucket]) -> torch.device | None:
+    """Where the owner collectives' results are used next: kernels on the buckets' device
+    (the rule chain, the copy into the weights), never a host read, so a backend whose
+    wait is a stream wait leaves the host running (:func:`dmuon.comm.faults.wait_work`)."""
+    return buckets[0].buffer.device if buckets else None
+
+
 def reduce_to_owners(
     buckets: Sequence[FlatBucket],
     plan: OwnerPlan,
@@ -243,7 +250,12 @@ def reduce_to_owners(
                     )
                     stats.record_collective(name, "reduce", nbytes=b.nbytes, world_size=R)
             for w in second:
-                wait_work(w, "reduce to owners (replicate stage)", replicate_group)
+                wait_work(
+                    w,
+                    "reduce to owners (replicate stage)",
+                    replicate_group,
+                    device=_device_of(buckets),
+                )
         owned: dict[str, torch.Tensor] = {}
         for b in buckets:
             if b.owner == me:
@@ -252,7 +264,9 @@ def reduce_to_owners(
                 owned.update(b.views())
         return owned
 
-    return CommHandle(works, finish, what="reduce to owners", group=group)
+    return CommHandle(
+        works, finish, what="reduce to owners", group=group, device=_device_of(buckets)
+    )
 
 
 def broadcast_from_owners(
@@ -359,7 +373,9 @@ def broadcast_from_owners(
     def finish() -> dict[str, torch.Tensor]:
         if R > 1:
             for w in shard_stage():
-                wait_work(w, "broadcast from owners (shard stage)", group)
+                wait_work(
+                    w, "broadcast from owners (shard stage)", group, device=_device_of(buckets)
+                )
         result: dict[str, torch.Tensor] = {}
         for b in buckets:
             result.update(b.views())
@@ -372,4 +388,5 @@ def broadcast_from_owners(
         finish,
         what="broadcast from owners",
         group=group if R == 1 else replicate_group,
+        device=_device_of(buckets),
     )

@@ -44,7 +44,8 @@ def broadcast_buffers(module: nn.Module, group: Any = None) -> int:
     for bufs in by_dtype.values():
         flat = torch.cat([b.reshape(-1) for b in bufs])
         work = dist.broadcast(flat, group_src=0, group=group, async_op=True)
-        wait_work(work, "broadcast of module buffers from rank 0", group)
+        # the forward's kernels read the buffers next: on NCCL the stream waits
+        wait_work(work, "broadcast of module buffers from rank 0", group, device=flat.device)
         offset = 0
         for b in bufs:
             b.copy_(flat[offset : offset + b.numel()].view_as(b))

@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import wait_work
+from dmuon.comm.faults import settle, stream_waits
 from dmuon.comm.flags import flag_device
 from dmuon.comm.objects import all_gather_objects
 from dmuon.comm.process_groups import twin_groups
@@ -492,6 +493,11 @@ def agree_step(
         for g in groups:
             wait_work(dist.all_reduce(flags, group=g, async_op=True), what, g)
         summed = flags
+        # the deadline of the collectives left to the stream (NCCL), checked before the
+        # host read; waited for when the flags' all-reduce was (the read waits anyway)
+        settle(wait=any(stream_waits(g, flags.device) for g in groups))
+    else:  # the flush read the carried slots (on the host now), settling first
+        settle(wait=False)
     world = summed.numel() - VALUE_SLOTS
     *slots, sum_a, sum_a2, sum_b, sum_b2 = summed.tolist()
     refusing = [r for r, v in enumerate(slots) if v == REFUSED]

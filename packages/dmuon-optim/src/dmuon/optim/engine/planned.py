@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import CommHandle, CommStats, OwnerPlan, default_stats, plan_owners, wait_work
+from dmuon.comm.faults import settle, stream_waits
 from dmuon.comm.flags import flag_device
 from dmuon.comm.plan_adoption import adopt_first_plan
 from dmuon.comm.process_groups import group_size
@@ -170,6 +171,8 @@ class PlannedEngine(Engine):
             self.stats.record_collective(
                 "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=n
             )
+        # the deadline of the collectives left to the stream (NCCL), before the host read
+        settle(wait=n > 1 and stream_waits(self.group, flags.device))
         return {e.name: bool(f) for e, f in zip(params, flags.tolist(), strict=True)}
 
     def agreement_groups(self) -> list[dist.ProcessGroup | None]:

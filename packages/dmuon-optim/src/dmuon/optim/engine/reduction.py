@@ -45,6 +45,7 @@ from dmuon.comm import (
     wait_work,
 )
 from dmuon.comm.averaging import DIVIDED_BEFORE_THE_SUM
+from dmuon.comm.faults import settle, stream_waits
 from dmuon.comm.flags import flag_device
 from dmuon.comm.process_groups import group_size, twin_groups
 from dmuon.optim.engine.layer_record import OwnerLayer
@@ -390,8 +391,9 @@ class Reduction:
                 before ``step()``).
 
         Returns:
-            ``agreement``'s slots summed over the groups, or ``None`` when nothing was
-            carried (no ``agreement``, or flushed already).
+            ``agreement``'s slots summed over the groups (a host tensor: the flags were
+            read once), or ``None`` when nothing was carried (no ``agreement``, or
+            flushed already).
 
         Raises:
             UnsyncedGradientsError: on every rank, when no rank reduced a gradient this
@@ -441,6 +443,10 @@ class Reduction:
                 self.stats.record_collective(
                     "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=size
                 )
+        # the deadline of the collectives left to the stream (NCCL), checked before the
+        # host read; waited for when the flags' own all-reduce was (the read waits anyway)
+        streamed = (g for g, size in zip(self.flag_groups, self.sizes, strict=True) if size > 1)
+        settle(wait=any(stream_waits(g, flags.device) for g in streamed))
         summed = flags.tolist()
         *present, held_back, synced = summed[: len(names) + 2]
         if held_back and not synced:
@@ -457,7 +463,11 @@ class Reduction:
         self.flushed = True
         while self.next_launch < len(self.reduce_order):
             self._launch(self.reduce_order[self.next_launch])
-        return None if agreement is None else flags[len(names) + 2 :]
+        if agreement is None:
+            return None
+        # the agreement's slots from the host read above, on the host: its reader need
+        # not read the device again (on CUDA a second sync, after the launches above)
+        return torch.tensor(summed[len(names) + 2 :], dtype=torch.int64)
 
     def carries_agreement(self) -> bool:
         """Whether :meth:`flush` would all-reduce its flags now (not flushed yet, a group
