@@ -298,7 +298,10 @@ MAX_PENDING = 1024
 enough the host waits (within its deadline) for the oldest — backpressure on a host
 running that far ahead of the device."""
 
-_POLL_S = (0.0002, 0.005)  # settle's first and longest sleep between polls
+# settle's first and longest sleep between polls: short, as the read it stands before
+# would have returned as soon as the device finished (a longer sleep is added latency
+# every step); a hung collective is found within the deadline all the same
+_POLL_S = (0.00005, 0.001)
 
 
 @dataclass
