@@ -86,3 +86,29 @@ def test_both_methods_agree_and_auto_uses_eigvalsh_on_the_cpu():
 def test_bad_method():
     with pytest.raises(ValueError, match=r"method must be 'auto' or one of .* got 'power'"):
         inverse_spectral_norm(torch.ones(1, 2, 2), "power")
+
+
+def test_convergence_is_asked_once_per_squarings_per_check(monkeypatch):
+    """Each convergence check reads a flag on the host (a GPU synchronisation): asked every
+    ``SQUARINGS_PER_CHECK`` squarings, not after each, with the same accuracy."""
+    X = signs(3, 40, 96)
+    G = X @ X.mT
+    squarings, checks = [0], [0]
+    matmul, to_bool = torch.Tensor.__matmul__, torch.Tensor.__bool__
+
+    def counted_matmul(a, b):
+        squarings[0] += 1
+        return matmul(a, b)
+
+    def counted_bool(t):
+        checks[0] += 1
+        return to_bool(t)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", counted_matmul)
+    monkeypatch.setattr(torch.Tensor, "__bool__", counted_bool)
+    got = lambda_max_by_squaring(G).reshape(-1).double()
+    monkeypatch.undo()
+    per = normalization.SQUARINGS_PER_CHECK
+    assert squarings[0] >= 2 * per, squarings  # enough squarings for the count to tell
+    assert checks[0] == squarings[0] // per + 1, (checks, squarings)
+    torch.testing.assert_close(got, spectral_norm(X) ** 2, rtol=2e-5, atol=0)
