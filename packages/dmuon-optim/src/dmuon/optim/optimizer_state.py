@@ -9,6 +9,7 @@ under the same keys. Matrix state is views into one stacked buffer per shape
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -34,6 +35,7 @@ __all__ = [
     "check_state_dict_keys",
     "expected_state_shapes",
     "paired_states",
+    "refuse_nonfinite_state",
     "refuse_unloadable",
     "reload_matrix_state",
     "reload_scalar_state",
@@ -230,7 +232,14 @@ def refuse_unloadable(engine: Engine) -> Callable[[torch.optim.Optimizer, dict[s
       zero. The pattern is read off the optimizer's live state, which
       :func:`build_state` shaped after what this rank steps.
 
-    The first three are the same on every rank, so every rank refuses alike. Malformed
+    * A state tensor holds a NaN or an Inf (:func:`refuse_nonfinite_state`): the next
+      step would write it into the weights, with no gradient to blame.
+
+    The first three are the same on every rank, so every rank refuses alike. The last
+    two depend on what this rank's dict holds: a rank that refuses raises before torch
+    changes anything, and its peers, which loaded, raise
+    :class:`~dmuon.comm.CollectiveError` at the deadline of their next step's first
+    collective (or at once, when the refusing process exits), never hang. Malformed
     dicts are left to the checks that name them (torch's group sizes,
     :func:`check_loaded_state`).
     """
@@ -273,8 +282,66 @@ def refuse_unloadable(engine: Engine) -> Callable[[torch.optim.Optimizer, dict[s
                     raise ValueError(
                         _foreign_placeholder_message(engine, state_dict, key, pair.name)
                     )
+        refuse_nonfinite_state(opt.param_groups, opt.state, state_dict)
 
     return hook
+
+
+def refuse_nonfinite_state(
+    groups: list[dict[str, Any]], state: Mapping[Any, Any], state_dict: Mapping[str, Any]
+) -> None:
+    """Raise ``ValueError`` naming the parameter and the state key of the first saved
+    floating-point state tensor of ``state_dict`` that holds a NaN or an Inf.
+
+    A NaN momentum (a run saved after its state was poisoned, a corrupted file) passes
+    every shape check, and the next step writes it into the weights: the step's
+    non-finite guard reads the gradients, not the state. One fused pass: the max-abs
+    norm of every tensor (a NaN or an Inf entry makes it NaN or Inf, and finite entries
+    cannot overflow it, as an ℓ2 norm of entries near 3e38 would) in one
+    ``torch._foreach_norm`` per device, then one read of all of them. A DTensor is
+    checked by its local part (each rank its own shard), a placeholder (empty: state
+    another rank keeps) is passed over.
+
+    Examples:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.zeros(2, 2))
+        >>> groups = [{"params": [w], "param_names": ["w"]}]
+        >>> saved = {"state": {0: {"momentum_buffer": torch.full((2, 2), float("nan"))}},
+        ...          "param_groups": [{"params": [0]}]}
+        >>> try:
+        ...     refuse_nonfinite_state(groups, {w: {}}, saved)
+        ... except ValueError as err:
+        ...     print(str(err)[:45])
+        state 'momentum_buffer' of parameter 'w' (par
+    """
+    found: list[tuple[str, str, torch.Tensor]] = []  # (name, key, local tensor)
+    for pair in paired_states(groups, state, state_dict):
+        for key, value in pair.theirs.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            local = local_tensor(value)
+            if local.numel() and (local.is_floating_point() or local.is_complex()):
+                found.append((pair.name, key, local))
+    if not found:
+        return
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, _, t) in enumerate(found):
+        by_device.setdefault(t.device, []).append(i)
+    finite = [True] * len(found)
+    for indices in by_device.values():
+        norms = torch._foreach_norm([found[i][2] for i in indices], math.inf, dtype=torch.float32)
+        for i, ok in zip(indices, torch.isfinite(torch.stack(norms)).tolist(), strict=True):
+            finite[i] = ok
+    bad = [found[i] for i, ok in enumerate(finite) if not ok]
+    if bad:
+        name, key, t = bad[0]
+        more = f" (and {len(bad) - 1} more state tensor(s))" if len(bad) > 1 else ""
+        raise ValueError(
+            f"state {key!r} of {name} holds a NaN or an Inf ({int((~t.isfinite()).sum())} "
+            f"of {t.numel()} entries){more}: the next step would write it into the "
+            "weights. Load a state dict saved before the state went non-finite (an "
+            "earlier checkpoint); the optimizer is unchanged"
+        )
 
 
 def _mesh_ranks(t: torch.Tensor) -> list[int]:

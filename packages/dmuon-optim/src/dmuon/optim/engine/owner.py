@@ -309,6 +309,18 @@ class OwnerEngine(Engine):
         ex.reduction.end_step()
 
     def discard_grads(self) -> None:
+        """Finish and forget the reductions of a backward whose step will not be taken
+        (``DMuon.zero_grad``).
+
+        Whether to join is read off this rank alone (:meth:`Reduction.started`), so that a
+        ``zero_grad()`` after each step costs no collective: a backward that completed on
+        every rank started the reductions on every rank, and every rank joins. A backward
+        an exception interrupted on some ranks only is not a dropped batch: a rank it
+        stopped before any dedicated gradient does not join, and under FSDP2 or DDP the
+        others wait in the framework's own collectives of that backward first, under the
+        process group's timeout, not DMuon's (docs/reliability.md, Limits): the remedy
+        there is to end the process and resume from a checkpoint.
+        """
         ex = self.exchange
         red = ex.reduction
         experts = bool(self._replicas.sets) and self._replicas.started()
