@@ -31,6 +31,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 from dmuon.optim.apply import decoupled_decay_
 from dmuon.optim.hyperparameters import SCALAR_OPTIONS, Option
 from dmuon.optim.matrix_split import PLAIN_TENSOR_TYPES, local_tensor
+from dmuon.optim.state_precision import store_saturated
 
 __all__ = [
     "SCALAR_ALGORITHMS",
@@ -100,8 +101,7 @@ def _step_in_fp32(
     for b, wide in zip(buffers, wide_buffers, strict=True):
         for i, w in zip(narrow, wide, strict=True):
             if w is not b[i]:  # a narrow buffer: fp32's max would round to inf in it
-                big = torch.finfo(b[i].dtype).max
-                b[i].copy_(w.clamp_(-big, big))
+                store_saturated(b[i], w)
 
 
 def _saturate_(tensors: Sequence[torch.Tensor]) -> None:

@@ -54,6 +54,7 @@ __all__ = [
     "rounding_seed",
     "state_dtype_of",
     "stochastic_round_bf16",
+    "store_saturated",
 ]
 
 
@@ -195,6 +196,33 @@ def rounding_seed(
         z = (z * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
         z ^= z >> 31
     return z & 0x7FFFFFFFFFFFFFFF
+
+
+def store_saturated(dst: torch.Tensor, wide: torch.Tensor) -> None:
+    """Clamp the working copy ``wide`` in place to ``±`` the largest finite value of the
+    *storage* dtype (``dst``'s), then write it into ``dst`` if it is a copy.
+
+    A finite gradient spike whose square overflows leaves ``±max``, not an ``inf`` that
+    would zero that entry's update for the rest of the run (``β₂·inf = inf``). The
+    bound is ``dst``'s: fp32's max (3.40e38) rounds to ``inf`` in bf16 (whose max is
+    3.39e38) and fp16 (65504), so saturating the fp32 copy alone stored ``inf`` in a
+    bf16 state for good. Clamping to the storage max is exact (that max is an fp32
+    value) and leaves every entry below it as it was; for an fp32/fp64 state ``wide`` is
+    ``dst`` and this is :func:`~dmuon.optim.transforms.momentum.saturate_`. The clamp is
+    in place: the caller goes on with ``wide`` as stored. (:func:`round_state_` is the
+    same bound for state kept in ``state_dtype``, rounded.)
+
+    Examples:
+        >>> import torch
+        >>> dst, wide = torch.zeros(2, dtype=torch.bfloat16), torch.tensor([3.4e38, 1.0])
+        >>> store_saturated(dst, wide)
+        >>> dst.tolist(), wide.tolist()  # bf16's max in both, not inf
+        ([3.3895313892515355e+38, 1.0], [3.3895313892515355e+38, 1.0])
+    """
+    big = torch.finfo(dst.dtype).max
+    wide.clamp_(-big, big)
+    if wide is not dst:
+        dst.copy_(wide)
 
 
 def round_state_(

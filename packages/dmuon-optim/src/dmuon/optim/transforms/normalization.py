@@ -22,6 +22,7 @@ import torch
 
 from dmuon.optim.hyperparameters import Option, real
 from dmuon.optim.matrix_split import MatrixSplit
+from dmuon.optim.state_precision import store_saturated
 from dmuon.optim.transforms.base import StateSpec, StepContext, Transform
 
 __all__ = [
@@ -42,24 +43,6 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself in fp32/fp64, else an fp32 copy: in fp16 an ε of 1e-8 rounds to 0 and
     squares of small entries underflow, which turned a zero or tiny gradient into 0/0."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
-
-
-def _store_saturated(V: torch.Tensor, Vw: torch.Tensor) -> None:
-    """Clamp the working copy ``Vw`` to ``±`` the largest finite value of the *storage*
-    dtype (``V``'s), then write it into ``V`` if it is a copy.
-
-    A finite gradient spike whose square overflows leaves ``±max``, not an ``inf`` that
-    would zero that entry's update for the rest of the run (``β₂·inf = inf``). The
-    bound is ``V``'s: fp32's max (3.40e38) rounds to ``inf`` in bf16 (whose max is
-    3.39e38) and fp16 (65504), so saturating the fp32 copy alone stored ``inf`` in a
-    bf16 state for good. Clamping to the storage max is exact (that max is an fp32
-    value) and leaves every entry below it as it was; for an fp32/fp64 state ``Vw`` is
-    ``V`` and this is :func:`~dmuon.optim.transforms.momentum.saturate_`.
-    """
-    big = torch.finfo(V.dtype).max
-    Vw.clamp_(-big, big)
-    if Vw is not V:
-        V.copy_(Vw)
 
 
 def match_frobenius(
@@ -133,7 +116,7 @@ class RowNormalize(Transform):
             row_mean = _summed(Xw.square().sum(dim=-1), split) / split.shape[1]
         else:
             row_mean = Xw.square().mean(dim=-1)
-        _store_saturated(v, vw.mul_(beta2).add_(row_mean, alpha=1.0 - beta2))
+        store_saturated(v, vw.mul_(beta2).add_(row_mean, alpha=1.0 - beta2))
         denom = vw.sqrt().unsqueeze(-1) + eps
         Y = Xw / (_nonzero(denom) if eps == 0 else denom)
         return match_frobenius(Y, Xw, split).to(X.dtype)
@@ -177,7 +160,7 @@ class ElementwiseNormalize(Transform):
         beta2, eps = float(ctx.hp["beta2"]), float(ctx.hp["eps"])
         V, Xw = state["second_moment"], _wide(X)
         Vw = _wide(V)
-        _store_saturated(V, Vw.mul_(beta2).addcmul_(Xw, Xw, value=1.0 - beta2))
+        store_saturated(V, Vw.mul_(beta2).addcmul_(Xw, Xw, value=1.0 - beta2))
         denom = Vw.sqrt() + eps
         Y = Xw / (_nonzero(denom) if eps == 0 else denom)
         return match_frobenius(Y, Xw, ctx.split).to(X.dtype)
@@ -225,7 +208,7 @@ class AdamPrecondition(Transform):
         # saturated at V's dtype's max: a finite gradient spike whose square overflows
         # leaves ±max, not an inf that would zero that entry's update for the rest of the
         # run (β₂·inf = inf) — in a bf16/fp16 state too, where fp32's max is inf
-        _store_saturated(V, Vw.mul_(beta2).addcmul_(G, G, value=1.0 - beta2))
+        store_saturated(V, Vw.mul_(beta2).addcmul_(G, G, value=1.0 - beta2))
         # 0/√(0 + ε) is 0 in fp32; a zero second moment with ε = 0 is guarded too
         Y = _wide(X) / _nonzero((Vw + eps).sqrt())
         return Y.to(X.dtype)
