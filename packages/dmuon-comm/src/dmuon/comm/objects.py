@@ -23,7 +23,7 @@ from dmuon.comm.faults import wait_work
 from dmuon.comm.flags import flag_device
 from dmuon.comm.torch_compat import all_gather_single
 
-__all__ = ["all_gather_objects", "broadcast_object"]
+__all__ = ["all_gather_objects", "broadcast_object", "broadcast_payload"]
 
 
 _WHAT = "all-gather of picklable objects"
@@ -58,6 +58,29 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
     return [pickle.loads(bytes(rows[r, : lengths[r]].tolist())) for r in range(n)]
 
 
+def broadcast_payload(
+    data: bytes, group: dist.ProcessGroup | None = None, what: str = "broadcast of a payload"
+) -> torch.Tensor:
+    """Rank 0 of ``group``'s ``data`` (the group's first rank; the others' is ignored) on
+    every rank, as a CPU ``uint8`` tensor: two broadcasts from that rank, the length and
+    then the bytes, under the current :func:`~dmuon.comm.collective_timeout`. Every rank
+    of ``group`` must call it, in a process group of more than one rank. The caller turns
+    the tensor into bytes as it can (``bytes(t.tolist())`` without numpy,
+    ``t.numpy().tobytes()`` with it, faster for a large payload).
+    """
+    device = flag_device(group)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    wait_work(dist.broadcast(length, src=src, group=group, async_op=True), what, group)
+    payload = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        if dist.get_rank() == src
+        else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    )
+    wait_work(dist.broadcast(payload, src=src, group=group, async_op=True), what, group)
+    return payload.cpu()
+
+
 def broadcast_object(obj: Any, group: dist.ProcessGroup | None = None) -> Any:
     """The ``obj`` of rank 0 of ``group`` (the group's first rank), on every rank.
 
@@ -72,17 +95,8 @@ def broadcast_object(obj: Any, group: dist.ProcessGroup | None = None) -> Any:
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return obj
-    device = flag_device(group)
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    first = dist.get_rank() == src
-    data = pickle.dumps(obj) if first else b""
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    what = "broadcast of a picklable object"
-    wait_work(dist.broadcast(length, src=src, group=group, async_op=True), what, group)
-    payload = (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-        if first
-        else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    first = dist.get_rank() == (dist.get_global_rank(group, 0) if group is not None else 0)
+    payload = broadcast_payload(
+        pickle.dumps(obj) if first else b"", group, "broadcast of a picklable object"
     )
-    wait_work(dist.broadcast(payload, src=src, group=group, async_op=True), what, group)
-    return obj if first else pickle.loads(bytes(payload.cpu().tolist()))
+    return obj if first else pickle.loads(bytes(payload.tolist()))

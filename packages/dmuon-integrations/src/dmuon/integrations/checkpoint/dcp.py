@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from dmuon.comm.faults import wait_work
 from dmuon.comm.flags import flag_device
+from dmuon.comm.objects import broadcast_payload
 from dmuon.integrations.checkpoint.compat import (
     CheckpointMismatchError,
     CheckpointReadError,
@@ -184,17 +185,8 @@ def _extra_bytes(extra: Mapping[str, Any], optimizer: DMuon) -> bytes:
     phase = "DMuon checkpoint save"
     if _same_on_every_rank(blob, optimizer, phase, "checkpoint.save's extra"):
         return blob
-    device = flag_device(None)
     with checkpoint_deadline(optimizer, phase):
-        size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
-        wait_work(dist.broadcast(size, src=0, async_op=True), "broadcast of rank 0's extra")
-        data = (
-            torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
-            if dist.get_rank() == 0
-            else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        )
-        wait_work(dist.broadcast(data, src=0, async_op=True), "broadcast of rank 0's extra")
-    kept = data.cpu().numpy().tobytes()
+        kept = broadcast_payload(blob, None, "broadcast of rank 0's extra").numpy().tobytes()
     if dist.get_rank() == 0 or not extra:  # a rank that passed none takes rank 0's
         return kept
     theirs = _extra_from(kept)
