@@ -49,6 +49,12 @@ def adopt_first_plan(
     :func:`~dmuon.comm.check_plan_consistency` (or DMuon's model check), called next,
     still reports the different model as such.
 
+    Any other cause of different owners over one model is settled the same way, on
+    purpose: costs measured on each rank (a ``batch_cost`` or a mapping of timings that
+    differ between ranks by noise), or plan arguments that differ between ranks (a
+    ``strategy`` or ``pack_below`` read from a rank-local setting). The first rank's plan
+    is then every rank's, so the collectives match; its arguments are the ones that count.
+
     Over several groups in turn (HSDP: the shard group, then the replicate group; a
     ``dp × tp`` mesh: ``dp``, then ``tp``) every rank ends with the plan of the rank
     that is first in all of them. Every rank of each group must call it, with whatever
