@@ -15,7 +15,7 @@ every rank (:func:`~dmuon.optim.engine.guards.agree_step`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from dmuon.optim.group_options import (
 )
 from dmuon.optim.sparse_gradients import first_sparse
 
-__all__ = ["GroupRecord", "group_values"]
+__all__ = ["GroupRecord", "check_groups", "group_values"]
 
 _MISSING = object()
 
@@ -213,3 +213,30 @@ def group_values(records: Iterable[GroupRecord]) -> GroupValues:
         int.from_bytes(h.digest(), "little"),
         lambda: {r.label: (r.index, r.described()) for r in records},
     )
+
+
+def check_groups(
+    records: Mapping[int, GroupRecord], param_groups: Sequence[dict[str, Any]]
+) -> tuple[str | None, Exception | None, GroupValues | None]:
+    """What ``DMuon.step`` brings to its agreement from ``param_groups``: the first
+    parameter with a sparse gradient (as errors name it), the error this rank's check of
+    a group raised, and (none raised) every group's values (:func:`group_values`).
+
+    Nothing is raised here: a rank raising alone would leave the others waiting in the
+    step's first collective, so a refusal is agreed there and raised on every rank alike
+    (:func:`~dmuon.optim.engine.guards.agree_step`). A group appended to ``param_groups``
+    directly has no record: it is refused with the call that adds one.
+    """
+    sparse: str | None = None
+    for index, group in enumerate(param_groups):
+        try:
+            if index not in records:
+                raise RuntimeError(
+                    f"param group {index} was appended to param_groups directly: DMuon "
+                    "has no state or plan for it. Use opt.add_param_group(group)"
+                )
+            found = records[index].check(group)  # what the caller changed since
+        except Exception as err:  # any error of a check: agreed, not raised alone
+            return sparse, err, None
+        sparse = sparse or found
+    return sparse, None, group_values(records[i] for i in sorted(records))

@@ -31,6 +31,8 @@ al., *Mixed Precision Training*, ICLR 2018, for dynamic loss scaling).
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -39,7 +41,7 @@ import torch.distributed as dist
 from dmuon.optim.engine.base import Engine
 from dmuon.optim.engine.params import is_dtensor
 
-__all__ = ["AGREED_MODES", "scaler_skips", "unscale_"]
+__all__ = ["AGREED_MODES", "scaler_skips", "scaler_unscaled", "unscale_"]
 
 AGREED_MODES = ("owner", "sign")
 """The modes whose ranks hold different gradients at the step (owner mode: each its own
@@ -167,3 +169,31 @@ def scaler_skips(optimizer: Any, *, unscaled: bool, mode: str) -> bool:
         f"DMuon's {mode!r} mode cannot take this loss-scaled step: {why}. {_RECIPE}. "
         "Nothing was updated"
     )
+
+
+def scaler_unscaled(
+    optimizer: torch.optim.Optimizer, scaler_ref: weakref.ref[torch.amp.GradScaler] | None
+) -> bool:
+    """Whether the scaler that unscaled ``optimizer``'s gradients has not yet stepped it
+    or updated since (``True`` where that cannot be read).
+
+    torch's scalers offer no public way to ask this, and on a skipped step they never
+    call the optimizer, so this reads ``GradScaler._per_optimizer_states`` (keyed by
+    ``id(optimizer)``; its ``"stage"``: ``OptState.UNSCALED`` after ``unscale_``,
+    ``STEPPED`` after ``step``, the entry gone after ``update``), stable since torch
+    1.6 and the same in FSDP's ``ShardedGradScaler``. Guarded: a scaler freed,
+    disabled (its ``unscale_`` records nothing) or without that record answers
+    ``True``, the step count alone deciding, as before this check.
+    """
+    scaler = scaler_ref() if scaler_ref is not None else None
+    if scaler is None or not scaler.is_enabled():
+        return True
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not isinstance(states, Mapping):
+        return True
+    state = states.get(id(optimizer))  # .get: a defaultdict must not grow an entry here
+    stage = state.get("stage") if isinstance(state, Mapping) else None
+    unscaled_stage = getattr(getattr(torch.amp.grad_scaler, "OptState", None), "UNSCALED", None)
+    if unscaled_stage is None:
+        return True
+    return stage is unscaled_stage

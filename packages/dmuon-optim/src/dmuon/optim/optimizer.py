@@ -1,8 +1,10 @@
 """``DMuon``: the Muon family of update rules as one ``torch.optim.Optimizer``.
 
 A thin class, in the spirit of ``torch.optim.AdamW``: the group defaults and checks
-live in ``group_options.py``, the state and its checks in ``optimizer_state.py``,
-the step in ``stepping.py``, the execution modes in ``engine/``. ``DMuon`` is the
+live in ``group_options.py`` (what ``step()`` re-checks: ``group_record.py``), the
+state and its checks in ``optimizer_state.py``, the state dicts around torch's in
+``state_dicts.py``, fp16 loss scaling in ``loss_scaling.py``, the step in
+``stepping.py``, the execution modes in ``engine/``. ``DMuon`` is the
 :class:`~dmuon.optim.engine.Stepper` its engine drives.
 """
 
@@ -25,18 +27,12 @@ from dmuon.optim.engine.modes import check_layouts, make_engine
 from dmuon.optim.engine.report import StepReport
 from dmuon.optim.engine.tensor_split import drop_relaid_grads
 from dmuon.optim.group_options import GroupDefaults, check_distinct_params
-from dmuon.optim.group_record import GroupRecord, group_values
-from dmuon.optim.loss_scaling import AGREED_MODES, scaler_skips, unscale_
-from dmuon.optim.optimizer_state import (
-    build_state,
-    check_loaded_state,
-    check_state_dict_keys,
-    refuse_unloadable,
-    reload_matrix_state,
-    reload_scalar_state,
-)
+from dmuon.optim.group_record import GroupRecord, check_groups
+from dmuon.optim.loss_scaling import AGREED_MODES, scaler_skips, scaler_unscaled, unscale_
+from dmuon.optim.optimizer_state import build_state, check_loaded_state
 from dmuon.optim.rules import RULES
 from dmuon.optim.scalar import SCALAR_ALGORITHMS
+from dmuon.optim.state_dicts import check_saved_groups, load_checked, with_distributed
 from dmuon.optim.stepping import check_guard_options, run_step, step_matrices, step_scalars
 from dmuon.optim.vote import SignVote, local_vote
 
@@ -390,25 +386,7 @@ class DMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # refused in the step's agreement, on every rank alike (run_step): a sparse
-        # gradient, a group value this rank refuses (raised here alone, it would leave
-        # the other ranks waiting in the step's first collective), and the groups' values
-        # compared across ranks (a scheduler stepped on one rank only)
-        sparse: str | None = None
-        refused: Exception | None = None
-        for index, group in enumerate(self.param_groups):
-            try:
-                if index not in self._records:
-                    raise RuntimeError(
-                        f"param group {index} was appended to param_groups directly: DMuon "
-                        "has no state or plan for it. Use opt.add_param_group(group)"
-                    )
-                found = self._records[index].check(group)  # what the caller changed since
-            except Exception as err:  # any error of a check: agreed, not raised alone
-                refused = err
-                break
-            sparse = sparse or found
-        values = None if refused else group_values(self._records[i] for i in sorted(self._records))
+        sparse, refused, values = check_groups(self._records, self.param_groups)
         try:
             report, stepped = run_step(
                 self,
@@ -505,7 +483,7 @@ class DMuon(torch.optim.Optimizer):
         """
         if self._unscaled_step != self.steps_taken + self.skipped_steps + 1:
             return False
-        return _scaler_unscaled(self, self._unscaled_by)
+        return scaler_unscaled(self, self._unscaled_by)
 
     def collective_deadline(self) -> float | None:
         """The deadline, in seconds, of DMuon's collectives now (``None``: the group's).
@@ -589,33 +567,7 @@ class DMuon(torch.optim.Optimizer):
         checks); post-hooks see the state as loaded, DMuon's own restoring of its
         buffers already done, and what they change stays (as with ``torch.optim``).
         """
-        if not self._optimizer_load_state_dict_pre_hooks:
-            check_state_dict_keys(state_dict)
-        # Registered last, so it checks the dict the caller's own pre-hooks return,
-        # and runs before torch's load changes anything.
-        seen: list[dict[str, Any]] = []  # the dict torch loads, after the caller's hooks
-
-        def reload(_: torch.optim.Optimizer) -> None:
-            # torch cast the state of fp16/bf16 parameters to their dtype (fp32 scalar
-            # state, matrix state with state_dtype="float32"); undo it. A post-hook put
-            # first, so that the caller's own post-hooks see (and may change) the state as
-            # loaded: run after them, this copy would overwrite what they changed.
-            loaded = seen[-1] if seen else state_dict
-            reload_scalar_state(self.param_groups, self.state, loaded)
-            reload_matrix_state(self.param_groups, self.state, loaded)
-
-        # Registered for this call only (not in the constructor): hooks are not pickled,
-        # and prepended here no post-hook of the caller's, prepended or not, runs first.
-        handles = [
-            self.register_load_state_dict_pre_hook(refuse_unloadable(self._engine)),
-            self.register_load_state_dict_pre_hook(lambda _, sd: seen.append(sd)),
-            self.register_load_state_dict_post_hook(reload, prepend=True),
-        ]
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            for handle in handles:
-                handle.remove()
+        load_checked(self, self._engine, state_dict, super().load_state_dict)
 
     def check_param_groups(self, param_groups: Sequence[Mapping[str, Any]]) -> None:
         """Check saved param groups as :meth:`load_state_dict` would, changing nothing.
@@ -642,23 +594,7 @@ class DMuon(torch.optim.Optimizer):
             ...
             ValueError: param group 0: momentum must be ...
         """
-        if len(param_groups) != len(self.param_groups):
-            raise ValueError(
-                f"{len(param_groups)} param group(s) given, the optimizer has "
-                f"{len(self.param_groups)}"
-            )
-        problems = []
-        for index, (saved, live) in enumerate(zip(param_groups, self.param_groups, strict=True)):
-            group = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
-            group["params"] = live["params"]
-            if "param_names" in live:
-                group["param_names"] = live["param_names"]
-            try:
-                self._group_defaults.normalize(group, index)
-            except (ValueError, TypeError) as err:
-                problems.append(str(err))
-        if problems:
-            raise ValueError("\n".join(problems))
+        check_saved_groups(self._group_defaults, param_groups, self.param_groups)
 
     def state_dict(self) -> dict[str, Any]:
         """The state dict of ``torch.optim.Optimizer``, plus ``"distributed"``: the mode,
@@ -670,14 +606,7 @@ class DMuon(torch.optim.Optimizer):
         put first, for this call only), so that the caller's post-hooks see, and may
         change or drop, the whole dict this returns."""
 
-        def describe(_: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-            sd["distributed"] = self._engine.describe()
-
-        handle = self.register_state_dict_post_hook(describe, prepend=True)
-        try:
-            return super().state_dict()
-        finally:
-            handle.remove()
+        return with_distributed(self, self._engine, super().state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
         if getattr(self, "_engine", None) is not None and self._engine.mode != "single":
@@ -721,34 +650,6 @@ class DMuon(torch.optim.Optimizer):
         self._initialized = True
         for index in range(len(self.param_groups)):
             self._rebuild(index)
-
-
-def _scaler_unscaled(
-    optimizer: torch.optim.Optimizer, scaler_ref: weakref.ref[torch.amp.GradScaler] | None
-) -> bool:
-    """Whether the scaler that unscaled ``optimizer``'s gradients has not yet stepped it
-    or updated since (``True`` where that cannot be read).
-
-    torch's scalers offer no public way to ask this, and on a skipped step they never
-    call the optimizer, so this reads ``GradScaler._per_optimizer_states`` (keyed by
-    ``id(optimizer)``; its ``"stage"``: ``OptState.UNSCALED`` after ``unscale_``,
-    ``STEPPED`` after ``step``, the entry gone after ``update``), stable since torch
-    1.6 and the same in FSDP's ``ShardedGradScaler``. Guarded: a scaler freed,
-    disabled (its ``unscale_`` records nothing) or without that record answers
-    ``True``, the step count alone deciding, as before this check.
-    """
-    scaler = scaler_ref() if scaler_ref is not None else None
-    if scaler is None or not scaler.is_enabled():
-        return True
-    states = getattr(scaler, "_per_optimizer_states", None)
-    if not isinstance(states, Mapping):
-        return True
-    state = states.get(id(optimizer))  # .get: a defaultdict must not grow an entry here
-    stage = state.get("stage") if isinstance(state, Mapping) else None
-    unscaled_stage = getattr(getattr(torch.amp.grad_scaler, "OptState", None), "UNSCALED", None)
-    if unscaled_stage is None:
-        return True
-    return stage is unscaled_stage
 
 
 # The constructor's own keywords, offered when a misspelt one reaches the rule options.
