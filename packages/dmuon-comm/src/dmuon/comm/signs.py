@@ -75,6 +75,24 @@ def plus_minus(plus: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return plus.to(dtype).mul_(2).sub_(1)
 
 
+def _byte_rows(x: torch.Tensor, per_byte: int, op: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` flattened, and the ``(ceil(numel/per_byte), per_byte)`` uint8 rows of ones that
+    :func:`pack_signs` and :func:`pack_votes` fill with its first ``numel`` entries (row
+    ``b``: the entries of byte ``b``).
+
+    The ones past the last entry are both packings' padding: a set bit (``+``) for signs,
+    the digit ``0 + 1`` of an abstention for votes. ``op`` names the caller in the error.
+
+    Raises:
+        ValueError: ``x`` is complex or boolean (no sign to pack).
+    """
+    if x.is_complex() or x.dtype == torch.bool:
+        raise ValueError(f"{op} needs a real numeric tensor, got dtype {x.dtype}")
+    flat = x.reshape(-1)
+    nbytes = -(-flat.numel() // per_byte)
+    return flat, torch.ones(nbytes, per_byte, dtype=torch.uint8, device=x.device)
+
+
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """Signs of ``x`` as a 1-D uint8 tensor of ``ceil(numel/8)`` bytes, 8 signs per byte.
 
@@ -92,14 +110,9 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
         >>> pack_signs(torch.tensor([1.0, -2.0, 0.0, -0.0, -1.0, 3.0, -5.0, 7.0, -1.0]))
         tensor([173, 254], dtype=torch.uint8)
     """
-    if x.is_complex() or x.dtype == torch.bool:
-        raise ValueError(f"pack_signs needs a real numeric tensor, got dtype {x.dtype}")
-    flat = x.reshape(-1)
-    n = flat.numel()
-    nbytes = -(-n // 8)
-    bits = torch.ones(nbytes * 8, dtype=torch.uint8, device=x.device)
-    torch.ge(flat, 0, out=bits[:n])
-    return pack_bits(bits.view(nbytes, 8))
+    flat, bits = _byte_rows(x, 8, "pack_signs")
+    torch.ge(flat, 0, out=bits.view(-1)[: flat.numel()])
+    return pack_bits(bits)
 
 
 def unpack_signs(
@@ -158,14 +171,9 @@ def pack_votes(x: torch.Tensor) -> torch.Tensor:
         >>> pack_votes(torch.tensor([1.0, -2.0, 0.0, 3.0, -1.0, 0.5]))  # 2+0+9+54+0, 2+3+9+27+81
         tensor([ 65, 122], dtype=torch.uint8)
     """
-    if x.is_complex() or x.dtype == torch.bool:
-        raise ValueError(f"pack_votes needs a real numeric tensor, got dtype {x.dtype}")
-    flat = x.reshape(-1)
-    n = flat.numel()
-    nbytes = -(-n // VOTES_PER_BYTE)
-    digits = torch.ones(nbytes * VOTES_PER_BYTE, dtype=torch.uint8, device=x.device)
-    digits[:n] += ternary_signs(flat, torch.int8).view(torch.uint8)  # 1 + (−1 as 255) = 0
-    digits = digits.view(nbytes, VOTES_PER_BYTE)
+    flat, digits = _byte_rows(x, VOTES_PER_BYTE, "pack_votes")
+    # the digit sign + 1: 1 + (−1 as 255) wraps to 0
+    digits.view(-1)[: flat.numel()] += ternary_signs(flat, torch.int8).view(torch.uint8)
     out = digits[:, 0].clone()
     for i in range(1, VOTES_PER_BYTE):
         out.add_(digits[:, i], alpha=_POWERS[i])  # ≤ 2·(1 + 3 + 9 + 27 + 81) = 242
