@@ -2,10 +2,10 @@
 
 A thin class, in the spirit of ``torch.optim.AdamW``: the group defaults and checks
 live in ``group_options.py`` (what ``step()`` re-checks: ``group_record.py``), the
-state and its checks in ``optimizer_state.py``, the state dicts around torch's in
-``state_dicts.py``, fp16 loss scaling in ``loss_scaling.py``, the step in
-``stepping.py``, the execution modes in ``engine/``. ``DMuon`` is the
-:class:`~dmuon.optim.engine.Stepper` its engine drives.
+state in ``optimizer_state.py``, a loaded dict's checks in ``loaded_state.py``, the
+state dicts around torch's in ``state_dicts.py``, fp16 loss scaling in
+``loss_scaling.py``, the step in ``stepping.py``, the execution modes in ``engine/``.
+``DMuon`` is the :class:`~dmuon.optim.engine.Stepper` its engine drives.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from dmuon.optim.engine.report import StepReport
 from dmuon.optim.engine.tensor_split import drop_relaid_grads
 from dmuon.optim.group_options import GroupDefaults, check_distinct_params
 from dmuon.optim.group_record import GroupRecord, check_groups
+from dmuon.optim.loaded_state import check_loaded_state
 from dmuon.optim.loss_scaling import AGREED_MODES, scaler_skips, scaler_unscaled, unscale_
-from dmuon.optim.optimizer_state import build_state, check_loaded_state
+from dmuon.optim.optimizer_state import build_state
 from dmuon.optim.rules import RULES
 from dmuon.optim.scalar import SCALAR_ALGORITHMS
 from dmuon.optim.state_dicts import check_saved_groups, load_checked, with_distributed

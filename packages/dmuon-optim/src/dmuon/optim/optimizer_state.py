@@ -1,15 +1,15 @@
-"""State of :class:`~dmuon.optim.DMuon`: created eagerly, checked when a state dict loads.
+"""State of :class:`~dmuon.optim.DMuon`: created eagerly, restored after a state dict loads.
 
 Every parameter gets its state at construction, on every rank, under the same keys
 (DESIGN.md: "create every optimizer state eagerly so state dicts have the same keys
 on every rank"). A parameter another rank steps holds *placeholders*: empty tensors
 under the same keys. Matrix state is views into one stacked buffer per shape
-(:func:`~dmuon.optim.build_buckets`); scalar state is one tensor per key.
+(:func:`~dmuon.optim.build_buckets`); scalar state is one tensor per key. A dict is
+checked before it loads by :mod:`dmuon.optim.loaded_state`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -17,7 +17,6 @@ import torch
 
 from dmuon.optim.batch_layout import Bucket, build_buckets, state_shapes
 from dmuon.optim.engine.base import Engine
-from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.group_options import param_name
 from dmuon.optim.layout import matrix_layout
 from dmuon.optim.matrix_split import MatrixSplit, local_tensor
@@ -31,12 +30,8 @@ __all__ = [
     "WRAPPER_NAMES",
     "StatePair",
     "build_state",
-    "check_loaded_state",
-    "check_state_dict_keys",
     "expected_state_shapes",
     "paired_states",
-    "refuse_nonfinite_state",
-    "refuse_unloadable",
     "reload_matrix_state",
     "reload_scalar_state",
 ]
@@ -45,7 +40,7 @@ FULL_STATE_FORMAT = "dmuon.full_state_dict"
 """The ``"format"`` tag of a whole owner-mode optimizer state kept under one key, as
 ``dmuon.integrations.lightning.DMuonStrategy`` writes it into a checkpoint (its
 ``CHECKPOINT_FORMAT``): not a state dict of one optimizer, which
-:func:`check_state_dict_keys` says when one is loaded as such."""
+:func:`~dmuon.optim.loaded_state.check_state_dict_keys` says when one is loaded as such."""
 
 
 def build_state(
@@ -118,27 +113,6 @@ def build_state(
     return out
 
 
-def check_state_dict_keys(state_dict: Any) -> None:
-    """Raise unless ``state_dict`` is a dict with ``"state"`` and ``"param_groups"``."""
-    if not isinstance(state_dict, Mapping):
-        raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-    missing = [k for k in ("state", "param_groups") if k not in state_dict]
-    if missing and state_dict.get("format") == FULL_STATE_FORMAT:  # a Lightning checkpoint's
-        raise ValueError(
-            "this is the whole optimizer state of a DMuon in owner mode, as "
-            "dmuon.integrations.lightning.DMuonStrategy writes it into a Lightning "
-            "checkpoint (every owner's share, by parameter name), not a state dict of "
-            "this optimizer: resume under DMuonStrategy (any number of devices, one "
-            "included), which gives each rank its share (outside Lightning: "
-            "dmuon.integrations.checkpoint.load_full_state_dict with this dict's 'optim')"
-        )
-    if missing:
-        raise ValueError(
-            f"state dict is missing key(s) {missing}; an optimizer state dict has "
-            "'state' and 'param_groups'"
-        )
-
-
 def expected_state_shapes(
     group: Mapping[str, Any],
     p: torch.Tensor,
@@ -147,7 +121,7 @@ def expected_state_shapes(
     split_of: Callable[[torch.Tensor], MatrixSplit | None] | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """The state keys of ``p`` on this rank and their shapes (see
-    :func:`check_loaded_state` for a split matrix's and a shard's).
+    :func:`~dmuon.optim.loaded_state.check_loaded_state` for a split matrix's and a shard's).
 
     Examples:
         >>> import torch
@@ -167,210 +141,6 @@ def expected_state_shapes(
     return state_shapes(get_rule(group["rule"]), matrix_layout(local, dict(group), name))
 
 
-def check_loaded_state(
-    state: Mapping[Any, Any],
-    groups: list[dict[str, Any]],
-    on_shard: Callable[[torch.Tensor], bool] | None = None,
-    split_of: Callable[[torch.Tensor], MatrixSplit | None] | None = None,
-) -> None:
-    """Raise unless ``state`` has exactly the keys and shapes ``groups`` need.
-
-    A matrix the engine steps on this rank's local part (``on_shard``: a tensor-parallel
-    shard, or the experts of a stack split over its expert dimension) has state shaped
-    like its local shard, or like the split's ``local_shape`` when ``split_of`` gives
-    one (``sharded`` mode's owner under FSDP2 over tensor parallelism holds its whole
-    ``tp`` shard); under a rule that needs whole matrices (which gathers the shards),
-    like the whole matrix.
-    """
-    params = {p for g in groups for p in g["params"]}
-    extra = [k for k in state if not (isinstance(k, torch.Tensor) and k in params)]
-    if extra:
-        raise ValueError(
-            f"state dict has state for parameter id(s) {extra} that belong to no group of "
-            "this optimizer"
-        )
-    for gi, g in enumerate(groups):
-        names = g.get("param_names")
-        for i, p in enumerate(g["params"]):
-            name = param_name(names, i, gi, p)
-            expected = expected_state_shapes(g, p, name, on_shard, split_of)
-            st = state.get(p)
-            if st is None:
-                raise ValueError(
-                    f"state dict has no state for {name}; expected keys {sorted(expected)}"
-                )
-            missing = sorted(set(expected) - set(st))
-            surplus = sorted(set(st) - set(expected))
-            if missing or surplus:
-                raise ValueError(
-                    f"state of {name} (rule {g['rule']!r}): missing key(s) "
-                    f"{missing}, unexpected key(s) {surplus}; expected {sorted(expected)}"
-                )
-            for key, shape in expected.items():
-                value = st[key]
-                if key != "step" and isinstance(value, torch.Tensor) and value.numel() == 0:
-                    continue  # a placeholder: another rank steps this parameter
-                if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
-                    raise ValueError(f"state {key!r} of {name} has shape {got}; expected {shape}")
-
-
-def refuse_unloadable(engine: Engine) -> Callable[[torch.optim.Optimizer, dict[str, Any]], None]:
-    """A load-state-dict pre-hook: raise, before anything changes, on a dict that torch
-    would load wrongly without a word.
-
-    * Its groups name other parameters than the optimizer's (groups or parameters in
-      another order: torch would pair each saved state and group with the wrong
-      parameter).
-    * A group was saved with another rule (the load would switch it past the checks of
-      the mode, e.g. ``sign`` mode's vote).
-    * A state tensor was saved as a DTensor where the optimizer keeps a plain tensor,
-      or the reverse (a dict saved in another mode: FSDP2's DTensor state against a
-      plain one); torch's copy would fail half-way, leaving the state mixed.
-    * It holds a placeholder (an empty tensor, state another rank keeps) where this
-      rank holds full state: loading it would restart the parameter's momentum from
-      zero. The pattern is read off the optimizer's live state, which
-      :func:`build_state` shaped after what this rank steps.
-
-    * A state tensor holds a NaN or an Inf (:func:`refuse_nonfinite_state`): the next
-      step would write it into the weights, with no gradient to blame.
-
-    The first three are the same on every rank, so every rank refuses alike. The last
-    two depend on what this rank's dict holds: a rank that refuses raises before torch
-    changes anything, and its peers, which loaded, raise
-    :class:`~dmuon.comm.CollectiveError` at the deadline of their next step's first
-    collective (or at once, when the refusing process exits), never hang. Malformed
-    dicts are left to the checks that name them (torch's group sizes,
-    :func:`check_loaded_state`).
-    """
-
-    def hook(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("distributed")
-        if isinstance(saved, Mapping):
-            engine.check_loaded_description(saved)
-        saved_groups = state_dict.get("param_groups")
-        if not isinstance(saved_groups, list) or len(saved_groups) != len(opt.param_groups):
-            return
-        for gi, (live, saved) in enumerate(zip(opt.param_groups, saved_groups, strict=True)):
-            if isinstance(saved, Mapping):
-                _refuse_other_group(gi, live, saved)
-        for pair in paired_states(opt.param_groups, opt.state, state_dict):
-            for key, mine in pair.mine.items():
-                other = pair.theirs.get(key)
-                if not (isinstance(mine, torch.Tensor) and isinstance(other, torch.Tensor)):
-                    continue
-                if is_dtensor(mine) != is_dtensor(other):
-                    kinds = ("a DTensor", "a plain tensor")
-                    raise ValueError(
-                        f"state {key!r} of {pair.name} was saved as "
-                        f"{kinds[not is_dtensor(other)]}, and this optimizer keeps "
-                        f"{kinds[not is_dtensor(mine)]}: the dict was saved in another "
-                        "mode (FSDP2's sharded parameters against plain ones). Load it "
-                        "in the mode it was saved in, or save and load across modes "
-                        "with dmuon.integrations.checkpoint"
-                    )
-                if is_dtensor(mine) and mine.device_mesh != other.device_mesh:  # type: ignore[attr-defined]
-                    raise ValueError(
-                        f"state {key!r} of {pair.name} was saved as a DTensor on a mesh of "
-                        f"ranks {_mesh_ranks(other)}, and this optimizer keeps it on ranks "
-                        f"{_mesh_ranks(mine)}: the dict was saved at another world size or "
-                        "on another mesh (torch's copy would fail half-way, leaving the "
-                        "state mixed). Load it where it was saved, or save and load across "
-                        "world sizes with dmuon.integrations.checkpoint"
-                    )
-                if key != "step" and mine.numel() > 0 and other.numel() == 0:
-                    raise ValueError(
-                        _foreign_placeholder_message(engine, state_dict, key, pair.name)
-                    )
-        refuse_nonfinite_state(opt.param_groups, opt.state, state_dict)
-
-    return hook
-
-
-def refuse_nonfinite_state(
-    groups: list[dict[str, Any]], state: Mapping[Any, Any], state_dict: Mapping[str, Any]
-) -> None:
-    """Raise ``ValueError`` naming the parameter and the state key of the first saved
-    floating-point state tensor of ``state_dict`` that holds a NaN or an Inf.
-
-    A NaN momentum (a run saved after its state was poisoned, a corrupted file) passes
-    every shape check, and the next step writes it into the weights: the step's
-    non-finite guard reads the gradients, not the state. One fused pass: the max-abs
-    norm of every tensor (a NaN or an Inf entry makes it NaN or Inf, and finite entries
-    cannot overflow it, as an ℓ2 norm of entries near 3e38 would) in one
-    ``torch._foreach_norm`` per device, then one read of all of them. A DTensor is
-    checked by its local part (each rank its own shard), a placeholder (empty: state
-    another rank keeps) is passed over.
-
-    Examples:
-        >>> import torch
-        >>> w = torch.nn.Parameter(torch.zeros(2, 2))
-        >>> groups = [{"params": [w], "param_names": ["w"]}]
-        >>> saved = {"state": {0: {"momentum_buffer": torch.full((2, 2), float("nan"))}},
-        ...          "param_groups": [{"params": [0]}]}
-        >>> try:
-        ...     refuse_nonfinite_state(groups, {w: {}}, saved)
-        ... except ValueError as err:
-        ...     print(str(err)[:45])
-        state 'momentum_buffer' of parameter 'w' (par
-    """
-    found: list[tuple[str, str, torch.Tensor]] = []  # (name, key, local tensor)
-    for pair in paired_states(groups, state, state_dict):
-        for key, value in pair.theirs.items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            local = local_tensor(value)
-            if local.numel() and (local.is_floating_point() or local.is_complex()):
-                found.append((pair.name, key, local))
-    if not found:
-        return
-    by_device: dict[torch.device, list[int]] = {}
-    for i, (_, _, t) in enumerate(found):
-        by_device.setdefault(t.device, []).append(i)
-    finite = [True] * len(found)
-    for indices in by_device.values():
-        norms = torch._foreach_norm([found[i][2] for i in indices], math.inf, dtype=torch.float32)
-        for i, ok in zip(indices, torch.isfinite(torch.stack(norms)).tolist(), strict=True):
-            finite[i] = ok
-    bad = [found[i] for i, ok in enumerate(finite) if not ok]
-    if bad:
-        name, key, t = bad[0]
-        more = f" (and {len(bad) - 1} more state tensor(s))" if len(bad) > 1 else ""
-        raise ValueError(
-            f"state {key!r} of {name} holds a NaN or an Inf ({int((~t.isfinite()).sum())} "
-            f"of {t.numel()} entries){more}: the next step would write it into the "
-            "weights. Load a state dict saved before the state went non-finite (an "
-            "earlier checkpoint); the optimizer is unchanged"
-        )
-
-
-def _mesh_ranks(t: torch.Tensor) -> list[int]:
-    mesh = t.device_mesh  # type: ignore[attr-defined]
-    return [int(r) for r in mesh.mesh.flatten().tolist()]
-
-
-def _refuse_other_group(gi: int, live: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
-    """Raise if saved group ``gi`` names other parameters or another rule than ``live``."""
-    mine, theirs = live.get("param_names"), saved.get("param_names")
-    if mine is not None and theirs is not None and _unwrapped(mine) != _unwrapped(theirs):
-        raise ValueError(
-            f"param group {gi} of the state dict holds {_listed(theirs)}, this "
-            f"optimizer's holds {_listed(mine)}: the groups or their parameters are "
-            "in another order than when it was saved, and each saved state would "
-            "go to another parameter. Build the param groups as they were built "
-            "for the save (param_groups(model) on the same model), or load with "
-            "dmuon.integrations.checkpoint, which matches by name"
-        )
-    rule = saved.get("rule", saved.get("algorithm"))  # "algorithm": older dicts
-    if isinstance(rule, str) and "rule" in live and rule != live["rule"]:
-        raise ValueError(
-            f"param group {gi} of the state dict was saved with rule {rule!r}, this "
-            f"optimizer's steps it with {live['rule']!r}: a rule is chosen when the "
-            "optimizer is built, where its mode checks it (and the state is built for "
-            f"it). Build the optimizer with rule={rule!r} for this group to resume it"
-        )
-
-
 WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 """Attribute names of the modules that wrap another without a name of their own in a
 state dict: ``torch.compile``'s ``OptimizedModule``, activation checkpointing's
@@ -381,38 +151,6 @@ WRAPPER_NAMES = WRAPPER_ATTRIBUTES | {"module"}
 """The name components wrappers add to a parameter's name: DDP's ``module.`` and those of
 :data:`WRAPPER_ATTRIBUTES`. Left out when a load compares names, so a dict saved from the
 bare model loads into the wrapped one, as torch pairs by position."""
-
-
-def _unwrapped(names: Any) -> list[str]:
-    return [".".join(c for c in str(n).split(".") if c not in WRAPPER_NAMES) for n in names]
-
-
-def _listed(names: Any) -> str:
-    names = list(names)
-    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
-    return f"{names[:4]}{more}"
-
-
-def _foreign_placeholder_message(
-    engine: Engine, state_dict: Mapping[str, Any], key: str, name: str
-) -> str:
-    saved = state_dict.get("distributed")
-    if isinstance(saved, Mapping) and "rank" in saved:
-        saver = (
-            f"rank {saved['rank']} of {saved.get('world_size', '?')} in "
-            f"{saved.get('mode', '?')!r} mode"
-        )
-    else:
-        saver = "a rank it does not name (no 'distributed' entry)"
-    return (
-        f"state {key!r} of {name} is an empty placeholder in this state dict, saved by "
-        f"{saver}, where another rank steps that parameter; this is rank {engine.rank} of "
-        f"{engine.world_size} in {engine.mode!r} mode, which steps it, so loading would "
-        "restart its state from zero. Load the state dict this same rank saved (same mode, "
-        "world size and plan), or save and load with dmuon.integrations.checkpoint "
-        "(save/load or full_state_dict/load_full_state_dict), which reshards the state to "
-        "the ranks that step each parameter"
-    )
 
 
 def reload_scalar_state(

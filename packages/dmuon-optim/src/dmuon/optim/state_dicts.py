@@ -17,12 +17,8 @@ import torch
 
 from dmuon.optim.engine.base import Engine
 from dmuon.optim.group_options import GroupDefaults
-from dmuon.optim.optimizer_state import (
-    check_state_dict_keys,
-    refuse_unloadable,
-    reload_matrix_state,
-    reload_scalar_state,
-)
+from dmuon.optim.loaded_state import check_state_dict_keys, refuse_unloadable
+from dmuon.optim.optimizer_state import reload_matrix_state, reload_scalar_state
 
 __all__ = ["check_saved_groups", "load_checked", "with_distributed"]
 
