@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -67,12 +67,19 @@ class Pipeline:
 class PlannedEngine(Engine):
     """An engine that plans owners for the matrix parameters over one process group.
 
+    Attributes:
+        carries_presence: whether the step reads which parameters have a gradient on
+            some rank (:meth:`presence`): ``sharded`` and ``sign`` modes do; the flags then
+            ride in the step's agreement (:meth:`begin_step_agreeing`).
+
     Args:
         group: the process group (``None``: the world).
         pipeline_depth: pipeline groups whose communication may be in flight at once.
         stats: where bytes are recorded.
         plan_options: passed to :func:`dmuon.comm.plan_owners`.
     """
+
+    carries_presence: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -93,6 +100,8 @@ class PlannedEngine(Engine):
         self._owner: dict[int, int] = {}
         self._by_layer: dict[str, list[EngineParam]] = {}
         self._guard_groups: list[dist.ProcessGroup | None] = []
+        self._presence_at: int | None = None  # which guard group sums the presence flags
+        self._carried: dict[str, bool] | None = None  # this step's, from its agreement
 
     def bind(self, stepper: Stepper) -> None:
         super().bind(stepper)
@@ -115,6 +124,101 @@ class PlannedEngine(Engine):
         # DDP, FSDP2 or the training loop use these groups too: the guards' flags go
         # over twins, so a rank that is in another collective is never matched with them.
         self._guard_groups = guard_groups(self.agreement_groups())
+        self._presence_at = self._presence_group() if self.carries_presence else None
+
+    def _presence_group(self) -> int | None:
+        """The index of the guard group whose ranks are :attr:`group`'s, if there is one
+        and :attr:`group` has more than one rank: the presence flags are summed over it
+        inside the step's agreement (:meth:`begin_step_agreeing`); ``None``: they keep
+        their own all-reduce (:meth:`agree_presence`).
+
+        Every rank of that guard group decides alike: the groups are blocks of the same
+        mesh dimensions on every rank, so when this rank's :attr:`group` is the block of
+        guard group ``i`` holding it, every rank of that block finds the same ``i``."""
+        if group_size(self.group) < 2:
+            return None
+        mine = set(
+            dist.get_process_group_ranks(dist.group.WORLD if self.group is None else self.group)
+        )
+        for i, g in enumerate(self._guard_groups):
+            ranks = dist.get_process_group_ranks(dist.group.WORLD if g is None else g)
+            if set(ranks) == mine:
+                return i
+        return None
+
+    def begin_step(self) -> None:
+        self._carried = None  # a new step: whatever an earlier one left is not this one's
+        super().begin_step()
+
+    def skip_step(self) -> None:
+        super().skip_step()
+        self._carried = None  # a refused or skipped step leaves none for the next
+
+    def discard_grads(self) -> None:
+        super().discard_grads()
+        self._carried = None
+
+    def begin_step_agreeing(
+        self, slots: Callable[[frozenset[int]], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """Begin the step and sum the step's agreement with the gradient-presence flags
+        in one all-reduce (``sharded``, ``sign``: :attr:`carries_presence`), as owner mode
+        carries the agreement in its flush's flags
+        (:meth:`~dmuon.optim.engine.reduction.Reduction.flush`): one small all-reduce a
+        step where there were two (and a host read each).
+
+        The slots ``slots(frozenset())`` (nothing vouched finite here) come first, then
+        one ``int64`` flag per parameter, by name (the ranks may list the same parameters
+        in different orders), read after :meth:`begin_step` as :meth:`agree_presence`
+        read them in the step: nothing between the agreement and the step changes a
+        gradient. The slots are summed over every guard group in turn, as
+        :func:`~dmuon.optim.engine.guards.agree_step` sums them; the flags only in the
+        all-reduce over the guard group with :attr:`group`'s ranks (HSDP, FSDP2 over
+        tensor parallelism: the others carry the slots alone), so each flag counts the
+        ranks of :attr:`group` as before. :meth:`presence` gives them to the step.
+
+        Returns:
+            The slots summed (a host tensor: the flags were read once), or ``None`` when
+            nothing was carried (this mode reads no presence, or no guard group has
+            :attr:`group`'s ranks): the agreement then sums its slots itself.
+        """
+        self.begin_step()
+        at = self._presence_at
+        if at is None:
+            return None
+        agreement = slots(frozenset())
+        params = sorted(self.params, key=lambda e: e.name)
+        local = [int(e.param.grad is not None) for e in params]
+        k = agreement.numel()
+        flags = torch.cat(
+            [agreement, torch.tensor(local, dtype=torch.int64, device=agreement.device)]
+        )
+        groups = self._guard_groups
+        for i, g in enumerate(groups):
+            n = group_size(g)
+            if i == at:
+                what = "all-reduce of the step's agreement and gradient-presence flags"
+                wait_work(dist.all_reduce(flags, group=g, async_op=True), what, g)
+                self.stats.record_collective(
+                    "presence_flags", "all_reduce", nbytes=flags.nbytes, world_size=n
+                )
+            else:  # the slots alone (a contiguous view: summed in place)
+                what = "all-reduce of the step's agreement"
+                wait_work(dist.all_reduce(flags[:k], group=g, async_op=True), what, g)
+        # the deadline of the collectives left to the stream (NCCL), checked before the
+        # host read; waited for when the flags' own all-reduce was (the read waits anyway)
+        settle(wait=any(stream_waits(g, flags.device) for g in groups))
+        summed = flags.tolist()
+        self._carried = {e.name: bool(f) for e, f in zip(params, summed[k:], strict=True)}
+        # on the host: the agreement need not read the device again
+        return torch.tensor(summed[:k], dtype=torch.int64)
+
+    def presence(self) -> dict[str, bool]:
+        """Which parameters have a gradient on at least one rank of :attr:`group`, for
+        this step: carried in its agreement (:meth:`begin_step_agreeing`), else
+        :meth:`agree_presence` (one all-reduce more)."""
+        carried, self._carried = self._carried, None
+        return carried if carried is not None else self.agree_presence()
 
     def guard_groups(self) -> list[dist.ProcessGroup | None]:
         return self._guard_groups

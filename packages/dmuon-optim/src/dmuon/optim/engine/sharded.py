@@ -115,6 +115,7 @@ class ShardedEngine(PlannedEngine):
     """All-to-all to owners, batched rule there, all-to-all back, apply on shards."""
 
     mode = "sharded"
+    carries_presence = True
     _local_experts: frozenset[str] | set[str] = frozenset()
 
     def bind(self, stepper: Stepper) -> None:
@@ -204,7 +205,7 @@ class ShardedEngine(PlannedEngine):
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
         with report.phase("comm_wait"):
-            present = self.agree_presence()
+            present = self.presence()
         matrix_groups = [i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)]
         n = self.world_size
 

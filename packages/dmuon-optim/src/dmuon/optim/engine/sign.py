@@ -44,6 +44,7 @@ class SignEngine(PlannedEngine):
     """Local momentum and Newton–Schulz on every rank; one packed majority vote per batch."""
 
     mode = "sign"
+    carries_presence = True
 
     def bind(self, stepper: Stepper) -> None:
         super().bind(stepper)
@@ -95,7 +96,7 @@ class SignEngine(PlannedEngine):
 
     def step(self, stepper: Stepper, report: StepReport) -> None:
         with report.phase("comm_wait"):
-            present = self.agree_presence()
+            present = self.presence()
             self._average_scalars(present)
         matrix_groups = [i for i, g in enumerate(stepper.param_groups) if not stepper.is_scalar(g)]
         for key in self.layers:

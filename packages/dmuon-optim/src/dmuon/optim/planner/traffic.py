@@ -51,12 +51,12 @@ is all-reduced, and the plan the planner is given must hold the scalars by name.
 each mode's units, which also cut its rule calls
 (:mod:`~dmuon.optim.planner.rule_calls`).
 
-Every mode but the owner modes and ``replicated`` also all-reduces the int32
-gradient-presence flags of the parameters it steps (``presence_flags``); owner mode
-does it for the dedicated items (``owner-ddp``: and the all-reduced scalars;
-``owner-ddp-zero1``: the owned scalars are dedicated items), at
-the start of the step, with the step's agreement (a slot per rank, and four for the
-group values) in the same ``int64`` all-reduce.
+Every mode but ``replicated`` also all-reduces the gradient-presence flags of the
+parameters it steps (``presence_flags``) at the start of the step, with the step's
+agreement (a slot per rank, and four for the group values) in the same ``int64``
+all-reduce: owner mode for the dedicated items (``owner-ddp``: and the all-reduced
+scalars; ``owner-ddp-zero1``: the owned scalars are dedicated items), ``sharded`` and
+``sign`` for all their parameters.
 """
 
 from __future__ import annotations
@@ -402,7 +402,9 @@ def _sharded(plan: OwnerPlan, n: int, params: int) -> list[Transfer]:
                 back.received[me] += (total - mine) * e
             there.collectives += 1
             back.collectives += 1
-    return [there, back, _presence(params, n, "step")]
+    # the presence flags ride in the step's agreement (a slot per rank, VALUE_SLOTS for
+    # the group values), all int64 (engine/planned.py's begin_step_agreeing)
+    return [there, back, _presence(params + n + VALUE_SLOTS, n, "step", 8)]
 
 
 def _chunks(counts: Sequence[int], per: int, limit: int) -> list[int]:
@@ -433,7 +435,9 @@ def _sign(spec: ModelSpec, n: int, batch_limit: int) -> list[Transfer]:
     if nbytes:
         _record(scalars, "all_reduce", nbytes, n)
         scalars.rounds = 1
-    return [vote, scalars, _presence(len(spec.matrices) + len(spec.scalars), n, "step")]
+    # the presence flags ride in the step's agreement, as in sharded mode (_sharded)
+    flags = len(spec.matrices) + len(spec.scalars) + n + VALUE_SLOTS
+    return [vote, scalars, _presence(flags, n, "step", 8)]
 
 
 def dmuon_transfers(
