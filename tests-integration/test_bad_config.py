@@ -234,6 +234,10 @@ CASES = [
     Case("adamw-keyword", "`DMuon(..., betas=(0.9, 0.95))` (AdamW's keyword)",
          lambda: DMuon([W()], betas=(0.9, 0.95)), ValueError,
          "unknown option(s) ['betas'] for rule(s) ['muon'] (betas= is adamw_betas= here"),
+    Case("muon-eps", "`DMuon(..., eps=1e-7)` (`torch.optim.Muon`'s Newton–Schulz floor)",
+         lambda: DMuon([W()], eps=1e-7), ValueError,
+         "torch.optim.Muon's eps, the floor of its Newton–Schulz normalisation, has no "
+         "keyword here"),
     Case("param-groups-of-parameters", "`param_groups(model.parameters())`",
          lambda: param_groups(net().parameters()), TypeError,
          "call param_groups(model), not param_groups(model.parameters())"),

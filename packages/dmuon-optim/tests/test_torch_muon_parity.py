@@ -59,7 +59,8 @@ def dmuon(model, **kw):
 def test_matches_torch_optim_muon_to_bf16_tolerance():
     a, b, c = mlp(), mlp(), mlp()
     start = [p.detach().clone() for p in a.parameters()]
-    ours = dmuon(a)  # bf16 Newton–Schulz on CPU by default, as torch's
+    # bf16 Newton–Schulz, as torch's (the CPU default is fp32 where bf16 is emulated)
+    ours = dmuon(a, ns_compute_dtype="bfloat16")
     theirs = torch.optim.Muon(
         b.parameters(), lr=LR, weight_decay=WD, momentum=MU, nesterov=True, adjust_lr_fn="original"
     )

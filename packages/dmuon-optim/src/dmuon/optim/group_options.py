@@ -180,7 +180,15 @@ class GroupDefaults:
             ]
             hint = (
                 f" ({'; '.join(renamed)}: DMuon's keywords for the AdamW/Lion of the scalar "
-                "groups start with adamw_)"
+                "groups start with adamw_"
+                + (
+                    "; torch.optim.Muon's eps, the floor of its Newton–Schulz "
+                    "normalisation, has no keyword here: DMuon's guard is relative, "
+                    "‖X‖_F + 1e-7·max|X|"
+                    if "eps" in unused
+                    else ""
+                )
+                + ")"
                 if renamed
                 else ""
             )
