@@ -11,21 +11,23 @@ rule can take, each error naming the group, the key or the parameter.
 
 from __future__ import annotations
 
-import difflib
-import sys
-import warnings
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 import torch
 
 from dmuon.optim.engine.exchange import exchange_of
-from dmuon.optim.hyperparameters import BOOKKEEPING_KEYS, MATRIX_KEYS, SCALAR_OPTIONS
+from dmuon.optim.hyperparameters import MATRIX_KEYS, SCALAR_OPTIONS
 from dmuon.optim.layout import matrix_layout
+from dmuon.optim.option_names import (
+    accepted_options,
+    refuse_unknown_keys,
+    refuse_unused_options,
+    renamed_rule_key,
+)
 from dmuon.optim.rules import RULES, get_rule
-from dmuon.optim.scalar import SCALAR_ALGORITHMS, get_scalar_rule
+from dmuon.optim.scalar import SCALAR_ALGORITHMS
 
 __all__ = [
     "STRUCTURE",
@@ -41,43 +43,9 @@ __all__ = [
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# torch.optim.AdamW's keywords, which DMuon's constructor spells for its scalar groups
-SCALAR_KEYWORDS = {"betas": "adamw_betas", "eps": "adamw_eps"}
-# Options a rule took under another name: (rule, old key) → its key now. Said in the errors
-# of a constructor keyword or a loaded group that still uses the old one.
-RENAMED_OPTIONS = {("muon2", "eps"): "muon2_eps"}
 # The structural keys a group's buckets depend on; changing them after construction
 # would silently mismatch the state, so step() refuses.
 STRUCTURE = ("rule", "flatten", "transposed", "split_sizes", "num_heads", "state_dtype")
-
-
-def _renamed(rule: str, keys: Collection[str]) -> str:
-    """`` (rule 'muon2' names eps muon2_eps now: rename the key)`` for keys of
-    :data:`RENAMED_OPTIONS`, else ``""``."""
-    moved = [(k, RENAMED_OPTIONS[(rule, k)]) for k in keys if (rule, k) in RENAMED_OPTIONS]
-    return "".join(
-        f" (rule {rule!r} names {old} {new} now: rename the key; {old} is another rule's "
-        "option with another meaning)"
-        for old, new in moved
-    )
-
-
-def _did_you_mean(unknown: list[str], used: set[str], keywords: Collection[str]) -> str:
-    """A hint per unknown keyword: the rules that take it (``beta2`` is NorMuon's), or the
-    closest of the rules' options and the constructor's ``keywords`` for a misspelt one
-    (``adamw_lr`` and ``mode`` are not rule options: the error's accepted list lacks them)."""
-    takers: dict[str, list[str]] = {}
-    for name in RULES:
-        for key in get_rule(name).options:
-            takers.setdefault(key, []).append(name)
-    known = sorted(set(used) | set(keywords) | set(takers))
-    hints = []
-    for key in unknown:
-        if key in takers:
-            hints.append(f"{key}= is an option of rule(s) {sorted(takers[key])}")
-        elif match := difflib.get_close_matches(key, known, 1, 0.75):
-            hints.append(f"{key}=: did you mean {match[0]}=?")
-    return f" ({'; '.join(hints)})" if hints else ""
 
 
 @dataclass
@@ -166,39 +134,7 @@ class GroupDefaults:
     ) -> None:
         """Raise if a caller's rule option is taken by no rule of the groups (``keywords``:
         the constructor's own, offered for a misspelt one)."""
-        used = set(MATRIX_KEYS) | set(get_rule(self.rule).options)
-        for group in groups:
-            if group["rule"] in RULES:
-                used |= set(get_rule(group["rule"]).options)
-        unused = sorted(set(self.rule_options) - used)
-        if unused:
-            rules_used = sorted({g["rule"] for g in groups} & set(RULES) | {self.rule})
-            renamed = [
-                f"{key}= is {SCALAR_KEYWORDS[key]}= here"
-                for key in unused
-                if key in SCALAR_KEYWORDS
-            ]
-            hint = (
-                f" ({'; '.join(renamed)}: DMuon's keywords for the AdamW/Lion of the scalar "
-                "groups start with adamw_"
-                + (
-                    "; torch.optim.Muon's eps, the floor of its Newton–Schulz "
-                    "normalisation, has no keyword here: DMuon's guard is relative, "
-                    "‖X‖_F + 1e-7·max|X|"
-                    if "eps" in unused
-                    else ""
-                )
-                + ")"
-                if renamed
-                else ""
-            )
-            for rule in rules_used:
-                hint += _renamed(rule, unused)
-            hint += _did_you_mean([k for k in unused if k not in SCALAR_KEYWORDS], used, keywords)
-            raise ValueError(
-                f"unknown option(s) {unused} for rule(s) {rules_used}{hint}; accepted options: "
-                f"{sorted(used)}"
-            )
+        refuse_unused_options(self.rule, self.rule_options, groups, keywords)
 
     def normalize(self, param_group: Mapping[str, Any], index: int) -> dict[str, Any]:
         """Group ``index`` with every key filled in and checked, its parameters listed."""
@@ -242,36 +178,6 @@ class GroupDefaults:
         for i, p in enumerate(params):
             check_param(p, rule_name, group, param_name(names, i, index, p))
         return group
-
-
-def refuse_unknown_keys(group: Mapping[str, Any], where: str, *, added: bool = False) -> None:
-    """Raise if ``group`` holds a key its ``"rule"`` does not take (nor bookkeeping:
-    :data:`~dmuon.optim.hyperparameters.BOOKKEEPING_KEYS`). A misspelt key would be
-    ignored silently, and the optimizer's own state dict would not load.
-
-    Args:
-        group: a group whose ``"rule"`` is resolved (a name of ``RULES`` or a scalar
-            optimizer).
-        where: how errors name the group.
-        added: the key was added after construction (``step()`` found it): said so.
-
-    Raises:
-        ValueError: naming the unknown keys, the rule and the accepted keys.
-    """
-    rule_name = group["rule"]
-    keys = accepted_options(rule_name)
-    unknown = sorted(k for k in group if k not in keys and k not in BOOKKEEPING_KEYS)
-    if rule_name in SCALAR_ALGORITHMS and "max_momentum" in group and "momentum" in unknown:
-        # OneCycleLR/CyclicLR(cycle_momentum=True) write "momentum" into every
-        # group; it cycles the matrix groups' μ and is ignored by AdamW/Lion.
-        unknown.remove("momentum")
-    if unknown:
-        when = " (set after construction; nothing was stepped)" if added else ""
-        raise ValueError(
-            f"{where}: unknown key(s) {unknown} for rule {rule_name!r}{when}"
-            f"{_renamed(rule_name, unknown)}; accepted keys: "
-            f"{sorted(keys)} (and {sorted(BOOKKEEPING_KEYS)})"
-        )
 
 
 def check_together(group: Mapping[str, Any], where: str) -> None:
@@ -337,13 +243,6 @@ def structure_of(group: Mapping[str, Any]) -> tuple[Any, ...]:
     return (*(group.get(k) for k in STRUCTURE), tuple(map(id, group["params"])))
 
 
-def accepted_options(rule_name: str) -> Mapping[str, Any]:
-    """The keys a group of ``"rule"`` takes, each with its :class:`Option`."""
-    if rule_name in SCALAR_ALGORITHMS:
-        return dict(get_scalar_rule(rule_name).options)
-    return {**MATRIX_KEYS, **get_rule(rule_name).options}
-
-
 def check_distinct_params(
     group: Mapping[str, Any], index: int, groups: list[dict[str, Any]]
 ) -> None:
@@ -364,50 +263,3 @@ def check_distinct_params(
                 f"{name} appears in more than one parameter group (it is already in "
                 f"param group {seen[id(p)]}); param_groups(model) assigns each parameter once"
             )
-
-
-def renamed_rule_key(group: dict[str, Any], where: str) -> dict[str, Any]:
-    """Move a group's deprecated ``"algorithm"`` key to ``"rule"`` in place (with a
-    ``FutureWarning``; the key is removed in 0.2) and return the group.
-
-    Raises:
-        ValueError: both keys are given and disagree (named).
-
-    Examples:
-        >>> import warnings
-        >>> with warnings.catch_warnings():
-        ...     warnings.simplefilter("ignore")
-        ...     renamed_rule_key({"params": [], "algorithm": "scalar"}, "param group 0")
-        {'params': [], 'rule': 'scalar'}
-    """
-    if "algorithm" not in group:
-        return group
-    legacy = group.pop("algorithm")
-    if "rule" in group and group["rule"] != legacy:
-        raise ValueError(
-            f"{where}: 'rule'={group['rule']!r} and the deprecated 'algorithm'={legacy!r} "
-            "disagree; give 'rule' only"
-        )
-    warnings.warn(
-        f"{where}: the key 'algorithm' is deprecated and will be removed in 0.2; name the "
-        "group's rule with 'rule' (as the constructor's rule=)",
-        FutureWarning,
-        stacklevel=_caller_stacklevel(),
-    )
-    group["rule"] = legacy
-    return group
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning raised by this module's caller at the
-    first frame outside dmuon and torch: the user's ``DMuon(...)`` or the integration
-    call that built it, however many library frames lie between (they differ per entry
-    point and per Python release)."""
-    frame: FrameType | None = sys._getframe(2)  # the caller of the warning function: level 2
-    level = 2
-    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith(
-        ("dmuon.", "torch.")
-    ):
-        frame = frame.f_back
-        level += 1
-    return level

@@ -26,7 +26,8 @@ class Momentum(Transform):
     normalisation in front of Newton–Schulz removes: every rule whose next step is
     scale-invariant (orthogonalisation, sign) gives the same update under either
     form (``torch.optim.Muon``'s normalisation has an absolute floor of 1e-7 on the
-    norm, DMuon's guard is relative: below that floor torch's update shrinks). Rules that use the momentum's magnitude say how on their page.
+    norm, DMuon's guard is relative: below that floor torch's update shrinks). Rules
+    that use the momentum's magnitude say how on their page.
 
     **Saturation.** The sum form grows to ``|G|/(1 − μ)``: twenty times the gradient
     at μ = 0.95, so a finite gradient of 1e38 overflowed fp32 (max 3.4e38) by step 3
