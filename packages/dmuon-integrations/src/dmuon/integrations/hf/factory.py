@@ -15,8 +15,10 @@
 
 Every other DMuon argument (``rule``, ``momentum``, ``ns_steps``, ...) is passed as
 a keyword and wins over the mapping and over ``optim_args``. The default
-``adjust_lr="match_rms_adamw"`` gives every matrix update the RMS of an AdamW update,
-so a ``learning_rate`` that works with Trainer's AdamW is a good start.
+``adjust_lr="match_rms_adamw"`` gives every matrix update the RMS of an AdamW update;
+even so, the best matrix lr measured on the project's small GPTs was about 10× AdamW's
+best (docs: Algorithms, "Where to start"): set ``learning_rate`` to 10× what worked with
+Trainer's AdamW and keep that for the scalars with ``dmuon_options={"adamw_lr": ...}``.
 
 The execution mode follows the launch: one process is ``single``; under torchrun
 Trainer wraps the model in DDP, which all-reduces every gradient, so the mode is
