@@ -16,6 +16,8 @@ from typing import Any
 
 from torch import nn
 
+from dmuon.optim.wrapper_names import outermost_name
+
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 _EMBEDDING_ENDINGS = ("emb", "embed", "embeds", "embedding", "embeddings")
 DEFAULT_HEAD_NAMES = ("lm_head", "head", "output", "classifier")
@@ -29,8 +31,9 @@ deeper in the model ``fc`` is a hidden layer (``blocks.0.mlp.fc``)."""
 def named_head(module: str, head_names: Sequence[str]) -> bool:
     """Whether module ``module`` (its name in the model) is named like an output head: its
     last name in ``head_names``, or held by the model itself as one of
-    :data:`ROOT_HEAD_NAMES`."""
-    return module.rpartition(".")[2] in head_names or module in ROOT_HEAD_NAMES
+    :data:`ROOT_HEAD_NAMES` — through the wrappers of a whole model too
+    (``torch.compile``'s ``_orig_mod.fc``, DDP's ``module.fc``: :func:`outermost_name`)."""
+    return module.rpartition(".")[2] in head_names or outermost_name(module) in ROOT_HEAD_NAMES
 
 
 def vocabulary_head(

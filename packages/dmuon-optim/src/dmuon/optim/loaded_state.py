@@ -22,12 +22,8 @@ from dmuon.optim.engine.base import Engine
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.group_options import param_name
 from dmuon.optim.matrix_split import MatrixSplit, local_tensor
-from dmuon.optim.optimizer_state import (
-    FULL_STATE_FORMAT,
-    WRAPPER_NAMES,
-    expected_state_shapes,
-    paired_states,
-)
+from dmuon.optim.optimizer_state import FULL_STATE_FORMAT, expected_state_shapes, paired_states
+from dmuon.optim.wrapper_names import WRAPPER_NAMES
 
 __all__ = [
     "check_loaded_state",

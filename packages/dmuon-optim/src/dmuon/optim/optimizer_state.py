@@ -23,6 +23,7 @@ from dmuon.optim.matrix_split import MatrixSplit, local_tensor
 from dmuon.optim.rules import get_rule
 from dmuon.optim.scalar import SCALAR_ALGORITHMS, scalar_state_dtype, scalar_state_shapes
 from dmuon.optim.state_precision import state_dtype_of
+from dmuon.optim.wrapper_names import WRAPPER_ATTRIBUTES, WRAPPER_NAMES
 
 __all__ = [
     "FULL_STATE_FORMAT",
@@ -139,18 +140,6 @@ def expected_state_shapes(
     if split is not None and not get_rule(group["rule"]).splits:
         local = p  # a rule that needs the whole matrix keeps whole state
     return state_shapes(get_rule(group["rule"]), matrix_layout(local, dict(group), name))
-
-
-WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
-"""Attribute names of the modules that wrap another without a name of their own in a
-state dict: ``torch.compile``'s ``OptimizedModule``, activation checkpointing's
-``CheckpointWrapper`` and FSDP1's wrapper. ``get_model_state_dict`` drops them from the
-model's keys (``dmuon.integrations.checkpoint`` from the optimizer state's)."""
-
-WRAPPER_NAMES = WRAPPER_ATTRIBUTES | {"module"}
-"""The name components wrappers add to a parameter's name: DDP's ``module.`` and those of
-:data:`WRAPPER_ATTRIBUTES`. Left out when a load compares names, so a dict saved from the
-bare model loads into the wrapped one, as torch pairs by position."""
 
 
 def reload_scalar_state(

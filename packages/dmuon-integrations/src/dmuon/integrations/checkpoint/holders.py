@@ -27,7 +27,7 @@ from dmuon.optim import DMuon, get_rule
 from dmuon.optim.engine import exchange_of
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.engine.placements import placement_of
-from dmuon.optim.optimizer_state import WRAPPER_ATTRIBUTES
+from dmuon.optim.wrapper_names import WRAPPER_ATTRIBUTES
 
 __all__ = ["Holding", "holdings", "model_fqns", "release", "settle"]
 
@@ -88,7 +88,7 @@ def _rank(group: Any) -> int:
 def model_fqns(model: nn.Module) -> dict[int, str]:
     """``id(parameter) → fully-qualified name`` (a tied weight: its first name), as
     ``get_model_state_dict`` names it: without DDP's ``module.`` and without the
-    wrappers of :data:`~dmuon.optim.optimizer_state.WRAPPER_ATTRIBUTES`, so a checkpoint
+    wrappers of :data:`~dmuon.optim.wrapper_names.WRAPPER_ATTRIBUTES`, so a checkpoint
     saved with ``torch.compile`` or activation checkpointing loads without them, and the
     other way round.
 
