@@ -60,3 +60,79 @@ def test_an_fc_below_a_wrapper_inside_the_model_stays_a_hidden_matrix():
 
     names = matrix_names(Deep())
     assert "block.module.fc.weight" in names and "head.weight" not in names
+
+
+# PEFT's module names, mocked (peft is not a dependency): a PeftModel holds the model as
+# base_model.model; modules_to_save keeps a trainable copy of a head as
+# <head>.modules_to_save.<adapter> beside the frozen <head>.original_module; LoRA keeps
+# <layer>.lora_A.<adapter> and lora_B.<adapter> beside the frozen <layer>.base_layer.
+
+
+class ModulesToSave(nn.Module):
+    def __init__(self, head: nn.Linear) -> None:
+        super().__init__()
+        self.original_module = head.requires_grad_(False)
+        self.modules_to_save = nn.ModuleDict({"default": nn.Linear(16, 3)})
+
+
+class LoraLinear(nn.Module):
+    def __init__(self, base: nn.Linear, r: int = 4) -> None:
+        super().__init__()
+        self.base_layer = base.requires_grad_(False)
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(base.in_features, r, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(r, base.out_features, bias=False)})
+
+
+class Tuner(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+
+class PeftLike(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.base_model = Tuner(model)
+
+
+class SequenceClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(50, 16)
+        self.q_proj = nn.Linear(16, 16)
+        self.classifier = nn.Linear(16, 3)
+
+
+def test_a_peft_heads_trainable_copy_and_lora_factors_follow_the_head():
+    model = SequenceClassifier()
+    model.q_proj = LoraLinear(model.q_proj)
+    model.classifier = ModulesToSave(model.classifier)
+    model.embed_tokens.requires_grad_(False)
+    names = matrix_names(PeftLike(model))
+    # Before: the classifier's copy went to the matrix rule (its module's own name is the
+    # adapter's, 'default').
+    assert names == {
+        "base_model.model.q_proj.lora_A.default.weight",
+        "base_model.model.q_proj.lora_B.default.weight",
+    }
+
+
+def test_lora_on_an_lm_head_sends_both_factors_to_adamw():
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = LoraLinear(nn.Linear(16, 16))
+            self.lm_head = LoraLinear(nn.Linear(16, 50, bias=False))
+
+    names = matrix_names(PeftLike(LM()))
+    # Before: lm_head.lora_A went to the matrix rule and lora_B to AdamW.
+    assert names == {
+        "base_model.model.up.lora_A.default.weight",
+        "base_model.model.up.lora_B.default.weight",
+    }
+
+
+def test_a_peft_root_fc_heads_copy_is_the_head():
+    model = Classifier()
+    model.fc = ModulesToSave(model.fc)
+    assert matrix_names(PeftLike(model)) == {"base_model.model.layer1.weight"}

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from dmuon.optim.wrapper_names import outermost_name
+from dmuon.optim.wrapper_names import outermost_name, own_module_name
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 _EMBEDDING_ENDINGS = ("emb", "embed", "embeds", "embedding", "embeddings")
@@ -32,8 +32,12 @@ def named_head(module: str, head_names: Sequence[str]) -> bool:
     """Whether module ``module`` (its name in the model) is named like an output head: its
     last name in ``head_names``, or held by the model itself as one of
     :data:`ROOT_HEAD_NAMES` — through the wrappers of a whole model too
-    (``torch.compile``'s ``_orig_mod.fc``, DDP's ``module.fc``: :func:`outermost_name`)."""
-    return module.rpartition(".")[2] in head_names or outermost_name(module) in ROOT_HEAD_NAMES
+    (``torch.compile``'s ``_orig_mod.fc``, DDP's ``module.fc``, PEFT's
+    ``base_model.model.fc``: :func:`outermost_name`). A PEFT adapter's part is judged as
+    the module it adapts (:func:`own_module_name`: ``classifier.modules_to_save.default``,
+    ``lm_head.lora_A.default``)."""
+    own = own_module_name(module)
+    return own.rpartition(".")[2] in head_names or outermost_name(own) in ROOT_HEAD_NAMES
 
 
 def vocabulary_head(
@@ -95,7 +99,8 @@ def named_like_embedding(name: str) -> bool:
 def embedding_like(name: str, head_names: Sequence[str] = DEFAULT_HEAD_NAMES) -> bool:
     """Whether parameter ``name`` is named like an embedding or an output head.
 
-    Its module's name (the last component before the parameter's) is one of
+    Its module's name (the last component before the parameter's; for a PEFT adapter's
+    part, the adapted module's: :func:`~dmuon.optim.wrapper_names.own_module_name`) is one of
     ``head_names`` or :func:`named_like_embedding` (``embed_tokens``, ``tok_embeddings``,
     GPT-2's ``wte``/``wpe``; not ``member_table``). Only names are seen: a parameter handed to
     :class:`~dmuon.optim.DMuon` without one cannot be judged.
@@ -107,8 +112,7 @@ def embedding_like(name: str, head_names: Sequence[str] = DEFAULT_HEAD_NAMES) ->
         >>> embedding_like("layers.0.mlp.up_proj.weight"), embedding_like("router.remember.weight")
         (False, False)
     """
-    parts = name.split(".")
-    module = parts[-2] if len(parts) > 1 else ""
+    module = own_module_name(name.rpartition(".")[0]).rpartition(".")[2]
     return module in head_names or named_like_embedding(module)
 
 

@@ -635,12 +635,21 @@ def _values_error(
     )
 
 
+def _on_this_rank(names: list[str], shown: int = 3) -> str:
+    """``; on this rank: [the first names]`` for an error, saying how many more the
+    error's ``names`` hold (``""`` for none)."""
+    if not names:
+        return ""
+    more = f" and {len(names) - shown} more (the error's .names lists all)"
+    return f"; on this rank: {names[:shown]}{more if len(names) > shown else ''}"
+
+
 def _thawed_error(
     ranks: list[int], names: list[str], engine: Engine, number: int | None
 ) -> ThawedParameterError:
     owner = engine.mode == "owner"
     built = "the dedication and this optimizer were" if owner else "this optimizer was"
-    here = f"; on this rank: {names[:3]}" if names else ""
+    here = _on_this_rank(names)
     return ThawedParameterError(
         f"DMuon step {number}: parameter(s) that did not require a gradient when {built} "
         f"built hold one now, on rank(s) {ranks}{here}. Mode {engine.mode!r} planned its "
@@ -679,7 +688,7 @@ def _written_error(written: Mapping[int, list[str]], number: int | None) -> Rank
 
 
 def _changed_error(ranks: list[int], names: list[str], engine: Engine) -> GradientChangedError:
-    here = f"; on this rank: {names[:3]}" if names else ""
+    here = _on_this_rank(names)
     return GradientChangedError(
         f"a gradient was changed after DMuon took it to reduce to its owner, on "
         f"rank(s) {ranks}{here}. In {engine.mode!r} mode each gradient leaves for its owner "
@@ -701,7 +710,7 @@ def _changed_error(ranks: list[int], names: list[str], engine: Engine) -> Gradie
 
 
 def _stale_error(ranks: list[int], names: list[str]) -> StaleGradientError:
-    here = f"; on this rank: {names[:3]}" if names else ""
+    here = _on_this_rank(names)
     return StaleGradientError(
         f"a gradient was still the averaged gradient the last step left on its owner, "
         f"not zeroed since, on rank(s) {ranks}{here}: this step's backward added to it, or "
