@@ -10,7 +10,7 @@ checked before it loads by :mod:`dmuon.optim.loaded_state`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -84,20 +84,16 @@ def build_state(
         if names is not None and len(names) == len(group["params"])
         else None
     )
+    stepped = _stepped_by_group(group["params"], engine, order)
     for pipeline_group in engine.step_groups():
-
-        def include(i: int, p: torch.Tensor, key: str | None = pipeline_group) -> bool:
-            return engine.steps(p) and engine.group_of(p) == key
-
         buckets, new_state = build_buckets(
             group,
             rule,
             lambda p: state.get(p, {}),
             lambda i: param_name(names, i, index, group["params"][i]),
-            include=include,
             split_of=engine.split_of,
             on_shard=engine.on_shard,
-            order=order,
+            order=stepped.get(pipeline_group, ()),
         )
         out[pipeline_group] = buckets
         for p, st in new_state.items():
@@ -234,6 +230,26 @@ def paired_states(
             if isinstance(mine, dict) and isinstance(theirs, Mapping):
                 name = param_name(live.get("param_names"), i, gi, p)
                 yield StatePair(live, p, name, mine, theirs)
+
+
+def _stepped_by_group(
+    params: Sequence[torch.Tensor], engine: Engine, order: Sequence[int] | None
+) -> dict[str | None, list[int]]:
+    """The positions of the parameters this rank steps, per pipeline group, each list in
+    ``order`` (the group's when ``None``).
+
+    One pass over the group: asking every pipeline group (one per layer or layer pack in
+    owner and sharded modes) to scan all the parameters made construction and
+    ``load_state_dict`` take layers × parameters calls of ``engine.steps``/``group_of``.
+    A parameter whose group is not among :meth:`~dmuon.optim.engine.base.Engine.step_groups`
+    is built by none, as before: it gets placeholders.
+    """
+    out: dict[str | None, list[int]] = {}
+    for i in order if order is not None else range(len(params)):
+        p = params[i]
+        if engine.steps(p):
+            out.setdefault(engine.group_of(p), []).append(i)
+    return out
 
 
 def _placeholder(p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
