@@ -23,7 +23,9 @@ Only public module and tensor hooks are used (no framework internals):
 * ``module.register_forward_pre_hook`` on each other module holding a dedicated
   parameter (a ``Linear`` inside a block), ZeRO-2-like: ``exchange.publication.wait_published``
   for its layer, so that a submodule called directly after ``opt.step()`` reads current
-  weights too;
+  weights too, compiled or not; inside its layer's forward it does nothing (the layer's
+  pre-hook marks the forward entered, a ``register_forward_hook(always_call=True)`` on the
+  layer's module marks it left), which keeps it out of a compiled model's graphs;
 * ``module.register_state_dict_pre_hook`` and
   ``module.register_load_state_dict_pre_hook`` on the model and on each module holding
   a dedicated parameter or a stack: the broadcasts in flight land before a
@@ -83,6 +85,17 @@ def _prefix_of_layer(model: nn.Module, key: str) -> str:
     return ""
 
 
+def _hook_reason(what: str) -> str:
+    """The ``reason=`` of a hook's ``torch.compiler.disable``: dynamo's graph-break
+    message, and the error of ``torch.compile(fullgraph=True)``, which cannot include it."""
+    return (
+        f"DMuon's owner-mode hook {what}: it waits on collectives under a deadline, which "
+        "dynamo cannot trace, so it runs eagerly between graphs. torch.compile("
+        "fullgraph=True) is not supported in owner mode: compile without it (one graph "
+        "break per hooked layer, no recompile; see DMuon's guide 'torch.compile')"
+    )
+
+
 def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHandle]:
     """Install the gradient and forward hooks of ``exchange`` on ``model``.
 
@@ -103,7 +116,8 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     pre-hooks read current weights. ZeRO-2-like, on every other module holding a
     dedicated parameter (a ``Linear`` inside a block): a forward pre-hook that waits for
     its layer's publication, so that the submodule called directly reads current weights
-    too (:func:`_holder_waits`). Per layer holding
+    too, and on the layer's module a forward hook that marks the layer's forward left
+    (:func:`_holder_waits`). Per layer holding
     expert stacks (:func:`~dmuon.comm.layer_key` of their names, as for the dense layers;
     below a container that is never called, the first module that is not one): a forward
     pre-hook that waits for their broadcasts from their owners among the replicas (a
@@ -166,15 +180,41 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
         # on dp × ep, its reduction to its owner among the replicas, started in backward
         handles.append(p.register_post_accumulate_grad_hook(expert_grad_hook))
 
-    def call(method: Callable[[str], None], key: str) -> Callable[..., None]:
+    # ZeRO-2-like: per layer key with a module holding its weights below the layer's
+    # hooks (_holder_keys), whether the layer's forward is running with its wait done
+    # (its pre-hook sets it, its forward hook clears it): those holders' hooks read it
+    # (_holder_waits)
+    held = _holders(model, exchange)
+    entered = dict.fromkeys(
+        (k for keys in _holder_keys(exchange, where, held).values() for k in keys), False
+    )
+
+    def call(
+        method: Callable[[str], None], key: str, what: str, enters: bool = False
+    ) -> Callable[..., None]:
         # Under torch.compile the layer hooks run eagerly, between graphs: they wait on
         # collectives (a deadline, a Work handle), which dynamo cannot trace, and the
         # state they read changes every step, which would recompile. So one graph
         # break per hooked layer, in the first step only, as FSDP2's own hooks
-        # (torch._dynamo.config.skip_fsdp_hooks); see the guide "torch.compile".
-        @torch.compiler.disable
+        # (torch._dynamo.config.skip_fsdp_hooks); see the guide "torch.compile". The
+        # reason is what a fullgraph=True compile's error shows.
+        @torch.compiler.disable(reason=_hook_reason(f"{what} layer {key!r}"))
         def hook(*_: Any) -> None:
             method(key)
+            if enters and key in entered:
+                entered[key] = True
+
+        return hook
+
+    def leave(key: str) -> Callable[..., None]:
+        # disabled too, though a plain store: the layer's module runs eagerly (its
+        # pre-hook breaks the graph), and dynamo would compile a frame for this hook
+        @torch.compiler.disable(
+            reason=f"DMuon's owner-mode hook marks the end of layer {key!r}'s forward "
+            "(a store, no collective)"
+        )
+        def hook(*_: Any) -> None:
+            entered[key] = False
 
         return hook
 
@@ -185,21 +225,40 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
         for module in (model.get_submodule(prefix) for prefix in where[key]):
             handles.append(
                 module.register_forward_pre_hook(
-                    call(exchange.publication.forward_enter, key), prepend=True
+                    call(
+                        exchange.publication.forward_enter,
+                        key,
+                        "waits for the owners' broadcast of the weights of",
+                        enters=True,
+                    ),
+                    prepend=True,
                 )
             )
+            if key in entered:
+                # always_call: a forward that raises leaves the layer too
+                handles.append(module.register_forward_hook(leave(key), always_call=True))
             if exchange.reshard_after_forward:
                 handles.append(
-                    module.register_forward_hook(call(exchange.publication.forward_exit, key))
+                    module.register_forward_hook(
+                        call(
+                            exchange.publication.forward_exit,
+                            key,
+                            "frees (ZeRO-3-like) the weights this rank does not own of",
+                        )
+                    )
                 )
                 handles.append(
                     module.register_full_backward_pre_hook(
-                        call(exchange.publication.backward_enter, key), prepend=True
+                        call(
+                            exchange.publication.backward_enter,
+                            key,
+                            "re-gathers (ZeRO-3-like) from their owners the weights of",
+                        ),
+                        prepend=True,
                     )
                 )
     handles += _expert_waits(model, exchange)
-    held = _holders(model, exchange)
-    handles += _holder_waits(model, exchange, where, held)
+    handles += _holder_waits(model, exchange, where, held, entered)
     handles += _state_dict_waits(model, exchange, held)
     handles += _load_waits(model, exchange, held)
     return handles
@@ -453,7 +512,9 @@ def _expert_waits(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     for prefix, ids in by_module.items():
         where = f"module {prefix!r}" if prefix else "the model"
 
-        @torch.compiler.disable  # as the layers' hooks (install_hooks)
+        @torch.compiler.disable(  # as the layers' hooks (install_hooks)
+            reason=_hook_reason(f"waits for the owners' broadcast of the expert stacks of {where}")
+        )
         def hook(*_: Any, ids: frozenset[int] = frozenset(ids), where: str = where) -> None:
             exchange.publication.experts_enter(ids, where)
 
@@ -475,11 +536,34 @@ def _holders(model: nn.Module, exchange: OwnerExchange) -> dict[str, list[tuple[
     return held
 
 
+def _holder_keys(
+    exchange: OwnerExchange,
+    where: Mapping[str, Sequence[str]],
+    held: Mapping[str, list[tuple[str, str | None]]],
+) -> dict[str, tuple[str, ...]]:
+    """ZeRO-2-like: per module holding a dedicated parameter (``held``: :func:`_holders`),
+    the layers it holds weights of whose hooks do not sit on it (``where``:
+    :func:`wait_modules`): the holders :func:`_holder_waits` hooks. ZeRO-3-like: none."""
+    if exchange.reshard_after_forward:
+        return {}
+    key_of: dict[str, str] = {}
+    for key in exchange.layer_keys():
+        for name in exchange.layer(key).dedicated or exchange.layer_names(key):
+            key_of[name] = key
+    out = {}
+    for prefix, mine in held.items():
+        keys = dict.fromkeys(key_of[n] for _, n in mine if n is not None and n in key_of)
+        if found := tuple(k for k in keys if prefix not in where.get(k, ())):
+            out[prefix] = found
+    return out
+
+
 def _holder_waits(
     model: nn.Module,
     exchange: OwnerExchange,
     where: Mapping[str, Sequence[str]],
     held: Mapping[str, list[tuple[str, str | None]]],
+    entered: Mapping[str, bool],
 ) -> list[RemovableHandle]:
     """ZeRO-2-like: a forward pre-hook on every module holding a dedicated parameter
     (``held``: :func:`_holders`) that its layer's hook does not already sit on (``where``:
@@ -488,30 +572,45 @@ def _holder_waits(
     The layer's hook runs only when the layer's module is called: a submodule called
     directly right after ``opt.step()`` (``model.blocks[1].fc(h)`` for a probe or partial
     inference) would read the weights of the step before on a rank that does not own
-    them. Inside the layer's forward the wait has already landed (the holder's hook finds
-    it done), and it leaves the layers' forward-order bookkeeping alone (it is not
-    ``forward_enter``). Under ``torch.compile`` it is traced as nothing (no graph break
-    per holder): the compiled model's forward waits at its layers' hooks. ZeRO-3-like
-    (``reshard_after_forward``) installs none: waiting would re-gather the layer (a
-    collective the other ranks do not join) outside its forward."""
-    if exchange.reshard_after_forward:
-        return []
-    key_of: dict[str, str] = {}
-    for key in exchange.layer_keys():
-        for name in exchange.layer(key).dedicated or exchange.layer_names(key):
-            key_of[name] = key
-    handles = []
-    for prefix, mine in held.items():
-        keys = dict.fromkeys(key_of[n] for _, n in mine if n is not None and n in key_of)
-        keys = {k: None for k in keys if prefix not in where.get(k, ())}
-        if not keys:
-            continue
+    them. It leaves the layers' forward-order bookkeeping alone (it is not
+    ``forward_enter``). ZeRO-3-like (``reshard_after_forward``) installs none: waiting
+    would re-gather the layer (a collective the other ranks do not join) outside its
+    forward.
 
-        def holder_wait(*_: Any, keys: tuple[str, ...] = tuple(keys)) -> None:
-            if torch.compiler.is_compiling():
-                return
+    Inside the layer's forward the wait is done: ``entered[key]`` (a plain dict the
+    layer's pre-hook sets, after its wait, and its forward hook clears, ``always_call``)
+    says so, and the holder's hook does nothing. That is also what makes it free under
+    ``torch.compile``: dynamo reads ``entered[key]`` while tracing and guards on it. Under
+    a compiled model (or layer) the holder is traced right after the layer's eager
+    pre-hook set it, so the hook traces to nothing — no graph break per holder, and the
+    guard holds every step (no recompile). A holder compiled on its own
+    (``torch.compile(model.blocks[1].fc)``) is traced with it clear, so its hook calls the
+    wait, ``torch.compiler.disable``-d: one graph break there, and the compiled probe reads
+    current weights as the eager one does. (An earlier version returned whenever
+    ``torch.compiler.is_compiling()``, assuming a whole compiled model: such a probe read
+    the previous step's weights on a non-owner rank.) The flag is never set outside the
+    layer's forward, where the weights cannot be republished, so it errs only towards a
+    wait that finds the layer landed."""
+    handles = []
+    for prefix, keys in _holder_keys(exchange, where, held).items():
+        where_ = f"module {prefix!r}" if prefix else "the model"
+
+        @torch.compiler.disable(
+            reason=_hook_reason(
+                f"waits for the owners' broadcast of the weights {where_} holds (it was "
+                "called outside its layer's forward)"
+            )
+        )
+        def wait(keys: tuple[str, ...]) -> None:
             for key in keys:
                 exchange.publication.wait_published(key)
+
+        def holder_wait(
+            *_: Any, keys: tuple[str, ...] = keys, wait: Callable[..., None] = wait
+        ) -> None:
+            outside = tuple(key for key in keys if not entered.get(key, False))
+            if outside:
+                wait(outside)
 
         submodule = model.get_submodule(prefix)
         handles.append(submodule.register_forward_pre_hook(holder_wait, prepend=True))

@@ -353,6 +353,13 @@ class DMuon(torch.optim.Optimizer):
 
     # -------------------------------------------------------------------- step
 
+    @torch.compiler.disable(
+        reason="DMuon.step runs eagerly under torch.compile: it waits on collectives under "
+        "a deadline and reads results on the host, which dynamo cannot trace, and a step "
+        "traced in part would apply half of it; compiling a train step with it in it "
+        "breaks the graph here (fullgraph=True cannot include it: compile the model, or "
+        "the step function without opt.step())"
+    )
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One optimization step over every group.
@@ -417,6 +424,11 @@ class DMuon(torch.optim.Optimizer):
             raise refusal
         return loss
 
+    @torch.compiler.disable(
+        reason="DMuon.zero_grad runs eagerly under torch.compile, as torch.optim's: in "
+        "owner mode it finishes a dropped backward's reductions (collectives under a "
+        "deadline), which dynamo cannot trace"
+    )
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``; in owner mode it also drops a step that
         will not be taken.
