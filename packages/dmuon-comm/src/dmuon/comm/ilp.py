@@ -131,7 +131,13 @@ def solve_owner_ilp(
     ``held[r]``: the matrices rank ``r`` steps outside the plan. Under batched costs they
     count in ``count_{s,r}`` (a planned matrix of their shape joins their calls);
     otherwise their cost is a constant of the rank's load.
+
+    ``time_limit`` counts from the call, model building included: building grows with
+    the model (it took minutes for 2k matrices of distinct widths before it was made
+    linear), and the caller's budget is for the whole plan. If building uses it all, the
+    result is None, as when the solver finds nothing in time.
     """
+    start = time.monotonic()
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
@@ -179,21 +185,26 @@ def solve_owner_ilp(
             for r in range(N):
                 rows.append(({n_var[(g, t, r)]: 1.0 for t in group.types}, -np.inf, limit))
 
-    def count_coef(s: ShapeKey, r: int) -> dict[int, float]:
-        coef: dict[int, float] = {}
-        for (_g, t, rr), k in n_var.items():
-            if rr == r and comps[t].get(s):
-                coef[k] = float(comps[t][s])
-        return coef
+    # count_{s,r} as a linear form: the n variables of rank r whose type holds shape s,
+    # in n_var's order (one pass; a scan of n_var per (s, r) made building quadratic)
+    count_of: dict[tuple[ShapeKey, int], dict[int, float]] = {}
+    for (_g, t, r), k in n_var.items():
+        for s, c in comps[t].items():
+            if c:
+                count_of.setdefault((s, r), {})[k] = float(c)
 
     # Per-rank load as a linear form, in units scaled to O(1) (HiGHS tolerances are absolute).
     raw_loads: list[dict[int, float]] = [{} for _ in range(N)]
     B = costing.max_batch
-    totals = {
-        s: sum(comps[t].get(s, 0) * _groups_total(groups, t) for t in range(len(comps)))
-        + sum(held_count.get(s, ()))
-        for s in classes
-    }
+    of_type = [0] * len(comps)  # units of each type over all groups
+    for group in groups:
+        size = len(group.layers) if group.cap is not None else 1
+        for t, m in group.mult.items():
+            of_type[t] += m * size
+    totals = {s: sum(held_count.get(s, ())) for s in classes}
+    for t, comp in enumerate(comps):
+        for s, c in comp.items():
+            totals[s] += c * of_type[t]
     upper: dict[int, float] = {}
     for s in classes:
         sizes = list(range(1, min(B, totals[s]) + 1))
@@ -205,7 +216,7 @@ def solve_owner_ilp(
             for b, c in zip(sizes, calls, strict=True)
         )
         for r in range(N):
-            count = count_coef(s, r)
+            count = count_of.get((s, r), {})
             h = float(held_count[s][r]) if s in held_count else 0.0
             if affine:
                 k = new_var()
@@ -247,8 +258,10 @@ def solve_owner_ilp(
     ub = np.full(n_vars, np.inf)
     for column, bound in upper.items():
         ub[column] = bound
-    options: dict[str, Any] = {"time_limit": time_limit, "mip_rel_gap": gap, "disp": False}
-    start = time.monotonic()
+    left = time_limit - (time.monotonic() - start)
+    if left <= 0:
+        return None
+    options: dict[str, Any] = {"time_limit": left, "mip_rel_gap": gap, "disp": False}
     c1 = np.zeros(n_vars)
     c1[L] = 1.0
     res = milp(
@@ -279,15 +292,6 @@ def solve_owner_ilp(
             status = "max load optimal, total work not proven" if status == "optimal" else status
     counts = {key: round(float(solution[k])) for key, k in n_var.items()}
     return _realise(units, unit_type, groups, counts, N), status
-
-
-def _groups_total(groups: Sequence[_Group], t: int) -> int:
-    """Units of type ``t`` over all groups."""
-    total = 0
-    for group in groups:
-        size = len(group.layers) if group.cap is not None else 1
-        total += group.mult.get(t, 0) * size
-    return total
 
 
 def _realise(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 
@@ -115,7 +116,8 @@ def plan_owners(
         spread_layers: apply the same-layer constraint.
         refine: run the local search after LPT (``False``: plain LPT, for ablations).
         replicate_size: ``R`` for HSDP; 1 otherwise.
-        ilp_time_limit: seconds (wall clock) the ILP solver may run.
+        ilp_time_limit: seconds (wall clock) the ILP may take, building the program
+            included.
         ilp_gap: relative optimality gap at which the ILP solver stops.
         held: per rank, the matrices it steps outside the plan (``world_size`` lists;
             names unique among them and the items).
@@ -285,62 +287,155 @@ def _refine(
     one of its units to another rank, or the swap with a cheaper unit there, that
     lowers the larger of the two loads the most, within the layer caps; it stops
     when nothing lowers the maximum. Deterministic, and never worse than its input.
+
+    Among equally good changes it takes the first in the order (unit ``u`` on the
+    loaded rank, destination rank, the move, then the swap partners ``v``), all by
+    index. Scanning every ``(u, v)`` pair made a round quadratic in the units (17 s for
+    8k matrices on 2 ranks), so a round instead sorts each rank's candidate partners by
+    cost once and finds, per ``(u, dst)``, the best ``v`` by bisection: the new pair
+    maximum ``max(L_hi − c_u + c_v, L_dst + c_u − c_v)`` falls then rises in ``c_v`` (in
+    floating point too: rounding is monotone), so its minimum over a sorted list sits at
+    the crossing, and the partners that tie with it form a run around it, in which the
+    lowest index is taken as the scan did.
     """
     owners = list(owners)
     loads = list(base)
-    held: list[list[int]] = [[] for _ in range(world_size)]
+    n = len(units)
+    cost = [unit.cost for unit in units]
+    # a unit's layer if the same-layer constraint caps it, else None
+    layer_of = [unit.layer if unit.layer in caps else None for unit in units]
     per_layer: dict[str, list[int]] = {}
     for u, r in enumerate(owners):
-        loads[r] += units[u].cost
-        held[r].append(u)
-        layer = units[u].layer
-        if layer in caps:
+        loads[r] += cost[u]
+        layer = layer_of[u]
+        if layer is not None:
             per_layer.setdefault(layer, [0] * world_size)[r] += 1
+    by_cost = sorted(range(n), key=lambda u: (cost[u], u))
+    members: dict[str, list[int]] = {}  # each capped layer's units by (cost, index)
+    for u in by_cost:
+        layer = layer_of[u]
+        if layer is not None:
+            members.setdefault(layer, []).append(u)
 
-    def fits(u: int, src: int, dst: int, leaving: int | None) -> bool:
-        layer = units[u].layer
-        if layer not in caps:
-            return True
-        count = per_layer[layer][dst]
-        if leaving is not None and units[leaving].layer == layer:
-            count -= 1
-        return count < caps[layer]
-
-    for _ in range(20 * len(units) + 1):
+    for _ in range(20 * n + 1):
         hi = max(range(world_size), key=lambda r: (loads[r], -r))
-        best: tuple[float, int, int, int] | None = None  # (new pair max, u, dst, v or -1)
-        for u in sorted(held[hi]):
-            cu = units[u].cost
+        # Swap partners valid whatever u is, when u itself may join dst: those whose layer
+        # may grow on hi. A partner of u's own layer leaves room for u on dst and u leaves
+        # room for it on hi, so those are a list of their own per (layer, rank).
+        free: list[tuple[list[float], list[int]]] = [([], []) for _ in range(world_size)]
+        blocked = {layer for layer, on in per_layer.items() if on[hi] >= caps[layer]}
+        for v in by_cost:
+            r = owners[v]
+            if r != hi and layer_of[v] not in blocked:
+                _add_partner(free[r], cost[v], v)
+        same: dict[tuple[str, int], tuple[list[float], list[int]]] = {}  # filled as asked
+        # A change is taken if its new pair maximum is below `bar`: the round's limit and
+        # then the best so far (ties keep the first). Costs are ≥ 0 and float rounding is
+        # monotone, so moving u to dst (pair max(a, b)) or swapping it for a v there
+        # (max(a + c_v, b - c_v), 0 ≤ c_v < c_u) gives at least max(a, b - c_u): when that
+        # reaches `bar`, the pair is skipped unsearched.
+        best: tuple[int, int, int] | None = None  # (u, dst, v or -1)
+        bar = loads[hi] * (1 - 1e-12)
+        for u in range(n):
+            if owners[u] != hi:
+                continue
+            cu, layer = cost[u], layer_of[u]
+            a = loads[hi] - cu
+            if a >= bar:
+                continue
             for dst in range(world_size):
                 if dst == hi:
                     continue
-                if fits(u, hi, dst, None):
-                    pair = max(loads[hi] - cu, loads[dst] + cu)
-                    if pair < loads[hi] * (1 - 1e-12) and (best is None or pair < best[0]):
-                        best = (pair, u, dst, -1)
-                for v in sorted(held[dst]):
-                    cv = units[v].cost
-                    if cv >= cu or not fits(u, hi, dst, v) or not fits(v, dst, hi, u):
-                        continue
-                    pair = max(loads[hi] - cu + cv, loads[dst] + cu - cv)
-                    if pair < loads[hi] * (1 - 1e-12) and (best is None or pair < best[0]):
-                        best = (pair, u, dst, v)
+                b = loads[dst] + cu
+                if b - cu >= bar:
+                    continue
+                trades = False
+                if layer is None:
+                    joins = True
+                else:
+                    cap, on_dst = caps[layer], per_layer[layer][dst]
+                    joins = on_dst < cap  # u may join dst without a unit of its layer leaving
+                    trades = on_dst - 1 < cap and per_layer[layer][hi] - 1 < cap
+                swap = None
+                if joins:
+                    pair = max(a, b)
+                    if pair < bar:
+                        bar, best = pair, (u, dst, -1)
+                    swap = _best_partner(free[dst], a, b, cu)
+                if trades and layer is not None:
+                    if (layer, dst) not in same:
+                        partners: tuple[list[float], list[int]] = ([], [])
+                        for v in members[layer]:
+                            if owners[v] == dst:
+                                _add_partner(partners, cost[v], v)
+                        same[(layer, dst)] = partners
+                    other = _best_partner(same[(layer, dst)], a, b, cu)
+                    if other is not None and (swap is None or other < swap):
+                        swap = other
+                if swap is not None and swap[0] < bar:
+                    bar, best = swap[0], (u, dst, swap[1])
         if best is None:
             break
-        _, u, dst, v = best
+        u, dst, v = best
         for unit, src, to in ((u, hi, dst), (v, dst, hi)):
             if unit < 0:
                 continue
             owners[unit] = to
-            held[src].remove(unit)
-            held[to].append(unit)
-            loads[src] -= units[unit].cost
-            loads[to] += units[unit].cost
-            layer = units[unit].layer
-            if layer in caps:
+            loads[src] -= cost[unit]
+            loads[to] += cost[unit]
+            layer = layer_of[unit]
+            if layer is not None:
                 per_layer[layer][src] -= 1
                 per_layer[layer][to] += 1
     return owners
+
+
+def _add_partner(partners: tuple[list[float], list[int]], c: float, v: int) -> None:
+    """Append ``v`` of cost ``c`` to ``(distinct costs, lowest index of each)``, fed by
+    increasing ``(cost, index)``."""
+    costs, first = partners
+    if not costs or costs[-1] != c:
+        costs.append(c)
+        first.append(v)
+
+
+def _best_partner(
+    partners: tuple[list[float], list[int]], a: float, b: float, cu: float
+) -> tuple[float, int] | None:
+    """The lowest ``max(a + c_v, b − c_v)`` over the partners cheaper than ``cu``, and the
+    lowest index that reaches it; None if no partner is cheaper.
+
+    ``a + c`` never falls and ``b − c`` never rises as ``c`` grows (float rounding is
+    monotone), so the maximum is ``b − c`` before the first cost ``p`` where
+    ``a + c ≥ b − c`` and ``a + c`` from there on: the minimum is at ``p`` or just
+    before it, and the costs that tie with it are one run around it.
+    """
+    costs, first = partners
+    k = bisect.bisect_left(costs, cu)
+    if k == 0:
+        return None
+    lo, up = 0, k
+    while lo < up:
+        mid = (lo + up) // 2
+        if a + costs[mid] >= b - costs[mid]:
+            up = mid
+        else:
+            lo = mid + 1
+    # below lo the maximum is b - c, from lo on it is a + c
+    if lo == k:
+        value, start, end = b - costs[k - 1], k - 1, k - 1
+    elif lo == 0:
+        value, start, end = a + costs[0], 0, 0
+    else:
+        below, above = b - costs[lo - 1], a + costs[lo]
+        value = min(below, above)
+        start = lo - 1 if below == value else lo
+        end = lo if above == value else lo - 1
+    while start > 0 and b - costs[start - 1] == value:
+        start -= 1
+    while end + 1 < k and a + costs[end + 1] == value:
+        end += 1
+    return value, min(first[start : end + 1])
 
 
 def _ilp_or_lpt(
