@@ -50,6 +50,7 @@ from dmuon.optim import OwnerExchange
 __all__ = [
     "check_one_module",
     "check_untied",
+    "held_below",
     "install_hooks",
     "layer_modules",
     "module_of_layer",
@@ -617,6 +618,34 @@ def _holder_waits(
     return handles
 
 
+def held_below(
+    held: Mapping[str, list[tuple[str, str | None]]],
+) -> dict[str, list[tuple[str, str | None]]]:
+    """Every module holding a weight of ``held`` (its name → its weights' local names and
+    their dedicated names), and every module above one, the model's ``""`` included →
+    every held weight of that module and the modules under it, named from it, in
+    ``held``'s order.
+
+    One walk up from each holder (modules × depth): a scan of every holder per module was
+    modules², 2.8 s of ``dedicate()`` at 2574 modules.
+
+    Examples:
+        >>> held_below({"a.b": [("weight", "a.b.weight")], "c": [("bias", None)]})["a"]
+        [('b.weight', 'a.b.weight')]
+        >>> sorted(held_below({"a.b": [("weight", "a.b.weight")], "c": [("bias", None)]}))
+        ['', 'a', 'a.b', 'c']
+    """
+    out: dict[str, list[tuple[str, str | None]]] = {"": []}
+    for module, mine in held.items():
+        parts = module.split(".") if module else []
+        for k in range(len(parts) + 1):
+            rel = ".".join(parts[k:])
+            out.setdefault(".".join(parts[:k]), []).extend(
+                (f"{rel}.{local}" if rel else local, n) for local, n in mine
+            )
+    return out
+
+
 def _load_waits(
     model: nn.Module, exchange: OwnerExchange, held: Mapping[str, list[tuple[str, str | None]]]
 ) -> list[RemovableHandle]:
@@ -630,20 +659,7 @@ def _load_waits(
     was called, which looks at every weight below it — so before anything is copied (a
     load of other entries, or of resident weights, goes on)."""
 
-    def below(prefix: str) -> list[tuple[str, str | None]]:
-        """Every held weight of module ``prefix`` and the modules under it, named from it."""
-        out = []
-        for module, mine in held.items():
-            if prefix and module != prefix and not module.startswith(prefix + "."):
-                continue
-            rel = module[len(prefix) :].lstrip(".")
-            out += [(f"{rel}.{local}" if rel else local, n) for local, n in mine]
-        return out
-
-    above = {""}
-    for module in held:
-        parts = module.split(".") if module else []
-        above.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
+    below = held_below(held)
 
     def hook_for(mine: list[tuple[str, str | None]]) -> Callable[..., None]:
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
@@ -667,8 +683,8 @@ def _load_waits(
         return hook
 
     return [
-        model.get_submodule(prefix).register_load_state_dict_pre_hook(hook_for(below(prefix)))
-        for prefix in sorted(above)
+        model.get_submodule(prefix).register_load_state_dict_pre_hook(hook_for(below[prefix]))
+        for prefix in sorted(below)
     ]
 
 
