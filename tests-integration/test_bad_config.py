@@ -107,6 +107,24 @@ def _two_groups() -> None:
     DMuon([{"params": [w]}, {"params": [w]}])
 
 
+def _edited_state_dict(index: int, key: str, value: torch.Tensor) -> None:
+    model = net()
+    opt = DMuon(param_groups(model))
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][index][key] = value
+    opt.load_state_dict(sd)
+
+
+def _clip_parameters() -> None:
+    from dmuon.optim import clip_grad_norm_
+
+    model = net()
+    model(torch.randn(3, 4)).sum().backward()
+    clip_grad_norm_(model.parameters(), 1.0)
+
+
 def _dedicate_after_fully_shard(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -201,10 +219,21 @@ CASES = [
          ValueError, "momentum must be a real number in [0.0, 1.0)"),
     Case("weight-decay-negative", "`weight_decay=-1.0`",
          lambda: DMuon([W()], weight_decay=-1.0), ValueError, "weight_decay must be a finite"),
+    Case("lr-past-float32", "`lr=1e300` (finite in Python, past float32's 3.4e38)",
+         lambda: DMuon([W()], lr=1e300), ValueError,
+         "lr must be a finite real number >= 0.0 and at most 3.403e+38 in magnitude"),
+    Case("lr-times-weight-decay", "`lr=1e20, weight_decay=1e20`",
+         lambda: DMuon([W()], lr=1e20, weight_decay=1e20), ValueError,
+         "lr × weight_decay = 1e+40 is past float32's largest"),
+    Case("adamw-step-size", "`adamw_lr=1e38` (AdamW's first step, lr / (1 − β₁), overflows)",
+         lambda: DMuon(param_groups(net()), adamw_lr=1e38), ValueError,
+         "lr / (1 − beta1), AdamW's first step size = 1e+39 is past float32's largest"),
     Case("ns-steps-zero", "`ns_steps=0`", lambda: DMuon([W()], ns_steps=0), ValueError,
          "ns_steps must be an integer >= 1, got 0"),
     Case("ns-steps-float", "`ns_steps=2.5`", lambda: DMuon([W()], ns_steps=2.5), ValueError,
          "ns_steps must be an integer >= 1, got 2.5"),
+    Case("ns-steps-huge", "`ns_steps=2**62`", lambda: DMuon([W()], ns_steps=2**62),
+         ValueError, "ns_steps must be an integer in [1, 100], got 4611686018427387904"),
     Case("coefficients-unknown", "`ns_coefficients='nope'`",
          lambda: DMuon([W()], ns_coefficients="nope"), ValueError,
          "ns_coefficients must be one of ['keller', 'polar_express'"),
@@ -253,6 +282,15 @@ CASES = [
     Case("adamw-betas", "`adamw_betas=(0.9, 1.5)`",
          lambda: DMuon([W()], adamw_betas=(0.9, 1.5)), ValueError,
          "adamw_betas must be a pair (beta1, beta2) in [0, 1)"),
+    Case("param-names-length", "a group with 2 `params` and 1 name in `param_names`",
+         lambda: DMuon([{"params": [W(), W()], "param_names": ["w"]}]), ValueError,
+         "param group 0: param_names has 1 name(s) for 2 parameter(s)"),
+    Case("param-names-string", "`param_names='ab'` (a string, not a list)",
+         lambda: DMuon([{"params": [W(), W()], "param_names": "ab"}]), TypeError,
+         "param group 0: param_names must be a list of strings, one per parameter"),
+    Case("clip-parameters", "`clip_grad_norm_(model.parameters(), 1.0)` (torch's signature)",
+         _clip_parameters, TypeError,
+         "call clip_grad_norm_(opt, max_norm) with the DMuon optimizer, not model.parameters()"),
     Case("vector-in-matrix-group", "a 1-D parameter (a bias) in a matrix group",
          lambda: DMuon([{"params": [nn.Parameter(torch.zeros(6))], "rule": "muon"}]),
          ValueError, "matrix rules take parameters with at least 2 dimensions"),
@@ -279,6 +317,9 @@ CASES = [
          ValueError, "pipeline_depth must be an int ≥ 1, got 0"),
     Case("timeout", "`timeout=-1`", lambda: DMuon([W()], timeout=-1), ValueError,
          "timeout must be a positive number of seconds"),
+    Case("timeout-inf", "`timeout=math.inf` (`None` waits as long as the process group)",
+         lambda: DMuon([W()], timeout=float("inf")), ValueError,
+         "timeout must be a positive number of seconds"),
     Case("nonfinite-policy", "`nonfinite='ignore'`", lambda: DMuon([W()], nonfinite="ignore"),
          ValueError, "nonfinite must be 'raise', 'skip_step' or None"),
     Case("check-every", "`check_every=0`", lambda: DMuon([W()], check_every=0), ValueError,
@@ -289,6 +330,14 @@ CASES = [
     Case("state-dict-incomplete", "`load_state_dict({'state': {}})`",
          lambda: DMuon([W()]).load_state_dict({"state": {}}), ValueError,
          "state dict is missing key(s) ['param_groups']"),
+    Case("state-dict-negative-step", "`load_state_dict()` of a dict whose `step` is -1",
+         lambda: _edited_state_dict(2, "step", torch.tensor(-1.0)), ValueError,
+         "state 'step' of parameter '0.bias' (param group 1, shape (8,)) holds a negative "
+         "value"),
+    Case("state-dict-negative-second-moment",
+         "`load_state_dict()` of a dict whose AdamW `exp_avg_sq` is negative",
+         lambda: _edited_state_dict(2, "exp_avg_sq", -torch.ones(8)), ValueError,
+         "it is a running mean of squares, never negative"),
     Case("no-mode-with-group", "no `mode` under a process group of 2 ranks, no dedication",
          _no_mode_with_group, ValueError, "DMuon cannot tell how the gradients arrive", 2),
     Case("dedicate-reduce-op", "`fsdp.dedicate(model, reduce_op='mean')`",

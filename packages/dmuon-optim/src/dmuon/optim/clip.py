@@ -23,6 +23,7 @@ after the reductions have finished, on the gradients the step will read.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,6 +71,9 @@ def clip_grad_norm_(
         The total norm before clipping (a 0-D float32 tensor, the same on every rank).
 
     Raises:
+        TypeError: ``optimizer`` is not a DMuon (``model.parameters()``, torch's
+            signature), ``max_norm`` is not a real number, or ``error_if_nonfinite`` not
+            a bool.
         ValueError: ``max_norm`` < 0 or ``norm_type`` ≤ 0.
         RuntimeError: a non-finite norm with ``error_if_nonfinite``.
         NotImplementedError: in sign mode (the voted step ignores the gradient scale).
@@ -83,7 +87,11 @@ def clip_grad_norm_(
         >>> clip_grad_norm_(opt, 2.0).item(), round(w.grad.norm().item(), 4)
         (4.0, 2.0)
     """
-    max_norm, norm_type = float(max_norm), float(norm_type)
+    _check_optimizer(optimizer, "clip_grad_norm_(opt, max_norm)")
+    max_norm = _real("max_norm", max_norm)
+    if not isinstance(error_if_nonfinite, bool):  # "no" was truthy: it raised
+        raise TypeError(f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
+    norm_type = float(norm_type)  # as torch's: 2, 2.0, float("inf") or "inf"
     if not max_norm >= 0:
         raise ValueError(f"max_norm must be ≥ 0, got {max_norm}")
     if not norm_type > 0:
@@ -126,10 +134,8 @@ def _clip_norm(
             # each norm accumulated and returned in fp32, whatever the gradient's dtype: an
             # fp16 gradient's own norm overflows past 65504 though every entry is finite
             # (64×64 entries of 1100: 70400), and an Inf total would clip it to 0
-            norms = torch._foreach_norm(
-                [g.detach() for g in counted], norm_type, dtype=torch.float32
-            )
-            powers = torch.stack(norms).pow(norm_type)
+            # (a float64 gradient's in float64: the norm refuses to narrow it)
+            powers = torch.stack(_norms([g.detach() for g in counted], norm_type)).pow(norm_type)
             # a tensor several ranks count (single mode's DTensor shards) is counted 1/copies
             # times on each; copies are 1 in every other mode (x / 1.0 is exact)
             partial = (powers / torch.tensor(copies, device=powers.device)).sum()
@@ -163,6 +169,48 @@ def _clip_norm(
     return total
 
 
+def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each gradient's ``norm_type``-norm, accumulated in fp32 or in the gradient's own
+    dtype where that is wider (float64): one ``torch._foreach_norm`` per such dtype,
+    so fp32/bf16/fp16 gradients take the one fp32 call they always took."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_dtype.setdefault(torch.promote_types(g.dtype, torch.float32), []).append(i)
+    out: list[torch.Tensor] = list(grads)
+    for dtype, indices in by_dtype.items():
+        norms = torch._foreach_norm([grads[i] for i in indices], norm_type, dtype=dtype)
+        for i, n in zip(indices, norms, strict=True):
+            out[i] = n
+    return out
+
+
+def _check_optimizer(optimizer: object, call: str) -> None:
+    """Raise ``TypeError`` unless ``optimizer`` is a DMuon: torch's signature takes
+    ``model.parameters()``, and an iterator or another optimizer failed with an
+    ``AttributeError`` on ``.engine``."""
+    from dmuon.optim.optimizer import DMuon  # this module is imported by it
+
+    if not isinstance(optimizer, DMuon):
+        what = type(optimizer).__name__
+        hint = (
+            ", not model.parameters() (torch.nn.utils' signature): DMuon knows where "
+            "each gradient lives across ranks"
+            if not isinstance(optimizer, torch.optim.Optimizer)
+            else "; another optimizer's gradients are clipped with torch.nn.utils"
+        )
+        raise TypeError(f"call {call} with the DMuon optimizer{hint}; got a {what}")
+
+
+def _real(name: str, value: object) -> float:
+    """``value`` as a float: a real number or a one-element tensor, not a string or a
+    bool (``float("1.0")`` took a string that a config file gave)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
 @torch.no_grad()
 def clip_grad_value_(optimizer: DMuon, clip_value: float) -> None:
     """Clamp every element of the gradients of ``optimizer``'s parameters to ``[−c, c]``.
@@ -185,7 +233,8 @@ def clip_grad_value_(optimizer: DMuon, clip_value: float) -> None:
         clip_value: ``c``, the largest allowed absolute value (≥ 0).
 
     Raises:
-        ValueError: ``clip_value`` < 0 or not a number.
+        TypeError: ``optimizer`` is not a DMuon, or ``clip_value`` not a real number.
+        ValueError: ``clip_value`` < 0.
         NotImplementedError: in sign mode (the matrix gradients are never averaged).
 
     Examples:
@@ -199,7 +248,8 @@ def clip_grad_value_(optimizer: DMuon, clip_value: float) -> None:
         tensor([[ 1.0000, -0.5000],
                 [-1.0000,  0.2500]])
     """
-    clip_value = float(clip_value)
+    _check_optimizer(optimizer, "clip_grad_value_(opt, clip_value)")
+    clip_value = _real("clip_value", clip_value)
     if not clip_value >= 0:
         raise ValueError(f"clip_value must be ≥ 0, got {clip_value}")
     engine = optimizer.engine

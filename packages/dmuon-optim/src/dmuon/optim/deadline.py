@@ -23,6 +23,9 @@ such iteration was measured (e.g. rank 0 alone writing a large checkpoint) sets
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +39,10 @@ AUTO_ITERATION_FACTOR = 20.0
 """``timeout="auto"``: the deadline is at least this many times the slowest iteration."""
 
 
+MAX_TIMEOUT_SECONDS = datetime.timedelta.max.total_seconds()
+"""The longest ``timeout=`` (seconds) a deadline can hold: ``datetime.timedelta``'s."""
+
+
 def check_timeout(timeout: Any) -> float | str | None:
     """``timeout=`` of ``DMuon``, checked: seconds (> 0) as ``float``, ``"auto"`` or ``None``.
 
@@ -45,13 +52,20 @@ def check_timeout(timeout: Any) -> float | str | None:
     """
     if timeout is None or timeout == "auto":
         return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+    # finite, and at most timedelta's largest (~2.7 million years): math.inf or 1e20
+    # overflowed the timedelta it becomes (OverflowError); None is the way to wait as
+    # long as the process group does
+    seconds = math.nan
+    if not isinstance(timeout, bool) and isinstance(timeout, (int, float)):
+        with contextlib.suppress(OverflowError):  # an int past float's range (10**400)
+            seconds = float(timeout)
+    if not 0 < seconds <= MAX_TIMEOUT_SECONDS:  # NaN and inf fail too
         raise ValueError(
             "timeout must be a positive number of seconds, 'auto' (a deadline derived from "
             "the measured iteration time, at least 300 s) or None (the process group's "
             f"timeout); got {timeout!r}"
         )
-    return float(timeout)
+    return seconds
 
 
 @dataclass

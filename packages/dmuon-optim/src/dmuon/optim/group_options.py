@@ -11,6 +11,7 @@ rule can take, each error naming the group, the key or the parameter.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from dmuon.optim.engine.exchange import exchange_of
-from dmuon.optim.hyperparameters import MATRIX_KEYS, SCALAR_OPTIONS
+from dmuon.optim.hyperparameters import FLOAT32_MAX, MATRIX_KEYS, SCALAR_OPTIONS
 from dmuon.optim.layout import matrix_layout
 from dmuon.optim.option_names import (
     accepted_options,
@@ -147,11 +148,18 @@ class GroupDefaults:
         elif isinstance(params, set):
             raise TypeError("parameters must be an ordered collection (a list), not a set")
         params = list(params)
+        where = f"param group {index}"
         if params and all(isinstance(p, tuple) for p in params):
+            if any(len(p) != 2 for p in params):
+                raise TypeError(
+                    f"{where}: named parameters must be (name, parameter) pairs, as "
+                    "model.named_parameters() gives them"
+                )
             group["param_names"] = [n for n, _ in params]
             params = [p for _, p in params]
         group["params"] = params
-        where = f"param group {index}"
+        if "param_names" in group:
+            group["param_names"] = checked_param_names(group["param_names"], len(params), where)
         renamed_rule_key(group, where)
         rule_name = group.get("rule", self.rule)
         if rule_name == "scalar":
@@ -192,6 +200,100 @@ def check_together(group: Mapping[str, Any], where: str) -> None:
             f"{where}: state_rounding 'stochastic' rounds fp32 state to bfloat16; it needs "
             f"state_dtype='bfloat16', got state_dtype={group.get('state_dtype')!r}"
         )
+    check_float32_products(group, where)
+
+
+def check_float32_products(group: Mapping[str, Any], where: str) -> None:
+    """Raise if a product of ``group``'s values that the step hands torch as a float32
+    scalar is past float32's largest (:data:`~dmuon.optim.hyperparameters.FLOAT32_MAX`).
+
+    Each value alone is bounded by it (:func:`~dmuon.optim.hyperparameters.real`), but the
+    step multiplies some: ``1 − lr·weight_decay`` (every rule's decay), AdamW's first step
+    size ``lr/(1 − β₁)``, a matrix rule's ``lr·scale`` (the ``adjust_lr`` factor, at most
+    √(m·n) for an m×n matrix, times ``block_lr_scale``/``full_lr_scale``/``radius``), and
+    MONA's ``mona_gamma/(1 − momentum)``. Such a product failed in torch (``value cannot be
+    converted to type float without overflow``) mid-step, after the groups before had
+    stepped; refused here, at construction and by ``step()`` before anything changes.
+    The bound on ``lr·scale`` is by √(m·n), the largest factor of every convention, so it
+    may refuse an lr that one convention would have taken: only lr past ~1e33 is.
+
+    Raises:
+        ValueError: naming the keys, their product and the bound.
+    """
+
+    def value(key: str) -> float | None:
+        v = group.get(key)
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            return float(v.item())
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    def refuse(what: str, product: float, fix: str) -> None:
+        raise ValueError(
+            f"{where}: {what} = {product:.4g} is past float32's largest ({FLOAT32_MAX:.4g}); "
+            f"the step computes it in float32 and would fail half-way. {fix}"
+        )
+
+    lr, wd = value("lr"), value("weight_decay")
+    if lr is None:
+        return
+    if wd is not None and lr * wd > FLOAT32_MAX:
+        refuse("lr × weight_decay", lr * wd, "Lower lr or weight_decay")
+    betas = group.get("betas")
+    if group.get("rule") == "adamw" and isinstance(betas, tuple) and len(betas) == 2:
+        first = lr / (1.0 - float(betas[0]))  # β₁ < 1: checked by its option
+        if first > FLOAT32_MAX:
+            refuse("lr / (1 − beta1), AdamW's first step size", first, "Lower lr or beta1")
+    if group.get("rule") in RULES:
+        factor = 1.0
+        for key in ("block_lr_scale", "full_lr_scale", "radius"):
+            k = value(key)
+            if k is not None:
+                factor *= k
+        params = group.get("params") or []
+        sizes = [p.numel() for p in params if isinstance(p, torch.Tensor)]
+        factor *= math.sqrt(max(sizes, default=1))
+        if lr * factor > FLOAT32_MAX:
+            refuse(
+                "lr × the rule's largest scale (√(m·n) × its lr scales)",
+                lr * factor,
+                "Lower lr",
+            )
+    gamma, mu = value("mona_gamma"), value("momentum")
+    if gamma is not None and mu is not None and gamma / (1.0 - mu) > FLOAT32_MAX:
+        refuse("mona_gamma / (1 − momentum)", gamma / (1.0 - mu), "Lower mona_gamma")
+
+
+def checked_param_names(names: Any, count: int, where: str) -> list[str]:
+    """``names`` as a list, checked to name each of a group's ``count`` parameters.
+
+    Errors, messages and the step's bookkeeping index a group's ``param_names`` by
+    parameter position: a list of another length indexed past its end at the step
+    (``IndexError`` after the first groups had stepped), a string was taken as a list of
+    one-letter names, and a name that is not a string failed in the embedding check.
+
+    Raises:
+        TypeError: ``names`` is not a list or tuple of strings (a ``str`` itself included).
+        ValueError: a name is empty, or there is not one name per parameter.
+    """
+    if not isinstance(names, (list, tuple)):
+        raise TypeError(
+            f"{where}: param_names must be a list of strings, one per parameter, got "
+            f"{type(names).__name__} {names!r}"[:300]
+        )
+    for i, n in enumerate(names):
+        if not isinstance(n, str):
+            raise TypeError(
+                f"{where}: param_names[{i}] must be a str (the parameter's name, as "
+                f"model.named_parameters() gives it), got {type(n).__name__} {n!r}"[:300]
+            )
+        if not n:
+            raise ValueError(f"{where}: param_names[{i}] is an empty string; name the parameter")
+    if len(names) != count:
+        raise ValueError(
+            f"{where}: param_names has {len(names)} name(s) for {count} parameter(s); "
+            "give one name per parameter, in the order of 'params'"
+        )
+    return list(names)
 
 
 def check_param(p: Any, rule_name: str, group: Mapping[str, Any], name: str) -> None:

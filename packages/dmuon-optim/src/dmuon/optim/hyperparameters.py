@@ -26,7 +26,9 @@ from dmuon.optim.scaling import ADJUST_LR
 __all__ = [
     "BOOKKEEPING_KEYS",
     "COMPUTE_DTYPES",
+    "FLOAT32_MAX",
     "MATRIX_KEYS",
+    "NS_STEPS_MAX",
     "REQUIRED",
     "SCALAR_OPTIONS",
     "STATE_ROUNDING",
@@ -104,6 +106,14 @@ def _parses_as_float(text: str) -> bool:
     return True
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+"""The largest real a hyperparameter may hold (≈ 3.4e38): the step computes in float32
+(fp16/bf16 parameters in fp32 too) and hands torch's kernels its scalars as such, so a
+value past it (``lr=1e300``, finite in Python's float64) failed mid-step, after earlier
+groups had stepped, with torch's ``value cannot be converted to type float without
+overflow``."""
+
+
 def real(
     lo: float = -math.inf,
     hi: float = math.inf,
@@ -111,7 +121,8 @@ def real(
     lo_open: bool = False,
     hi_open: bool = False,
 ) -> Check:
-    """A finite real number in the interval; returned as ``float``.
+    """A finite real number in the interval, of magnitude at most :data:`FLOAT32_MAX`;
+    returned as ``float``.
 
     A one-element real tensor (an ``lr`` tensor, as ``torch.optim`` takes it)
     is checked by its value and returned as itself: the group keeps the caller's tensor,
@@ -147,6 +158,11 @@ def real(
             v = float(value)
         except OverflowError:  # an int past float's range (10**400)
             raise ValueError(f"must be {what}, got {value!r}") from None
+        if math.isfinite(v) and abs(v) > FLOAT32_MAX:
+            raise ValueError(
+                f"must be {what} and at most {FLOAT32_MAX:.4g} in magnitude (float32's "
+                f"largest: the step computes in float32), got {value!r}"
+            )
         ok = math.isfinite(v)
         ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
         if not ok:
@@ -156,13 +172,15 @@ def real(
     return check
 
 
-def integer(lo: int) -> Check:
-    """An integer ``≥ lo``; returned as ``int``."""
+def integer(lo: int, hi: int | None = None) -> Check:
+    """An integer ``≥ lo`` (and ``≤ hi`` when given); returned as ``int``."""
 
     def check(value: Any) -> int:
         # numbers.Integral: numpy's integers too, not bool
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
             raise ValueError(f"must be an integer >= {lo}, got {value!r}")
+        if hi is not None and int(value) > hi:
+            raise ValueError(f"must be an integer in [{lo}, {hi}], got {value!r}")
         if int(value) >= 2**63:  # no loop count or index is meant (10**400 overflowed later)
             raise ValueError(f"must be an integer >= {lo} and < 2**63, got {value!r}")
         return int(value)
@@ -206,7 +224,9 @@ def _betas(value: Any) -> tuple[float, float]:
         raise ValueError(f"must be a pair (beta1, beta2) in [0, 1), got {value!r}") from None
     unit = real(0.0, 1.0, hi_open=True)
     try:
-        return unit(b1), unit(b2)
+        # plain floats, a one-element tensor's value too: torch's AdamW refuses a tensor
+        # beta (foreach, not capturable) at the step, after the matrix groups stepped
+        return float(unit(b1)), float(unit(b2))
     except ValueError:
         raise ValueError(f"must be a pair (beta1, beta2) in [0, 1), got {value!r}") from None
 
@@ -221,7 +241,11 @@ def _coefficients(value: Any) -> str | tuple[tuple[float, float, float], ...]:
         if not triples:
             raise ValueError("no triple given")
         resolve_coefficients(triples, len(triples))  # three finite numbers each, or raises
-        return tuple((float(a), float(b), float(c)) for a, b, c in triples)
+        out = tuple((float(a), float(b), float(c)) for a, b, c in triples)
+        if any(abs(x) > FLOAT32_MAX for t in out for x in t):
+            # finite in float64, yet the iteration's float32 scalar overflowed mid-step
+            raise ValueError(f"a coefficient is past float32's largest, {FLOAT32_MAX:.4g}")
+        return out
     except (TypeError, ValueError) as e:
         raise ValueError(
             f"must be one of {sorted(COEFFICIENT_SETS)} or a sequence of (a, b, c) triples, "
@@ -281,6 +305,12 @@ def _heads(value: Any) -> int | tuple[int, ...] | None:
     return _sizes(value)
 
 
+NS_STEPS_MAX = 100
+"""The most Newton–Schulz steps a group may take. The tuned quintic sets converge in
+about 5 and the classical cubic (1.5, −0.5, 0) from a singular value of 1e-7 in about
+40; more is never meant, and ``ns_steps=2**62`` built a schedule of that many triples
+(``MemoryError``) or iterated for ever."""
+
 TP_PATHS = ("auto", "gram", "gather")
 """The values of the group key ``tp_path``: how a matrix split over a tensor-parallel
 group is orthogonalised (:meth:`StepContext.orthogonalize
@@ -302,7 +332,11 @@ MATRIX_KEYS: dict[str, Option] = {
     "adjust_lr": Option(None, choice(ADJUST_LR), "learning-rate convention of the shape"),
     "ns_method": Option(None, choice(METHODS), "Newton–Schulz iteration: gram or standard"),
     "ns_coefficients": Option(None, _coefficients, "coefficient set name or (a, b, c) triples"),
-    "ns_steps": Option(None, integer(1), "Newton–Schulz steps"),
+    "ns_steps": Option(
+        None,
+        integer(1, NS_STEPS_MAX),
+        f"Newton–Schulz steps, 1 to {NS_STEPS_MAX}",
+    ),
     "ns_compute_dtype": Option(
         None,
         _compute_dtype,

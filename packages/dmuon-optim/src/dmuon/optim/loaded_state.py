@@ -23,13 +23,17 @@ from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.group_options import param_name
 from dmuon.optim.matrix_split import MatrixSplit, local_tensor
 from dmuon.optim.optimizer_state import FULL_STATE_FORMAT, expected_state_shapes, paired_states
+from dmuon.optim.rules import RULES, get_rule
+from dmuon.optim.scalar import SCALAR_ALGORITHMS
 from dmuon.optim.wrapper_names import WRAPPER_NAMES
 
 __all__ = [
     "check_loaded_state",
     "check_state_dict_keys",
     "refuse_nonfinite_state",
+    "refuse_out_of_domain_state",
     "refuse_unloadable",
+    "second_moment_keys",
 ]
 
 
@@ -169,9 +173,71 @@ def refuse_unloadable(engine: Engine) -> Callable[[torch.optim.Optimizer, dict[s
                     raise ValueError(
                         _foreign_placeholder_message(engine, state_dict, key, pair.name)
                     )
+        refuse_out_of_domain_state(opt.param_groups, opt.state, state_dict)
         refuse_nonfinite_state(opt.param_groups, opt.state, state_dict)
 
     return hook
+
+
+def second_moment_keys(rule: Any) -> frozenset[str]:
+    """The state keys of ``rule`` that hold running means of squares, never negative:
+    AdamW's ``exp_avg_sq`` and a matrix rule's state declared ``squares=True``."""
+    if rule in SCALAR_ALGORITHMS:
+        return frozenset({"exp_avg_sq"})
+    if rule in RULES:
+        return frozenset(s.name for s in get_rule(rule).state_specs() if s.squares)
+    return frozenset()
+
+
+def refuse_out_of_domain_state(
+    groups: list[dict[str, Any]], state: Mapping[Any, Any], state_dict: Mapping[str, Any]
+) -> None:
+    """Raise ``ValueError``, naming the parameter and the key, on a saved state value of
+    the wrong type or outside its domain, before torch changes anything.
+
+    * A value where the optimizer keeps a tensor must be a tensor: torch's load casts
+      other values first (a string ``"3"`` came out as a generator, and the shape
+      check named *that*), so the type is checked here, before any shape.
+    * ``step`` is a count, never negative: AdamW's bias correction ``1 − β^step`` is 0
+      at ``step = -1`` (``ZeroDivisionError``, after the matrix groups had stepped) and
+      its square root's argument negative below.
+    * A second moment (:func:`second_moment_keys`) is a running mean of squares, never
+      negative: a negative ``exp_avg_sq`` made the next step's ``√v`` NaN, written into
+      the weights without a word (the non-finite guard reads the gradients).
+
+    One read of the minima of all the tensors checked (a DTensor by its local part, a
+    placeholder passed over).
+    """
+    checked: list[tuple[str, str, torch.Tensor]] = []  # (name, key, local tensor)
+    for pair in paired_states(groups, state, state_dict):
+        moments = second_moment_keys(pair.group.get("rule"))
+        for key, mine in pair.mine.items():
+            if key not in pair.theirs or not isinstance(mine, torch.Tensor):
+                continue
+            value = pair.theirs[key]
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(
+                    f"state {key!r} of {pair.name} is a {type(value).__name__} "
+                    f"({value!r:.60}); expected a tensor of shape {tuple(mine.shape)} "
+                    f"(as this optimizer's state_dict() saves it)"
+                )
+            if key == "step" or key in moments:
+                local = local_tensor(value)
+                if local.numel() and not local.is_complex() and local.dtype != torch.bool:
+                    checked.append((pair.name, key, local))
+    if not checked:
+        return
+    minima = torch.stack([t.min().to(torch.float64).cpu() for _, _, t in checked]).tolist()
+    for (name, key, t), low in zip(checked, minima, strict=True):
+        if low < 0:  # NaN compares False: refuse_nonfinite_state names it
+            what = "a step count" if key == "step" else "a running mean of squares"
+            raise ValueError(
+                f"state {key!r} of {name} holds a negative value ({low:g}, "
+                f"{int((t < 0).sum())} of {t.numel()} entries); it is {what}, never "
+                "negative, and the next step would divide by zero or write NaN into the "
+                "weights. The dict is corrupt or was edited: load one this optimizer "
+                "saved; the optimizer is unchanged"
+            )
 
 
 def refuse_nonfinite_state(
@@ -211,12 +277,16 @@ def refuse_nonfinite_state(
                 found.append((pair.name, key, local))
     if not found:
         return
-    by_device: dict[torch.device, list[int]] = {}
+    # by device and dtype: the norm is taken in float32, or in the tensor's own dtype
+    # where that is wider (float64 refuses to narrow: a float64 model's own dict failed)
+    by_device: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (_, _, t) in enumerate(found):
-        by_device.setdefault(t.device, []).append(i)
+        by_device.setdefault((t.device, t.dtype), []).append(i)
     finite = [True] * len(found)
-    for indices in by_device.values():
-        norms = torch._foreach_norm([found[i][2] for i in indices], math.inf, dtype=torch.float32)
+    for (_, dtype), indices in by_device.items():
+        # a complex tensor's norm is taken in its own dtype (a real one is refused)
+        wide = None if dtype.is_complex else torch.promote_types(dtype, torch.float32)
+        norms = torch._foreach_norm([found[i][2] for i in indices], math.inf, dtype=wide)
         for i, ok in zip(indices, torch.isfinite(torch.stack(norms)).tolist(), strict=True):
             finite[i] = ok
     bad = [found[i] for i, ok in enumerate(finite) if not ok]

@@ -525,7 +525,14 @@ class Reduction:
                 # the max norm: a NaN or Inf entry makes it NaN or Inf, and finite entries
                 # cannot overflow it (an ℓ1 norm of entries near 3e38 did: a finite gradient
                 # refused); torch._foreach_norm takes them all in one fused launch on a GPU
-                norms = torch._foreach_norm(slots, math.inf, dtype=torch.float32)
+                # (a float64 gradient's in float64: the norm refuses to narrow it)
+                wide = [torch.promote_types(t.dtype, torch.float32) for t in slots]
+                norms: list[torch.Tensor] = list(slots)
+                for dtype in dict.fromkeys(wide):
+                    at = [i for i, d in enumerate(wide) if d == dtype]
+                    found = torch._foreach_norm([slots[i] for i in at], math.inf, dtype=dtype)
+                    for i, norm in zip(at, found, strict=True):
+                        norms[i] = norm
                 self.released_norms[layer.key] = (taken, torch.stack(norms))
         if self.free_local_grads:  # once copied: a failed copy leaves the gradients
             for name in layer.dedicated + layer.replicated:  # the buckets' names

@@ -25,10 +25,14 @@ def block_bounds(size: int, blocks: int) -> list[tuple[int, int]]:
     Examples:
         >>> block_bounds(10, 3)
         [(0, 4), (4, 7), (7, 10)]
+        >>> block_bounds(3, 2**62)  # more blocks than rows: one row each
+        [(0, 1), (1, 2), (2, 3)]
     """
     base, extra = divmod(size, blocks)
     out, start = [], 0
-    for i in range(blocks):
+    # parts past the size-th are empty (dropped): not looped over, so row_blocks=2**62
+    # gives the size one-row blocks at once instead of iterating for ever
+    for i in range(min(blocks, size)):
         stop = start + base + (1 if i < extra else 0)
         if stop > start:
             out.append((start, stop))
