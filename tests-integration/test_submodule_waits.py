@@ -48,7 +48,25 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def _probe(rank: int, world: int, pack_mb: float) -> list[float]:
+def _interrupted_forward(model: nn.Module, x: torch.Tensor) -> None:
+    """An eval forward of each block interrupted inside it by a ``KeyboardInterrupt``
+    (Ctrl-C in a notebook): torch runs no forward hook for a ``BaseException`` that is not
+    an ``Exception``, so the block's forward never ends as far as its hooks know."""
+
+    def interrupt(*_: object) -> torch.Tensor:
+        raise KeyboardInterrupt
+
+    for block in model.blocks:
+        block.proj.forward = interrupt
+        try:
+            with torch.no_grad():
+                block(x)
+        except KeyboardInterrupt:
+            pass
+        del block.proj.forward  # the class's forward again
+
+
+def _probe(rank: int, world: int, pack_mb: float, interrupted: bool = False) -> list[float]:
     from dmuon.integrations import ddp
 
     model = Net()
@@ -68,6 +86,8 @@ def _probe(rank: int, world: int, pack_mb: float) -> list[float]:
     for step in range(2):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
         model(x).square().mean().backward()
+        if interrupted:
+            _interrupted_forward(model, x)
         opt.step()
         opt.zero_grad()
         with torch.no_grad():
@@ -81,4 +101,12 @@ def _probe(rank: int, world: int, pack_mb: float) -> list[float]:
 @pytest.mark.parametrize("pack_mb", [0, 1.0])
 def test_submodule_called_after_step_reads_current_weights(pack_mb: float):
     for rank, gaps in enumerate(run_on_ranks(_probe, WORLD, args=(pack_mb,), timeout=60)):
+        assert gaps == [0.0, 0.0], f"rank {rank}: {gaps}"
+
+
+def test_a_forward_interrupted_by_keyboard_interrupt_does_not_skip_the_next_wait():
+    # Before: the interrupted block's "entered" mark stayed set, and after the next step
+    # rank 1's direct call of blocks[i].fc skipped its wait and read the old weights.
+    results = run_on_ranks(_probe, WORLD, args=(0, True), timeout=60)
+    for rank, gaps in enumerate(results):
         assert gaps == [0.0, 0.0], f"rank {rank}: {gaps}"

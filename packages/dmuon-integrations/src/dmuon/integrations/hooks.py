@@ -186,8 +186,13 @@ def install_hooks(model: nn.Module, exchange: OwnerExchange) -> list[RemovableHa
     # (its pre-hook sets it, its forward hook clears it): those holders' hooks read it
     # (_holder_waits)
     held = _holders(model, exchange)
-    entered = dict.fromkeys(
-        (k for keys in _holder_keys(exchange, where, held).values() for k in keys), False
+    # the publication's own dict: its publish() clears a mark a forward interrupted by a
+    # KeyboardInterrupt left set (no forward hook runs then)
+    entered = exchange.publication.entered
+    entered.update(
+        dict.fromkeys(
+            (k for keys in _holder_keys(exchange, where, held).values() for k in keys), False
+        )
     )
 
     def call(
@@ -591,7 +596,10 @@ def _holder_waits(
     ``torch.compiler.is_compiling()``, assuming a whole compiled model: such a probe read
     the previous step's weights on a non-owner rank.) The flag is never set outside the
     layer's forward, where the weights cannot be republished, so it errs only towards a
-    wait that finds the layer landed."""
+    wait that finds the layer landed; a mark a forward interrupted by a ``KeyboardInterrupt``
+    left set (no forward hook runs for a ``BaseException`` that is not an ``Exception``) is
+    cleared when the layer is next published
+    (:meth:`~dmuon.optim.engine.publication.Publication.publish`)."""
     handles = []
     for prefix, keys in _holder_keys(exchange, where, held).items():
         where_ = f"module {prefix!r}" if prefix else "the model"

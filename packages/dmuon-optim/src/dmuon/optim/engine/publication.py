@@ -149,6 +149,14 @@ class Publication:
         # of a later one comes from a forward past its wait (unwaited). Moved only by
         # calls every rank makes, so every rank gives the same answer
         self._hooked = len(self.layers)
+        # per layer key (those with modules holding its weights below the layer's hook):
+        # whether the layer's forward is running with its wait done. The integrations'
+        # layer pre-hook sets it after its wait, its forward hook clears it (always_call),
+        # and so does publish(): a forward interrupted by a BaseException that is not an
+        # Exception (KeyboardInterrupt) runs no forward hook, and a mark left set would let
+        # a holder called on its own after the next step skip its wait
+        # (dmuon.integrations.hooks: the holders' waits read it)
+        self.entered: dict[str, bool] = {}
         # each dedicated parameter's layer and owner (released)
         self._home = {
             name: (layer, b.owner)
@@ -298,6 +306,9 @@ class Publication:
         ZeRO-3-like: nothing travels now; the layer's next forward materialises it.
         """
         layer = self._by_key[key]
+        for k in (layer.key, *layer.members):
+            if k in self.entered:
+                self.entered[k] = False  # new weights: no forward has waited for them yet
         if self.reshard_after_forward:
             self.release(key)
             return
