@@ -60,6 +60,42 @@ def _fsdp_dedicate(model: nn.Module, **options) -> object:
     return fsdp.dedicate(model, **options)
 
 
+def _items() -> list:
+    from dmuon.comm import MatrixItem
+
+    return [MatrixItem("a", (4, 6)), MatrixItem("b", (8, 8))]
+
+
+def _plan(**options) -> None:
+    from dmuon.comm import plan_owners
+
+    plan_owners(_items(), 2, **options)
+
+
+def _dedicate(kind: str, model: object, **options) -> None:
+    from dmuon.integrations import ddp, fsdp
+
+    (ddp if kind == "ddp" else fsdp).dedicate(model, **options)
+
+
+def _orthogonalize(G: torch.Tensor, **options) -> None:
+    from dmuon.kernels import orthogonalize
+
+    orthogonalize(G, **options)
+
+
+def _matrix_item(*args) -> None:
+    from dmuon.comm import MatrixItem
+
+    MatrixItem(*args)
+
+
+def _qk_clip(**options) -> None:
+    from dmuon.optim import QKClip
+
+    QKClip(nn.MultiheadAttention(8, 2), **options)
+
+
 def _dedicate_without_process_group() -> None:
     from unittest import mock
 
@@ -390,6 +426,52 @@ CASES = [
          "`deepspeed.initialize(model=..., optimizer=DMuon(...))` at ZeRO stage 1/2 "
          "(flat partitions in DMuon's groups)", _deepspeed_initialize_with_dmuon,
          RuntimeError, "build it with dmuon.integrations.deepspeed.initialize(model, config, ...)"),
+    Case("dedicate-parameters", "`ddp.dedicate(model.parameters())`",
+         lambda: _dedicate("ddp", net().parameters()), TypeError,
+         "call dedicate(model), not dedicate(model.parameters())"),
+    Case("dedicate-stats-int", "`fsdp.dedicate(model, stats=1)`",
+         lambda: _dedicate("fsdp", net(), stats=1), TypeError,
+         "stats must be None (dmuon.comm.default_stats()) or a dmuon.comm.CommStats"),
+    Case("dedicate-layer-of-int", "`ddp.dedicate(model, layer_of=lambda n: 3)`",
+         lambda: _dedicate("ddp", net(), layer_of=lambda n: 3), TypeError,
+         "layer_of('0.weight') returned 3 (int)"),
+    Case("param-groups-split-sizes-list", "`param_groups(model, split_sizes=[16, 16, 16])`",
+         lambda: param_groups(net(), split_sizes=[16, 16, 16]), TypeError,
+         "split_sizes must be a mapping {regex: value} over parameter names"),
+    Case("param-groups-num-heads-int", "`param_groups(model, num_heads=2)`",
+         lambda: param_groups(net(), num_heads=2), TypeError,
+         "num_heads must be a mapping {regex: value} over parameter names"),
+    Case("orthogonalize-float8", "`orthogonalize(G.to(torch.float8_e4m3fn))`",
+         lambda: _orthogonalize(torch.randn(4, 6).to(torch.float8_e4m3fn)), ValueError,
+         "G must be a real floating-point tensor (float16/bfloat16/float32/float64), got "
+         "dtype torch.float8_e4m3fn"),
+    Case("orthogonalize-steps-huge", "`orthogonalize(G, steps=10**9)`",
+         lambda: _orthogonalize(torch.randn(4, 6), steps=10**9), ValueError,
+         "steps must be at most 100"),
+    Case("plan-ilp-gap-negative", "`plan_owners(items, 2, strategy='ilp', ilp_gap=-1)`",
+         lambda: _plan(strategy="ilp", ilp_gap=-1.0), ValueError,
+         "ilp_gap must be a relative gap ≥ 0"),
+    Case("plan-spread-layers-string", "`plan_owners(items, 2, spread_layers='no')`",
+         lambda: _plan(spread_layers="no"), ValueError,
+         "spread_layers must be True or False, got 'no'"),
+    Case("plan-cost-none", "`plan_owners(items, 2, cost=lambda item: None)`",
+         lambda: _plan(cost=lambda item: None), ValueError,
+         "cost: the cost function must return a number"),
+    Case("plan-cost-string", "`plan_owners(items, 2, cost={'a': '1', ...})`",
+         lambda: _plan(cost={"a": "1", "b": 1.0}), ValueError,
+         "cost: the mapping's costs must be numbers"),
+    Case("plan-held-none", "`plan_owners(items, 2, held=[None, []])`",
+         lambda: _plan(held=[None, []]), ValueError,
+         "held[0] must be a list of the MatrixItems rank 0 steps"),
+    Case("matrix-item-complex", "`MatrixItem('w', (4, 6), torch.complex64)`",
+         lambda: _matrix_item("w", (4, 6), torch.complex64), ValueError,
+         "dtype must be a torch.dtype or one of"),
+    Case("matrix-item-shape-none", "`MatrixItem('w', None)`",
+         lambda: _matrix_item("w", None), ValueError,
+         "item 'w': shape must be (m, n) or (*batch, m, n) of ints ≥ 0, got None"),
+    Case("qk-clip-max-elements", "`QKClip(model, max_elements=1.5)`",
+         lambda: _qk_clip(max_elements=1.5), ValueError,
+         "max_elements must be a positive int"),
 ]  # fmt: skip
 
 

@@ -29,12 +29,18 @@ _DTYPES = {
 
 
 def _as_dtype(dtype: Any, name: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
+    """The item's dtype, one of :data:`_DTYPES` (as a ``torch.dtype`` or its name).
+
+    Only those: the set the error lists is the set accepted, so a complex or bool dtype
+    (no parameter DMuon steps has one) is refused here too, not later by a bucket or a
+    collective that has no such dtype."""
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.removeprefix("torch.")]
     raise ValueError(
-        f"item {name!r}: dtype must be a torch.dtype or one of {sorted(_DTYPES)}, got {dtype!r}"
+        f"item {name!r}: dtype must be a torch.dtype or one of {sorted(_DTYPES)} (those "
+        f"dtypes only), got {dtype!r}"
     )
 
 
@@ -66,7 +72,10 @@ class MatrixItem:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"item name must be a non-empty string, got {self.name!r}")
-        shape = tuple(self.shape)
+        try:
+            shape = tuple(self.shape)
+        except TypeError:  # None, an int: not a sequence of dimensions
+            shape = ()
         if len(shape) < 2 or any(
             isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
         ):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import bisect
+import numbers
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from dmuon.comm.cost import Costing, CostSpec, ShapeKey
+import torch
+
+from dmuon.comm.cost import Costing, CostSpec, NSCost, ShapeKey
 from dmuon.comm.items import MatrixItem
 from dmuon.comm.owner_plan import OwnerPlan, OwnerUnit, natural_key
 from dmuon.comm.units import Unit, layer_caps, make_units
@@ -127,8 +130,11 @@ def plan_owners(
 
     Raises:
         ValueError: duplicate or invalid items, a bad ``world_size``,
-            ``replicate_size``, ``strategy``, ``max_batch``, ``pack_below`` or
-            cost (missing, negative or not finite).
+            ``replicate_size``, ``strategy``, ``max_batch``, ``pack_below``,
+            ``ilp_time_limit`` or ``ilp_gap`` (a number ≥ 0), ``spread_layers`` or
+            ``refine`` not a bool, ``held`` not one list per rank, or a cost that is not a
+            number (a mapping's value, a function's result) or is missing, negative or
+            not finite.
 
     Examples:
         >>> from dmuon.comm import MatrixItem, plan_owners
@@ -155,10 +161,21 @@ def plan_owners(
         )
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if not ilp_time_limit > 0:
+    if not _is_real(ilp_time_limit) or not ilp_time_limit > 0:
         raise ValueError(f"ilp_time_limit must be > 0 seconds, got {ilp_time_limit!r}")
+    if not _is_real(ilp_gap) or not ilp_gap >= 0:
+        # scipy's HiGHS only warns ("Invalid option value") and runs with its default gap
+        raise ValueError(
+            f"ilp_gap must be a relative gap ≥ 0 (e.g. 1e-3: stop within 0.1% of the "
+            f"optimum; inf: at the first solution found), got {ilp_gap!r}"
+        )
+    for flag, value in (("spread_layers", spread_layers), ("refine", refine)):
+        if not isinstance(value, bool):
+            # a string such as "no" is truthy: it would have turned the option on
+            raise ValueError(f"{flag} must be True or False, got {value!r}")
 
     kept = _check_held(held, world_size, items)
+    cost = _checked_cost(cost, [*items, *(i for its in kept for i in its)])
     costing = Costing([*items, *(i for its in kept for i in its)], cost, batch_cost, max_batch)
     base = [costing.rank_load(its) for its in kept]
     units = make_units(items, costing, pack_below)
@@ -194,6 +211,18 @@ def _check_held(
     unique among them and the items."""
     if held is None:
         return [[] for _ in range(world_size)]
+    if isinstance(held, (str, bytes, Mapping)) or not isinstance(held, Iterable):
+        raise ValueError(
+            f"held must be None or one list of MatrixItems per rank ({world_size} lists), got "
+            f"{type(held).__name__}: {held!r}"
+        )
+    held = list(held)
+    for r, its in enumerate(held):
+        if isinstance(its, (str, bytes, Mapping, MatrixItem)) or not isinstance(its, Iterable):
+            raise ValueError(
+                f"held[{r}] must be a list of the MatrixItems rank {r} steps outside the plan "
+                f"([] for none), got {type(its).__name__}: {its!r}"
+            )
     kept = [list(its) for its in held]
     if len(kept) != world_size:
         raise ValueError(
@@ -213,6 +242,50 @@ def _check_held(
                 )
             names.add(item.name)
     return [sorted(its, key=lambda i: natural_key(i.name)) for its in kept]
+
+
+def _is_real(value: object) -> bool:
+    """A real number that is not a bool (int, float, numpy's)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_cost(value: object) -> bool:
+    """A cost: a real number (not a bool or a string, which ``float()`` would have read as
+    ``1.0`` or parsed), or a 0-d tensor of one."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    return _is_real(value)
+
+
+def _checked_cost(cost: CostSpec, items: Sequence[MatrixItem]) -> CostSpec:
+    """``cost`` with its values checked: a mapping's entries for ``items`` must be numbers
+    (``{"a": "1"}`` was read as 1.0), and a function's results too (``None`` or ``"x"``
+    ended in ``float()``'s error, which named neither ``cost`` nor the item). Everything
+    else is left to :class:`~dmuon.comm.cost.Costing`, which refuses what is not a cost."""
+    if cost is None or isinstance(cost, NSCost):
+        return cost
+    if isinstance(cost, Mapping):
+        bad = {i.name: cost[i.name] for i in items if i.name in cost and not _is_cost(cost[i.name])}
+        if bad:
+            raise ValueError(
+                f"cost: the mapping's costs must be numbers (seconds, or any one unit), got "
+                f"{dict(list(bad.items())[:3])}"
+            )
+        return cost
+    if callable(cost):
+        fn = cost
+
+        def checked(item: MatrixItem) -> float:
+            value = fn(item)
+            if not _is_cost(value):
+                raise ValueError(
+                    f"cost: the cost function must return a number (seconds, or any one unit) "
+                    f"for each MatrixItem, got {value!r} for item {item.name!r}"
+                )
+            return value
+
+        return checked
+    return cost
 
 
 def _check_int(name: str, value: object, low: int) -> None:

@@ -26,7 +26,7 @@ from dmuon.comm import CommStats, collective_timeout, layer_key
 from dmuon.comm.process_groups import group_size
 from dmuon.integrations.buffers import broadcast_buffers as _broadcast_buffers
 from dmuon.integrations.buffers import install_buffer_broadcast
-from dmuon.integrations.dedication import Dedication, build_dedication
+from dmuon.integrations.dedication import Dedication, build_dedication, check_dedicate_arguments
 from dmuon.integrations.selection import Predicate, mesh_groups, tensor_parallel_dim
 from dmuon.optim.engine import DEFAULT_PACK_MB
 
@@ -92,6 +92,9 @@ def dedicate(
 
     Raises:
         ValueError: a bad ``scalars`` or group.
+        TypeError: ``model`` not an ``nn.Module`` (``dedicate(model.parameters())``),
+            ``predicate``/``layer_of`` not callable, ``layer_of`` returning something
+            other than a str, ``stats`` neither ``None`` nor a ``CommStats``.
         dmuon.optim.ModelMismatchError: the ranks' models differ.
 
     Examples:
@@ -102,6 +105,7 @@ def dedicate(
         >>> ded.names, ded.all_reduced
         (('0.weight', '1.weight'), ('0.bias', '1.bias'))
     """
+    check_dedicate_arguments(model, predicate=predicate, layer_of=layer_of, stats=stats)
     if scalars not in SCALAR_MODES:
         raise ValueError(f"scalars must be one of {SCALAR_MODES}, got {scalars!r}")
     tp_dim = tensor_parallel_dim(group, model)

@@ -44,7 +44,7 @@ from dmuon.optim.engine.expert_split import in_place_replicas, replica_owners
 from dmuon.optim.engine.params import is_dtensor
 from dmuon.optim.engine.placements import placement_of
 
-__all__ = ["Dedication", "build_dedication"]
+__all__ = ["Dedication", "build_dedication", "check_dedicate_arguments"]
 
 
 @dataclass(eq=False)
@@ -257,6 +257,48 @@ def _fsdp_modules(model: nn.Module) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def check_dedicate_arguments(
+    model: object,
+    *,
+    predicate: object = None,
+    layer_of: object = None,
+    stats: object = None,
+) -> None:
+    """Refuse arguments of the wrong kind before anything reads them.
+
+    ``dedicate(model.parameters())`` (torch's optimizers take the parameters; dedicate needs
+    the modules, for the names, the layers and the hooks) ended in an ``AttributeError``
+    inside the split; ``stats=1`` was kept and failed at the first step, far from the call.
+    ``layer_of``'s results are checked where it is called
+    (:func:`~dmuon.integrations.selection.split_parameters`).
+
+    Raises:
+        TypeError: ``model`` not an ``nn.Module``, ``predicate`` or ``layer_of`` not
+            callable, ``stats`` neither ``None`` nor a :class:`~dmuon.comm.CommStats`.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"dedicate() takes the model (an nn.Module), got {type(model).__name__}: call "
+            "dedicate(model), not dedicate(model.parameters()); it needs the modules for the "
+            "parameters' names, their layers and its hooks"
+        )
+    if predicate is not None and not callable(predicate):
+        raise TypeError(
+            f"predicate must be None or a function (name, param) -> bool choosing the dedicated "
+            f"parameters, got {type(predicate).__name__}: {predicate!r}"
+        )
+    if not callable(layer_of):
+        raise TypeError(
+            f"layer_of must be a function name -> layer key (a str; default "
+            f"dmuon.comm.layer_key), got {type(layer_of).__name__}: {layer_of!r}"
+        )
+    if stats is not None and not isinstance(stats, CommStats):
+        raise TypeError(
+            f"stats must be None (dmuon.comm.default_stats()) or a dmuon.comm.CommStats, where "
+            f"the dedication records its bytes, got {type(stats).__name__}: {stats!r}"
+        )
+
+
 def check_unwrapped_and_launched(model: nn.Module) -> None:
     """Refuse the two set-up slips a first ``dedicate()`` meets, before any collective.
 
@@ -327,8 +369,10 @@ def build_dedication(
     Raises:
         ValueError: a parameter already sharded by FSDP2, a DTensor owner mode does not
             take (named with its placements), or nothing to dedicate.
-        TypeError, RuntimeError: see :func:`check_unwrapped_and_launched`.
+        TypeError: see :func:`check_dedicate_arguments`, and (with RuntimeError)
+            :func:`check_unwrapped_and_launched`.
     """
+    check_dedicate_arguments(model, predicate=predicate, layer_of=layer_of, stats=stats)
     check_unwrapped_and_launched(model)
     dedicated, rest = split_parameters(
         model, predicate, layer_of=layer_of, dedicate_rest=dedicate_rest

@@ -123,6 +123,9 @@ def dedicate(
             an FSDP2 ``MixedPrecisionPolicy`` whose ``param_dtype`` differs from the
             dedicated matrices' dtype: FSDP2's cast does not reach them (the error names
             the policy and a matrix; use ``torch.autocast`` or no ``param_dtype``).
+        TypeError: ``model`` not an ``nn.Module`` (``dedicate(model.parameters())``),
+            ``predicate``/``layer_of`` not callable, ``layer_of`` returning something
+            other than a str, ``stats`` neither ``None`` nor a ``CommStats``.
         RuntimeError: a process ``torchrun`` started (``WORLD_SIZE`` > 1) that has not
             called ``init_process_group``.
         dmuon.optim.ModelMismatchError: the ranks' models differ.

@@ -48,6 +48,10 @@ def split_parameters(
         >>> everything, rest = split_parameters(model, dedicate_rest=True)
         >>> [(i.name, i.shape) for i, _ in everything][:3], rest
         ([('1.weight', (4, 4)), ('0.weight', (1, 40)), ('1.bias', (1, 4))], [])
+
+    Raises:
+        TypeError: ``layer_of`` returned something other than a str (named with the
+            parameter).
     """
     dedicated: list[tuple[MatrixItem, torch.Tensor]] = []
     rest: list[tuple[str, str, torch.Tensor]] = []
@@ -60,14 +64,30 @@ def split_parameters(
     for _, name, p, group, matrix in sorted(entries, key=lambda e: e[0]):
         chosen = predicate(name, p) if predicate is not None else matrix
         if chosen:
-            item = MatrixItem(name, item_shape(p, group), p.dtype, layer_of(name))
+            item = MatrixItem(name, item_shape(p, group), p.dtype, _layer(layer_of, name))
             dedicated.append((item, p))
         else:
-            rest.append((name, layer_of(name), p))
+            rest.append((name, _layer(layer_of, name), p))
     if dedicate_rest:
         dedicated += [(MatrixItem(n, (1, p.numel()), p.dtype, k), p) for n, k, p in rest]
         rest = []
     return dedicated, rest
+
+
+def _layer(layer_of: Callable[[str], str], name: str) -> str:
+    """``layer_of(name)``, which must be a str: the key names the layer (a module, for the
+    hooks) and orders the layers. An int was turned into a str for a dedicated matrix but
+    kept for an all-reduced one, where sorting the keys failed (``expected string``) far
+    from the call, so that ``ddp.dedicate`` refused what ``fsdp.dedicate`` took."""
+    key = layer_of(name)
+    if not isinstance(key, str):
+        raise TypeError(
+            f"layer_of({name!r}) returned {key!r} ({type(key).__name__}); layer_of maps each "
+            "parameter name to its layer key, a str (e.g. dmuon.comm.layer_key gives "
+            "'model.layers.3' for 'model.layers.3.mlp.up.weight'); return the name itself "
+            "for a layer of its own"
+        )
+    return key
 
 
 def mesh_groups(mesh: Any) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:

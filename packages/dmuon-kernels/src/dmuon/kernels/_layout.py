@@ -3,26 +3,60 @@ orientation, scale-safe Frobenius normalisation, and the way back."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 
 from dmuon.kernels.compute_dtype import default_compute_dtype
 
+MATRIX_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The dtypes the Newton–Schulz entry points take. ``is_floating_point`` alone also lets
+the float8 dtypes through, which have no ``amax`` on CPU and no matmul without scales: they
+failed deep inside with a ``NotImplementedError``."""
+
+
+def _is_dtensor(G: torch.Tensor) -> bool:
+    """Whether ``G`` is a ``DTensor``, without importing ``torch.distributed.tensor``: a
+    DTensor can only exist once that module is loaded, and a torch built without
+    distributed has none (so ``dmuon.kernels`` neither imports it nor ``dmuon.optim``)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None) if module is not None else None
+    return dtensor is not None and isinstance(G, dtensor)
+
 
 def check_matrix_input(G: torch.Tensor, name: str = "G") -> None:
-    """Raise a ValueError naming shape/dtype if ``G`` is not a real float batch of matrices."""
+    """Raise a ValueError naming shape/dtype if ``G`` is not a real float batch of matrices.
+
+    A ``DTensor`` is refused too: the kernels compute on the local storage with plain
+    tensors (scales, norms, workspaces), which DTensor's dispatch refuses to mix with it
+    ("got mixed torch.Tensor and DTensor") deep inside; the error says which tensor to
+    pass instead.
+    """
     if not isinstance(G, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(G).__name__}")
+    if _is_dtensor(G):
+        raise ValueError(
+            f"{name} is a DTensor (placements {tuple(G.placements)}, global shape "  # type: ignore[attr-defined]
+            f"{tuple(G.shape)}); the Newton–Schulz kernels take plain tensors: pass "
+            f"{name}.full_tensor() (the whole matrix on every rank), or, for a matrix split "
+            f"over a tensor-parallel group, its shard {name}.to_local() to "
+            "dmuon.kernels.tp_gram_newton_schulz with a reduce over that group"
+        )
     if G.ndim < 2:
         raise ValueError(
             f"{name} must have at least 2 dimensions (a matrix or a batch (..., m, n)), "
             f"got shape {tuple(G.shape)}"
         )
-    if not G.dtype.is_floating_point or G.dtype.is_complex:
+    if G.dtype not in MATRIX_DTYPES:
         raise ValueError(
             f"{name} must be a real floating-point tensor (float16/bfloat16/float32/float64), "
             f"got dtype {G.dtype} with shape {tuple(G.shape)}"
+            + (
+                f"; cast it first, e.g. {name}.to(torch.bfloat16)"
+                if G.dtype.is_floating_point
+                else ""
+            )
         )
 
 

@@ -27,6 +27,7 @@ Schedule = tuple[Triple, ...]
 
 __all__ = [
     "COEFFICIENT_SETS",
+    "MAX_STEPS",
     "CoefficientSet",
     "get_coefficients",
     "ns_scalar_map",
@@ -173,8 +174,8 @@ def get_coefficients(name: str, steps: int = 5) -> Schedule:
         name: one of ``"keller"``, ``"you"``, ``"polar_express"``,
             ``"polar_express_raw"``, ``"polar_express_nanogpt"``
             (see :data:`COEFFICIENT_SETS` for sources and bands).
-        steps: number of Newton–Schulz steps; schedules shorter than ``steps``
-            repeat their last triple.
+        steps: number of Newton–Schulz steps, 1 to :data:`MAX_STEPS`; schedules shorter
+            than ``steps`` repeat their last triple.
 
     Examples:
         >>> get_coefficients("keller", 2)
@@ -190,18 +191,35 @@ def get_coefficients(name: str, steps: int = 5) -> Schedule:
     return cset.triples(steps)
 
 
-def _check_steps(steps: object) -> None:
+MAX_STEPS = 100
+"""The most Newton–Schulz steps a call may ask for (DMuon's ``ns_steps`` has the same
+bound). The tuned quintic sets converge in about 5 steps and the classical cubic
+``(1.5, -0.5, 0)`` from a singular value of 1e-7 in about 40; more is never meant, and
+``steps=10**9`` built a schedule of that many triples (``MemoryError``) or iterated for
+ever. An explicit list of more triples than this may still be run whole (its own length
+is the bound then: the list is already there)."""
+
+
+def _check_steps(steps: object, most: int = MAX_STEPS) -> None:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if steps > most:
+        raise ValueError(
+            f"steps must be at most {most} (dmuon.kernels.coefficients.MAX_STEPS; the tuned "
+            f"schedules converge in about 5 steps, the cubic in about 40), got {steps!r}"
+        )
 
 
 def resolve_coefficients(coefficients: str | Sequence[Sequence[float]], steps: int) -> Schedule:
     """Turn a set name or an explicit list of triples into exactly ``steps`` triples.
 
     An explicit list is used as given when ``steps`` equals its length; shorter
-    lists repeat their last triple, longer ones are truncated.
+    lists repeat their last triple, longer ones are truncated. ``steps`` is at most
+    :data:`MAX_STEPS` (or the list's length, if longer).
     """
-    _check_steps(steps)
+    _check_steps(
+        steps, MAX_STEPS if isinstance(coefficients, str) else _explicit_most(coefficients)
+    )
     if isinstance(coefficients, str):
         return get_coefficients(coefficients, steps)
     if not isinstance(coefficients, Iterable):
@@ -225,6 +243,15 @@ def resolve_coefficients(coefficients: str | Sequence[Sequence[float]], steps: i
     if not triples:
         raise ValueError("coefficients must hold at least one (a, b, c) triple")
     return CoefficientSet("custom", tuple(triples), "", 0.0, (0.0, 0.0)).triples(steps)
+
+
+def _explicit_most(coefficients: object) -> int:
+    """The most steps an explicit list of triples may run: :data:`MAX_STEPS`, or its own
+    length if longer."""
+    try:
+        return max(MAX_STEPS, len(coefficients))  # type: ignore[arg-type]
+    except TypeError:
+        return MAX_STEPS
 
 
 def _real(x: object) -> float | None:

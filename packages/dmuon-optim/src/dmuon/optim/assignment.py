@@ -27,7 +27,7 @@ from dmuon.optim.embeddings import ROOT_HEAD_NAMES as ROOT_HEAD_NAMES
 from dmuon.optim.embeddings import embedding_like as embedding_like
 from dmuon.optim.embeddings import named_like_embedding as named_like_embedding
 from dmuon.optim.embeddings import warn_embedding_matrices as warn_embedding_matrices
-from dmuon.optim.layout_keys import PLAIN, matrix_group
+from dmuon.optim.layout_keys import PLAIN, check_layout_patterns, matrix_group
 from dmuon.optim.layout_keys import is_conv1d as is_conv1d
 
 __all__ = ["Assignment", "ParamGroups", "param_groups"]
@@ -181,8 +181,9 @@ def param_groups(
         matrix: predicate ``(name, param) → bool`` forcing the matrix rule.
         scalar: predicate forcing the scalar optimizer.
         split_sizes: ``{regex: sizes}`` for fused projections, e.g.
-            ``{r"attn\\.qkv\\.weight$": (d, d_kv, d_kv)}``.
-        num_heads: ``{regex: heads}`` for per-head orthogonalisation.
+            ``{r"attn\\.qkv\\.weight$": (d, d_kv, d_kv)}`` (``re.search`` over the full
+            parameter name; a pattern that matches no parameter warns).
+        num_heads: ``{regex: heads}`` for per-head orthogonalisation (likewise).
         head_names: module names that mark an output head.
         include_frozen: keep parameters with ``requires_grad=False``.
         decay_norms_and_biases: let norms/biases take the scalar weight decay.
@@ -192,8 +193,9 @@ def param_groups(
         The groups, with ``.assignments`` and ``.summary()``.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module`` (e.g. ``model.parameters()``).
-        ValueError: both predicates claim a parameter.
+        TypeError: ``model`` is not an ``nn.Module`` (e.g. ``model.parameters()``);
+            ``split_sizes`` or ``num_heads`` not a mapping of patterns to values.
+        ValueError: both predicates claim a parameter; a pattern that does not compile.
 
     Examples:
         >>> import torch
@@ -224,6 +226,7 @@ def param_groups(
                 order.append((full, p))
             owners[id(p)].append((full, module))
 
+    check_layout_patterns(split_sizes, num_heads, [name for name, _ in order])
     specs: dict[tuple[Any, ...], dict[str, Any]] = {}
     assignments: list[Assignment] = []
 

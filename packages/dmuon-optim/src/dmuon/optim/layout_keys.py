@@ -14,7 +14,8 @@ per-head orthogonalisation, and ``flatten=False`` for stacks of matrices (MoE ex
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -87,6 +88,72 @@ def _gpt2_qkv_split(
     if not isinstance(size, int) or size <= 0 or nf % size or nf // size not in (2, 3):
         return None
     return (size,) * (nf // size)
+
+
+def check_layout_patterns(split_sizes: object, num_heads: object, names: Sequence[str]) -> None:
+    """Check ``param_groups``' ``split_sizes`` and ``num_heads`` against the parameter
+    ``names``: each a mapping ``{regex: value}`` (or ``None``) whose patterns compile, with
+    ``split_sizes`` values sequences of sizes and ``num_heads`` values an int or a sequence
+    of ints.
+
+    A pattern that matches no parameter name gets a warning naming it and a few names: a
+    typo (``attn\\.qkv`` for a module called ``0.qkv``) left a fused q|k|v projection
+    orthogonalised as one matrix, silently. A warning, not an error: one set of patterns
+    may legitimately serve several model parts (torchtitan builds the groups of each
+    pipeline stage with one config, and a stage may hold no attention).
+
+    Raises:
+        TypeError: a value that is not a mapping, a pattern that is not a string, or a
+            value of the wrong kind (``split_sizes=[16, 16, 16]``: the sizes without the
+            pattern they apply to).
+        ValueError: a pattern that is not a regular expression.
+    """
+    for arg, patterns, want in (
+        ("split_sizes", split_sizes, "a sequence of sizes, e.g. (d, d_kv, d_kv)"),
+        ("num_heads", num_heads, "an int or a sequence of ints"),
+    ):
+        if patterns is None:
+            continue
+        if not isinstance(patterns, Mapping):
+            raise TypeError(
+                f"{arg} must be a mapping {{regex: value}} over parameter names, value "
+                f"{want} (e.g. {arg}={{r'attn\\.qkv\\.weight$': "
+                f"{'(d, d_kv, d_kv)' if arg == 'split_sizes' else 'n_heads'}}}), got "
+                f"{type(patterns).__name__}: {patterns!r}"
+            )
+        unmatched = []
+        for pattern, value in patterns.items():
+            if not isinstance(pattern, str):
+                raise TypeError(
+                    f"{arg}: patterns must be strings (regular expressions over parameter "
+                    f"names), got {type(pattern).__name__}: {pattern!r}"
+                )
+            try:
+                compiled = re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"{arg}: {pattern!r} is not a regular expression ({e})") from None
+            if arg == "split_sizes":
+                bad = isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable)
+            else:
+                bad = isinstance(value, bool) or not (
+                    isinstance(value, int)
+                    or (
+                        isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping))
+                    )
+                )
+            if bad:
+                raise TypeError(f"{arg}[{pattern!r}] must be {want}, got {value!r}")
+            if not any(compiled.search(n) for n in names):
+                unmatched.append(pattern)
+        if unmatched:
+            warnings.warn(
+                f"param_groups({arg}=...): pattern(s) {unmatched} match no parameter name, so "
+                f"they cut nothing; the names look like {list(names[:4])}"
+                + (f" (… {len(names)} in all)" if len(names) > 4 else "")
+                + ". Check the pattern (re.search over the full dotted name)",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _match(patterns: Mapping[str, Any] | None, name: str) -> Any:

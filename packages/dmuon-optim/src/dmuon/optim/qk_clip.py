@@ -46,6 +46,7 @@ matching entries of the bias alike, the value columns nothing
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -113,12 +114,15 @@ class QKClip:
             forward calls :meth:`record` with its per-head maxima (e.g. from
             :func:`~dmuon.optim.head_max_logits`).
         process_group: the data-parallel group the maxima are reduced over.
-        max_elements: logits the hooks form at once (memory bound of the capture).
+        max_elements: logits the hooks form at once (memory bound of the capture), a
+            positive int.
 
     Raises:
         ValueError: ``tau`` not a positive finite number, ``alpha`` outside
-            ``[0, 1]``, no attention found, a repeated name, ZeRO-3-like owner mode.
-        TypeError: an entry of ``modules`` that is not a recognised attention module.
+            ``[0, 1]``, ``max_elements`` not a positive int, no attention found, a
+            repeated name, ZeRO-3-like owner mode.
+        TypeError: ``model`` not an ``nn.Module``; an entry of ``modules`` that is not a
+            recognised attention module.
 
     Examples:
         >>> import torch
@@ -148,6 +152,11 @@ class QKClip:
         process_group: dist.ProcessGroup | None = None,
         max_elements: int = DEFAULT_MAX_ELEMENTS,
     ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"QKClip takes the model (an nn.Module) to find its attention modules, got "
+                f"{type(model).__name__}"
+            )
         if (
             isinstance(tau, bool)
             or not isinstance(tau, (int, float))
@@ -156,8 +165,15 @@ class QKClip:
             raise ValueError(f"tau must be a positive finite number, got {tau!r}")
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
-        if max_elements < 1:
-            raise ValueError(f"max_elements must be >= 1, got {max_elements!r}")
+        given: object = max_elements  # checked as any object: callers pass what they have
+        if isinstance(given, bool) or not isinstance(given, numbers.Integral) or given < 1:
+            # an int: it sizes the chunks of logits the hooks form (1.5 or nan sliced
+            # nothing sensible, "x" or None failed at the comparison)
+            raise ValueError(
+                f"max_elements must be a positive int (logits formed at once, default "
+                f"{DEFAULT_MAX_ELEMENTS}), got {max_elements!r}"
+            )
+        max_elements = int(max_elements)
         self.tau = float(tau)
         self.alpha = float(alpha)
         self.process_group = process_group
