@@ -136,3 +136,34 @@ def test_a_peft_root_fc_heads_copy_is_the_head():
     model = Classifier()
     model.fc = ModulesToSave(model.fc)
     assert matrix_names(PeftLike(model)) == {"base_model.model.layer1.weight"}
+
+
+def test_peft_trainable_tokens_are_embedding_rows_for_adamw():
+    # LoraConfig(trainable_token_indices={"embed_tokens": [...]}) trains a few embedding
+    # rows as embed_tokens.token_adapter.trainable_tokens_delta.<adapter> (k × d). Before:
+    # a 2-D hidden weight for the matrix rule (and dedicated).
+    class TokenAdapter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.trainable_tokens_delta = nn.ParameterDict(
+                {"default": nn.Parameter(torch.zeros(3, 16))}
+            )
+
+    class Embedding(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base_layer = nn.Embedding(50, 16).requires_grad_(False)
+            self.token_adapter = TokenAdapter()
+
+    model = SequenceClassifier()
+    model.embed_tokens = Embedding()
+    model.q_proj = LoraLinear(model.q_proj)
+    model.classifier = ModulesToSave(model.classifier)
+    groups = param_groups(PeftLike(model))
+    by_name = {n: g.get("rule") for g in groups for n in g["param_names"]}
+    delta = "base_model.model.embed_tokens.token_adapter.trainable_tokens_delta.default"
+    assert by_name[delta] == "scalar"
+    assert matrix_names(PeftLike(model)) == {
+        "base_model.model.q_proj.lora_A.default.weight",
+        "base_model.model.q_proj.lora_B.default.weight",
+    }

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dmuon.optim.embeddings import named_like_embedding
+from dmuon.optim.wrapper_names import own_module_name
 
 _CONVS = (
     nn.Conv1d,
@@ -250,7 +251,10 @@ def matrix_group(
         if sizes is None and mha:
             e = mha[0].embed_dim
             sizes = (e, e, e)
-        own_names = name.split(".")[-2:]  # the parameter's own name and its module's
+        # the parameter's own name and its module's (a PEFT adapter's part: the adapted
+        # module's, own_module_name: embed_tokens' trainable tokens are embedding rows)
+        module = own_module_name(name.rpartition(".")[0])
+        own_names = [name.rpartition(".")[2], module.rpartition(".")[2]]
         if (
             not forced
             and sizes is None

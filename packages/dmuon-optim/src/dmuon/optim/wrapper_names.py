@@ -19,6 +19,7 @@ from __future__ import annotations
 
 __all__ = [
     "ADAPTER_HOLDERS",
+    "PARAMETER_HOLDERS",
     "WRAPPED_LAYERS",
     "WRAPPER_ATTRIBUTES",
     "WRAPPER_NAMES",
@@ -42,35 +43,44 @@ PEFT_MODEL_PREFIX = ("base_model", "model")
 """The leading components PEFT's ``PeftModel`` adds: its ``base_model`` (the tuner, e.g.
 ``LoraModel``) holds the model as ``model``."""
 
-ADAPTER_HOLDERS = frozenset(
-    {"modules_to_save", "lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"}
-)
-"""PEFT's containers of an adapted module's trainable parts, one entry per adapter name
-(``q_proj.lora_A.default``)."""
+ADAPTER_HOLDERS = frozenset({"modules_to_save", "lora_A", "lora_B"})
+"""PEFT's containers (``ModuleDict``) of an adapted module's trainable modules, one entry
+per adapter name (``q_proj.lora_A.default``)."""
 
-WRAPPED_LAYERS = frozenset({"base_layer", "original_module"})
-"""PEFT's names of the module it adapts, kept frozen inside the adapter's layer."""
+PARAMETER_HOLDERS = frozenset({"lora_embedding_A", "lora_embedding_B", "trainable_tokens_delta"})
+"""PEFT's containers (``ParameterDict``) of an adapted module's trainable parameters, one
+per adapter name (``embed_tokens.lora_embedding_A.default``, the trainable tokens'
+``embed_tokens.token_adapter.trainable_tokens_delta.default``)."""
+
+WRAPPED_LAYERS = frozenset({"base_layer", "original_module", "token_adapter"})
+"""PEFT's modules inside an adapted module: the frozen module it adapts, and the trainable
+tokens' adapter."""
 
 
 def own_module_name(name: str) -> str:
     """The name of the model's own module that module ``name`` is, or is an adapter's part
-    of (:data:`ADAPTER_HOLDERS`, :data:`WRAPPED_LAYERS`): PEFT's trainable copy, LoRA
-    factors or frozen original of ``classifier`` are judged as ``classifier``.
+    of (:data:`ADAPTER_HOLDERS`, :data:`PARAMETER_HOLDERS`, :data:`WRAPPED_LAYERS`): PEFT's
+    trainable copy, LoRA factors or frozen original of ``classifier`` are judged as
+    ``classifier``.
 
     Examples:
         >>> own_module_name("base_model.model.classifier.modules_to_save.default")
         'base_model.model.classifier'
         >>> own_module_name("lm_head.lora_B.default"), own_module_name("q_proj.base_layer")
         ('lm_head', 'q_proj')
+        >>> own_module_name("embed_tokens.token_adapter.trainable_tokens_delta")
+        'embed_tokens'
         >>> own_module_name("blocks.0.mlp.fc")
         'blocks.0.mlp.fc'
     """
     parts = name.split(".")
-    if len(parts) >= 3 and parts[-2] in ADAPTER_HOLDERS:
-        parts = parts[:-2]
-    elif len(parts) >= 2 and parts[-1] in WRAPPED_LAYERS:
-        parts = parts[:-1]
-    return ".".join(parts)
+    while True:
+        if len(parts) >= 3 and parts[-2] in ADAPTER_HOLDERS:
+            parts = parts[:-2]
+        elif len(parts) >= 2 and parts[-1] in PARAMETER_HOLDERS | WRAPPED_LAYERS:
+            parts = parts[:-1]
+        else:
+            return ".".join(parts)
 
 
 def outermost_name(name: str) -> str:
