@@ -70,7 +70,8 @@ def orthogonalize(
         G: ``(..., m, n)`` real floating tensor (fp16, bf16, fp32 or fp64).
         method: ``"gram"`` (default) or ``"standard"``.
         coefficients: coefficient-set name or explicit ``(a, b, c)`` triples.
-        steps: number of Newton–Schulz steps.
+        steps: number of Newton–Schulz steps, 1 to
+            :data:`~dmuon.kernels.coefficients.MAX_STEPS` (100).
         restarts: Gram restarts (ignored by ``"standard"``); ``None`` (default): one,
             at iteration 2, or 3 in bf16
             (:func:`~dmuon.kernels.ns_options.default_restarts`).
