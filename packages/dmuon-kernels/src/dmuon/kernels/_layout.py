@@ -3,7 +3,6 @@ orientation, scale-safe Frobenius normalisation, and the way back."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -17,12 +16,10 @@ failed deep inside with a ``NotImplementedError``."""
 
 
 def _is_dtensor(G: torch.Tensor) -> bool:
-    """Whether ``G`` is a ``DTensor``, without importing ``torch.distributed.tensor``: a
-    DTensor can only exist once that module is loaded, and a torch built without
-    distributed has none (so ``dmuon.kernels`` neither imports it nor ``dmuon.optim``)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None) if module is not None else None
-    return dtensor is not None and isinstance(G, dtensor)
+    """Whether ``G`` is a ``DTensor`` (a tensor laid out over a device mesh), told by what
+    it has — its ``placements``, ``device_mesh`` and ``to_local`` — so that the kernels
+    import nothing distributed (a torch built without distributed has no DTensor)."""
+    return all(hasattr(G, a) for a in ("placements", "device_mesh", "to_local"))
 
 
 def check_matrix_input(G: torch.Tensor, name: str = "G") -> None:
