@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from dmuon.comm import collective_timeout, wait_work
 from dmuon.comm.process_groups import group_size
-from dmuon.optim.engine.params import is_dtensor
+from dmuon.optim.engine.params import is_dtensor, unnarrowed_norms
 from dmuon.optim.engine.tensor_split import settle_pending_grad
 
 if TYPE_CHECKING:
@@ -135,7 +135,8 @@ def _clip_norm(
             # fp16 gradient's own norm overflows past 65504 though every entry is finite
             # (64×64 entries of 1100: 70400), and an Inf total would clip it to 0
             # (a float64 gradient's in float64: the norm refuses to narrow it)
-            powers = torch.stack(_norms([g.detach() for g in counted], norm_type)).pow(norm_type)
+            norms = unnarrowed_norms([g.detach() for g in counted], norm_type)
+            powers = torch.stack(norms).pow(norm_type)
             # a tensor several ranks count (single mode's DTensor shards) is counted 1/copies
             # times on each; copies are 1 in every other mode (x / 1.0 is exact)
             partial = (powers / torch.tensor(copies, device=powers.device)).sum()
@@ -167,21 +168,6 @@ def _clip_norm(
         for g in sharded:
             g.mul_(factor)
     return total
-
-
-def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """Each gradient's ``norm_type``-norm, accumulated in fp32 or in the gradient's own
-    dtype where that is wider (float64): one ``torch._foreach_norm`` per such dtype,
-    so fp32/bf16/fp16 gradients take the one fp32 call they always took."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, g in enumerate(grads):
-        by_dtype.setdefault(torch.promote_types(g.dtype, torch.float32), []).append(i)
-    out: list[torch.Tensor] = list(grads)
-    for dtype, indices in by_dtype.items():
-        norms = torch._foreach_norm([grads[i] for i in indices], norm_type, dtype=dtype)
-        for i, n in zip(indices, norms, strict=True):
-            out[i] = n
-    return out
 
 
 def _check_optimizer(optimizer: object, call: str) -> None:

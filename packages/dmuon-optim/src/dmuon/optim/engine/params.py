@@ -33,6 +33,7 @@ __all__ = [
     "item_shape",
     "layers_in_order",
     "subplan",
+    "unnarrowed_norms",
 ]
 
 
@@ -191,3 +192,19 @@ def subplan(
         plan.strategy,
         plan.solver,
     )
+
+
+def unnarrowed_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each tensor's ``norm_type``-norm, accumulated in fp32, or in the tensor's own dtype
+    where that is wider (float64: ``torch._foreach_norm`` refuses to narrow it): one
+    fused call per such dtype, so fp32/bf16/fp16 tensors take the one fp32 call they
+    always took. In the tensors' order."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(torch.promote_types(t.dtype, torch.float32), []).append(i)
+    out: list[torch.Tensor] = list(tensors)
+    for dtype, indices in by_dtype.items():
+        norms = torch._foreach_norm([tensors[i] for i in indices], norm_type, dtype=dtype)
+        for i, n in zip(indices, norms, strict=True):
+            out[i] = n
+    return out

@@ -50,7 +50,7 @@ from dmuon.comm.flags import flag_device
 from dmuon.comm.process_groups import group_size, twin_groups
 from dmuon.optim.engine.layer_record import OwnerLayer
 from dmuon.optim.engine.owner_split import as_gradient
-from dmuon.optim.engine.params import is_dtensor
+from dmuon.optim.engine.params import is_dtensor, unnarrowed_norms
 from dmuon.optim.engine.publication import Publication
 from dmuon.optim.engine.taken_gradients import KeptGradients, TakenGradients
 from dmuon.optim.engine.tensor_split import laid_out_as, mark_relaid
@@ -526,13 +526,7 @@ class Reduction:
                 # cannot overflow it (an ℓ1 norm of entries near 3e38 did: a finite gradient
                 # refused); torch._foreach_norm takes them all in one fused launch on a GPU
                 # (a float64 gradient's in float64: the norm refuses to narrow it)
-                wide = [torch.promote_types(t.dtype, torch.float32) for t in slots]
-                norms: list[torch.Tensor] = list(slots)
-                for dtype in dict.fromkeys(wide):
-                    at = [i for i, d in enumerate(wide) if d == dtype]
-                    found = torch._foreach_norm([slots[i] for i in at], math.inf, dtype=dtype)
-                    for i, norm in zip(at, found, strict=True):
-                        norms[i] = norm
+                norms = unnarrowed_norms(slots, math.inf)
                 self.released_norms[layer.key] = (taken, torch.stack(norms))
         if self.free_local_grads:  # once copied: a failed copy leaves the gradients
             for name in layer.dedicated + layer.replicated:  # the buckets' names
