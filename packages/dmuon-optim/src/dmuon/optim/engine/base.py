@@ -266,10 +266,11 @@ class Engine:
         """:meth:`begin_step`, carrying the step's agreement in its own first collective
         where it has one (:func:`~dmuon.optim.engine.guards.agree_step`).
 
-        ``slots(vouched)`` gives this rank's agreement slots, read just before that
-        collective (``vouched``: the ids of the parameters whose local gradient its
-        non-finite check need not read, because the begin sets it to ``None`` or the
-        engine has proven it finite); the result is them summed over
+        ``slots(vouched)`` gives this rank's agreement slots on the host (the engine moves
+        them where its group takes them, :func:`~dmuon.comm.flags.flag_device`), read
+        just before that collective (``vouched``: the ids of the parameters whose local
+        gradient its non-finite check need not read, because the begin sets it to
+        ``None`` or the engine has proven it finite); the result is them summed over
         :meth:`guard_groups`. ``None``: nothing carried (here: no collective to carry
         them in), the guards sum them themselves.
         """

@@ -351,16 +351,17 @@ class _Local:
             )
         )
 
-    def slots(self, device: torch.device) -> torch.Tensor:
+    def slots(self, device: torch.device | None = None) -> torch.Tensor:
         """One ``int64`` slot per rank of the world, this rank's set, the others zero; then
-        :data:`VALUE_SLOTS` for the group values' fingerprint (zero without ``values``)."""
+        :data:`VALUE_SLOTS` for the group values' fingerprint (zero without ``values``).
+        On ``device`` (the host by default)."""
         rank, world = _global_rank()
         flags = torch.zeros(world + VALUE_SLOTS, dtype=torch.int64)
         flags[rank] = self.slot
         if self.values is not None and self.refused is None:
             a, b = _pieces(self.values.fingerprint)
             flags[world:] = torch.tensor([a, a * a, b, b * b], dtype=torch.int64)
-        return flags.to(device)
+        return flags if device is None else flags.to(device)
 
 
 def _sparse_name(engine: Engine) -> str | None:
@@ -463,7 +464,7 @@ def agree_step(
         def carried(vouched: frozenset[int]) -> torch.Tensor:
             nonlocal mine
             mine = read(vouched)
-            return mine.slots(flag_device(groups[0]))
+            return mine.slots()  # on the host: the engine moves them where its group takes them
 
         summed = engine.begin_step_agreeing(carried)
     elif begin:

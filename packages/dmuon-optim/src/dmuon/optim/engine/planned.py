@@ -186,7 +186,7 @@ class PlannedEngine(Engine):
         at = self._presence_at
         if at is None:
             return None
-        agreement = slots(frozenset())
+        agreement = slots(frozenset()).to(self.flag_device)
         params = sorted(self.params, key=lambda e: e.name)
         local = [int(e.param.grad is not None) for e in params]
         k = agreement.numel()
