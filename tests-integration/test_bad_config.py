@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dmuon.integrations.deepspeed import UnsupportedConfigError, check_config
+from dmuon.kernels import spectral_clip
 from dmuon.optim import DMuon, ModelMismatchError, param_groups
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
@@ -309,6 +310,15 @@ CASES = [
     Case("rule-option-range", "`rule='dion2', fraction=1.5`",
          lambda: DMuon([W()], rule="dion2", fraction=1.5), ValueError,
          "fraction must be a real number in (0.0, 1.0], got 1.5"),
+    Case("clip-steps-huge", "`rule='musec', clip_steps=10**9`",
+         lambda: DMuon([W()], rule="musec", clip_steps=10**9), ValueError,
+         "clip_steps must be an integer in [1, 100], got 1000000000"),
+    Case("power-iters-huge", "`rule='numuon', power_iters=10**9`",
+         lambda: DMuon([W()], rule="numuon", power_iters=10**9), ValueError,
+         "power_iters must be an integer in [0, 100], got 1000000000"),
+    Case("spectral-clip-steps-huge", "`spectral_clip(M, steps=10**9, mode='soft')`",
+         lambda: spectral_clip(torch.randn(4, 4), steps=10**9, mode="soft"), ValueError,
+         "steps must be an integer from 1 to 100"),
     Case("group-key-unknown", "a group with the key `lrr` (typo)",
          lambda: DMuon([{"params": [W()], "lrr": 0.1}]), ValueError,
          "unknown key(s) ['lrr'] for rule 'muon'"),

@@ -31,6 +31,7 @@ import math
 import torch
 
 from dmuon.kernels._layout import check_matrix_input, empty_result
+from dmuon.kernels.coefficients import MAX_STEPS
 from dmuon.kernels.orthogonalize import orthogonalize
 
 __all__ = ["spectral_clip"]
@@ -123,7 +124,8 @@ def spectral_clip(
         steps: hard: Newton–Schulz steps of the sign of ``MMᵀ − τ²I`` (default 12; the
             inverse square root of ``B`` takes ``⌈log_{2.25}(σ_max²/τ²)⌉ + 6`` steps,
             from a bound on ``σ_max``, which needs one host synchronisation); soft:
-            steps of the inverse square root (default 30).
+            steps of the inverse square root (default 30). At most
+            :data:`~dmuon.kernels.coefficients.MAX_STEPS`.
         compute_dtype: dtype of the iterations; fp32 by default because the sign of
             ``MMᵀ − τ²I`` needs more precision than an orthogonalised update (bf16's
             8 bits cannot tell an eigenvalue of ``A`` within 0.4% of ``‖A‖`` from τ²).
@@ -149,6 +151,13 @@ def spectral_clip(
         return M.clone()
     if steps is None:
         steps = 12 if mode == "hard" else 30
+    elif isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        # the soft clip's loop has no bound of its own: steps=10**9 iterated for ever
+        raise ValueError(
+            f"steps must be an integer from 1 to {MAX_STEPS} "
+            f"(dmuon.kernels.coefficients.MAX_STEPS; the default is 12 hard, 30 soft), "
+            f"got {steps!r}"
+        )
     if M.numel() == 0:
         return empty_result(M)
     transposed = M.shape[-2] > M.shape[-1]

@@ -10,7 +10,14 @@ from typing import ClassVar
 import torch
 
 from dmuon.kernels import spectral_clip
-from dmuon.optim.hyperparameters import Option, choice, integer, optional, real
+from dmuon.optim.hyperparameters import (
+    NS_STEPS_MAX,
+    Option,
+    choice,
+    integer,
+    optional,
+    real,
+)
 from dmuon.optim.transforms.base import StepContext, Transform
 
 __all__ = ["MomentumSpectralClip"]
@@ -85,7 +92,11 @@ class MomentumSpectralClip(Transform):
             "clip level τ, a fraction of the RMS singular value (below 1e-6 every "
             "direction is clipped: Muon's step)",
         ),
-        "clip_steps": Option(None, optional(integer(1)), "inner iterations of the clip"),
+        "clip_steps": Option(
+            None,
+            optional(integer(1, NS_STEPS_MAX)),
+            f"inner iterations of the clip, 1 to {NS_STEPS_MAX}",
+        ),
     }
 
     def apply(

@@ -17,6 +17,12 @@ __all__ = ["RANK_SCHEDULES", "TopKPolar", "rank_fraction_at", "sketch_matrix", "
 
 RANK_SCHEDULES = ("constant", "linear", "cosine")
 
+POWER_ITERS_MAX = 100
+"""The most power iterations the range finder may take. Two to four make the sketch's
+range accurate to the leading singular values (Halko, Martinsson & Tropp, 2011, §4.5);
+``power_iters=10**9`` ran two QR factorisations that many times, a step that never
+ended."""
+
 
 def rank_fraction_at(hp: Mapping[str, object], step: int) -> float:
     """Relative rank ``r(t)`` of the schedule at 1-based ``step``.
@@ -114,7 +120,11 @@ class TopKPolar(Transform):
         "rank_schedule": Option("constant", choice(RANK_SCHEDULES), "rank schedule"),
         "rank_start": Option(1.0, real(0.0, 1.0, lo_open=True), "relative rank at step 1"),
         "rank_steps": Option(1000, integer(1), "steps from rank_start to rank_fraction"),
-        "power_iters": Option(2, integer(0), "power iterations of the range finder"),
+        "power_iters": Option(
+            2,
+            integer(0, POWER_ITERS_MAX),
+            f"power iterations of the range finder, 0 to {POWER_ITERS_MAX}",
+        ),
         "oversample": Option(8, integer(0), "extra sketch columns"),
         "seed": Option(0, integer(0), "seed of the Gaussian sketches"),
     }
