@@ -310,6 +310,11 @@ CASES = [
     Case("rule-option-range", "`rule='dion2', fraction=1.5`",
          lambda: DMuon([W()], rule="dion2", fraction=1.5), ValueError,
          "fraction must be a real number in (0.0, 1.0], got 1.5"),
+    Case("meta-parameters",
+         "`DMuon(param_groups(model))` on a model built under `torch.device('meta')`",
+         lambda: DMuon([torch.empty(4, 4, device="meta", requires_grad=True)]), ValueError,
+         "is on the meta device (no storage); build the optimizer after the model is "
+         "materialised"),
     Case("clip-steps-huge", "`rule='musec', clip_steps=10**9`",
          lambda: DMuon([W()], rule="musec", clip_steps=10**9), ValueError,
          "clip_steps must be an integer in [1, 100], got 1000000000"),

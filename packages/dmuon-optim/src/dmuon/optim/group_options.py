@@ -307,6 +307,14 @@ def check_param(p: Any, rule_name: str, group: Mapping[str, Any], name: str) -> 
             "gives gradients to: pass the model's parameters (model.parameters(), or "
             "nn.Parameter / tensor.detach().requires_grad_() for a tensor of your own)"
         )
+    if p.device.type == "meta":
+        # torch's module.to_empty() makes new parameters: an optimizer built before it
+        # holds the meta ones, which never get a gradient, and every step moved nothing
+        raise ValueError(
+            f"{name} is on the meta device (no storage); build the optimizer after the "
+            "model is materialised (model.to_empty(device=...) makes new parameters, so "
+            "an optimizer built before it would step none of the model's)"
+        )
     if p.dtype not in FLOAT_DTYPES:
         raise ValueError(
             f"{name} has dtype {p.dtype}; DMuon optimizes real floating-point parameters "
