@@ -79,3 +79,36 @@ def test_parameter_checksums_agree_on_healthy_runs_and_name_a_diverged_parameter
             assert "'head.bias'" in text and "rank(s) [1]" in text, text
         same, where = max_diff(res["reordered"], results[0]["reordered"])
         assert same == 0.0, f"reordered groups: rank {rank} differs from rank 0 at {where}"
+
+
+def run_reads(rank: int, world: int) -> tuple[int, int]:
+    from dmuon.optim.engine.guards import check_agreement
+
+    _, forward, opt, _ = setup("replicated", NAME, world, dict(OPT))
+    loss_of(NAME, forward, *batch(NAME, 0, rank, world)).backward()
+    opt.step()
+    reads = 0
+    int_of, item_of = torch.Tensor.__int__, torch.Tensor.item
+
+    def counted(read):
+        def read_counted(self, *args):
+            nonlocal reads
+            reads += 1
+            return read(self, *args)
+
+        return read_counted
+
+    torch.Tensor.__int__, torch.Tensor.item = counted(int_of), counted(item_of)  # type: ignore[method-assign]
+    try:
+        compared = check_agreement(opt.engine)
+    finally:
+        torch.Tensor.__int__, torch.Tensor.item = int_of, item_of  # type: ignore[method-assign]
+    return compared, reads
+
+
+def test_the_check_reads_its_checksums_back_once_not_one_by_one():
+    """Each parameter's checksum stays a tensor until the all-gather's one read: a
+    read per parameter (``int()`` of each) was a device synchronisation each on GPUs."""
+    for compared, reads in run_on_ranks(run_reads, 2, timeout=120):
+        assert compared > 4, compared
+        assert reads == 0, f"{reads} scalar reads for {compared} parameters"

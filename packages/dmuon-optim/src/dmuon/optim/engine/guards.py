@@ -822,17 +822,33 @@ def _suspects(grads: Sequence[torch.Tensor]) -> list[int]:
     return sorted(suspects)
 
 
-def _checksum(t: torch.Tensor) -> int:
+def _checksum(t: torch.Tensor) -> torch.Tensor:
     """Integer sum of the bit patterns (exact; any changed element changes it, except
-    for changes that cancel, which random divergence does not produce)."""
+    for changes that cancel, which random divergence does not produce): an ``int64``
+    scalar on ``t``'s device, not read back (one read for all of them, not one each)."""
     x = _local(t).detach().contiguous().reshape(-1)
     if x.numel() == 0:
-        return 0
+        return torch.zeros((), dtype=torch.int64, device=x.device)
     bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[x.element_size()]
     ints = x.view(bits).to(torch.int64)
-    # Weight by position so that two swapped elements do not cancel.
+    # Weight by position so that two swapped elements do not cancel. An int64 sum that
+    # overflows wraps (modulo 2⁶⁴), in any order alike: the ranks still agree.
     weights = torch.arange(1, x.numel() + 1, dtype=torch.int64, device=x.device) % 8191 + 1
-    return int((ints * weights).sum())
+    return (ints * weights).sum()
+
+
+def _checksums(params: Sequence[EngineParam], device: torch.device) -> torch.Tensor:
+    """The :func:`_checksum` of each parameter, in order, on ``device``: stacked on each
+    parameter device and moved once per device (a parameter on the GPU is not read
+    back one by one: a synchronisation each)."""
+    sums = [_checksum(e.param) for e in params]
+    out = torch.empty(len(sums), dtype=torch.int64, device=device)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, s in enumerate(sums):
+        by_device.setdefault(s.device, []).append(i)
+    for at in by_device.values():
+        out[torch.tensor(at, device=device)] = torch.stack([sums[i] for i in at]).to(device)
+    return out
 
 
 def check_agreement(engine: Engine) -> int:
@@ -857,9 +873,7 @@ def check_agreement(engine: Engine) -> int:
     groups = engine.guard_groups()
     if not groups or not params:
         return len(params)
-    sums = torch.tensor(
-        [_checksum(e.param) for e in params], dtype=torch.int64, device=flag_device(groups[0])
-    )
+    sums = _checksums(params, flag_device(groups[0]))
     names: list[str] = []
     who: list[list[int]] = []
     for g in groups:
