@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from dmuon.optim import DMuon, clip_grad_norm_, clip_grad_value_, param_groups
+from dmuon.optim.group_record import check_groups
+from dmuon.optim.hyperparameters import FLOAT32_MAX
 from dmuon.optim.transforms.blocks import block_bounds
 
 
@@ -143,6 +145,41 @@ def test_a_tensor_lr_changed_in_place_past_float32_is_refused_at_the_step() -> N
     _backward(model, seed=2)
     before = _snapshot(model, opt)
     with pytest.raises(ValueError, match=r"lr / \(1 − beta1\)"):
+        opt.step()
+    _assert_unchanged(before, _snapshot(model, opt))
+
+
+def test_a_tensor_matrix_lr_is_rechecked_by_the_largest_shape_without_reading_the_params(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tensor lr is re-checked every step (it may change in place); the bound on
+    lr·√(m·n) uses the group's largest shape, known since construction, not a read of
+    every parameter's size each step."""
+    model = _net()
+    lr = torch.tensor(0.01)
+    opt = _opt(model, lr=lr)
+    _backward(model)
+    opt.step()
+    sizes = 0
+    numel = torch.Tensor.numel
+    params = {id(p) for g in opt.param_groups for p in g["params"]}
+
+    def counted(self: torch.Tensor) -> int:
+        nonlocal sizes
+        sizes += id(self) in params
+        return numel(self)
+
+    monkeypatch.setattr(torch.Tensor, "numel", counted)
+    records = opt._records
+    groups = opt.param_groups
+    check_groups(records, groups)  # the step's own check of the groups
+    assert sizes == 0
+    monkeypatch.undo()
+    largest = max(p.numel() for p in opt.param_groups[0]["params"])
+    lr.fill_(2.0 * FLOAT32_MAX / largest**0.5)  # past the bound by the largest matrix
+    _backward(model, seed=2)
+    before = _snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"lr × the rule's largest scale"):
         opt.step()
     _assert_unchanged(before, _snapshot(model, opt))
 

@@ -188,9 +188,11 @@ class GroupDefaults:
         return group
 
 
-def check_together(group: Mapping[str, Any], where: str) -> None:
+def check_together(group: Mapping[str, Any], where: str, *, largest: int | None = None) -> None:
     """Raise if two of ``group``'s checked values contradict each other (each value alone
-    passed its :class:`~dmuon.optim.hyperparameters.Option`).
+    passed its :class:`~dmuon.optim.hyperparameters.Option`). ``largest``: the most
+    elements of one of its parameters, when the caller knows it
+    (:func:`check_float32_products`).
 
     Raises:
         ValueError: ``state_rounding='stochastic'`` without ``state_dtype='bfloat16'``.
@@ -200,10 +202,12 @@ def check_together(group: Mapping[str, Any], where: str) -> None:
             f"{where}: state_rounding 'stochastic' rounds fp32 state to bfloat16; it needs "
             f"state_dtype='bfloat16', got state_dtype={group.get('state_dtype')!r}"
         )
-    check_float32_products(group, where)
+    check_float32_products(group, where, largest=largest)
 
 
-def check_float32_products(group: Mapping[str, Any], where: str) -> None:
+def check_float32_products(
+    group: Mapping[str, Any], where: str, *, largest: int | None = None
+) -> None:
     """Raise if a product of ``group``'s values that the step hands torch as a float32
     scalar is past float32's largest (:data:`~dmuon.optim.hyperparameters.FLOAT32_MAX`).
 
@@ -216,6 +220,10 @@ def check_float32_products(group: Mapping[str, Any], where: str) -> None:
     stepped; refused here, at construction and by ``step()`` before anything changes.
     The bound on ``lr·scale`` is by √(m·n), the largest factor of every convention, so it
     may refuse an lr that one convention would have taken: only lr past ~1e33 is.
+
+    ``largest``: the most elements of one of the group's parameters, when the caller
+    knows it (a step re-checking a tensor ``lr``: the group's shapes are fixed), else
+    read from ``group["params"]``.
 
     Raises:
         ValueError: naming the keys, their product and the bound.
@@ -249,9 +257,10 @@ def check_float32_products(group: Mapping[str, Any], where: str) -> None:
             k = value(key)
             if k is not None:
                 factor *= k
-        params = group.get("params") or []
-        sizes = [p.numel() for p in params if isinstance(p, torch.Tensor)]
-        factor *= math.sqrt(max(sizes, default=1))
+        if largest is None:
+            params = group.get("params") or []
+            largest = max((p.numel() for p in params if isinstance(p, torch.Tensor)), default=1)
+        factor *= math.sqrt(largest)
         if lr * factor > FLOAT32_MAX:
             refuse(
                 "lr × the rule's largest scale (√(m·n) × its lr scales)",

@@ -15,6 +15,7 @@ every rank (:func:`~dmuon.optim.engine.guards.agree_step`).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,7 @@ class GroupRecord:
 
     def __post_init__(self) -> None:
         self._shapes = list(self.shapes)  # what check compares a list of shapes with
+        self._largest = max((math.prod(shape) for shape in self.shapes), default=1)
         self._digest: bytes | None = None  # of values, while none is a tensor
         self.label = f"group{self.index}"  # who the group is across ranks (see of)
 
@@ -165,7 +167,7 @@ class GroupRecord:
             option = accepted_options(group["rule"])[key]
             checked[key] = check_value(key, now, option, where)
         if checked:  # recorded once every check passed: a refused value stays refused
-            check_together({**group, **checked}, where)
+            check_together({**group, **checked}, where, largest=self._largest)
             group.update(checked)
             self.values.update(checked)
             self._digest = None
