@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -150,6 +151,43 @@ class Conv1DModel(nn.Module):
         return self.head(h.mean(dim=1))
 
 
+class TanhNet(nn.Module):
+    """``blocks`` tanh layers of 8 → 8 and a head 8 → 2 (``extra``: an 8 → 8 residual layer
+    between them, which ``forward(x, use_extra=False)`` skips), seeded 0 in a forked RNG so
+    that building it leaves the caller's random stream alone.
+
+    The fault tests' model: ``test_timeouts.py`` and ``test_stream_wait_deadline.py`` (3
+    blocks), ``test_skip_step.py`` (``blocks=2``), ``test_owner_reliability.py``
+    (``extra=True``: a layer one rank may leave unused). ``extra`` is built after the blocks
+    and before the head, in that order, so each variant draws the numbers it always drew.
+    """
+
+    def __init__(self, blocks: int = 3, extra: bool = False) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(blocks))
+            self.extra = nn.Linear(8, 8) if extra else None
+            self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        if use_extra and self.extra is not None:
+            x = x + self.extra(x)
+        return self.head(x)
+
+
+def gelu_mlp() -> nn.Module:
+    """8 → 16 → GELU → 4, seeded 0 (the global RNG, as those tests always did).
+
+    The owner-mode model of ``test_changed_gradients.py``, ``test_owner_teardown.py`` and
+    ``test_owner_writes.py``.
+    """
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
 def build(name: str) -> nn.Module:
     """A fresh model, the same on every rank."""
     if name == "gpt":
@@ -204,6 +242,28 @@ def reference(
     opt = DMuon(param_groups(model), **(opt_kw or OPT))
     for t in range(steps):
         losses = [loss_of(name, model, *batch(name, t, r, world)) for r in range(world)]
+        (sum(losses) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    return full_params(model)
+
+
+def mean_loss_reference(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batch_of: Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]],
+    steps: int,
+    world: int,
+) -> dict[str, torch.Tensor]:
+    """``reference`` for a model and batches of the test's own: ``steps`` steps in one
+    process, each on the mean of the MSE losses of the ``world`` ranks' rows
+    ``batch_of(step, rank, world)`` (the global batch's mean: every rank has as many rows).
+
+    Used by ``test_compile.py`` (eager, against the compiled ranks) and
+    ``test_fsdp_scalars_only.py`` (against FSDP2 scalars detected as sharded).
+    """
+    for t in range(steps):
+        losses = [F.mse_loss(model(x), y) for x, y in (batch_of(t, r, world) for r in range(world))]
         (sum(losses) / world).backward()
         opt.step()
         opt.zero_grad()
@@ -268,6 +328,19 @@ def setup(mode: str, name: str, world: int, opt_kw: dict[str, Any] | None = None
     return model, forward, opt, kw.get("distributed")
 
 
+def train_range(
+    name: str, forward: nn.Module, opt: Any, rank: int, world: int, start: int, stop: int
+) -> None:
+    """Steps ``start`` to ``stop - 1`` of ``name`` on this rank's rows: ``run_modes``' loop,
+    and the one around a checkpoint of ``test_checkpoint_full.py``,
+    ``test_checkpoint_reshard.py`` and ``test_state_dtype_modes.py`` (train, save, train
+    on; load, train the rest)."""
+    for t in range(start, stop):
+        loss_of(name, forward, *batch(name, t, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def run_modes(
     rank: int,
     world: int,
@@ -280,10 +353,7 @@ def run_modes(
     results = {}
     for mode in modes:
         model, forward, opt, ded = setup(mode, name, world, opt_kw)
-        for t in range(steps):
-            loss_of(name, forward, *batch(name, t, rank, world)).backward()
-            opt.step()
-            opt.zero_grad()
+        train_range(name, forward, opt, rank, world, 0, steps)
         if ded is not None:
             ded.wait()  # the last publications, before reading the weights
         results[mode] = full_params(model)

@@ -17,14 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed_cases import gelu_mlp
 from torch import nn
 
 from dmuon.comm.testing import run_on_ranks
-
-
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
 
 
 def change(m: nn.Module, how: str, rank: int) -> None:
@@ -42,7 +38,7 @@ def run(rank: int, world: int, how: str) -> dict[str, object]:
     from dmuon.integrations import ddp
     from dmuon.optim import DMuon, GradientChangedError, clip_grad_norm_, param_groups
 
-    m = model()
+    m = gelu_mlp()
     ded = ddp.dedicate(m)
     opt = DMuon(param_groups(m), distributed=ded, lr=0.02, ns_compute_dtype=torch.float32)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
@@ -108,7 +104,7 @@ def run_loop(rank: int, world: int, scalars: str, dmuon_clip: bool) -> dict[str,
 
     out = {}
     for set_to_none in (True, False):
-        m = model()
+        m = gelu_mlp()
         ded = ddp.dedicate(m, scalars=scalars)
         opt = DMuon(param_groups(m), distributed=ded, lr=0.02, ns_compute_dtype=torch.float32)
         for t in range(3):

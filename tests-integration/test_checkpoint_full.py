@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed_cases import OPT, TOLERANCE, batch, full_params, loss_of, max_diff, setup
+from distributed_cases import OPT, TOLERANCE, full_params, max_diff, setup, train_range
 
 from dmuon.comm.testing import run_on_ranks
 from dmuon.integrations import checkpoint
@@ -21,18 +21,11 @@ from dmuon.optim import DMuon, param_groups
 NAME = "gpt"
 
 
-def train(forward, opt, rank, world, start, stop):
-    for t in range(start, stop):
-        loss_of(NAME, forward, *batch(NAME, t, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def run_full(rank, world, mode):
     model, forward, opt, ded = setup(mode, NAME, world)
-    train(forward, opt, rank, world, 0, 2)
+    train_range(NAME, forward, opt, rank, world, 0, 2)
     sd = checkpoint.full_state_dict(model, opt)
-    train(forward, opt, rank, world, 2, 5)
+    train_range(NAME, forward, opt, rank, world, 2, 5)
     ded.wait()
     return sd, full_params(model)
 
@@ -48,7 +41,7 @@ def test_full_state_dict_from_2_ranks_resumes_in_one_process(tmp_path, mode):
     torch.save(sd, path)
     model, forward, opt, _ = setup("single", NAME, 1)
     checkpoint.load_full_state_dict(model, opt, torch.load(path, weights_only=True))
-    train(forward, opt, 0, 1, 2, 5)
+    train_range(NAME, forward, opt, 0, 1, 2, 5)
     diff, where = max_diff(full_params(model), expected)
     assert diff <= TOLERANCE, f"{where} off by {diff:.2e}"
 

@@ -21,7 +21,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from distributed_cases import OPT, TOLERANCE, batch, full_params, loss_of, max_diff, setup
+from distributed_cases import OPT, TOLERANCE, full_params, max_diff, setup, train_range
 
 from dmuon.comm.testing import run_on_ranks
 from dmuon.integrations import checkpoint
@@ -33,26 +33,19 @@ TOTAL = 5
 MODES = ["owner_fsdp", "owner_ddp", "sharded"]
 
 
-def train(forward, opt, rank, world, start, stop):
-    for t in range(start, stop):
-        loss_of(NAME, forward, *batch(NAME, t, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def run_save(rank, world, root, modes=MODES):
     """Train TOTAL steps, saving after SAVE_AT; the final weights and what the ranks saved."""
     out = {}
     for mode in modes:
         model, forward, opt, ded = setup(mode, NAME, world)
-        train(forward, opt, rank, world, 0, SAVE_AT)
+        train_range(NAME, forward, opt, rank, world, 0, SAVE_AT)
         keys = sorted(
             f"{fqn}.{k}"
             for fqn, st in checkpoint.optimizer_state_dict(model, opt)["state"].items()
             for k in st
         )
         checkpoint.save(os.path.join(root, mode), model, opt, extra={"step": SAVE_AT})
-        train(forward, opt, rank, world, SAVE_AT, TOTAL)
+        train_range(NAME, forward, opt, rank, world, SAVE_AT, TOTAL)
         if ded is not None:
             ded.wait()
         out[mode] = {"params": full_params(model), "keys": keys}
@@ -66,7 +59,7 @@ def run_resume(rank, world, root, modes=MODES):
     for mode in modes:
         model, forward, opt, ded = setup(mode, NAME, world)
         extra = checkpoint.load(os.path.join(root, mode), model, opt)
-        train(forward, opt, rank, world, extra["step"], TOTAL)
+        train_range(NAME, forward, opt, rank, world, extra["step"], TOTAL)
         if ded is not None:
             ded.wait()
         out[mode] = full_params(model)
@@ -82,7 +75,7 @@ def single_resume(path, load_optimizer=True):
     else:  # only the weights: a fresh optimizer (the non-vacuity check)
         extra = checkpoint.load(path, model, DMuon(param_groups(model), **OPT))
         opt = DMuon(param_groups(model), **OPT)
-    train(forward, opt, 0, 1, extra["step"], TOTAL)
+    train_range(NAME, forward, opt, 0, 1, extra["step"], TOTAL)
     return full_params(model)
 
 

@@ -29,7 +29,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from distributed_cases import full_params, mean_loss_reference
 
 from benchmarks.compile_check import HOOK_BREAK, MODES, OPT, Net, counts, setup
 from dmuon.comm.testing import run_on_ranks
@@ -54,23 +54,10 @@ def batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch
     return x[rows], y[rows]
 
 
-def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-        for n, p in model.named_parameters()
-    }
-
-
 def reference(world: int) -> dict[str, torch.Tensor]:
     """Eager, one process, the mean of the ranks' losses each step."""
     model = tiny()
-    opt = DMuon(param_groups(model), **OPT)
-    for t in range(STEPS):
-        losses = [F.mse_loss(model(x), y) for x, y in (batch(t, r, world) for r in range(world))]
-        (sum(losses) / world).backward()
-        opt.step()
-        opt.zero_grad()
-    return params_of(model)
+    return mean_loss_reference(model, DMuon(param_groups(model), **OPT), batch, STEPS, world)
 
 
 def run_compiled(rank: int, world: int) -> dict[str, dict]:
@@ -100,7 +87,7 @@ def run_compiled(rank: int, world: int) -> dict[str, dict]:
         if ded is not None:
             ded.wait()
         reasons = sorted(str(r).splitlines()[0] for r in counters["graph_break"])
-        out[mode] = {"params": params_of(model), "counts": per_step, "reasons": reasons}
+        out[mode] = {"params": full_params(model), "counts": per_step, "reasons": reasons}
         torch.distributed.barrier()
     return out
 

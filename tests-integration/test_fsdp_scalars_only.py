@@ -13,6 +13,7 @@ dedication that was not passed) stay ambiguous: the refusal now names both.
 
 import torch
 import torch.nn.functional as F
+from distributed_cases import full_params, mean_loss_reference
 from torch import nn
 
 from dmuon.comm.testing import run_on_ranks
@@ -49,13 +50,6 @@ def batch(step, rank, world):
     return x[rows], y[rows]
 
 
-def params_of(model):
-    return {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-        for n, p in model.named_parameters()
-    }
-
-
 def sharded_model(world, matrix=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -80,18 +74,12 @@ def run_detected(rank, world):
         F.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    return opt.mode, params_of(model)
+    return opt.mode, full_params(model)
 
 
 def reference(world):
     model = Norms()
-    opt = DMuon(param_groups(model), **OPT)
-    for t in range(STEPS):
-        losses = [F.mse_loss(model(x), y) for x, y in (batch(t, r, world) for r in range(world))]
-        (sum(losses) / world).backward()
-        opt.step()
-        opt.zero_grad()
-    return params_of(model)
+    return mean_loss_reference(model, DMuon(param_groups(model), **OPT), batch, STEPS, world)
 
 
 def test_fsdp2_scalars_alone_are_detected_as_sharded_and_train_as_one_process():

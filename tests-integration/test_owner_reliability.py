@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed_cases import TanhNet
 from torch import nn
 
 from dmuon.comm import CollectiveError
@@ -30,23 +31,6 @@ from dmuon.optim import DMuon, UnsyncedGradientsError, param_groups
 WORLD = 2
 DMUON_TIMEOUT = 3.0
 STALL = 4 * DMUON_TIMEOUT  # the stalled rank sleeps this long: well past the deadline
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-            self.extra = nn.Linear(8, 8)
-            self.head = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        if use_extra:
-            x = x + self.extra(x)
-        return self.head(x)
 
 
 def _optimizer(model: nn.Module, **dedicate_options):
@@ -81,7 +65,7 @@ def _train_until_error(rank: int, forward, opt, steps: int = 3) -> dict:
 
 
 def run_used_on_rank_0_only(rank: int, world: int) -> dict:
-    model = Net()
+    model = TanhNet(extra=True)
     _, opt = _optimizer(model, reshard_after_forward=True)
     return _train_until_error(rank, lambda x, _: model(x, use_extra=rank == 0), opt)
 
@@ -112,7 +96,7 @@ def run_used_on_rank_0_only_layer_by_layer(rank: int, world: int) -> dict:
 
 
 def run_stall_in_backward(rank: int, world: int) -> dict:
-    model = Net()
+    model = TanhNet(extra=True)
     _, opt = _optimizer(model, reshard_after_forward=True)
 
     def stall(*_):
@@ -167,7 +151,7 @@ def test_zero3_rank_stalled_in_backward_is_named_by_the_others():
 
 
 def run_every_micro_batch_in_no_sync(rank: int, world: int) -> dict:
-    model = Net()
+    model = TanhNet(extra=True)
     ded, opt = _optimizer(model)
     before = [p.detach().clone() for p in model.parameters()]
     g = torch.Generator().manual_seed(rank)
@@ -204,7 +188,7 @@ def _slow(matrix_step):
 
 
 def run_state_dict_right_after_step(rank: int, world: int) -> dict:
-    model = Net()
+    model = TanhNet(extra=True)
     ded, opt = _optimizer(model)
     g = torch.Generator().manual_seed(rank)
     for step in range(2):
@@ -236,7 +220,7 @@ def _dedicate_alone(rank: int, world: int):
         time.sleep(STALL)
         raise SystemExit("the absent rank gives up")
     try:
-        ddp.dedicate(Net())
+        ddp.dedicate(TanhNet(extra=True))
     except CollectiveError as err:
         return {"error": str(err), "reason": err.reason}
     return {"error": None}

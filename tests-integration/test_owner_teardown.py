@@ -20,14 +20,10 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed_cases import gelu_mlp
 from torch import nn
 
 from dmuon.comm.testing import run_on_ranks
-
-
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
 
 
 def trained(rank: int, how: str) -> tuple[weakref.ref[torch.Tensor], nn.Module | None]:
@@ -37,7 +33,7 @@ def trained(rank: int, how: str) -> tuple[weakref.ref[torch.Tensor], nn.Module |
     from dmuon.integrations import ddp
     from dmuon.optim import DMuon, param_groups
 
-    m = model()
+    m = gelu_mlp()
     ded = ddp.dedicate(m)
     opt = DMuon(param_groups(m), distributed=ded, lr=0.02, ns_compute_dtype=torch.float32)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
@@ -65,7 +61,7 @@ def run(rank: int, world: int, how: str) -> dict[str, object]:
         out["still_dedicated"] = exchange_of(kept[0].weight) is not None
         again = kept
     else:
-        again = model()
+        again = gelu_mlp()
     try:  # a new model, or the kept one, dedicated again
         ddp.dedicate(again).undedicate()
         out["again"] = "ok"
@@ -77,7 +73,7 @@ def run(rank: int, world: int, how: str) -> dict[str, object]:
 def twice(rank: int, world: int) -> str:
     from dmuon.integrations import ddp
 
-    m = model()
+    m = gelu_mlp()
     ded = ddp.dedicate(m)
     try:
         ddp.dedicate(m)

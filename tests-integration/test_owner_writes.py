@@ -19,17 +19,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed_cases import gelu_mlp
 from torch import nn
 
 from dmuon.comm.testing import run_on_ranks
 
 STEPS = 3
 WORLD = 2
-
-
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +58,7 @@ def run(rank: int, world: int, how: str, wait: bool) -> dict[str, object]:
     from dmuon.integrations import ddp
     from dmuon.optim import DMuon, RankDivergenceError, param_groups
 
-    m = model()
+    m = gelu_mlp()
     ded = ddp.dedicate(m)
     opt = DMuon(param_groups(m), distributed=ded, lr=0.02, ns_compute_dtype=torch.float32)
     out: dict[str, object] = {}
@@ -91,7 +87,7 @@ def reference(how: str) -> dict[str, torch.Tensor]:
     write after each step."""
     from dmuon.optim import DMuon, param_groups
 
-    m = model()
+    m = gelu_mlp()
     opt = DMuon(param_groups(m), lr=0.02, ns_compute_dtype=torch.float32)
     for step in range(STEPS):
         total = sum(loss(m, *batch(step, r)) for r in range(WORLD))
@@ -135,7 +131,7 @@ def test_a_weight_written_before_its_publication_landed_is_refused(how, results)
 @pytest.mark.parametrize("how", WAITED)
 def test_the_same_write_after_wait_trains_as_one_process(how, results):
     expected = reference(how)
-    moved = max((expected[n] - p).abs().max().item() for n, p in model().named_parameters())
+    moved = max((expected[n] - p).abs().max().item() for n, p in gelu_mlp().named_parameters())
     assert moved > 1e-3, "the reference barely trained: the comparison would prove nothing"
     first = results[0][(how, True)]["params"]
     assert isinstance(first, dict)
@@ -153,7 +149,7 @@ def post_hook_after_dedicate(rank: int, world: int) -> str:
     from dmuon.integrations import ddp
     from dmuon.optim import DMuon, GradientChangedError, param_groups
 
-    m = model()
+    m = gelu_mlp()
     ded = ddp.dedicate(m)
 
     def halve(p: torch.Tensor) -> None:  # the user's own hook, after dedicate()'s

@@ -41,6 +41,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed_cases import full_params
 from torch import nn
 
 from dmuon.comm.testing import run_on_ranks
@@ -93,14 +94,6 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
     return x[rows], y[rows]
 
 
-def full(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        whole = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[name] = whole.detach().clone()
-    return out
-
-
 def make_optimizer(layout: str, model: nn.Module, **kw):
     if layout.startswith("adamw"):
         return torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-3)
@@ -118,7 +111,7 @@ def reference(mode: str, world: int, clip: bool = True) -> dict[str, torch.Tenso
         opt.zero_grad()
         if qk is not None:
             qk.step()
-    return full(model)
+    return full_params(model)
 
 
 def run_mode(mode: str, rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -172,7 +165,7 @@ def run_mode(mode: str, rank: int, world: int) -> dict[str, torch.Tensor]:
         ded.wait()
     assert clipped > 0, f"{mode}: the clip never scaled a head"
     assert mode.startswith("owner") == bool(waited), f"{mode}: publications in flight {waited}"
-    return full(model)
+    return full_params(model)
 
 
 def run_placements(rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -333,7 +326,7 @@ def hf_reference(kind: str, world: int, clip: bool = True) -> dict[str, torch.Te
         opt.zero_grad()
         if qk is not None:
             qk.step()
-    return full(model)
+    return full_params(model)
 
 
 def run_hf(rank: int, world: int, kind: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -366,7 +359,7 @@ def run_hf(rank: int, world: int, kind: str) -> dict[str, dict[str, torch.Tensor
         if ded is not None:
             ded.wait()
         assert clipped > 0, f"{mode}: the clip never scaled a head"
-        out[mode] = full(model)
+        out[mode] = full_params(model)
         dist.barrier()
     return out
 
@@ -389,7 +382,7 @@ def run_nan_on_one_rank(rank: int, world: int) -> tuple[str | None, bool]:
     """Rank 1 alone sees a NaN token; rank 0's logits are finite (and far over τ)."""
     model = Net()
     qk = QKClip(model, tau=TAU)
-    before = full(model)
+    before = full_params(model)
     x, _ = batch(0, rank, world)
     if rank == 1:
         x[0, 2, 0] = float("nan")
@@ -399,7 +392,7 @@ def run_nan_on_one_rank(rank: int, world: int) -> tuple[str | None, bool]:
         message = None
     except RuntimeError as err:
         message = str(err)
-    unchanged = all(torch.equal(p, before[n]) for n, p in full(model).items())
+    unchanged = all(torch.equal(p, before[n]) for n, p in full_params(model).items())
     return message, unchanged
 
 

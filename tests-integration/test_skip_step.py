@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed_cases import OPT
+from distributed_cases import OPT, TanhNet
 from torch import nn
 
 # Imported here, in the process that forks the ranks, not in each rank: importing FSDP2
@@ -39,22 +39,8 @@ WORLD = 2
 SKIPPER = 1
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
-            self.head = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return self.head(x)
-
-
 def build(mode: str, world: int, timeout):
-    model = Net()
+    model = TanhNet(blocks=2)
     forward: nn.Module = model
     kw = dict(OPT, timeout=timeout, store=rank_store(), mode=mode)
     if mode == "replicated":

@@ -31,7 +31,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_cases import OPT, batch, full_params, loss_of, max_diff, reference, setup
+from distributed_cases import OPT, full_params, max_diff, reference, setup, train_range
 
 from dmuon.comm.testing import run_on_ranks
 from dmuon.integrations import checkpoint
@@ -47,13 +47,6 @@ STOCHASTIC_MODES = ["owner_fsdp", "sharded"]
 
 def _kw(rounding: str) -> dict:
     return {**OPT, "state_dtype": "bfloat16", "state_rounding": rounding}
-
-
-def _train(forward, opt, rank, world, start, stop):
-    for t in range(start, stop):
-        loss_of(NAME, forward, *batch(NAME, t, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def _matrix_state_dtypes(opt) -> set[torch.dtype]:
@@ -72,12 +65,12 @@ def run_bf16(rank, world, rounding, root, modes):
     for mode in modes:
         model, forward, opt, ded = setup(mode, NAME, world, _kw(rounding))
         assert _matrix_state_dtypes(opt) == {torch.bfloat16}, mode
-        _train(forward, opt, rank, world, 0, SAVE_AT)
+        train_range(NAME, forward, opt, rank, world, 0, SAVE_AT)
         full = None
         if root is not None and mode in SAVED:
             checkpoint.save(os.path.join(root, mode), model, opt)
             full = checkpoint.full_state_dict(model, opt)
-        _train(forward, opt, rank, world, SAVE_AT, STEPS)
+        train_range(NAME, forward, opt, rank, world, SAVE_AT, STEPS)
         if ded is not None:
             ded.wait()
         out[mode] = (full_params(model), full)
@@ -91,7 +84,7 @@ def run_resume(rank, world, root):
         model, forward, opt, ded = setup(mode, NAME, world, _kw("nearest"))
         checkpoint.load(os.path.join(root, mode), model, opt)
         assert _matrix_state_dtypes(opt) == {torch.bfloat16}, mode
-        _train(forward, opt, rank, world, SAVE_AT, STEPS)
+        train_range(NAME, forward, opt, rank, world, SAVE_AT, STEPS)
         if ded is not None:
             ded.wait()
         out[mode] = full_params(model)
@@ -124,6 +117,6 @@ def test_bf16_state_in_every_mode_equals_one_process(rounding, tmp_path):
         model, forward, opt, _ = setup("single", NAME, 1, _kw("nearest"))
         checkpoint.load_full_state_dict(model, opt, results[0][mode][1])
         assert _matrix_state_dtypes(opt) == {torch.bfloat16}
-        _train(forward, opt, 0, 1, SAVE_AT, STEPS)
+        train_range(NAME, forward, opt, 0, 1, SAVE_AT, STEPS)
         diff, where = max_diff(full_params(model), results[0][mode][0])
         assert diff <= BF16_TOLERANCE, f"full {mode}: {where} differs by {diff:.2e}"

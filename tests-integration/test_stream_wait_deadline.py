@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from distributed_cases import TanhNet
 from torch import nn
 
 from dmuon.comm import CollectiveError
@@ -33,20 +34,6 @@ WORLD = 2
 DMUON_TIMEOUT = 2.0
 STALL = 5 * DMUON_TIMEOUT  # the stalled rank sleeps this long: well past the deadline
 RUN_AHEAD_S = 0.5  # how long the simulated stream wait waits before it runs ahead
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-            self.head = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return self.head(x)
 
 
 def _simulate_nccl() -> dict[str, int]:
@@ -89,7 +76,7 @@ def _build(model: nn.Module) -> DMuon:
 
 def run_steps(rank: int, world: int, simulate: bool) -> dict:
     counts = _simulate_nccl() if simulate else {}
-    model = Net()
+    model = TanhNet()
     opt = _build(model)
     g = torch.Generator().manual_seed(rank)
     for _ in range(3):
@@ -112,7 +99,7 @@ def run_stalled_peer(rank: int, world: int) -> dict:
     from dmuon.comm import faults
 
     _simulate_nccl()
-    model = Net()
+    model = TanhNet()
     opt = _build(model)
     g = torch.Generator().manual_seed(rank)
     for step in range(1, 3):

@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed_cases import OPT as CASES_OPT
+from distributed_cases import TanhNet
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import (
@@ -52,20 +53,6 @@ WARMUP_TIMEOUT = 30.0
 OPT = dict(CASES_OPT, check_every=None)
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-            self.head = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return self.head(x)
-
-
 def build(mode: str, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -73,7 +60,7 @@ def build(mode: str, world: int):
 
     from dmuon.integrations import ddp
 
-    model = Net()
+    model = TanhNet()
     forward: nn.Module = model
     kw = dict(OPT, timeout=WARMUP_TIMEOUT, store=rank_store())
     if mode == "owner":
@@ -210,12 +197,12 @@ def test_a_rank_that_stops_answering_makes_the_others_raise_at_the_deadline():
 
 
 def run_pack_fault(rank: int, world: int):
-    """Owner mode with the default packing (Net's four small layers are one pack): the
+    """Owner mode with the default packing (TanhNet's four small layers are one pack): the
     faulty rank dies in step 2 after the pack's reduction and step, before its
     publication; the others wait for the pack's broadcast in their next forward."""
     from dmuon.integrations import ddp
 
-    model = Net()
+    model = TanhNet()
     ded = ddp.dedicate(model)
     opt = DMuon(
         param_groups(model),
