@@ -13,6 +13,10 @@ Newton–Schulz costs little), for ``L`` in ``--depths``. In one run, side by si
 ``dmuon_ns1``       the same with ``ns_steps=1``: the little math left shows what is overhead
 ``adamw_ddp``       2 gloo ranks: ``DistributedDataParallel`` + AdamW foreach
 ``dmuon_owner``     2 gloo ranks: ``dmuon.integrations.ddp.dedicate`` + DMuon (owner mode)
+``adamw_fsdp``      2 gloo ranks: FSDP2 ``fully_shard`` per layer + AdamW foreach
+``dmuon_sharded``   2 gloo ranks: the same FSDP2 model + ``DMuon(mode="sharded")``, whose
+                    small layers are packed into units (``layer_pack_mb``, 1 MiB)
+``dmuon_sharded_unpacked`` the same with ``layer_pack_mb=0``: two all-to-alls per layer
 
 The single-process setups time ``opt.step()`` alone on fixed gradients; the two-rank
 setups time forward, backward (with DDP's or the dedication's hooks) and
@@ -59,7 +63,14 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` importable
 from benchmarks.common.metrics import machine_info  # noqa: E402
 
 SINGLE_SETUPS = ("sgd", "adamw", "dmuon", "dmuon_ns1")
-WORLD_SETUPS = ("bare", "adamw_ddp", "dmuon_owner")
+WORLD_SETUPS = (
+    "bare",
+    "adamw_ddp",
+    "dmuon_owner",
+    "adamw_fsdp",
+    "dmuon_sharded",
+    "dmuon_sharded_unpacked",
+)
 PHASES = ("forward", "backward", "step")
 DEPTHS = (8, 32, 128)
 REFERENCE = "adamw"  # what the single-process ratios are taken to
@@ -181,11 +192,14 @@ def _rank_main(
     rank: int, world: int, depths: Sequence[int], width: int, rounds: int, repeats: int, warmup: int
 ) -> dict[str, dict[int, dict[str, list[float]]]]:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dmuon.integrations import ddp
     from dmuon.optim import DMuon, param_groups
 
+    mesh = init_device_mesh("cpu", (world,))
     built: dict[tuple[str, int], tuple[Callable[..., Any], Any]] = {}
     for depth in depths:
         for setup in WORLD_SETUPS:
@@ -196,9 +210,19 @@ def _rank_main(
             elif setup == "adamw_ddp":
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
                 built[setup, depth] = (DDP(model), opt)
-            else:
+            elif setup == "dmuon_owner":
                 ded = ddp.dedicate(model)
                 built[setup, depth] = (model, DMuon(param_groups(model), distributed=ded))
+            else:  # FSDP2, one unit per layer, as torchtitan wraps its blocks
+                for block in model.blocks:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+                if setup == "adamw_fsdp":
+                    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+                else:
+                    pack = {"layer_pack_mb": 0} if setup.endswith("_unpacked") else {}
+                    opt = DMuon(param_groups(model), mode="sharded", **pack)
+                built[setup, depth] = (model, opt)
     x = torch.randn(4, width, generator=torch.Generator().manual_seed(rank))
     samples: dict[str, dict[int, dict[str, list[float]]]] = {
         s: {d: {p: [] for p in PHASES} for d in depths} for s in WORLD_SETUPS

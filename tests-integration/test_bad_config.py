@@ -315,6 +315,9 @@ CASES = [
          lambda: DMuon([torch.empty(4, 4, device="meta", requires_grad=True)]), ValueError,
          "is on the meta device (no storage); build the optimizer after the model is "
          "materialised"),
+    Case("layer-pack-negative", "`DMuon(..., layer_pack_mb=-1)`",
+         lambda: DMuon([W()], layer_pack_mb=-1), ValueError,
+         "layer_pack_mb must be a number of MiB >= 0 (0: every layer on its own), got -1"),
     Case("clip-steps-huge", "`rule='musec', clip_steps=10**9`",
          lambda: DMuon([W()], rule="musec", clip_steps=10**9), ValueError,
          "clip_steps must be an integer in [1, 100], got 1000000000"),

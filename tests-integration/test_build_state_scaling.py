@@ -9,7 +9,8 @@ pipeline group. It used to let every pipeline group scan every parameter of the 
 matrices). Now the parameters are split by pipeline group in one pass.
 
 Checked on two gloo ranks, in owner mode (``dedicate(layer_pack_mb=0)``: one pipeline
-group per layer) and in sharded mode (FSDP2 ``fully_shard`` per block):
+group per layer) and in sharded mode (FSDP2 ``fully_shard`` per block,
+``DMuon(layer_pack_mb=0)``: one pipeline group per layer too):
 
 * ``build_state`` calls ``steps``/``group_of`` at most twice per parameter (before:
   ``layers + 1`` times each), and ``load_state_dict`` stays O(parameters);
@@ -215,7 +216,7 @@ def build(mode: str, world: int, reference: bool) -> tuple[nn.Module, Any, Any]:
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        kwargs = {"mode": "sharded"}
+        kwargs = {"mode": "sharded", "layer_pack_mb": 0}  # a pipeline group per layer
     saved = optimizer_module.build_state
     if reference:
         optimizer_module.build_state = reference_build_state

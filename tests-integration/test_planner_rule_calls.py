@@ -9,10 +9,11 @@ over :func:`~dmuon.optim.planner.traffic.step_units`), and its ``ns_s`` under a 
 whose only cost is one second per call must be the busiest rank's count. Pricing by
 :func:`dmuon.comm.plan_owners`' loads (same-shape matrices batched across layers,
 the planner's rule before) counts fewer calls wherever a unit is smaller than the
-model: ZeRO-3-like owner mode and the planned modes step block by block, 8 calls per
-rank where the loads count 4 (owner mode packs this small model into one unit: 4
-either way). Sign mode steps every matrix on every rank, layer by layer: 16 calls, where
-one batch per shape across the layers (its price before) counts 4.
+model: ZeRO-3-like owner mode steps block by block, 8 calls per rank where the loads
+count 4 (owner mode and the planned modes pack this small model into one unit: 4
+either way). The planned modes are counted unpacked too (``layer_pack_mb=0``, the
+``_unpacked`` rows): block by block, 8 calls; sign mode, which steps every matrix on
+every rank, 16, where one batch per shape across the layers (its price before) counts 4.
 """
 
 import pytest
@@ -29,6 +30,9 @@ MODES = {
     "sharded": "sharded",
     "replicated": "replicated",
     "sign": "sign",
+    "sharded_unpacked": "sharded",
+    "replicated_unpacked": "replicated",
+    "sign_unpacked": "sign",
 }
 
 
@@ -37,13 +41,15 @@ def count_calls(rank, world, mode):
 
     from dmuon.optim import batches
 
-    if mode == "sign":  # every rank steps every matrix, layer by layer (engine/sign.py)
+    mode, unpacked, _ = mode.partition("_unpacked")
+    kw = dict(OPT, layer_pack_mb=0) if unpacked else dict(OPT)
+    if mode == "sign":  # every rank steps every matrix, unit by unit (engine/sign.py)
         from dmuon.optim import DMuon, param_groups
 
         forward, ded = build("gpt_deep"), None
-        opt = DMuon(param_groups(forward), mode="sign", rule="sign_muon", **OPT)
+        opt = DMuon(param_groups(forward), mode="sign", rule="sign_muon", **kw)
     else:
-        _, forward, opt, ded = setup(mode, "gpt_deep", world)
+        _, forward, opt, ded = setup(mode, "gpt_deep", world, kw)
     run_batch = batches._run_batch
     calls = []
 
@@ -84,7 +90,7 @@ def test_planner_counts_the_engines_rule_calls_per_rank(mode):
     plan = out[0][1]
     counts = [c for c, _ in out]
     assert min(counts) > 0, counts
-    units = step_units(spec, plan, kind)
+    units = step_units(spec, plan, kind, layer_pack_mb=0 if "_unpacked" in mode else 1.0)
     # the CPU engine batches at most 2**20 matrix entries per rule call
     # sign mode: every rank steps every matrix (its plan's items, whatever their owner)
     items = [plan.items] * world if kind == "sign" else [plan.items_of(r) for r in range(world)]
@@ -101,4 +107,5 @@ def test_planner_counts_the_engines_rule_calls_per_rank(mode):
     link = Link("free", 1e12, alpha=0.0, efficiency=1.0, source="")
     p = predict(spec, ClusterProfile(device, world, world, link, link),
                 TrainingShape(global_tokens=1024), modes=(kind,), plan=plan)  # fmt: skip
-    assert p.modes[kind].ns_s == pytest.approx(max(counts), abs=1e-6), (mode, counts)
+    if "_unpacked" not in mode:  # the step model prices DMuon's default packing
+        assert p.modes[kind].ns_s == pytest.approx(max(counts), abs=1e-6), (mode, counts)

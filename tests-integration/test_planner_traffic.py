@@ -95,12 +95,21 @@ def test_planner_bytes_equal_commstats_on_gloo_ranks(mode, world):
         )
         for op, (sent, received) in moved.items():
             assert mine[op] == (pytest.approx(sent), pytest.approx(received)), (rank, op)
-        if kind.startswith("owner"):
-            # and as many collectives: one per owner and dtype of each unit (owner mode
-            # packs the small layers of this GPT into one, ZeRO-3-like does not), and
-            # ddp.dedicate's one all-reduce of the scalars per unit and dtype (with
-            # scalars="owner": the scalars in the unit's buckets per owner, no all-reduce)
-            for t in predicted:
-                if t.op in ("reduce_to_owners", "broadcast_from_owners", "all_reduce_replicated"):
-                    issued = sum(x.collectives for x in predicted if x.op == t.op)
-                    assert counts[t.op] == issued, (rank, t.op, counts[t.op], issued)
+        # and as many collectives: one per owner and dtype of each unit (every mode packs
+        # the small layers of this GPT into one unit, ZeRO-3-like does not), and
+        # ddp.dedicate's one all-reduce of the scalars per unit and dtype (with
+        # scalars="owner": the scalars in the unit's buckets per owner, no all-reduce);
+        # the planned modes' all-gather, all-to-alls and votes per unit
+        unit_ops = (
+            "reduce_to_owners",
+            "broadcast_from_owners",
+            "all_reduce_replicated",
+            "all_gather_updates",
+            "shard_all_to_all",
+            "shard_all_to_all_reverse",
+            "majority_vote[packed]",
+        )
+        for t in predicted:
+            if t.op in unit_ops:
+                issued = sum(x.collectives for x in predicted if x.op == t.op)
+                assert counts[t.op] == issued, (rank, t.op, counts[t.op], issued)

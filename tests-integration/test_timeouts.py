@@ -63,11 +63,14 @@ def build(mode: str, world: int):
     model = TanhNet()
     forward: nn.Module = model
     kw = dict(OPT, timeout=WARMUP_TIMEOUT, store=rank_store())
+    # a layer a unit (these small layers would be one pack): the fault strikes between
+    # two layers' steps, while the first layer's publication (owner mode), all-gather
+    # (replicated) or all-to-all back (sharded) is in flight
     if mode == "owner":
-        # a layer a unit (these small layers would be one pack): the fault strikes
-        # between two layers' steps, while the first layer's publication is in flight
         kw["distributed"] = ddp.dedicate(model, layer_pack_mb=0)
-    elif mode == "replicated":
+    else:
+        kw["layer_pack_mb"] = 0
+    if mode == "replicated":
         forward = DDP(model)
         kw["mode"] = "replicated"
     elif mode == "sharded":

@@ -123,6 +123,13 @@ class DMuon(torch.optim.Optimizer):
         distributed: what ``dmuon.integrations.fsdp.dedicate`` / ``ddp.dedicate`` returned.
         process_group: the group of the ``replicated``/``sharded``/``sign`` modes.
         pipeline_depth: layers whose communication may be in flight at once.
+        layer_pack_mb: in the ``replicated``, ``sharded`` and ``sign`` modes, consecutive
+            layers whose matrices hold at most this many MiB together are stepped as one
+            unit: one collective (all-gather, all-to-all, vote) and one batched rule call
+            per shape for all of them, not per layer; ``None``: 1 MiB (PyTorch DDP's first
+            bucket), ``0``: every layer alone. Owner mode packs by its dedication's
+            ``layer_pack_mb`` (``dedicate(..., layer_pack_mb=)``); given here with it, it
+            is refused.
         timeout: seconds every collective of a step may take before every rank raises
             :class:`dmuon.comm.CollectiveError` naming the step, the collective and (by
             the roll call) the rank that stalled. ``"auto"``: at least 300 s, and at
@@ -198,6 +205,7 @@ class DMuon(torch.optim.Optimizer):
         distributed: Any = None,
         process_group: Any = None,
         pipeline_depth: int = 2,
+        layer_pack_mb: float | None = None,
         timeout: float | str | None = "auto",
         nonfinite: str | None = "raise",
         check_every: int | None = None,
@@ -252,6 +260,7 @@ class DMuon(torch.optim.Optimizer):
                 distributed=distributed,
                 process_group=process_group,
                 pipeline_depth=pipeline_depth,
+                layer_pack_mb=layer_pack_mb,
             )
         self._engine.set_timeout(self._deadline.seconds())
         self._store: Any = store  # the roll call's store (not pickled)

@@ -32,7 +32,6 @@ parameters (no packing copies). Move the model to its device before dedicating i
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -50,7 +49,8 @@ from dmuon.comm import (
 from dmuon.comm.flags import flag_device
 from dmuon.comm.process_groups import group_rank, group_size
 from dmuon.comm.torch_compat import all_gather_single
-from dmuon.optim.engine.layer_record import DEFAULT_PACK_MB, OwnerLayer, group_layers, pack_layers
+from dmuon.optim.engine.layer_packing import DEFAULT_PACK_MB, check_pack_mb
+from dmuon.optim.engine.layer_record import OwnerLayer, group_layers, pack_layers
 from dmuon.optim.engine.model_agreement import check_model_consistency, plan_with_replicated
 from dmuon.optim.engine.owner_split import check_split_model, local_plan
 from dmuon.optim.engine.params import EngineParam, is_dtensor
@@ -214,15 +214,7 @@ class OwnerExchange:
         layer_pack_mb: float = DEFAULT_PACK_MB,
         experts: Sequence[torch.Tensor] = (),
     ) -> None:
-        if (
-            isinstance(layer_pack_mb, bool)
-            or not isinstance(layer_pack_mb, int | float)
-            or not layer_pack_mb >= 0
-        ):
-            raise ValueError(
-                f"layer_pack_mb must be a number of MiB >= 0 (0: every layer reduced and "
-                f"published on its own), got {layer_pack_mb!r}"
-            )
+        pack_bytes = check_pack_mb(layer_pack_mb)
         if reduce_op not in ("avg", "sum"):
             raise ValueError(
                 f"reduce_op must be 'avg' (gradients averaged over the ranks, as DDP and "
@@ -277,10 +269,8 @@ class OwnerExchange:
         if not (split or reshard_after_forward):
             # ZeRO-3-like frees a layer after its own forward; a tensor-parallel layer's
             # shards are stepped by its owner's tp row: both stay one layer a unit
-            # (float("inf"): no limit, which int() of the product would refuse)
-            max_bytes = int(min(layer_pack_mb * 2**20, sys.maxsize))
             self.layers, self._layer_of = pack_layers(
-                self.layers, self._params, self._layer_of, max_bytes
+                self.layers, self._params, self._layer_of, pack_bytes
             )
         # by its key, and a pack by each of its layers' keys too
         self._by_key = {k: layer for layer in self.layers for k in {layer.key, *layer.members}}

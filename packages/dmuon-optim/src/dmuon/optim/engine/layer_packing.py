@@ -17,16 +17,39 @@ units, and price and make the same collectives.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Hashable, Sequence
 from typing import TypeVar
 
-__all__ = ["DEFAULT_PACK_MB", "pack_runs"]
+__all__ = ["DEFAULT_PACK_MB", "check_pack_mb", "pack_runs"]
 
 DEFAULT_PACK_MB = 1.0
 """Default size limit of a pack of consecutive layers (:func:`pack_runs`), MiB:
 PyTorch DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
 
 K = TypeVar("K")
+
+
+def check_pack_mb(layer_pack_mb: object) -> int:
+    """``layer_pack_mb`` (MiB, a number ``>= 0``) in bytes, the limit :func:`pack_runs` takes.
+
+    Raises:
+        ValueError: not a number, or negative (``0`` packs nothing).
+
+    Examples:
+        >>> check_pack_mb(1.0), check_pack_mb(0)
+        (1048576, 0)
+    """
+    if (
+        isinstance(layer_pack_mb, bool)
+        or not isinstance(layer_pack_mb, int | float)
+        or not layer_pack_mb >= 0
+    ):
+        raise ValueError(
+            f"layer_pack_mb must be a number of MiB >= 0 (0: every layer on its own), got "
+            f"{layer_pack_mb!r}"
+        )
+    return int(min(layer_pack_mb * 2**20, sys.maxsize))
 
 
 def pack_runs(layers: Sequence[tuple[K, int, Hashable]], max_bytes: int) -> list[list[K]]:

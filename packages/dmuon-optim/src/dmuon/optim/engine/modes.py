@@ -32,6 +32,7 @@ import torch.distributed as dist
 from dmuon.comm.process_groups import check_launched, group_size
 from dmuon.optim.engine.base import Engine, SingleEngine, Stepper
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
+from dmuon.optim.engine.layer_packing import DEFAULT_PACK_MB, check_pack_mb
 from dmuon.optim.engine.owner import OwnerEngine
 from dmuon.optim.engine.params import collect_params, is_dtensor
 from dmuon.optim.engine.placements import check_placements, sharded_scalars
@@ -66,6 +67,7 @@ def make_engine(
     distributed: Any = None,
     process_group: Any = None,
     pipeline_depth: int = 2,
+    layer_pack_mb: float | None = None,
 ) -> Engine:
     """The engine for ``opt``: resolve the mode, plan, check every rank agrees, bind.
 
@@ -84,6 +86,8 @@ def make_engine(
         or pipeline_depth < 1
     ):
         raise ValueError(f"pipeline_depth must be an int ≥ 1, got {pipeline_depth!r}")
+    pack_mb = DEFAULT_PACK_MB if layer_pack_mb is None else layer_pack_mb
+    check_pack_mb(pack_mb)
     params = collect_params(opt.param_groups)
     exchange = _exchange(distributed) if distributed is not None else None
     dedicated = {exchange_of(e.param) for e in params} - {None}
@@ -128,6 +132,11 @@ def make_engine(
             "mode='owner' needs dedicated parameters: call dmuon.integrations.fsdp.dedicate "
             "(or ddp.dedicate) and pass its result as distributed="
         )
+    if mode == "owner" and layer_pack_mb is not None:
+        raise ValueError(
+            f"layer_pack_mb={layer_pack_mb!r} was given to DMuon in owner mode, whose layers "
+            "are packed by the dedication: pass it to dedicate(..., layer_pack_mb=) instead"
+        )
     if mode != "owner" and exchange is not None:
         raise ValueError(
             f"the parameters are dedicated to owners, which is owner mode, but mode={mode!r} "
@@ -141,11 +150,13 @@ def make_engine(
         assert exchange is not None
         engine = OwnerEngine(exchange)
     elif mode == "replicated":
-        engine = ReplicatedEngine(process_group, pipeline_depth=pipeline_depth)
+        engine = ReplicatedEngine(
+            process_group, pipeline_depth=pipeline_depth, layer_pack_mb=pack_mb
+        )
     elif mode == "sharded":
-        engine = ShardedEngine(process_group, pipeline_depth=pipeline_depth)
+        engine = ShardedEngine(process_group, pipeline_depth=pipeline_depth, layer_pack_mb=pack_mb)
     elif mode == "sign":
-        engine = SignEngine(process_group, pipeline_depth=pipeline_depth)
+        engine = SignEngine(process_group, pipeline_depth=pipeline_depth, layer_pack_mb=pack_mb)
     else:  # MODES is checked before; a mode added there must be given its engine here
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     engine.bind(opt)

@@ -16,7 +16,8 @@ from dmuon.comm.plan_adoption import adopt_first_plan
 from dmuon.comm.process_groups import group_size
 from dmuon.optim.engine.base import Engine, Stepper, world_of
 from dmuon.optim.engine.guards import guard_groups
-from dmuon.optim.engine.model_agreement import check_model_consistency
+from dmuon.optim.engine.layer_packing import DEFAULT_PACK_MB, check_pack_mb, pack_runs
+from dmuon.optim.engine.model_agreement import check_model_consistency, plan_with_replicated
 from dmuon.optim.engine.params import EngineParam, layers_in_order, subplan
 from dmuon.optim.engine.report import StepReport
 
@@ -75,6 +76,12 @@ class PlannedEngine(Engine):
     Args:
         group: the process group (``None``: the world).
         pipeline_depth: pipeline groups whose communication may be in flight at once.
+        layer_pack_mb: consecutive layers whose matrices hold at most this many MiB
+            together (whole, on one device) are one pipeline group: one collective and
+            one batched rule call per shape for all of them, not one per layer
+            (:func:`~dmuon.optim.engine.layer_packing.pack_runs`, owner mode's rule);
+            ``0``: every layer alone. Not with matrices stepped on their shards (tensor
+            or expert parallelism): their layers stay alone.
         stats: where bytes are recorded.
         plan_options: passed to :func:`dmuon.comm.plan_owners`.
     """
@@ -86,12 +93,14 @@ class PlannedEngine(Engine):
         group: dist.ProcessGroup | None = None,
         *,
         pipeline_depth: int = 2,
+        layer_pack_mb: float = DEFAULT_PACK_MB,
         stats: CommStats | None = None,
         **plan_options: Any,
     ) -> None:
         super().__init__()
         self.group = group
         self.pipeline_depth = pipeline_depth
+        self.layer_pack_bytes = check_pack_mb(layer_pack_mb)
         self.stats = stats if stats is not None else default_stats()
         self.plan_options = plan_options
         self.plan: OwnerPlan | None = None
@@ -99,6 +108,7 @@ class PlannedEngine(Engine):
         self._subplans: dict[str, OwnerPlan] = {}
         self._owner: dict[int, int] = {}
         self._by_layer: dict[str, list[EngineParam]] = {}
+        self._pack_of: dict[str, str] = {}  # a layer's pipeline group (its pack's key)
         self._guard_groups: list[dist.ProcessGroup | None] = []
         self._presence_at: int | None = None  # which guard group sums the presence flags
         self._carried: dict[str, bool] | None = None  # this step's, from its agreement
@@ -109,15 +119,17 @@ class PlannedEngine(Engine):
         self.flag_device = flag_device(self.group)  # where the presence flags travel
         matrices = [e for e in self.params if self.planned(e)]
         self.plan = plan_owners([e.item for e in matrices], self.world_size, **self.plan_options)
+        self._pack(matrices)
         if self.world_size > 1:  # a group of one (dp = 1 on a dp × tp mesh): nothing to agree
             # an ILP plan made under a wall-clock limit can differ between ranks: every
             # rank takes the first one's (only a fingerprint travels when they agree)
             self.plan = adopt_first_plan(self.plan, [self.group])
-            check_model_consistency(self.checked_plan(), self.group)
-        self.layers = layers_in_order(matrices)
-        self._by_layer = {key: [] for key in self.layers}
-        for e in matrices:  # once here, read by every step's layers
-            self._by_layer[e.layer].append(e)
+            # each matrix's unit too: ranks that pack otherwise (another layer_pack_mb)
+            # would issue other collectives
+            unit_of = {e.name: self._pack_of[e.layer] for e in matrices}
+            check_model_consistency(
+                plan_with_replicated(self.checked_plan(), (), unit_of), self.group
+            )
         for key in self.layers:
             self._subplans[key] = subplan(self.plan, [e.name for e in self._by_layer[key]])
         self._owner = {id(e.param): self.plan.owner(e.name) for e in matrices}
@@ -125,6 +137,32 @@ class PlannedEngine(Engine):
         # over twins, so a rank that is in another collective is never matched with them.
         self._guard_groups = guard_groups(self.agreement_groups())
         self._presence_at = self._presence_group() if self.carries_presence else None
+
+    def _pack(self, matrices: list[EngineParam]) -> None:
+        """The pipeline groups: the layers in natural order, consecutive small ones packed
+        (:attr:`layer_pack_bytes`), each with its matrices in group order.
+
+        Every rank cuts the same packs: by the whole matrices' bytes (the plan's items),
+        not this rank's shards, which differ between ranks where rows do not divide
+        evenly. A pack is keyed ``first..last`` of its layers, as owner mode's."""
+        by_layer: dict[str, list[EngineParam]] = {key: [] for key in layers_in_order(matrices)}
+        for e in matrices:  # once here, read by every step's layers
+            by_layer[e.layer].append(e)
+        limit = self.layer_pack_bytes
+        if any(self.on_shard(e.param) for e in matrices):
+            limit = 0  # stepped on their tensor- or expert-parallel shards: layers alone
+        runs = pack_runs(
+            [
+                (key, sum(e.item.nbytes for e in es), es[0].param.device)
+                for key, es in by_layer.items()
+            ],
+            limit,
+        )
+        self.layers = [run[0] if len(run) == 1 else f"{run[0]}..{run[-1]}" for run in runs]
+        self._pack_of, self._by_layer = {}, {}
+        for run, key in zip(runs, self.layers, strict=True):
+            self._pack_of.update(dict.fromkeys(run, key))
+            self._by_layer[key] = [e for layer in run for e in by_layer[layer]]
 
     def _presence_group(self) -> int | None:
         """The index of the guard group whose ranks are :attr:`group`'s, if there is one
@@ -254,7 +292,7 @@ class PlannedEngine(Engine):
 
     def group_of(self, p: torch.Tensor) -> str | None:
         e = self.info(p)
-        return e.layer if e is not None and e.matrix else None
+        return self._pack_of.get(e.layer, e.layer) if e is not None and e.matrix else None
 
     def agree_presence(self, extra: list[EngineParam] | None = None) -> dict[str, bool]:
         """Which parameters have a gradient on at least one rank (one small all-reduce)."""

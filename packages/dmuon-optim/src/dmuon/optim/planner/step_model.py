@@ -440,6 +440,12 @@ def predict(
     # matrix on every rank, layer by layer (engine/sign.py)
     limit = batch_elements(cluster)
     pack_mb = DEFAULT_PACK_MB if T == 1 else 0  # a tensor-parallel model packs nothing
+
+    def pack_of(mode: str) -> float:
+        """The pack limit of ``mode``'s units: replicated mode steps expert stacks split
+        over ep on their shards, and then packs no layers (``PlannedEngine._pack``)."""
+        return 0 if mode == "replicated" and lay.ep > 1 else pack_mb
+
     by_units: dict[tuple[object, ...], list[list[list[MatrixItem]]]] = {}
 
     def calls_of(mode: str) -> list[list[list[MatrixItem]]]:
@@ -447,10 +453,10 @@ def predict(
         matrices of its plan; the owned scalars are AdamW's)."""
         zero1 = mode == "owner-ddp-zero1"
         if mode == "sign":
-            units = step_units(local, single, mode)
+            units = step_units(local, single, mode, layer_pack_mb=pack_mb)
         else:
             units = step_units(
-                local, local_zero1 if zero1 else local_plan, mode, layer_pack_mb=pack_mb
+                local, local_zero1 if zero1 else local_plan, mode, layer_pack_mb=pack_of(mode)
             )
         key = (mode == "sign", zero1, *(tuple(u) for u in units))
         if key not in by_units:
@@ -501,7 +507,7 @@ def predict(
             t_ns, f_max, f_mean = single.max_load + everything, all_flops, float(all_flops)
             t_adam = local.scalar_params / D * adam_rate
         elif mode == "sign":
-            dm = dmuon_transfers(local, local_plan, mode, batch_limit=limit)
+            dm = dmuon_transfers(local, local_plan, mode, batch_limit=limit, layer_pack_mb=pack_mb)
             calls = calls_of(mode)[0]
             t_ns, t_tp = unit_work(calls, cost, pricer=pricer)
             t_ns += everything + sign_extra
@@ -531,7 +537,7 @@ def predict(
             f_max, f_mean = int(max(flops)), sum(flops) / D
         else:
             # a tensor-parallel model's exchange packs no layers (its matrices are DTensors)
-            dm = dmuon_transfers(local, local_plan, mode, layer_pack_mb=pack_mb)
+            dm = dmuon_transfers(local, local_plan, mode, layer_pack_mb=pack_of(mode))
             if lay.expert_plan is not None and lay.replicas > 1:
                 dm += expert_transfers(lay, mode)
             ranks = [unit_work(calls, cost, pricer=pricer) for calls in calls_of(mode)]

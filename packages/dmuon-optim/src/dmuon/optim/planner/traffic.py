@@ -20,19 +20,21 @@ owner-ddp       as owner, and an ``all_reduce`` of the scalars per unit      bot
 owner-ddp-zero1 as owner, over a plan of the matrices and the scalars:       both
                 every scalar ``reduce``-d to its owner and broadcast back
                 in its unit's buckets (ZeRO-1-like: AdamW state on owners)
-replicated      one ``all_gather`` of the updates per layer and dtype,       step
+replicated      one ``all_gather`` of the updates per unit and dtype,        step
                 every rank's chunk padded to the largest owner volume
 sharded         one ``all_to_all`` of row shards (padded to ⌈rows/N⌉) to     step
-                the owners per layer and dtype, and one back
+                the owners per unit and dtype, and one back
 sign            one packed majority vote (``all_to_all`` + ``all_gather`` of step
                 ⌈numel/5N⌉ bytes) per batched rule call; an ``all_reduce``
                 of the scalar gradients
 =============== ============================================================ ========
 
-Owner mode's unit is a layer, or a pack of consecutive small layers, cut by the
+Every mode's unit is a layer, or a pack of consecutive small layers, cut by the
 engine's own rule (:func:`~dmuon.optim.engine.layer_packing.pack_runs`, which
 :func:`~dmuon.optim.engine.layer_record.pack_layers` applies) over the same bytes:
-one bucket per owner and dtype of a unit, one round of latency per unit. ``owner``
+one bucket per owner and dtype of a unit, one round of latency per unit. The planned
+modes (``replicated``, ``sharded``, ``sign``) pack by the same rule over their whole
+matrices' bytes (``PlannedEngine``, DMuon's ``layer_pack_mb``). ``owner``
 and ``owner-z3`` are ``fsdp.dedicate``'s, whose scalars are FSDP2's: a unit's bytes
 are its matrices'. ``owner-ddp`` is ``ddp.dedicate``'s (``scalars="all_reduce"``): the
 exchange also all-reduces the scalar parameters, each under its name's layer, one
@@ -62,7 +64,6 @@ scalars; ``owner-ddp-zero1``: the owned scalars are dedicated items), ``sharded`
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -73,7 +74,7 @@ from dmuon.comm.cost_model import cost_model
 from dmuon.comm.owner_plan import natural_key
 from dmuon.optim.batch_cuts import batch_runs
 from dmuon.optim.engine.guards import VALUE_SLOTS
-from dmuon.optim.engine.layer_packing import DEFAULT_PACK_MB, pack_runs
+from dmuon.optim.engine.layer_packing import DEFAULT_PACK_MB, check_pack_mb, pack_runs
 from dmuon.optim.engine.params import subplan
 from dmuon.optim.planner.config import ModelSpec
 
@@ -158,11 +159,24 @@ class Transfer:
         return max(max(s, r) for s, r in zip(self.sent, self.received, strict=True))
 
 
-def _layers(plan: OwnerPlan) -> list[tuple[str, OwnerPlan]]:
-    by_layer: dict[str, list[str]] = {}
+def _unit_of(plan: OwnerPlan, max_bytes: int) -> dict[str, int]:
+    """Each layer key's step unit (its index in :func:`_owner_units`)."""
+    return {k: i for i, run in enumerate(_owner_units(plan, max_bytes)) for k in run}
+
+
+def _layer(item: MatrixItem) -> str:
+    return item.layer if item.layer is not None else item.name
+
+
+def _units(plan: OwnerPlan, max_bytes: int) -> list[OwnerPlan]:
+    """The plan of each step unit of a planned mode (``replicated``, ``sharded``): its
+    layers packed by the engine's rule over the whole matrices' bytes, as
+    ``PlannedEngine`` cuts them (``engine/planned.py``); ``0``: a layer a unit."""
+    unit_of = _unit_of(plan, max_bytes)
+    names: dict[int, list[str]] = {}
     for item in plan.items:
-        by_layer.setdefault(str(item.layer), []).append(item.name)
-    return [(k, subplan(plan, names)) for k, names in by_layer.items()]
+        names.setdefault(unit_of[_layer(item)], []).append(item.name)
+    return [subplan(plan, names[i]) for i in sorted(names)]
 
 
 def _collective(op: str, collective: str, phase: str, n: int) -> Transfer:
@@ -269,36 +283,32 @@ def step_units(
     """The layer keys of each step unit of ``mode`` (the engine's pipeline groups), in
     step order: owner mode's units, packed by :func:`_owner_units` over the bytes the
     exchange carries (``owner-ddp``: the all-reduced scalars too; ``owner-ddp-zero1``: the
-    plan's owned scalars; ``owner-z3``: nothing packed), and every layer on its own for
-    the planned modes (``replicated``,
-    ``sharded``: :func:`~dmuon.optim.engine.params.layers_in_order`), and for ``sign``,
-    which steps every matrix on every rank layer by layer (``engine/sign.py``: one
-    pipeline group per layer, its vote per batched call).
+    plan's owned scalars; ``owner-z3``: nothing packed), and the planned modes' units
+    (``replicated``, ``sharded``, ``sign``: ``PlannedEngine`` packs the layers by the same
+    rule over the whole matrices' bytes; ``sign`` steps every matrix on every rank, unit
+    by unit, its vote per batched call).
 
     Args:
         spec: the model (its scalars' names, for ``owner-ddp``).
         plan: the owner plan (its items' ``nbytes``: each rank's local part;
             ``owner-ddp-zero1``: the plan of the matrices and the scalars).
         mode: one of :data:`DMUON_MODES`.
-        layer_pack_mb: owner mode's pack limit (the exchange's ``layer_pack_mb``);
-            ``0``: nothing packed (a tensor-parallel model).
+        layer_pack_mb: the pack limit: owner mode's (the exchange's
+            ``layer_pack_mb``), the planned modes' (DMuon's); ``0``: nothing packed (a
+            tensor-parallel model).
     """
     if mode not in DMUON_MODES:
         raise ValueError(f"mode must be one of {DMUON_MODES}, got {mode!r}")
-    max_bytes = _pack_bytes(layer_pack_mb)
+    max_bytes = check_pack_mb(layer_pack_mb)
     if mode == "owner-ddp-zero1":  # the scalars are the plan's items
         _check_owned_scalars(spec, plan)
         return _owner_units(plan, max_bytes)
     if mode in ("owner", "owner-ddp"):
         scalars = all_reduced_scalars(spec) if mode == "owner-ddp" else ()
         return _owner_units(plan, max_bytes, all_reduced=scalars)
-    return _owner_units(plan, 0)
-
-
-def _pack_bytes(layer_pack_mb: float) -> int:
-    if isinstance(layer_pack_mb, bool) or not layer_pack_mb >= 0:
-        raise ValueError(f"layer_pack_mb must be a number of MiB >= 0, got {layer_pack_mb!r}")
-    return int(min(layer_pack_mb * 2**20, sys.maxsize))  # the exchange's
+    if mode == "owner-z3":  # a layer is freed after its own forward: never packed
+        return _owner_units(plan, 0)
+    return _owner_units(plan, max_bytes)  # the planned modes: whole matrices' bytes
 
 
 def _owner(
@@ -354,12 +364,12 @@ def _owner(
     return out
 
 
-def _replicated(plan: OwnerPlan, n: int) -> list[Transfer]:
+def _replicated(plan: OwnerPlan, n: int, max_bytes: int) -> list[Transfer]:
     t = _collective("all_gather_updates", "all_gather", "step", n)
-    layers = _layers(plan)
-    t.rounds = len(layers)
+    units = _units(plan, max_bytes)
+    t.rounds = len(units)
     sizes: list[int] = []
-    for _, part in layers:
+    for part in units:
         for dtype, by_owner in _volumes(part, lambda i: i.numel).items():
             # the all-gather moves the largest owner's share from every rank
             sizes.append(max(by_owner.values()) * dtype.itemsize)
@@ -380,12 +390,12 @@ def _volumes(
     return out
 
 
-def _sharded(plan: OwnerPlan, n: int, params: int) -> list[Transfer]:
+def _sharded(plan: OwnerPlan, n: int, params: int, max_bytes: int) -> list[Transfer]:
     there = _collective("shard_all_to_all", "all_to_all", "step", n)
     back = _collective("shard_all_to_all_reverse", "all_to_all", "step", n)
-    layers = _layers(plan)
-    there.rounds = back.rounds = len(layers)
-    for _, part in layers:
+    units = _units(plan, max_bytes)
+    there.rounds = back.rounds = len(units)
+    for part in units:
         shard = lambda i: -(-i.shape[0] // n) * math.prod(i.shape[1:])  # noqa: E731
         for dtype, by_owner in _volumes(part, shard).items():
             total = sum(by_owner.values())
@@ -415,13 +425,17 @@ def _chunks(counts: Sequence[int], per: int, limit: int) -> list[int]:
     return [sum(counts[i] for i in run) for run in runs]
 
 
-def _sign(spec: ModelSpec, n: int, batch_limit: int) -> list[Transfer]:
+def _sign(
+    spec: ModelSpec, plan: OwnerPlan, n: int, batch_limit: int, max_bytes: int
+) -> list[Transfer]:
     vote = _collective("majority_vote[packed]", "all_to_all", "step", n)
-    by_layer_shape: dict[tuple[str, tuple[int, int], torch.dtype], list[int]] = {}
+    # a vote per batched call of a step unit (a layer, or a pack of small ones) and shape
+    unit_of = _unit_of(plan, max_bytes)
+    by_unit_shape: dict[tuple[int, tuple[int, int], torch.dtype], list[int]] = {}
     for item in spec.matrices:
-        key = (str(item.layer), (item.rows, item.cols), item.dtype)
-        by_layer_shape.setdefault(key, []).append(item.batch)
-    for (_, (m, k), _), counts in by_layer_shape.items():
+        key = (unit_of.get(_layer(item), -1), (item.rows, item.cols), item.dtype)
+        by_unit_shape.setdefault(key, []).append(item.batch)
+    for (_, (m, k), _), counts in by_unit_shape.items():
         for b in _chunks(counts, m * k, batch_limit):
             numel = b * m * k
             chunk = -(-numel // (VOTES_PER_BYTE * n))  # five votes per byte
@@ -458,9 +472,10 @@ def dmuon_transfers(
         mode: one of :data:`DMUON_MODES`.
         batch_limit: matrix entries per batched rule call (sign mode's votes):
             :func:`dmuon.optim.batch_cuts.default_batch_elements` of the device.
-        layer_pack_mb: owner mode's pack limit (the exchange's ``layer_pack_mb``);
-            ``0`` where the exchange packs nothing (``owner-z3`` never packs; nor does
-            a tensor-parallel model: :func:`~dmuon.optim.planner.step_model.predict`
+        layer_pack_mb: the pack limit of the step units: owner mode's (the exchange's
+            ``layer_pack_mb``), the planned modes' (DMuon's ``layer_pack_mb``); ``0``
+            where nothing is packed (``owner-z3`` never packs; nor does a
+            tensor-parallel model: :func:`~dmuon.optim.planner.step_model.predict`
             passes ``0`` for ``tp > 1``).
 
     Examples:
@@ -481,16 +496,17 @@ def dmuon_transfers(
     if n == 1:
         return []
     if mode == "owner-ddp-zero1":  # the scalars are dedicated items: owner mode's buckets
-        return _owner(plan, n, z3=False, max_bytes=_pack_bytes(layer_pack_mb))
+        return _owner(plan, n, z3=False, max_bytes=check_pack_mb(layer_pack_mb))
     if mode in ("owner", "owner-z3", "owner-ddp"):
         scalars = all_reduced_scalars(spec) if mode == "owner-ddp" else ()
-        max_bytes = _pack_bytes(layer_pack_mb)
+        max_bytes = check_pack_mb(layer_pack_mb)
         return _owner(plan, n, z3=mode == "owner-z3", max_bytes=max_bytes, all_reduced=scalars)
+    max_bytes = check_pack_mb(layer_pack_mb)
     if mode == "replicated":
-        return _replicated(plan, n)
+        return _replicated(plan, n, max_bytes)
     if mode == "sharded":
-        return _sharded(plan, n, len(spec.matrices) + len(spec.scalars))
-    return _sign(spec, n, batch_limit)
+        return _sharded(plan, n, len(spec.matrices) + len(spec.scalars), max_bytes)
+    return _sign(spec, plan, n, batch_limit, max_bytes)
 
 
 def ring_transfer(
