@@ -28,9 +28,11 @@ __all__ = [
     "CollectiveInputError",
     "agree",
     "check_launched",
+    "check_member",
     "group_rank",
     "group_size",
     "twin_groups",
+    "twin_slot",
 ]
 
 T = TypeVar("T")
@@ -112,6 +114,30 @@ def check_launched(what: str) -> None:
     )
 
 
+def check_member(group: object, what: str) -> None:
+    """Raise if ``group`` is what ``torch.distributed.new_group`` gives a rank outside it.
+
+    torch hands a non-member the int ``GroupMember.NON_GROUP_MEMBER`` instead of a group;
+    passed on, it failed later as "a ProcessGroup or None, got int", or was taken by a
+    mode that reads no group.
+
+    Raises:
+        ValueError: naming ``what`` and this rank.
+
+    Examples:
+        >>> check_member(None, "process_group")  # the world: every rank is a member
+    """
+    member = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
+    if member is not None and not isinstance(group, dist.ProcessGroup) and group == member:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise ValueError(
+            f"{what}: this rank (global rank {rank}) is not a member of the process group "
+            "it was given (torch.distributed.new_group gives a rank outside the group "
+            "GroupMember.NON_GROUP_MEMBER); call it only on the group's ranks, or pass a "
+            "group this rank is in"
+        )
+
+
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """This process's rank in ``group`` (0 without torch.distributed)."""
     if not dist.is_available() or not dist.is_initialized():
@@ -122,23 +148,25 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return rank
 
 
-# (ranks, purpose) → the twin made for them: one per process, reused
-_TWINS: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
+# (ranks, purpose, slot) → the twin made for them: one per process, reused
+_TWINS: dict[tuple[tuple[int, ...], str, int], dist.ProcessGroup] = {}
 
 
 def twin_groups(
-    groups: Sequence[dist.ProcessGroup | None], *, purpose: str = "agreement"
+    groups: Sequence[dist.ProcessGroup | None], *, purpose: str = "agreement", slot: int = 0
 ) -> list[dist.ProcessGroup | None]:
     """A twin of each group: the same ranks, a communicator of its own.
 
     For a check that must not be matched with a collective another library issues on
     the same group (a rank that skipped the check is then in DDP's, FSDP2's or tensor
-    parallelism's next collective). Only the members of a group create its twin
-    (``use_local_synchronization``), so every rank calls this once, at construction,
-    for its own groups.
+    parallelism's next collective). Every rank calls this at construction, for its own
+    groups: the twin of a group of every rank is made by all of them
+    (``dist.new_group``), a subgroup's by its members only
+    (``use_local_synchronization``), after they agree on the name torch gives it
+    (:func:`_align_group_names`).
 
-    A twin is created once per process for each set of ranks and ``purpose`` and
-    reused by every later call (every optimizer and every ``dedicate()`` of the
+    A twin is created once per process for each set of ranks, ``purpose`` and ``slot``
+    and reused by every later call (every optimizer and every ``dedicate()`` of the
     process): ``torch.distributed`` never frees a group nobody destroys, so a twin
     per call would leak a communicator (and its sockets or NCCL memory) with each
     optimizer built, or refused. Uses whose collectives could meet in a different
@@ -147,30 +175,83 @@ def twin_groups(
     gradient-presence flags), ``"use"`` (the partial-use check at the end of a
     forward), ``"reduce"`` (owner mode's reductions and broadcasts, away from FSDP2's
     own), ``"publish"`` (ZeRO-3-like broadcasts, away from the reductions). Two users
-    of one purpose issue their collectives in program order, as every rank does. After
-    ``destroy_process_group()`` and a new ``init_process_group()`` the twins are made
-    anew. Every member must ask for the same twins in the same order (as for any
-    ``new_group``): a twin is made on the first call for its ranks and purpose.
+    of one purpose issue their collectives in program order, as every rank does —
+    except where the order depends on the data: a dedication launches a layer's
+    reduction in backward on a rank that used the layer and holds it to the step on
+    one that did not, so two live dedications over the same ranks take different
+    ``slot`` values (``dedicate()`` picks the lowest one no live dedication holds on
+    any rank). After ``destroy_process_group()`` and a new ``init_process_group()`` the
+    twins are made anew. Every member must ask for the same twins in the same order (as
+    for any ``new_group``): a twin is made on the first call for its ranks, purpose and
+    slot.
 
     Args:
         groups: the groups (``None``: the world).
         purpose: what the twin is for (keyword).
+        slot: which of the twins of ``purpose`` (keyword; ``0`` by default).
 
     Raises:
-        ValueError: ``purpose`` empty, or not a ``str``.
+        ValueError: ``purpose`` empty or not a ``str``; ``slot`` not an int ``>= 0``.
     """
     if not isinstance(purpose, str) or not purpose:
         raise ValueError(f"twin_groups: purpose must be a non-empty str, got {purpose!r}")
+    if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
+        raise ValueError(f"twin_groups: slot must be an int >= 0, got {slot!r}")
     twins: list[dist.ProcessGroup | None] = []
     for g in groups:
         ranks = tuple(dist.get_process_group_ranks(dist.group.WORLD if g is None else g))
-        key = (ranks, purpose)
+        key = (ranks, purpose, slot)
         twin = _TWINS.get(key)
         if twin is None or not _alive(twin):
-            twin = dist.new_group(list(ranks), use_local_synchronization=True)
+            twin = _new_twin(ranks, g)
             _TWINS[key] = twin
         twins.append(twin)
     return twins
+
+
+def twin_slot(group: dist.ProcessGroup | None) -> int:
+    """The ``slot`` :func:`twin_groups` made ``group`` for (``0`` for a group that is no
+    twin): a dedication's other twins (its ZeRO-3-like broadcasts') take its reduction
+    twin's slot."""
+    for (_, _, slot), twin in _TWINS.items():
+        if twin is group:
+            return slot
+    return 0
+
+
+def _new_twin(ranks: tuple[int, ...], parent: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A new group of ``ranks``, made by the ranks that call this: all of the world's
+    (a plain ``new_group``, named by torch's counter, which every rank advances alike),
+    or a subgroup's members (``use_local_synchronization``)."""
+    if len(ranks) == dist.get_world_size():
+        return dist.new_group(list(ranks))
+    _align_group_names(parent)
+    return dist.new_group(list(ranks), use_local_synchronization=True)
+
+
+def _align_group_names(group: dist.ProcessGroup | None) -> None:
+    """Make every member of ``group`` hold as many process groups as the one holding most.
+
+    torch names a group made with ``use_local_synchronization`` by a hash of its ranks
+    and of how many groups this process holds (``distributed_c10d._hash_ranks_to_str``,
+    torch 2.x), and its members meet in the store under that name. A rank holds only
+    the groups it is a member of, so after an unrelated ``new_group([0, 1])`` on four
+    ranks, ranks 0–1 hold one more than ranks 2–3: the twin of a group of ranks 0 and 2
+    had two names and its members waited for each other until the process group's
+    timeout. The counts are all-gathered over ``group`` (under the current deadline),
+    and a rank holding fewer makes groups of itself alone until they are equal (a group
+    of one rank meets nobody). torch keeps the count in a private attribute; where it
+    is absent (another torch), nothing is done."""
+    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+    if names is None or group_size(group) < 2:
+        return
+    device = flag_device(group)
+    mine = torch.tensor([len(names)], dtype=torch.int64, device=device)
+    counts = torch.empty(group_size(group), dtype=torch.int64, device=device)
+    work = all_gather_single(counts, mine, group=group, async_op=True)
+    wait_work(work, "all-gather of the process-group counts (naming DMuon's twin group)", group)
+    for _ in range(int(counts.max()) - len(names)):
+        dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
 def _alive(group: dist.ProcessGroup) -> bool:

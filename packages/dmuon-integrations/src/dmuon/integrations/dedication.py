@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -200,6 +201,7 @@ class Dedication:
         """
         self.remove()
         self.exchange.undedicate()
+        _release(self.exchange)
 
     def add_hooks(self, installer: Callable[[], list[RemovableHandle]]) -> None:
         """Run ``installer`` (it installs hooks on the model and returns their handles),
@@ -433,7 +435,7 @@ def build_dedication(
     seconds = auto_deadline.AUTO_FLOOR_SECONDS
     try:
         with collective_timeout(seconds):
-            group, replicate_group = _own_groups(group, replicate_group)
+            group, replicate_group, taken = _own_groups(group, replicate_group)
             # An ILP plan made under a wall-clock limit can differ between ranks: every
             # rank takes the first one's (only a fingerprint travels when they agree), over
             # the shard group then the replicate group, or dp then tp (the tp ranks of a
@@ -459,18 +461,38 @@ def build_dedication(
             f"broadcast, under the default deadline of {seconds:g} s: every rank must call "
             "dedicate())"
         ) from err
+    _hold(exchange, taken)
     ded = Dedication(model, exchange, kind=kind, experts=tuple(i.name for i, _ in experts))
     ded.add_hooks(lambda: install_hooks(model, exchange))
     _check_use(ded, check_rest_use)
     return ded
 
 
+MAX_LIVE_DEDICATIONS = 64
+"""The most dedications over one set of ranks alive at once in a process: each reduces
+over a twin of its own (a slot of :func:`~dmuon.comm.process_groups.twin_groups`)."""
+
+# ranks → twin slot → the exchange reducing over that twin (weakly): the live ones
+_HELD: dict[tuple[int, ...], dict[int, weakref.ref[OwnerExchange]]] = {}
+
+
 def _own_groups(
     group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None
-) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """Twins of the owners' groups (the same ranks, communicators of DMuon's own, made
-    once per process: :func:`~dmuon.comm.process_groups.twin_groups`), over which the
-    exchange reduces and broadcasts.
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, list[tuple[tuple[int, ...], int]]]:
+    """Twins of the owners' groups (the same ranks, communicators of DMuon's own:
+    :func:`~dmuon.comm.process_groups.twin_groups`), over which the exchange reduces and
+    broadcasts, with the ``(ranks, slot)`` of each twin taken.
+
+    Each live dedication over a set of ranks reduces over a twin of its own (its slot):
+    a rank that used every layer of a model launches its reductions in backward, one
+    that left a layer unused holds them to the step, so with two dedicated models
+    trained together (a GAN; an encoder and a decoder, each with its optimizer) the two
+    exchanges' reductions would meet on one communicator in different orders on
+    different ranks, one model's gradients averaged with the other's, or wait for each
+    other until the process group's timeout. The slot is the lowest one no live
+    dedication holds on any rank of the group (agreed in the all-reduce below, so every
+    rank takes the same); an undedicated or collected one gives its slot back, and the
+    twin is reused by the next dedication over those ranks.
 
     FSDP2 issues its reduce-scatters and all-gathers on the mesh's groups in an order of
     its own: with a dedicated layer used on some ranks only, one rank's reductions
@@ -483,15 +505,50 @@ def _own_groups(
     def own(g: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         if group_size(g) == 1:
             return g  # a group of one: no collective to keep apart
-        here = torch.zeros(1, device=flag_device(g))
+        ranks = tuple(dist.get_process_group_ranks(dist.group.WORLD if g is None else g))
+        held = _HELD.get(ranks, {})
+        free = torch.tensor(
+            [int(k not in held or held[k]() is None) for k in range(MAX_LIVE_DEDICATIONS)],
+            dtype=torch.int32,
+            device=flag_device(g),
+        )
         wait_work(
-            dist.all_reduce(here, group=g, async_op=True),
-            "all-reduce that every rank is in dedicate(), before DMuon's own groups are made",
+            dist.all_reduce(free, group=g, async_op=True),
+            "all-reduce that every rank is in dedicate(), with the twin slots it holds free, "
+            "before DMuon's own groups are made",
             g,
         )
-        return twin_groups([g], purpose="reduce")[0]
+        n = group_size(g)
+        slots = [k for k, count in enumerate(free.tolist()) if count == n]
+        if not slots:
+            raise RuntimeError(
+                f"{MAX_LIVE_DEDICATIONS} dedications over ranks {list(ranks)} are alive on some "
+                "rank; call undedicate() on the ones no longer trained (on every rank), or "
+                "drop them and their models"
+            )
+        slot = slots[0]
+        taken.append((ranks, slot))
+        return twin_groups([g], purpose="reduce", slot=slot)[0]
 
-    return own(group), None if replicate_group is None else own(replicate_group)
+    taken: list[tuple[tuple[int, ...], int]] = []
+    twins = own(group), None if replicate_group is None else own(replicate_group)
+    return twins[0], twins[1], taken
+
+
+def _hold(exchange: OwnerExchange, taken: list[tuple[tuple[int, ...], int]]) -> None:
+    """Record that ``exchange`` reduces over the twins of ``taken`` (ranks, slot): while it
+    lives (its hooks, its optimizer or the caller hold it) and is not undedicated, no
+    other dedication over those ranks takes them."""
+    for ranks, slot in taken:
+        _HELD.setdefault(ranks, {})[slot] = weakref.ref(exchange)
+
+
+def _release(exchange: OwnerExchange) -> None:
+    """Give back the twin slots ``exchange`` holds (:meth:`Dedication.undedicate`, on every
+    rank: the next ``dedicate()`` over the same ranks may take them)."""
+    for held in _HELD.values():
+        for slot in [k for k, ref in held.items() if ref() is exchange]:
+            del held[slot]
 
 
 def _check_use(ded: Dedication, rest: bool) -> None:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon.comm import MatrixItem, layer_key
+from dmuon.comm.process_groups import check_member
 from dmuon.optim import param_groups
 from dmuon.optim.engine import item_shape
 from dmuon.optim.engine.params import is_dtensor
@@ -113,6 +114,7 @@ def mesh_groups(mesh: Any) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup 
     """
     if mesh is None:
         return None, None
+    check_member(mesh, "the group or mesh")
     if isinstance(mesh, dist.ProcessGroup):
         return mesh, None
     from torch.distributed.device_mesh import DeviceMesh

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dmuon.comm.process_groups import check_launched, group_size
+from dmuon.comm.process_groups import check_launched, check_member, group_size
 from dmuon.optim.engine.base import Engine, SingleEngine, Stepper
 from dmuon.optim.engine.exchange import OwnerExchange, exchange_of
 from dmuon.optim.engine.layer_packing import DEFAULT_PACK_MB, check_pack_mb
@@ -88,6 +88,7 @@ def make_engine(
         raise ValueError(f"pipeline_depth must be an int ≥ 1, got {pipeline_depth!r}")
     pack_mb = DEFAULT_PACK_MB if layer_pack_mb is None else layer_pack_mb
     check_pack_mb(pack_mb)
+    check_member(process_group, "process_group")
     params = collect_params(opt.param_groups)
     exchange = _exchange(distributed) if distributed is not None else None
     dedicated = {exchange_of(e.param) for e in params} - {None}

@@ -65,7 +65,7 @@ from dmuon.comm import (
     collective_timeout,
     wait_work,
 )
-from dmuon.comm.process_groups import group_size, twin_groups
+from dmuon.comm.process_groups import group_size, twin_groups, twin_slot
 from dmuon.comm.roll_call import noted_phase
 from dmuon.optim import deadline
 from dmuon.optim.engine.layer_record import OwnerLayer
@@ -189,8 +189,9 @@ class Publication:
         # order: separate process groups keep the two sequences from interleaving.
         self._publish_group = group
         S = group_size(group)
-        if reshard_after_forward and S > 1:  # one per process and rank set (twin_groups)
-            self._publish_group = twin_groups([group], purpose="publish")[0]
+        if reshard_after_forward and S > 1:  # one per process, rank set and dedication
+            # (the slot of its reduction twin: another dedication broadcasts on its own)
+            self._publish_group = twin_groups([group], purpose="publish", slot=twin_slot(group))[0]
 
     def _alias_all(self) -> None:
         for layer in self.layers:
