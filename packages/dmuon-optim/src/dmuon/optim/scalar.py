@@ -209,19 +209,37 @@ def adamw_step(
 
 def _foreach(params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool | None:
     """``True`` (torch's multi-tensor AdamW) for plain tensors whose gradients match them in
-    dtype and device, else ``None`` (torch picks, as ``torch.optim.AdamW`` does).
+    dtype and device, or for DTensors (FSDP2's shards) on one mesh whose gradients match
+    them in placements too; else ``None`` (torch picks, as ``torch.optim.AdamW`` does).
 
     Torch picks foreach on CUDA already; on a CPU it picks the loop of one Python call
     per op and parameter (``_single_tensor_adam``), which costs about as much as the
-    rest of a DMuon step for a model of many small parameters. On a CPU torch's foreach
-    ops run the same per-tensor kernels in one C++ loop, in the same order: the same
-    bits (``tests/test_scalar_rules.py`` compares the two paths).
+    rest of a DMuon step for a model of many small parameters — and for DTensors each of
+    those calls goes through DTensor's dispatch: in ``sharded`` mode on FSDP2 it was
+    five sixths of the step (``benchmarks/step_overhead.py``, ``dmuon_sharded``). On a
+    CPU torch's foreach ops run the same per-tensor kernels in one C++ loop, in the same
+    order, a DTensor's on its local shard: the same bits (``tests/test_scalar_rules.py``
+    compares the two paths, ``tests-integration/test_sharded_scalars_foreach.py`` on
+    FSDP2's shards).
     """
+    kinds: set[str] = set()
+    mesh: object = None
     for p, g in zip(params, grads, strict=True):
-        if type(p) not in PLAIN_TENSOR_TYPES or type(g) not in PLAIN_TENSOR_TYPES:
-            return None
         if p.dtype != g.dtype or p.device != g.device:
             return None
+        if type(p) in PLAIN_TENSOR_TYPES and type(g) in PLAIN_TENSOR_TYPES:
+            kinds.add("plain")
+            continue
+        # a DTensor by its attributes (the engine's is_dtensor would import the engine)
+        here, placements = getattr(p, "device_mesh", None), getattr(p, "placements", None)
+        if here is None or placements is None or (mesh is not None and here != mesh):
+            return None
+        if getattr(g, "device_mesh", None) != here or getattr(g, "placements", None) != placements:
+            return None
+        mesh = here
+        kinds.add("dtensor")
+    if len(kinds) > 1:
+        return None  # plain tensors beside DTensors: torch's loop takes both
     return True
 
 
