@@ -213,3 +213,28 @@ def test_a_rank_outside_the_group_it_is_given_is_told_so():
         assert len(said) == 2, said
         for text in said:
             assert "this rank (global rank" in text and "is not a member" in text, text
+
+
+def _dropped(rank: int, world: int) -> list[int]:
+    import gc
+
+    from dmuon.comm.process_groups import twin_slot
+    from dmuon.integrations import ddp
+
+    gc.disable()  # as some training loops run: a dropped dedication lives in its cycles
+    try:
+        slots = []
+        for seed in range(6):
+            ded = ddp.dedicate(Branchy(seed))
+            slots.append(twin_slot(ded.exchange.group))
+            del ded  # dropped without undedicate(): its model went with it
+        return slots
+    finally:
+        gc.enable()
+
+
+def test_a_dropped_dedication_gives_its_twin_back_to_the_next():
+    """Without a collection the dropped one's weakref lived on, and each dedicate() took a
+    new slot: a new communicator each time, until 64 were taken."""
+    for slots in run_on_ranks(_dropped, 2, timeout=120):
+        assert slots == [0] * 6, slots

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -507,6 +508,11 @@ def _own_groups(
             return g  # a group of one: no collective to keep apart
         ranks = tuple(dist.get_process_group_ranks(dist.group.WORLD if g is None else g))
         held = _HELD.get(ranks, {})
+        if any(ref() is not None for ref in held.values()):
+            # a dedication dropped without undedicate() lives on in its reference cycles
+            # (exchange, hooks, model) until a collection: without one, each dedicate()
+            # of a loop that drops the last took a new slot, and a new communicator
+            gc.collect()
         free = torch.tensor(
             [int(k not in held or held[k]() is None) for k in range(MAX_LIVE_DEDICATIONS)],
             dtype=torch.int32,
@@ -523,8 +529,8 @@ def _own_groups(
         if not slots:
             raise RuntimeError(
                 f"{MAX_LIVE_DEDICATIONS} dedications over ranks {list(ranks)} are alive on some "
-                "rank; call undedicate() on the ones no longer trained (on every rank), or "
-                "drop them and their models"
+                "rank (a dropped one lives until its model and optimizer are collected); call "
+                "undedicate() on every rank for the ones no longer trained"
             )
         slot = slots[0]
         taken.append((ranks, slot))
