@@ -80,8 +80,8 @@ class PlannedEngine(Engine):
             together (whole, on one device) are one pipeline group: one collective and
             one batched rule call per shape for all of them, not one per layer
             (:func:`~dmuon.optim.engine.layer_packing.pack_runs`, owner mode's rule);
-            ``0``: every layer alone. Not with matrices stepped on their shards (tensor
-            or expert parallelism): their layers stay alone.
+            ``0``: every layer alone. When a planned matrix is stepped on its shards
+            (tensor or expert parallelism), no layer is packed.
         stats: where bytes are recorded.
         plan_options: passed to :func:`dmuon.comm.plan_owners`.
     """
