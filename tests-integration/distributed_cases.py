@@ -202,8 +202,9 @@ def build(name: str) -> nn.Module:
 
 
 def batch(name: str, step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``[rank·B/N, (rank+1)·B/N)`` of the global batch of ``step``."""
-    if name == "gpt":
+    """Rows ``[rank·B/N, (rank+1)·B/N)`` of the global batch of ``step`` (``gpt_deep``:
+    ``gpt``'s)."""
+    if name in ("gpt", "gpt_deep"):
         data = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(7))
         sampler = BatchSampler(data.to(torch.uint8), GLOBAL_BATCH, 16, seed=3)
         return sampler.batch(step, rank=rank, world_size=world)
@@ -215,7 +216,7 @@ def batch(name: str, step: int, rank: int = 0, world: int = 1) -> tuple[torch.Te
 
 
 def loss_of(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if name == "gpt":
+    if name in ("gpt", "gpt_deep"):
         logits = model(x)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     return F.mse_loss(model(x), y)

@@ -20,7 +20,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed_cases import OPT, batch, build, full_params, loss_of, max_diff, setup
+from distributed_cases import (
+    OPT,
+    batch,
+    build,
+    full_params,
+    loss_of,
+    max_diff,
+    reference,
+    setup,
+)
 
 from dmuon.comm import default_stats
 from dmuon.comm.testing import run_on_ranks
@@ -63,19 +72,6 @@ def _train(rank: int, world: int, mode: str, pack_mb: float | None):
     return packs, grouped, counts, opt.last_step.groups, full_params(model)
 
 
-def _one_process(world: int) -> dict[str, torch.Tensor]:
-    """The same steps in one process, each on the mean loss of the ranks' batches."""
-    torch.manual_seed(0)
-    model = build("gpt_deep")
-    opt = DMuon(param_groups(model), **OPT)
-    for t in range(STEPS):
-        losses = [loss_of("gpt", model, *batch("gpt", t, r, world)) for r in range(world)]
-        (sum(losses) / world).backward()
-        opt.step()
-        opt.zero_grad()
-    return full_params(model)
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_small_layers_are_one_unit_and_step_as_unpacked_and_one_process(mode):
     world = 2
@@ -95,7 +91,7 @@ def test_small_layers_are_one_unit_and_step_as_unpacked_and_one_process(mode):
         same, where = max_diff(weights, weights0)
         assert same == 0.0, f"{mode}, rank {rank}: packed differs from unpacked at {where}"
     if mode != "sign":  # sign mode votes on each rank's own gradients: no one-process twin
-        diff, where = max_diff(packed[0][4], _one_process(world))
+        diff, where = max_diff(packed[0][4], reference("gpt_deep", world, steps=STEPS))
         assert diff < 1e-5, f"{mode}: {diff} at {where}"
 
 
